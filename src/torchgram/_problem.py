@@ -25,7 +25,6 @@ from torch import Tensor
 from torchgram._checks import fail
 from torchgram._pytree import DiffLeaves
 
-
 _TENSOR_SLOT = object()
 
 
@@ -132,7 +131,8 @@ class GramianProblem:
 
     # -- evaluation -------------------------------------------------------------------------
 
-    def call(self, leaves: tuple[Tensor, ...], args: tuple[Any, ...] | None = None) -> tuple[Any, Any]:
+    def call(self, leaves: tuple[Tensor, ...],
+             args: tuple[Any, ...] | None = None) -> tuple[Any, Any]:
         """Run ``f`` with ``leaves`` in place of the parameters; return ``(output, aux)``."""
         full_args = self.diff.rebuild_args(self.args if args is None else args, leaves)
         result = self.f(*full_args, **self.kwargs)
@@ -181,7 +181,8 @@ class GramianProblem:
         out_leaves = self._check_output(out, per_sample=True)
         spec = self.output
         assert spec is not None and spec.batch_dims is not None
-        squeezed = [leaf.squeeze(dim) for leaf, dim in zip(out_leaves, spec.batch_dims, strict=True)]
+        squeezed = [leaf.squeeze(dim)
+                    for leaf, dim in zip(out_leaves, spec.batch_dims, strict=True)]
         return _concat_rows(squeezed, spec.dtype)
 
     def probe(self) -> Any:

@@ -15,6 +15,7 @@ and the chunk freed, so memory is one chunk of gradients.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -212,10 +213,16 @@ def _sample_loop(sample_rows: Callable[..., Tensor], primals: tuple[Tensor, ...]
     count = inputs[0].shape[dims[0]]
     for b in range(count):
         sample = tuple(x.narrow(d, b, 1) for x, d in zip(inputs, dims, strict=True))
-        rows, vjp_fn = torch.func.vjp(lambda *values: sample_rows(*values, *sample), *primals)
+        rows, vjp_fn = torch.func.vjp(functools.partial(_append_inputs, sample_rows, sample),
+                                      *primals)
         grads = [_row_vjps(vjp_fn, rows, k, k + 1) for k in range(rows.numel())]
         per_sample.append(tuple(
-            torch.cat([g[i] for g in grads]) if grads else primals[i].new_zeros(0, *primals[i].shape)
-            for i in range(len(primals))
+            torch.cat([g[i] for g in grads]) if grads else leaf.new_zeros(0, *leaf.shape)
+            for i, leaf in enumerate(primals)
         ))
     return tuple(torch.stack([s[i] for s in per_sample]) for i in range(len(primals)))
+
+
+def _append_inputs(fn: Callable[..., Tensor], inputs: tuple[Tensor, ...],
+                   *values: Tensor) -> Tensor:
+    return fn(*values, *inputs)
