@@ -1,0 +1,75 @@
+"""Leaf grouping under a memory budget, and that the jacobian backend honours it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchgram as tg
+from reference import dense_gramian
+from torchgram.backends import jacobian
+from torchgram.backends._grouping import group_leaves, rows_per_chunk
+from zoo import build
+
+
+@pytest.mark.parametrize(("numels", "budget", "widths"), [
+    ([4, 4, 4], None, [12]),
+    ([4, 4, 4], 8 * 8, [8, 4]),
+    ([4, 4, 4], 8 * 4, [4, 4, 4]),
+    ([2, 9, 2], 8 * 4, [2, 4, 4, 1, 2]),
+    ([3, 0, 3], 8 * 6, [6]),
+    ([5], 1, [1, 1, 1, 1, 1]),
+], ids=["no-budget", "two-per-group", "one-per-group", "split-big-leaf", "empty-leaf",
+        "tiny-budget"])
+def test_groups_cover_every_column_once_within_budget(numels, budget, widths) -> None:
+    groups = group_leaves(numels, num_rows=2, itemsize=4, memory_budget=budget)
+    assert [g.width for g in groups] == widths
+    covered = sorted((s.leaf, c) for g in groups for s in g.slices for c in range(s.start, s.stop))
+    assert covered == [(leaf, c) for leaf, n in enumerate(numels) for c in range(n)]
+
+
+def test_rows_per_chunk() -> None:
+    assert rows_per_chunk(3, 10, 100, 4, None) == 3
+    assert rows_per_chunk(None, 10, 100, 4, None) == 10
+    assert rows_per_chunk(None, 10, 100, 4, 4 * 100 * 4) == 4
+    assert rows_per_chunk(None, 10, 100, 4, 1) == 1
+
+
+@pytest.mark.parametrize("batch_dim", [None, 0], ids=["dense", "per_sample"])
+@pytest.mark.parametrize("budget_floats", [40, 150, 600], ids=lambda b: f"budget{b}floats")
+def test_memory_budget_bounds_the_assembled_jacobian(monkeypatch, batch_dim, budget_floats):
+    case = build("mlp_logits")  # m = 15 rows, leaves of 24, 6, 18, 3 parameters
+    itemsize = 8
+    budget = budget_floats * itemsize
+    blocks, transients = [], []
+    original_block, original_vjps = jacobian.new_jacobian_block, jacobian._row_vjps
+
+    def counting_block(num_rows, width, like):
+        blocks.append(num_rows * width * like.element_size())
+        return original_block(num_rows, width, like)
+
+    def counting_vjps(vjp_fn, rows, start, stop):
+        grads = original_vjps(vjp_fn, rows, start, stop)
+        transients.append((stop - start, sum(g.numel() * g.element_size() for g in grads)))
+        return grads
+
+    monkeypatch.setattr(jacobian, "new_jacobian_block", counting_block)
+    monkeypatch.setattr(jacobian, "_row_vjps", counting_vjps)
+    G = tg.gramian(case.f, memory_budget=budget, batch_dim=batch_dim)(*case.args)
+    torch.testing.assert_close(G, dense_gramian(case.f, case.args).shaped())
+    assert blocks and max(blocks) <= budget
+    assert sum(blocks) == 15 * 51 * itemsize  # every column assembled exactly once
+    if budget_floats < 15 * 24:  # the biggest leaf does not fit: it was split
+        assert len(blocks) > 4
+    # the transient row chunk of gradients fits the budget too (or is a single row)
+    assert all(num_bytes <= budget or rows == 1 for rows, num_bytes in transients)
+
+
+def test_without_budget_one_block_holds_the_whole_jacobian(monkeypatch) -> None:
+    case = build("mlp_logits")
+    sizes = []
+    original = jacobian.new_jacobian_block
+    monkeypatch.setattr(jacobian, "new_jacobian_block",
+                        lambda m, w, like: sizes.append((m, w)) or original(m, w, like))
+    tg.gramian(case.f)(*case.args)
+    assert sizes == [(15, 51)]

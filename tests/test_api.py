@@ -1,0 +1,328 @@
+"""``torchgram.gramian``: the contract's options, shapes, ordering and every bad input."""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+from torch import nn
+
+import torchgram as tg
+from reference import dense_gramian
+from zoo import build
+
+API = re.escape("torchgram.gramian")
+
+
+def _mlp_loss() -> tuple:
+    case = build("mlp")
+    return case.f, case.args
+
+
+# -- shapes and ordering -------------------------------------------------------------------
+
+
+def test_tensor_output_keeps_its_shape() -> None:
+    w = torch.randn(3, 2, dtype=torch.float64)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    G = tg.gramian(lambda w, x: torch.tanh(x @ w))(w, x)
+    assert G.shape == (4, 2, 4, 2)
+    expected = dense_gramian(lambda w, x: torch.tanh(x @ w), (w, x)).gramian
+    torch.testing.assert_close(G.reshape(8, 8), expected)
+    assert tg.gramian(lambda w, x: torch.tanh(x @ w), diagonal=True)(w, x).shape == (4, 2)
+
+
+def test_scalar_output_gives_scalar_gramian() -> None:
+    w = torch.randn(3, dtype=torch.float64)
+    G = tg.gramian(lambda w: (w**2).sum())(w)
+    assert G.shape == ()
+    torch.testing.assert_close(G, (2 * w).pow(2).sum())
+
+
+def test_pytree_output_rows_follow_sorted_dict_keys() -> None:
+    w = torch.randn(3, dtype=torch.float64)
+
+    def f(w):  # insertion order b, a; optree order a, b
+        return {"b": w.sum().reshape(1), "a": torch.stack([w[0], 2 * w[1]])}
+
+    G = tg.gramian(f)(w)
+    rows = torch.tensor([[1.0, 0, 0], [0, 2.0, 0], [1.0, 1.0, 1.0]], dtype=torch.float64)
+    torch.testing.assert_close(G, rows @ rows.T)
+
+
+def test_per_leaf_mirrors_params_and_sums_to_gramian() -> None:
+    f, args = _mlp_loss()
+    G = tg.gramian(f)(*args)
+    blocks = tg.gramian(f, per_leaf=True)(*args)
+    assert isinstance(blocks, dict) and list(blocks) == list(args[0])
+    torch.testing.assert_close(sum(blocks.values()), G)
+
+
+def test_per_leaf_puts_none_at_constant_leaves() -> None:
+    case = build("nested_pytree")
+    blocks = tg.gramian(case.f, per_leaf=True)(*case.args)
+    assert blocks[0]["step"] is None
+    assert blocks[1]["name"] is None and blocks[1]["gain"] is None
+    assert blocks[0]["w"].shape == (5, 2, 5, 2)
+
+
+def test_integer_argnums_gives_bare_result_and_tuple_gives_tuple() -> None:
+    w, v = torch.randn(3, dtype=torch.float64), torch.randn(3, dtype=torch.float64)
+
+    def f(w, v):
+        return w * v
+
+    assert isinstance(tg.gramian(f, argnums=1, per_leaf=True)(w, v), torch.Tensor)
+    blocks = tg.gramian(f, argnums=(0, 1), per_leaf=True)(w, v)
+    assert isinstance(blocks, tuple) and len(blocks) == 2
+    torch.testing.assert_close(blocks[0], torch.diag(v**2))
+    torch.testing.assert_close(blocks[1], torch.diag(w**2))
+    torch.testing.assert_close(tg.gramian(f, argnums=-1)(w, v), torch.diag(w**2))
+
+
+def test_kwargs_are_passed_through_undifferentiated() -> None:
+    w = torch.randn(3, dtype=torch.float64)
+    G = tg.gramian(lambda w, *, scale: w * scale)(w, scale=torch.tensor(3.0, dtype=w.dtype))
+    torch.testing.assert_close(G, 9 * torch.eye(3, dtype=torch.float64))
+
+
+def test_output_independent_of_params_gives_zero_gramian() -> None:
+    w, x = torch.randn(3), torch.randn(4, 3)
+    for options in ({}, {"batch_dim": 0}, {"diagonal": True}, {"per_leaf": True}):
+        G = tg.gramian(lambda w, x: x.sum(1), **options)(w, x)
+        assert torch.count_nonzero(G) == 0
+
+
+def test_result_dtype_and_float32_params() -> None:
+    case = build("mlp", torch.float32)
+    G = tg.gramian(case.f)(*case.args)
+    assert G.dtype == torch.float32
+
+
+def test_returned_function_describes_itself() -> None:
+    def losses(p, x):
+        """My losses."""
+        return x @ p
+
+    g = tg.gramian(losses, argnums=0, diagonal=True)
+    assert g.__name__ == "losses"
+    assert "Gramian" in g.__doc__ and "diagonal" in g.__doc__ and "My losses." in g.__doc__
+
+
+# -- chunking ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chunk_size", [1, 2, 7, 15, 100], ids=lambda c: f"chunk{c}")
+@pytest.mark.parametrize("batch_dim", [None, 0], ids=["dense", "per_sample"])
+def test_chunk_sizes_all_agree(chunk_size: int, batch_dim: int | None) -> None:
+    case = build("mlp_logits")  # m = 15 rows
+    expected = dense_gramian(case.f, case.args).shaped()
+    G = tg.gramian(case.f, chunk_size=chunk_size, batch_dim=batch_dim)(*case.args)
+    torch.testing.assert_close(G, expected)
+
+
+# -- configuration errors, raised when the transform is built --------------------------------
+
+
+BAD_CONFIGURATIONS = [
+    (dict(f=3), TypeError, "a callable"),
+    (dict(argnums="0"), TypeError, "argnums to be an int or a tuple"),
+    (dict(argnums=1.0), TypeError, "argnums to be an int or a tuple"),
+    (dict(argnums=()), ValueError, "non-empty tuple"),
+    (dict(argnums=(0, 0)), ValueError, "without duplicates"),
+    (dict(argnums=(0, "1")), TypeError, "every entry of argnums"),
+    (dict(chunk_size=0), ValueError, "chunk_size to be a positive int"),
+    (dict(chunk_size=-3), ValueError, "chunk_size to be a positive int"),
+    (dict(chunk_size=2.5), TypeError, "chunk_size to be None or a positive int"),
+    (dict(memory_budget=0), ValueError, "memory_budget to be a positive int"),
+    (dict(backend="fastest"), ValueError, "backend to be one of 'auto'"),
+    (dict(batch_dim="0"), TypeError, "batch_dim to be None or an int"),
+    (dict(in_dims=(0, "x")), TypeError, "in_dims to be an int, None, or a tuple"),
+    (dict(diagonal="yes"), TypeError, "diagonal to be True or False"),
+    (dict(has_aux=1), TypeError, "has_aux to be True or False"),
+]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "pattern"),
+    [
+        pytest.param(*case, id="-".join(f"{k}={v!r}" for k, v in case[0].items()))
+        for case in BAD_CONFIGURATIONS
+    ],
+)
+def test_bad_configuration_is_rejected_at_build_time(
+    kwargs: dict, error: type, pattern: str
+) -> None:
+    f = kwargs.pop("f", lambda p, x: x @ p)
+    with pytest.raises(error, match=f"{API}: expected .*{pattern}.*but got"):
+        tg.gramian(f, **kwargs)
+
+
+# -- call-time errors, raised before any Jacobian work -----------------------------------------
+
+
+W, X = torch.randn(3), torch.randn(4, 3)
+
+
+BAD_CALLS = [
+    (
+        "argnums-out-of-range",
+        lambda p, x: x @ p,
+        dict(argnums=2),
+        (W, X),
+        ValueError,
+        r"argnums within \[-2, 2\)",
+    ),
+    (
+        "argnums-negative-duplicate",
+        lambda p, x: x @ p,
+        dict(argnums=(0, -2)),
+        (W, X),
+        ValueError,
+        "distinct arguments",
+    ),
+    (
+        "no-float-leaf-tensor",
+        lambda p, x: x @ p,
+        dict(argnums=1),
+        (W, torch.arange(3)),
+        TypeError,
+        "floating-point tensor leaves",
+    ),
+    (
+        "no-float-leaf-pytree",
+        lambda p, x: x @ p,
+        {},
+        ({"a": 1, "b": torch.arange(2)}, X),
+        TypeError,
+        "floating-point tensor leaves",
+    ),
+    ("list-output", lambda p, x: (x @ p).tolist(), {}, (W, X), TypeError, "a leaf of type float"),
+    ("str-output", lambda p, x: "loss", {}, (W, X), TypeError, "a leaf of type str"),
+    ("empty-output", lambda p, x: {}, {}, (W, X), TypeError, "an empty pytree"),
+    (
+        "complex-output",
+        lambda p, x: (x @ p).to(torch.complex64),
+        {},
+        (W, X),
+        TypeError,
+        "real floating outputs",
+    ),
+    (
+        "integer-output",
+        lambda p, x: (x @ p > 0).long(),
+        {},
+        (W, X),
+        TypeError,
+        "floating outputs.*int64",
+    ),
+    ("aux-not-pair", lambda p, x: x @ p, dict(has_aux=True), (W, X), TypeError, "a pair"),
+    ("aux-triple", lambda p, x: (x @ p, 1, 2), dict(has_aux=True), (W, X), TypeError, "a pair"),
+    (
+        "batch-dim-out-of-range",
+        lambda p, x: x @ p,
+        dict(batch_dim=1),
+        (W, X),
+        ValueError,
+        r"batch_dim within \[-1, 1\)",
+    ),
+    (
+        "batch-dim-scalar-output",
+        lambda p, x: (x @ p).sum(),
+        dict(batch_dim=0),
+        (W, X),
+        ValueError,
+        r"batch_dim within \[-0, 0\)",
+    ),
+    (
+        "in-dims-wrong-length",
+        lambda p, x, y: x @ p + y,
+        dict(batch_dim=0, in_dims=(0,)),
+        (W, X, X[:, 0]),
+        ValueError,
+        "one entry per non-differentiated positional argument",
+    ),
+    (
+        "batch-sizes-disagree",
+        lambda p, x, y: x @ p + y,
+        dict(batch_dim=0),
+        (W, X, torch.randn(5)),
+        ValueError,
+        "the same batch size.*different sizes \\[4, 5\\]",
+    ),
+    (
+        "no-batched-input",
+        lambda p, x: x @ p,
+        dict(batch_dim=0, in_dims=None),
+        (W, X),
+        ValueError,
+        "at least one batched input",
+    ),
+    (
+        "in-dims-out-of-range",
+        lambda p, x: x @ p,
+        dict(batch_dim=0, in_dims=2),
+        (W, X),
+        ValueError,
+        "in_dims entry 2 to be a valid dimension",
+    ),
+    (
+        "output-not-per-sample",
+        lambda p, x: (x @ p).expand(2, 4),
+        dict(batch_dim=0),
+        (W, X),
+        ValueError,
+        "output dim 0 \\(batch_dim\\) to have size 1",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("f", "kwargs", "args", "error", "pattern"),
+    [pytest.param(*case[1:], id=case[0]) for case in BAD_CALLS],
+)
+def test_bad_arguments_and_outputs_are_rejected_at_call_time(
+    f, kwargs, args, error, pattern
+) -> None:
+    transform = tg.gramian(f, **kwargs)  # building succeeds
+    with pytest.raises(error, match=f"{API}: expected .*{pattern}"):
+        transform(*args)
+
+
+def test_bad_output_is_reported_before_jacobian_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    monkeypatch.setattr(torch.func, "vmap", lambda *a, **k: calls.append(1))
+
+    with pytest.raises(TypeError, match="floating outputs"):
+        tg.gramian(lambda p, x: (x @ p).long())(W, X)
+    assert not calls
+
+
+# -- nothing of the user's is changed ----------------------------------------------------------
+
+
+def test_call_changes_no_tensor_module_flag_hook_or_buffer() -> None:
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    model[2].weight.requires_grad_(False)
+    fired = []
+    model.register_forward_hook(lambda *a: fired.append("forward"))
+    model[0].weight.register_hook(lambda g: fired.append("grad"))
+    state = copy.deepcopy(model.state_dict())
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    fn, params = tg.functionalize(model)
+    params_before = {k: v.clone() for k, v in params.items()}
+    x = torch.randn(6, 3, requires_grad=True)
+    x_before = x.detach().clone()
+    fired.clear()
+    for options in ({}, {"diagonal": True}, {"per_leaf": True}, {"memory_budget": 256}):
+        tg.gramian(lambda p, x: fn(p, x), **options)(params, x)
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, state[name], msg=name)
+    assert {n: p.requires_grad for n, p in model.named_parameters()} == flags
+    assert all(p.grad is None for p in model.parameters())
+    assert x.grad is None and x.requires_grad and torch.equal(x.detach(), x_before)
+    for name, value in params.items():
+        assert torch.equal(value, params_before[name]) and not value.requires_grad
+    assert fired.count("grad") == 0  # forward hooks may fire: the module does run
