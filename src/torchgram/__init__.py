@@ -8,8 +8,10 @@ Example:
 """
 
 from torchgram import autograd as autograd
+from torchgram._aggregate import Aggregation as Aggregation
+from torchgram._aggregate import aggregated_grad as aggregated_grad
 from torchgram._api import gramian as gramian
 from torchgram._functionalize import functionalize as functionalize
 
-__all__ = ["autograd", "functionalize", "gramian"]
+__all__ = ["Aggregation", "aggregated_grad", "autograd", "functionalize", "gramian"]
 __version__ = "0.1.0"

@@ -6,13 +6,8 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from torch import Tensor
-
 from torchgram import _checks
-from torchgram._problem import GramianProblem, OutputSpec, make_batch_spec
-from torchgram._pytree import select_diff_leaves
-from torchgram.backends import NO_AUX, backend_names, get_backend
-from torchgram.backends._sink import GramSink
+from torchgram._transform import run_gramian, shape_result, validate_options
 
 _API = "torchgram.gramian"
 
@@ -92,50 +87,19 @@ def gramian(
         >>> sorted(tg.gramian(f, per_leaf=True)(params, x))
         ['v', 'w']
     """
-    _checks.check_callable(_API, f)
-    nums, single = _checks.normalize_argnums(_API, argnums)
-    _checks.check_bool(_API, "has_aux", has_aux)
-    _checks.check_bool(_API, "diagonal", diagonal)
-    _checks.check_bool(_API, "per_leaf", per_leaf)
-    _checks.check_choice(_API, "backend", backend, backend_names())
-    _checks.check_positive_int(_API, "chunk_size", chunk_size,
-                               "chunk_size counts Jacobian rows per vectorized pass, e.g. 32.")
-    _checks.check_positive_int(_API, "memory_budget", memory_budget,
-                               "memory_budget is a number of bytes, e.g. 2**30 for 1 GiB.")
-    _checks.check_batch_dim(_API, batch_dim)
-    _checks.check_in_dims(_API, in_dims)
-    in_dims_value = tuple(in_dims) if isinstance(in_dims, list | tuple) else in_dims
-    run_backend = get_backend(backend)
+    options = validate_options(
+        _API, f, argnums, has_aux=has_aux, backend=backend, chunk_size=chunk_size,
+        batch_dim=batch_dim, in_dims=in_dims, diagonal=diagonal, per_leaf=per_leaf,
+        memory_budget=memory_budget,
+    )
 
     @functools.wraps(f)
     def gramian_of_f(*args: Any, **kwargs: Any) -> Any:
-        argnums_now = _checks.resolve_argnums(_API, nums, len(args))
-        diff = select_diff_leaves(args, argnums_now)
-        if not diff.leaves:
-            _checks.fail(_API, f"floating-point tensor leaves in the differentiated "
-                         f"argument(s) {argnums_now}",
-                         "none (" + ", ".join(type(args[i]).__name__ for i in argnums_now) + ")",
-                         "Pass the parameters (a tensor or a pytree of float tensors) at "
-                         "argnums, or change argnums.", TypeError)
-        batch = (None if batch_dim is None
-                 else make_batch_spec(_API, args, argnums_now, batch_dim, in_dims_value))
-        problem = GramianProblem(
-            api=_API, f=f, args=args, kwargs=kwargs, diff=diff, has_aux=has_aux, batch=batch,
-            chunk_size=chunk_size, memory_budget=memory_budget, diagonal=diagonal,
-            per_leaf=per_leaf,
-        )
-        sink = GramSink(len(diff.leaves), per_leaf=per_leaf, diagonal=diagonal)
-        aux = run_backend(problem, sink)
-        if problem.output is None:  # nothing evaluated f (e.g. no rows): shapes from a probe
-            aux = problem.probe()
-        if has_aux and aux is NO_AUX:
-            aux = problem.probe()
-        spec = problem.output
-        assert spec is not None
-        blocks = [shape_result(block, spec, diagonal)
-                  for block in sink.result(spec.num_rows, spec.dtype, spec.device)]
-        result = diff.unflatten_like_args(blocks, as_tuple=not single) if per_leaf else blocks[0]
-        return (result, aux) if has_aux else result
+        run = run_gramian(options, args, kwargs)
+        blocks = [shape_result(block, run.spec, diagonal) for block in run.blocks]
+        result = (run.diff.unflatten_like_args(blocks, as_tuple=not options.single_argnum)
+                  if per_leaf else blocks[0])
+        return (result, run.aux) if has_aux else result
 
     gramian_of_f.__doc__ = (
         f"Gramian J Jᵀ of {_checks.function_name(f)} with respect to positional argument(s) "
@@ -144,11 +108,3 @@ def gramian(
         f"Built by torchgram.gramian. Original docstring:\n\n{f.__doc__ or ''}"
     )
     return gramian_of_f
-
-
-def shape_result(block: Tensor, spec: OutputSpec, diagonal: bool) -> Tensor:
-    """Reshape an ``[m, m]`` (or ``[m]``) block to ``S + S`` (``S``) for a tensor output."""
-    if not spec.is_tensor:
-        return block
-    shape = spec.shapes[0]
-    return block.reshape(shape if diagonal else (*shape, *shape))

@@ -15,6 +15,7 @@ output is reported by the first forward, before any Jacobian work.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,6 +122,12 @@ class GramianProblem:
         self.diagonal = diagonal
         self.per_leaf = per_leaf
         self.output: OutputSpec | None = None
+        # Set by callers that also want J^T w (aggregated_grad); backends that keep what makes
+        # it cheap (e.g. the assembled Jacobian) then install `pullback`.
+        self.keep_pullback = False
+        self.pullback: Callable[[Tensor], tuple[Tensor, ...]] | None = None
+        # The output rows [m] (canonical order), recorded by backends that see them for free.
+        self.output_rows: Tensor | None = None
         self._aux_spec: optree.PyTreeSpec | None = None
         self._aux_constants: list[Any] = []
 
@@ -184,6 +191,21 @@ class GramianProblem:
         squeezed = [leaf.squeeze(dim)
                     for leaf, dim in zip(out_leaves, spec.batch_dims, strict=True)]
         return _concat_rows(squeezed, spec.dtype)
+
+    def output_value(self) -> Any:
+        """``f``'s output on the full inputs (detached), in ``f``'s own structure.
+
+        Rebuilt from :attr:`output_rows` when a backend recorded them, otherwise computed by
+        one gradient-free forward.
+        """
+        if self.output_rows is None:
+            with torch.no_grad():
+                self.output_rows = self.rows(self.leaves)[0]
+        spec = self.output
+        assert spec is not None
+        pieces = self.output_rows.split([math.prod(shape) for shape in spec.shapes])
+        leaves = [piece.reshape(shape) for piece, shape in zip(pieces, spec.shapes, strict=True)]
+        return optree.tree_unflatten(spec.treespec, leaves)
 
     def probe(self) -> Any:
         """Evaluate ``f`` once on the full inputs, without gradients; return its aux.

@@ -38,13 +38,33 @@ def jacobian_backend(problem: GramianProblem, sink: GramSink) -> Any:
     if needs_shapes:
         aux = problem.probe()
     groups = _groups(problem)
+    keep_block = problem.keep_pullback and len(groups) == 1 and not problem.diagonal
     for group in groups:
         if problem.batch is None:
-            group_aux = _dense_group(problem, sink, group)
+            group_aux, writer = _dense_group(problem, sink, group)
             aux = group_aux if aux is NO_AUX else aux
         else:
-            _per_sample_group(problem, sink, group)
+            writer = _per_sample_group(problem, sink, group)
+        if keep_block and writer is not None:
+            problem.pullback = _block_pullback(problem, group, writer.block)
     return aux
+
+
+def _block_pullback(problem: GramianProblem, group: LeafGroup,
+                    block: Tensor) -> Callable[[Tensor], tuple[Tensor, ...]]:
+    """``w ↦ Jᵀ w`` from the assembled Jacobian: one matrix-vector product, no backward."""
+
+    def pullback(weights: Tensor) -> tuple[Tensor, ...]:
+        flat = block.T @ weights.to(block.dtype)
+        grads = [torch.zeros(leaf.shape, dtype=leaf.dtype, device=leaf.device)
+                 for leaf in problem.leaves]
+        column = 0
+        for piece in group.slices:
+            grads[piece.leaf].view(-1)[piece.start:piece.stop] = flat[column:column + piece.width]
+            column += piece.width
+        return tuple(grads)
+
+    return pullback
 
 
 def new_jacobian_block(num_rows: int, width: int, like: Tensor) -> Tensor:
@@ -109,7 +129,8 @@ class _BlockWriter:
                               [s.width for s in self.group.slices])
 
 
-def _dense_group(problem: GramianProblem, sink: GramSink, group: LeafGroup) -> Any:
+def _dense_group(problem: GramianProblem, sink: GramSink,
+                 group: LeafGroup) -> tuple[Any, _BlockWriter]:
     leaf_ids = group.leaves
 
     def rows_of_group(*values: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
@@ -117,6 +138,7 @@ def _dense_group(problem: GramianProblem, sink: GramSink, group: LeafGroup) -> A
 
     primals = [problem.leaves[i] for i in leaf_ids]
     rows, vjp_fn, aux_tensors = torch.func.vjp(rows_of_group, *primals, has_aux=True)
+    problem.output_rows = rows
     num_rows = rows.numel()
     chunk = rows_per_chunk(problem.chunk_size, num_rows, _transient_width(problem, group),
                            _itemsize(problem), problem.memory_budget)
@@ -128,7 +150,7 @@ def _dense_group(problem: GramianProblem, sink: GramSink, group: LeafGroup) -> A
             leaf: grad.reshape(stop - start, -1) for leaf, grad in zip(leaf_ids, grads, strict=True)
         })
     writer.flush(sink)
-    return problem.restore_aux(aux_tensors)
+    return problem.restore_aux(aux_tensors), writer
 
 
 def basis_rows(start: int, stop: int, like: Tensor) -> Tensor:
@@ -148,7 +170,8 @@ def _row_vjps(vjp_fn: Callable[..., tuple[Tensor, ...]], rows: Tensor, start: in
     return torch.func.vmap(vjp_fn)(basis)
 
 
-def _per_sample_group(problem: GramianProblem, sink: GramSink, group: LeafGroup) -> None:
+def _per_sample_group(problem: GramianProblem, sink: GramSink,
+                      group: LeafGroup) -> _BlockWriter | None:
     batch = problem.batch
     assert batch is not None
     leaf_ids = group.leaves
@@ -175,52 +198,65 @@ def _per_sample_group(problem: GramianProblem, sink: GramSink, group: LeafGroup)
         inputs = tuple(t.narrow(d, first, count) for t, d in zip(batch.tensors, batch.dims,
                                                                    strict=True))
         if problem.chunk_size == 1:
-            jacobians = _sample_loop(sample_rows, primals, inputs, batch.dims)
+            jacobians, outputs = _sample_loop(sample_rows, primals, inputs, batch.dims)
         else:
-            jacobians = _sample_vmap(sample_rows, primals, inputs, batch.dims, inner_chunk)
+            jacobians, outputs = _sample_vmap(sample_rows, primals, inputs, batch.dims,
+                                              inner_chunk)
         if writer is None:
             assert problem.output is not None
             canonical = problem.canonical_rows()
             writer = _BlockWriter(problem, group, problem.output.num_rows)
-        assert canonical is not None
+            problem.output_rows = outputs.new_zeros(problem.output.num_rows)
+        assert canonical is not None and problem.output_rows is not None
         rows = canonical[first:first + count].reshape(-1)
+        problem.output_rows[rows] = outputs.reshape(-1)
         writer.write(rows, {
             leaf: jac.reshape(rows.numel(), -1) for leaf, jac in zip(leaf_ids, jacobians,
                                                                        strict=True)
         })
     if writer is not None:
         writer.flush(sink)
+    return writer
 
 
 def _sample_vmap(sample_rows: Callable[..., Tensor], primals: tuple[Tensor, ...],
                  inputs: tuple[Tensor, ...], dims: tuple[int, ...],
-                 inner_chunk: int | None) -> tuple[Tensor, ...]:
-    """Per-sample Jacobians ``[count, K, *leaf.shape]`` by vmap over samples of jacrev."""
+                 inner_chunk: int | None) -> tuple[tuple[Tensor, ...], Tensor]:
+    """Per-sample Jacobians ``[count, K, *leaf.shape]`` by vmap over samples of jacrev.
+
+    Also returns the samples' output rows ``[count, K]``, which come for free.
+    """
     num_leaves = len(primals)
 
-    def one_sample(*values: Tensor) -> Tensor:
+    def one_sample(*values: Tensor) -> tuple[Tensor, Tensor]:
         sample = tuple(x.unsqueeze(d) for x, d in zip(values[num_leaves:], dims, strict=True))
-        return sample_rows(*values[:num_leaves], *sample)
+        rows = sample_rows(*values[:num_leaves], *sample)
+        return rows, rows
 
-    jac = torch.func.jacrev(one_sample, argnums=tuple(range(num_leaves)), chunk_size=inner_chunk)
+    jac = torch.func.jacrev(one_sample, argnums=tuple(range(num_leaves)), has_aux=True,
+                            chunk_size=inner_chunk)
     return torch.func.vmap(jac, in_dims=(None,) * num_leaves + dims)(*primals, *inputs)
 
 
 def _sample_loop(sample_rows: Callable[..., Tensor], primals: tuple[Tensor, ...],
-                 inputs: tuple[Tensor, ...], dims: tuple[int, ...]) -> tuple[Tensor, ...]:
+                 inputs: tuple[Tensor, ...],
+                 dims: tuple[int, ...]) -> tuple[tuple[Tensor, ...], Tensor]:
     """The same as :func:`_sample_vmap` with plain loops over samples and rows (no vmap)."""
     per_sample: list[tuple[Tensor, ...]] = []
+    outputs: list[Tensor] = []
     count = inputs[0].shape[dims[0]]
     for b in range(count):
         sample = tuple(x.narrow(d, b, 1) for x, d in zip(inputs, dims, strict=True))
         rows, vjp_fn = torch.func.vjp(functools.partial(_append_inputs, sample_rows, sample),
                                       *primals)
+        outputs.append(rows)
         grads = [_row_vjps(vjp_fn, rows, k, k + 1) for k in range(rows.numel())]
         per_sample.append(tuple(
             torch.cat([g[i] for g in grads]) if grads else leaf.new_zeros(0, *leaf.shape)
             for i, leaf in enumerate(primals)
         ))
-    return tuple(torch.stack([s[i] for s in per_sample]) for i in range(len(primals)))
+    jacobians = tuple(torch.stack([s[i] for s in per_sample]) for i in range(len(primals)))
+    return jacobians, torch.stack(outputs)
 
 
 def _append_inputs(fn: Callable[..., Tensor], inputs: tuple[Tensor, ...],
