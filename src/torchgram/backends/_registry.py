@@ -21,7 +21,7 @@ class Backend(Protocol):
 
 _BACKENDS: dict[str, Backend] = {}
 # Modules that register backends; imported lazily so `import torchgram` stays light.
-_MODULES = ("torchgram.backends.jacobian", "torchgram.backends.auto")
+_MODULES = ("torchgram.backends.jacobian", "torchgram.backends.auto", "torchgram.backends.ntvp")
 
 
 def register(name: str) -> Callable[[Backend], Backend]:

@@ -1,0 +1,299 @@
+"""``backend="ntvp"``: chunking, the c·P memory bound, missing forward AD, side effects.
+
+Agreement with the oracle on every zoo model is in ``test_oracle.py``; here are the checks
+specific to pushing vjps forward with jvps.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from typing import Any
+
+import optree
+import pytest
+import torch
+from torch import Tensor
+from torch.profiler import ProfilerActivity, profile
+
+import torchgram as tg
+from reference import dense_gramian
+from torchgram.backends import ntvp
+from zoo import build
+
+M = 15  # rows of the chunking models: 5 samples × 3 rows each
+
+
+def assert_matches(actual: Tensor, expected: Tensor) -> None:
+    scale = expected.abs().max().clamp_min(1.0)
+    torch.testing.assert_close(actual / scale, expected / scale, rtol=1e-10, atol=1e-10)
+
+
+# -- chunk sizes -----------------------------------------------------------------------------
+
+CHUNKS = [
+    pytest.param(1, id="chunk1-loop"),
+    pytest.param(2, id="chunk2-below-rows-per-sample"),
+    pytest.param(4, id="chunk4-non-divisor"),
+    pytest.param(M, id="chunk15-exactly-m"),
+    pytest.param(40, id="chunk40-more-than-m"),
+    pytest.param(None, id="all-rows"),
+]
+
+
+@pytest.mark.parametrize("chunk_size", CHUNKS)
+@pytest.mark.parametrize("per_leaf", [False, True], ids=["summed", "per_leaf"])
+@pytest.mark.parametrize("batch", [None, "per_sample"], ids=["dense", "per_sample"])
+@pytest.mark.parametrize("name", ["mlp_logits", "pytree_output"])
+def test_chunk_sizes_match_oracle(name: str, batch: str | None, per_leaf: bool,
+                                  chunk_size: int | None) -> None:
+    case = build(name, torch.float64)
+    expected = dense_gramian(case.f, case.args)
+    assert expected.gramian.shape == (M, M)
+    result = tg.gramian(case.f, backend="ntvp", chunk_size=chunk_size, per_leaf=per_leaf,
+                        batch_dim=case.batch_dim if batch else None)(*case.args)
+    if not per_leaf:
+        assert_matches(result, expected.shaped())
+        return
+    blocks = optree.tree_leaves(result)
+    assert len(blocks) == len(expected.blocks)
+    for block, expected_block in zip(blocks, expected.blocks, strict=True):
+        assert_matches(block, expected.shaped(expected_block))
+
+
+@pytest.mark.parametrize("per_leaf", [False, True], ids=["summed", "per_leaf"])
+def test_result_is_exactly_symmetric(per_leaf: bool) -> None:
+    case = build("cnn", torch.float32)
+    result = tg.gramian(case.f, backend="ntvp", chunk_size=2, per_leaf=per_leaf)(*case.args)
+    for block in optree.tree_leaves(result):
+        assert torch.equal(block, block.mT)
+
+
+# -- memory: what is materialized per chunk --------------------------------------------------
+
+def _record_pushes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, int]]:
+    """Record ``(rows, bytes of vjps, bytes of jvp outputs)`` of every forward push."""
+    pushes: list[tuple[int, int, int]] = []
+    original = ntvp._push_forward
+
+    def recording(problem: Any, rows_fn: Any, primals: Any, tangents: tuple[Tensor, ...]):
+        out = original(problem, rows_fn, primals, tangents)
+        vjp_bytes = sum(t.numel() * t.element_size() for t in tangents)
+        pushes.append((tangents[0].shape[0], vjp_bytes, out.numel() * out.element_size()))
+        return out
+
+    monkeypatch.setattr(ntvp, "_push_forward", recording)
+    return pushes
+
+
+@pytest.mark.parametrize("chunk_size", [1, 2, 4, M, 40])
+@pytest.mark.parametrize("per_leaf", [False, True], ids=["summed", "per_leaf"])
+@pytest.mark.parametrize("batch", [None, "per_sample"], ids=["dense", "per_sample"])
+def test_each_chunk_holds_at_most_chunk_size_vjps(monkeypatch: pytest.MonkeyPatch,
+                                                  batch: str | None, per_leaf: bool,
+                                                  chunk_size: int) -> None:
+    case = build("mlp_logits", torch.float64)
+    leaves = optree.tree_leaves(case.params)
+    itemsize = 8
+    widths = [leaf.numel() for leaf in leaves] if per_leaf else [sum(x.numel() for x in leaves)]
+    pushes = _record_pushes(monkeypatch)
+    tg.gramian(case.f, backend="ntvp", chunk_size=chunk_size, per_leaf=per_leaf,
+               batch_dim=case.batch_dim if batch else None)(*case.args)
+    rows_per_sample = M // 5
+    if batch and chunk_size < rows_per_sample:  # slices of one sample's rows
+        sizes = [min(chunk_size, rows_per_sample - k) for _ in range(5)
+                 for k in range(0, rows_per_sample, chunk_size)]
+    elif batch:  # whole samples
+        per_pass = (chunk_size // rows_per_sample) * rows_per_sample
+        sizes = [min(per_pass, M - r) for r in range(0, M, per_pass)]
+    else:
+        sizes = [min(chunk_size, M - r) for r in range(0, M, chunk_size)]
+    expected = [size for size in sizes for _ in widths]
+    assert [rows for rows, _, _ in pushes] == expected
+    for (rows, vjp_bytes, out_bytes), width in zip(pushes, widths * len(sizes), strict=True):
+        assert rows <= chunk_size
+        assert vjp_bytes == rows * width * itemsize  # c · P (c · P_l per leaf), never m · P
+        assert out_bytes == rows * M * itemsize
+
+
+@pytest.mark.parametrize(("budget_rows", "expected_rows"), [(3, 3), (0.5, 1), (100, M)],
+                         ids=["three-rows", "less-than-one-row", "more-than-m"])
+def test_memory_budget_sets_chunk(monkeypatch: pytest.MonkeyPatch, budget_rows: float,
+                                  expected_rows: int) -> None:
+    case = build("mlp_logits", torch.float64)
+    num_params = sum(leaf.numel() for leaf in optree.tree_leaves(case.params))
+    pushes = _record_pushes(monkeypatch)
+    budget = int(budget_rows * num_params * 8)
+    G = tg.gramian(case.f, backend="ntvp", memory_budget=budget)(*case.args)
+    assert max(rows for rows, _, _ in pushes) == expected_rows
+    assert_matches(G, dense_gramian(case.f, case.args).shaped())
+
+
+# -- memory: measured peak -------------------------------------------------------------------
+
+def _wide_mlp() -> tuple[Any, dict[str, Tensor], Tensor]:
+    """P ≈ 8.5k parameters, m = 20 rows, tiny activations: Jacobian-like data dominates."""
+    generator = torch.Generator().manual_seed(0)
+    params = {"w1": torch.randn(64, 128, generator=generator, dtype=torch.float64),
+              "b1": torch.randn(64, generator=generator, dtype=torch.float64),
+              "w2": torch.randn(4, 64, generator=generator, dtype=torch.float64)}
+
+    def f(p: dict[str, Tensor], x: Tensor) -> Tensor:
+        return torch.tanh(x @ p["w1"].T + p["b1"]) @ p["w2"].T
+
+    return f, params, torch.randn(5, 128, generator=generator, dtype=torch.float64)
+
+
+def _peak_bytes(fn: Any) -> int:
+    """Peak of CPU bytes allocated while ``fn`` runs (profiler allocation events, in order)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.events() if e.self_cpu_memory_usage),
+                    key=lambda e: e.time_range.start)
+    live = peak = 0
+    for event in events:
+        live += event.self_cpu_memory_usage
+        peak = max(peak, live)
+    return peak
+
+
+@pytest.mark.parametrize("batch_dim", [None, 0], ids=["dense", "per_sample"])
+def test_peak_memory_scales_with_chunk_size_not_rows(batch_dim: int | None) -> None:
+    f, params, x = _wide_mlp()
+    num_params = sum(p.numel() for p in params.values())
+    num_rows = 20
+    row_bytes = num_params * 8  # one row of the Jacobian
+
+    def run(chunk: int) -> Tensor:
+        return tg.gramian(f, backend="ntvp", chunk_size=chunk, batch_dim=batch_dim)(params, x)
+
+    run(1)  # warm up lazy initialisations outside the measurement
+    slack = 8 * num_rows**2 * 4 + 64 * 1024  # result buffers, activations, bookkeeping
+    for chunk in (1, 2, 4):
+        assert _peak_bytes(lambda chunk=chunk: run(chunk)) <= 1.5 * chunk * row_bytes + slack
+    # The measurement does see Jacobian-sized data when it exists: all rows at once hold m·P.
+    assert _peak_bytes(lambda: run(num_rows)) >= num_rows * row_bytes
+
+
+# -- missing forward-mode AD -----------------------------------------------------------------
+
+class CubeWithoutJvp(torch.autograd.Function):
+    """x³ with a backward but no jvp."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: Tensor) -> Tensor:
+        return x**3
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Tensor], output: Tensor) -> None:
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        (x,) = ctx.saved_tensors
+        return 3 * x**2 * grad
+
+
+class CubeWithJvp(CubeWithoutJvp):
+    """The same with a jvp."""
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Tensor], output: Tensor) -> None:
+        ctx.save_for_backward(inputs[0])
+        ctx.save_for_forward(inputs[0])
+
+    @staticmethod
+    def jvp(ctx: Any, tangent: Tensor) -> Tensor:
+        (x,) = ctx.saved_tensors
+        return 3 * x**2 * tangent
+
+
+class CubeWithFailingJvp(CubeWithJvp):
+    """A jvp that fails for its own reasons: the error must come through unchanged."""
+
+    @staticmethod
+    def jvp(ctx: Any, tangent: Tensor) -> Tensor:
+        raise RuntimeError("boom from the user's jvp")
+
+
+def _with_function(function: type[torch.autograd.Function]) -> Any:
+    def f(w: Tensor, x: Tensor) -> Tensor:
+        return function.apply(x @ w).sum(-1)
+
+    return f
+
+
+ARGS = (torch.randn(3, 2, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("chunk_size", [1, None], ids=["loop", "vmap"])
+def test_custom_function_without_jvp_is_named(chunk_size: int | None) -> None:
+    f = _with_function(CubeWithoutJvp)
+    with pytest.raises(NotImplementedError, match=r"(?s)torchgram.gramian: expected every "
+                       r"operation of f to support forward-mode AD.*CubeWithoutJvp without a "
+                       r"jvp staticmethod.*backend='jacobian' or backend='graph'"):
+        tg.gramian(f, backend="ntvp", chunk_size=chunk_size)(*ARGS)
+    # the suggested backend does work on it
+    assert_matches(tg.gramian(f, backend="jacobian")(*ARGS), dense_gramian(f, ARGS).gramian)
+
+
+def test_custom_function_with_jvp_works() -> None:
+    f = _with_function(CubeWithJvp)
+    assert_matches(tg.gramian(f, backend="ntvp", chunk_size=3)(*ARGS),
+                   dense_gramian(f, ARGS).gramian)
+
+
+def test_other_errors_pass_through_unchanged() -> None:
+    with pytest.raises(RuntimeError, match="^boom from the user's jvp$"):
+        tg.gramian(_with_function(CubeWithFailingJvp), backend="ntvp")(*ARGS)
+
+
+@pytest.mark.parametrize("batch_dim", [None, 0], ids=["dense", "per_sample"])
+def test_native_op_without_forward_ad_is_named(batch_dim: int | None) -> None:
+    anchors = torch.randn(3, 2, dtype=torch.float64)
+
+    def f(w: Tensor, x: Tensor) -> Tensor:
+        return torch.cdist(x @ w, anchors).sum(-1)  # torch.cdist has no forward AD
+
+    with pytest.raises(NotImplementedError, match=r"(?s)expected every operation of f to "
+                       r"support forward-mode AD.*aten::_cdist_forward.*backend='jacobian'"):
+        tg.gramian(f, backend="ntvp", batch_dim=batch_dim)(*ARGS)
+
+
+def test_attention_uses_math_kernel_and_restores_flags() -> None:
+    flags = (torch.backends.cuda.flash_sdp_enabled, torch.backends.cuda.mem_efficient_sdp_enabled,
+             torch.backends.cuda.math_sdp_enabled, torch.backends.cuda.cudnn_sdp_enabled)
+    before = [flag() for flag in flags]
+    case = build("transformer", torch.float64)
+    G = tg.gramian(case.f, backend="ntvp", chunk_size=2)(*case.args)
+    assert_matches(G, dense_gramian(case.f, case.args).shaped())
+    assert [flag() for flag in flags] == before
+    with pytest.raises(NotImplementedError):
+        tg.gramian(_with_function(CubeWithoutJvp), backend="ntvp")(*ARGS)
+    assert [flag() for flag in flags] == before
+
+
+def test_first_forward_ad_call_raises_no_warning() -> None:
+    """torch's lazy jvp set-up warns (torch.jit.script is deprecated): we keep it quiet."""
+    code = ("import torch, torchgram as tg\n"
+            "G = tg.gramian(lambda w, x: torch.tanh(x @ w), backend='ntvp')("
+            "torch.randn(3, 2), torch.randn(4, 3))\n"
+            "print(tuple(G.shape))\n")
+    done = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "(4, 2, 4, 2)"
+
+
+# -- side effects ----------------------------------------------------------------------------
+
+def test_user_tensors_and_flags_untouched() -> None:
+    case = build("mlp", torch.float64)
+    params = optree.tree_map(lambda p: p.clone().requires_grad_(), case.params)
+    snapshot = [p.detach().clone() for p in optree.tree_leaves(params)]
+    tg.gramian(case.f, backend="ntvp", chunk_size=2)(params, *case.inputs)
+    for p, before in zip(optree.tree_leaves(params), snapshot, strict=True):
+        assert p.requires_grad and p.is_leaf and p.grad is None
+        assert torch.equal(p.detach(), before)
