@@ -8,10 +8,18 @@ Example:
 """
 
 from torchgram import autograd as autograd
+from torchgram import weighting as weighting
 from torchgram._aggregate import Aggregation as Aggregation
 from torchgram._aggregate import aggregated_grad as aggregated_grad
 from torchgram._api import gramian as gramian
 from torchgram._functionalize import functionalize as functionalize
 
-__all__ = ["Aggregation", "aggregated_grad", "autograd", "functionalize", "gramian"]
+__all__ = [
+    "Aggregation",
+    "aggregated_grad",
+    "autograd",
+    "functionalize",
+    "gramian",
+    "weighting",
+]
 __version__ = "0.1.0"
