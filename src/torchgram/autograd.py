@@ -1,3 +1,13 @@
-"""Imperative API on an existing autograd graph (reserved; the graph backend fills it)."""
+"""Imperative API: Gramians of an autograd graph that already exists (``backend="graph"``).
 
-__all__: list[str] = []
+Example:
+    >>> import torch, torchgram as tg
+    >>> w = torch.randn(3, requires_grad=True)
+    >>> losses = (torch.randn(4, 3) @ w).sin()
+    >>> tg.autograd.gramian(losses, w).shape
+    torch.Size([4, 4])
+"""
+
+from torchgram._imperative import gramian as gramian
+
+__all__ = ["gramian"]

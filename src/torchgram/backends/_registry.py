@@ -21,7 +21,8 @@ class Backend(Protocol):
 
 _BACKENDS: dict[str, Backend] = {}
 # Modules that register backends; imported lazily so `import torchgram` stays light.
-_MODULES = ("torchgram.backends.jacobian", "torchgram.backends.auto", "torchgram.backends.ntvp")
+_MODULES = ("torchgram.backends.jacobian", "torchgram.backends.auto", "torchgram.backends.ntvp",
+            "torchgram.backends.graph")
 
 
 def register(name: str) -> Callable[[Backend], Backend]:
