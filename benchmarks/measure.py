@@ -1,0 +1,264 @@
+"""Timing and peak memory of one (case, method), in this process or in a fresh one.
+
+# NOTE [what the numbers mean]
+Time: every call goes from the inputs to the result (forward included). After one warm-up
+call (two when it is fast), the median of ``n`` timed calls is reported; ``n`` is at least
+5, more for fast methods, and 3 for a method whose warm-up call took longer than
+``slow_s`` (the naive methods on the large cases; the table shows ``n``). One call, at the
+end, measures memory; it is not timed.
+
+Memory: the increase of the process's resident set during that one call, at its peak:
+``VmHWM - VmRSS`` after resetting the high-water mark (``/proc/self/clear_refs``, value 5)
+right before the call. Before the reset, ``gc.collect()`` and glibc's ``malloc_trim(0)``
+hand every freed page back to the OS, so memory that earlier calls left in malloc's free
+lists cannot hide this call's allocations. The figure counts everything the call touches
+(activations, Jacobians, temporaries, outputs, library workspaces), not the model and
+inputs that exist before it. In the default mode each (case, method) runs in a fresh
+subprocess, so one method's hooks, caches or heap state cannot leak into another's numbers.
+Linux only (``/proc``); elsewhere memory is reported as unknown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import ctypes.util
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks import cases, peers
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Policy:
+    """How many calls to make.
+
+    Attributes:
+        min_reps: Timed calls for a method of ordinary speed.
+        max_reps: Upper bound for fast methods (which get about ``target_s`` of calls).
+        slow_reps: Timed calls for a method whose warm-up took longer than ``slow_s``.
+        slow_s: See ``slow_reps``.
+        warmups: Warm-up calls when the first is fast (under 0.5 s); one otherwise.
+        target_s: Seconds of timed calls to aim for (between ``min_reps`` and ``max_reps``).
+        timeout_s: Wall-clock limit of one (case, method) subprocess.
+    """
+
+    min_reps: int = 5
+    max_reps: int = 15
+    slow_reps: int = 3
+    slow_s: float = 1.0
+    warmups: int = 2
+    target_s: float = 1.0
+    timeout_s: float = 300.0
+
+
+QUICK_POLICY = Policy(min_reps=1, max_reps=1, slow_reps=1, slow_s=1.0, warmups=1,
+                      target_s=0.0, timeout_s=120.0)
+
+
+@dataclass
+class Record:
+    """The outcome of one (case, method).
+
+    ``status`` is ``"ok"``, ``"skipped"`` (the method does not apply or its package is
+    missing; ``message`` says which), ``"error"`` (it raised; ``message`` has the error) or
+    ``"timeout"``. ``result`` (the Gramian, ``[m, m]``, or its diagonal ``[m]``) is not
+    serialized to JSON.
+    """
+
+    case: str
+    method: str
+    kind: str
+    status: str = "ok"
+    message: str = ""
+    times_s: list[float] = field(default_factory=list)
+    first_call_s: float | None = None
+    peak_bytes: int | None = None
+    slow: bool = False
+    threads: int = 0
+    isolated: bool = False
+    warnings: list[str] = field(default_factory=list)
+    result: torch.Tensor | None = None
+
+    @property
+    def median_s(self) -> float | None:
+        """The median time of the timed calls."""
+        return statistics.median(self.times_s) if self.times_s else None
+
+    def to_json(self) -> dict[str, Any]:
+        """Everything but the result tensor."""
+        data = asdict(self)
+        data.pop("result")
+        data["median_s"] = self.median_s
+        return data
+
+
+# ----------------------------------------------------------------------------------- memory
+
+_LIBC: Any = None
+
+
+def _malloc_trim() -> None:
+    global _LIBC
+    if _LIBC is None:
+        name = ctypes.util.find_library("c")
+        try:
+            _LIBC = ctypes.CDLL(name) if name else False
+        except OSError:
+            _LIBC = False
+    if _LIBC and hasattr(_LIBC, "malloc_trim"):
+        _LIBC.malloc_trim(0)
+
+
+def _status_bytes(key: str) -> int | None:
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def peak_memory_of(call: Callable[[], Any]) -> tuple[Any, int | None]:
+    """Run ``call()`` once; return its result and the peak RSS increase (bytes) during it."""
+    gc.collect()
+    _malloc_trim()
+    ok = _reset_peak()
+    base = _status_bytes("VmRSS")
+    result = call()
+    peak = _status_bytes("VmHWM")
+    if not ok or base is None or peak is None:
+        return result, None
+    return result, max(peak - base, 0)
+
+
+# ----------------------------------------------------------------------------------- timing
+
+def _timed(call: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
+
+
+def set_threads(threads: int) -> None:
+    """Fix torch's intra-op threads (and inter-op threads, when still possible)."""
+    torch.set_num_threads(threads)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:  # already started in this process: keep it
+        pass
+
+
+def measure(case_name: str, method_name: str, sizes: cases.Sizes, policy: Policy,
+            threads: int, isolated: bool = False) -> Record:
+    """Build the case, prepare the method, time it and measure its memory, in this process."""
+    set_threads(threads)
+    method = peers.get(method_name)
+    record = Record(case_name, method_name, method.kind, threads=threads, isolated=isolated)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            case = cases.build(case_name, sizes)
+            reason = method.skip_reason(case)
+            if reason is not None:
+                raise peers.Unavailable(reason)
+            call = method.prepare(case)
+            record.first_call_s = first = _timed(call)
+            if first < 0.5 and policy.warmups > 1:
+                first = _timed(call)
+            record.slow = first > policy.slow_s and policy.slow_reps < policy.min_reps
+            reps = (policy.slow_reps if first > policy.slow_s
+                    else max(policy.min_reps,
+                             min(policy.max_reps, int(policy.target_s / max(first, 1e-9)))))
+            record.times_s = [_timed(call) for _ in range(reps)]
+            result, record.peak_bytes = peak_memory_of(call)
+            record.result = None if result is None else peers.flat_result(result, case)
+        except peers.Unavailable as why:
+            record.status, record.message = "skipped", str(why)
+        except Exception as error:  # noqa: BLE001 — any failure is reported, not raised
+            record.status = "error"
+            record.message = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+            record.warnings.append(traceback.format_exc(limit=-3))
+    record.warnings.extend(sorted({f"{w.category.__name__}: {str(w.message)[:160]}"
+                                   for w in caught}))
+    return record
+
+
+def measure_isolated(case_name: str, method_name: str, sizes_name: str, policy: Policy,
+                     threads: int) -> Record:
+    """:func:`measure` in a fresh ``python -m benchmarks.measure`` subprocess."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        env[var] = str(threads)
+    with tempfile.TemporaryDirectory(prefix="torchgram-bench-") as tmp:
+        command = [sys.executable, "-m", "benchmarks.measure", "--case", case_name,
+                   "--method", method_name, "--sizes", sizes_name, "--threads", str(threads),
+                   "--policy", json.dumps(asdict(policy)), "--out", tmp]
+        try:
+            done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+                                  timeout=policy.timeout_s, check=False)
+        except subprocess.TimeoutExpired:
+            return Record(case_name, method_name, peers.get(method_name).kind,
+                          status="timeout", message=f"over {policy.timeout_s:.0f} s",
+                          threads=threads, isolated=True)
+        out = Path(tmp)
+        if done.returncode != 0 or not (out / "record.json").exists():
+            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+            return Record(case_name, method_name, peers.get(method_name).kind, status="error",
+                          message=f"worker exited with {done.returncode}: {tail[0][:200]}",
+                          threads=threads, isolated=True)
+        data = json.loads((out / "record.json").read_text())
+        data.pop("median_s", None)
+        record = Record(**data)
+        if (out / "result.pt").exists():
+            record.result = torch.load(out / "result.pt", weights_only=True)
+        return record
+
+
+def _worker() -> None:
+    parser = argparse.ArgumentParser(description="Measure one (case, method); internal.")
+    parser.add_argument("--case", required=True)
+    parser.add_argument("--method", required=True)
+    parser.add_argument("--sizes", choices=("full", "quick"), required=True)
+    parser.add_argument("--threads", type=int, required=True)
+    parser.add_argument("--policy", required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    sizes = cases.QUICK if args.sizes == "quick" else cases.FULL
+    record = measure(args.case, args.method, sizes, Policy(**json.loads(args.policy)),
+                     args.threads, isolated=True)
+    if record.result is not None:
+        torch.save(record.result, args.out / "result.pt")
+    (args.out / "record.json").write_text(json.dumps(record.to_json()))
+
+
+if __name__ == "__main__":
+    _worker()

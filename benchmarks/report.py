@@ -1,0 +1,313 @@
+"""Agreement check, markdown table, PNG plot and JSON dump of a benchmark run."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.measure import Record
+from benchmarks.peers import FLOOR
+
+# The answer every other one is compared with: the first of these that produced one.
+# torch.func's naive jacrev is the most direct definition of G = J Jᵀ, so it comes first.
+REFERENCE_ORDER = ("torch.func jacrev (naive)", "torch.func vmap(grad)", "torchgram[jacobian]")
+# Relative Frobenius error above which a method is flagged and kept out of every ratio.
+# float32 Gramians computed in different orders agree to ~1e-6; a missing term is ~1e-2.
+TOLERANCE = 1e-4
+
+
+@dataclass
+class CaseReport:
+    """One case's records, with the agreement check and the ratios derived from them."""
+
+    name: str
+    info: dict[str, Any]
+    records: list[Record]
+    reference: str | None = None
+    errors: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._check_agreement()
+
+    def _check_agreement(self) -> None:
+        answered = {r.method: r.result for r in self.records
+                    if r.status == "ok" and r.result is not None}
+        if not answered:
+            return
+        self.reference = next((name for name in REFERENCE_ORDER if name in answered),
+                              next(iter(answered)))
+        expected = answered[self.reference].double()
+        scale = expected.norm().clamp_min(torch.finfo(torch.float64).tiny)
+        for name, result in answered.items():
+            if result.shape != expected.shape:
+                self.errors[name] = math.inf
+            else:
+                self.errors[name] = float((result.double() - expected).norm() / scale)
+
+    def agrees(self, method: str) -> bool:
+        """Whether ``method`` produced an answer within :data:`TOLERANCE` of the reference."""
+        return self.errors.get(method, math.inf) <= TOLERANCE
+
+    def time(self, method: str) -> float | None:
+        """The median time of ``method``, if it ran (and agreed, unless it is the floor)."""
+        for r in self.records:
+            if r.method == method and r.status == "ok" and (method == FLOOR or
+                                                            self.agrees(method)):
+                return r.median_s
+        return None
+
+    def best(self, kind: str) -> Record | None:
+        """The fastest record of ``kind`` whose answer agrees."""
+        candidates = [r for r in self.records
+                      if r.kind == kind and r.status == "ok" and self.agrees(r.method)]
+        return min(candidates, key=lambda r: r.median_s or math.inf, default=None)
+
+    def record(self, method: str) -> Record | None:
+        """The record of ``method``."""
+        return next((r for r in self.records if r.method == method), None)
+
+
+# ------------------------------------------------------------------------------ formatting
+
+def _ms(seconds: float | None) -> str:
+    if seconds is None:
+        return "—"
+    ms = seconds * 1e3
+    return f"{ms:.3g}" if ms < 1000 else f"{ms:,.0f}"
+
+
+def _ratio(value: float | None, base: float | None) -> str:
+    if value is None or base is None or base <= 0:
+        return "—"
+    r = value / base
+    return f"{r:.2f}×" if r < 10 else f"{r:.3g}×"
+
+
+def _mib(n: int | None) -> str:
+    if n is None:
+        return "—"
+    mib = n / 2**20
+    return f"{mib:.1f}" if mib < 100 else f"{mib:,.0f}"
+
+
+def _err(value: float | None) -> str:
+    if value is None:
+        return "—"
+    return "shape differs" if math.isinf(value) else f"{value:.1e}"
+
+
+def case_table(report: CaseReport) -> list[str]:
+    """The markdown section of one case."""
+    floor = report.time(FLOOR)
+    best_peer = report.best("peer")
+    peer_time = best_peer.median_s if best_peer else None
+    info = report.info
+    lines = [f"### `{report.name}`: {info['title']}", "",
+             f"m = {info['rows']} rows, P = {info['params_str']} parameters"
+             f"{', diagonal only' if info['diagonal'] else ''}; "
+             f"batch_dim = {info['batch_dim']}. Reference for rel. err: "
+             f"{report.reference or '—'}. Best peer: "
+             f"{best_peer.method if best_peer else '—'}.", "",
+             "| method | time (ms) | n | × backward | × best peer | peak mem (MiB) | rel. err | "
+             "note |",
+             "|---|--:|--:|--:|--:|--:|--:|---|"]
+    for r in report.records:
+        note = ""
+        if r.status == "skipped":
+            note = f"skipped: {r.message}"
+        elif r.status != "ok":
+            note = f"**{r.status}**: {r.message}"
+        elif r.method != FLOOR and not report.agrees(r.method):
+            note = "**MISMATCH**: answer differs, left out of every ratio"
+        elif r.method == FLOOR:
+            note = "no Gramian: the cost of one training step"
+        elif r.slow:
+            note = f"slow: {len(r.times_s)} timed calls only"
+        if r.status != "ok":
+            lines.append(f"| {r.method} | — | — | — | — | — | — | {note} |")
+            continue
+        agrees = r.method == FLOOR or report.agrees(r.method)
+        lines.append(
+            f"| {r.method} | {_ms(r.median_s)} | {len(r.times_s)} | "
+            f"{_ratio(r.median_s, floor) if agrees else '—'} | "
+            f"{_ratio(r.median_s, peer_time) if agrees and r.method != FLOOR else '—'} | "
+            f"{_mib(r.peak_bytes)} | {_err(report.errors.get(r.method))} | {note} |")
+    return [*lines, ""]
+
+
+def summary_table(reports: Sequence[CaseReport]) -> list[str]:
+    """One line per case: the floor, the best torchgram backend, the best peer."""
+    lines = ["| case | m | P | backward (ms) | best torchgram | × backward | best peer | "
+             "× backward | torchgram speed-up vs best peer | peak MiB torchgram / torchjd |",
+             "|---|--:|--:|--:|---|--:|---|--:|--:|--:|"]
+    for rep in reports:
+        floor = rep.time(FLOOR)
+        tg_best, peer = rep.best("torchgram"), rep.best("peer")
+        jd = rep.record("torchjd autogram")
+        tg_t = tg_best.median_s if tg_best else None
+        peer_t = peer.median_s if peer else None
+        speedup = _ratio(peer_t, tg_t)
+        jd_mem = jd.peak_bytes if jd is not None and rep.agrees(jd.method) else None
+        lines.append(
+            f"| `{rep.name}` | {rep.info['rows']} | {rep.info['params_str']} | {_ms(floor)} | "
+            f"{tg_best.method if tg_best else '—'} | {_ratio(tg_t, floor)} | "
+            f"{peer.method if peer else '—'} | {_ratio(peer_t, floor)} | {speedup} | "
+            f"{_mib(tg_best.peak_bytes if tg_best else None)} / {_mib(jd_mem)} |")
+    return [*lines, ""]
+
+
+# Targets of issue 4, checked on torchgram[auto] (the default backend).
+_AUTO = "torchgram[auto]"
+
+
+def _target_rows(reports: Sequence[CaseReport]) -> list[tuple[str, str, bool | None]]:
+    by_name = {r.name: r for r in reports}
+    rows: list[tuple[str, str, bool | None]] = []
+
+    def ratio(case: str, num: str | None, den: str | None) -> float | None:
+        rep = by_name.get(case)
+        if rep is None or num is None or den is None:
+            return None
+        a, b = rep.time(num), rep.time(den)
+        return None if a is None or b is None else a / b
+
+    def add(label: str, value: float | None, limit: float, at_most: bool, unit: str = "×") -> None:
+        if value is None:
+            rows.append((label, "not measured", None))
+        else:
+            rows.append((label, f"{value:.3g}{unit}",
+                         value <= limit if at_most else value >= limit))
+
+    for case, limit in (("mlp", 1.5), ("cnn", 2.0), ("transformer", 2.0)):
+        add(f"`{case}`: auto ≤ {limit}× backward", ratio(case, _AUTO, FLOOR), limit, True)
+    for case, limit in (("mlp", 20.0), ("cnn", 2.0), ("transformer", 2.0)):
+        add(f"`{case}`: auto ≥ {limit:g}× faster than torchjd",
+            ratio(case, "torchjd autogram", _AUTO), limit, False)
+    for case in ("mlp", "cnn", "transformer"):
+        rep = by_name.get(case)
+        auto, jd = (rep.record(_AUTO), rep.record("torchjd autogram")) if rep else (None, None)
+        if (auto is None or jd is None or auto.peak_bytes is None or jd.peak_bytes is None
+                or rep is None or not rep.agrees(_AUTO) or not rep.agrees(jd.method)):
+            rows.append((f"`{case}`: auto peak memory ≤ torchjd's", "not measured", None))
+        else:
+            rows.append((f"`{case}`: auto peak memory ≤ torchjd's",
+                         f"{_mib(auto.peak_bytes)} vs {_mib(jd.peak_bytes)} MiB",
+                         auto.peak_bytes <= jd.peak_bytes))
+    add("`ntk-mlp`: auto ≥ 10× faster than naive jacrev",
+        ratio("ntk-mlp", "torch.func jacrev (naive)", _AUTO), 10.0, False)
+    for rep in reports:
+        best = rep.best("torchgram")
+        add(f"`{rep.name}`: auto ≤ 2× the best backend ({best.method if best else '—'})",
+            ratio(rep.name, _AUTO, best.method if best else None), 2.0, True)
+    return rows
+
+
+def targets_table(reports: Sequence[CaseReport]) -> list[str]:
+    """Issue 4's targets, measured in this run."""
+    lines = ["| target | measured | met |", "|---|--:|:-:|"]
+    for label, value, met in _target_rows(reports):
+        lines.append(f"| {label} | {value} | {'—' if met is None else ('yes' if met else 'NO')} |")
+    return [*lines, ""]
+
+
+def markdown(reports: Sequence[CaseReport], env: dict[str, Any], plot_name: str | None) -> str:
+    """The whole results page."""
+    peers = ", ".join(f"{k} {v}" for k, v in env["packages"].items())
+    lines = [
+        "# torchgram benchmarks", "",
+        f"Generated by `{env['command']}` on {env['date']}.", "",
+        f"torch {env['torch']}, torchgram {env['torchgram']} ({env['commit']}), "
+        f"Python {env['python']}; {peers}.  ",
+        f"CPU: {env['cpu']} ({env['cpus']} logical CPUs), **{env['threads']} torch threads**; "
+        f"load average {env['load_before']} before the run, {env['load_after']} after.  ",
+        f"Mode: {env['mode']}. Wall time of the run: {env['wall_s']:.0f} s.", "",
+        "Time: median of `n` calls after warm-up, each from the inputs to the result (forward "
+        "included). Peak mem: increase of the resident set during one call (see "
+        "`benchmarks/README.md`). × best peer: against the fastest non-torchgram method whose "
+        f"answer agrees. rel. err: relative Frobenius error against the reference; above "
+        f"{TOLERANCE:g} a method is marked MISMATCH and left out of every ratio.", "",
+    ]
+    if plot_name:
+        lines += [f"![time relative to a plain backward]({plot_name})", ""]
+    lines += ["## Summary", "", *summary_table(reports),
+              "## Targets (issue 4, on `torchgram[auto]`)", "", *targets_table(reports),
+              "## Cases", ""]
+    for rep in reports:
+        lines += case_table(rep)
+    if env.get("skipped_backends"):
+        lines += ["Torchgram backends planned but not in this build: "
+                  + ", ".join(env["skipped_backends"]) + ".", ""]
+    return "\n".join(lines)
+
+
+def plot(reports: Sequence[CaseReport], path: Path) -> None:
+    """Bars of each method's time relative to the plain backward (log scale), one panel a case.
+
+    A method whose answer disagrees is drawn hatched in red and labelled "(wrong)".
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    colors = {"floor": "#9e9e9e", "torchgram": "#1f77b4", "peer": "#ff7f0e"}
+    shown = [r for r in reports if r.time(FLOOR)]
+    if not shown:
+        return
+    cols = min(3, len(shown))
+    rows = math.ceil(len(shown) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.4 * cols, 3.1 * rows + 0.6), squeeze=False)
+    for ax, rep in zip(axes.flat, shown, strict=False):
+        floor = rep.time(FLOOR)
+        assert floor is not None
+        bars = [(r.method + ("" if r.method == FLOOR or rep.agrees(r.method) else " (wrong)"),
+                 r.median_s / floor, r.kind, r.method == FLOOR or rep.agrees(r.method))
+                for r in rep.records if r.status == "ok" and r.median_s]
+        bars.reverse()
+        drawn = ax.barh([b[0] for b in bars], [b[1] for b in bars],
+                        color=[colors[b[2]] if b[3] else "#d62728" for b in bars])
+        for bar, b in zip(drawn, bars, strict=True):
+            if not b[3]:
+                bar.set_hatch("//")
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}×"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.axvline(1.0, color="black", linewidth=0.8)
+        ax.set_title(f"{rep.name}  (backward: {_ms(floor)} ms)", fontsize=9)
+        ax.tick_params(axis="both", labelsize=7)
+        for y, b in enumerate(bars):
+            ax.text(b[1], y, f" {b[1]:.3g}×", va="center", fontsize=6)
+        ax.margins(x=0.15)
+    for ax in list(axes.flat)[len(shown):]:
+        ax.axis("off")
+    fig.legend(handles=[Patch(color=colors["floor"], label="plain backward (floor)"),
+                        Patch(color=colors["torchgram"], label="torchgram"),
+                        Patch(color=colors["peer"], label="peers"),
+                        Patch(facecolor="#d62728", hatch="//", label="wrong answer")],
+               loc="lower center", ncol=4, fontsize=8, frameon=False)
+    fig.suptitle("time / plain loss.sum().backward()  (log scale; lower is better)", fontsize=11)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _json_err(value: float | None) -> float | str | None:
+    return "shape differs" if value is not None and math.isinf(value) else value
+
+
+def dump_json(reports: Sequence[CaseReport], env: dict[str, Any], path: Path) -> None:
+    """Every number of the run, for later comparison."""
+    data = {"environment": env, "tolerance": TOLERANCE, "cases": [
+        {"name": rep.name, **rep.info, "reference": rep.reference,
+         "records": [{**r.to_json(), "rel_err": _json_err(rep.errors.get(r.method))}
+                     for r in rep.records]}
+        for rep in reports]}
+    path.write_text(json.dumps(data, indent=1, default=str) + "\n")

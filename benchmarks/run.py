@@ -1,0 +1,196 @@
+"""Run the benchmark suite: ``python benchmarks/run.py [--quick] [--cases ...] [--threads N]``.
+
+For each case and each method (plain backward, every torchgram backend, the peers) it
+times the method, measures its peak memory and checks its answer against the others, then
+writes ``benchmarks.md`` (tables), ``benchmarks.png`` (plot) and ``benchmarks.json`` (every
+number) to ``--out``. See ``benchmarks/README.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+import torchgram  # noqa: E402
+from benchmarks import cases, measure, peers, report  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+PEER_PACKAGES = ("torchjd", "backpack-for-pytorch", "opacus")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="Time and measure the memory of torchgram's backends and its peers.")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny sizes, one timed call, in-process: a smoke configuration "
+                             "(numbers meaningless); writes to a temporary folder by default")
+    parser.add_argument("--cases", default=",".join(cases.NAMES),
+                        help=f"comma-separated subset of {','.join(cases.NAMES)}")
+    parser.add_argument("--methods", default="",
+                        help="comma-separated substrings; keep only methods whose name contains "
+                             "one of them (the floor is always kept)")
+    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (2)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="output folder (default benchmarks/results; with --quick "
+                             "<tmp>/torchgram-bench-quick)")
+    isolation = parser.add_mutually_exclusive_group()
+    isolation.add_argument("--isolate", dest="isolate", action="store_true", default=None,
+                           help="one fresh subprocess per (case, method) (default unless --quick)")
+    isolation.add_argument("--in-process", dest="isolate", action="store_false",
+                           help="measure everything in this process (faster, less isolated)")
+    parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    return parser
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _commit() -> str:
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, text=True,
+                              capture_output=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "src"], cwd=root,
+                               text=True, capture_output=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown commit"
+    return f"commit {head}{' + uncommitted changes in src/' if dirty else ''}"
+
+
+def _cpu() -> str:
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _load() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "unknown"
+
+
+def run(argv: list[str] | None = None) -> list[report.CaseReport]:
+    """Parse ``argv``, run the suite, write the outputs; return the per-case reports."""
+    args = _parser().parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)
+    names = [n.strip() for n in args.cases.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(cases.NAMES))
+    if unknown:
+        raise SystemExit(f"benchmarks: expected cases among {list(cases.NAMES)}, but got "
+                         f"{unknown}. Pass --cases with names from that list.")
+    isolate = (not args.quick) if args.isolate is None else args.isolate
+    sizes, sizes_name = (cases.QUICK, "quick") if args.quick else (cases.FULL, "full")
+    policy = measure.QUICK_POLICY if args.quick else measure.Policy()
+    out = args.out or (Path(tempfile.gettempdir()) / "torchgram-bench-quick" if args.quick
+                       else RESULTS)
+    out.mkdir(parents=True, exist_ok=True)
+
+    filters = [s.strip() for s in args.methods.split(",") if s.strip()]
+    methods = [m for m in peers.all_methods()
+               if m.kind == "floor" or not filters or any(s in m.name for s in filters)]
+    present = set(peers.available_backends())
+    missing_backends = [b for b in peers.EXPECTED_BACKENDS if b not in present]
+    for b in missing_backends:
+        print(f"torchgram backend {b!r} is not registered in this build: skipped")
+    for package in PEER_PACKAGES:
+        if _version(package) is None:
+            print(f"peer package {package!r} is not installed: its method is skipped")
+
+    threads_before = torch.get_num_threads()
+    measure.set_threads(args.threads)
+    try:
+        reports, env = _run_cases(args, names, methods, sizes, sizes_name, policy, isolate)
+    finally:
+        torch.set_num_threads(threads_before)  # leave a calling process (e.g. pytest) as it was
+    env["skipped_backends"] = missing_backends
+    plot_name = None if args.no_plot else "benchmarks.png"
+    if plot_name:
+        report.plot(reports, out / plot_name)
+    (out / "benchmarks.md").write_text(report.markdown(reports, env, plot_name))
+    report.dump_json(reports, env, out / "benchmarks.json")
+    print(f"\nwrote {out / 'benchmarks.md'}" + (f", {out / plot_name}" if plot_name else "")
+          + f", {out / 'benchmarks.json'} in {env['wall_s']:.0f} s")
+    return reports
+
+
+def _run_cases(args: argparse.Namespace, names: list[str], methods: list[peers.Method],
+               sizes: cases.Sizes, sizes_name: str, policy: measure.Policy,
+               isolate: bool) -> tuple[list[report.CaseReport], dict[str, Any]]:
+    load_before, start = _load(), time.perf_counter()
+    reports: list[report.CaseReport] = []
+    total, done = len(names) * len(methods), 0
+    for name in names:
+        case = cases.build(name, sizes)
+        info = cases.describe(case)
+        print(f"\n== {name}: {info['title']} (m={info['rows']}, P={info['params_str']})",
+              flush=True)
+        records = []
+        for method in methods:
+            done += 1
+            reason = method.skip_reason(case)
+            if reason is not None:
+                record = measure.Record(name, method.name, method.kind, status="skipped",
+                                        message=reason)
+            elif isolate:
+                record = measure.measure_isolated(name, method.name, sizes_name, policy,
+                                                  args.threads)
+            else:
+                record = measure.measure(name, method.name, sizes, policy, args.threads)
+            records.append(record)
+            print(f"[{done}/{total}] {method.name:28s} {_line(record)}", flush=True)
+        rep = report.CaseReport(name, info, records)
+        reports.append(rep)
+        for method, err in rep.errors.items():
+            flag = "" if rep.agrees(method) else "   <-- MISMATCH"
+            print(f"    rel. err vs {rep.reference}: {method:28s} {err:.1e}{flag}")
+
+    env: dict[str, Any] = {
+        "command": "python benchmarks/run.py" + "".join(f" {shlex.quote(a)}" for a in args.argv),
+        "date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
+        "torch": torch.__version__, "torchgram": torchgram.__version__, "commit": _commit(),
+        "python": platform.python_version(),
+        "packages": {p: _version(p) or "not installed" for p in PEER_PACKAGES},
+        "cpu": _cpu(), "cpus": os.cpu_count(), "threads": args.threads,
+        "mode": (("quick sizes" if args.quick else "full sizes") + ", "
+                 + ("one fresh subprocess per (case, method)" if isolate
+                    else "all in one process")),
+        "load_before": load_before, "load_after": _load(),
+        "wall_s": time.perf_counter() - start,
+    }
+    return reports, env
+
+
+def _line(r: measure.Record) -> str:
+    if r.status != "ok":
+        return f"{r.status}: {r.message}"
+    mem = "?" if r.peak_bytes is None else f"{r.peak_bytes / 2**20:.1f} MiB"
+    return f"{(r.median_s or 0) * 1e3:10.2f} ms (n={len(r.times_s)})  peak {mem}"
+
+
+if __name__ == "__main__":
+    run()
