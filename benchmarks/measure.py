@@ -5,7 +5,8 @@ Time: every call goes from the inputs to the result (forward included). After on
 call (two when it is fast), the median of ``n`` timed calls is reported; ``n`` is at least
 5, more for fast methods, and 3 for a method whose warm-up call took longer than
 ``slow_s`` (the naive methods on the large cases; the table shows ``n``). One call, at the
-end, measures memory; it is not timed.
+end, measures memory; it is not timed. A method whose first call exceeds ``very_slow_s`` is
+reported with that one (cold) call and no memory figure, so a run stays bounded.
 
 Memory: the increase of the process's resident set during that one call, at its peak:
 ``VmHWM - VmRSS`` after resetting the high-water mark (``/proc/self/clear_refs``, value 5)
@@ -54,6 +55,8 @@ class Policy:
         max_reps: Upper bound for fast methods (which get about ``target_s`` of calls).
         slow_reps: Timed calls for a method whose warm-up took longer than ``slow_s``.
         slow_s: See ``slow_reps``.
+        very_slow_s: A method whose first call takes longer is timed by that call alone (cold,
+            ``n = 1``) and its memory is not measured, to keep a run bounded.
         warmups: Warm-up calls when the first is fast (under 0.5 s); one otherwise.
         target_s: Seconds of timed calls to aim for (between ``min_reps`` and ``max_reps``).
         timeout_s: Wall-clock limit of one (case, method) subprocess.
@@ -63,13 +66,14 @@ class Policy:
     max_reps: int = 15
     slow_reps: int = 3
     slow_s: float = 1.0
+    very_slow_s: float = 30.0
     warmups: int = 2
     target_s: float = 1.0
     timeout_s: float = 300.0
 
 
-QUICK_POLICY = Policy(min_reps=1, max_reps=1, slow_reps=1, slow_s=1.0, warmups=1,
-                      target_s=0.0, timeout_s=120.0)
+QUICK_POLICY = Policy(min_reps=1, max_reps=1, slow_reps=1, slow_s=1.0, very_slow_s=60.0,
+                      warmups=1, target_s=0.0, timeout_s=120.0)
 
 
 @dataclass
@@ -161,10 +165,10 @@ def peak_memory_of(call: Callable[[], Any]) -> tuple[Any, int | None]:
 
 # ----------------------------------------------------------------------------------- timing
 
-def _timed(call: Callable[[], Any]) -> float:
+def _timed(call: Callable[[], Any]) -> tuple[float, Any]:
     start = time.perf_counter()
-    call()
-    return time.perf_counter() - start
+    result = call()
+    return time.perf_counter() - start, result
 
 
 def set_threads(threads: int) -> None:
@@ -190,15 +194,19 @@ def measure(case_name: str, method_name: str, sizes: cases.Sizes, policy: Policy
             if reason is not None:
                 raise peers.Unavailable(reason)
             call = method.prepare(case)
-            record.first_call_s = first = _timed(call)
-            if first < 0.5 and policy.warmups > 1:
-                first = _timed(call)
-            record.slow = first > policy.slow_s and policy.slow_reps < policy.min_reps
-            reps = (policy.slow_reps if first > policy.slow_s
-                    else max(policy.min_reps,
-                             min(policy.max_reps, int(policy.target_s / max(first, 1e-9)))))
-            record.times_s = [_timed(call) for _ in range(reps)]
-            result, record.peak_bytes = peak_memory_of(call)
+            first, result = _timed(call)
+            record.first_call_s = first
+            if first > policy.very_slow_s:  # keep the run bounded: that call is the only one
+                record.slow, record.times_s = True, [first]
+            else:
+                if first < 0.5 and policy.warmups > 1:
+                    first, _ = _timed(call)
+                record.slow = first > policy.slow_s and policy.slow_reps < policy.min_reps
+                reps = (policy.slow_reps if first > policy.slow_s
+                        else max(policy.min_reps,
+                                 min(policy.max_reps, int(policy.target_s / max(first, 1e-9)))))
+                record.times_s = [_timed(call)[0] for _ in range(reps)]
+                result, record.peak_bytes = peak_memory_of(call)
             record.result = None if result is None else peers.flat_result(result, case)
         except peers.Unavailable as why:
             record.status, record.message = "skipped", str(why)

@@ -127,6 +127,8 @@ def case_table(report: CaseReport) -> list[str]:
             note = "**MISMATCH**: answer differs, left out of every ratio"
         elif r.method == FLOOR:
             note = "no Gramian: the cost of one training step"
+        elif r.slow and r.peak_bytes is None and len(r.times_s) == 1:
+            note = "very slow: one cold call timed, memory not measured"
         elif r.slow:
             note = f"slow: {len(r.times_s)} timed calls only"
         if r.status != "ok":
