@@ -9,5 +9,6 @@ Example:
 """
 
 from torchgram._imperative import gramian as gramian
+from torchgram._weighted_backward import backward as backward
 
-__all__ = ["gramian"]
+__all__ = ["backward", "gramian"]

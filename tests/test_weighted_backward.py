@@ -1,0 +1,54 @@
+"""``torchgram.autograd.backward``: ``.grad`` equals ``Jᵀ weighting(G)`` from the oracle."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import torchgram as tg
+from reference import dense_gramian
+
+
+@pytest.mark.parametrize("weighting", [tg.weighting.upgrad, tg.weighting.mgda, tg.weighting.mean],
+                         ids=["upgrad", "mgda", "mean"])
+def test_grad_is_jacobian_transpose_times_weights(weighting) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    x, y = torch.randn(7, 4, dtype=torch.float64), torch.randint(0, 3, (7,))
+    fn, params = tg.functionalize(model)
+
+    def losses_of(p):
+        return nn.functional.cross_entropy(fn(p, x), y, reduction="none")
+
+    dense = dense_gramian(losses_of, (params,))
+    expected_weights = weighting(dense.gramian)
+    expected = dense.jacobian.T @ expected_weights
+
+    losses = nn.functional.cross_entropy(model(x), y, reduction="none")
+    weights = tg.autograd.backward(losses, list(model.parameters()), weighting)
+    torch.testing.assert_close(weights, expected_weights)
+    grads = torch.cat([model.get_parameter(name).grad.reshape(-1) for name in sorted(params)])
+    torch.testing.assert_close(grads, expected)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        losses.sum().backward()  # retain_graph=False freed it, as autograd does
+
+
+def test_accumulates_only_into_the_given_inputs_and_can_retain() -> None:
+    w, v = torch.ones(2, requires_grad=True), torch.ones(2, requires_grad=True)
+    losses = torch.stack([(w * v).sum(), (w ** 2).sum()])
+    w.grad = torch.ones(2)
+    tg.autograd.backward([losses[0], losses[1]], w, tg.weighting.sum, retain_graph=True)
+    torch.testing.assert_close(w.grad, torch.ones(2) + v.detach() + 2 * w.detach())
+    assert v.grad is None
+    losses.sum().backward()  # graph retained
+
+
+def test_bad_weighting_is_rejected() -> None:
+    w = torch.ones(2, requires_grad=True)
+    losses = w * 2
+    with pytest.raises(TypeError, match="torchgram.autograd.backward: expected a weighting"):
+        tg.autograd.backward(losses, w, "upgrad")
+    with pytest.raises(TypeError, match=r"shape \(2,\).*got shape \(\)"):
+        tg.autograd.backward(losses, w, lambda G: G.sum())
+    assert w.grad is None
