@@ -13,7 +13,7 @@ import torchgram as tg
 from reference import dense_gramian
 from zoo import NAMES, build
 
-BACKENDS = ["jacobian", "auto", "ntvp", "graph"]
+BACKENDS = ["jacobian", "auto", "ntvp", "graph", "structured"]
 TOLERANCE = {torch.float64: dict(rtol=1e-10, atol=1e-10), torch.float32: dict(rtol=1e-5, atol=1e-5)}
 
 

@@ -22,7 +22,7 @@ class Backend(Protocol):
 _BACKENDS: dict[str, Backend] = {}
 # Modules that register backends; imported lazily so `import torchgram` stays light.
 _MODULES = ("torchgram.backends.jacobian", "torchgram.backends.auto", "torchgram.backends.ntvp",
-            "torchgram.backends.graph")
+            "torchgram.backends.graph", "torchgram.backends.structured")
 
 
 def register(name: str) -> Callable[[Backend], Backend]:

@@ -1,0 +1,306 @@
+"""Gram contractions of the structured backend: ghost pairs, materialized blocks, fallback.
+
+Rows are in the backend's own order ``(r, b)``: ``R`` rows per sample × ``B`` samples
+(``B = 1`` without per-sample structure). Every leaf gets a block ``[R, B, R, B]``
+(``[R, B]`` with ``diagonal=True``):
+
+* **materialize / fallback**: the per-row Jacobian ``[R, B, P]`` is the sum of every tapped
+  use's ``Σ_t first ⊗ second`` and of the gradient of the leaf's carrier (its per-sample copy),
+  then one Gram product;
+* **ghost**: ``Σ_{u, v} Σ_{t, t', g} ⟨first_u, first_v⟩ ⟨second_u, second_v⟩`` over every
+  ordered pair of uses (cross terms included), from factor Grams (NOTE [factors]); index
+  factors (embeddings) use comparisons and gathers instead of one-hots.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from torchgram.backends._cost import LeafPlan
+from torchgram.rules.taps import UseRecord
+
+_U_LETTERS = {"cot": "rbtg", "act": "btg", "index": "bt"}
+_V_LETTERS = {"cot": "scwg", "act": "cwg", "index": "cw"}
+_V_DIAGONAL_LETTERS = {"cot": "rbwg", "act": "bwg", "index": "bw"}
+
+DEFAULT_PAIR_ELEMENTS = 2**25
+"""Entries of one ghost pair block (``[R, B, T, R, B, T, G]``) before it is row-chunked."""
+
+
+@dataclass(frozen=True)
+class Factor:
+    """One factor of a use: ``act [B, T, G, a]``, ``cot [R, B, T, G, c]`` or ``index [B, T]``."""
+
+    tensor: Tensor
+    kind: str
+
+    def take(self, rows: slice, samples: slice) -> Factor:
+        """Restrict to some rows (cotangents only) and samples."""
+        if self.kind == "cot":
+            return Factor(self.tensor[rows, samples], self.kind)
+        return Factor(self.tensor[samples], self.kind)
+
+
+def _dedupe(letters: str) -> str:
+    return "".join(dict.fromkeys(letters))
+
+
+def factor_gram(x: Factor, y: Factor, diagonal: bool, dtype: torch.dtype) -> tuple[Tensor, str]:
+    """Inner products of every position of ``x`` with every position of ``y``.
+
+    Returns the tensor and its einsum letters: ``r b t g`` for ``x``'s row, sample, position
+    and group, ``s c w`` for ``y``'s (``r b`` again when ``diagonal``: same row and sample).
+
+    Example:
+        >>> import torch
+        >>> act = Factor(torch.randn(3, 1, 1, 4), "act")
+        >>> gram, letters = factor_gram(act, act, False, torch.float32)
+        >>> letters, gram.shape
+        ('btgcw', torch.Size([3, 1, 1, 3, 1]))
+    """
+    xl = _U_LETTERS[x.kind]
+    yl = (_V_DIAGONAL_LETTERS if diagonal else _V_LETTERS)[y.kind]
+    if x.kind != "index" and y.kind != "index":
+        out = _dedupe(xl + yl)
+        return torch.einsum(f"{xl}z,{yl}z->{out}", x.tensor, y.tensor), out
+    if x.kind == "index" and y.kind == "index":
+        a, b = x.tensor, y.tensor
+        if diagonal:
+            return (a[:, :, None] == b[:, None, :]).to(dtype), "btw"
+        return (a[:, :, None, None] == b[None, None]).to(dtype), "btcw"
+    index, il, dense, dl = ((x.tensor, xl, y.tensor, yl) if x.kind == "index"
+                            else (y.tensor, yl, x.tensor, xl))
+    dense = dense.select(dl.index("g"), 0)  # an embedding has one group
+    dl = dl.replace("g", "")
+    sample, position = il
+    if sample in dl:  # diagonal: the same sample on both sides
+        view = [1] * len(dl)
+        view[dl.index(sample)] = index.shape[0]
+        gather_index = index.reshape(*view, index.shape[1]).expand(*dense.shape[:-1],
+                                                                   index.shape[1])
+        return torch.gather(dense, -1, gather_index), dl + position
+    gathered = dense.index_select(-1, index.reshape(-1))
+    return gathered.reshape(*dense.shape[:-1], *index.shape), dl + il
+
+
+@dataclass(frozen=True)
+class UseFactors:
+    """A use's two factors in the leaf's layout (``first ⊗ second``)."""
+
+    first: Factor
+    second: Factor
+
+    def take(self, rows: slice, samples: slice) -> UseFactors:
+        """Restrict to some rows and samples."""
+        return UseFactors(self.first.take(rows, samples), self.second.take(rows, samples))
+
+
+def pair_gram(u: UseFactors, v: UseFactors, diagonal: bool, dtype: torch.dtype) -> Tensor:
+    """``⟨J_u[r, b], J_v[s, c]⟩`` as ``[R, B, R', B']`` (``[R, B]`` when ``diagonal``)."""
+    first, first_letters = factor_gram(u.first, v.first, diagonal, dtype)
+    second, second_letters = factor_gram(u.second, v.second, diagonal, dtype)
+    out = "rb" if diagonal else "rbsc"
+    return torch.einsum(f"{first_letters},{second_letters}->{out}", first, second)
+
+
+def _pair_chunked(u: UseFactors, v: UseFactors, rows: int, samples: int, positions: int,
+                  diagonal: bool, dtype: torch.dtype, max_elements: int) -> Tensor:
+    """:func:`pair_gram`, split over u's samples (or rows) so one block stays bounded."""
+    per_sample = rows * positions * (1 if diagonal else rows * samples * positions)
+    sample_chunk = max(1, min(samples, max_elements // max(1, per_sample)))
+    row_chunk = rows
+    if sample_chunk == 1 and per_sample > max_elements:
+        row_chunk = max(1, rows * max_elements // per_sample)
+    if sample_chunk >= samples and row_chunk >= rows:
+        return pair_gram(u, v, diagonal, dtype)
+    pieces_b = []
+    for b0 in range(0, samples, sample_chunk):
+        b_slice = slice(b0, b0 + sample_chunk)
+        pieces_r = []
+        for r0 in range(0, rows, row_chunk):
+            r_slice = slice(r0, r0 + row_chunk)
+            u_part = u.take(r_slice, b_slice)
+            v_part = v.take(r_slice, b_slice) if diagonal else v
+            pieces_r.append(pair_gram(u_part, v_part, diagonal, dtype))
+        pieces_b.append(torch.cat(pieces_r, dim=0))
+    return torch.cat(pieces_b, dim=1)
+
+
+def materialize_use(use: UseRecord, factors: UseFactors, numel: int) -> Tensor:
+    """The use's per-row Jacobian ``[R, B, numel]`` in the leaf's layout."""
+    if use.role == "bias":
+        cot = factors.first.tensor if factors.first.kind == "cot" else factors.second.tensor
+        summed = cot.sum(dim=2)
+        return summed.reshape(*summed.shape[:2], -1)
+    first, second = factors.first, factors.second
+    if first.kind == "index" or second.kind == "index":
+        index, cot = ((first.tensor, second.tensor) if first.kind == "index"
+                      else (second.tensor, first.tensor))
+        rows, samples, positions = cot.shape[:3]
+        classes = use.shape.act_width
+        dim = cot.shape[-1]
+        offsets = index + classes * torch.arange(samples, device=index.device)[:, None]
+        jac = cot.new_zeros(rows, samples * classes, dim)
+        jac.index_add_(1, offsets.reshape(-1), cot.reshape(rows, samples * positions, dim))
+        jac = jac.reshape(rows, samples, classes, dim)
+        if first.kind != "index":  # a transposed embedding table
+            jac = jac.transpose(-1, -2)
+        return jac.reshape(rows, samples, numel)
+    letters_first = "rbtgi" if first.kind == "cot" else "btgi"
+    letters_second = "rbtgj" if second.kind == "cot" else "btgj"
+    jac = torch.einsum(f"{letters_first},{letters_second}->rbgij", first.tensor, second.tensor)
+    return jac.reshape(*jac.shape[:2], numel)
+
+
+def gram_of_rows(jacobian: Tensor, diagonal: bool) -> Tensor:
+    """The Gram block ``[R, B, R, B]`` (or ``[R, B]``) of per-row Jacobians ``[R, B, P]``."""
+    if diagonal:
+        return jacobian.square().sum(dim=-1)
+    rows, samples = jacobian.shape[:2]
+    flat = jacobian.reshape(rows * samples, -1)
+    return (flat @ flat.T).reshape(rows, samples, rows, samples)
+
+
+class Contraction:
+    """Collects the pass's factors, row chunk by row chunk, and yields per-leaf blocks.
+
+    Args:
+        plans: One plan per leaf (``way`` and the uses to contract).
+        numels: Number of entries of every leaf.
+        samples: ``B``.
+        rows: ``R``.
+        diagonal: Whether only the diagonal is wanted.
+        max_pair_elements: Bound on one ghost pair block before row-chunking.
+    """
+
+    def __init__(self, plans: Sequence[LeafPlan], numels: Sequence[int], samples: int,
+                 rows: int, diagonal: bool,
+                 max_pair_elements: int = DEFAULT_PAIR_ELEMENTS) -> None:
+        self.plans = plans
+        self.numels = numels
+        self.samples = samples
+        self.rows = rows
+        self.diagonal = diagonal
+        self.max_pair_elements = max_pair_elements
+        self._acts: Sequence[Tensor] = ()
+        self._act_factors: dict[tuple[int, int], Factor] = {}
+        self._jacobians: dict[int, Tensor] = {}
+        self._ghost_cots: dict[tuple[int, int], list[Tensor]] = {}
+
+    def set_acts(self, acts: Sequence[Tensor]) -> None:
+        """The recorded activations, each with a leading sample dim."""
+        self._acts = acts
+
+    def _act_factor(self, key: tuple[int, int], use: UseRecord) -> Factor:
+        factor = self._act_factors.get(key)
+        if factor is None:
+            assert use.act is not None
+            tensor = use.layout.act_factor(self._acts[use.act], 1)
+            factor = Factor(tensor, "index" if use.shape.act_is_index else "act")
+            self._act_factors[key] = factor
+        return factor
+
+    def _cot_tensor(self, use: UseRecord, tap_cots: Sequence[Tensor | None]) -> Tensor | None:
+        raw = tap_cots[use.tap]
+        if raw is None:
+            return None
+        act_raw = self._acts[use.act] if use.act is not None else None
+        return use.layout.cot_factor(raw, 2, act_raw)
+
+    def _factors(self, key: tuple[int, int], use: UseRecord, cot: Tensor) -> UseFactors:
+        cot_factor = Factor(cot, "cot")
+        if use.role == "bias":
+            return UseFactors(cot_factor, cot_factor)
+        act = self._act_factor(key, use)
+        return UseFactors(act, cot_factor) if use.act_first else UseFactors(cot_factor, act)
+
+    def add_rows(self, start: int, stop: int, tap_cots: Sequence[Tensor | None],
+                 carrier_grads: dict[int, Tensor]) -> None:
+        """Consume rows ``start:stop``: tap cotangents ``[c, B, *y]`` and carrier gradients.
+
+        ``carrier_grads[leaf]`` is ``[c, B, P]``: the Jacobian of the leaf's unrecognised uses.
+        """
+        for plan in self.plans:
+            if plan.way == "ghost":
+                for k, use in enumerate(plan.uses):
+                    cot = self._cot_tensor(use, tap_cots)
+                    if cot is not None:
+                        self._ghost_cots.setdefault((plan.leaf, k), []).append(cot)
+                    else:
+                        self._ghost_cots.setdefault((plan.leaf, k), [])
+                continue
+            if plan.way == "unused":
+                continue
+            numel = self.numels[plan.leaf]
+            part: Tensor | None = carrier_grads.get(plan.leaf)
+            for k, use in enumerate(plan.uses):
+                cot = self._cot_tensor(use, tap_cots)
+                if cot is None:
+                    continue
+                jac = materialize_use(use, self._factors((plan.leaf, k), use, cot), numel)
+                part = jac if part is None else part + jac
+            if part is None:
+                continue
+            store = self._jacobians.get(plan.leaf)
+            if store is None:
+                store = self._jacobians[plan.leaf] = part.new_zeros(self.rows, self.samples,
+                                                                    numel)
+            store[start:stop] += part
+
+    def blocks(self, dtype: torch.dtype) -> Iterator[tuple[int, Tensor]]:
+        """``(leaf, block)`` for every leaf with a non-zero contribution, freeing as it goes."""
+        for plan in self.plans:
+            if plan.way == "ghost":
+                block = self._ghost_block(plan, dtype)
+            else:
+                jacobian = self._jacobians.pop(plan.leaf, None)
+                block = None if jacobian is None else gram_of_rows(jacobian, self.diagonal)
+            if block is not None:
+                yield plan.leaf, block
+
+    def _ghost_block(self, plan: LeafPlan, dtype: torch.dtype) -> Tensor | None:
+        factors: list[tuple[UseFactors, int]] = []
+        for k, use in enumerate(plan.uses):
+            pieces = self._ghost_cots.pop((plan.leaf, k), [])
+            if not pieces:
+                continue
+            cot = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+            factors.append((self._factors((plan.leaf, k), use, cot),
+                            use.shape.positions * use.shape.groups))
+        total: Tensor | None = None
+        for i, (u, pos_u) in enumerate(factors):
+            for j in range(i, len(factors)):
+                v, pos_v = factors[j]
+                block = _pair_chunked(u, v, self.rows, self.samples,
+                                      max(pos_u, pos_v), self.diagonal, dtype,
+                                      self.max_pair_elements)
+                if i != j:
+                    block = 2 * block if self.diagonal else block + block.permute(2, 3, 0, 1)
+                total = block if total is None else total + block
+        return total
+
+
+def to_canonical(block: Tensor, rows: int, samples: int, order: Tensor | None,
+                 diagonal: bool) -> Tensor:
+    """A block in ``(r, b)`` order → ``[m, m]`` (``[m]``) in the output's row order.
+
+    ``order[b, k]`` is the output row of row ``k`` of sample ``b`` (``None``: row-major).
+    """
+    m = rows * samples
+    if diagonal:
+        flat = block.transpose(0, 1).reshape(m)
+        if order is None:
+            return flat
+        out = torch.empty_like(flat)
+        out[order.reshape(-1)] = flat
+        return out
+    flat = block.permute(1, 0, 3, 2).reshape(m, m)
+    if order is None:
+        return flat
+    inverse = torch.argsort(order.reshape(-1))
+    return flat[inverse][:, inverse]
+

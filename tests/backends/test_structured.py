@@ -1,0 +1,158 @@
+"""The structured backend: both ways on every zoo model, the cost model, options, purity."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import torchgram as tg
+from reference import dense_gramian
+from torchgram._problem import GramianProblem, make_batch_spec
+from torchgram._pytree import select_diff_leaves
+from torchgram.backends._sink import GramSink
+from torchgram.backends.structured import plan_problem, run_structured
+from zoo import NAMES, build
+
+
+def _problem(f, args, *, batch_dim=None, in_dims=0, diagonal=False, memory_budget=None,
+             chunk_size=None):
+    diff = select_diff_leaves(args, (0,))
+    batch = None if batch_dim is None else make_batch_spec("t", args, (0,), batch_dim, in_dims)
+    return GramianProblem(api="t", f=f, args=args, kwargs={}, diff=diff, has_aux=False,
+                          batch=batch, chunk_size=chunk_size, memory_budget=memory_budget,
+                          diagonal=diagonal, per_leaf=False)
+
+
+def _forced(case, way, batch_dim, diagonal):
+    problem = _problem(case.f, case.args, batch_dim=batch_dim, in_dims=case.in_dims,
+                       diagonal=diagonal)
+    sink = GramSink(len(problem.leaves), per_leaf=False, diagonal=diagonal)
+    run_structured(problem, sink, force=way)
+    spec = problem.output
+    return sink.result(spec.num_rows, spec.dtype, spec.device)[0]
+
+
+def _close(actual, expected):
+    scale = expected.abs().max().clamp_min(1.0)
+    torch.testing.assert_close(actual / scale, expected / scale, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("way", ["ghost", "materialize"])
+@pytest.mark.parametrize(("name", "per_sample"), [
+    pytest.param(name, per_sample, id=f"{name}-{'batch' if per_sample else 'dense'}")
+    for name in NAMES for per_sample in (False, True)
+    if not (per_sample and build(name).batch_dim is None)
+])
+def test_both_ways_match_oracle_on_zoo(name, per_sample, way):
+    """Cross terms of tied / reused leaves, index grams, groups: ghost and materialize agree."""
+    case = build(name)
+    expected = dense_gramian(case.f, case.args).gramian
+    batch_dim = case.batch_dim if per_sample else None
+    _close(_forced(case, way, batch_dim, diagonal=False), expected)
+    _close(_forced(case, way, batch_dim, diagonal=True), expected.diagonal())
+
+
+def _mlp_losses(widths, batch):
+    layers = []
+    for d_in, d_out in zip(widths[:-1], widths[1:], strict=False):
+        layers += [nn.Linear(d_in, d_out), nn.ReLU()]
+    model = nn.Sequential(*layers[:-1])
+    fn, params = tg.functionalize(model)
+    x, y = torch.randn(batch, widths[0]), torch.randint(0, widths[-1], (batch,))
+    return (lambda p, x, y: F.cross_entropy(fn(p, x), y, reduction="none")), (params, x, y)
+
+
+def test_cost_model_picks_ghost_for_mlp_layers_without_positions():
+    f, args = _mlp_losses([784, 512, 512, 10], batch=64)
+    plan = plan_problem(_problem(f, args, batch_dim=0))
+    ways = {tuple(args[0][name].shape): p.way for name, p in zip(sorted(args[0]), plan.leaves,
+                                                                  strict=True)}
+    assert ways[(512, 784)] == ways[(512, 512)] == ways[(10, 512)] == "ghost"
+    assert all(p.ghost_cost < p.materialize_cost for p in plan.leaves if p.way == "ghost")
+
+
+def test_cost_model_materializes_long_sequences_of_narrow_layers():
+    params = {"w": torch.randn(8, 8)}
+
+    def f(p, x):  # x: [B, T=256, 8]
+        return torch.tanh(F.linear(x, p["w"])).mean((1, 2))
+
+    plan = plan_problem(_problem(f, (params, torch.randn(16, 256, 8)), batch_dim=0))
+    assert [p.way for p in plan.leaves] == ["materialize"]
+    assert plan.leaves[0].ghost_cost > plan.leaves[0].materialize_cost
+    short = plan_problem(_problem(f, (params, torch.randn(16, 1, 8)), batch_dim=0))
+    assert [p.way for p in short.leaves] == ["ghost"]
+
+
+def test_memory_budget_turns_a_large_materialized_jacobian_into_ghost():
+    params = {"w": torch.randn(8, 8)}
+
+    def f(p, x):
+        return torch.tanh(F.linear(x, p["w"])).mean((1, 2))
+
+    args = (params, torch.randn(16, 256, 8))
+    assert [p.way for p in plan_problem(_problem(f, args, batch_dim=0,
+                                                 memory_budget=1024)).leaves] == ["ghost"]
+
+
+@pytest.mark.parametrize("chunk_size", [None, 1, 4, 100])
+@pytest.mark.parametrize("memory_budget", [None, 2048])
+def test_ntk_rows_in_chunks(chunk_size, memory_budget):
+    case = build("mlp_logits")
+    expected = dense_gramian(case.f, case.args)
+    for batch_dim in (None, 0):
+        G = tg.gramian(case.f, backend="structured", batch_dim=batch_dim, chunk_size=chunk_size,
+                       memory_budget=memory_budget)(*case.args)
+        _close(G, expected.shaped())
+
+
+def test_shared_inputs_and_in_dims():
+    torch.manual_seed(0)
+    params = {"w": torch.randn(3, 4, dtype=torch.float64)}
+
+    def f(p, x, shift):
+        return torch.tanh(F.linear(x + shift, p["w"])).sum(-1)
+
+    args = (params, torch.randn(5, 4, dtype=torch.float64), torch.randn(4, dtype=torch.float64))
+    G = tg.gramian(f, backend="structured", batch_dim=0, in_dims=(0, None))(*args)
+    _close(G, dense_gramian(f, args).gramian)
+
+
+def test_output_without_dependence_on_parameters_gives_zeros():
+    params = {"w": torch.randn(3, 4, dtype=torch.float64)}
+    x = torch.randn(5, 4, dtype=torch.float64)
+    for batch_dim in (None, 0):
+        G = tg.gramian(lambda p, x: x.sum(-1), backend="structured", batch_dim=batch_dim)(params, x)
+        assert torch.equal(G, torch.zeros(5, 5, dtype=torch.float64))
+
+
+def test_user_tensors_are_left_alone():
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2))
+    params = {name: p.detach().clone().requires_grad_() for name, p in model.named_parameters()}
+    before = {name: p.detach().clone() for name, p in params.items()}
+    x = torch.randn(6, 4)
+
+    def f(p, x):
+        return torch.func.functional_call(model, p, (x,)).sum(-1)
+
+    for batch_dim in (None, 0):
+        G = tg.gramian(f, backend="structured", batch_dim=batch_dim)(params, x)
+        assert not G.requires_grad
+    for name, p in params.items():
+        assert p.requires_grad and p.grad is None and p.is_leaf
+        assert torch.equal(p.detach(), before[name])
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_aggregated_grad_uses_the_rows_the_backend_recorded():
+    case = build("mlp")
+    weights = lambda G: torch.linspace(0.5, 1.5, G.shape[0], dtype=G.dtype)  # noqa: E731
+    reference, info_ref = tg.aggregated_grad(case.f, weights, backend="jacobian",
+                                             batch_dim=0)(*case.args)
+    update, info = tg.aggregated_grad(case.f, weights, backend="structured",
+                                      batch_dim=0)(*case.args)
+    torch.testing.assert_close(info.output, info_ref.output)
+    for name in reference:
+        torch.testing.assert_close(update[name], reference[name])
