@@ -156,3 +156,43 @@ def test_aggregated_grad_uses_the_rows_the_backend_recorded():
     torch.testing.assert_close(info.output, info_ref.output)
     for name in reference:
         torch.testing.assert_close(update[name], reference[name])
+
+
+def _forward_kind(f, args, **options):
+    from torchgram.backends._structured_pass import trace
+    from torchgram.backends.structured import _per_sample_forward
+
+    problem = _problem(f, args, batch_dim=0, **options)
+    with torch.enable_grad():
+        return _per_sample_forward(problem, trace(problem)).kind
+
+
+def test_per_sample_forward_runs_batched_when_shapes_say_where_samples_are():
+    mlp = build("mlp")
+    assert _forward_kind(mlp.f, mlp.args) == "batched"
+    attention = build("attention")  # MultiheadAttention's weights need the fallback
+    assert _forward_kind(attention.f, attention.args) == "vmap"
+    params = {"w": torch.randn(3, 4, dtype=torch.float64)}
+
+    def flat_tokens(p, x):  # [B, T, 4] -> [B·T, 4]: samples are not one dim of the tap
+        return F.linear(x.reshape(-1, 4), p["w"]).reshape(x.shape[0], -1).sum(-1)
+
+    args = (params, torch.randn(5, 2, 4, dtype=torch.float64))
+    assert _forward_kind(flat_tokens, args) == "vmap"
+    _close(tg.gramian(flat_tokens, backend="structured", batch_dim=0)(*args),
+           dense_gramian(flat_tokens, args).gramian)
+
+
+def test_a_cached_trace_that_no_longer_fits_is_caught():
+    state = {"square": False}
+    params = {"w": torch.randn(3, 4, dtype=torch.float64)}
+
+    def f(p, x):
+        h = torch.tanh(F.linear(x, p["w"]))
+        return (h * p["w"].sum() if state["square"] else h).sum(-1)
+
+    x = torch.randn(5, 4, dtype=torch.float64)
+    transform = tg.gramian(f, backend="structured", batch_dim=0)
+    _close(transform(params, x), dense_gramian(f, (params, x)).gramian)
+    state["square"] = True  # same code, same shapes: the cached trace is stale
+    _close(transform(params, x), dense_gramian(f, (params, x)).gramian)

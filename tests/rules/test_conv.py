@@ -95,9 +95,9 @@ def test_patches_reproduce_the_convolution(name):
     cols = patches(x, layout.kernel, layout.stride, layout.padding, layout.dilation)
     groups = layout.groups
     y = conv(x, w, **options)
-    per_group = cols.reshape(*cols.shape[:2], groups, -1)
+    per_group = cols.reshape(cols.shape[0], groups, -1, cols.shape[-1])
     w_groups = w.reshape(groups, w_shape[0] // groups, -1)
-    out = torch.einsum("nlgk,gok->ngol", per_group, w_groups).reshape(x.shape[0], w_shape[0],
+    out = torch.einsum("ngkl,gok->ngol", per_group, w_groups).reshape(x.shape[0], w_shape[0],
                                                                     *y.shape[2:])
     assert y.dim() == nd + 2
     torch.testing.assert_close(out, y)

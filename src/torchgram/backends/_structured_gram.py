@@ -99,8 +99,33 @@ class UseFactors:
         return UseFactors(self.first.take(rows, samples), self.second.take(rows, samples))
 
 
+def _single_position(u: UseFactors, v: UseFactors) -> bool:
+    """Dense factors, same orientation, one position and one group: plain matrix products."""
+    factors = (u.first, u.second, v.first, v.second)
+    return (u.first.kind == v.first.kind and all(f.kind != "index" for f in factors)
+            and all(f.tensor.shape[-3] == 1 and f.tensor.shape[-2] == 1 for f in factors))
+
+
+def _pair_single_position(u: UseFactors, v: UseFactors, diagonal: bool) -> Tensor:
+    """:func:`pair_gram` for ``T = G = 1``: ``(A Aᵀ) ⊙ (C Cᵀ)`` (the MLP case)."""
+    act_u, cot_u = (u.first, u.second) if u.first.kind == "act" else (u.second, u.first)
+    act_v, cot_v = (v.first, v.second) if v.first.kind == "act" else (v.second, v.first)
+    a_u = act_u.tensor.reshape(act_u.tensor.shape[0], -1)
+    a_v = act_v.tensor.reshape(act_v.tensor.shape[0], -1)
+    rows, samples = cot_u.tensor.shape[:2]
+    c_u = cot_u.tensor.reshape(rows * samples, -1)
+    c_v = cot_v.tensor.reshape(cot_v.tensor.shape[0] * cot_v.tensor.shape[1], -1)
+    if diagonal:
+        return (c_u * c_v).sum(-1).reshape(rows, samples) * (a_u * a_v).sum(-1)
+    acts = a_u @ a_v.T
+    cots = (c_u @ c_v.T).reshape(rows, samples, cot_v.tensor.shape[0], cot_v.tensor.shape[1])
+    return cots * acts[None, :, None, :]
+
+
 def pair_gram(u: UseFactors, v: UseFactors, diagonal: bool, dtype: torch.dtype) -> Tensor:
     """``⟨J_u[r, b], J_v[s, c]⟩`` as ``[R, B, R', B']`` (``[R, B]`` when ``diagonal``)."""
+    if _single_position(u, v):
+        return _pair_single_position(u, v, diagonal)
     first, first_letters = factor_gram(u.first, v.first, diagonal, dtype)
     second, second_letters = factor_gram(u.second, v.second, diagonal, dtype)
     out = "rb" if diagonal else "rbsc"
@@ -169,7 +194,9 @@ class Contraction:
     """Collects the pass's factors, row chunk by row chunk, and yields per-leaf blocks.
 
     Args:
-        plans: One plan per leaf (``way`` and the uses to contract).
+        plans: One plan per leaf (its ``way``).
+        uses: The run's records of each planned leaf's tapped uses (they carry the layouts
+            of the run; the plan's are the trace's).
         numels: Number of entries of every leaf.
         samples: ``B``.
         rows: ``R``.
@@ -177,10 +204,11 @@ class Contraction:
         max_pair_elements: Bound on one ghost pair block before row-chunking.
     """
 
-    def __init__(self, plans: Sequence[LeafPlan], numels: Sequence[int], samples: int,
-                 rows: int, diagonal: bool,
+    def __init__(self, plans: Sequence[LeafPlan], uses: dict[int, tuple[UseRecord, ...]],
+                 numels: Sequence[int], samples: int, rows: int, diagonal: bool,
                  max_pair_elements: int = DEFAULT_PAIR_ELEMENTS) -> None:
         self.plans = plans
+        self.uses = uses
         self.numels = numels
         self.samples = samples
         self.rows = rows
@@ -226,7 +254,7 @@ class Contraction:
         """
         for plan in self.plans:
             if plan.way == "ghost":
-                for k, use in enumerate(plan.uses):
+                for k, use in enumerate(self.uses.get(plan.leaf, ())):
                     cot = self._cot_tensor(use, tap_cots)
                     if cot is not None:
                         self._ghost_cots.setdefault((plan.leaf, k), []).append(cot)
@@ -237,7 +265,7 @@ class Contraction:
                 continue
             numel = self.numels[plan.leaf]
             part: Tensor | None = carrier_grads.get(plan.leaf)
-            for k, use in enumerate(plan.uses):
+            for k, use in enumerate(self.uses.get(plan.leaf, ())):
                 cot = self._cot_tensor(use, tap_cots)
                 if cot is None:
                     continue
@@ -246,6 +274,9 @@ class Contraction:
             if part is None:
                 continue
             store = self._jacobians.get(plan.leaf)
+            if store is None and start == 0 and stop == self.rows:
+                self._jacobians[plan.leaf] = part  # all rows at once: no copy
+                continue
             if store is None:
                 store = self._jacobians[plan.leaf] = part.new_zeros(self.rows, self.samples,
                                                                     numel)
@@ -264,7 +295,7 @@ class Contraction:
 
     def _ghost_block(self, plan: LeafPlan, dtype: torch.dtype) -> Tensor | None:
         factors: list[tuple[UseFactors, int]] = []
-        for k, use in enumerate(plan.uses):
+        for k, use in enumerate(self.uses.get(plan.leaf, ())):
             pieces = self._ghost_cots.pop((plan.leaf, k), [])
             if not pieces:
                 continue

@@ -36,18 +36,20 @@ from torch import Tensor
 
 from torchgram._problem import GramianProblem
 from torchgram.backends._cost import LeafPlan, Sizes, plan_leaves
-from torchgram.backends._registry import NO_AUX, register
+from torchgram.backends._registry import register
 from torchgram.backends._sink import GramSink
 from torchgram.backends._structured_gram import Contraction, to_canonical
 from torchgram.backends._structured_pass import (
     Forward,
     backward_chunks,
+    batched_forward,
     dense_forward,
     per_sample_forward,
+    restrict,
     rows_per_pass,
     trace,
 )
-from torchgram.rules.taps import Recording, TraceMismatch
+from torchgram.rules.taps import Recording, TraceMismatch, UseRecord
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,19 @@ def _forward_flops(recording: Recording, samples: int) -> float:
     return float(samples * (sum(per_call.values()) + unrecognised))
 
 
+def ensure_output_spec(problem: GramianProblem) -> None:
+    """Record the output's shapes if no evaluation did yet (one sample with ``batch_dim``)."""
+    if problem.output is not None:
+        return
+    batch = problem.batch
+    with torch.no_grad():
+        if batch is None:
+            problem.probe()
+        else:
+            problem.sample_rows(problem.leaves, tuple(
+                t.narrow(d, 0, 1) for t, d in zip(batch.tensors, batch.dims, strict=True)))
+
+
 def plan_problem(problem: GramianProblem, recording: Recording | None = None, *,
                  force: str | None = None) -> StructuredPlan:
     """Trace ``f`` (one sample with ``batch_dim``) and plan every leaf, without computing G.
@@ -92,14 +107,38 @@ def plan_problem(problem: GramianProblem, recording: Recording | None = None, *,
     """
     if recording is None:
         recording = trace(problem)
+    ensure_output_spec(problem)
     spec = problem.output
     assert spec is not None
     samples = 1 if problem.batch is None else problem.batch.size
     sizes = Sizes(samples, spec.num_rows // samples, problem.diagonal, _itemsize(problem))
-    leaves = plan_leaves([leaf.numel() for leaf in problem.leaves], recording, sizes,
-                         tap_fallback_uses=problem.batch is None,
-                         memory_budget=problem.memory_budget, force=force)
-    return StructuredPlan(recording, sizes, tuple(leaves), _forward_flops(recording, samples))
+    numels = tuple(leaf.numel() for leaf in problem.leaves)
+    key = (sizes, numels, problem.batch is None, problem.memory_budget, force)
+    plan = recording.plans.get(key)
+    if plan is None:
+        leaves = plan_leaves(numels, recording, sizes, tap_fallback_uses=problem.batch is None,
+                             memory_budget=problem.memory_budget, force=force)
+        plan = StructuredPlan(recording, sizes, tuple(leaves),
+                              _forward_flops(recording, samples))
+        recording.plans[key] = plan
+    return plan
+
+
+def run_uses(plans: Sequence[LeafPlan], run: Recording) -> dict[int, tuple[UseRecord, ...]]:
+    """The run's records of the uses each plan contracts (same uses as planned, or raise)."""
+    by_leaf: dict[int, list[UseRecord]] = {}
+    for use in run.uses:
+        by_leaf.setdefault(use.leaf, []).append(use)
+    uses = {}
+    for plan in plans:
+        if not plan.uses:
+            continue
+        seen = tuple(by_leaf.get(plan.leaf, ()))
+        if len(seen) != len(plan.uses):
+            raise TraceMismatch(f"leaf {plan.leaf}: {len(seen)} uses in the run, "
+                                f"{len(plan.uses)} planned")
+        uses[plan.leaf] = seen
+    return uses
 
 
 @register("structured")
@@ -117,39 +156,54 @@ def run_structured(problem: GramianProblem, sink: GramSink, plan: StructuredPlan
     with torch.enable_grad():
         if problem.batch is None:
             return _dense(problem, sink, force)
-        _per_sample(problem, sink, plan, force)
-        return NO_AUX
+        return _per_sample(problem, sink, plan, force)
+
+
+def _per_sample_forward(problem: GramianProblem, traced: Recording) -> Forward:
+    """The batched way if possible, else vmap (or a loop); all-fallback if the run diverges."""
+    fallback = sorted(traced.unrecognised)
+    tapped = [i for i in range(len(problem.leaves)) if i not in set(fallback)]
+    expected = restrict(traced, tapped)
+    loop = problem.chunk_size == 1
+    try:
+        if not fallback:
+            forward = batched_forward(problem, expected)
+            if forward is not None:
+                return forward
+        return per_sample_forward(problem, expected, fallback, loop=loop)
+    except TraceMismatch:
+        everything = range(len(problem.leaves))
+        return per_sample_forward(problem, restrict(traced, []), everything, loop=loop)
 
 
 def _per_sample(problem: GramianProblem, sink: GramSink, plan: StructuredPlan | None,
-                force: str | None) -> None:
-    if plan is None:
-        plan = plan_problem(problem, force=force)
-    fallback = [p.leaf for p in plan.leaves if p.way == "fallback"]
-    loop = problem.chunk_size == 1
-    try:
-        forward = per_sample_forward(problem, plan.recording, fallback, loop=loop)
-        leaf_plans: Sequence[LeafPlan] = plan.leaves
-    except TraceMismatch:  # the run left its trace: everything on the fallback
-        everything = Recording(unrecognised={i: ["(replay mismatch)"]
-                                             for i in range(len(problem.leaves))})
-        plan = plan_problem(problem, everything)
-        leaf_plans = plan.leaves
-        forward = per_sample_forward(problem, everything, range(len(problem.leaves)),
-                                     loop=loop)
-    order = problem.canonical_rows()
+                force: str | None) -> Any:
+    traced = plan.recording if plan is not None else trace(problem)
+    forward = _per_sample_forward(problem, traced)
+    if len(forward.carrier_leaves) > len(traced.unrecognised):  # the run diverged
+        traced = Recording(unrecognised={i: ["(a run that left its trace)"]
+                                         for i in range(len(problem.leaves))})
+        plan = None
+    if plan is None or force is not None:
+        plan = plan_problem(problem, traced, force=force)
     rows = forward.detached_rows()
-    problem.output_rows = rows.new_empty(rows.numel())
-    problem.output_rows[order.reshape(-1)] = rows.reshape(-1)
-    _contract(problem, sink, forward, leaf_plans, _order_or_none(problem, order))
+    order = _order_or_none(problem)
+    if forward.kind == "batched" or order is None:
+        problem.output_rows = rows.reshape(-1)
+    else:
+        problem.output_rows = rows.new_empty(rows.numel())
+        problem.output_rows[order.reshape(-1)] = rows.reshape(-1)
+    _contract(problem, sink, forward, plan.leaves, order)
+    return forward.aux
 
 
-def _order_or_none(problem: GramianProblem, order: Tensor) -> Tensor | None:
+def _order_or_none(problem: GramianProblem) -> Tensor | None:
+    """Where each ``(b, k)`` row sits among the outputs, or ``None`` when row-major."""
     spec = problem.output
     assert spec is not None and spec.batch_dims is not None
     if len(spec.shapes) == 1 and spec.batch_dims[0] == 0:
-        return None  # row-major [B, K...]: already the output's order
-    return order
+        return None
+    return problem.canonical_rows()
 
 
 def _dense(problem: GramianProblem, sink: GramSink, force: str | None) -> Any:
@@ -163,7 +217,8 @@ def _dense(problem: GramianProblem, sink: GramSink, force: str | None) -> Any:
 def _contract(problem: GramianProblem, sink: GramSink, forward: Forward,
               plans: Sequence[LeafPlan], order: Tensor | None) -> None:
     samples, rows = forward.samples, forward.rows_per_sample
-    contraction = Contraction(plans, [leaf.numel() for leaf in problem.leaves], samples, rows,
+    contraction = Contraction(plans, run_uses(plans, forward.recording),
+                              [leaf.numel() for leaf in problem.leaves], samples, rows,
                               problem.diagonal)
     contraction.set_acts(forward.acts)
     per_pass = rows_per_pass(problem, forward)

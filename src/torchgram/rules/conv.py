@@ -54,7 +54,10 @@ def resolve_padding(padding: Any, kernel: tuple[int, ...],
 
 def patches(x: Tensor, kernel: tuple[int, ...], stride: tuple[int, ...],
             padding: tuple[tuple[int, int], ...], dilation: tuple[int, ...]) -> Tensor:
-    """Input patches ``[N, L, C·K]`` of ``x: [N, C, *spatial]`` (channel-major, like W).
+    """Input patches ``[N, C·K, L]`` of ``x: [N, C, *spatial]`` (like ``F.unfold``, any nd).
+
+    Rows are channel-major ``(c, k_1, ..., k_nd)``, like the weight's flattening; the ``L``
+    output positions are innermost, which keeps the one copy this makes contiguous.
 
     Example:
         >>> import torch
@@ -62,16 +65,10 @@ def patches(x: Tensor, kernel: tuple[int, ...], stride: tuple[int, ...],
         >>> w = torch.randn(4, 3, 2, 2)
         >>> p = patches(x, (2, 2), (2, 2), ((1, 1), (1, 1)), (1, 1))
         >>> y = torch.conv2d(x, w, stride=2, padding=1)
-        >>> torch.allclose((p @ w.reshape(4, -1).T).transpose(1, 2).reshape(y.shape), y,
-        ...                atol=1e-5)
+        >>> torch.allclose((w.reshape(4, -1) @ p).reshape(y.shape), y, atol=1e-5)
         True
     """
     nd = len(kernel)
-    symmetric = all(left == right for left, right in padding)
-    if nd == 2 and symmetric:
-        cols = F.unfold(x, kernel, dilation=dilation, padding=[p for p, _ in padding],
-                        stride=stride)
-        return cols.transpose(1, 2)
     flat_pad = [p for pair in reversed(padding) for p in pair]
     if any(flat_pad):
         x = F.pad(x, flat_pad)
@@ -79,14 +76,12 @@ def patches(x: Tensor, kernel: tuple[int, ...], stride: tuple[int, ...],
         span = dilation[i] * (kernel[i] - 1) + 1
         x = x.unfold(2 + i, span, stride[i])
     if any(d > 1 for d in dilation):
-        index = (Ellipsis, *(slice(None, None, d) for d in dilation))
-        x = x[index]
+        x = x[(Ellipsis, *(slice(None, None, d) for d in dilation))]
     n, c = x.shape[:2]
-    # [N, C, L_1..L_nd, k_1..k_nd] -> [N, L_1..L_nd, C, k_1..k_nd]
-    order = (0, *range(2, 2 + nd), 1, *range(2 + nd, 2 + 2 * nd))
-    x = x.permute(order)
-    positions = math.prod(x.shape[1:1 + nd])
-    return x.reshape(n, positions, c * math.prod(kernel))
+    # [N, C, L_1..L_nd, k_1..k_nd] -> [N, C, k_1..k_nd, L_1..L_nd]
+    order = (0, 1, *range(2 + nd, 2 + 2 * nd), *range(2, 2 + nd))
+    positions = math.prod(x.shape[2:2 + nd])
+    return x.permute(order).reshape(n, c * math.prod(kernel), positions)
 
 
 class ConvLayout(Layout):
@@ -118,7 +113,9 @@ class ConvLayout(Layout):
         lead = raw.shape[:nlead]
         x = raw.reshape(-1, self.c_in, *raw.shape[raw.dim() - self.nd:])
         cols = patches(x, self.kernel, self.stride, self.padding, self.dilation)
-        return cols.reshape(*lead, -1, self.groups, self.act_width)
+        n, _, positions = cols.shape
+        per_position = cols.view(n, self.groups, self.act_width, positions).permute(0, 3, 1, 2)
+        return per_position.reshape(*lead, -1, self.groups, self.act_width)
 
     def cot_factor(self, raw: Tensor, nlead: int, act_raw: Tensor | None) -> Tensor:
         """Output cotangent, positions = (inner batch, output positions)."""

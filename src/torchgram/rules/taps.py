@@ -71,6 +71,7 @@ class UseRecord:
         tap: Index of the call's tap.
         act: Index of the activation among the mode's recorded activations (weights only).
         shape: The use's sizes per evaluated batch.
+        act_shape: The activation's shape (weights only).
     """
 
     leaf: int
@@ -81,6 +82,16 @@ class UseRecord:
     tap: int
     act: int | None
     shape: UseShape
+    act_shape: tuple[int, ...] | None = None
+
+    def same_structure(self, other: UseRecord, samples: int = 1) -> bool:
+        """Whether ``other`` is this use seen on ``samples`` times the batch (or the same)."""
+        mine, theirs = self.shape, other.shape
+        return (self.leaf, self.role, self.rule, self.act_first, self.tap, self.act) == \
+            (other.leaf, other.role, other.rule, other.act_first, other.tap, other.act) and \
+            (mine.groups, mine.act_width, mine.cot_width, mine.act_is_index) == \
+            (theirs.groups, theirs.act_width, theirs.cot_width, theirs.act_is_index) and \
+            mine.positions * samples == theirs.positions
 
 
 @dataclass
@@ -91,6 +102,8 @@ class Recording:
     uses: list[UseRecord] = field(default_factory=list)
     unrecognised: dict[int, list[str]] = field(default_factory=dict)
     unrecognised_flops: dict[int, int] = field(default_factory=dict)
+    plans: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
+    """Plans made from this recording, by the backend (a cache)."""
 
     def uses_of(self, leaf: int) -> list[UseRecord]:
         """The recognised uses of ``leaf``, in call order."""
@@ -296,5 +309,7 @@ class TapMode(TorchFunctionMode):
                 leaf=ref.index, role=role, rule=match.rule, layout=layout,
                 act_first=layout.act_first != ref.transposed, tap=tap_index, act=act_index,
                 shape=layout.shape(y.numel()),
+                act_shape=None if operand.act is None or role != "weight"
+                else tuple(operand.act.shape),
             ))
         return y
