@@ -1,10 +1,11 @@
 """Timing and peak memory of one (case, method), in this process or in a fresh one.
 
 # NOTE [what the numbers mean]
-Time: every call goes from the inputs to the result (forward included). After one warm-up
-call (two when it is fast), the median of ``n`` timed calls is reported; ``n`` is at least
-5, more for fast methods, and 3 for a method whose warm-up call took longer than
-``slow_s`` (the naive methods on the large cases; the table shows ``n``). One call, at the
+Time: every call goes from the inputs to the result (forward included). After two warm-up
+calls (one when the first takes over ``rewarm_s``), the median of ``n`` timed calls is
+reported; ``n`` is at least 5, more for fast methods, and 3 for a method whose last warm-up
+call took longer than ``slow_s`` (the naive methods on the large cases; the table shows
+``n``). One call, at the
 end, measures memory; it is not timed. A method whose first call exceeds ``very_slow_s`` is
 reported with that one (cold) call and no memory figure, so a run stays bounded.
 
@@ -57,7 +58,9 @@ class Policy:
         slow_s: See ``slow_reps``.
         very_slow_s: A method whose first call takes longer is timed by that call alone (cold,
             ``n = 1``) and its memory is not measured, to keep a run bounded.
-        warmups: Warm-up calls when the first is fast (under 0.5 s); one otherwise.
+        warmups: Warm-up calls (2: a second one when the first took at most ``rewarm_s``;
+            the number of timed calls is chosen from the last warm-up's time).
+        rewarm_s: See ``warmups``.
         target_s: Seconds of timed calls to aim for (between ``min_reps`` and ``max_reps``).
         timeout_s: Wall-clock limit of one (case, method) subprocess.
     """
@@ -68,6 +71,7 @@ class Policy:
     slow_s: float = 1.0
     very_slow_s: float = 30.0
     warmups: int = 2
+    rewarm_s: float = 3.0
     target_s: float = 1.0
     timeout_s: float = 300.0
 
@@ -199,12 +203,13 @@ def measure(case_name: str, method_name: str, sizes: cases.Sizes, policy: Policy
             if first > policy.very_slow_s:  # keep the run bounded: that call is the only one
                 record.slow, record.times_s = True, [first]
             else:
-                if first < 0.5 and policy.warmups > 1:
-                    first, _ = _timed(call)
-                record.slow = first > policy.slow_s and policy.slow_reps < policy.min_reps
-                reps = (policy.slow_reps if first > policy.slow_s
+                steady = first  # the first call pays one-off costs (tracing, lazy init)
+                if policy.warmups > 1 and first <= policy.rewarm_s:
+                    steady, _ = _timed(call)
+                record.slow = steady > policy.slow_s and policy.slow_reps < policy.min_reps
+                reps = (policy.slow_reps if steady > policy.slow_s
                         else max(policy.min_reps,
-                                 min(policy.max_reps, int(policy.target_s / max(first, 1e-9)))))
+                                 min(policy.max_reps, int(policy.target_s / max(steady, 1e-9)))))
                 record.times_s = [_timed(call)[0] for _ in range(reps)]
                 result, record.peak_bytes = peak_memory_of(call)
             record.result = None if result is None else peers.flat_result(result, case)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import platform
 import shlex
@@ -54,6 +55,9 @@ def _parser() -> argparse.ArgumentParser:
     isolation.add_argument("--in-process", dest="isolate", action="store_false",
                            help="measure everything in this process (faster, less isolated)")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    parser.add_argument("--render", type=Path, default=None, metavar="JSON",
+                        help="measure nothing: rewrite the markdown and plot from a saved "
+                             "benchmarks.json (into --out, default: next to it)")
     return parser
 
 
@@ -98,6 +102,8 @@ def run(argv: list[str] | None = None) -> list[report.CaseReport]:
     """Parse ``argv``, run the suite, write the outputs; return the per-case reports."""
     args = _parser().parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else list(argv)
+    if args.render is not None:
+        return render(args.render, args.out or args.render.parent, plot=not args.no_plot)
     names = [n.strip() for n in args.cases.split(",") if n.strip()]
     unknown = sorted(set(names) - set(cases.NAMES))
     if unknown:
@@ -135,6 +141,19 @@ def run(argv: list[str] | None = None) -> list[report.CaseReport]:
     report.dump_json(reports, env, out / "benchmarks.json")
     print(f"\nwrote {out / 'benchmarks.md'}" + (f", {out / plot_name}" if plot_name else "")
           + f", {out / 'benchmarks.json'} in {env['wall_s']:.0f} s")
+    return reports
+
+
+def render(path: Path, out: Path, *, plot: bool = True) -> list[report.CaseReport]:
+    """Rewrite ``benchmarks.md`` (and the plot) in ``out`` from a saved ``benchmarks.json``."""
+    data = json.loads(path.read_text())
+    reports = [report.CaseReport.from_json(c) for c in data["cases"]]
+    out.mkdir(parents=True, exist_ok=True)
+    plot_name = "benchmarks.png" if plot else None
+    if plot_name:
+        report.plot(reports, out / plot_name)
+    (out / "benchmarks.md").write_text(report.markdown(reports, data["environment"], plot_name))
+    print(f"wrote {out / 'benchmarks.md'}" + (f", {out / plot_name}" if plot_name else ""))
     return reports
 
 

@@ -50,6 +50,15 @@ def test_outputs_are_written(quick_run: tuple[Path, dict[str, Any]]) -> None:
     assert data["environment"]["threads"] == 1
 
 
+def test_render_rewrites_the_same_page_from_the_json(quick_run: tuple[Path, dict[str, Any]],
+                                                    tmp_path: Path) -> None:
+    out, _ = quick_run
+    run.run(["--render", str(out / "benchmarks.json"), "--out", str(tmp_path), "--no-plot"])
+    expected = (out / "benchmarks.md").read_text().replace("![time relative to a plain "
+                                                          "backward](benchmarks.png)\n\n", "")
+    assert (tmp_path / "benchmarks.md").read_text() == expected
+
+
 @pytest.mark.parametrize("name", CASES)
 def test_every_method_runs_and_agrees(quick_run: tuple[Path, dict[str, Any]], name: str) -> None:
     _, reports = quick_run
