@@ -12,12 +12,14 @@ from torchgram import weighting as weighting
 from torchgram._aggregate import Aggregation as Aggregation
 from torchgram._aggregate import aggregated_grad as aggregated_grad
 from torchgram._api import gramian as gramian
+from torchgram._explain import explain as explain
 from torchgram._functionalize import functionalize as functionalize
 
 __all__ = [
     "Aggregation",
     "aggregated_grad",
     "autograd",
+    "explain",
     "functionalize",
     "gramian",
     "weighting",

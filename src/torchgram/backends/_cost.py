@@ -30,8 +30,9 @@ and batch structure. The elementwise combine is memory-bound where the Gram prod
 matrix products, so it is weighted by :data:`ELEMENTWISE_WEIGHT`.
 
 **Fallback** leaves (used outside any rule) get their per-row Jacobian from the same
-backward (the gradient of a per-sample copy of the leaf): ``R·(unrecognised op cost)``
-plus the Gram ``(R·B)²·P``.
+backward (the gradient of a per-sample copy of the leaf): ``R·B·(unrecognised op cost per
+sample)``, the op's cost taken as ``output entries × P / (leading dim of the leaf)``, plus
+the Gram ``(R·B)²·P``.
 
 A ghost plan needs every use of the leaf to be a weight with the same factor widths and
 groups; otherwise (or with a bias use, or a fallback part) the leaf is materialized. With
@@ -156,7 +157,7 @@ def materialize_cost(uses: Sequence[UseRecord], numel: int, sizes: Sizes,
             build += rows * use.shape.positions * use.shape.groups * use.shape.cot_width
         else:
             build += rows * use.shape.positions * numel
-    build += sizes.rows * fallback_flops
+    build += sizes.rows * sizes.samples * fallback_flops  # flops are per evaluated batch
     gram = rows * numel * (1 if sizes.diagonal else rows)
     return build + gram
 

@@ -94,8 +94,8 @@ def trace(problem: GramianProblem) -> Recording:
     code which branches on ``requires_grad`` takes the same path as in the real pass. The
     recording is cached per function and call signature.
     """
-    cacheable = problem.batch is not None and _identity(problem.f) is not None
-    key = _signature(problem) if cacheable else None  # dense traces only serve reports
+    cacheable = _identity(problem.f) is not None
+    key = _signature(problem) if cacheable else None
     recording = _TRACE_CACHE.get(key) if cacheable else None
     if recording is not None:
         _TRACE_CACHE.move_to_end(key)
@@ -106,12 +106,13 @@ def trace(problem: GramianProblem) -> Recording:
         batch = problem.batch
         if batch is None:
             with mode:
-                problem.rows(carriers)
+                rows = problem.rows(carriers)[0]
         else:
             sample = tuple(t.narrow(d, 0, 1) for t, d in zip(batch.tensors, batch.dims,
                                                              strict=True))
             with mode:
-                problem.sample_rows(carriers, sample)
+                rows = problem.sample_rows(carriers, sample)
+    mode.recording.rows = rows.numel()
     if cacheable:
         _TRACE_CACHE[key] = mode.recording
         while len(_TRACE_CACHE) > _CACHED_TRACES:
@@ -321,6 +322,7 @@ def dense_forward(problem: GramianProblem) -> Forward:
     with mode:
         rows, aux = problem.rows(tuple(carriers))
     used = sorted(mode.recording.unrecognised)
+    mode.recording.rows = rows.numel()
     return Forward("dense", mode.recording, 1, rows.numel(),
                    [act.unsqueeze(0) for act in mode.acts], [rows], [mode.made_taps],
                    [[carriers[i] for i in used]], used, aux=aux)

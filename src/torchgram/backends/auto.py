@@ -1,21 +1,154 @@
-"""``backend="auto"``: pick a backend from the problem's shapes, without trial runs."""
+"""``backend="auto"``: pick a backend from the problem's shapes, without trial runs.
+
+# NOTE [auto cost model]
+``auto`` traces ``f`` the way the structured backend does (one sample with ``batch_dim``,
+cached per function and call signature; the whole batch without), plans every leaf
+(NOTE [structured cost model]) and estimates, in multiply-adds, with ``F`` the forward's
+multiply-adds on the whole batch (recognised ops exactly, other ops roughly), ``m = B·R``
+rows, ``D`` backward directions (``R`` rows per sample with ``batch_dim``, ``m`` without)
+and ``P`` parameters::
+
+    structured:  F·(1 + D) + Σ_l cost_l (+ 0.1·F with a vmap pass) + fixed costs
+    jacobian:    (F·(1 + 2·D) + 4·m·P + Gram) · blocks (+ 0.3·F per-sample) + fixed costs
+                 Gram = m²·P (m·P diagonal)
+    ntvp:        F·(1 + 2·D) + 2·F·m + fixed costs          (jacobian's path if diagonal)
+
+A structured backward only reaches the activations (``F``), the jacobian and ntvp ones also
+every weight gradient (``2F``); ``4·m·P`` is writing the per-row gradients, ``blocks`` the
+number of leaf groups ``memory_budget`` forces on the jacobian backend (each reruns the
+passes). Memory: structured holds its materialized / fallback Jacobians and ghost factors,
+jacobian ``m·P`` (or the budget), ntvp ``c·P`` for ``c`` rows per chunk. With a
+``memory_budget`` a backend that cannot stay under it is only chosen if none can. The
+cheapest estimate wins. The fixed costs (Python and dispatch per call) are calibrated on a
+CPU so that tiny problems (small ``P·m``) go to ``jacobian``; ntvp wins where ``m·P`` does
+not fit the budget but a chunk of vjps does (huge ``P``, few rows).
+"""
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Any
 
 from torchgram._problem import GramianProblem
-from torchgram.backends._registry import get_backend, register
+from torchgram.backends._registry import backend_names, get_backend, register
 from torchgram.backends._sink import GramSink
+from torchgram.backends.structured import StructuredPlan, plan_problem, run_structured
+
+STRUCTURED_FIXED = 2.5e7
+"""Fixed cost of a structured call (the tapping mode, planning), in multiply-adds."""
+STRUCTURED_PER_USE = 5e5
+"""Per tapped use (factor extraction and contraction dispatch)."""
+STRUCTURED_VMAP = 1e7
+"""Extra fixed cost of the per-sample ``vmap`` pass (when some leaf needs the fallback)."""
+VMAP_OVERHEAD = {"structured": 0.1, "jacobian": 0.3}
+"""Extra cost of a per-sample ``vmap`` pass, as a fraction of ``F`` (the jacobian backend's
+``vmap(jacrev)`` also runs fused attention once per sample)."""
+JACOBIAN_FIXED = {"dense": 2e7, "per_sample": 3.5e7}
+"""Fixed cost of a jacobian call (``vmap``/``jacrev`` set-up)."""
+NTVP_FIXED = 5e7
+"""Fixed cost of an ntvp call (forward-mode set-up)."""
+WRITE_COST = 4.0
+"""Cost of writing one per-row gradient entry, relative to one multiply-add."""
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A backend's estimated cost on a problem.
+
+    Attributes:
+        backend: Its name.
+        time: Estimated multiply-adds (NOTE [auto cost model]).
+        memory: Estimated bytes it holds beyond ``f``'s own activations.
+        fits: Whether it stays under ``memory_budget`` (always ``True`` without one).
+    """
+
+    backend: str
+    time: float
+    memory: float
+    fits: bool
+
+
+def estimate_backends(problem: GramianProblem, plan: StructuredPlan) -> dict[str, Estimate]:
+    """The estimates of every candidate backend that is registered (NOTE [auto cost model])."""
+    sizes = plan.sizes
+    samples, rows = sizes.samples, sizes.rows
+    m = samples * rows
+    per_sample = problem.batch is not None
+    directions = rows if per_sample else m
+    numel = sum(leaf.numel() for leaf in problem.leaves)
+    forward = max(plan.forward_flops, float(numel * samples))
+    budget = problem.memory_budget
+    itemsize = sizes.itemsize
+    gram = m * numel * (1 if sizes.diagonal else m)
+    estimates = {}
+
+    uses = sum(len(p.uses) for p in plan.leaves)
+    vmap = per_sample and any(p.way == "fallback" for p in plan.leaves)
+    vmap_extra = STRUCTURED_VMAP + VMAP_OVERHEAD["structured"] * forward if vmap else 0.0
+    structured_time = (forward * (1 + directions) + plan.contraction_cost + STRUCTURED_FIXED
+                       + STRUCTURED_PER_USE * uses + vmap_extra)
+    structured_memory = sum(p.memory for p in plan.leaves)
+    estimates["structured"] = Estimate("structured", structured_time, structured_memory,
+                                       budget is None or structured_memory <= budget)
+
+    jacobian_memory = float(m * numel * itemsize)
+    blocks = 1 if budget is None or sizes.diagonal else max(1, math.ceil(jacobian_memory / budget))
+    one_pass = forward * (1 + 2 * directions) + WRITE_COST * m * numel
+    if per_sample:
+        one_pass += VMAP_OVERHEAD["jacobian"] * forward
+    jacobian_time = (one_pass + gram) * blocks + \
+        JACOBIAN_FIXED["per_sample" if per_sample else "dense"]
+    estimates["jacobian"] = Estimate("jacobian", jacobian_time,
+                                     min(jacobian_memory, budget or jacobian_memory), True)
+
+    if "ntvp" in backend_names():
+        if sizes.diagonal:
+            ntvp = estimates["jacobian"]
+        else:
+            chunk = problem.chunk_size or m
+            if budget is not None and problem.chunk_size is None:
+                chunk = max(1, budget // max(1, numel * itemsize))
+            chunk = min(chunk, m)
+            ntvp_memory = float(chunk * numel * itemsize)
+            ntvp_time = forward * (1 + 2 * directions) + 2 * forward * m + NTVP_FIXED
+            ntvp = Estimate("ntvp", ntvp_time, ntvp_memory,
+                            budget is None or ntvp_memory <= budget)
+        estimates["ntvp"] = Estimate("ntvp", ntvp.time, ntvp.memory, ntvp.fits)
+    return estimates
+
+
+def pick(estimates: dict[str, Estimate]) -> str:
+    """The cheapest backend among those that fit the memory budget (or all, if none fits)."""
+    fitting = [e for e in estimates.values() if e.fits] or list(estimates.values())
+    return min(fitting, key=lambda e: e.time).backend
 
 
 def choose_backend(problem: GramianProblem) -> str:
-    """The backend ``auto`` uses for ``problem`` (``jacobian`` is the only one so far)."""
-    del problem
-    return "jacobian"
+    """The backend ``auto`` uses for ``problem``: ``structured``, ``jacobian`` or ``ntvp``.
+
+    Example:
+        >>> import torch
+        >>> from torchgram._problem import GramianProblem, make_batch_spec
+        >>> from torchgram._pytree import select_diff_leaves
+        >>> def f(w, x):
+        ...     return torch.tanh(x @ w).sum(-1)
+        >>> args = (torch.randn(3, 2), torch.randn(4, 3))
+        >>> problem = GramianProblem(api="doc", f=f, args=args, kwargs={},
+        ...                          diff=select_diff_leaves(args, (0,)), has_aux=False,
+        ...                          batch=None, chunk_size=None, memory_budget=None,
+        ...                          diagonal=False, per_leaf=False)
+        >>> choose_backend(problem)  # six parameters, four rows: plain Jacobian rows
+        'jacobian'
+    """
+    return pick(estimate_backends(problem, plan_problem(problem)))
 
 
 @register("auto")
 def auto_backend(problem: GramianProblem, sink: GramSink) -> Any:
-    """Run the backend chosen by :func:`choose_backend`."""
-    return get_backend(choose_backend(problem))(problem, sink)
+    """Run the backend chosen by :func:`choose_backend` (reusing the structured plan)."""
+    plan = plan_problem(problem)
+    choice = pick(estimate_backends(problem, plan))
+    if choice == "structured":
+        return run_structured(problem, sink, plan if problem.batch is not None else None)
+    return get_backend(choice)(problem, sink)

@@ -107,11 +107,16 @@ def plan_problem(problem: GramianProblem, recording: Recording | None = None, *,
     """
     if recording is None:
         recording = trace(problem)
-    ensure_output_spec(problem)
-    spec = problem.output
-    assert spec is not None
     samples = 1 if problem.batch is None else problem.batch.size
-    sizes = Sizes(samples, spec.num_rows // samples, problem.diagonal, _itemsize(problem))
+    if problem.output is not None:
+        rows = problem.output.num_rows // samples
+    elif recording.rows is not None:
+        rows = recording.rows
+    else:
+        ensure_output_spec(problem)
+        assert problem.output is not None
+        rows = problem.output.num_rows // samples
+    sizes = Sizes(samples, rows, problem.diagonal, _itemsize(problem))
     numels = tuple(leaf.numel() for leaf in problem.leaves)
     key = (sizes, numels, problem.batch is None, problem.memory_budget, force)
     plan = recording.plans.get(key)

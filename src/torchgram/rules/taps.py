@@ -102,6 +102,8 @@ class Recording:
     uses: list[UseRecord] = field(default_factory=list)
     unrecognised: dict[int, list[str]] = field(default_factory=dict)
     unrecognised_flops: dict[int, int] = field(default_factory=dict)
+    rows: int | None = None
+    """Output rows of the evaluation (``K`` for one sample, ``m`` for the whole batch)."""
     plans: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
     """Plans made from this recording, by the backend (a cache)."""
 

@@ -1,0 +1,85 @@
+"""``backend="auto"``: the shape-based choice, and that it runs what it chose."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import torchgram as tg
+from reference import dense_gramian
+from torchgram._problem import GramianProblem, make_batch_spec
+from torchgram._pytree import select_diff_leaves
+from torchgram.backends import backend_names
+from torchgram.backends.auto import choose_backend, estimate_backends, pick
+from torchgram.backends.structured import plan_problem
+
+
+def _problem(f, args, *, batch_dim=None, diagonal=False, memory_budget=None):
+    diff = select_diff_leaves(args, (0,))
+    batch = None if batch_dim is None else make_batch_spec("t", args, (0,), batch_dim, 0)
+    return GramianProblem(api="t", f=f, args=args, kwargs={}, diff=diff, has_aux=False,
+                          batch=batch, chunk_size=None, memory_budget=memory_budget,
+                          diagonal=diagonal, per_leaf=False)
+
+
+def _mlp_losses(widths, batch):
+    layers = []
+    for d_in, d_out in zip(widths[:-1], widths[1:], strict=False):
+        layers += [nn.Linear(d_in, d_out), nn.ReLU()]
+    fn, params = tg.functionalize(nn.Sequential(*layers[:-1]))
+    x, y = torch.randn(batch, widths[0]), torch.randint(0, widths[-1], (batch,))
+    return (lambda p, x, y: F.cross_entropy(fn(p, x), y, reduction="none")), (params, x, y)
+
+
+@pytest.mark.parametrize("diagonal", [False, True])
+def test_structured_for_per_sample_losses_of_a_covered_model(diagonal):
+    f, args = _mlp_losses([784, 512, 512, 10], batch=64)
+    assert choose_backend(_problem(f, args, batch_dim=0, diagonal=diagonal)) == "structured"
+
+
+def test_structured_for_the_ntk_of_an_mlp():
+    fn, params = tg.functionalize(nn.Sequential(nn.Linear(256, 256), nn.Tanh(),
+                                                nn.Linear(256, 10)))
+    args = (params, torch.randn(16, 256))
+    assert choose_backend(_problem(lambda p, x: fn(p, x), args, batch_dim=0)) == "structured"
+
+
+def test_jacobian_for_a_tiny_problem():
+    args = (torch.randn(3, 2), torch.randn(4, 3))
+    assert choose_backend(_problem(lambda w, x: torch.tanh(x @ w).sum(-1), args)) == "jacobian"
+
+
+def test_ntvp_for_huge_parameters_few_rows_and_a_memory_budget():
+    params = {"scale": torch.randn(1_000_000)}
+
+    def f(p, x):  # an elementwise parameter: no rule, a fallback for structured
+        return (torch.tanh(x * p["scale"])).sum(-1)
+
+    args = (params, torch.randn(4, 1_000_000))
+    budget = 8 * 2**20
+    problem = _problem(f, args, memory_budget=budget)
+    estimates = estimate_backends(problem, plan_problem(problem))
+    assert not estimates["structured"].fits
+    assert estimates["jacobian"].memory <= budget and estimates["ntvp"].fits
+    assert pick(estimates) == "ntvp"
+    assert choose_backend(_problem(f, args)) != "ntvp"  # without a budget, m·P is fine
+
+
+def test_estimates_are_positive_and_name_registered_backends():
+    f, args = _mlp_losses([20, 16, 3], batch=5)
+    problem = _problem(f, args, batch_dim=0)
+    estimates = estimate_backends(problem, plan_problem(problem))
+    assert set(estimates) <= set(backend_names())
+    assert all(e.time > 0 and e.memory >= 0 for e in estimates.values())
+
+
+def test_auto_runs_its_choice_and_matches_the_oracle():
+    f, args = _mlp_losses([12, 16, 3], batch=6)
+    args64 = tuple(a.double() if a.is_floating_point() else a for a in args[1:])
+    params64 = {k: v.double() for k, v in args[0].items()}
+    expected = dense_gramian(f, (params64, *args64)).gramian
+    for batch_dim in (None, 0):
+        G = tg.gramian(f, backend="auto", batch_dim=batch_dim)(params64, *args64)
+        torch.testing.assert_close(G, expected)

@@ -1,0 +1,89 @@
+"""``torchgram.explain``: per-leaf reports of the structured plan and of auto's choice."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import torchgram as tg
+from zoo import build
+
+
+def test_names_the_fallback_leaves_of_multihead_attention():
+    case = build("attention")
+    for batch_dim in (None, 0):
+        report = tg.explain(case.f, batch_dim=batch_dim)(*case.args)
+        assert "attn.in_proj_weight" in report.fallback
+        assert set(report.fallback) == {"attn.in_proj_weight", "attn.in_proj_bias",
+                                        "attn.out_proj.weight", "attn.out_proj.bias"}
+        leaf = report.by_name("attn.in_proj_weight")
+        assert leaf.unrecognised == ("multi_head_attention_forward",)
+        assert "attn.in_proj_weight" in str(report)
+        assert "multi_head_attention_forward" in str(report)
+        assert report.by_name("head.weight").rules == ("linear",)
+
+
+def test_mlp_report_shows_ghost_layers_and_the_choice():
+    model = nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 10))
+    fn, params = tg.functionalize(model)
+
+    def losses(p, x, y):
+        return F.cross_entropy(fn(p, x), y, reduction="none")
+
+    args = (params, torch.randn(64, 784), torch.randint(0, 10, (64,)))
+    report = tg.explain(losses, batch_dim=0)(*args)
+    assert [(leaf.name, leaf.way) for leaf in report.leaves] == [
+        ("0.bias", "materialize"), ("0.weight", "ghost"), ("2.bias", "materialize"),
+        ("2.weight", "ghost")]
+    assert report.backend == report.auto_choice == "structured"
+    assert report.samples == 64 and report.rows_per_sample == 1
+    assert report.by_name("0.weight").shape == (512, 784)
+    text = str(report)
+    assert "ghost" in text and "64 samples" in text and "structured" in text
+    markdown = report._repr_markdown_()
+    assert "| `0.weight` | 512×784 | ghost | linear |" in markdown
+    jacobian = tg.explain(losses, batch_dim=0, backend="jacobian")(*args)
+    assert jacobian.backend == "jacobian" and "auto would choose 'structured'" in str(jacobian)
+
+
+def test_tied_weights_list_every_use():
+    case = build("tied_lm")
+    report = tg.explain(case.f, batch_dim=0)(*case.args)
+    assert report.by_name("emb.weight").rules == ("embedding", "linear")
+    assert report.fallback == ()
+
+
+def test_leaf_names_with_several_argnums_and_nested_pytrees():
+    case = build("nested_pytree")
+    extra = torch.randn(2)
+
+    def f(params, extra, x):
+        return case.f(params, x) * extra.sum()
+
+    report = tg.explain(f, argnums=(0, 1))(case.params, extra, *case.inputs)
+    assert [leaf.name for leaf in report.leaves] == ["arg0.0.b", "arg0.0.w", "arg0.1.b",
+                                                    "arg0.1.w", "arg1"]
+    assert report.by_name("arg1").way == "fallback"
+    with pytest.raises(KeyError, match="no leaf named 'w'"):
+        report.by_name("w")
+
+
+def test_options_are_checked_like_gramian():
+    f = lambda w, x: x @ w  # noqa: E731
+    with pytest.raises(TypeError, match=r"torchgram.explain: expected batch_dim to be None or"):
+        tg.explain(f, batch_dim="0")
+    with pytest.raises(ValueError, match=r"torchgram.explain: expected backend to be one of"):
+        tg.explain(f, backend="fast")
+    with pytest.raises(TypeError, match=r"torchgram.explain: expected floating-point tensor"):
+        tg.explain(f)(torch.ones(3, dtype=torch.int64), torch.randn(2, 3))
+    with pytest.raises(ValueError, match=r"torchgram.explain: expected argnums within"):
+        tg.explain(f, argnums=2)(torch.randn(3), torch.randn(2, 3))
+
+
+def test_explaining_leaves_the_inputs_alone():
+    w = torch.randn(3, 2, requires_grad=True)
+    x = torch.randn(4, 3)
+    tg.explain(lambda w, x: torch.tanh(x @ w).sum(-1), batch_dim=0)(w, x)
+    assert w.grad is None and w.requires_grad and w.is_leaf
