@@ -217,6 +217,7 @@ class Contraction:
         self._acts: Sequence[Tensor] = ()
         self._act_factors: dict[tuple[int, int], Factor] = {}
         self._jacobians: dict[int, Tensor] = {}
+        self._grams: dict[int, Tensor] = {}
         self._ghost_cots: dict[tuple[int, int], list[Tensor]] = {}
 
     def set_acts(self, acts: Sequence[Tensor]) -> None:
@@ -264,7 +265,7 @@ class Contraction:
             if plan.way == "unused":
                 continue
             numel = self.numels[plan.leaf]
-            part: Tensor | None = carrier_grads.get(plan.leaf)
+            part: Tensor | None = carrier_grads.pop(plan.leaf, None)
             for k, use in enumerate(self.uses.get(plan.leaf, ())):
                 cot = self._cot_tensor(use, tap_cots)
                 if cot is None:
@@ -274,8 +275,8 @@ class Contraction:
             if part is None:
                 continue
             store = self._jacobians.get(plan.leaf)
-            if store is None and start == 0 and stop == self.rows:
-                self._jacobians[plan.leaf] = part  # all rows at once: no copy
+            if store is None and start == 0 and stop == self.rows:  # all rows at once:
+                self._grams[plan.leaf] = gram_of_rows(part, self.diagonal)  # Gram and free
                 continue
             if store is None:
                 store = self._jacobians[plan.leaf] = part.new_zeros(self.rows, self.samples,
@@ -287,6 +288,8 @@ class Contraction:
         for plan in self.plans:
             if plan.way == "ghost":
                 block = self._ghost_block(plan, dtype)
+            elif plan.leaf in self._grams:
+                block = self._grams.pop(plan.leaf)
             else:
                 jacobian = self._jacobians.pop(plan.leaf, None)
                 block = None if jacobian is None else gram_of_rows(jacobian, self.diagonal)

@@ -48,7 +48,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from torchgram._problem import GramianProblem
 from torchgram.backends._registry import NO_AUX
-from torchgram.rules.taps import Recording, TapMode, TraceMismatch
+from torchgram.rules.taps import Recording, TapMode, TraceMismatch, zero_tap
 
 GradChunk = tuple[int, int, list[Tensor | None], dict[int, Tensor]]
 
@@ -278,8 +278,7 @@ def per_sample_forward(problem: GramianProblem, traced: Recording,
     if loop:
         outputs, acts_per_sample, taps_all, carriers_all = [], [], [], []
         for b in range(size):
-            taps = [torch.zeros(spec.shape, dtype=spec.dtype, device=device,
-                                requires_grad=True) for spec in tap_specs]
+            taps = [zero_tap(spec.shape, spec.dtype, device) for spec in tap_specs]
             carriers = [leaves[i].detach().requires_grad_() for i in fallback]
             sample = tuple(t.narrow(d, b, 1) for t, d in zip(batch.tensors, batch.dims,
                                                              strict=True))
@@ -294,8 +293,7 @@ def per_sample_forward(problem: GramianProblem, traced: Recording,
         return Forward("loop", recordings[0], size, outputs[0].numel(), acts, outputs,
                        taps_all, carriers_all, fallback)
 
-    taps = [torch.zeros((size, *spec.shape), dtype=spec.dtype, device=device,
-                        requires_grad=True) for spec in tap_specs]
+    taps = [zero_tap((size, *spec.shape), spec.dtype, device) for spec in tap_specs]
     carriers = [leaves[i].detach().expand(size, *leaves[i].shape).requires_grad_()
                 for i in fallback]
 
@@ -399,6 +397,7 @@ def backward_chunks(forward: Forward, per_pass: int, *,
             for leaf, grad in zip(forward.carrier_leaves, grads[num_taps:], strict=True)
             if grad is not None
         }
+        del grads  # the consumer frees what it is done with
         yield start, stop, tap_cots, carrier_grads
 
 

@@ -230,6 +230,7 @@ def _contract(problem: GramianProblem, sink: GramSink, forward: Forward,
     for start, stop, tap_cots, carrier_grads in backward_chunks(
             forward, per_pass, vectorize=problem.chunk_size != 1):
         contraction.add_rows(start, stop, tap_cots, carrier_grads)
+        del tap_cots, carrier_grads
     dtype = problem.output.dtype if problem.output is not None else problem.leaves[0].dtype
     total: Tensor | None = None
     for leaf, block in contraction.blocks(dtype):

@@ -140,6 +140,19 @@ def _is_transpose(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> b
     return False
 
 
+def zero_tap(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A zero tensor of ``shape`` that requires gradients, stored as one element.
+
+    Its gradient still has the full shape: it is the cotangent of whatever it is added to.
+
+    Example:
+        >>> tap = zero_tap((2, 3), torch.float32, torch.device("cpu"))
+        >>> tap.shape, tap.is_leaf, tap.requires_grad, tap.stride()
+        (torch.Size([2, 3]), True, True, (0, 0))
+    """
+    return torch.zeros((), dtype=dtype, device=device).expand(*shape).requires_grad_()
+
+
 def _has_float_tensor(result: Any) -> bool:
     return any(isinstance(leaf, Tensor) and leaf.is_floating_point()
                for leaf in optree.tree_leaves(result))
@@ -283,7 +296,7 @@ class TapMode(TorchFunctionMode):
         tap_index = len(self.recording.taps)
         record = TapRecord(tuple(y.shape), y.dtype, match.rule)
         if self._taps == "lazy":
-            tap = torch.zeros_like(y, requires_grad=True)
+            tap = zero_tap(y.shape, y.dtype, y.device)
             self.made_taps.append(tap)
             y = y + tap
         elif self._taps != "trace":
