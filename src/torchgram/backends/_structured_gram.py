@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -37,6 +38,8 @@ class Factor:
 
     tensor: Tensor
     kind: str
+    key: Any = None
+    """For a cotangent of all rows: which tap it comes from (its Gram can be shared)."""
 
     def take(self, rows: slice, samples: slice) -> Factor:
         """Restrict to some rows (cotangents only) and samples."""
@@ -106,26 +109,48 @@ def _single_position(u: UseFactors, v: UseFactors) -> bool:
             and all(f.tensor.shape[-3] == 1 and f.tensor.shape[-2] == 1 for f in factors))
 
 
-def _pair_single_position(u: UseFactors, v: UseFactors, diagonal: bool) -> Tensor:
+def single_position_cot_gram(x: Factor, y: Factor, diagonal: bool,
+                             cache: dict[Any, Tensor] | None = None) -> Tensor:
+    """``⟨x[r, b], y[s, c]⟩`` of one-position cotangents: ``[R, B, R', B']`` (``[R, B]``).
+
+    Shared through ``cache`` when both are the same tap's cotangent (a weight and its bias).
+    """
+    key = (x.key, diagonal) if x.key is not None and x.key == y.key else None
+    if cache is not None and key is not None and key in cache:
+        return cache[key]
+    rows, samples = x.tensor.shape[:2]
+    c_x = x.tensor.reshape(rows * samples, -1)
+    c_y = y.tensor.reshape(y.tensor.shape[0] * y.tensor.shape[1], -1)
+    if diagonal:
+        gram = (c_x * c_y).sum(-1).reshape(rows, samples)
+    else:
+        gram = (c_x @ c_y.T).reshape(rows, samples, y.tensor.shape[0], y.tensor.shape[1])
+    if cache is not None and key is not None:
+        cache[key] = gram
+    return gram
+
+
+def _pair_single_position(u: UseFactors, v: UseFactors, diagonal: bool,
+                          cache: dict[Any, Tensor] | None) -> Tensor:
     """:func:`pair_gram` for ``T = G = 1``: ``(A Aᵀ) ⊙ (C Cᵀ)`` (the MLP case)."""
     act_u, cot_u = (u.first, u.second) if u.first.kind == "act" else (u.second, u.first)
     act_v, cot_v = (v.first, v.second) if v.first.kind == "act" else (v.second, v.first)
     a_u = act_u.tensor.reshape(act_u.tensor.shape[0], -1)
     a_v = act_v.tensor.reshape(act_v.tensor.shape[0], -1)
-    rows, samples = cot_u.tensor.shape[:2]
-    c_u = cot_u.tensor.reshape(rows * samples, -1)
-    c_v = cot_v.tensor.reshape(cot_v.tensor.shape[0] * cot_v.tensor.shape[1], -1)
+    cots = single_position_cot_gram(cot_u, cot_v, diagonal, cache)
     if diagonal:
-        return (c_u * c_v).sum(-1).reshape(rows, samples) * (a_u * a_v).sum(-1)
-    acts = a_u @ a_v.T
-    cots = (c_u @ c_v.T).reshape(rows, samples, cot_v.tensor.shape[0], cot_v.tensor.shape[1])
-    return cots * acts[None, :, None, :]
+        return cots * (a_u * a_v).sum(-1)
+    return cots * (a_u @ a_v.T)[None, :, None, :]
 
 
-def pair_gram(u: UseFactors, v: UseFactors, diagonal: bool, dtype: torch.dtype) -> Tensor:
-    """``⟨J_u[r, b], J_v[s, c]⟩`` as ``[R, B, R', B']`` (``[R, B]`` when ``diagonal``)."""
+def pair_gram(u: UseFactors, v: UseFactors, diagonal: bool, dtype: torch.dtype,
+              cache: dict[Any, Tensor] | None = None) -> Tensor:
+    """``⟨J_u[r, b], J_v[s, c]⟩`` as ``[R, B, R', B']`` (``[R, B]`` when ``diagonal``).
+
+    ``cache`` shares the Gram of a tap's cotangent between the uses of one call.
+    """
     if _single_position(u, v):
-        return _pair_single_position(u, v, diagonal)
+        return _pair_single_position(u, v, diagonal, cache)
     first, first_letters = factor_gram(u.first, v.first, diagonal, dtype)
     second, second_letters = factor_gram(u.second, v.second, diagonal, dtype)
     out = "rb" if diagonal else "rbsc"
@@ -133,7 +158,8 @@ def pair_gram(u: UseFactors, v: UseFactors, diagonal: bool, dtype: torch.dtype) 
 
 
 def _pair_chunked(u: UseFactors, v: UseFactors, rows: int, samples: int, positions: int,
-                  diagonal: bool, dtype: torch.dtype, max_elements: int) -> Tensor:
+                  diagonal: bool, dtype: torch.dtype, max_elements: int,
+                  cache: dict[Any, Tensor] | None = None) -> Tensor:
     """:func:`pair_gram`, split over u's samples (or rows) so one block stays bounded."""
     per_sample = rows * positions * (1 if diagonal else rows * samples * positions)
     sample_chunk = max(1, min(samples, max_elements // max(1, per_sample)))
@@ -141,7 +167,7 @@ def _pair_chunked(u: UseFactors, v: UseFactors, rows: int, samples: int, positio
     if sample_chunk == 1 and per_sample > max_elements:
         row_chunk = max(1, rows * max_elements // per_sample)
     if sample_chunk >= samples and row_chunk >= rows:
-        return pair_gram(u, v, diagonal, dtype)
+        return pair_gram(u, v, diagonal, dtype, cache)
     pieces_b = []
     for b0 in range(0, samples, sample_chunk):
         b_slice = slice(b0, b0 + sample_chunk)
@@ -218,6 +244,7 @@ class Contraction:
         self._act_factors: dict[tuple[int, int], Factor] = {}
         self._jacobians: dict[int, Tensor] = {}
         self._grams: dict[int, Tensor] = {}
+        self._cot_grams: dict[Any, Tensor] = {}
         self._ghost_cots: dict[tuple[int, int], list[Tensor]] = {}
 
     def set_acts(self, acts: Sequence[Tensor]) -> None:
@@ -240,8 +267,9 @@ class Contraction:
         act_raw = self._acts[use.act] if use.act is not None else None
         return use.layout.cot_factor(raw, 2, act_raw)
 
-    def _factors(self, key: tuple[int, int], use: UseRecord, cot: Tensor) -> UseFactors:
-        cot_factor = Factor(cot, "cot")
+    def _factors(self, key: tuple[int, int], use: UseRecord, cot: Tensor,
+                 complete: bool = False) -> UseFactors:
+        cot_factor = Factor(cot, "cot", (use.tap, id(use.layout)) if complete else None)
         if use.role == "bias":
             return UseFactors(cot_factor, cot_factor)
         act = self._act_factor(key, use)
@@ -266,7 +294,17 @@ class Contraction:
                 continue
             numel = self.numels[plan.leaf]
             part: Tensor | None = carrier_grads.pop(plan.leaf, None)
-            for k, use in enumerate(self.uses.get(plan.leaf, ())):
+            uses = self.uses.get(plan.leaf, ())
+            complete = start == 0 and stop == self.rows
+            if complete and part is None and len(uses) == 1 and uses[0].role == "bias" \
+                    and uses[0].shape.positions == 1 and uses[0].shape.groups == 1:
+                cot = self._cot_tensor(uses[0], tap_cots)
+                if cot is not None:  # a bias without positions: its Jacobian is the cotangent
+                    factor = Factor(cot, "cot", (uses[0].tap, id(uses[0].layout)))
+                    self._grams[plan.leaf] = single_position_cot_gram(
+                        factor, factor, self.diagonal, self._cot_grams)
+                continue
+            for k, use in enumerate(uses):
                 cot = self._cot_tensor(use, tap_cots)
                 if cot is None:
                     continue
@@ -303,7 +341,7 @@ class Contraction:
             if not pieces:
                 continue
             cot = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-            factors.append((self._factors((plan.leaf, k), use, cot),
+            factors.append((self._factors((plan.leaf, k), use, cot, complete=True),
                             use.shape.positions * use.shape.groups))
         total: Tensor | None = None
         for i, (u, pos_u) in enumerate(factors):
@@ -311,7 +349,7 @@ class Contraction:
                 v, pos_v = factors[j]
                 block = _pair_chunked(u, v, self.rows, self.samples,
                                       max(pos_u, pos_v), self.diagonal, dtype,
-                                      self.max_pair_elements)
+                                      self.max_pair_elements, self._cot_grams)
                 if i != j:
                     block = 2 * block if self.diagonal else block + block.permute(2, 3, 0, 1)
                 total = block if total is None else total + block
