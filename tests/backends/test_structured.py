@@ -39,7 +39,7 @@ def _close(actual, expected):
     torch.testing.assert_close(actual / scale, expected / scale, rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("way", ["ghost", "materialize"])
+@pytest.mark.parametrize("way", ["ghost", "materialize", "sparse"])
 @pytest.mark.parametrize(("name", "per_sample"), [
     pytest.param(name, per_sample, id=f"{name}-{'batch' if per_sample else 'dense'}")
     for name in NAMES for per_sample in (False, True)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torchgram.rules.embedding import EmbeddingRule
 
 B, T, V, D = 3, 5, 7, 4
-WAYS = ["ghost", "materialize"]
+WAYS = ["ghost", "materialize", "sparse"]
 
 
 def _tokens(seed=0):
@@ -32,6 +32,8 @@ CASES = {
     "ntk_rows": lambda p, i: F.embedding(i, p["e"], padding_idx=0).mean(1).tanh(),
     "scale_grad_by_freq": lambda p, i: F.embedding(i, p["e"], scale_grad_by_freq=True)
     .tanh().sum((1, 2)),
+    "two_lookups": lambda p, i: (F.embedding(i, p["e"], padding_idx=2)
+                                 * F.embedding(i.flip(1), p["e"])).sum((1, 2)),
 }
 
 

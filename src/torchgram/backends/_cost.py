@@ -34,6 +34,14 @@ backward (the gradient of a per-sample copy of the leaf): ``R·B·(unrecognised 
 sample)``, the op's cost taken as ``output entries × P / (leading dim of the leaf)``, plus
 the Gram ``(R·B)²·P``.
 
+**Sparse** (an embedding table used only by lookups): each row's Jacobian has non-zero
+rows only for its sample's tokens; summing the cotangents per (row, sample, token) gives
+``n ≈ B·min(ΣT, V)`` entries, and only pairs of entries with the same token meet::
+
+    scatter R·B·ΣT·d,  pairs R²·Π·d  with  Π ≈ SKEW·n·(1 + n/V)   (R·n·d with diagonal=True)
+
+(``Π`` is exact for uniform tokens, ``SKEW`` allows for frequent ones).
+
 A ghost plan needs every use of the leaf to be a weight with the same factor widths and
 groups; otherwise (or with a bias use, or a fallback part) the leaf is materialized. With
 ``memory_budget``, a leaf whose materialized Jacobian exceeds it is ghosted when possible.
@@ -48,6 +56,10 @@ from torchgram.rules.taps import Recording, UseRecord
 
 ELEMENTWISE_WEIGHT = 4.0
 """Cost of one elementwise multiply-add relative to one inside a matrix product."""
+SKEW = 2.0
+"""Allowance for frequent tokens in the sparse way's pair count."""
+SPARSE_FIXED = 2e5
+"""Fixed cost of the sparse way (sorting and grouping the entries)."""
 
 
 @dataclass(frozen=True)
@@ -66,13 +78,15 @@ class LeafPlan:
 
     Attributes:
         leaf: The leaf's index.
-        way: ``"ghost"``, ``"materialize"``, ``"fallback"`` (per-row Jacobian from the
-            backward, for uses outside every rule) or ``"unused"``.
+        way: ``"ghost"``, ``"materialize"``, ``"sparse"`` (embedding tables),
+            ``"fallback"`` (per-row Jacobian from the backward, for uses outside every rule)
+            or ``"unused"``.
         uses: The recognised uses the backend contracts (tapped in the pass).
         all_uses: Every recognised use seen (for reports).
         unrecognised: Names of the calls that use the leaf outside every rule.
         ghost_cost: Estimated multiply-adds of the ghost way (``None`` when impossible).
         materialize_cost: Estimated multiply-adds of materializing (including a fallback).
+        sparse_cost: Estimated multiply-adds of the sparse way (``None`` when not chosen).
         memory: Estimated bytes held for this leaf by the chosen way.
         reason: Why this way.
     """
@@ -86,6 +100,7 @@ class LeafPlan:
     materialize_cost: float
     memory: float
     reason: str
+    sparse_cost: float | None = None
 
     @property
     def cost(self) -> float:
@@ -93,6 +108,9 @@ class LeafPlan:
         if self.way == "ghost":
             assert self.ghost_cost is not None
             return self.ghost_cost
+        if self.way == "sparse":
+            assert self.sparse_cost is not None
+            return self.sparse_cost
         return 0.0 if self.way == "unused" else self.materialize_cost
 
     @property
@@ -171,6 +189,25 @@ def ghost_compatible(uses: Sequence[UseRecord]) -> bool:
                for use in uses)
 
 
+def sparse_compatible(uses: Sequence[UseRecord]) -> bool:
+    """Whether every use is a lookup in the leaf's rows (an embedding, not transposed)."""
+    return bool(uses) and all(use.role == "weight" and use.shape.act_is_index and use.act_first
+                              for use in uses)
+
+
+def sparse_cost(uses: Sequence[UseRecord], sizes: Sizes) -> tuple[float, float]:
+    """``(multiply-adds, entries held)`` of the sparse way (NOTE [structured cost model])."""
+    b, r = sizes.samples, sizes.rows
+    classes, dim = uses[0].shape.act_width, uses[0].shape.cot_width
+    positions = sum(use.shape.positions for use in uses)
+    entries = b * min(positions, classes)
+    scatter = r * b * positions * dim
+    if sizes.diagonal:
+        return scatter + r * entries * dim + SPARSE_FIXED, float(r * entries * dim)
+    pairs = SKEW * entries * (1 + entries / classes)
+    return scatter + r * r * pairs * dim + SPARSE_FIXED, float(r * entries * dim + r * r * pairs)
+
+
 def ghost_memory(uses: Sequence[UseRecord], sizes: Sizes) -> float:
     """Bytes of the factors a ghost plan keeps (cotangents for every row, activations)."""
     per_row = sum(use.shape.positions * use.shape.groups * use.shape.cot_width for use in uses)
@@ -193,7 +230,8 @@ def plan_leaf(leaf: int, numel: int, recording: Recording, sizes: Sizes, *,
             uses are tapped (then materialized and added to the fallback part), or left to
             the fallback entirely.
         memory_budget: Bytes a materialized Jacobian may take (``None``: no cap).
-        force: ``"ghost"`` or ``"materialize"`` to override the cost model where possible.
+        force: ``"ghost"``, ``"materialize"`` or ``"sparse"`` to override the cost model
+            where that way is possible.
     """
     all_uses = tuple(recording.uses_of(leaf))
     unrecognised = tuple(recording.unrecognised.get(leaf, ()))
@@ -210,6 +248,14 @@ def plan_leaf(leaf: int, numel: int, recording: Recording, sizes: Sizes, *,
         return LeafPlan(leaf, "unused", (), (), (), None, 0.0, 0.0,
                         "not used by any call that returns a floating tensor")
     mat = materialize_cost(all_uses, numel, sizes)
+    if sparse_compatible(all_uses) and force in (None, "sparse"):
+        sparse, held = sparse_cost(all_uses, sizes)
+        ghost = ghost_cost(all_uses, sizes)
+        if force == "sparse" or sparse <= min(mat, ghost):
+            return LeafPlan(leaf, "sparse", all_uses, all_uses, (), ghost, mat,
+                            held * sizes.itemsize,
+                            f"sparse {sparse:.3g} <= ghost {ghost:.3g}, materialize {mat:.3g}",
+                            sparse)
     if not ghost_compatible(all_uses):
         why = ("a bias" if any(use.role == "bias" for use in all_uses)
                else "uses with different factor shapes")
@@ -218,7 +264,7 @@ def plan_leaf(leaf: int, numel: int, recording: Recording, sizes: Sizes, *,
     ghost = ghost_cost(all_uses, sizes)
     g_memory = ghost_memory(all_uses, sizes)
     over_budget = memory_budget is not None and mat_memory > memory_budget
-    if force is not None:
+    if force in ("ghost", "materialize"):
         return LeafPlan(leaf, force, all_uses, all_uses, (), ghost, mat,
                         g_memory if force == "ghost" else mat_memory, "forced")
     if ghost <= mat or over_budget:

@@ -201,10 +201,32 @@ def materialize_use(use: UseRecord, factors: UseFactors, numel: int) -> Tensor:
         if first.kind != "index":  # a transposed embedding table
             jac = jac.transpose(-1, -2)
         return jac.reshape(rows, samples, numel)
-    letters_first = "rbtgi" if first.kind == "cot" else "btgi"
-    letters_second = "rbtgj" if second.kind == "cot" else "btgj"
-    jac = torch.einsum(f"{letters_first},{letters_second}->rbgij", first.tensor, second.tensor)
+    # [(R,) B, T, G, i] -> [(R,) B, G, i, T] and [(R,) B, G, T, j]: one (broadcast) matmul
+    # writes the Jacobian contiguously in the leaf's layout [R, B, G, i, j]
+    rows = max(f.tensor.shape[0] for f in (first, second) if f.kind == "cot")
+    if rows == 1 and first.tensor.shape[-2] == 1:  # one group: transposed views, no copies
+        samples, positions = first.tensor.shape[-4], first.tensor.shape[-3]
+        left = first.tensor.reshape(samples, positions, -1).transpose(1, 2)
+        right = second.tensor.reshape(samples, positions, -1)
+        return torch.bmm(left, right).reshape(1, samples, numel)
+    left = first.tensor.movedim(-3, -1)
+    right = second.tensor.movedim(-2, -3)
+    if first.kind != "cot":
+        left = left.unsqueeze(0)
+    if second.kind != "cot":
+        right = right.unsqueeze(0)
+    jac = torch.matmul(left, right)
     return jac.reshape(*jac.shape[:2], numel)
+
+
+def flat_rows(jacobian: Tensor) -> Tensor:
+    """``[R, B, *shape]`` → ``[R, B, P]``, with the entries in memory order (no copy).
+
+    The order of a Jacobian's columns does not change its Gram matrix, so the flattening
+    follows the strides the backward produced instead of copying to row-major order.
+    """
+    rest = sorted(range(2, jacobian.dim()), key=lambda d: -jacobian.stride(d))
+    return jacobian.permute(0, 1, *rest).reshape(*jacobian.shape[:2], -1)
 
 
 def gram_of_rows(jacobian: Tensor, diagonal: bool) -> Tensor:
@@ -214,6 +236,67 @@ def gram_of_rows(jacobian: Tensor, diagonal: bool) -> Tensor:
     rows, samples = jacobian.shape[:2]
     flat = jacobian.reshape(rows * samples, -1)
     return (flat @ flat.T).reshape(rows, samples, rows, samples)
+
+
+def sparse_embedding_gram(indices: Sequence[Tensor], cots: Sequence[Tensor], classes: int,
+                          diagonal: bool) -> Tensor:
+    """The block of an embedding table used only by lookups, from its non-zero rows.
+
+    Row ``(r, b)``'s Jacobian has a non-zero row ``v`` only for the tokens of sample ``b``:
+    ``S[r, b, v] = Σ_{uses, t: index = v} g[r, b, t]``. Then
+    ``G[(r, b), (s, c)] = Σ_v ⟨S[r, b, v], S[s, c, v]⟩`` over the pairs of (sample, token)
+    entries that share a token: about ``n·(1 + n/V)`` pairs for ``n`` entries spread over
+    ``V`` tokens, instead of ``(R·B)²·V·d`` for the materialized Gram.
+
+    Args:
+        indices: Per use, the indices ``[B, T]``.
+        cots: Per use, the cotangents ``[R, B, T, 1, d]`` (padding already masked).
+        classes: ``V``, the number of rows of the table.
+        diagonal: Return only ``[R, B]`` (each row's squared norm).
+
+    Returns:
+        ``[R, B, R, B]`` (``[R, B]`` with ``diagonal``).
+
+    Example:
+        >>> import torch
+        >>> index = torch.tensor([[1, 1, 2], [2, 0, 0]])
+        >>> cot = torch.randn(1, 2, 3, 1, 4)
+        >>> jac = torch.zeros(2, 3, 4).index_put_(
+        ...     (torch.tensor([[0], [1]]).expand(2, 3), index), cot[0, :, :, 0], accumulate=True)
+        >>> dense = jac.reshape(2, -1) @ jac.reshape(2, -1).T
+        >>> torch.allclose(sparse_embedding_gram([index], [cot], 3, False)[0, :, 0], dense)
+        True
+    """
+    rows, samples = cots[0].shape[:2]
+    device = cots[0].device
+    sample_ids = torch.arange(samples, device=device)[:, None]
+    keys = torch.cat([(index + classes * sample_ids).reshape(-1) for index in indices])
+    values = torch.cat([cot.reshape(rows, -1, cot.shape[-1]) for cot in cots], dim=1)
+    unique, inverse = torch.unique(keys, return_inverse=True)
+    summed = values.new_zeros(rows, unique.numel(), values.shape[-1])
+    summed.index_add_(1, inverse, values)  # S[r, (b, v)]
+    key_sample = torch.div(unique, classes, rounding_mode="floor")
+    if diagonal:
+        out = values.new_zeros(rows, samples)
+        return out.index_add_(1, key_sample, summed.square().sum(-1))
+    token = unique - classes * key_sample
+    order = torch.argsort(token, stable=True)
+    token_sorted = token[order]
+    starts = torch.ones_like(token_sorted, dtype=torch.bool)
+    starts[1:] = token_sorted[1:] != token_sorted[:-1]
+    group = torch.cumsum(starts.long(), 0) - 1
+    group_start = torch.nonzero(starts).reshape(-1)
+    group_size = torch.diff(torch.cat([group_start, group_start.new_tensor([token.numel()])]))
+    per_entry = group_size[group]
+    left = torch.repeat_interleave(torch.arange(token.numel(), device=device), per_entry)
+    first_pair = torch.cumsum(per_entry, 0) - per_entry
+    right = group_start[group[left]] + (torch.arange(left.numel(), device=device)
+                                        - first_pair[left])
+    left, right = order[left], order[right]
+    dots = torch.einsum("rpd,spd->prs", summed[:, left], summed[:, right])
+    out = values.new_zeros(samples, samples, rows, rows)
+    out.index_put_((key_sample[left], key_sample[right]), dots, accumulate=True)
+    return out.permute(2, 0, 3, 1)
 
 
 class Contraction:
@@ -279,10 +362,11 @@ class Contraction:
                  carrier_grads: dict[int, Tensor]) -> None:
         """Consume rows ``start:stop``: tap cotangents ``[c, B, *y]`` and carrier gradients.
 
-        ``carrier_grads[leaf]`` is ``[c, B, P]``: the Jacobian of the leaf's unrecognised uses.
+        ``carrier_grads[leaf]`` is ``[c, B, *leaf.shape]``: the Jacobian of the leaf's
+        unrecognised uses.
         """
         for plan in self.plans:
-            if plan.way == "ghost":
+            if plan.way in ("ghost", "sparse"):
                 for k, use in enumerate(self.uses.get(plan.leaf, ())):
                     cot = self._cot_tensor(use, tap_cots)
                     if cot is not None:
@@ -295,6 +379,8 @@ class Contraction:
             numel = self.numels[plan.leaf]
             part: Tensor | None = carrier_grads.pop(plan.leaf, None)
             uses = self.uses.get(plan.leaf, ())
+            if part is not None:  # [c, B, *leaf.shape]: in the leaf's layout if others add to it
+                part = part.reshape(*part.shape[:2], -1) if uses else flat_rows(part)
             complete = start == 0 and stop == self.rows
             if complete and part is None and len(uses) == 1 and uses[0].role == "bias" \
                     and uses[0].shape.positions == 1 and uses[0].shape.groups == 1:
@@ -326,6 +412,8 @@ class Contraction:
         for plan in self.plans:
             if plan.way == "ghost":
                 block = self._ghost_block(plan, dtype)
+            elif plan.way == "sparse":
+                block = self._sparse_block(plan)
             elif plan.leaf in self._grams:
                 block = self._grams.pop(plan.leaf)
             else:
@@ -333,6 +421,18 @@ class Contraction:
                 block = None if jacobian is None else gram_of_rows(jacobian, self.diagonal)
             if block is not None:
                 yield plan.leaf, block
+
+    def _sparse_block(self, plan: LeafPlan) -> Tensor | None:
+        indices, cots = [], []
+        for k, use in enumerate(self.uses.get(plan.leaf, ())):
+            pieces = self._ghost_cots.pop((plan.leaf, k), [])
+            if pieces:
+                cots.append(pieces[0] if len(pieces) == 1 else torch.cat(pieces))
+                indices.append(self._act_factor((plan.leaf, k), use).tensor)
+        if not cots:
+            return None
+        return sparse_embedding_gram(indices, cots, self.uses[plan.leaf][0].shape.act_width,
+                                     self.diagonal)
 
     def _ghost_block(self, plan: LeafPlan, dtype: torch.dtype) -> Tensor | None:
         factors: list[tuple[UseFactors, int]] = []

@@ -360,7 +360,7 @@ def _direction_cotangents(forward: Forward, start: int, stop: int) -> Tensor:
 
 def backward_chunks(forward: Forward, per_pass: int, *,
                     vectorize: bool) -> Iterator[GradChunk]:
-    """``(start, stop, tap cotangents [c, B, *y], carrier grads [c, B, P])`` per row chunk.
+    """``(start, stop, tap cotangents [c, B, *y], carrier grads [c, B, *θ])`` per row chunk.
 
     A tap the output does not depend on gets ``None``.
     """
@@ -392,8 +392,9 @@ def backward_chunks(forward: Forward, per_pass: int, *,
             grads = [None if g is None else _per_sample_view(g, dim, 1, samples)
                      for g, dim in zip(grads, forward.tap_dims, strict=True)]
         tap_cots = grads[:num_taps]
-        carrier_grads = {
-            leaf: grad.reshape(count, samples, -1)
+        carrier_grads = {  # [c, B, *leaf.shape], in whatever layout the backward made
+            leaf: grad.reshape(count, samples, *grad.shape[-(grad.dim() - 2):])
+            if forward.kind == "dense" else grad
             for leaf, grad in zip(forward.carrier_leaves, grads[num_taps:], strict=True)
             if grad is not None
         }
@@ -424,7 +425,7 @@ def _looped_chunks(forward: Forward) -> Iterator[GradChunk]:
             stacked.append(torch.stack([torch.zeros_like(like) if g is None else g
                                         for g in column]).unsqueeze(0))
         carrier_grads = {
-            leaf: grad.reshape(1, forward.samples, -1)
+            leaf: grad
             for leaf, grad in zip(forward.carrier_leaves, stacked[num_taps:], strict=True)
             if grad is not None
         }

@@ -7,9 +7,10 @@ whose weight or bias is a parameter leaf; one backward per chunk of row cotangen
 each leaf's block then comes from small contractions of activations and cotangents, in
 **ghost** form (never forming a Jacobian) or **materialized** per-row Jacobians, whichever
 the cost model prefers (NOTE [structured cost model]), with the cross terms of leaves used
-several times. A leaf used anywhere else gets its per-row (per-sample) Jacobian from the
-same backward, through a per-sample copy of it: results are exact for every function; only
-speed depends on the rules.
+several times; an embedding table may also be contracted from its non-zero rows only. A
+leaf used anywhere else gets its per-row (per-sample) Jacobian from the same backward,
+through a per-sample copy of it: results are exact for every function; only speed depends
+on the rules.
 
 Example:
     >>> import torch, torchgram as tg
@@ -102,8 +103,8 @@ def plan_problem(problem: GramianProblem, recording: Recording | None = None, *,
     """Trace ``f`` (one sample with ``batch_dim``) and plan every leaf, without computing G.
 
     Without ``batch_dim`` the trace runs ``f`` on the full inputs and the plan is the one
-    the backend would make after its own forward. ``force`` (``"ghost"`` or
-    ``"materialize"``) overrides the cost model wherever that way is possible (for tests).
+    the backend would make after its own forward. ``force`` (``"ghost"``, ``"materialize"``
+    or ``"sparse"``) overrides the cost model wherever that way is possible (for tests).
     """
     if recording is None:
         recording = trace(problem)
