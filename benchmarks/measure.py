@@ -86,8 +86,10 @@ class Record:
 
     ``status`` is ``"ok"``, ``"skipped"`` (the method does not apply or its package is
     missing; ``message`` says which), ``"error"`` (it raised; ``message`` has the error) or
-    ``"timeout"``. ``result`` (the Gramian, ``[m, m]``, or its diagonal ``[m]``) is not
-    serialized to JSON.
+    ``"timeout"``. ``result`` (the Gramian, ``[m, m]``, or its diagonal ``[m]``; the update
+    ``[P]`` for an ``aggregated`` method) is not serialized to JSON. ``weighting_s`` holds,
+    for a method that calls a weighting, the seconds each timed call spent in it (aligned with
+    ``times_s``).
     """
 
     case: str
@@ -102,6 +104,7 @@ class Record:
     threads: int = 0
     isolated: bool = False
     warnings: list[str] = field(default_factory=list)
+    weighting_s: list[float] = field(default_factory=list)
     result: torch.Tensor | None = None
 
     @property
@@ -109,11 +112,20 @@ class Record:
         """The median time of the timed calls."""
         return statistics.median(self.times_s) if self.times_s else None
 
+    @property
+    def median_without_weighting_s(self) -> float | None:
+        """The median over the timed calls of their time less their weighting's (if known)."""
+        if not self.times_s or len(self.weighting_s) != len(self.times_s):
+            return None
+        return statistics.median(t - w for t, w in zip(self.times_s, self.weighting_s,
+                                                       strict=True))
+
     def to_json(self) -> dict[str, Any]:
         """Everything but the result tensor."""
         data = asdict(self)
         data.pop("result")
         data["median_s"] = self.median_s
+        data["median_without_weighting_s"] = self.median_without_weighting_s
         return data
 
 
@@ -198,10 +210,12 @@ def measure(case_name: str, method_name: str, sizes: cases.Sizes, policy: Policy
             if reason is not None:
                 raise peers.Unavailable(reason)
             call = method.prepare(case)
+            lap = getattr(call, "weighting_lap", None)  # seconds spent in the weighting
             first, result = _timed(call)
             record.first_call_s = first
             if first > policy.very_slow_s:  # keep the run bounded: that call is the only one
                 record.slow, record.times_s = True, [first]
+                record.weighting_s = [lap()] if lap else []
             else:
                 steady = first  # the first call pays one-off costs (tracing, lazy init)
                 if policy.warmups > 1 and first <= policy.rewarm_s:
@@ -210,9 +224,15 @@ def measure(case_name: str, method_name: str, sizes: cases.Sizes, policy: Policy
                 reps = (policy.slow_reps if steady > policy.slow_s
                         else max(policy.min_reps,
                                  min(policy.max_reps, int(policy.target_s / max(steady, 1e-9)))))
-                record.times_s = [_timed(call)[0] for _ in range(reps)]
+                if lap:
+                    lap()  # drop the warm-up calls' share
+                for _ in range(reps):
+                    record.times_s.append(_timed(call)[0])
+                    if lap:
+                        record.weighting_s.append(lap())
                 result, record.peak_bytes = peak_memory_of(call)
-            record.result = None if result is None else peers.flat_result(result, case)
+            record.result = (None if result is None else peers.flat_result(
+                result, case, vector=method.kind == peers.AGGREGATED))
         except peers.Unavailable as why:
             record.status, record.message = "skipped", str(why)
         except Exception as error:  # noqa: BLE001 — any failure is reported, not raised
@@ -227,50 +247,69 @@ def measure(case_name: str, method_name: str, sizes: cases.Sizes, policy: Policy
 def measure_isolated(case_name: str, method_name: str, sizes_name: str, policy: Policy,
                      threads: int) -> Record:
     """:func:`measure` in a fresh ``python -m benchmarks.measure`` subprocess."""
+    return measure_isolated_many(case_name, [method_name], sizes_name, policy, threads)[0]
+
+
+def measure_isolated_many(case_name: str, method_names: list[str], sizes_name: str,
+                          policy: Policy, threads: int) -> list[Record]:
+    """:func:`measure` of each method in turn, all in one fresh subprocess (its timeout scaled).
+
+    The aggregated section uses it, one subprocess per case, to keep a run short.
+    """
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         env[var] = str(threads)
+    timeout = policy.timeout_s * len(method_names)
+
+    def failed(name: str, status: str, message: str) -> Record:
+        return Record(case_name, name, peers.get(name).kind, status=status, message=message,
+                      threads=threads, isolated=True)
+
     with tempfile.TemporaryDirectory(prefix="torchgram-bench-") as tmp:
         command = [sys.executable, "-m", "benchmarks.measure", "--case", case_name,
-                   "--method", method_name, "--sizes", sizes_name, "--threads", str(threads),
+                   *(arg for name in method_names for arg in ("--method", name)),
+                   "--sizes", sizes_name, "--threads", str(threads),
                    "--policy", json.dumps(asdict(policy)), "--out", tmp]
         try:
             done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
-                                  timeout=policy.timeout_s, check=False)
+                                  timeout=timeout, check=False)
         except subprocess.TimeoutExpired:
-            return Record(case_name, method_name, peers.get(method_name).kind,
-                          status="timeout", message=f"over {policy.timeout_s:.0f} s",
-                          threads=threads, isolated=True)
-        out = Path(tmp)
-        if done.returncode != 0 or not (out / "record.json").exists():
-            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
-            return Record(case_name, method_name, peers.get(method_name).kind, status="error",
-                          message=f"worker exited with {done.returncode}: {tail[0][:200]}",
-                          threads=threads, isolated=True)
-        data = json.loads((out / "record.json").read_text())
-        data.pop("median_s", None)
-        record = Record(**data)
-        if (out / "result.pt").exists():
-            record.result = torch.load(out / "result.pt", weights_only=True)
-        return record
+            return [failed(name, "timeout", f"over {timeout:.0f} s") for name in method_names]
+        out, records = Path(tmp), []
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+        for i, name in enumerate(method_names):  # a crash loses the methods not yet written
+            if not (out / f"record{i}.json").exists():
+                records.append(failed(name, "error", f"worker exited with {done.returncode}: "
+                                                     f"{tail[0][:200]}"))
+                continue
+            data = json.loads((out / f"record{i}.json").read_text())
+            data.pop("median_s", None)
+            data.pop("median_without_weighting_s", None)
+            record = Record(**data)
+            if (out / f"result{i}.pt").exists():
+                record.result = torch.load(out / f"result{i}.pt", weights_only=True)
+            records.append(record)
+        return records
 
 
 def _worker() -> None:
-    parser = argparse.ArgumentParser(description="Measure one (case, method); internal.")
+    parser = argparse.ArgumentParser(description="Measure (case, method) pairs; internal.")
     parser.add_argument("--case", required=True)
-    parser.add_argument("--method", required=True)
+    parser.add_argument("--method", required=True, action="append",
+                        help="a method to measure; repeat to measure several in turn")
     parser.add_argument("--sizes", choices=("full", "quick"), required=True)
     parser.add_argument("--threads", type=int, required=True)
     parser.add_argument("--policy", required=True)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     sizes = cases.QUICK if args.sizes == "quick" else cases.FULL
-    record = measure(args.case, args.method, sizes, Policy(**json.loads(args.policy)),
-                     args.threads, isolated=True)
-    if record.result is not None:
-        torch.save(record.result, args.out / "result.pt")
-    (args.out / "record.json").write_text(json.dumps(record.to_json()))
+    for i, method in enumerate(args.method):
+        record = measure(args.case, method, sizes, Policy(**json.loads(args.policy)),
+                         args.threads, isolated=True)
+        if record.result is not None:
+            torch.save(record.result, args.out / f"result{i}.pt")
+        (args.out / f"record{i}.json").write_text(json.dumps(record.to_json()))
 
 
 if __name__ == "__main__":

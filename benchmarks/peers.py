@@ -11,12 +11,17 @@ not apply to a case or why its package is missing (``prepare`` may still raise
 Kinds: ``floor`` (plain ``rows.sum().backward()``, what a training step costs anyway),
 ``torchgram`` (one per registered backend, found at run time) and ``peer`` (other
 libraries; the "best peer" of a case is the fastest peer whose answer agrees).
+
+The second section, the aggregated update ``Jᵀ w`` of issue 5 (:func:`aggregated_methods`,
+NOTE [aggregated_grad, issue 5]), has kinds ``aggregated`` (whose ``call()`` returns the update
+as one vector) and ``weighting`` (the weighting alone, which returns nothing).
 """
 
 from __future__ import annotations
 
 import copy
 import importlib.util
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -50,9 +55,11 @@ class Method:
 EXPECTED_BACKENDS = ("auto", "jacobian", "ntvp", "structured", "graph")
 
 
-def flat_result(result: Any, case: Case) -> Tensor:
-    """The result as ``[m, m]`` (or ``[m]`` for a diagonal case), detached."""
+def flat_result(result: Any, case: Case, *, vector: bool = False) -> Tensor:
+    """The result as ``[m, m]`` (``[m]`` for a diagonal case; as is when ``vector``), detached."""
     result = torch.as_tensor(result).detach()
+    if vector:
+        return result.reshape(-1)
     m = result.numel() if case.diagonal else int(round(result.numel() ** 0.5))
     return result.reshape(m) if case.diagonal else result.reshape(m, m)
 
@@ -233,19 +240,163 @@ def _opacus(case: Case) -> Call:
     return call
 
 
-# ---------------------------------------------------------------------------------------
-# NOTE [aggregated_grad, issue 5 — placeholder, not implemented here]
-# Issue 5 adds `tg.aggregated_grad(losses_fn, weighting, batch_dim=0)(params, x, y)`, returning
-# `(update, info)` with `update == Jᵀ w` and `w = weighting(G)`. It must be measured on these
-# same cases against (a) `tg.gramian` followed by a separate `torch.func.vjp` with the same
-# weights, and (b) torchjd: `Engine(model, batch_dim=0)`, `G = engine.compute_gramian(losses)`,
-# `w = <torchjd weighting>(G)`, `losses.backward(w)`. To add it: write three `prepare`
-# functions here whose `call()` returns the flattened update (concatenate the leaves in
-# `case.params` order; torchjd's from `p.grad`), register them in a second list like
-# `_FIXED` with kind "aggregated", and make report.py compare them as vectors (the Gramian
-# agreement check already compares any tensor result; only `flat_result` must not reshape a
-# vector to a square). Until then nothing here measures it.
-# ---------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------ aggregated Jᵀw
+
+# NOTE [aggregated_grad, issue 5]
+# A second section of the benchmark times the whole Jacobian-descent step ``Jᵀ w`` with
+# ``w = upgrad(G)`` on the per-sample-loss cases (and the multi-task one), every way a user
+# would write it: `tg.aggregated_grad` (backend auto), `tg.gramian` (backend auto) then a
+# separate `torch.func.vjp` with the weights, and torchjd's `Engine.compute_gramian(losses)`
+# then `losses.backward(w)`. All three call the SAME weighting, `torchgram.weighting.upgrad`
+# (on torchjd's Gramian too), so they differ only in how they get G and Jᵀw. The QP of the
+# weighting costs more than everything else on some cases (m = 64) and would drown that
+# difference, so each call's seconds inside the weighting are counted (`_TimedWeighting`,
+# read by measure.py after every timed call) and the table also gives each method's time
+# without them. The weighting is also timed alone on the case's Gramian ("weighting only"
+# rows; torchjd's own `UPGradWeighting` too, for reference: no method here calls it). An
+# aggregated call returns the update flattened to one vector (leaves in `case.params` order;
+# torchjd's from `.grad`), which the report compares like the Gramians; a weighting-only call
+# returns nothing. The floor of this section is the Gramian section's plain backward.
+
+AGGREGATED = "aggregated"
+WEIGHTING = "weighting"
+# The cases of the aggregated section: per-sample losses, and task losses.
+AGGREGATED_CASES = ("mlp", "cnn", "transformer", "multitask", "tied-lm")
+
+
+class _TimedWeighting:
+    """``torchgram.weighting.upgrad``, keeping count of the seconds spent in it.
+
+    :func:`benchmarks.measure.measure` reads and resets the count after each timed call
+    (``call.weighting_lap``), so the table can give each call's time without its weighting.
+    The benchmark runs on CPU, where the weighting's tensors are ready when it returns.
+    """
+
+    def __init__(self) -> None:
+        self.weighting: Callable[[Tensor], Tensor] = tg.weighting.upgrad
+        self.seconds = 0.0
+
+    def __call__(self, G: Tensor) -> Tensor:
+        start = time.perf_counter()
+        weights = self.weighting(G)
+        self.seconds += time.perf_counter() - start
+        return weights
+
+    def lap(self) -> float:
+        """The seconds spent in the weighting since the last lap."""
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
+def _with_lap(call: Call, weighting: _TimedWeighting) -> Call:
+    call.weighting_lap = weighting.lap  # type: ignore[attr-defined]
+    return call
+
+
+def _flat_update(grads: dict[str, Tensor | None], case: Case) -> Tensor:
+    """The update as one vector, leaves in ``case.params`` order (zeros for a missing grad)."""
+    return torch.cat([(torch.zeros_like(p) if grads[name] is None else grads[name]).reshape(-1)
+                      for name, p in case.params.items()])
+
+
+def _aggregated_skip(case: Case) -> str | None:
+    if case.diagonal:
+        return "a weighting needs the whole Gramian, not its diagonal"
+    return None
+
+
+def _aggregated_torchjd_skip(case: Case) -> str | None:
+    return _aggregated_skip(case) or _missing("torchjd")
+
+
+def _case_gramian(case: Case) -> Tensor:
+    m = case.num_rows
+    return tg.gramian(case.f, batch_dim=case.batch_dim)(case.params, *case.inputs).reshape(m, m)
+
+
+def _weighting_torchgram(case: Case) -> Call:
+    """``torchgram.weighting.upgrad(G)`` alone, on the case's Gramian (computed once)."""
+    G, upgrad = _case_gramian(case), tg.weighting.upgrad
+
+    def call() -> None:
+        upgrad(G)
+
+    return call
+
+
+def _weighting_torchjd(case: Case) -> Call:
+    """torchjd's ``UPGradWeighting()(G)`` alone, on the case's Gramian (computed once)."""
+    from torchjd.aggregation import UPGradWeighting
+
+    G, weighting = _case_gramian(case), UPGradWeighting()
+
+    def call() -> None:
+        weighting(G)
+
+    return call
+
+
+def _aggregated_grad(case: Case) -> Call:
+    """``tg.aggregated_grad(f, upgrad, batch_dim=...)`` with backend auto: one call."""
+    upgrad = _TimedWeighting()
+    step = tg.aggregated_grad(case.f, upgrad, batch_dim=case.batch_dim)
+
+    def call() -> Tensor:
+        update, _ = step(case.params, *case.inputs)
+        return _flat_update(update, case)
+
+    return _with_lap(call, upgrad)
+
+
+def _gramian_then_vjp(case: Case) -> Call:
+    """``tg.gramian`` (backend auto), ``w = upgrad(G)``, then a separate ``torch.func.vjp``."""
+    transform = tg.gramian(case.f, batch_dim=case.batch_dim)
+    upgrad, m = _TimedWeighting(), case.num_rows
+
+    def losses(params: dict[str, Tensor]) -> Tensor:
+        return case.f(params, *case.inputs)
+
+    def call() -> Tensor:
+        w = upgrad(transform(case.params, *case.inputs).reshape(m, m))
+        out, vjp_fn = torch.func.vjp(losses, case.params)
+        (update,) = vjp_fn(w.reshape(out.shape))
+        return _flat_update(update, case)
+
+    return _with_lap(call, upgrad)
+
+
+def _torchjd_backward(case: Case) -> Call:
+    """torchjd: ``G = engine.compute_gramian(losses)``, ``w = upgrad(G)``, ``losses.backward(w)``.
+
+    The weighting is torchgram's ``upgrad`` (not torchjd's ``UPGradWeighting``), as in the
+    other two methods, so that the comparison is of the Gramian and update machinery only.
+    """
+    from torchjd.autogram import Engine
+
+    model = copy.deepcopy(case.module)  # the engine hooks the model
+    engine, upgrad = Engine(model, batch_dim=case.batch_dim), _TimedWeighting()
+    named = dict(model.named_parameters())
+
+    def call() -> Tensor:
+        _zero_grads(named.values())
+        losses = case.rows(model, *case.inputs)
+        losses.backward(upgrad(engine.compute_gramian(losses)))
+        return _flat_update({name: p.grad for name, p in named.items()}, case)
+
+    return _with_lap(call, upgrad)
+
+
+_AGGREGATED = (
+    Method("weighting only: torchgram upgrad", WEIGHTING, _weighting_torchgram, _aggregated_skip),
+    Method("weighting only: torchjd UPGradWeighting", WEIGHTING, _weighting_torchjd,
+           _aggregated_torchjd_skip),
+    Method("torchgram aggregated_grad", AGGREGATED, _aggregated_grad, _aggregated_skip),
+    Method("torchgram gramian + vjp", AGGREGATED, _gramian_then_vjp, _aggregated_skip),
+    Method("torchjd Engine + backward(w)", AGGREGATED, _torchjd_backward,
+           _aggregated_torchjd_skip),
+)
+# The weighting-only row of the weighting that the aggregated methods call.
+WEIGHTING_ROW = _AGGREGATED[0].name
 
 _FIXED = (
     Method("torchjd autogram", "peer", _torchjd, lambda case: _missing("torchjd")),
@@ -274,10 +425,16 @@ def all_methods() -> list[Method]:
     return methods + list(_FIXED)
 
 
+def aggregated_methods() -> list[Method]:
+    """The methods of the aggregated ``Jᵀw`` section, in table order (floor: :data:`FLOOR`)."""
+    return list(_AGGREGATED)
+
+
 def get(name: str) -> Method:
-    """The method called ``name``."""
-    for method in all_methods():
+    """The method called ``name`` (of either section)."""
+    known = all_methods() + aggregated_methods()
+    for method in known:
         if method.name == name:
             return method
-    raise ValueError(f"benchmarks: expected a method in {[m.name for m in all_methods()]}, "
+    raise ValueError(f"benchmarks: expected a method in {[m.name for m in known]}, "
                      f"but got {name!r}.")

@@ -1,18 +1,24 @@
-"""Agreement check, markdown table, PNG plot and JSON dump of a benchmark run."""
+"""Agreement check, markdown tables, PNG plot and JSON dump of a benchmark run.
+
+Two sections: the Gramian (one :class:`CaseReport` per case) and the aggregated update
+``Jᵀ w`` of issue 5 (one :class:`AggregateReport` per case it covers); see
+``benchmarks/README.md``.
+"""
 
 from __future__ import annotations
 
 import json
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from benchmarks.measure import Record
-from benchmarks.peers import FLOOR
+from benchmarks.peers import FLOOR, WEIGHTING, WEIGHTING_ROW
 
 # The answer every other one is compared with: the first of these that produced one.
 # torch.func's naive jacrev is the most direct definition of G = J Jᵀ, so it comes first.
@@ -20,12 +26,15 @@ REFERENCE_ORDER = ("torch.func jacrev (naive)", "torch.func vmap(grad)", "torchg
 # Relative Frobenius error above which a method is flagged and kept out of every ratio.
 # float32 Gramians computed in different orders agree to ~1e-6; a missing term is ~1e-2.
 TOLERANCE = 1e-4
+# Kinds whose records have no answer to check (their time counts without one).
+UNCHECKED_KINDS = ("floor", WEIGHTING)
 
 
 @dataclass
 class CaseReport:
     """One case's records, with the agreement check and the ratios derived from them."""
 
+    reference_order: ClassVar[tuple[str, ...]] = REFERENCE_ORDER
     name: str
     info: dict[str, Any]
     records: list[Record]
@@ -43,6 +52,7 @@ class CaseReport:
             raw = dict(raw)
             err = raw.pop("rel_err", None)
             raw.pop("median_s", None)
+            raw.pop("median_without_weighting_s", None)
             records.append(Record(**raw))
             if err is not None:
                 errors[raw["method"]] = math.inf if isinstance(err, str) else float(err)
@@ -57,7 +67,7 @@ class CaseReport:
                     if r.status == "ok" and r.result is not None}
         if not answered:
             return
-        self.reference = next((name for name in REFERENCE_ORDER if name in answered),
+        self.reference = next((name for name in self.reference_order if name in answered),
                               next(iter(answered)))
         expected = answered[self.reference].double()
         scale = expected.norm().clamp_min(torch.finfo(torch.float64).tiny)
@@ -72,9 +82,9 @@ class CaseReport:
         return self.errors.get(method, math.inf) <= TOLERANCE
 
     def time(self, method: str) -> float | None:
-        """The median time of ``method``, if it ran (and agreed, unless it is the floor)."""
+        """The median time of ``method``, if it ran (and agreed, unless it has no answer)."""
         for r in self.records:
-            if r.method == method and r.status == "ok" and (method == FLOOR or
+            if r.method == method and r.status == "ok" and (r.kind in UNCHECKED_KINDS or
                                                             self.agrees(method)):
                 return r.median_s
         return None
@@ -88,6 +98,44 @@ class CaseReport:
     def record(self, method: str) -> Record | None:
         """The record of ``method``."""
         return next((r for r in self.records if r.method == method), None)
+
+
+class AggregateReport(CaseReport):
+    """One case of the aggregated section: the update ``Jᵀ w``, ``w = upgrad(G)``, three ways.
+
+    Its records are the Gramian section's floor, the weighting-only rows and the aggregated
+    methods; the updates (vectors) are compared with the plain ``gramian`` + ``vjp``.
+    """
+
+    reference_order: ClassVar[tuple[str, ...]] = (
+        "torchgram gramian + vjp", "torchgram aggregated_grad", "torchjd Engine + backward(w)")
+
+    def without_weighting(self, method: str) -> float | None:
+        """``method``'s median time without its calls' weighting time (the floor's as is).
+
+        ``None`` when the method did not run, disagrees, or is a weighting-only row.
+        """
+        r = self.record(method)
+        if r is None or self.time(method) is None:
+            return None
+        if r.kind == "floor":
+            return r.median_s
+        return r.median_without_weighting_s
+
+    def in_weighting(self, method: str) -> float | None:
+        """The median time ``method``'s calls spent in the weighting."""
+        r = self.record(method)
+        if r is None or r.status != "ok" or not r.weighting_s:
+            return None
+        return statistics.median(r.weighting_s)
+
+
+@dataclass
+class Results:
+    """A run's reports: the Gramian section's and the aggregated ``Jᵀw`` section's."""
+
+    cases: list[CaseReport]
+    aggregated: list[AggregateReport] = field(default_factory=list)
 
 
 # ------------------------------------------------------------------------------ formatting
@@ -157,6 +205,94 @@ def case_table(report: CaseReport) -> list[str]:
             f"{_ratio(r.median_s, floor) if agrees else '—'} | "
             f"{_ratio(r.median_s, peer_time) if agrees and r.method != FLOOR else '—'} | "
             f"{_mib(r.peak_bytes)} | {_err(report.errors.get(r.method))} | {note} |")
+    return [*lines, ""]
+
+
+AGGREGATED_INTRO = (
+    "The Jacobian-descent update `Jᵀw` with `w = torchgram.weighting.upgrad(G)`, computed by "
+    "`tg.aggregated_grad(f, upgrad, batch_dim=...)` (backend auto), by `tg.gramian` (backend "
+    "auto) then a separate `torch.func.vjp` with `w`, and by torchjd "
+    "(`engine.compute_gramian(losses)`, then `losses.backward(w)`). All three call the same "
+    "weighting, torchgram's `upgrad` (on torchjd's Gramian too, to compare like with like), so "
+    "they differ only in how they get `G` and `Jᵀw`. The weighting's QP can cost more than the "
+    "rest, so each call's time inside it is counted (*in weighting*) and *excl. weighting* is "
+    "the median of each call's time less that; the weighting is also timed alone on the "
+    "case's Gramian, torchjd's own `UPGradWeighting` too (for reference: no method here calls "
+    "it). × backward: against the plain `loss.sum().backward()` of the Gramian section. "
+    "rel. err: relative error of the update against `gramian + vjp`; above the same tolerance "
+    "a method is marked MISMATCH and left out of every ratio.")
+_AGG_METHODS = ("torchgram aggregated_grad", "torchgram gramian + vjp",
+                "torchjd Engine + backward(w)")
+_WEIGHTING_JD = "weighting only: torchjd UPGradWeighting"
+
+
+def aggregated_summary_table(reports: Sequence[AggregateReport]) -> list[str]:
+    """One line per case: each method's time excluding the weighting, and the speed-ups."""
+    lines = ["Each method's cell: time excl. weighting in ms (× backward). Speed-up: the other "
+             "method's time excl. weighting / `aggregated_grad`'s.", "",
+             "| case | m | backward (ms) | upgrad alone (ms): torchgram / torchjd | "
+             + " | ".join(_AGG_METHODS)
+             + " | aggregated_grad speed-up vs gramian + vjp | vs torchjd |",
+             "|---|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    for rep in reports:
+        floor = rep.time(FLOOR)
+        cells = []
+        for name in _AGG_METHODS:
+            r = rep.record(name)
+            t = rep.without_weighting(name)
+            if r is None:
+                cells.append("—")
+            elif r.status != "ok":
+                cells.append(r.status)
+            elif not rep.agrees(name):
+                cells.append("MISMATCH")
+            else:
+                cells.append("—" if t is None else f"{_ms(t)} ({_ratio(t, floor)})")
+        agg, vjp, jd = (rep.without_weighting(name) for name in _AGG_METHODS)
+        lines.append(
+            f"| `{rep.name}` | {rep.info['rows']} | {_ms(floor)} | "
+            f"{_ms(rep.time(WEIGHTING_ROW))} / {_ms(rep.time(_WEIGHTING_JD))} | "
+            f"{' | '.join(cells)} | {_ratio(vjp, agg)} | {_ratio(jd, agg)} |")
+    return [*lines, ""]
+
+
+def aggregated_case_table(report: AggregateReport) -> list[str]:
+    """The markdown section of one case of the aggregated section."""
+    floor, info = report.time(FLOOR), report.info
+    lines = [f"### `{report.name}` (Jᵀw): {info['title']}", "",
+             f"m = {info['rows']} rows, P = {info['params_str']} parameters; "
+             f"batch_dim = {info['batch_dim']}. Reference for rel. err: "
+             f"{report.reference or '—'}.", "",
+             "| method | time (ms) | n | × backward | in weighting (ms) | excl. weighting (ms) | "
+             "excl. weighting × backward | peak mem (MiB) | rel. err | note |",
+             "|---|--:|--:|--:|--:|--:|--:|--:|--:|---|"]
+    for r in report.records:
+        if r.status != "ok":
+            note = (f"skipped: {r.message}" if r.status == "skipped"
+                    else f"**{r.status}**: {r.message}")
+            lines.append(f"| {r.method} | — | — | — | — | — | — | — | — | {note} |")
+            continue
+        unchecked = r.kind in UNCHECKED_KINDS
+        agrees = unchecked or report.agrees(r.method)
+        if r.method == FLOOR:
+            note = "no weighting, no Gramian: one training step (the Gramian section's)"
+        elif r.method == WEIGHTING_ROW:
+            note = "the weighting alone on the case's Gramian: the one every method calls"
+        elif unchecked:
+            note = "the weighting alone on the case's Gramian: for reference, not called"
+        elif not agrees:
+            note = "**MISMATCH**: update differs, left out of every ratio"
+        elif r.slow:
+            note = f"slow: {len(r.times_s)} timed calls only"
+        else:
+            note = ""
+        excl = report.without_weighting(r.method)
+        lines.append(
+            f"| {r.method} | {_ms(r.median_s)} | {len(r.times_s)} | "
+            f"{_ratio(r.median_s, floor) if agrees else '—'} | "
+            f"{_ms(report.in_weighting(r.method))} | {_ms(excl)} | {_ratio(excl, floor)} | "
+            f"{_mib(r.peak_bytes)} | "
+            f"{'—' if unchecked else _err(report.errors.get(r.method))} | {note} |")
     return [*lines, ""]
 
 
@@ -248,7 +384,8 @@ def _load_warning(env: dict[str, Any]) -> list[str]:
             "timings are unreliable. Regenerate them on a quiet machine.**", ""]
 
 
-def markdown(reports: Sequence[CaseReport], env: dict[str, Any], plot_name: str | None) -> str:
+def markdown(reports: Sequence[CaseReport], env: dict[str, Any], plot_name: str | None,
+             aggregated: Sequence[AggregateReport] = ()) -> str:
     """The whole results page."""
     peers = ", ".join(f"{k} {v}" for k, v in env["packages"].items())
     lines = [
@@ -259,7 +396,9 @@ def markdown(reports: Sequence[CaseReport], env: dict[str, Any], plot_name: str 
         f"Python {env['python']}; {peers}.  ",
         f"CPU: {env['cpu']} ({env['cpus']} logical CPUs), **{env['threads']} torch threads**; "
         f"load average {env['load_before']} before the run, {env['load_after']} after.  ",
-        f"Mode: {env['mode']}. Wall time of the run: {env['wall_s']:.0f} s.", "",
+        f"Mode: {env['mode']}. Wall time of the run: {env['wall_s']:.0f} s"
+        + (f" (the Jᵀw section: {env['aggregated_wall_s']:.0f} s)."
+           if "aggregated_wall_s" in env else "."), "",
         "Time: median of `n` calls after warm-up, each from the inputs to the result (forward "
         "included). Peak mem: increase of the resident set during one call (see "
         "`benchmarks/README.md`). × best peer: against the fastest non-torchgram method whose "
@@ -276,6 +415,11 @@ def markdown(reports: Sequence[CaseReport], env: dict[str, Any], plot_name: str 
     if env.get("skipped_backends"):
         lines += ["Torchgram backends planned but not in this build: "
                   + ", ".join(env["skipped_backends"]) + ".", ""]
+    if aggregated:
+        lines += ["## Aggregated gradient `Jᵀw` (issue 5)", "", AGGREGATED_INTRO, "",
+                  *aggregated_summary_table(aggregated)]
+        for rep in aggregated:
+            lines += aggregated_case_table(rep)
     return "\n".join(lines)
 
 
@@ -336,11 +480,16 @@ def _json_err(value: float | None) -> float | str | None:
     return "shape differs" if value is not None and math.isinf(value) else value
 
 
-def dump_json(reports: Sequence[CaseReport], env: dict[str, Any], path: Path) -> None:
-    """Every number of the run, for later comparison."""
-    data = {"environment": env, "tolerance": TOLERANCE, "cases": [
-        {"name": rep.name, **rep.info, "reference": rep.reference,
-         "records": [{**r.to_json(), "rel_err": _json_err(rep.errors.get(r.method))}
-                     for r in rep.records]}
-        for rep in reports]}
+def _json_reports(reports: Sequence[CaseReport]) -> list[dict[str, Any]]:
+    return [{"name": rep.name, **rep.info, "reference": rep.reference,
+             "records": [{**r.to_json(), "rel_err": _json_err(rep.errors.get(r.method))}
+                         for r in rep.records]}
+            for rep in reports]
+
+
+def dump_json(reports: Sequence[CaseReport], env: dict[str, Any], path: Path,
+              aggregated: Sequence[AggregateReport] = ()) -> None:
+    """Every number of the run, for later comparison (the aggregated section under its key)."""
+    data = {"environment": env, "tolerance": TOLERANCE, "cases": _json_reports(reports),
+            "aggregated": _json_reports(aggregated)}
     path.write_text(json.dumps(data, indent=1, default=str) + "\n")

@@ -1,9 +1,12 @@
 """Run the benchmark suite: ``python benchmarks/run.py [--quick] [--cases ...] [--threads N]``.
 
 For each case and each method (plain backward, every torchgram backend, the peers) it
-times the method, measures its peak memory and checks its answer against the others, then
-writes ``benchmarks.md`` (tables), ``benchmarks.png`` (plot) and ``benchmarks.json`` (every
-number) to ``--out``. See ``benchmarks/README.md``.
+times the method, measures its peak memory and checks its answer against the others; on the
+cases of :data:`benchmarks.peers.AGGREGATED_CASES` it does the same for the aggregated update
+``Jᵀ w`` (issue 5: ``tg.aggregated_grad``, ``gramian`` + ``vjp``, torchjd's ``Engine`` +
+``backward(w)``, the weighting alone). It writes ``benchmarks.md`` (tables),
+``benchmarks.png`` (plot of the Gramian section) and ``benchmarks.json`` (every number) to
+``--out``. See ``benchmarks/README.md``.
 """
 
 from __future__ import annotations
@@ -43,15 +46,16 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--cases", default=",".join(cases.NAMES),
                         help=f"comma-separated subset of {','.join(cases.NAMES)}")
     parser.add_argument("--methods", default="",
-                        help="comma-separated substrings; keep only methods whose name contains "
-                             "one of them (the floor is always kept)")
+                        help="comma-separated substrings; keep only methods (of both sections) "
+                             "whose name contains one of them (the floor is always kept)")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (2)")
     parser.add_argument("--out", type=Path, default=None,
                         help="output folder (default benchmarks/results; with --quick "
                              "<tmp>/torchgram-bench-quick)")
     isolation = parser.add_mutually_exclusive_group()
     isolation.add_argument("--isolate", dest="isolate", action="store_true", default=None,
-                           help="one fresh subprocess per (case, method) (default unless --quick)")
+                           help="one fresh subprocess per (case, method), per case for the "
+                                "Jᵀw section (default unless --quick)")
     isolation.add_argument("--in-process", dest="isolate", action="store_false",
                            help="measure everything in this process (faster, less isolated)")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
@@ -98,8 +102,8 @@ def _load() -> str:
         return "unknown"
 
 
-def run(argv: list[str] | None = None) -> list[report.CaseReport]:
-    """Parse ``argv``, run the suite, write the outputs; return the per-case reports."""
+def run(argv: list[str] | None = None) -> report.Results:
+    """Parse ``argv``, run the suite, write the outputs; return both sections' reports."""
     args = _parser().parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else list(argv)
     if args.render is not None:
@@ -119,6 +123,8 @@ def run(argv: list[str] | None = None) -> list[report.CaseReport]:
     filters = [s.strip() for s in args.methods.split(",") if s.strip()]
     methods = [m for m in peers.all_methods()
                if m.kind == "floor" or not filters or any(s in m.name for s in filters)]
+    aggregated = [m for m in peers.aggregated_methods()
+                  if not filters or any(s in m.name for s in filters)]
     present = set(peers.available_backends())
     missing_backends = [b for b in peers.EXPECTED_BACKENDS if b not in present]
     for b in missing_backends:
@@ -130,39 +136,47 @@ def run(argv: list[str] | None = None) -> list[report.CaseReport]:
     threads_before = torch.get_num_threads()
     measure.set_threads(args.threads)
     try:
-        reports, env = _run_cases(args, names, methods, sizes, sizes_name, policy, isolate)
+        results, env = _run_cases(args, names, methods, aggregated, sizes, sizes_name, policy,
+                                  isolate)
     finally:
         torch.set_num_threads(threads_before)  # leave a calling process (e.g. pytest) as it was
     env["skipped_backends"] = missing_backends
     plot_name = None if args.no_plot else "benchmarks.png"
     if plot_name:
-        report.plot(reports, out / plot_name)
-    (out / "benchmarks.md").write_text(report.markdown(reports, env, plot_name))
-    report.dump_json(reports, env, out / "benchmarks.json")
+        report.plot(results.cases, out / plot_name)
+    (out / "benchmarks.md").write_text(report.markdown(results.cases, env, plot_name,
+                                                       results.aggregated))
+    report.dump_json(results.cases, env, out / "benchmarks.json", results.aggregated)
     print(f"\nwrote {out / 'benchmarks.md'}" + (f", {out / plot_name}" if plot_name else "")
-          + f", {out / 'benchmarks.json'} in {env['wall_s']:.0f} s")
-    return reports
+          + f", {out / 'benchmarks.json'} in {env['wall_s']:.0f} s (the Jᵀw section: "
+          f"{env['aggregated_wall_s']:.0f} s)")
+    return results
 
 
-def render(path: Path, out: Path, *, plot: bool = True) -> list[report.CaseReport]:
+def render(path: Path, out: Path, *, plot: bool = True) -> report.Results:
     """Rewrite ``benchmarks.md`` (and the plot) in ``out`` from a saved ``benchmarks.json``."""
     data = json.loads(path.read_text())
-    reports = [report.CaseReport.from_json(c) for c in data["cases"]]
+    results = report.Results(
+        [report.CaseReport.from_json(c) for c in data["cases"]],
+        [report.AggregateReport.from_json(c) for c in data.get("aggregated", [])])
     out.mkdir(parents=True, exist_ok=True)
     plot_name = "benchmarks.png" if plot else None
     if plot_name:
-        report.plot(reports, out / plot_name)
-    (out / "benchmarks.md").write_text(report.markdown(reports, data["environment"], plot_name))
+        report.plot(results.cases, out / plot_name)
+    (out / "benchmarks.md").write_text(report.markdown(results.cases, data["environment"],
+                                                       plot_name, results.aggregated))
     print(f"wrote {out / 'benchmarks.md'}" + (f", {out / plot_name}" if plot_name else ""))
-    return reports
+    return results
 
 
 def _run_cases(args: argparse.Namespace, names: list[str], methods: list[peers.Method],
-               sizes: cases.Sizes, sizes_name: str, policy: measure.Policy,
-               isolate: bool) -> tuple[list[report.CaseReport], dict[str, Any]]:
+               aggregated: list[peers.Method], sizes: cases.Sizes, sizes_name: str,
+               policy: measure.Policy, isolate: bool) -> tuple[report.Results, dict[str, Any]]:
     load_before, start = _load(), time.perf_counter()
-    reports: list[report.CaseReport] = []
-    total, done = len(names) * len(methods), 0
+    results = report.Results([])
+    with_aggregated = [n for n in names if n in peers.AGGREGATED_CASES] if aggregated else []
+    total = len(names) * len(methods) + len(with_aggregated) * len(aggregated)
+    done, section_s = 0, 0.0
     for name in names:
         case = cases.build(name, sizes)
         info = cases.describe(case)
@@ -171,22 +185,24 @@ def _run_cases(args: argparse.Namespace, names: list[str], methods: list[peers.M
         records = []
         for method in methods:
             done += 1
-            reason = method.skip_reason(case)
-            if reason is not None:
-                record = measure.Record(name, method.name, method.kind, status="skipped",
-                                        message=reason)
-            elif isolate:
-                record = measure.measure_isolated(name, method.name, sizes_name, policy,
-                                                  args.threads)
-            else:
-                record = measure.measure(name, method.name, sizes, policy, args.threads)
-            records.append(record)
-            print(f"[{done}/{total}] {method.name:28s} {_line(record)}", flush=True)
+            records.append(_measure(args, case, method, sizes, sizes_name, policy, isolate))
+            print(f"[{done}/{total}] {method.name:40s} {_line(records[-1])}", flush=True)
         rep = report.CaseReport(name, info, records)
-        reports.append(rep)
-        for method, err in rep.errors.items():
-            flag = "" if rep.agrees(method) else "   <-- MISMATCH"
-            print(f"    rel. err vs {rep.reference}: {method:28s} {err:.1e}{flag}")
+        results.cases.append(rep)
+        _print_errors(rep)
+        if name not in with_aggregated:
+            continue
+        print(f"-- {name}: aggregated update Jᵀw, w = upgrad(G)", flush=True)
+        section_start = time.perf_counter()
+        section = _measure_section(args, case, aggregated, sizes, sizes_name, policy, isolate)
+        section_s += time.perf_counter() - section_start
+        for method, record in zip(aggregated, section, strict=True):
+            done += 1
+            print(f"[{done}/{total}] {method.name:40s} {_line(record)}", flush=True)
+        floor = [r for r in records if r.method == peers.FLOOR]  # measured once, shared
+        agg = report.AggregateReport(name, info, floor + section)
+        results.aggregated.append(agg)
+        _print_errors(agg)
 
     env: dict[str, Any] = {
         "command": "python benchmarks/run.py" + "".join(f" {shlex.quote(a)}" for a in args.argv),
@@ -196,12 +212,47 @@ def _run_cases(args: argparse.Namespace, names: list[str], methods: list[peers.M
         "packages": {p: _version(p) or "not installed" for p in PEER_PACKAGES},
         "cpu": _cpu(), "cpus": os.cpu_count(), "threads": args.threads,
         "mode": (("quick sizes" if args.quick else "full sizes") + ", "
-                 + ("one fresh subprocess per (case, method)" if isolate
-                    else "all in one process")),
+                 + ("one fresh subprocess per (case, method), per case for the Jᵀw section"
+                    if isolate else "all in one process")),
         "load_before": load_before, "load_after": _load(),
-        "wall_s": time.perf_counter() - start,
+        "wall_s": time.perf_counter() - start, "aggregated_wall_s": section_s,
     }
-    return reports, env
+    return results, env
+
+
+def _measure(args: argparse.Namespace, case: cases.Case, method: peers.Method,
+             sizes: cases.Sizes, sizes_name: str, policy: measure.Policy,
+             isolate: bool) -> measure.Record:
+    reason = method.skip_reason(case)
+    if reason is not None:
+        return measure.Record(case.name, method.name, method.kind, status="skipped",
+                              message=reason)
+    if isolate:
+        return measure.measure_isolated(case.name, method.name, sizes_name, policy,
+                                        args.threads)
+    return measure.measure(case.name, method.name, sizes, policy, args.threads)
+
+
+def _measure_section(args: argparse.Namespace, case: cases.Case, methods: list[peers.Method],
+                     sizes: cases.Sizes, sizes_name: str, policy: measure.Policy,
+                     isolate: bool) -> list[measure.Record]:
+    """The aggregated section's methods on ``case``: isolated, all in one fresh subprocess."""
+    if not isolate:
+        return [_measure(args, case, m, sizes, sizes_name, policy, isolate) for m in methods]
+    reasons = {m.name: m.skip_reason(case) for m in methods}
+    runnable = [m.name for m in methods if reasons[m.name] is None]
+    measured = iter(measure.measure_isolated_many(case.name, runnable, sizes_name, policy,
+                                                  args.threads) if runnable else [])
+    return [next(measured) if reasons[m.name] is None
+            else measure.Record(case.name, m.name, m.kind, status="skipped",
+                                message=reasons[m.name] or "")
+            for m in methods]
+
+
+def _print_errors(rep: report.CaseReport) -> None:
+    for method, err in rep.errors.items():
+        flag = "" if rep.agrees(method) else "   <-- MISMATCH"
+        print(f"    rel. err vs {rep.reference}: {method:40s} {err:.1e}{flag}")
 
 
 def _line(r: measure.Record) -> str:

@@ -1,7 +1,8 @@
 """Smoke test of the benchmark suite (benchmarks/): tiny sizes, one timed call, in-process.
 
 It checks the machinery (every method runs, the outputs are written, the answers agree, a
-wrong answer is flagged), never the timings.
+wrong answer is flagged), in both sections (the Gramian, and issue 5's aggregated update
+``Jᵀw``), never the timings.
 """
 
 from __future__ import annotations
@@ -21,20 +22,35 @@ if str(ROOT) not in sys.path:  # `benchmarks` is a top-level folder, not an inst
 from benchmarks import cases, measure, peers, report, run  # noqa: E402
 
 CASES = ("mlp", "ntk-mlp", "multitask", "tied-lm", "mlp-norms")
+AGGREGATED_CASES = tuple(name for name in CASES if name in peers.AGGREGATED_CASES)
 # Peers that give a different answer on a case: what the agreement check exists to catch.
 # torchjd 0.18's autogram Engine drops the cross terms of a weight shared by two modules
-# (tied embedding / output projection); it agrees once the weights are untied.
-KNOWN_PEER_MISMATCHES = {("tied-lm", "torchjd autogram")}
+# (tied embedding / output projection); it agrees once the weights are untied. Its UPGrad
+# update there may still agree (when the weights come out the same, e.g. uniform).
+KNOWN_PEER_MISMATCHES = {("tied-lm", "torchjd autogram"),
+                         ("tied-lm", "torchjd Engine + backward(w)")}
 
 
 @pytest.fixture(scope="module")
-def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+def quick_results(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, report.Results]:
     out = tmp_path_factory.mktemp("benchmarks")
     threads = torch.get_num_threads()
-    reports = run.run(["--quick", "--in-process", "--threads", "1", "--cases", ",".join(CASES),
+    results = run.run(["--quick", "--in-process", "--threads", "1", "--cases", ",".join(CASES),
                        "--out", str(out)])
     assert torch.get_num_threads() == threads  # the run leaves the process as it found it
-    return out, {rep.name: rep for rep in reports}
+    return out, results
+
+
+@pytest.fixture(scope="module")
+def quick_run(quick_results: tuple[Path, report.Results]) -> tuple[Path, dict[str, Any]]:
+    out, results = quick_results
+    return out, {rep.name: rep for rep in results.cases}
+
+
+@pytest.fixture(scope="module")
+def quick_aggregated(quick_results: tuple[Path, report.Results],
+                     ) -> dict[str, report.AggregateReport]:
+    return {rep.name: rep for rep in quick_results[1].aggregated}
 
 
 def test_outputs_are_written(quick_run: tuple[Path, dict[str, Any]]) -> None:
@@ -44,9 +60,15 @@ def test_outputs_are_written(quick_run: tuple[Path, dict[str, Any]]) -> None:
     for name in CASES:
         assert f"### `{name}`" in text
     assert "| method | time (ms) | n | × backward | × best peer | peak mem (MiB) |" in text
+    assert "## Aggregated gradient `Jᵀw` (issue 5)" in text
+    for name in AGGREGATED_CASES:
+        assert f"### `{name}` (Jᵀw)" in text
+    assert ("| method | time (ms) | n | × backward | in weighting (ms) | excl. weighting (ms) |"
+            in text)
     assert (out / "benchmarks.png").read_bytes()[:4] == b"\x89PNG"
     data = json.loads((out / "benchmarks.json").read_text())
     assert [c["name"] for c in data["cases"]] == list(CASES)
+    assert [c["name"] for c in data["aggregated"]] == list(AGGREGATED_CASES)
     assert data["environment"]["threads"] == 1
 
 
@@ -80,6 +102,49 @@ def test_every_method_runs_and_agrees(quick_run: tuple[Path, dict[str, Any]], na
     assert answered[0].result.shape == ((m,) if rep.info["diagonal"] else (m, m))
 
 
+@pytest.mark.parametrize("name", AGGREGATED_CASES)
+def test_every_aggregated_method_runs_and_agrees(
+        quick_aggregated: dict[str, report.AggregateReport], name: str) -> None:
+    rep = quick_aggregated[name]
+    methods = [m.name for m in peers.aggregated_methods()]
+    assert [r.method for r in rep.records] == [peers.FLOOR, *methods]
+    for r in rep.records:
+        assert r.status == "ok", f"{r.method}: {r.status}: {r.message}"
+        assert len(r.times_s) == 1
+    assert rep.reference == "torchgram gramian + vjp"
+    updates = [r for r in rep.records if r.kind == peers.AGGREGATED]
+    assert len(updates) == 3
+    num_params = cases.build(name, cases.QUICK).num_params
+    for r in updates:
+        assert r.result is not None and r.result.shape == (num_params,)
+        if (name, r.method) not in KNOWN_PEER_MISMATCHES:
+            assert rep.agrees(r.method), f"{r.method}: rel. err {rep.errors[r.method]:.1e}"
+        # the weighting is timed inside each call, and subtracted per call
+        assert len(r.weighting_s) == len(r.times_s) == 1
+        assert 0 < r.weighting_s[0] < r.times_s[0]
+        assert rep.without_weighting(r.method) == pytest.approx(r.times_s[0] - r.weighting_s[0])
+    assert not any(r.weighting_s for r in rep.records if r.kind != peers.AGGREGATED)
+    assert rep.time("weighting only: torchgram upgrad") is not None
+
+
+def test_one_subprocess_measures_several_methods_in_turn() -> None:
+    names = ["torchgram aggregated_grad", "weighting only: torchgram upgrad"]
+    records = measure.measure_isolated_many("multitask", names, "quick", measure.QUICK_POLICY,
+                                            threads=1)
+    assert [r.method for r in records] == names
+    assert all(r.status == "ok" and r.isolated for r in records), [r.message for r in records]
+    update, weighting = records
+    assert update.result is not None and update.result.ndim == 1
+    assert len(update.weighting_s) == len(update.times_s) == 1  # survives the JSON round trip
+    assert weighting.result is None and not weighting.weighting_s
+
+
+def test_aggregated_section_runs_only_on_its_cases(
+        quick_aggregated: dict[str, report.AggregateReport]) -> None:
+    assert tuple(quick_aggregated) == AGGREGATED_CASES
+    assert "ntk-mlp" not in quick_aggregated and "mlp-norms" not in quick_aggregated
+
+
 def test_norm_peers_run_on_diagonal_cases(quick_run: tuple[Path, dict[str, Any]]) -> None:
     _, reports = quick_run
     statuses = {r.method: r.status for r in reports["mlp-norms"].records}
@@ -108,6 +173,35 @@ def test_a_wrong_answer_is_flagged_and_left_out_of_the_ratios() -> None:
     table = "\n".join(report.case_table(rep))
     assert "| fast but wrong | 500 | 1 | — | — |" in table and "**MISMATCH**" in table
     assert "| torchgram[x] | 2,000 | 1 | 2.00× | 0.50× |" in table
+
+
+def test_a_wrong_update_is_flagged_and_the_weighting_is_taken_out_per_call() -> None:
+    update = torch.arange(5.0)
+    records = [
+        measure.Record("fake", peers.FLOOR, "floor", times_s=[0.001]),
+        measure.Record("fake", "weighting only: torchgram upgrad", peers.WEIGHTING,
+                       times_s=[0.004]),
+        measure.Record("fake", "torchgram aggregated_grad", peers.AGGREGATED,
+                       times_s=[0.010, 0.020, 0.009], weighting_s=[0.005, 0.016, 0.004],
+                       result=update.clone()),
+        measure.Record("fake", "torchgram gramian + vjp", peers.AGGREGATED, times_s=[0.012],
+                       weighting_s=[0.004], result=update),
+        measure.Record("fake", "torchjd Engine + backward(w)", peers.AGGREGATED,
+                       times_s=[0.003], weighting_s=[0.001], result=update * 1.01),
+    ]
+    rep = report.AggregateReport("fake", _info(), records)
+    assert rep.reference == "torchgram gramian + vjp"
+    assert rep.agrees("torchgram aggregated_grad")
+    assert not rep.agrees("torchjd Engine + backward(w)")
+    # per call 5, 4, 5 ms without the weighting: median 5 ms (not 10 - 5 of the medians)
+    assert rep.without_weighting("torchgram aggregated_grad") == pytest.approx(0.005)
+    assert rep.without_weighting("torchjd Engine + backward(w)") is None
+    table = "\n".join(report.aggregated_case_table(rep))
+    assert "| torchgram aggregated_grad | 10 | 3 | 10× | 5 | 5 | 5.00× |" in table
+    assert "| torchjd Engine + backward(w) | 3 | 1 | — | 1 | — | — |" in table
+    assert "**MISMATCH**" in table
+    summary = "\n".join(report.aggregated_summary_table([rep]))
+    assert "| `fake` | 3 | 1 | 4 / — | 5 (5.00×) | 8 (8.00×) | MISMATCH | 1.60× | — |" in summary
 
 
 def test_peak_memory_counts_what_a_call_touches() -> None:
