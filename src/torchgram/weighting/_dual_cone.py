@@ -1,0 +1,50 @@
+"""Projection onto the dual cone of the rows of J, in Gramian form (UPGrad, DualProj).
+
+Proposition 1 of Quinton & Rey (2024): for ``G = J Jᵀ`` and weights ``u``, the projection of
+``Jᵀu`` onto the dual cone ``{x : J x ≥ 0}`` of the rows of ``J`` is ``Jᵀv`` with
+
+    v = argmin_{v ≥ u} vᵀ G v.
+
+Writing ``v = u + x`` turns it into ``min_{x ≥ 0} ½ xᵀGx + (G u)ᵀx``, the non-negative QP of
+:mod:`._qp`. As in torchjd, ``G`` is first normalised by its trace (the squared Frobenius norm of
+``J``; a trace below ``norm_eps`` gives the zero matrix) and regularised by ``reg_eps · I``, which
+makes the QP strictly convex, hence its solution unique, even when ``J`` is rank-deficient.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._qp import solve_nonneg_qp
+
+
+def normalize_and_regularize(G: Tensor, norm_eps: float, reg_eps: float) -> Tensor:
+    """Returns ``G / tr(G) + reg_eps · I`` in float64 (``reg_eps · I`` if ``tr(G) < norm_eps``).
+
+    The two operations are done in ``G``'s precision (at least float32: ``reg_eps = 1e-4`` added
+    to diagonal entries of order ``1 / m`` would lose most of its digits in half precision), then
+    the result is cast to float64 for the QP. That loses nothing beyond ``G``'s own round-off and
+    gives the QP exactly the matrix that torchjd's ``QuadprogProjector`` gives quadprog, so the
+    two agree to float64 round-off for float32 Gramians too. ``torch.where`` rather than ``if``
+    keeps it free of host synchronisation.
+    """
+    G = G.to(torch.promote_types(G.dtype, torch.float32))
+    trace = G.diagonal().sum()
+    is_zero = (trace < norm_eps) | (trace <= 0)  # `<= 0` matters for norm_eps = 0 only.
+    normalized = torch.where(is_zero, torch.zeros_like(G), G / trace)
+    eye = torch.eye(G.shape[0], dtype=G.dtype, device=G.device)
+    return (normalized + reg_eps * eye).to(torch.float64)
+
+
+def project_weights(U: Tensor, H: Tensor) -> Tensor:
+    """Solves ``min_{v ≥ u} vᵀ H v`` for each row ``u ≥ 0`` of ``U`` (shape ``[k, m]``).
+
+    Args:
+        U: Float64 tensor of shape ``[k, m]``.
+        H: Normalised and regularised float64 Gramian of shape ``[m, m]`` (positive-definite).
+
+    Returns:
+        The minimisers ``v``, shape ``[k, m]``, float64, with ``v ≥ u``.
+    """
+    return U + solve_nonneg_qp(H, U @ H)

@@ -1,0 +1,66 @@
+"""IMTL-G (Liu et al., 2021): the update with equal projections on every unit gradient."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._validation import check_gramian, check_non_negative
+
+
+def imtl_g(G: Tensor, /, *, eps: float = 1e-12) -> Tensor:
+    r"""Weights of IMTL-G: the combination whose projections on all unit gradients are equal.
+
+    From "Towards Impartial Multi-task Learning" (Liu et al., ICLR 2021,
+    https://openreview.net/forum?id=IMPnRXEWpvr), in the form generalised to linearly dependent
+    rows by Quinton & Rey (2024, https://arxiv.org/abs/2406.16232). IMTL-G looks for ``d = Jᵀw``
+    with ``⟨d, g_i / |g_i|⟩`` the same for every row ``g_i`` of ``J``, i.e. ``G w ∝ n`` where
+    ``n_i = |g_i| = sqrt(G_ii)``:
+
+    .. math::
+
+        v = G^{+} n, \qquad w = \frac{v}{\mathbf 1^\top v}
+        \quad (w = 0 \text{ if } |\mathbf 1^\top v| < \varepsilon),
+
+    where ``G⁺`` is the Moore–Penrose pseudo-inverse. As in torchjd's ``IMTLGWeighting`` (which
+    calls ``torch.linalg.pinv`` with its default cut-off), singular values of ``G`` below
+    ``m · eps(G.dtype) · σ_max`` are treated as zero. The pseudo-inverse is computed in float64,
+    with that cut-off taken from ``G``'s own dtype so that float32 round-off in ``G`` is not
+    mistaken for information; for a float64 ``G`` this is exactly torchjd's computation, and for
+    a float32 one it is more accurate (torchjd inverts in float32, with errors up to
+    ``cond(G) · 6e-8``).
+
+    Args:
+        G: The Gramian ``J Jᵀ`` of shape ``[m, m]``, symmetric positive semi-definite.
+        eps: If ``|Σ v| < eps`` the weights are all zero (e.g. for a zero Gramian). The default
+            is torchjd's. The weights are scale-invariant in ``G``, but ``eps`` is not.
+
+    Returns:
+        The weights ``w`` (summing to one unless they are all zero), shape ``[m]``, with ``G``'s
+        dtype and device. They are not differentiable with respect to ``G``.
+
+    Raises:
+        TypeError: If ``G`` is not a real floating-point tensor.
+        ValueError: If ``G`` is not a finite, square, symmetric matrix, or ``eps`` is negative.
+
+    Example:
+        >>> import torch
+        >>> import torchgram.weighting as weighting
+        >>> J = torch.tensor([[1.0, 0.0], [1.0, 1.0]], dtype=torch.float64)
+        >>> w = weighting.imtl_g(J @ J.T)
+        >>> w
+        tensor([0.5858, 0.4142], dtype=torch.float64)
+        >>> (J @ (J.T @ w)) / J.norm(dim=1)  # Equal projections on the unit gradients.
+        tensor([1.0000, 1.0000], dtype=torch.float64)
+    """
+    G = check_gramian(G, "imtl_g")
+    check_non_negative(eps, "eps", "imtl_g")
+    m = G.shape[0]
+    if m == 0:
+        return G.new_zeros(0)
+    G64 = G.to(torch.float64)  # float64: the pseudo-inverse amplifies round-off by cond(G).
+    pseudo_inverse = torch.linalg.pinv(G64, rtol=m * torch.finfo(G.dtype).eps)
+    v = pseudo_inverse @ G64.diagonal().clamp(min=0.0).sqrt()
+    total = v.sum()
+    weights = torch.where(total.abs() < eps, torch.zeros_like(v), v / total)
+    return weights.to(G.dtype)

@@ -1,0 +1,74 @@
+"""UPGrad (Quinton & Rey, 2024): average of the rows of J projected onto their dual cone."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._dual_cone import normalize_and_regularize, project_weights
+from ._validation import check_gramian, check_non_negative
+
+
+def upgrad(G: Tensor, /, *, norm_eps: float = 1e-4, reg_eps: float = 1e-4) -> Tensor:
+    r"""Weights of UPGrad: the mean of the rows of ``J`` projected onto their dual cone.
+
+    From "Jacobian Descent for Multi-Objective Optimization" (Quinton & Rey, 2024,
+    https://arxiv.org/abs/2406.16232). Each row ``g_i = Jᵀe_i`` is projected onto the dual cone
+    ``{x : J x ≥ 0}`` (the directions that do not increase any loss to first order) and the
+    projections are averaged. By Proposition 1 of the paper, in terms of ``G = J Jᵀ`` only:
+
+    .. math::
+
+        w = \frac{1}{m} \sum_{i=1}^m v_i, \qquad
+        v_i = \operatorname*{argmin}_{v \ge e_i} v^\top \hat G v, \qquad
+        \hat G = \frac{G}{\operatorname{tr} G} + \varepsilon_{\text{reg}} I,
+
+    so that ``Jᵀw`` is the UPGrad update, and ``J Jᵀ w ≥ 0`` up to the regularisation. The
+    normalisation and regularisation follow torchjd's ``UPGradWeighting`` (with its default mean
+    preference vector); this function agrees with it to about 1e-10 in float64.
+
+    The ``m`` quadratic programs are solved together, as batched tensor code on ``G``'s device,
+    by a fixed number of primal-dual interior-point iterations followed by an exact solve on the
+    identified active set (NOTE [batched QP solver] in ``torchgram/weighting/_qp.py``). All of
+    it runs in float64 and costs ``O(m⁴)``: about 0.1 s for ``m = 64`` on one CPU core.
+
+    Args:
+        G: The Gramian ``J Jᵀ`` of shape ``[m, m]``, symmetric positive semi-definite.
+        norm_eps: If ``trace(G) < norm_eps``, ``G`` is treated as zero (then ``Ĝ = reg_eps · I``
+            and the weights are uniform, ``1 / m``).
+        reg_eps: Ridge added to the diagonal of the trace-normalised Gramian; it makes the QPs
+            strictly convex, so that rank-deficient Gramians have a unique answer. With
+            ``reg_eps = 0`` and a singular ``G`` the answer is one of the minimisers.
+
+    Returns:
+        The weights ``w``, shape ``[m]``, with ``G``'s dtype and device, all ``≥ 1 / m``. They are
+        not differentiable with respect to ``G``.
+
+    Raises:
+        TypeError: If ``G`` is not a real floating-point tensor.
+        ValueError: If ``G`` is not a finite, square, symmetric matrix, or an eps is negative.
+
+    Example:
+        Two conflicting gradients: the first row is projected so that it no longer increases
+        the second loss, and vice versa.
+
+        >>> import torch
+        >>> import torchgram.weighting as weighting
+        >>> J = torch.tensor([[1.0, 0.0], [-1.0, 1.0]], dtype=torch.float64)
+        >>> w = weighting.upgrad(J @ J.T)
+        >>> w
+        tensor([0.9999, 0.7500], dtype=torch.float64)
+        >>> weighting.upgrad(J @ J.T, reg_eps=0.0)  # The exact projections, without the ridge.
+        tensor([1.0000, 0.7500], dtype=torch.float64)
+        >>> bool((J @ (J.T @ w) >= 0).all())  # Jᵀw conflicts with no row.
+        True
+    """
+    G = check_gramian(G, "upgrad")
+    check_non_negative(norm_eps, "norm_eps", "upgrad")
+    check_non_negative(reg_eps, "reg_eps", "upgrad")
+    m = G.shape[0]
+    if m == 0:
+        return G.new_zeros(0)
+    H = normalize_and_regularize(G, norm_eps, reg_eps)
+    V = project_weights(torch.eye(m, dtype=H.dtype, device=H.device), H)
+    return V.mean(dim=0).to(G.dtype)

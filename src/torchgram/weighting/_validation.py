@@ -1,0 +1,96 @@
+"""Shared argument checks of the weightings: every message names the public function."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+_PREFIX = "torchgram.weighting."
+_HOW_TO = (
+    "Pass G = J @ J.T, where J is the [m, n] Jacobian with one row per loss "
+    "(or torchgram.gramian's result for a function with m outputs)."
+)
+
+
+def symmetry_rtol(dtype: torch.dtype) -> float:
+    """Relative tolerance on ``max |G - Gᵀ|`` (and on negative diagonal entries) for a dtype.
+
+    ``sqrt(eps)`` is loose enough for Gramians summed block by block in the given precision
+    (about 3e-4 for float32, 1.5e-8 for float64) and still catches a matrix that is not a Gramian.
+    """
+    return math.sqrt(torch.finfo(dtype).eps)
+
+
+def check_gramian(G: object, name: str) -> Tensor:
+    """Checks that ``G`` is a finite, square, symmetric floating-point matrix.
+
+    The value checks (finite entries, symmetry, non-negative diagonal) cost one host
+    synchronisation in total; they are reduced to a single boolean tensor first.
+
+    Args:
+        G: The candidate Gramian.
+        name: Name of the public function, for the error messages.
+
+    Returns:
+        ``G`` detached and exactly symmetrised, ``(G + Gᵀ) / 2``.
+
+    Raises:
+        TypeError: If ``G`` is not a real floating-point tensor.
+        ValueError: If ``G`` is not square and 2-D, has NaN or infinite entries, is not
+            symmetric up to :func:`symmetry_rtol`, or has a negative diagonal entry.
+    """
+    api = _PREFIX + name
+    if not isinstance(G, Tensor):
+        raise TypeError(
+            f"{api}: expected the Gramian as a torch.Tensor, got {type(G).__name__}. {_HOW_TO}"
+        )
+    if not G.is_floating_point():
+        raise TypeError(
+            f"{api}: expected a real floating-point Gramian, got dtype {G.dtype}. "
+            "Convert it first, e.g. G.to(torch.float32)."
+        )
+    if G.ndim != 2 or G.shape[0] != G.shape[1]:
+        raise ValueError(
+            f"{api}: expected a square symmetric [m, m] Gramian, got shape "
+            f"{tuple(G.shape)}. {_HOW_TO}"
+        )
+    G = G.detach()
+    if G.numel() == 0:
+        return G
+    scale = G.abs().amax()
+    tol = symmetry_rtol(G.dtype) * scale
+    bad = torch.stack(
+        [
+            ~torch.isfinite(G).all(),
+            (G - G.T).abs().amax() > tol,
+            (G.diagonal() < -tol).any(),
+        ]
+    )
+    not_finite, not_symmetric, negative_diagonal = bad.tolist()  # The one host sync.
+    if not_finite:
+        raise ValueError(
+            f"{api}: expected a Gramian with finite entries, got NaN or infinite "
+            "values. Check the losses and the Jacobian for NaN/inf first."
+        )
+    if not_symmetric:
+        asym = float((G - G.T).abs().amax())
+        raise ValueError(
+            f"{api}: expected a square symmetric [m, m] Gramian, got max |G - G.T| = {asym:.3g}, "
+            f"above the tolerance {float(tol):.3g} (= {symmetry_rtol(G.dtype):.3g} * max |G|). "
+            f"{_HOW_TO}"
+        )
+    if negative_diagonal:
+        low = float(G.diagonal().amin())
+        raise ValueError(
+            f"{api}: expected a positive semi-definite Gramian, got the negative "
+            f"diagonal entry {low:.3g} (G[i, i] = |J[i]|² >= 0). {_HOW_TO}"
+        )
+    return G + (G.T - G) / 2  # (G + Gᵀ) / 2 without overflow near the dtype's largest value.
+
+
+def check_non_negative(value: float, argument: str, name: str) -> None:
+    """Raises a ValueError naming ``name`` if the option ``argument`` is negative or NaN."""
+    if not value >= 0.0:
+        raise ValueError(f"{_PREFIX}{name}: expected {argument} >= 0, got {value!r}.")

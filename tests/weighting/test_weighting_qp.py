@@ -1,0 +1,130 @@
+"""Tests of the batched QP solvers behind upgrad, dualproj and mgda (``weighting/_qp.py``)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from torch import Tensor
+from torch.testing import assert_close
+
+from torchgram.weighting import _qp as qp
+from torchgram.weighting._qp import solve_nonneg_qp, solve_simplex_qp
+
+
+def random_psd(m: int, rank: int, seed: int, ridge: float = 0.0, spread: float = 1.0) -> Tensor:
+    """Trace-normalised J Jᵀ (+ ridge I) with row norms of J spread over 10^±spread."""
+    generator = torch.Generator().manual_seed(seed)
+    A = torch.randn(m, rank, generator=generator, dtype=torch.float64)
+    B = torch.randn(rank, m + 3, generator=generator, dtype=torch.float64)
+    J = A @ B
+    J = J * torch.logspace(-spread, spread, m, dtype=torch.float64).unsqueeze(1)
+    H = J @ J.T
+    H = (H + H.T) / 2 / H.diagonal().sum()
+    return H + ridge * torch.eye(m, dtype=torch.float64)
+
+
+def brute_force_nonneg_qp(H: Tensor, q: Tensor) -> Tensor:
+    """Exact answer: of the 2^m active sets, the one whose solution violates x, s ≥ 0 least."""
+    m = H.shape[0]
+    best, best_violation = None, float("inf")
+    for free in itertools.product([False, True], repeat=m):
+        mask = torch.tensor(free)
+        x = torch.zeros(m, dtype=torch.float64)
+        if mask.any():
+            x[mask] = torch.linalg.solve(H[mask][:, mask], -q[mask])
+        s = H @ x + q
+        violation = float(torch.cat([-x, -s]).clamp(min=0).max())
+        if violation < best_violation:
+            best, best_violation = x, violation
+    assert best is not None and best_violation < 1e-12
+    return best
+
+
+def brute_force_simplex_qp(H: Tensor) -> Tensor:
+    """Exact minimum of wᵀHw over the simplex by enumerating supports (H positive-definite)."""
+    m = H.shape[0]
+    best, best_value = None, float("inf")
+    for free in itertools.product([False, True], repeat=m):
+        mask = torch.tensor(free)
+        if not mask.any():
+            continue
+        a = torch.linalg.solve(H[mask][:, mask], torch.ones(int(mask.sum()), dtype=H.dtype))
+        w = torch.zeros(m, dtype=H.dtype)
+        w[mask] = a / a.sum()
+        value = float(w @ H @ w)
+        if (w >= -1e-12).all() and value < best_value:
+            best, best_value = w, value
+    assert best is not None
+    return best
+
+
+@pytest.mark.parametrize("spread", [1.0, 4.0], ids=lambda s: f"row-norm-spread=1e{s:g}")
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 7], ids=lambda m: f"m={m}")
+@pytest.mark.parametrize("rank", ["full", "1"], ids=lambda r: f"rank={r}")
+def test_nonneg_qp_matches_brute_force(m: int, rank: str, spread: float) -> None:
+    H = random_psd(m, m if rank == "full" else 1, seed=m, ridge=1e-4, spread=spread)
+    # UPGrad's right-hand sides q = H e_i, plus random ones of both signs.
+    generator = torch.Generator().manual_seed(100 + m)
+    q = torch.cat([H, torch.randn(4, m, generator=generator, dtype=torch.float64)])
+    x = solve_nonneg_qp(H, q)
+    expected = torch.stack([brute_force_nonneg_qp(H, row) for row in q])
+    assert_close(x, expected, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("m", [2, 3, 5, 7], ids=lambda m: f"m={m}")
+def test_simplex_qp_matches_brute_force(m: int) -> None:
+    H = random_psd(m, m, seed=m)
+    w = solve_simplex_qp(H)
+    expected = brute_force_simplex_qp(H)
+    assert_close(w @ H @ w, expected @ H @ expected, rtol=1e-10, atol=1e-14)
+    assert_close(w, expected, rtol=1e-7, atol=1e-8)
+
+
+@pytest.mark.parametrize(
+    ("m", "rank"),
+    [(16, 1), (16, 4), (16, "full"), (64, 4)],
+    ids=["m=16-rank=1", "m=16-rank=4", "m=16-rank=full", "m=64-rank=4"],
+)
+def test_nonneg_qp_kkt_at_scale(m: int, rank: int | str) -> None:
+    H = random_psd(m, m if rank == "full" else int(rank), seed=m, ridge=1e-4)
+    x = solve_nonneg_qp(H, H)
+    s = x @ H + H
+    assert (x >= 0).all()
+    assert (s >= -1e-12).all()
+    assert (x * s).abs().max() < 1e-12
+
+
+@pytest.mark.parametrize("m", [16, 64], ids=lambda m: f"m={m}")
+@pytest.mark.parametrize("rank", [1, 4, "full"], ids=lambda r: f"rank={r}")
+def test_simplex_qp_kkt_at_scale(m: int, rank: int | str) -> None:
+    H = random_psd(m, m if rank == "full" else int(rank), seed=m)
+    w = solve_simplex_qp(H)
+    hw = H @ w
+    value = w @ hw
+    assert (w >= 0).all()
+    assert_close(w.sum(), torch.tensor(1.0, dtype=torch.float64), rtol=0, atol=1e-12)
+    assert (hw >= value - 1e-10).all()
+    support = w > 1e-9
+    assert (hw[support] - value).abs().max() < 1e-10
+
+
+def test_nonneg_qp_chunks_large_batches(monkeypatch: pytest.MonkeyPatch) -> None:
+    H = random_psd(12, 6, seed=0, ridge=1e-4)
+    whole = solve_nonneg_qp(H, H)
+    monkeypatch.setattr(qp, "_MAX_BATCH_ENTRIES", 5 * 12 * 12)  # Chunks of 5, 5 and 2.
+    assert_close(solve_nonneg_qp(H, H), whole, rtol=0, atol=1e-14)
+
+
+def test_simplex_qp_zero_rows_and_duplicates() -> None:
+    # A zero gradient is the min-norm point by itself; duplicated rows make H singular.
+    J = torch.tensor([[1.0, 2.0], [0.0, 0.0], [1.0, 2.0], [-1.0, 0.5]], dtype=torch.float64)
+    H = J @ J.T / (J @ J.T).trace()
+    w = solve_simplex_qp(H)
+    assert_close(w @ H @ w, torch.tensor(0.0, dtype=torch.float64), rtol=0, atol=1e-12)
+    assert_close(w.sum(), torch.tensor(1.0, dtype=torch.float64))
+    J = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0]], dtype=torch.float64)
+    H = J @ J.T / 3
+    w = solve_simplex_qp(H)
+    assert_close(J.T @ w, torch.tensor([0.5, 0.5], dtype=torch.float64))
