@@ -11,10 +11,26 @@ import torchgram as tg
 from zoo import build
 
 
+class CrossAttention(nn.Module):
+    """Queries from x, keys and values from a projection of x: the packed weight is split."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.memory = nn.Linear(6, 6)
+        self.attn = nn.MultiheadAttention(6, 2, batch_first=True)
+        self.head = nn.Linear(6, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        memory = self.memory(x)
+        h, _ = self.attn(x, memory, memory, need_weights=False)
+        return self.head(h.mean(1)).squeeze(-1)
+
+
 def test_names_the_fallback_leaves_of_multihead_attention():
-    case = build("attention")
+    fn, params = tg.functionalize(CrossAttention())
+    x = torch.randn(5, 3, 6)
     for batch_dim in (None, 0):
-        report = tg.explain(case.f, batch_dim=batch_dim)(*case.args)
+        report = tg.explain(lambda p, x: fn(p, x), batch_dim=batch_dim)(params, x)
         assert "attn.in_proj_weight" in report.fallback
         assert set(report.fallback) == {"attn.in_proj_weight", "attn.in_proj_bias",
                                         "attn.out_proj.weight", "attn.out_proj.bias"}
@@ -22,7 +38,15 @@ def test_names_the_fallback_leaves_of_multihead_attention():
         assert leaf.unrecognised == ("multi_head_attention_forward",)
         assert "attn.in_proj_weight" in str(report)
         assert "multi_head_attention_forward" in str(report)
-        assert report.by_name("head.weight").rules == ("linear",)
+        assert report.by_name("memory.weight").rules == ("linear",)
+
+
+def test_self_attention_is_seen_through():
+    case = build("attention")  # nn.MultiheadAttention(x, x, x, need_weights=False)
+    report = tg.explain(case.f, batch_dim=0)(*case.args)
+    assert report.fallback == ()
+    assert report.by_name("attn.in_proj_weight").rules == ("linear",)
+    assert report.by_name("attn.out_proj.bias").rules == ("linear",)
 
 
 def test_mlp_report_shows_ghost_layers_and_the_choice():

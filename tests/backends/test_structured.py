@@ -170,8 +170,10 @@ def _forward_kind(f, args, **options):
 def test_per_sample_forward_runs_batched_when_shapes_say_where_samples_are():
     mlp = build("mlp")
     assert _forward_kind(mlp.f, mlp.args) == "batched"
-    attention = build("attention")  # MultiheadAttention's weights need the fallback
-    assert _forward_kind(attention.f, attention.args) == "vmap"
+    elementwise = build("elementwise")  # an elementwise parameter needs the fallback
+    assert _forward_kind(elementwise.f, elementwise.args) == "vmap"
+    attention = build("attention")  # self-attention is rewritten into linear layers
+    assert _forward_kind(attention.f, attention.args) == "batched"
     params = {"w": torch.randn(3, 4, dtype=torch.float64)}
 
     def flat_tokens(p, x):  # [B, T, 4] -> [B·T, 4]: samples are not one dim of the tap

@@ -9,7 +9,7 @@ of them the activation ``a``, the other the cotangent ``c`` (NOTE [factors]).
 
 **Materialize** (per-row Jacobians ``[R·B, P]``, then one Gram matrix product)::
 
-    build:  Σ_u R·B·T_u·P          (a scatter R·B·T_u·c for an embedding)
+    build:  Σ_u R·B·T_u·P          (R·B·T_u·c for an embedding's scatter, a bias, a norm)
     Gram:   (R·B)²·P               (R·B·P with diagonal=True)
     memory: R·B·P entries
 
@@ -171,7 +171,7 @@ def materialize_cost(uses: Sequence[UseRecord], numel: int, sizes: Sizes,
     rows = sizes.samples * sizes.rows
     build = 0.0
     for use in uses:
-        if use.role == "bias" or use.shape.act_is_index:
+        if use.role == "bias" or use.shape.act_is_index or use.shape.elementwise:
             build += rows * use.shape.positions * use.shape.groups * use.shape.cot_width
         else:
             build += rows * use.shape.positions * numel
@@ -182,7 +182,7 @@ def materialize_cost(uses: Sequence[UseRecord], numel: int, sizes: Sizes,
 
 def ghost_compatible(uses: Sequence[UseRecord]) -> bool:
     """Whether the uses can be combined in ghost form (weights with equal factor shapes)."""
-    if not uses or any(use.role != "weight" for use in uses):
+    if not uses or any(use.role != "weight" or use.shape.elementwise for use in uses):
         return False
     first = uses[0]
     return all(_widths(use) == _widths(first) and use.shape.groups == first.shape.groups
@@ -258,6 +258,7 @@ def plan_leaf(leaf: int, numel: int, recording: Recording, sizes: Sizes, *,
                             sparse)
     if not ghost_compatible(all_uses):
         why = ("a bias" if any(use.role == "bias" for use in all_uses)
+               else "an elementwise scale" if any(use.shape.elementwise for use in all_uses)
                else "uses with different factor shapes")
         return LeafPlan(leaf, "materialize", all_uses, all_uses, (), None, mat, mat_memory,
                         f"{why}: per-row Jacobians are cheap or required")

@@ -188,6 +188,10 @@ def materialize_use(use: UseRecord, factors: UseFactors, numel: int) -> Tensor:
         summed = cot.sum(dim=2)
         return summed.reshape(*summed.shape[:2], -1)
     first, second = factors.first, factors.second
+    if use.shape.elementwise:  # Σ_t act ⊙ cot, the activation shared by the rows
+        act, cot = (first, second) if first.kind == "act" else (second, first)
+        summed = (cot.tensor * act.tensor).sum(dim=2)
+        return summed.reshape(*summed.shape[:2], numel)
     if first.kind == "index" or second.kind == "index":
         index, cot = ((first.tensor, second.tensor) if first.kind == "index"
                       else (second.tensor, first.tensor))

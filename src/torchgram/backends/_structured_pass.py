@@ -56,23 +56,40 @@ _TRACE_CACHE: OrderedDict[Any, Recording] = OrderedDict()
 _CACHED_TRACES = 64
 
 
-def _identity(f: Any) -> tuple[Any, int] | None:
-    """``f``'s code object and the id of the instance it is bound to (0 for none)."""
+def _identity(f: Any) -> tuple[Any, ...] | None:
+    """``f``'s code object, the id of its bound instance and of its closure's contents."""
     code = getattr(f, "__code__", None)
     if code is not None:
-        return code, 0
+        return code, 0, _closure_ids(f)
     func = getattr(f, "__func__", None)
     if func is not None and getattr(func, "__code__", None) is not None:
-        return func.__code__, id(getattr(f, "__self__", None))
+        return func.__code__, id(getattr(f, "__self__", None)), _closure_ids(func)
     call = getattr(type(f).__call__, "__code__", None)  # a callable object
-    return None if call is None else (call, id(f))
+    return None if call is None else (call, id(f), ())
+
+
+def _closure_ids(func: Any) -> tuple[int, ...]:
+    ids = []
+    for cell in getattr(func, "__closure__", None) or ():
+        try:
+            ids.append(id(cell.cell_contents))
+        except ValueError:  # an empty cell
+            ids.append(0)
+    return tuple(ids)
+
+
+def forget_trace(problem: GramianProblem) -> None:
+    """Drop the cached trace of this call's signature (a run did not replay it)."""
+    if _identity(problem.f) is not None:
+        _TRACE_CACHE.pop(_signature(problem), None)
 
 
 def _signature(problem: GramianProblem) -> Any:
     """What a trace depends on, as far as cheap to tell (a stale trace is caught anyway).
 
     Keys hold no reference to the user's objects: the function is known by its code object
-    and the identity of its bound instance, tensors by shape, dtype and device.
+    and the identities of its bound instance and closure contents, tensors by shape, dtype
+    and device.
     """
 
     def describe(leaf: Any) -> Any:

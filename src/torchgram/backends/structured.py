@@ -45,6 +45,7 @@ from torchgram.backends._structured_pass import (
     backward_chunks,
     batched_forward,
     dense_forward,
+    forget_trace,
     per_sample_forward,
     restrict,
     rows_per_pass,
@@ -178,6 +179,7 @@ def _per_sample_forward(problem: GramianProblem, traced: Recording) -> Forward:
                 return forward
         return per_sample_forward(problem, expected, fallback, loop=loop)
     except TraceMismatch:
+        forget_trace(problem)  # the next call traces afresh
         everything = range(len(problem.leaves))
         return per_sample_forward(problem, restrict(traced, []), everything, loop=loop)
 

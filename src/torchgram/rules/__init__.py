@@ -1,22 +1,34 @@
 """Structured rules: ops whose parameter Jacobians are sums of outer products (DESIGN.md §1).
 
 One module per family: :mod:`~torchgram.rules.linear` (``F.linear``, matmuls),
-:mod:`~torchgram.rules.conv` (``conv{1,2,3}d``), :mod:`~torchgram.rules.embedding`;
-:mod:`~torchgram.rules.taps` runs a function under a ``TorchFunctionMode`` that finds the
-calls these rules recognise and taps their outputs.
+:mod:`~torchgram.rules.conv` (``conv{1,2,3}d``), :mod:`~torchgram.rules.embedding`,
+:mod:`~torchgram.rules.norm` (layer / group norm affine parameters), and
+:mod:`~torchgram.rules.attention`, which rewrites self-attention calls into ops these rules
+see; :mod:`~torchgram.rules.taps` runs a function under a ``TorchFunctionMode`` that finds
+the calls the rules recognise and taps their outputs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+import torch.nn.functional as F
+
+from torchgram.rules.attention import rewrite_multi_head_attention
 from torchgram.rules.base import Layout, Match, Operand, Rule, UseShape
 from torchgram.rules.conv import ConvRule
 from torchgram.rules.embedding import EmbeddingRule
 from torchgram.rules.linear import LinearRule, MatmulRule
+from torchgram.rules.norm import GroupNormRule, LayerNormRule
 
-RULES: tuple[Rule, ...] = (LinearRule(), MatmulRule(), ConvRule(), EmbeddingRule())
+RULES: tuple[Rule, ...] = (LinearRule(), MatmulRule(), ConvRule(), EmbeddingRule(),
+                           LayerNormRule(), GroupNormRule())
 _BY_FUNC: dict[Any, Rule] = {func: rule for rule in RULES for func in rule.funcs}
+REWRITES: dict[Any, Callable[[tuple[Any, ...], dict[str, Any]], Any]] = {
+    F.multi_head_attention_forward: rewrite_multi_head_attention,
+}
+"""Composite functions re-expressed (under the mode) in ops the rules see, when possible."""
 
 
 def rule_for(func: Any) -> Rule | None:
@@ -35,4 +47,13 @@ def rule_for(func: Any) -> Rule | None:
         return None
 
 
-__all__ = ["RULES", "Layout", "Match", "Operand", "Rule", "UseShape", "rule_for"]
+def rewrite_for(func: Any) -> Callable[[tuple[Any, ...], dict[str, Any]], Any] | None:
+    """The rewrite of the composite function ``func``, if any (NOTE [attention rewrite])."""
+    try:
+        return REWRITES.get(func)
+    except TypeError:
+        return None
+
+
+__all__ = ["REWRITES", "RULES", "Layout", "Match", "Operand", "Rule", "UseShape", "rewrite_for",
+           "rule_for"]

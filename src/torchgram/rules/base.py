@@ -15,6 +15,9 @@ operand of the op; it does not depend on the output row), the other is the **cot
 activation; for ``x @ W`` it is the other way round; for ``F.embedding`` the activation is
 the one-hot of the index, kept as the index itself.
 
+A norm's affine weight is the one *elementwise* use: ``y = x̂ ⊙ w + b`` gives
+``J_w = Σ_t x̂_t ⊙ g_t``, a vector the size of ``w``, cheapest materialized.
+
 A :class:`Layout` turns the raw activation and the raw cotangent (with any leading dims,
 e.g. ``[rows, samples]``) into factors of shape ``[*lead, T, G, width]``; an index
 activation becomes ``[*lead, T]`` integers. Everything the Gram contractions and the cost
@@ -41,6 +44,8 @@ class UseShape:
         act_width: Width of the activation factor per group (classes for an index).
         cot_width: Width of the cotangent factor per group.
         act_is_index: Whether the activation is an index (embedding), not a dense tensor.
+        elementwise: Whether the use scales its input entry by entry (a norm's affine
+            weight): its Jacobian is ``Σ_t first[t] ⊙ second[t]``, not an outer product.
     """
 
     positions: int
@@ -48,12 +53,13 @@ class UseShape:
     act_width: int
     cot_width: int
     act_is_index: bool = False
+    elementwise: bool = False
 
     @property
     def forward_flops(self) -> int:
         """Multiply-adds of the op itself (a gather for an index activation)."""
-        if self.act_is_index:
-            return self.positions * self.cot_width
+        if self.act_is_index or self.elementwise:
+            return self.positions * self.groups * self.cot_width
         return self.positions * self.groups * self.act_width * self.cot_width
 
 
@@ -68,6 +74,7 @@ class Layout:
         act_width: Activation width per group (number of classes for an index activation).
         cot_width: Cotangent width per group.
         act_is_index: Whether the activation is an index (embedding).
+        elementwise: Whether the Jacobian is ``Σ_t act[t] ⊙ cot[t]`` (both of one width).
     """
 
     rule: str = ""
@@ -76,6 +83,7 @@ class Layout:
     act_width: int = 0
     cot_width: int = 0
     act_is_index: bool = False
+    elementwise: bool = False
 
     def act_factor(self, raw: Tensor, nlead: int) -> Tensor:
         """``[*lead, T, G, act_width]`` (``[*lead, T]`` integers for an index)."""
@@ -93,7 +101,7 @@ class Layout:
         """The use's sizes, given the number of entries of the op's output (one sample)."""
         positions = out_numel // max(1, self.groups * self.cot_width)
         return UseShape(positions, self.groups, self.act_width, self.cot_width,
-                        self.act_is_index)
+                        self.act_is_index, self.elementwise)
 
 
 def flat_positions(raw: Tensor, nlead: int, groups: int, width: int) -> Tensor:

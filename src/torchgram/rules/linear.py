@@ -31,8 +31,8 @@ class LinearLayout(Layout):
         >>> layout = LinearLayout(d_in=3, d_out=2)
         >>> layout.act_factor(torch.zeros(5, 4, 3), nlead=1).shape
         torch.Size([5, 4, 1, 3])
-        >>> layout.shape(out_numel=4 * 2)
-        UseShape(positions=4, groups=1, act_width=3, cot_width=2, act_is_index=False)
+        >>> layout.shape(out_numel=4 * 2).positions
+        4
     """
 
     def __init__(self, d_in: int, d_out: int, *, rule: str = "linear") -> None:

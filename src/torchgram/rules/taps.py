@@ -12,6 +12,8 @@ wrapped tensors — or a transposed view of it made under the mode (``W.T``, ``W
   *tapped*: it runs with plain, gradient-free copies of those leaves, a zero tap ``z`` is
   added to its output, and its other operand (the activation) is recorded. The cotangent
   reaching ``z`` in a backward pass is the ``∂out/∂y`` the factors need (NOTE [factors]).
+* A composite function with a rewrite (``rules.REWRITES``, e.g. self-attention) runs as its
+  rewrite, with the mode active, so the calls inside it are seen.
 * Any other call involving a leaf that returns a floating tensor is an *unrecognised* use:
   it runs unchanged on the tensor ``f`` received, so gradients reach that tensor (the
   leaf's "carrier"), and the leaf needs the fallback for those uses.
@@ -33,7 +35,7 @@ import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from torchgram.rules import rule_for
+from torchgram.rules import rewrite_for, rule_for
 from torchgram.rules.base import Layout, Match, UseShape
 
 
@@ -89,8 +91,9 @@ class UseRecord:
         mine, theirs = self.shape, other.shape
         return (self.leaf, self.role, self.rule, self.act_first, self.tap, self.act) == \
             (other.leaf, other.role, other.rule, other.act_first, other.tap, other.act) and \
-            (mine.groups, mine.act_width, mine.cot_width, mine.act_is_index) == \
-            (theirs.groups, theirs.act_width, theirs.cot_width, theirs.act_is_index) and \
+            (mine.groups, mine.act_width, mine.cot_width, mine.act_is_index, mine.elementwise) == \
+            (theirs.groups, theirs.act_width, theirs.cot_width, theirs.act_is_index,
+             theirs.elementwise) and \
             mine.positions * samples == theirs.positions
 
 
@@ -255,6 +258,12 @@ class TapMode(TorchFunctionMode):
             self._refs[id(result)] = LeafRef(ref.index, not ref.transposed)
             self._pins.append(result)
             return result
+        rewrite = rewrite_for(func)
+        if rewrite is not None:
+            with self:  # the rewrite's own calls go through the mode (NOTE [attention rewrite])
+                result = rewrite(args, kwargs)
+            if result is not NotImplemented:
+                return result
         rule = rule_for(func)
         match = rule.match(func, args, kwargs) if rule is not None else None
         if match is not None:
