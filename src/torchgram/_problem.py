@@ -156,7 +156,8 @@ class GramianProblem:
         """Evaluate ``f`` on the full inputs; return its output as an ``[m]`` vector and aux."""
         out, aux = self.call(leaves)
         out_leaves = self._check_output(out, per_sample=False)
-        return _concat_rows(out_leaves, self.output.dtype), aux  # type: ignore[union-attr]
+        assert self.output is not None  # recorded by _check_output
+        return _concat_rows(out_leaves, self.output.dtype), aux
 
     def rows_with_tensor_aux(self, leaves: tuple[Tensor, ...]) -> tuple[Tensor, tuple[Tensor, ...]]:
         """:meth:`rows` for ``torch.func`` transforms, whose aux must be tensors only.
