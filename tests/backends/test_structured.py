@@ -198,3 +198,39 @@ def test_a_cached_trace_that_no_longer_fits_is_caught():
     _close(transform(params, x), dense_gramian(f, (params, x)).gramian)
     state["square"] = True  # same code, same shapes: the cached trace is stale
     _close(transform(params, x), dense_gramian(f, (params, x)).gramian)
+
+
+@pytest.mark.parametrize("way", ["ghost", "materialize", "sparse"])
+@pytest.mark.parametrize(("name", "per_sample"), [
+    pytest.param(name, per_sample, id=f"{name}-{'batch' if per_sample else 'dense'}")
+    for name in ["mlp_logits", "cnn", "transformer", "tied_lm", "elementwise", "embedding",
+                 "batch_on_dim1", "pytree_output"]
+    for per_sample in (False, True)
+])
+def test_pullback_from_kept_factors_matches_a_vjp(name, per_sample, way):
+    case = build(name)
+    batch_dim = case.batch_dim if per_sample else None
+    problem = _problem(case.f, case.args, batch_dim=batch_dim, in_dims=case.in_dims)
+    problem.keep_pullback = True
+    sink = GramSink(len(problem.leaves), per_leaf=False, diagonal=False)
+    run_structured(problem, sink, force=way)
+    assert problem.pullback is not None
+    weights = torch.linspace(-1, 2, problem.output.num_rows, dtype=torch.float64)
+    _, vjp_fn = torch.func.vjp(lambda *leaves: problem.rows(leaves)[0], *problem.leaves)
+    for actual, expected in zip(problem.pullback(weights), vjp_fn(weights), strict=True):
+        _close(actual, expected)
+
+
+def test_aggregated_grad_needs_no_second_pass(monkeypatch):
+    case = build("mlp")
+
+    def no_vjp(*args, **kwargs):
+        raise AssertionError("aggregated_grad ran a vjp: the structured pullback was not used")
+
+    reference, _ = tg.aggregated_grad(case.f, lambda G: torch.ones(G.shape[0], dtype=G.dtype),
+                                      backend="jacobian", batch_dim=0)(*case.args)
+    monkeypatch.setattr(torch.func, "vjp", no_vjp)
+    update, _ = tg.aggregated_grad(case.f, lambda G: torch.ones(G.shape[0], dtype=G.dtype),
+                                   backend="structured", batch_dim=0)(*case.args)
+    for name in reference:
+        _close(update[name], reference[name])

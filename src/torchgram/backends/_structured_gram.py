@@ -303,6 +303,27 @@ def sparse_embedding_gram(indices: Sequence[Tensor], cots: Sequence[Tensor], cla
     return out.permute(2, 0, 3, 1)
 
 
+def pullback_use(use: UseRecord, factors: UseFactors, weights: Tensor, numel: int) -> Tensor:
+    """``Σ_{r, b} w[r, b] J_u[r, b]``, flattened in the leaf's layout (``weights: [R, B]``)."""
+    def weighted(factor: Factor) -> Tensor:
+        w = weights.to(factor.tensor.dtype)
+        return (factor.tensor * w.reshape(*w.shape, *([1] * (factor.tensor.dim() - 2)))).sum(0)
+
+    first, second = factors.first, factors.second
+    if use.role == "bias":
+        return weighted(first if first.kind == "cot" else second).sum((0, 1)).reshape(numel)
+    first_t = weighted(first) if first.kind == "cot" else first.tensor
+    second_t = weighted(second) if second.kind == "cot" else second.tensor
+    if use.shape.elementwise:
+        return (first_t * second_t).sum((0, 1)).reshape(numel)
+    if first.kind == "index" or second.kind == "index":
+        index, cot = (first_t, second_t) if first.kind == "index" else (second_t, first_t)
+        table = cot.new_zeros(use.shape.act_width, cot.shape[-1])
+        table.index_add_(0, index.reshape(-1), cot.reshape(-1, cot.shape[-1]))
+        return (table if first.kind == "index" else table.T).reshape(numel)
+    return torch.einsum("btgi,btgj->gij", first_t, second_t).reshape(numel)
+
+
 class Contraction:
     """Collects the pass's factors, row chunk by row chunk, and yields per-leaf blocks.
 
@@ -319,9 +340,12 @@ class Contraction:
 
     def __init__(self, plans: Sequence[LeafPlan], uses: dict[int, tuple[UseRecord, ...]],
                  numels: Sequence[int], samples: int, rows: int, diagonal: bool,
-                 max_pair_elements: int = DEFAULT_PAIR_ELEMENTS) -> None:
+                 max_pair_elements: int = DEFAULT_PAIR_ELEMENTS, keep: bool = False) -> None:
         self.plans = plans
         self.uses = uses
+        self.keep = keep
+        self._kept: dict[int, list[tuple[UseRecord, UseFactors] | Tensor]] = {}
+        self.complete = True
         self.numels = numels
         self.samples = samples
         self.rows = rows
@@ -369,6 +393,8 @@ class Contraction:
         ``carrier_grads[leaf]`` is ``[c, B, *leaf.shape]``: the Jacobian of the leaf's
         unrecognised uses.
         """
+        if self.keep:
+            self._keep(start, stop, tap_cots, carrier_grads)
         for plan in self.plans:
             if plan.way in ("ghost", "sparse"):
                 for k, use in enumerate(self.uses.get(plan.leaf, ())):
@@ -410,6 +436,38 @@ class Contraction:
                 store = self._jacobians[plan.leaf] = part.new_zeros(self.rows, self.samples,
                                                                     numel)
             store[start:stop] += part
+
+    def _keep(self, start: int, stop: int, tap_cots: Sequence[Tensor | None],
+              carrier_grads: dict[int, Tensor]) -> None:
+        """Keep what ``Jᵀ w`` needs (one chunk of all rows only)."""
+        if not (start == 0 and stop == self.rows):
+            self.complete = False
+            return
+        for plan in self.plans:
+            kept = self._kept.setdefault(plan.leaf, [])
+            if plan.leaf in carrier_grads:
+                kept.append(carrier_grads[plan.leaf])
+            for k, use in enumerate(self.uses.get(plan.leaf, ())):
+                cot = self._cot_tensor(use, tap_cots)
+                if cot is not None:
+                    kept.append((use, self._factors((plan.leaf, k), use, cot)))
+
+    def pullback(self, weights: Tensor) -> list[Tensor | None]:
+        """``Jᵀ w`` per leaf (flattened; ``None`` where zero), for ``weights [R, B]``.
+
+        Needs ``keep=True`` and all rows in one chunk (:attr:`complete`).
+        """
+        grads: list[Tensor | None] = [None] * len(self.numels)
+        for leaf, kept in self._kept.items():
+            for item in kept:
+                if isinstance(item, Tensor):  # a carrier's gradients [R, B, *leaf.shape]
+                    w = weights.to(item.dtype)
+                    piece = (item * w.reshape(*w.shape, *([1] * (item.dim() - 2)))).sum((0, 1))
+                    piece = piece.reshape(-1)
+                else:
+                    piece = pullback_use(item[0], item[1], weights, self.numels[leaf])
+                grads[leaf] = piece if grads[leaf] is None else grads[leaf] + piece
+        return grads
 
     def blocks(self, dtype: torch.dtype) -> Iterator[tuple[int, Tensor]]:
         """``(leaf, block)`` for every leaf with a non-zero contribution, freeing as it goes."""

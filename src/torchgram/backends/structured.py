@@ -28,7 +28,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -227,7 +227,7 @@ def _contract(problem: GramianProblem, sink: GramSink, forward: Forward,
     samples, rows = forward.samples, forward.rows_per_sample
     contraction = Contraction(plans, run_uses(plans, forward.recording),
                               [leaf.numel() for leaf in problem.leaves], samples, rows,
-                              problem.diagonal)
+                              problem.diagonal, keep=problem.keep_pullback)
     contraction.set_acts(forward.acts)
     per_pass = rows_per_pass(problem, forward)
     for start, stop, tap_cots, carrier_grads in backward_chunks(
@@ -243,3 +243,20 @@ def _contract(problem: GramianProblem, sink: GramSink, forward: Forward,
             total = block if total is None else total + block
     if total is not None:
         sink.add(0, to_canonical(total, rows, samples, order, problem.diagonal))
+    if problem.keep_pullback and contraction.complete:
+        problem.pullback = _pullback(problem, contraction, rows, samples, order)
+
+
+def _pullback(problem: GramianProblem, contraction: Contraction, rows: int, samples: int,
+              order: Tensor | None) -> Callable[[Tensor], tuple[Tensor, ...]]:
+    """``w ↦ Jᵀ w`` from the kept factors: one contraction per use, no further pass."""
+
+    def pullback(weights: Tensor) -> tuple[Tensor, ...]:
+        ours = (weights[order].T if order is not None
+                else weights.reshape(samples, rows).T)  # [R, B]
+        grads = contraction.pullback(ours)
+        return tuple(
+            torch.zeros_like(leaf) if grad is None else grad.reshape(leaf.shape).to(leaf.dtype)
+            for grad, leaf in zip(grads, problem.leaves, strict=True))
+
+    return pullback
