@@ -1,7 +1,8 @@
 """``backend="structured"``: Gramians from layer structure, with a fallback per leaf.
 
 DESIGN.md §1. ``f`` runs once under a ``TorchFunctionMode`` (``rules.taps``) that taps
-every call a rule recognises (``F.linear``, matmuls, ``conv{1,2,3}d``, ``F.embedding``)
+every call a rule recognises (``F.linear``, matmuls, ``conv{1,2,3}d``, ``F.embedding``,
+layer / group norm affine parameters; self-attention is rewritten into linear layers)
 whose weight or bias is a parameter leaf; one backward per chunk of row cotangents
 (a single one for per-sample losses, NOTE [structured passes]) gives every tap's cotangent;
 each leaf's block then comes from small contractions of activations and cotangents, in
@@ -10,7 +11,18 @@ the cost model prefers (NOTE [structured cost model]), with the cross terms of l
 several times; an embedding table may also be contracted from its non-zero rows only. A
 leaf used anywhere else gets its per-row (per-sample) Jacobian from the same backward,
 through a per-sample copy of it: results are exact for every function; only speed depends
-on the rules.
+on the rules. ``torchgram.explain`` shows what happens to each leaf.
+
+# NOTE [structured options]
+* ``chunk_size``: backward directions per vectorized pass (``chunk_size // B`` of the ``K``
+  rows per sample with ``batch_dim``; ``1``: loops without ``vmap``).
+* ``memory_budget``: a leaf whose materialized Jacobian would exceed it is contracted in
+  ghost form when its uses allow, and the rows per backward are sized to fit. The per-row
+  Jacobians of fallback leaves and the kept factors are not split: for a hard bound on
+  those, use the ``jacobian`` backend.
+* ``diagonal=True``: only ``b = b'``, ``r = r'`` terms are formed (no ``B×B`` work).
+* ``per_leaf=True``: one block per leaf (cross terms of a leaf's own uses included).
+* With ``aggregated_grad``, ``Jᵀ w`` comes from the kept factors, without a second pass.
 
 Example:
     >>> import torch, torchgram as tg
