@@ -234,3 +234,13 @@ def test_aggregated_grad_needs_no_second_pass(monkeypatch):
                                    backend="structured", batch_dim=0)(*case.args)
     for name in reference:
         _close(update[name], reference[name])
+
+
+@pytest.mark.parametrize("name", ["mlp", "elementwise"])
+def test_works_when_called_under_no_grad(name):
+    case = build(name)
+    expected = dense_gramian(case.f, case.args).shaped()
+    with torch.no_grad():
+        for batch_dim in (None, case.batch_dim):
+            _close(tg.gramian(case.f, backend="structured", batch_dim=batch_dim)(*case.args),
+                   expected)
