@@ -55,7 +55,9 @@ def test_memory_budget_bounds_the_assembled_jacobian(monkeypatch, batch_dim, bud
 
     monkeypatch.setattr(jacobian, "new_jacobian_block", counting_block)
     monkeypatch.setattr(jacobian, "_row_vjps", counting_vjps)
-    G = tg.gramian(case.f, memory_budget=budget, batch_dim=batch_dim)(*case.args)
+    G = tg.gramian(case.f, backend="jacobian", memory_budget=budget, batch_dim=batch_dim)(
+        *case.args
+    )
     torch.testing.assert_close(G, dense_gramian(case.f, case.args).shaped())
     assert blocks and max(blocks) <= budget
     assert sum(blocks) == 15 * 51 * itemsize  # every column assembled exactly once
@@ -71,5 +73,5 @@ def test_without_budget_one_block_holds_the_whole_jacobian(monkeypatch) -> None:
     original = jacobian.new_jacobian_block
     monkeypatch.setattr(jacobian, "new_jacobian_block",
                         lambda m, w, like: sizes.append((m, w)) or original(m, w, like))
-    tg.gramian(case.f)(*case.args)
+    tg.gramian(case.f, backend="jacobian")(*case.args)
     assert sizes == [(15, 51)]
