@@ -17,9 +17,8 @@ from typing import TYPE_CHECKING, Any
 import optree
 
 from torchgram import _checks
-from torchgram._problem import GramianProblem, make_batch_spec
-from torchgram._pytree import DiffLeaves, select_diff_leaves
-from torchgram._transform import GramianOptions, validate_options
+from torchgram._pytree import DiffLeaves
+from torchgram._transform import build_problem, validate_options
 
 if TYPE_CHECKING:  # the backends are imported when a report is made (import stays light)
     from torchgram.backends._cost import LeafPlan
@@ -197,7 +196,7 @@ def explain(
         from torchgram.backends.auto import estimate_backends, pick
         from torchgram.backends.structured import plan_problem
 
-        problem = _problem(options, args, kwargs)
+        problem = build_problem(options, args, kwargs)
         plan = plan_problem(problem)
         estimates = estimate_backends(problem, plan)
         choice = pick(estimates)
@@ -215,30 +214,12 @@ def explain(
     return explain_f
 
 
-def _problem(options: GramianOptions, args: tuple[Any, ...],
-             kwargs: dict[str, Any]) -> GramianProblem:
-    argnums = _checks.resolve_argnums(_API, options.argnums, len(args))
-    diff = select_diff_leaves(args, argnums)
-    if not diff.leaves:
-        _checks.fail(_API, f"floating-point tensor leaves in the differentiated argument(s) "
-                     f"{argnums}",
-                     "none (" + ", ".join(type(args[i]).__name__ for i in argnums) + ")",
-                     "Pass the parameters (a tensor or a pytree of float tensors) at argnums, "
-                     "or change argnums.", TypeError)
-    batch = (None if options.batch_dim is None
-             else make_batch_spec(_API, args, argnums, options.batch_dim, options.in_dims))
-    return GramianProblem(
-        api=_API, f=options.f, args=args, kwargs=kwargs, diff=diff, has_aux=options.has_aux,
-        batch=batch, chunk_size=options.chunk_size, memory_budget=options.memory_budget,
-        diagonal=options.diagonal, per_leaf=options.per_leaf,
-    )
-
-
 def leaf_names(diff: DiffLeaves, args: tuple[Any, ...]) -> list[str]:
     """Readable paths of the differentiated leaves (``arg<i>.`` prefixed for several args).
 
     Example:
         >>> import torch
+        >>> from torchgram._pytree import select_diff_leaves
         >>> args = ({"a": [torch.ones(1), torch.ones(2)], "b": 3}, torch.ones(1))
         >>> leaf_names(select_diff_leaves(args, (0, 1)), args)
         ['arg0.a.0', 'arg0.a.1', 'arg1']

@@ -88,9 +88,9 @@ class GramianRun:
         return self.problem.output
 
 
-def run_gramian(options: GramianOptions, args: tuple[Any, ...], kwargs: dict[str, Any], *,
-                keep_pullback: bool = False) -> GramianRun:
-    """Validate the call's arguments, then compute the Gramian blocks."""
+def build_problem(options: GramianOptions, args: tuple[Any, ...],
+                  kwargs: dict[str, Any]) -> GramianProblem:
+    """Validate a call's arguments against the options and normalise them into a problem."""
     api = options.api
     argnums = _checks.resolve_argnums(api, options.argnums, len(args))
     diff = select_diff_leaves(args, argnums)
@@ -102,11 +102,18 @@ def run_gramian(options: GramianOptions, args: tuple[Any, ...], kwargs: dict[str
                      "or change argnums.", TypeError)
     batch = (None if options.batch_dim is None
              else make_batch_spec(api, args, argnums, options.batch_dim, options.in_dims))
-    problem = GramianProblem(
+    return GramianProblem(
         api=api, f=options.f, args=args, kwargs=kwargs, diff=diff, has_aux=options.has_aux,
         batch=batch, chunk_size=options.chunk_size, memory_budget=options.memory_budget,
         diagonal=options.diagonal, per_leaf=options.per_leaf,
     )
+
+
+def run_gramian(options: GramianOptions, args: tuple[Any, ...], kwargs: dict[str, Any], *,
+                keep_pullback: bool = False) -> GramianRun:
+    """Validate the call's arguments, then compute the Gramian blocks."""
+    problem = build_problem(options, args, kwargs)
+    diff = problem.diff
     problem.keep_pullback = keep_pullback
     sink = GramSink(len(diff.leaves), per_leaf=options.per_leaf, diagonal=options.diagonal)
     aux = options.run_backend(problem, sink)
