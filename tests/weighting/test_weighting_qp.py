@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 from torch.testing import assert_close
 
+import torchgram.weighting as weighting
 from torchgram.weighting import _qp as qp
 from torchgram.weighting._qp import solve_nonneg_qp, solve_simplex_qp
 
@@ -128,3 +129,137 @@ def test_simplex_qp_zero_rows_and_duplicates() -> None:
     H = J @ J.T / 3
     w = solve_simplex_qp(H)
     assert_close(J.T @ w, torch.tensor([0.5, 0.5], dtype=torch.float64))
+
+
+# ---------------------------------------------------------------- the solver's paths
+
+# Each path of NOTE [batched QP solver], forced by its module constants: phase 1 alone (no phase
+# 2, in the retry either: what phase 1 leaves goes to the interior-point fallback), phase 2
+# alone, one exchange step then phase 2, the interior-point fallback alone, and the gathered
+# face systems at any m.
+SOLVER_PATHS: dict[str, dict[str, int]] = {
+    "default": {},
+    "exchange-then-interior-point": {"_DESCENT_ITERATIONS": 0},
+    "descent-only": {"_EXCHANGE_ITERATIONS": 0},
+    "one-exchange-then-descent": {"_EXCHANGE_ITERATIONS": 1},
+    "interior-point-only": {"_EXCHANGE_ITERATIONS": 0, "_DESCENT_ITERATIONS": 0},
+    "gathered-faces": {"_GATHER_FROM": 1},
+}
+
+
+@pytest.fixture(params=list(SOLVER_PATHS), ids=list(SOLVER_PATHS))
+def solver_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    for name, value in SOLVER_PATHS[request.param].items():
+        monkeypatch.setattr(qp, name, value)
+    return str(request.param)
+
+
+@pytest.mark.parametrize("m", [1, 3, 7], ids=lambda m: f"m={m}")
+@pytest.mark.parametrize("rank", ["full", "1"], ids=lambda r: f"rank={r}")
+def test_every_solver_path_matches_brute_force(solver_path: str, m: int, rank: str) -> None:
+    H = random_psd(m, m if rank == "full" else 1, seed=m, ridge=1e-4, spread=4.0)
+    generator = torch.Generator().manual_seed(100 + m)
+    q = torch.cat([H, torch.randn(4, m, generator=generator, dtype=torch.float64)])
+    expected = torch.stack([brute_force_nonneg_qp(H, row) for row in q])
+    assert_close(solve_nonneg_qp(H, q), expected, rtol=1e-9, atol=1e-10)
+    if m > 1:
+        H = random_psd(m, m, seed=m)
+        w, w_expected = solve_simplex_qp(H), brute_force_simplex_qp(H)
+        assert_close(w @ H @ w, w_expected @ H @ w_expected, rtol=1e-10, atol=1e-14)
+        assert_close(w, w_expected, rtol=1e-7, atol=1e-8)
+
+
+def _forbid_interior_point(monkeypatch: pytest.MonkeyPatch) -> None:
+    def forbidden(*args: object) -> Tensor:
+        raise AssertionError("the interior-point fallback was used")
+
+    monkeypatch.setattr(qp, "_interior_point_nonneg", forbidden)
+    monkeypatch.setattr(qp, "_interior_point_simplex", forbidden)
+
+
+@pytest.mark.parametrize("m", [2, 5, 16, 64], ids=lambda m: f"m={m}")
+@pytest.mark.parametrize(
+    ("rank", "spread"),
+    [("full", 1.0), ("half", 1.0), ("half", 4.0), ("1", 4.0)],
+    ids=["rank=full", "rank=half", "rank=half-spread=1e4", "rank=1-spread=1e4"],
+)
+def test_active_set_method_needs_no_fallback(
+    monkeypatch: pytest.MonkeyPatch, m: int, rank: str, spread: float
+) -> None:
+    # The fast path alone solves these problems (UPGrad's right-hand sides and MGDA's simplex):
+    # the interior-point method is a safety net, not the usual route.
+    _forbid_interior_point(monkeypatch)
+    r = {"full": m, "half": max(m // 2, 1), "1": 1}[rank]
+    H = random_psd(m, r, seed=m, ridge=1e-4, spread=spread)
+    x = solve_nonneg_qp(H, H)
+    s = x @ H + H
+    assert (x >= 0).all()
+    assert (s >= -1e-12).all()
+    assert (x * s).abs().max() < 1e-12
+    w = solve_simplex_qp(random_psd(m, r, seed=m, spread=spread))
+    assert_close(w.sum(), torch.tensor(1.0, dtype=torch.float64), rtol=0, atol=1e-12)
+
+
+def test_gathered_and_masked_face_systems_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+    H = random_psd(12, 6, seed=1, ridge=1e-4)
+    masked = solve_nonneg_qp(H, H)
+    monkeypatch.setattr(qp, "_GATHER_FROM", 1)
+    assert_close(solve_nonneg_qp(H, H), masked, rtol=0, atol=1e-14)
+
+
+@pytest.mark.parametrize("m", [12, 48], ids=lambda m: f"m={m}")
+def test_nonneg_qp_with_singular_h(monkeypatch: pytest.MonkeyPatch, m: int) -> None:
+    # reg_eps = 0 with a rank-deficient J: H is singular, so are many face systems, and the
+    # minimiser is not unique. The problems are retried with a jitter-shifted H: the answer is
+    # finite and optimal (KKT with the exact H) up to the jitter.
+    shifts: list[Tensor] = []
+    regularizing_shift = qp._regularizing_shift
+
+    def spy(H: Tensor) -> Tensor:
+        shifts.append(regularizing_shift(H))
+        return shifts[-1]
+
+    monkeypatch.setattr(qp, "_regularizing_shift", spy)
+    J = torch.randn(m, 2, generator=torch.Generator().manual_seed(m), dtype=torch.float64)
+    J = J @ torch.randn(2, m + 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    H = J @ J.T / (J @ J.T).trace()
+    q = torch.cat([H, H.mean(dim=0, keepdim=True)])
+    x = solve_nonneg_qp(H, q)
+    assert shifts  # The retry was needed.
+    s = x @ H + q
+    assert torch.isfinite(x).all()
+    assert (x >= 0).all()
+    assert (s >= -1e-10).all()
+    assert (x * s).abs().max() < 1e-10
+
+
+def test_simplex_qp_with_indefinite_h() -> None:
+    # A rank-deficient Gramian rounded to float32 is indefinite (eigenvalues ~ -1e-8): the
+    # face systems fail, and are retried shifted by twice the most negative eigenvalue.
+    J = torch.randn(9, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    G = (J @ J.T).float().double()
+    H = G / G.trace()
+    assert torch.linalg.eigvalsh(H)[0] < 0
+    w = solve_simplex_qp(H)
+    hw = H @ w
+    assert (w >= 0).all()
+    assert_close(w.sum(), torch.tensor(1.0, dtype=torch.float64), rtol=0, atol=1e-12)
+    assert (hw >= w @ hw - 1e-7).all()
+
+
+@pytest.mark.parametrize("structure", ["rank-1", "duplicate-rows"])
+@pytest.mark.parametrize("name", ["upgrad", "dualproj"])
+def test_dual_cone_weightings_without_ridge_on_singular_gramians(name: str, structure: str) -> None:
+    # reg_eps = 0 and a rank-deficient Gramian: one of the (many) minimisers, finite, and in
+    # the dual cone (the previous, interior-point solver gave NaN weights for upgrad here).
+    generator = torch.Generator().manual_seed(3)
+    J = torch.randn(12, 5, generator=generator, dtype=torch.float64)
+    if structure == "rank-1":
+        J = J[:, :1] * J[:1]
+    else:
+        J = J[torch.arange(12) % 4]
+    G = J @ J.T
+    w = getattr(weighting, name)(G, reg_eps=0.0)
+    assert torch.isfinite(w).all()
+    assert (w >= 1 / 12 - 1e-12).all()
+    assert (G @ w >= -1e-10 * G.trace()).all()

@@ -8,9 +8,11 @@ Every function takes the Gramian positionally and its options as keywords, valid
 symmetric, finite, non-negative diagonal: one host synchronisation in all) and returns weights
 with the Gramian's dtype and device, not differentiable with respect to the Gramian. The
 quadratic programs of :func:`upgrad`, :func:`dualproj` and :func:`mgda` are solved exactly (to
-float64 round-off) by batched tensor code on that device, with a fixed amount of work and no
-further synchronisation; :func:`imtl_g` and :func:`aligned_mtl` use ``torch.linalg.pinv`` and
-``torch.linalg.eigh``, which check for convergence failures (a synchronisation on CUDA).
+float64 round-off) by batched tensor code on that device, with an active-set method that
+synchronises with the host once or twice per iteration to decide convergence (a few iterations,
+up to a few dozen on hard problems); :func:`imtl_g` and :func:`aligned_mtl` use
+``torch.linalg.pinv`` and ``torch.linalg.eigh``, which check for convergence failures (a
+synchronisation on CUDA).
 
 Example:
     >>> import torch

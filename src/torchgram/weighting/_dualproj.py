@@ -24,7 +24,7 @@ def dualproj(G: Tensor, /, *, norm_eps: float = 1e-4, reg_eps: float = 1e-4) -> 
 
     This is the UPGrad quadratic program (see :func:`upgrad`) with the single right-hand side
     ``1 / m``; normalisation, regularisation and defaults follow torchjd's ``DualProjWeighting``.
-    Solved in float64 by the batched interior-point + active-set method of ``_qp.py``.
+    Solved in float64 by the batched active-set method of ``_qp.py``.
 
     Args:
         G: The Gramian ``J Jᵀ`` of shape ``[m, m]``, symmetric positive semi-definite.

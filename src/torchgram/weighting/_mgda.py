@@ -26,9 +26,9 @@ def mgda(G: Tensor, /) -> Tensor:
     ``(G w)_i ≥ wᵀGw`` for every ``i``, with equality where ``w_i > 0``.
 
     Unlike torchjd's ``MGDAWeighting`` (Frank–Wolfe, stopped after ``max_iters`` iterations or a
-    step below ``epsilon``), the quadratic program is solved exactly: primal-dual interior-point
-    iterations followed by an exact solve on the identified support, in float64, as batched
-    tensor code on ``G``'s device (NOTE [batched QP solver] in ``torchgram/weighting/_qp.py``).
+    step below ``epsilon``), the quadratic program is solved exactly, by an active-set method
+    that ends with an exact solve on the support, in float64, as tensor code on ``G``'s device
+    (NOTE [batched QP solver] in ``torchgram/weighting/_qp.py``).
     ``G`` is first divided by its trace, which leaves the minimiser unchanged.
 
     When rows of ``J`` are linearly dependent the minimiser ``Jᵀw`` is unique but ``w`` may not
@@ -63,8 +63,8 @@ def mgda(G: Tensor, /) -> Tensor:
     m = G.shape[0]
     if m == 0:
         return G.new_zeros(0)
-    # float64: the support is read off interior-point iterates whose complementarity products
-    # reach 1e-20 and more, and the Gramian may be singular; float32 cannot resolve either.
+    # float64: the support is decided by the signs of exact solves on candidate supports, up to
+    # a few ulps, and the Gramian may be singular; float32 would resolve neither.
     G64 = G.to(torch.float64)
     trace = G64.diagonal().sum()
     eye = torch.eye(m, dtype=G64.dtype, device=G64.device)

@@ -12,59 +12,317 @@ Both problems are strictly (or merely) convex QPs in ``m`` variables with simple
 
       min_w  ½ wᵀHw         subject to  w ≥ 0,  1ᵀw = 1.
 
-They are solved in two phases, entirely with batched tensor code on ``H``'s device and with a
-fixed amount of work (no data-dependent Python control flow, hence no host synchronisation):
+Write ``s`` for the multipliers of the sign constraints (``s = Hx + q``, resp. ``Hw - ν1`` with
+``ν = wᵀHw``): a point is the solution iff it is feasible, ``s ≥ 0`` and ``x_i s_i = 0``. Both
+problems are solved by active-set methods, batched over the problems, on ``H``'s device:
 
-1. ``_IPM_ITERATIONS`` iterations of Mehrotra's predictor-corrector primal-dual interior-point
-   method (``s`` is the dual slack: ``s = Hx + q``, resp. ``Hw - ν1``). Every iteration is one
-   batched Cholesky factorisation of ``H + diag(s / x)`` and two pairs of triangular solves.
-   Interior-point methods converge in a number of iterations that barely depends on ``m`` or on
-   the conditioning of ``H``: on random, rank-deficient and duplicated-row Gramians 16 iterations
-   already suffice; 30 leave a margin for badly scaled, degenerate problems (row norms of ``J``
-   spread over 8 orders of magnitude needed 28).
-2. ``_POLISH_STEPS`` steps of active-set polishing (primal-dual active-set, i.e. semismooth
-   Newton, steps): the free set ``F = {i : x_i > s_i}`` is read from the current point and the
-   problem with ``x_i = 0`` off ``F`` and no constraint on ``F`` is solved exactly (one batched
-   Cholesky solve). Its solution satisfies complementarity by construction, so if it is also
-   feasible (``x ≥ 0`` and ``s ≥ 0`` up to ``_FEASIBILITY_TOL``) it *is* the solution, up to the
-   round-off of a Cholesky solve (about ``cond(H_FF) · 1e-16``), and it is kept for that batch
-   element; otherwise the next step starts from it. An element that no step polishes keeps its
-   interior-point iterate, whose error is then of the order of ``sqrt(μ)``.
+* Every iteration has, for each problem, a free set ``F`` (a guess of the variables that are
+  positive at the solution) and solves the QP on the face ``x_i = 0`` off ``F`` exactly: one
+  batched Cholesky solve with the blocks ``H_FF``, padded with the identity (for ``m`` from
+  ``_GATHER_FROM`` on, gathered into ``p × p`` matrices, ``p`` the largest ``|F|`` of the
+  batch). This *face solution* ``z`` satisfies complementarity by construction, so it is the
+  solution iff its signs are right: ``z_F ≥ 0`` and ``s ≥ 0`` off ``F``. A sign counts as wrong
+  below ``-_SIGN_TOL`` (16 ulps) times the magnitude of the terms it is computed from (for
+  ``s_i``, ``|q_i| + (|H| |z|)_i``), so an accepted answer is exact up to the round-off of one
+  Cholesky solve (about ``cond(H_FF) · 1e-16``).
+* Phase 1, up to ``_EXCHANGE_ITERATIONS`` primal-dual active-set steps (semismooth Newton,
+  "block principal pivoting"): every variable with a wrong sign changes side. It starts from
+  ``x = 0`` (``F = {i : q_i < 0}``: for UPGrad, the rows in conflict with the projected one)
+  or from ``F`` = everything (simplex QP), and solves most problems in one to five iterations.
+  But it is not monotone, and may cycle when ``H`` is far from an M-matrix.
+* Phase 2, up to ``_DESCENT_ITERATIONS`` iterations for the problems phase 1 left: a primal
+  active-set method with block additions (Lawson–Hanson style) from phase 1's last face solution
+  made feasible. Its iterate ``x`` stays feasible and its objective never increases: when ``z``
+  is infeasible, ``x`` moves towards it until the first free variable reaches zero, which leaves
+  ``F``; when ``z`` is feasible, it becomes ``x``, and the variables with ``s_i < 0`` join ``F``
+  (only the most negative one right after a step of length zero: the classic finite rule).
+* The problems left after that, or whose face systems were not positive-definite (a singular
+  ``H``, e.g. UPGrad with ``reg_eps = 0`` and a rank-deficient Gramian, or an indefinite one,
+  e.g. MGDA on a rank-deficient float32 Gramian), go through both phases again with systems
+  shifted by ``max(0, _JITTER · tr(H) / m - 2 λ_min(H))`` (zero for a positive-definite ``H``).
+  On a singular face the shifted solution is close to the minimum-norm one; signs are still
+  checked with the exact ``H``. What still fails (rare: e.g. one problem of DualProj with
+  ``reg_eps = 0`` on a half-rank ``m = 64`` Gramian) is solved by the previous solver:
+  ``_IPM_ITERATIONS`` Mehrotra predictor-corrector interior-point iterations, then up to
+  ``_POLISH_STEPS`` face solves on the free set read off the interior point.
 
-Tolerance: against quadprog (the exact active-set solver torchjd uses) the solutions agree to
-about 1e-12 on random Gramians with ``m ≤ 64``, rank-deficient ones included, and to 1e-10 on
-the badly scaled degenerate ones above (tests/weighting/test_weighting_qp.py checks against an
-exhaustive active-set enumeration and the KKT conditions).
+Host synchronisation: the active-set method decides on the host when to stop and which problems
+to drop from the batch (solved ones, when half of them are, or always from ``_GATHER_FROM`` on,
+where the factorisations dominate; solved problems are fixed points of both phases, so keeping
+them in the batch for a while changes nothing). That is one synchronisation per iteration, one
+more per iteration for the size ``p`` of gathered blocks, and one per call to check for
+leftovers: for UPGrad on the test Gramians, 2 to 15 in all for ``m ≤ 16`` and up to about 40 for
+``m = 64`` on rank-deficient ones. This is what buys the speed: the previous, synchronisation-
+free solver did a fixed 30 interior-point iterations on the full ``[m, m]`` systems of every
+problem.
+
+Accuracy: against quadprog (the exact active-set solver torchjd uses) the solutions agree to
+about 1e-12, relative to their largest entry, on random Gramians with ``m ≤ 128`` (rank-
+deficient ones included, and row norms spread over 16 orders of magnitude); tests/weighting
+checks against an exhaustive active-set enumeration, the KKT conditions and torchjd.
 
 All arithmetic is done in float64 on purpose: the regularised Gramians of UPGrad/DualProj have a
-condition number up to ``1 / reg_eps = 1e4`` and the interior-point normal matrices become much
-worse than that near the solution, so float32 would lose most digits (and the reference solver,
-quadprog, works in float64 too). Callers cast the result back to the Gramian's dtype.
+condition number up to ``1 / reg_eps = 1e4`` (and MGDA's is not regularised), so float32 would
+lose most digits (the reference solver, quadprog, works in float64 too). Callers cast the result
+back to the Gramian's dtype.
 
-The cost is ``O(batch · m³)`` per iteration, i.e. ``O(m⁴)`` in total for UPGrad (``m`` right-hand
-sides), about 60 ms for ``m = 64`` on one CPU core: the same order as solving the ``m`` problems
-one after the other with a dense active-set solver, but in a handful of large batched kernels.
+Cost: ``O(p³)`` per problem and iteration, and a few iterations: up to about 25 for UPGrad (40
+for MGDA) on rank-deficient Gramians, whose solutions are degenerate but for the ridge. For
+UPGrad on one CPU core: about 0.2 to 2 ms for ``m ≤ 16``, where the fixed overhead of each
+tensor operation dominates, and 4 to 15 ms for ``m = 64`` (the interior-point solver took 5 to
+8 ms and 60 to 75 ms).
 The batch is processed in chunks of at most ``_MAX_BATCH_ENTRIES / m²`` problems, which bounds
-the memory of the ``[batch, m, m]`` normal matrices.
+the memory of the ``[batch, m, m]`` matrices.
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch import Tensor
 
+_EXCHANGE_ITERATIONS = 6
+_DESCENT_ITERATIONS = 32
 _IPM_ITERATIONS = 30
 _POLISH_STEPS = 3
 # Fraction of the distance to the boundary of the positive orthant taken by an interior-point step.
 _STEP_FRACTION = 0.99
-# Jitter added to the Newton matrices of the simplex QP, relative to trace(H) / m. It only affects
-# the search directions (the residuals are always evaluated with the exact H), and keeps the
-# linear systems solvable when H is singular (e.g. duplicated rows of J).
+# Shift added to the diagonal of H in the linear systems of the simplex QP, and of both QPs when
+# they are retried, relative to trace(H) / m. It only affects the face solutions and search
+# directions (the multipliers are always evaluated with the exact H), and keeps the systems
+# solvable when H is singular (e.g. duplicated rows of J, or reg_eps = 0).
 _JITTER = 1e-12
-# Round-off allowed on the sign constraints of an active-set solution (the data have unit trace).
+# Round-off allowed on the signs of an active-set solution, relative to the magnitude of the terms
+# they are computed from.
+_SIGN_TOL = 16 * torch.finfo(torch.float64).eps
+# Round-off allowed on the sign constraints of a polished interior-point solution (unit trace).
 _FEASIBILITY_TOL = 1e-10
+# Up to this m the face systems are the full [m, m] matrices, masked; above it, the free blocks
+# are gathered into [p, p] matrices (p the largest free set), which costs a few more operations
+# and a host synchronisation, and pays off once the O(p³) factorisations dominate.
+_GATHER_FROM = 48
 # Largest number of float64 entries of one [batch, m, m] tensor (2**24: 128 MiB).
 _MAX_BATCH_ENTRIES = 2**24
+
+
+# ---------------------------------------------------------------- linear algebra on faces
+
+
+def _add_to_diagonal(matrix: Tensor, values: Tensor | float) -> Tensor:
+    """Returns ``matrix + diag_embed(values)`` for a batch of square matrices (out of place)."""
+    out = matrix.clone()
+    out.diagonal(dim1=-2, dim2=-1).add_(values)
+    return out
+
+
+def _cholesky_solve(factor: Tensor, rhs: Tensor) -> Tensor:
+    """Solves ``L Lᵀ x = rhs`` for a batch of vectors ``rhs`` given the Cholesky factors ``L``."""
+    # Two triangular solves: the same as torch.cholesky_solve, without its copies of the factors.
+    y: Tensor = torch.linalg.solve_triangular(factor, rhs.unsqueeze(-1), upper=False)
+    x: Tensor = torch.linalg.solve_triangular(factor.transpose(-2, -1), y, upper=True)
+    return x.squeeze(-1)
+
+
+def _solve_on_face(K: Tensor, free: Tensor, rhs: Tensor) -> tuple[Tensor, Tensor]:
+    """Solves ``K_FF z_F = rhs_F`` with ``z = 0`` off ``F``, for each row's free set ``F``.
+
+    The systems are ``K`` with the rows and columns off ``F`` replaced by the identity's, which
+    is block-diagonal up to a permutation: the solution is exactly zero off ``F``. Above
+    ``_GATHER_FROM`` variables, the blocks are gathered into ``[batch, p, p]`` matrices, ``p``
+    the largest ``|F|`` of the batch (the free indices first), padded with the identity.
+
+    Args:
+        K: Symmetric float64 matrix of shape ``[m, m]``.
+        free: Boolean free sets, shape ``[batch, m]``.
+        rhs: Right-hand sides, shape ``[batch, m]`` (only their free entries are read).
+
+    Returns:
+        ``z`` of shape ``[batch, m]``, and whether each block was positive-definite (its
+        Cholesky factorisation succeeded).
+    """
+    batch, m = free.shape
+    if m < _GATHER_FROM:
+        eye = torch.eye(m, dtype=K.dtype, device=K.device)
+        system = torch.where(free.unsqueeze(-1) & free.unsqueeze(-2), K, eye)
+        factor, info = torch.linalg.cholesky_ex(system)
+        return _cholesky_solve(factor, torch.where(free, rhs, 0.0)), info == 0
+    count = free.sum(dim=-1)
+    p = int(count.max())  # Host synchronisation: the size of the gathered blocks.
+    order = torch.argsort((~free).view(torch.uint8), dim=-1, stable=True)[:, :p]  # Free first.
+    valid = torch.arange(p, device=K.device) < count.unsqueeze(-1)
+    block = K.index_select(0, order.flatten()).view(batch, p, m)
+    block = block.gather(2, order.unsqueeze(1).expand(batch, p, p))
+    eye = torch.eye(p, dtype=K.dtype, device=K.device)
+    system = torch.where(valid.unsqueeze(-1) & valid.unsqueeze(-2), block, eye)
+    factor, info = torch.linalg.cholesky_ex(system)
+    y = _cholesky_solve(factor, torch.where(valid, rhs.gather(1, order), 0.0))
+    return torch.zeros_like(rhs).scatter(1, order, y), info == 0
+
+
+# ---------------------------------------------------------------- the two problems
+
+
+class _Problem(Protocol):
+    """A batch of QPs, as the active-set method sees it (NOTE [batched QP solver])."""
+
+    def solve_face(self, free: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """Face solutions ``z`` for the free sets ``free`` (``[batch, m]``) and their multipliers.
+
+        Returns ``z``, the multipliers ``s``, the thresholds below which an entry of ``z`` and
+        of ``s`` is negative beyond round-off (shape ``[batch, 1]`` each), and whether each face
+        system was solved.
+        """
+        ...
+
+    def make_feasible(self, z: Tensor) -> Tensor:
+        """A feasible point whose support is within ``z``'s positive entries."""
+        ...
+
+    def select(self, index: Tensor) -> _Problem:
+        """The sub-batch of the problems ``index``."""
+        ...
+
+
+class _NonnegQP:
+    """``min ½ xᵀHx + qᵀx`` s.t. ``x ≥ 0``, for each row of ``q``; face systems use ``K``."""
+
+    def __init__(self, H: Tensor, K: Tensor, q: Tensor, H_abs: Tensor) -> None:
+        self.H, self.K, self.q, self.H_abs = H, K, q, H_abs
+        self.q_abs = q.abs()
+        self.minus_q = -q
+
+    @classmethod
+    def new(cls, H: Tensor, q: Tensor, shift: Tensor | None = None) -> _NonnegQP:
+        """The problems for the rows of ``q``, their face systems shifted by ``shift · I``."""
+        K = H if shift is None else _add_to_diagonal(H, shift)
+        return cls(H, K, q, H.abs())
+
+    def solve_face(self, free: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        z, ok = _solve_on_face(self.K, free, self.minus_q)
+        s = torch.addmm(self.q, z, self.H)  # H is symmetric: (H z)ᵀ = zᵀ H.
+        z_abs = z.abs()
+        # s_i = q_i + (Hz)_i sums terms whose magnitudes add up to |q_i| + (|H| |z|)_i.
+        low_s = torch.addmm(self.q_abs, z_abs, self.H_abs).mul_(-_SIGN_TOL)
+        return z, s, z_abs.amax(dim=-1, keepdim=True).mul_(-_SIGN_TOL), low_s, ok
+
+    def make_feasible(self, z: Tensor) -> Tensor:
+        return z.clamp(min=0.0)
+
+    def select(self, index: Tensor) -> _NonnegQP:
+        return _NonnegQP(self.H, self.K, self.q.index_select(0, index), self.H_abs)
+
+
+class _SimplexQP:
+    """``min ½ wᵀHw`` s.t. ``w ≥ 0``, ``1ᵀw = 1`` (a batch of one); systems use ``H + shift I``."""
+
+    def __init__(self, H: Tensor, shift: Tensor) -> None:
+        self.H, self.H_abs = H, H.abs()
+        self.K = _add_to_diagonal(H, shift)
+
+    def solve_face(self, free: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        # On the face, H_FF w_F = ν 1_F: w_F ∝ H_FF⁻¹ 1_F, scaled to sum to one.
+        direction, ok = _solve_on_face(self.K, free, free.to(self.H.dtype))
+        total = direction.sum(dim=-1, keepdim=True)
+        w = direction / total
+        hw = w @ self.H
+        nu = (hw * w).sum(dim=-1, keepdim=True)  # ν = wᵀHw at a KKT point.
+        w_abs = w.abs()
+        # s_i = (Hw)_i - ν sums terms whose magnitudes add up to (|H| |w|)_i + |ν|.
+        low_s = torch.addmm(nu.abs(), w_abs, self.H_abs).mul_(-_SIGN_TOL)
+        low_w = w_abs.amax(dim=-1, keepdim=True).mul_(-_SIGN_TOL)
+        return w, hw - nu, low_w, low_s, ok & (total > 0)[:, 0]
+
+    def make_feasible(self, z: Tensor) -> Tensor:
+        w = z.clamp(min=0.0)
+        total = w.sum(dim=-1, keepdim=True)
+        return torch.where(total > 0, w / total, 1.0 / w.shape[-1])
+
+    def select(self, index: Tensor) -> _SimplexQP:
+        return self  # A batch of one is never split.
+
+
+# ---------------------------------------------------------------- the active-set method
+
+
+def _active_set(problem: _Problem, free: Tensor) -> tuple[Tensor, Tensor]:
+    """Solves a batch of QPs by the two phases of NOTE [batched QP solver].
+
+    Args:
+        problem: The batch of problems.
+        free: Initial free sets, shape ``[batch, m]``.
+
+    Returns:
+        The solutions (anything for unsolved problems), and which problems were solved.
+    """
+    batch, m = free.shape
+    rows = torch.arange(batch, device=free.device)
+    solution = torch.zeros(free.shape, dtype=torch.float64, device=free.device)
+    solved = torch.zeros(batch, dtype=torch.bool, device=free.device)
+
+    def store(z: Tensor, ok: Tensor, unsolved: Tensor) -> None:
+        solution.index_copy_(0, rows, z)
+        solved.index_copy_(0, rows, ok & ~unsolved)
+
+    def worth_dropping(left: Tensor, last: bool) -> bool:
+        """Whether to drop the solved (or failed) rows from the batch now.
+
+        Solved rows are fixed points of both phases, so they may stay in the batch; for small
+        problems, keeping them until half the batch is solved saves operations.
+        """
+        n_left, n_rows = left.shape[0], rows.shape[0]
+        return n_left < n_rows and (last or m >= _GATHER_FROM or 2 * n_left <= n_rows)
+
+    # Phase 1: primal-dual active-set (exchange) steps.
+    z = solution
+    for iteration in range(_EXCHANGE_ITERATIONS):
+        z, s, low_z, low_s, ok = problem.solve_face(free)
+        wrong = torch.where(free, z < low_z, s < low_s)
+        unsolved = wrong.any(dim=-1)
+        left = (ok & unsolved).nonzero().squeeze(-1)  # Host synchronisation.
+        if left.shape[0] == 0:
+            store(z, ok, unsolved)
+            return solution, solved
+        # Solved rows leave before phase 2, whose first step would move them off their face.
+        if worth_dropping(left, last=iteration == _EXCHANGE_ITERATIONS - 1):
+            store(z, ok, unsolved)
+            rows, free, wrong, z = rows[left], free[left], wrong[left], z[left]
+            problem = problem.select(left)
+        free = free ^ wrong
+
+    # Phase 2: feasible descent, from phase 1's last face solutions made feasible.
+    x = problem.make_feasible(z)
+    free = x > 0
+    single = torch.zeros_like(free[:, :1])
+    for iteration in range(_DESCENT_ITERATIONS):
+        z, s, low_z, low_s, ok = problem.solve_face(free)
+        negative_z = free & (z < low_z)
+        negative_s = ~free & (s < low_s)
+        infeasible = negative_z.any(dim=-1, keepdim=True)
+        unsolved = infeasible[:, 0] | negative_s.any(dim=-1)
+        left = (ok & unsolved).nonzero().squeeze(-1)  # Host synchronisation.
+        if left.shape[0] == 0:
+            store(z, ok, unsolved)
+            return solution, solved
+        # Infeasible z: move from x towards z until the first free variable reaches zero.
+        ratio = torch.where(negative_z, x / (x - z), torch.inf)
+        step = ratio.amin(dim=-1, keepdim=True).clamp(min=0.0, max=1.0)  # x may be ~-eps.
+        leaving = negative_z & (ratio <= step)
+        # Feasible z: it becomes x, and the variables with s < 0 join F; only the most negative
+        # one right after a step of length zero (the classic rule, which guarantees progress).
+        lowest = torch.where(negative_s, s, torch.inf).amin(dim=-1, keepdim=True)
+        joining = negative_s & (~single | (s == lowest))
+        single = (single | (step <= 0.0)) & infeasible
+        x = torch.where(infeasible, torch.where(leaving, 0.0, torch.lerp(x, z, step)), z)
+        free = torch.where(infeasible, free & ~leaving, free | joining)
+        if worth_dropping(left, last=iteration == _DESCENT_ITERATIONS - 1):
+            store(z, ok, unsolved)
+            rows, free, x, single = rows[left], free[left], x[left], single[left]
+            problem = problem.select(left)
+    return solution, solved
+
+
+# ---------------------------------------------------------------- the interior-point fallback
 
 
 def _max_step(z: Tensor, dz: Tensor) -> Tensor:
@@ -85,27 +343,8 @@ def _mehrotra_step_size(
     return sigma, mu
 
 
-def _add_to_diagonal(matrix: Tensor, values: Tensor) -> Tensor:
-    """Returns ``matrix + diag_embed(values)`` for a batch of square matrices (out of place)."""
-    out = matrix.clone()
-    out.diagonal(dim1=-2, dim2=-1).add_(values)
-    return out
-
-
-def _cholesky_solve(factor: Tensor, rhs: Tensor) -> Tensor:
-    """Solves ``L Lᵀ x = rhs`` for a batch of vectors ``rhs`` given the Cholesky factors ``L``."""
-    # Two triangular solves: the same as torch.cholesky_solve, without its copies of the factors.
-    y: Tensor = torch.linalg.solve_triangular(factor, rhs.unsqueeze(-1), upper=False)
-    x: Tensor = torch.linalg.solve_triangular(factor.transpose(-2, -1), y, upper=True)
-    return x.squeeze(-1)
-
-
 def _is_feasible(x: Tensor, s: Tensor) -> Tensor:
-    """Whether ``x ≥ 0`` and ``s ≥ 0`` up to round-off, for each row of a batch.
-
-    Used on active-set solutions, which satisfy complementarity by construction, so feasibility
-    makes them KKT points. The tolerance is absolute: the QPs here have trace-normalised data.
-    """
+    """Whether ``x ≥ 0`` and ``s ≥ 0`` up to ``_FEASIBILITY_TOL``, for each row of a batch."""
     return (x >= -_FEASIBILITY_TOL).all(dim=-1) & (s >= -_FEASIBILITY_TOL).all(dim=-1)
 
 
@@ -114,34 +353,15 @@ def _where_rows(condition: Tensor, a: Tensor, b: Tensor) -> Tensor:
     return torch.where(condition.unsqueeze(-1), a, b)
 
 
-def solve_nonneg_qp(H: Tensor, q: Tensor) -> Tensor:
-    """Solves ``min_x ½ xᵀHx + qᵀx`` s.t. ``x ≥ 0`` for each row of ``q``.
-
-    See NOTE [batched QP solver] at the top of this module.
-
-    Args:
-        H: Symmetric positive-definite float64 matrix of shape ``[m, m]``.
-        q: Float64 tensor of shape ``[k, m]``: one linear term per problem.
-
-    Returns:
-        The minimisers, shape ``[k, m]``, non-negative.
-    """
-    m = q.shape[-1]
-    chunk = max(1, _MAX_BATCH_ENTRIES // max(m * m, 1))
-    if q.shape[0] > chunk:
-        return torch.cat([_solve_nonneg_qp(H, part) for part in torch.split(q, chunk)])
-    return _solve_nonneg_qp(H, q)
-
-
-def _solve_nonneg_qp(H: Tensor, q: Tensor) -> Tensor:
-    """:func:`solve_nonneg_qp` for one chunk of right-hand sides."""
+def _interior_point_nonneg(H: Tensor, q: Tensor) -> Tensor:
+    """The fallback for :func:`solve_nonneg_qp`: interior-point iterations, then polishing."""
     k, m = q.shape
     batch_H = H.expand(k, m, m)
     x = torch.ones_like(q)
     s = torch.ones_like(q)
     for _ in range(_IPM_ITERATIONS):
         # Newton step on  Hx + q - s = 0,  x ∘ s = σμ:  (H + S/X) dx = r_c / x - r_d.
-        r_d = q + x @ H - s  # H is symmetric: (H x)ᵀ = xᵀ H.
+        r_d = q + x @ H - s
         factor, _ = torch.linalg.cholesky_ex(_add_to_diagonal(batch_H, s / x))
         r_c = -x * s
         dx_aff = _cholesky_solve(factor, r_c / x - r_d)
@@ -170,20 +390,9 @@ def _solve_nonneg_qp(H: Tensor, q: Tensor) -> Tensor:
     return solution.clamp(min=0.0)
 
 
-def solve_simplex_qp(H: Tensor) -> Tensor:
-    """Solves ``min_w ½ wᵀHw`` s.t. ``w ≥ 0`` and ``Σ w = 1``.
-
-    See NOTE [batched QP solver] at the top of this module.
-
-    Args:
-        H: Symmetric positive semi-definite float64 matrix of shape ``[m, m]``, not all zero.
-
-    Returns:
-        A minimiser of shape ``[m]`` (unique in ``Jᵀw`` but not necessarily in ``w`` when ``H``
-        is singular).
-    """
+def _interior_point_simplex(H: Tensor, jitter: Tensor) -> Tensor:
+    """The fallback for :func:`solve_simplex_qp`: interior-point iterations, then polishing."""
     m = H.shape[0]
-    jitter = _JITTER * H.diagonal().mean()
     ones = torch.ones(1, m, dtype=H.dtype, device=H.device)
     w = ones / m
     nu = (w @ H).amin(dim=-1, keepdim=True) - 1.0
@@ -225,4 +434,82 @@ def solve_simplex_qp(H: Tensor) -> Tensor:
         feasible = _is_feasible(w, s)
         solution = _where_rows(feasible & ~polished, w, solution)
         polished = polished | feasible
-    return solution.clamp(min=0.0).squeeze(0)
+    return solution.clamp(min=0.0)
+
+
+# ---------------------------------------------------------------- public entry points
+
+
+def solve_nonneg_qp(H: Tensor, q: Tensor) -> Tensor:
+    """Solves ``min_x ½ xᵀHx + qᵀx`` s.t. ``x ≥ 0`` for each row of ``q``.
+
+    See NOTE [batched QP solver] at the top of this module.
+
+    Args:
+        H: Symmetric positive-definite float64 matrix of shape ``[m, m]``. A singular one is
+            accepted too (then one of the minimisers is returned, if the problem is bounded).
+        q: Float64 tensor of shape ``[k, m]``: one linear term per problem.
+
+    Returns:
+        The minimisers, shape ``[k, m]``, non-negative.
+    """
+    m = q.shape[-1]
+    chunk = max(1, _MAX_BATCH_ENTRIES // max(m * m, 1))
+    if q.shape[0] > chunk:
+        return torch.cat([_solve_nonneg_qp(H, part) for part in torch.split(q, chunk)])
+    return _solve_nonneg_qp(H, q)
+
+
+def _solve_nonneg_qp(H: Tensor, q: Tensor) -> Tensor:
+    """:func:`solve_nonneg_qp` for one chunk of right-hand sides."""
+    # x = 0 is the solution unless s = q has negative entries: those start in the free set.
+    free = q < -_SIGN_TOL * q.abs().amax(dim=-1, keepdim=True)
+    x, solved = _active_set(_NonnegQP.new(H, q), free)
+    if bool(solved.all()):  # Host synchronisation.
+        return x.clamp(min=0.0)
+    # Some face system was not positive-definite (H singular, e.g. reg_eps = 0, or indefinite by
+    # round-off), or the iterations ran out: retry those problems with shifted systems.
+    unsolved = (~solved).nonzero().squeeze(-1)
+    q = q.index_select(0, unsolved)
+    shift = _regularizing_shift(H)
+    retried, solved = _active_set(_NonnegQP.new(H, q, shift), free.index_select(0, unsolved))
+    if not bool(solved.all()):  # Host synchronisation.
+        left = (~solved).nonzero().squeeze(-1)
+        retried.index_copy_(0, left, _interior_point_nonneg(_add_to_diagonal(H, shift), q[left]))
+    return x.index_copy_(0, unsolved, retried).clamp(min=0.0)
+
+
+def _regularizing_shift(H: Tensor) -> Tensor:
+    """The diagonal shift that makes ``H``'s systems safely positive-definite, if they are not.
+
+    ``max(0, _JITTER · trace(H) / m - 2 λ_min(H))``: zero for a positive-definite ``H`` (the
+    problem is unchanged), about the jitter for a singular one, and enough to make an indefinite
+    one (by round-off, e.g. a float32 Gramian of rank < m) positive-definite.
+    """
+    eigenvalue = torch.linalg.eigvalsh(H)[0]
+    return (_JITTER * H.diagonal().mean() - 2.0 * eigenvalue).clamp(min=0.0)
+
+
+def solve_simplex_qp(H: Tensor) -> Tensor:
+    """Solves ``min_w ½ wᵀHw`` s.t. ``w ≥ 0`` and ``Σ w = 1``.
+
+    See NOTE [batched QP solver] at the top of this module.
+
+    Args:
+        H: Symmetric positive semi-definite float64 matrix of shape ``[m, m]``, not all zero.
+
+    Returns:
+        A minimiser of shape ``[m]`` (unique in ``Jᵀw`` but not necessarily in ``w`` when ``H``
+        is singular).
+    """
+    m = H.shape[0]
+    free = torch.ones(1, m, dtype=torch.bool, device=H.device)
+    w, solved = _active_set(_SimplexQP(H, _JITTER * H.diagonal().mean()), free)
+    if not bool(solved.all()):  # Host synchronisation.
+        # A face system was not positive-definite (H indefinite by round-off, e.g. a float32
+        # Gramian of rank < m), or the iterations ran out: retry with shifted systems.
+        shift = _regularizing_shift(H)
+        w, solved = _active_set(_SimplexQP(H, shift), free)
+        if not bool(solved.all()):  # Host synchronisation.
+            w = _interior_point_simplex(H, shift)
+    return w.clamp(min=0.0).squeeze(0)

@@ -28,9 +28,10 @@ def upgrad(G: Tensor, /, *, norm_eps: float = 1e-4, reg_eps: float = 1e-4) -> Te
     preference vector); this function agrees with it to about 1e-10 in float64.
 
     The ``m`` quadratic programs are solved together, as batched tensor code on ``G``'s device,
-    by a fixed number of primal-dual interior-point iterations followed by an exact solve on the
-    identified active set (NOTE [batched QP solver] in ``torchgram/weighting/_qp.py``). All of
-    it runs in float64 and costs ``O(m⁴)``: about 0.1 s for ``m = 64`` on one CPU core.
+    by an active-set method: each iteration is one batched Cholesky solve on the current free
+    sets, and one host synchronisation decides which problems are solved (NOTE [batched QP
+    solver] in ``torchgram/weighting/_qp.py``). All of it runs in float64; on one CPU core it
+    takes about 0.2 to 2 ms for ``m ≤ 16`` and 4 to 15 ms for ``m = 64``.
 
     Args:
         G: The Gramian ``J Jᵀ`` of shape ``[m, m]``, symmetric positive semi-definite.
