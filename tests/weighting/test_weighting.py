@@ -101,7 +101,7 @@ def _random_cases(count: int, seed: int) -> list[tuple[int, str]]:
 
 CASES += _random_cases(6, seed=2024)
 CASE_IDS = [f"m={m}-{structure}" for m, structure in CASES]
-# For property tests, where the m = 64 cases (O(m⁴) for upgrad) would add time but no coverage.
+# For property tests, where the m = 64 cases would add time but no coverage.
 SMALL_CASES = [(m, structure) for m, structure in CASES if m <= 16] + [(64, "half-rank")]
 SMALL_CASE_IDS = [f"m={m}-{structure}" for m, structure in SMALL_CASES]
 
