@@ -10,6 +10,7 @@ the same function without the affine part.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch.nn.functional as F
@@ -99,25 +100,8 @@ class LayerNormRule(Rule):
         if not isinstance(x, Tensor) or not x.is_floating_point():
             return None
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
-        layout = LayerNormLayout(shape, float(eps))
-        operands = []
-        for value, is_weight in ((weight, True), (bias, False)):
-            if value is None:
-                continue
-            if not isinstance(value, Tensor) or tuple(value.shape) != shape:
-                return None
-            operands.append(Operand(value, layout, act=x) if is_weight
-                            else Operand(value, None, bias_of=layout))
-        if not operands:
-            return None
-
-        def compute(*values: Tensor) -> Tensor:
-            supplied = iter(values)
-            w = next(supplied) if weight is not None else None
-            b = next(supplied) if bias is not None else None
-            return F.layer_norm(x, shape, w, b, eps)
-
-        return Match(self.name, tuple(operands), compute)
+        return _affine_match(self.name, x, weight, bias, shape, LayerNormLayout(shape, float(eps)),
+                             lambda w, b: F.layer_norm(x, shape, w, b, eps))
 
 
 class GroupNormRule(Rule):
@@ -135,21 +119,32 @@ class GroupNormRule(Rule):
             return None
         channels = x.shape[1]
         layout = GroupNormLayout(channels, groups, float(eps))
-        operands = []
-        for value, is_weight in ((weight, True), (bias, False)):
-            if value is None:
-                continue
-            if not isinstance(value, Tensor) or tuple(value.shape) != (channels,):
-                return None
-            operands.append(Operand(value, layout, act=x) if is_weight
-                            else Operand(value, None, bias_of=layout))
-        if not operands:
+        return _affine_match(self.name, x, weight, bias, (channels,), layout,
+                             lambda w, b: F.group_norm(x, groups, w, b, eps))
+
+
+def _affine_match(name: str, x: Tensor, weight: Any, bias: Any, shape: tuple[int, ...],
+                  layout: Layout,
+                  norm: Callable[[Tensor | None, Tensor | None], Tensor]) -> Match | None:
+    """The match of a norm's affine ``weight``/``bias`` (either may be ``None``) of ``shape``.
+
+    ``norm(w, b)`` recomputes the call with the given affine parameters.
+    """
+    operands = []
+    for value, is_weight in ((weight, True), (bias, False)):
+        if value is None:
+            continue
+        if not isinstance(value, Tensor) or tuple(value.shape) != shape:
             return None
+        operands.append(Operand(value, layout, act=x) if is_weight
+                        else Operand(value, None, bias_of=layout))
+    if not operands:
+        return None
 
-        def compute(*values: Tensor) -> Tensor:
-            supplied = iter(values)
-            w = next(supplied) if weight is not None else None
-            b = next(supplied) if bias is not None else None
-            return F.group_norm(x, groups, w, b, eps)
+    def compute(*values: Tensor) -> Tensor:
+        supplied = iter(values)
+        w = next(supplied) if weight is not None else None
+        b = next(supplied) if bias is not None else None
+        return norm(w, b)
 
-        return Match(self.name, tuple(operands), compute)
+    return Match(name, tuple(operands), compute)
