@@ -13,10 +13,13 @@ makes the QP strictly convex, hence its solution unique, even when ``J`` is rank
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
 from ._qp import solve_nonneg_qp
+from ._validation import check_gramian, check_non_negative
 
 
 def normalize_and_regularize(G: Tensor, norm_eps: float, reg_eps: float) -> Tensor:
@@ -48,3 +51,21 @@ def project_weights(U: Tensor, H: Tensor) -> Tensor:
         The minimisers ``v``, shape ``[k, m]``, float64, with ``v ≥ u``.
     """
     return U + solve_nonneg_qp(H, U @ H)
+
+
+def projected_preferences(G: Tensor, name: str, norm_eps: float, reg_eps: float,
+                          preferences: Callable[[int, Tensor], Tensor]) -> Tensor:
+    """Validate ``G``, then project ``Jᵀu`` onto the dual cone for each preference row ``u``.
+
+    ``preferences(m, H)`` returns the ``[k, m]`` weights ``U`` to project (float64, on ``H``'s
+    device); the result is the ``[k, m]`` float64 minimisers of :func:`project_weights`, or an
+    empty ``[0, 0]`` tensor for ``m = 0``. ``name`` is the weighting's name, for messages.
+    """
+    G = check_gramian(G, name)
+    check_non_negative(norm_eps, "norm_eps", name)
+    check_non_negative(reg_eps, "reg_eps", name)
+    m = G.shape[0]
+    if m == 0:
+        return G.new_zeros(0, 0, dtype=torch.float64)
+    H = normalize_and_regularize(G, norm_eps, reg_eps)
+    return project_weights(preferences(m, H), H)

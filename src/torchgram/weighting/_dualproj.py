@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._dual_cone import normalize_and_regularize, project_weights
-from ._validation import check_gramian, check_non_negative
+from ._dual_cone import projected_preferences
 
 
 def dualproj(G: Tensor, /, *, norm_eps: float = 1e-4, reg_eps: float = 1e-4) -> Tensor:
@@ -56,13 +55,8 @@ def dualproj(G: Tensor, /, *, norm_eps: float = 1e-4, reg_eps: float = 1e-4) -> 
         >>> bool((J @ (J.T @ w) >= -1e-12).all())
         True
     """
-    G = check_gramian(G, "dualproj")
-    check_non_negative(norm_eps, "norm_eps", "dualproj")
-    check_non_negative(reg_eps, "reg_eps", "dualproj")
-    m = G.shape[0]
-    if m == 0:
-        return G.new_zeros(0)
-    H = normalize_and_regularize(G, norm_eps, reg_eps)
-    u = torch.full((1, m), 1.0 / m, dtype=H.dtype, device=H.device)
-    v = project_weights(u, H)
-    return v.squeeze(0).to(G.dtype)
+    V = projected_preferences(
+        G, "dualproj", norm_eps, reg_eps,
+        lambda m, H: torch.full((1, m), 1.0 / m, dtype=H.dtype, device=H.device),
+    )
+    return V.squeeze(0).to(G.dtype) if V.numel() else G.new_zeros(0)

@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._dual_cone import normalize_and_regularize, project_weights
-from ._validation import check_gramian, check_non_negative
+from ._dual_cone import projected_preferences
 
 
 def upgrad(G: Tensor, /, *, norm_eps: float = 1e-4, reg_eps: float = 1e-4) -> Tensor:
@@ -64,12 +63,8 @@ def upgrad(G: Tensor, /, *, norm_eps: float = 1e-4, reg_eps: float = 1e-4) -> Te
         >>> bool((J @ (J.T @ w) >= 0).all())  # Jᵀw conflicts with no row.
         True
     """
-    G = check_gramian(G, "upgrad")
-    check_non_negative(norm_eps, "norm_eps", "upgrad")
-    check_non_negative(reg_eps, "reg_eps", "upgrad")
-    m = G.shape[0]
-    if m == 0:
-        return G.new_zeros(0)
-    H = normalize_and_regularize(G, norm_eps, reg_eps)
-    V = project_weights(torch.eye(m, dtype=H.dtype, device=H.device), H)
-    return V.mean(dim=0).to(G.dtype)
+    V = projected_preferences(
+        G, "upgrad", norm_eps, reg_eps,
+        lambda m, H: torch.eye(m, dtype=H.dtype, device=H.device),
+    )
+    return V.mean(dim=0).to(G.dtype) if V.numel() else G.new_zeros(0)
