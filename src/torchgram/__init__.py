@@ -9,14 +9,18 @@ Example:
 
 from torchgram import autograd as autograd
 from torchgram import weighting as weighting
-from torchgram._aggregate import Aggregation as Aggregation
-from torchgram._aggregate import aggregated_grad as aggregated_grad
-from torchgram._api import gramian as gramian
-from torchgram._explain import explain as explain
-from torchgram._functionalize import functionalize as functionalize
+from torchgram._api.aggregate import Aggregation as Aggregation
+from torchgram._api.aggregate import aggregated_grad as aggregated_grad
+from torchgram._api.explain import Explanation as Explanation
+from torchgram._api.explain import explain as explain
+from torchgram._api.functionalize import functionalize as functionalize
+from torchgram._api.gramian import gramian as gramian
+from torchgram._core.errors import BackendCannotRun as BackendCannotRun
 
 __all__ = [
     "Aggregation",
+    "BackendCannotRun",
+    "Explanation",
     "aggregated_grad",
     "autograd",
     "explain",

@@ -8,7 +8,7 @@ Example:
     torch.Size([4, 4])
 """
 
-from torchgram._imperative import gramian as gramian
-from torchgram._weighted_backward import backward as backward
+from torchgram._api.autograd import gramian as gramian
+from torchgram._api.weighted_backward import backward as backward
 
 __all__ = ["backward", "gramian"]

@@ -8,20 +8,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import torchgram as tg
+from helpers import make_problem
 from reference import dense_gramian
-from torchgram._problem import GramianProblem, make_batch_spec
-from torchgram._pytree import select_diff_leaves
 from torchgram.backends import backend_names
 from torchgram.backends.auto import choose_backend, estimate_backends, pick
 from torchgram.backends.structured import plan_problem
 
-
-def _problem(f, args, *, batch_dim=None, diagonal=False, memory_budget=None):
-    diff = select_diff_leaves(args, (0,))
-    batch = None if batch_dim is None else make_batch_spec("t", args, (0,), batch_dim, 0)
-    return GramianProblem(api="t", f=f, args=args, kwargs={}, diff=diff, has_aux=False,
-                          batch=batch, chunk_size=None, memory_budget=memory_budget,
-                          diagonal=diagonal, per_leaf=False)
+_problem = make_problem
 
 
 def _mlp_losses(widths, batch):
@@ -83,3 +76,40 @@ def test_auto_runs_its_choice_and_matches_the_oracle():
     for batch_dim in (None, 0):
         G = tg.gramian(f, backend="auto", batch_dim=batch_dim)(params64, *args64)
         torch.testing.assert_close(G, expected)
+
+
+class _SquareWithoutJvp(torch.autograd.Function):
+    """No forward-mode derivative: ntvp cannot push through it."""
+
+    @staticmethod
+    def forward(x):
+        return x * x
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return 2 * x * grad
+
+
+def test_auto_falls_back_when_its_choice_declares_it_cannot_run():
+    """ntvp fits a tight budget best, but f has an op without forward AD: the next one runs."""
+    params = {"scale": torch.randn(1_000_000, dtype=torch.float64)}
+
+    def f(p, x):  # huge P, four rows: ntvp (as in the test above)
+        return _SquareWithoutJvp.apply(torch.tanh(x * p["scale"])).sum(-1)
+
+    args = (params, torch.randn(4, 1_000_000, dtype=torch.float64))
+    budget = 8 * 2**20
+    explanation = tg.explain(f, memory_budget=budget, run=True)(*args)
+    assert explanation.auto_choice == "ntvp"
+    ran = explanation.ran
+    assert ran.backend != "ntvp" and [name for name, _ in ran.attempts] == ["ntvp"]
+    assert "_SquareWithoutJvp without a jvp" in ran.attempts[0][1]
+    expected = tg.gramian(f, backend="graph")(*args)
+    torch.testing.assert_close(explanation.gramian, expected)
+    with pytest.raises(NotImplementedError, match="backend='jacobian' or backend='graph'"):
+        tg.gramian(f, backend="ntvp", memory_budget=budget)(*args)

@@ -7,7 +7,6 @@ import torch
 
 import torchgram as tg
 from reference import dense_gramian
-from torchgram.backends import jacobian
 from torchgram.backends._grouping import group_leaves, rows_per_chunk
 from zoo import build
 
@@ -37,41 +36,25 @@ def test_rows_per_chunk() -> None:
 
 @pytest.mark.parametrize("batch_dim", [None, 0], ids=["dense", "per_sample"])
 @pytest.mark.parametrize("budget_floats", [40, 150, 600], ids=lambda b: f"budget{b}floats")
-def test_memory_budget_bounds_the_assembled_jacobian(monkeypatch, batch_dim, budget_floats):
+def test_memory_budget_bounds_the_assembled_jacobian(batch_dim, budget_floats):
     case = build("mlp_logits")  # m = 15 rows, leaves of 24, 6, 18, 3 parameters
     itemsize = 8
     budget = budget_floats * itemsize
-    blocks, transients = [], []
-    original_block, original_vjps = jacobian.new_jacobian_block, jacobian._row_vjps
-
-    def counting_block(num_rows, width, like):
-        blocks.append(num_rows * width * like.element_size())
-        return original_block(num_rows, width, like)
-
-    def counting_vjps(vjp_fn, rows, start, stop):
-        grads = original_vjps(vjp_fn, rows, start, stop)
-        transients.append((stop - start, sum(g.numel() * g.element_size() for g in grads)))
-        return grads
-
-    monkeypatch.setattr(jacobian, "new_jacobian_block", counting_block)
-    monkeypatch.setattr(jacobian, "_row_vjps", counting_vjps)
-    G = tg.gramian(case.f, backend="jacobian", memory_budget=budget, batch_dim=batch_dim)(
-        *case.args
-    )
-    torch.testing.assert_close(G, dense_gramian(case.f, case.args).shaped())
+    explanation = tg.explain(case.f, backend="jacobian", memory_budget=budget,
+                             batch_dim=batch_dim, run=True)(*case.args)
+    torch.testing.assert_close(explanation.gramian, dense_gramian(case.f, case.args).shaped())
+    ran = explanation.ran
+    blocks = [rows * columns * itemsize for rows, columns in ran.jacobian_blocks]
     assert blocks and max(blocks) <= budget
     assert sum(blocks) == 15 * 51 * itemsize  # every column assembled exactly once
     if budget_floats < 15 * 24:  # the biggest leaf does not fit: it was split
         assert len(blocks) > 4
-    # the transient row chunk of gradients fits the budget too (or is a single row)
-    assert all(num_bytes <= budget or rows == 1 for rows, num_bytes in transients)
+    # the transient row chunk of gradients fits the budget too (or is a single sample's)
+    assert ran.row_chunks
+    assert all(num_bytes <= budget or rows <= 3 for rows, num_bytes in ran.row_chunks)
 
 
-def test_without_budget_one_block_holds_the_whole_jacobian(monkeypatch) -> None:
+def test_without_budget_one_block_holds_the_whole_jacobian() -> None:
     case = build("mlp_logits")
-    sizes = []
-    original = jacobian.new_jacobian_block
-    monkeypatch.setattr(jacobian, "new_jacobian_block",
-                        lambda m, w, like: sizes.append((m, w)) or original(m, w, like))
-    tg.gramian(case.f, backend="jacobian")(*case.args)
-    assert sizes == [(15, 51)]
+    explanation = tg.explain(case.f, backend="jacobian", run=True)(*case.args)
+    assert explanation.ran.jacobian_blocks == [(15, 51)]

@@ -18,7 +18,6 @@ from torch.profiler import ProfilerActivity, profile
 
 import torchgram as tg
 from reference import dense_gramian
-from torchgram.backends import ntvp
 from zoo import build
 
 M = 15  # rows of the chunking models: 5 samples × 3 rows each
@@ -71,34 +70,24 @@ def test_result_is_exactly_symmetric(per_leaf: bool) -> None:
 
 # -- memory: what is materialized per chunk --------------------------------------------------
 
-def _record_pushes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, int]]:
-    """Record ``(rows, bytes of vjps, bytes of jvp outputs)`` of every forward push."""
-    pushes: list[tuple[int, int, int]] = []
-    original = ntvp._push_forward
-
-    def recording(problem: Any, rows_fn: Any, primals: Any, tangents: tuple[Tensor, ...]):
-        out = original(problem, rows_fn, primals, tangents)
-        vjp_bytes = sum(t.numel() * t.element_size() for t in tangents)
-        pushes.append((tangents[0].shape[0], vjp_bytes, out.numel() * out.element_size()))
-        return out
-
-    monkeypatch.setattr(ntvp, "_push_forward", recording)
-    return pushes
+def _pushes(f: Any, args: tuple[Any, ...], **options: Any) -> tuple[Tensor, list]:
+    """Run ntvp; return ``G`` and ``(rows, bytes of vjps, bytes of jvp outputs)`` per push."""
+    explanation = tg.explain(f, backend="ntvp", run=True, **options)(*args)
+    assert explanation.ran is not None and explanation.ran.backend == "ntvp"
+    return explanation.gramian, explanation.ran.pushes
 
 
 @pytest.mark.parametrize("chunk_size", [1, 2, 4, M, 40])
 @pytest.mark.parametrize("per_leaf", [False, True], ids=["summed", "per_leaf"])
 @pytest.mark.parametrize("batch", [None, "per_sample"], ids=["dense", "per_sample"])
-def test_each_chunk_holds_at_most_chunk_size_vjps(monkeypatch: pytest.MonkeyPatch,
-                                                  batch: str | None, per_leaf: bool,
+def test_each_chunk_holds_at_most_chunk_size_vjps(batch: str | None, per_leaf: bool,
                                                   chunk_size: int) -> None:
     case = build("mlp_logits", torch.float64)
     leaves = optree.tree_leaves(case.params)
     itemsize = 8
     widths = [leaf.numel() for leaf in leaves] if per_leaf else [sum(x.numel() for x in leaves)]
-    pushes = _record_pushes(monkeypatch)
-    tg.gramian(case.f, backend="ntvp", chunk_size=chunk_size, per_leaf=per_leaf,
-               batch_dim=case.batch_dim if batch else None)(*case.args)
+    _, pushes = _pushes(case.f, case.args, chunk_size=chunk_size, per_leaf=per_leaf,
+                        batch_dim=case.batch_dim if batch else None)
     rows_per_sample = M // 5
     if batch and chunk_size < rows_per_sample:  # slices of one sample's rows
         sizes = [min(chunk_size, rows_per_sample - k) for _ in range(5)
@@ -118,13 +107,11 @@ def test_each_chunk_holds_at_most_chunk_size_vjps(monkeypatch: pytest.MonkeyPatc
 
 @pytest.mark.parametrize(("budget_rows", "expected_rows"), [(3, 3), (0.5, 1), (100, M)],
                          ids=["three-rows", "less-than-one-row", "more-than-m"])
-def test_memory_budget_sets_chunk(monkeypatch: pytest.MonkeyPatch, budget_rows: float,
-                                  expected_rows: int) -> None:
+def test_memory_budget_sets_chunk(budget_rows: float, expected_rows: int) -> None:
     case = build("mlp_logits", torch.float64)
     num_params = sum(leaf.numel() for leaf in optree.tree_leaves(case.params))
-    pushes = _record_pushes(monkeypatch)
     budget = int(budget_rows * num_params * 8)
-    G = tg.gramian(case.f, backend="ntvp", memory_budget=budget)(*case.args)
+    G, pushes = _pushes(case.f, case.args, memory_budget=budget)
     assert max(rows for rows, _, _ in pushes) == expected_rows
     assert_matches(G, dense_gramian(case.f, case.args).shaped())
 

@@ -107,4 +107,7 @@ def test_has_aux_and_argnums_tuple(backend: str, name: str) -> None:
                                backend=backend, batch_dim=batch_dim,
                                in_dims=in_dims[1:] if batch_dim is not None else 0)(*args)
         assert isinstance(blocks, tuple) and len(blocks) == 2
-        assert blocks[1].shape == expected.shaped().shape
+        params_blocks = [b for b in optree.tree_leaves(blocks[0]) if b is not None]
+        for block, expected_block in zip([*params_blocks, blocks[1]], expected.blocks,
+                                         strict=True):
+            assert_matches(block, expected.shaped(expected_block), torch.float64)

@@ -1,11 +1,13 @@
-"""Gramian backends: one module each, all producing per-leaf blocks (DESIGN.md §2).
+"""Gramian backends, one module (or package) each (DESIGN.md §2).
 
-A backend is a function ``backend(problem, sink) -> aux``: it evaluates the problem's
-function, adds every leaf's Gramian contribution to the :class:`GramSink`, and returns the
-aux output of ``f`` (or :data:`NO_AUX` when it did not evaluate ``f`` on the full batch, in
-which case the caller computes aux with one gradient-free forward).
+A backend is a pure function ``problem -> BackendResult`` (NOTE [backend results] in
+``torchgram._core.result``): it evaluates the problem's function, and returns per-leaf
+blocks in its own row order, ``f``'s aux when it evaluated the whole batch, and optionally
+a pullback; it writes nothing into the problem. Choose one with ``tg.gramian(...,
+backend=name)``; :func:`backend_names` lists them. The modules' docstrings are the design
+notes of each backend; their functions are internal and may change between releases.
 """
 
-from torchgram.backends._registry import NO_AUX, Backend, backend_names, get_backend, register
+from torchgram.backends._registry import Backend, backend_names, get_backend, register
 
-__all__ = ["NO_AUX", "Backend", "backend_names", "get_backend", "register"]
+__all__ = ["Backend", "backend_names", "get_backend", "register"]

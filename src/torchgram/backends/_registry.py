@@ -4,19 +4,17 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
-from torchgram._problem import GramianProblem
-from torchgram.backends._sink import GramSink
-
-NO_AUX: Any = object()
-"""Returned by a backend that did not evaluate ``f`` on the full batch (see ``full_aux``)."""
+from torchgram._core.options import BACKEND_NAMES
+from torchgram._core.problem import Problem
+from torchgram._core.result import BackendResult
 
 
 class Backend(Protocol):
-    """Computes the per-leaf Gramian blocks of a problem into a sink; returns aux."""
+    """Computes a problem's Gramian blocks (NOTE [backend results])."""
 
-    def __call__(self, problem: GramianProblem, sink: GramSink, /) -> Any: ...
+    def __call__(self, problem: Problem, /) -> BackendResult: ...
 
 
 _BACKENDS: dict[str, Backend] = {}
@@ -26,7 +24,9 @@ _MODULES = ("torchgram.backends.jacobian", "torchgram.backends.auto", "torchgram
 
 
 def register(name: str) -> Callable[[Backend], Backend]:
-    """Decorator registering a backend under ``name``."""
+    """Decorator registering a backend under ``name`` (one of ``BackendName``)."""
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"unknown backend name {name!r}: add it to BackendName first")
 
     def decorate(backend: Backend) -> Backend:
         _BACKENDS[name] = backend
@@ -41,7 +41,12 @@ def _load() -> None:
 
 
 def backend_names() -> tuple[str, ...]:
-    """The valid backend names, ``"auto"`` first."""
+    """The valid backend names, ``"auto"`` first.
+
+    Example:
+        >>> backend_names()
+        ('auto', 'graph', 'jacobian', 'ntvp', 'structured')
+    """
     _load()
     return ("auto", *sorted(name for name in _BACKENDS if name != "auto"))
 

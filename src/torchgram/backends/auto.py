@@ -28,12 +28,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
-from torchgram._problem import GramianProblem
-from torchgram.backends._registry import backend_names, get_backend, register
-from torchgram.backends._sink import GramSink
+import torch
+
+from torchgram._core.errors import BackendCannotRun
+from torchgram._core.problem import Problem
+from torchgram._core.result import BackendResult
+from torchgram.backends._registry import get_backend, register
 from torchgram.backends.structured import StructuredPlan, plan_problem, run_structured
+from torchgram.backends.structured.passes import Forward, cached_trace, dense_forward, keep_trace
 
 STRUCTURED_FIXED = 2.5e7
 """Fixed cost of a structured call (the tapping mode, planning), in multiply-adds."""
@@ -69,7 +72,7 @@ class Estimate:
     fits: bool
 
 
-def estimate_backends(problem: GramianProblem, plan: StructuredPlan) -> dict[str, Estimate]:
+def estimate_backends(problem: Problem, plan: StructuredPlan) -> dict[str, Estimate]:
     """The estimates of every candidate backend that is registered (NOTE [auto cost model])."""
     sizes = plan.sizes
     samples, rows = sizes.samples, sizes.rows
@@ -102,53 +105,108 @@ def estimate_backends(problem: GramianProblem, plan: StructuredPlan) -> dict[str
     estimates["jacobian"] = Estimate("jacobian", jacobian_time,
                                      min(jacobian_memory, budget or jacobian_memory), True)
 
-    if "ntvp" in backend_names():
-        if sizes.diagonal:
-            ntvp = estimates["jacobian"]
-        else:
-            chunk = problem.chunk_size or m
-            if budget is not None and problem.chunk_size is None:
-                chunk = max(1, budget // max(1, numel * itemsize))
-            chunk = min(chunk, m)
-            ntvp_memory = float(chunk * numel * itemsize)
-            ntvp_time = forward * (1 + 2 * directions) + 2 * forward * m + NTVP_FIXED
-            ntvp = Estimate("ntvp", ntvp_time, ntvp_memory,
-                            budget is None or ntvp_memory <= budget)
-        estimates["ntvp"] = Estimate("ntvp", ntvp.time, ntvp.memory, ntvp.fits)
+    if sizes.diagonal:
+        ntvp = estimates["jacobian"]
+    else:
+        chunk = problem.chunk_size or m
+        if budget is not None and problem.chunk_size is None:
+            chunk = max(1, budget // max(1, numel * itemsize))
+        chunk = min(chunk, m)
+        ntvp_memory = float(chunk * numel * itemsize)
+        ntvp_time = forward * (1 + 2 * directions) + 2 * forward * m + NTVP_FIXED
+        ntvp = Estimate("ntvp", ntvp_time, ntvp_memory, budget is None or ntvp_memory <= budget)
+    estimates["ntvp"] = Estimate("ntvp", ntvp.time, ntvp.memory, ntvp.fits)
     return estimates
+
+
+def ranked(estimates: dict[str, Estimate]) -> tuple[str, ...]:
+    """Candidates cheapest first: those that fit the memory budget, then the others."""
+    by_time = sorted(estimates.values(), key=lambda e: e.time)
+    return tuple(e.backend for e in by_time if e.fits) + \
+        tuple(e.backend for e in by_time if not e.fits)
 
 
 def pick(estimates: dict[str, Estimate]) -> str:
     """The cheapest backend among those that fit the memory budget (or all, if none fits)."""
-    fitting = [e for e in estimates.values() if e.fits] or list(estimates.values())
-    return min(fitting, key=lambda e: e.time).backend
+    return ranked(estimates)[0]
 
 
-def choose_backend(problem: GramianProblem) -> str:
-    """The backend ``auto`` uses for ``problem``: ``structured``, ``jacobian`` or ``ntvp``.
+LAST_RESORT = "graph"
+"""Tried after every estimated candidate declared it cannot run: it walks the autograd
+graph of one plain forward, which every differentiable function has."""
+
+
+@dataclass(frozen=True)
+class AutoPlan:
+    """What ``auto`` decided for a problem, kept for the run.
+
+    Attributes:
+        structured: The structured backend's plan (its trace is what the estimates use).
+        estimates: Every candidate's estimate.
+        order: The candidates in the order they are tried (NOTE [declared inability]).
+        forward: For dense rows planned from a fresh trace, the structured backend's tapped
+            forward, which the run reuses instead of running ``f`` again.
+    """
+
+    structured: StructuredPlan
+    estimates: dict[str, Estimate]
+    order: tuple[str, ...]
+    forward: Forward | None = None
+
+    @property
+    def choice(self) -> str:
+        """The backend tried first."""
+        return self.order[0]
+
+
+def plan_auto(problem: Problem) -> AutoPlan:
+    """Trace ``f`` (or reuse its cached trace), plan the structured way, rank the backends."""
+    forward = None
+    if problem.batch is None and cached_trace(problem) is None:
+        with torch.enable_grad():  # the tapped forward the structured backend would run
+            forward = dense_forward(problem)
+        keep_trace(problem, forward.recording)
+        structured = plan_problem(problem, forward.recording)
+    else:
+        structured = plan_problem(problem)
+    estimates = estimate_backends(problem, structured)
+    order = ranked(estimates)
+    return AutoPlan(structured, estimates, (*order, LAST_RESORT), forward)
+
+
+def choose_backend(problem: Problem) -> str:
+    """The backend ``auto`` tries first for ``problem``: ``structured``, ``jacobian`` or ``ntvp``.
 
     Example:
         >>> import torch
-        >>> from torchgram._problem import GramianProblem, make_batch_spec
-        >>> from torchgram._pytree import select_diff_leaves
+        >>> from torchgram._core.options import Options
+        >>> from torchgram._core.problem import build_problem
         >>> def f(w, x):
         ...     return torch.tanh(x @ w).sum(-1)
         >>> args = (torch.randn(3, 2), torch.randn(4, 3))
-        >>> problem = GramianProblem(api="doc", f=f, args=args, kwargs={},
-        ...                          diff=select_diff_leaves(args, (0,)), has_aux=False,
-        ...                          batch=None, chunk_size=None, memory_budget=None,
-        ...                          diagonal=False, per_leaf=False)
+        >>> problem = build_problem(Options.validate("doc", f), f, args, {})
         >>> choose_backend(problem)  # six parameters, four rows: plain Jacobian rows
         'jacobian'
     """
-    return pick(estimate_backends(problem, plan_problem(problem)))
+    return plan_auto(problem).choice
 
 
 @register("auto")
-def auto_backend(problem: GramianProblem, sink: GramSink) -> Any:
-    """Run the backend chosen by :func:`choose_backend` (reusing the structured plan)."""
-    plan = plan_problem(problem)
-    choice = pick(estimate_backends(problem, plan))
-    if choice == "structured":
-        return run_structured(problem, sink, plan if problem.batch is not None else None)
-    return get_backend(choice)(problem, sink)
+def auto_backend(problem: Problem) -> BackendResult:
+    """Run the backends of :func:`plan_auto`'s order until one can (reusing the plan)."""
+    plan = plan_auto(problem)
+    attempts: list[tuple[str, str]] = []
+    for name in plan.order:
+        try:
+            if name == "structured":
+                result = run_structured(problem, plan.structured, forward=plan.forward)
+            else:
+                result = get_backend(name)(problem)
+        except BackendCannotRun as error:
+            attempts.append((name, error.reason))
+            if name == plan.order[-1]:
+                raise
+            continue
+        result.report.attempts[:0] = attempts
+        return result
+    raise AssertionError("unreachable: the last candidate either returns or raises")

@@ -7,7 +7,7 @@ The reference path (DESIGN.md §2). For each group of leaves that fits the memor
   ``chunk_size`` basis cotangents under ``vmap`` (``chunk_size=1``: a plain loop);
 * per-sample rows (``batch_dim``): ``vmap`` over samples of ``jacrev`` of the function on
   one sample (a batch of one), i.e. ``B`` single-sample passes of ``K`` rows each instead of
-  ``B·K`` full-batch passes. Rows are scattered to their place among the output's rows.
+  ``B·K`` full-batch passes. Rows come out sample by sample (``"sample_major"``).
 
 With ``diagonal=True`` no block is assembled: each chunk's squared row norms are summed
 and the chunk freed, so memory is one chunk of gradients.
@@ -17,41 +17,48 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 from torch import Tensor
 
-from torchgram._problem import GramianProblem
+from torchgram._core import functional
+from torchgram._core.problem import Problem, TensorAux
+from torchgram._core.result import NO_AUX, BackendResult, Pullback, RowOrder, RunReport
+from torchgram._core.sink import LeafBlocks
 from torchgram.backends._grouping import LeafGroup, group_leaves, rows_per_chunk
-from torchgram.backends._registry import NO_AUX, register
-from torchgram.backends._sink import GramSink
+from torchgram.backends._registry import register
+from torchgram.backends._vmap_or_loop import vmap_or_loop
 
 
 @register("jacobian")
-def jacobian_backend(problem: GramianProblem, sink: GramSink) -> Any:
+def jacobian_backend(problem: Problem) -> BackendResult:
     """Compute the Gramian blocks of ``problem`` from explicit Jacobian blocks."""
-    aux = NO_AUX
-    needs_shapes = problem.memory_budget is not None and not problem.diagonal
-    if problem.batch is not None and problem.chunk_size is not None:
-        needs_shapes = True  # the samples per pass depend on the rows per sample
-    if needs_shapes:
-        aux = problem.probe()
+    return vmap_or_loop(lambda loop: _run(problem, loop=loop), loop=problem.chunk_size == 1)
+
+
+def _run(problem: Problem, *, loop: bool) -> BackendResult:
+    way = "dense rows" if problem.batch is None else "per-sample"
+    report = RunReport("jacobian", f"{way}, {'loops' if loop else 'vmap'}")
+    blocks = LeafBlocks.for_problem(problem)
     groups = _groups(problem)
-    keep_block = problem.keep_pullback and len(groups) == 1 and not problem.diagonal
+    keep_block = problem.want_pullback and len(groups) == 1 and not problem.diagonal
+    order: RowOrder = "output" if problem.batch is None else "sample_major"
+    aux, rows, pullback = NO_AUX, None, None
     for group in groups:
         if problem.batch is None:
-            group_aux, writer = _dense_group(problem, sink, group)
+            group_aux, group_rows, writer = _dense_group(problem, group, report, loop)
             aux = group_aux if aux is NO_AUX else aux
         else:
-            writer = _per_sample_group(problem, sink, group)
-        if keep_block and writer is not None:
-            problem.pullback = _block_pullback(problem, group, writer.block)
-    return aux
+            group_rows, writer = _per_sample_group(problem, group, report, loop)
+        rows = group_rows if rows is None else rows
+        writer.flush(blocks)
+        if keep_block:
+            pullback = _block_pullback(problem, group, writer.block)
+    return BackendResult(blocks.blocks(), report, row_order=order, aux=aux, rows=rows,
+                         pullback=pullback)
 
 
-def _block_pullback(problem: GramianProblem, group: LeafGroup,
-                    block: Tensor) -> Callable[[Tensor], tuple[Tensor, ...]]:
+def _block_pullback(problem: Problem, group: LeafGroup, block: Tensor) -> Pullback:
     """``w ↦ Jᵀ w`` from the assembled Jacobian: one matrix-vector product, no backward."""
 
     def pullback(weights: Tensor) -> tuple[Tensor, ...]:
@@ -67,11 +74,6 @@ def _block_pullback(problem: GramianProblem, group: LeafGroup,
     return pullback
 
 
-def new_jacobian_block(num_rows: int, width: int, like: Tensor) -> Tensor:
-    """Allocate one assembled Jacobian block (a separate function so tests can count them)."""
-    return torch.zeros(num_rows, width, dtype=like.dtype, device=like.device)
-
-
 def replace_leaves(leaves: Sequence[Tensor], indices: Sequence[int],
                    values: Sequence[Tensor]) -> tuple[Tensor, ...]:
     """``leaves`` with ``leaves[indices[i]]`` replaced by ``values[i]``."""
@@ -81,35 +83,38 @@ def replace_leaves(leaves: Sequence[Tensor], indices: Sequence[int],
     return tuple(replaced)
 
 
-def _itemsize(problem: GramianProblem) -> int:
-    return max(leaf.element_size() for leaf in problem.leaves)
-
-
-def _groups(problem: GramianProblem) -> list[LeafGroup]:
+def _groups(problem: Problem) -> list[LeafGroup]:
     budget = None if problem.diagonal else problem.memory_budget
-    num_rows = problem.output.num_rows if problem.output is not None else 0
-    return group_leaves([leaf.numel() for leaf in problem.leaves], num_rows,
-                        _itemsize(problem), budget)
+    return group_leaves([leaf.numel() for leaf in problem.leaves], problem.num_rows,
+                        problem.itemsize, budget)
 
 
-def _transient_width(problem: GramianProblem, group: LeafGroup) -> int:
+def _transient_width(problem: Problem, group: LeafGroup) -> int:
     return sum(problem.leaves[i].numel() for i in group.leaves)
 
 
 class _BlockWriter:
     """Writes row chunks of a group's gradients into its block (or diagonal sums)."""
 
-    def __init__(self, problem: GramianProblem, group: LeafGroup, num_rows: int) -> None:
+    def __init__(self, problem: Problem, group: LeafGroup, report: RunReport) -> None:
         self.group = group
         self.diagonal = problem.diagonal
-        like = problem.leaves[group.slices[0].leaf]
+        self.report = report
+        num_rows = problem.num_rows
+        dtype = problem.compute_dtype
+        device = problem.leaves[group.slices[0].leaf].device
         if self.diagonal:
-            self.diagonals = {leaf: like.new_zeros(num_rows) for leaf in group.leaves}
+            self.diagonals = {leaf: torch.zeros(num_rows, dtype=dtype, device=device)
+                              for leaf in group.leaves}
         else:
-            self.block = new_jacobian_block(num_rows, group.width, like)
+            self.block = torch.zeros(num_rows, group.width, dtype=dtype, device=device)
+            report.jacobian_blocks.append((num_rows, group.width))
 
-    def write(self, rows: slice | Tensor, grads: dict[int, Tensor]) -> None:
+    def write(self, rows: slice, grads: dict[int, Tensor]) -> None:
         """Store ``grads[leaf]`` (``[rows, numel]``) at ``rows`` for every slice of the group."""
+        self.report.row_chunks.append((
+            rows.stop - rows.start,
+            sum(grad.numel() * grad.element_size() for grad in grads.values())))
         column = 0
         for piece in self.group.slices:
             values = grads[piece.leaf][:, piece.start:piece.stop]
@@ -119,38 +124,39 @@ class _BlockWriter:
                 self.block[rows, column:column + piece.width] = values
             column += piece.width
 
-    def flush(self, sink: GramSink) -> None:
-        """Hand the group's contribution to the sink."""
+    def flush(self, blocks: LeafBlocks) -> None:
+        """Hand the group's contribution to the accumulator."""
         if self.diagonal:
             for leaf, diagonal in self.diagonals.items():
-                sink.add(leaf, diagonal)
+                blocks.add(leaf, diagonal)
         else:
-            sink.add_jacobian([s.leaf for s in self.group.slices], self.block,
-                              [s.width for s in self.group.slices])
+            blocks.add_jacobian([s.leaf for s in self.group.slices], self.block,
+                                [s.width for s in self.group.slices])
 
 
-def _dense_group(problem: GramianProblem, sink: GramSink,
-                 group: LeafGroup) -> tuple[Any, _BlockWriter]:
+def _dense_group(problem: Problem, group: LeafGroup, report: RunReport,
+                 loop: bool) -> tuple[object, Tensor, _BlockWriter]:
     leaf_ids = group.leaves
+    aux_parts = TensorAux()
 
     def rows_of_group(*values: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
-        return problem.rows_with_tensor_aux(replace_leaves(problem.leaves, leaf_ids, values))
+        rows, aux = problem.rows(replace_leaves(problem.leaves, leaf_ids, values))
+        return rows, aux_parts.split(aux)
 
     primals = [problem.leaves[i] for i in leaf_ids]
-    rows, vjp_fn, aux_tensors = torch.func.vjp(rows_of_group, *primals, has_aux=True)
-    problem.output_rows = rows
+    rows, vjp_fn, aux_tensors = functional.vjp_with_aux(rows_of_group, *primals)
     num_rows = rows.numel()
-    chunk = rows_per_chunk(problem.chunk_size, num_rows, _transient_width(problem, group),
-                           _itemsize(problem), problem.memory_budget)
-    writer = _BlockWriter(problem, group, num_rows)
+    chunk = 1 if loop else rows_per_chunk(problem.chunk_size, num_rows,
+                                          _transient_width(problem, group), problem.itemsize,
+                                          problem.memory_budget)
+    writer = _BlockWriter(problem, group, report)
     for start in range(0, num_rows, chunk):
         stop = min(start + chunk, num_rows)
-        grads = _row_vjps(vjp_fn, rows, start, stop)
+        grads = row_vjps(vjp_fn, rows, start, stop)
         writer.write(slice(start, stop), {
             leaf: grad.reshape(stop - start, -1) for leaf, grad in zip(leaf_ids, grads, strict=True)
         })
-    writer.flush(sink)
-    return problem.restore_aux(aux_tensors), writer
+    return aux_parts.join(aux_tensors), rows.detach(), writer
 
 
 def basis_rows(start: int, stop: int, like: Tensor) -> Tensor:
@@ -161,8 +167,8 @@ def basis_rows(start: int, stop: int, like: Tensor) -> Tensor:
     return basis
 
 
-def _row_vjps(vjp_fn: Callable[..., tuple[Tensor, ...]], rows: Tensor, start: int,
-              stop: int) -> tuple[Tensor, ...]:
+def row_vjps(vjp_fn: Callable[..., tuple[Tensor, ...]], rows: Tensor, start: int,
+             stop: int) -> tuple[Tensor, ...]:
     """``Jᵀ e_i`` for rows ``start..stop-1``, each leaf's result stacked on a leading dim."""
     basis = basis_rows(start, stop, rows)
     if stop - start == 1:
@@ -170,8 +176,8 @@ def _row_vjps(vjp_fn: Callable[..., tuple[Tensor, ...]], rows: Tensor, start: in
     return torch.func.vmap(vjp_fn)(basis)
 
 
-def _per_sample_group(problem: GramianProblem, sink: GramSink,
-                      group: LeafGroup) -> _BlockWriter | None:
+def _per_sample_group(problem: Problem, group: LeafGroup, report: RunReport,
+                      loop: bool) -> tuple[Tensor, _BlockWriter]:
     batch = problem.batch
     assert batch is not None
     leaf_ids = group.leaves
@@ -183,40 +189,29 @@ def _per_sample_group(problem: GramianProblem, sink: GramSink,
         return problem.sample_rows(replace_leaves(problem.leaves, leaf_ids, group_values),
                                    sample_inputs)
 
-    samples_per_pass, inner_chunk = batch.size, None
-    if problem.output is not None:  # shapes known: size the passes
-        rows_per_sample = problem.output.num_rows // batch.size
-        chunk = rows_per_chunk(problem.chunk_size, problem.output.num_rows,
-                               _transient_width(problem, group), _itemsize(problem),
-                               problem.memory_budget)
-        samples_per_pass = max(1, chunk // max(rows_per_sample, 1))
-        inner_chunk = chunk if chunk < rows_per_sample else None
-    writer: _BlockWriter | None = None
-    canonical: Tensor | None = None
+    rows_per_sample = problem.rows_per_sample
+    chunk = rows_per_chunk(problem.chunk_size, problem.num_rows,
+                           _transient_width(problem, group), problem.itemsize,
+                           problem.memory_budget)
+    samples_per_pass = max(1, chunk // max(rows_per_sample, 1))
+    inner_chunk = chunk if chunk < rows_per_sample else None
+    writer = _BlockWriter(problem, group, report)
+    outputs = []
     for first in range(0, batch.size, samples_per_pass):
         count = min(samples_per_pass, batch.size - first)
-        inputs = tuple(t.narrow(d, first, count) for t, d in zip(batch.tensors, batch.dims,
-                                                                   strict=True))
-        if problem.chunk_size == 1:
-            jacobians, outputs = _sample_loop(sample_rows, primals, inputs, batch.dims)
+        inputs = batch.narrow(first, count)
+        if loop:
+            jacobians, sample_outputs = _sample_loop(sample_rows, primals, inputs, batch.dims)
         else:
-            jacobians, outputs = _sample_vmap(sample_rows, primals, inputs, batch.dims,
-                                              inner_chunk)
-        if writer is None:
-            assert problem.output is not None
-            canonical = problem.canonical_rows()
-            writer = _BlockWriter(problem, group, problem.output.num_rows)
-            problem.output_rows = outputs.new_zeros(problem.output.num_rows)
-        assert canonical is not None and problem.output_rows is not None
-        rows = canonical[first:first + count].reshape(-1)
-        problem.output_rows[rows] = outputs.reshape(-1)
+            jacobians, sample_outputs = _sample_vmap(sample_rows, primals, inputs, batch.dims,
+                                                     inner_chunk)
+        outputs.append(sample_outputs.detach().reshape(-1))
+        rows = slice(first * rows_per_sample, (first + count) * rows_per_sample)
         writer.write(rows, {
-            leaf: jac.reshape(rows.numel(), -1) for leaf, jac in zip(leaf_ids, jacobians,
-                                                                       strict=True)
+            leaf: jac.reshape(count * rows_per_sample, -1)
+            for leaf, jac in zip(leaf_ids, jacobians, strict=True)
         })
-    if writer is not None:
-        writer.flush(sink)
-    return writer
+    return torch.cat(outputs), writer
 
 
 def _sample_vmap(sample_rows: Callable[..., Tensor], primals: tuple[Tensor, ...],
@@ -247,10 +242,10 @@ def _sample_loop(sample_rows: Callable[..., Tensor], primals: tuple[Tensor, ...]
     count = inputs[0].shape[dims[0]]
     for b in range(count):
         sample = tuple(x.narrow(d, b, 1) for x, d in zip(inputs, dims, strict=True))
-        rows, vjp_fn = torch.func.vjp(functools.partial(_append_inputs, sample_rows, sample),
+        rows, vjp_fn = functional.vjp(functools.partial(_append_inputs, sample_rows, sample),
                                       *primals)
         outputs.append(rows)
-        grads = [_row_vjps(vjp_fn, rows, k, k + 1) for k in range(rows.numel())]
+        grads = [row_vjps(vjp_fn, rows, k, k + 1) for k in range(rows.numel())]
         per_sample.append(tuple(
             torch.cat([g[i] for g in grads]) if grads else leaf.new_zeros(0, *leaf.shape)
             for i, leaf in enumerate(primals)

@@ -36,28 +36,28 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import re
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
 
 import torch
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from torchgram._checks import fail
-from torchgram._problem import GramianProblem
+from torchgram._core import _torch_compat, functional
+from torchgram._core.errors import BackendCannotRun
+from torchgram._core.problem import Problem, TensorAux
+from torchgram._core.result import BackendResult, RunReport
 from torchgram.backends._grouping import rows_per_chunk
 from torchgram.backends._registry import register
-from torchgram.backends._sink import GramSink
-from torchgram.backends.jacobian import _row_vjps, jacobian_backend, replace_leaves
+from torchgram.backends._vmap_or_loop import vmap_or_loop
+from torchgram.backends.jacobian import jacobian_backend, replace_leaves, row_vjps
 
 Tangents = tuple[Tensor, ...]
 """One tensor per differentiated leaf, ``[c, *leaf.shape]``: the vjps of ``c`` rows."""
 
 
 @register("ntvp")
-def ntvp_backend(problem: GramianProblem, sink: GramSink) -> Any:
+def ntvp_backend(problem: Problem) -> BackendResult:
     """Compute the Gramian blocks of ``problem`` column by column, as ``J (Jᵀ e_i)``."""
     # NOTE [ntvp diagonal]
     # G_ii = ||Jᵀ e_i||² (per leaf: the sum of squares of leaf l's part) needs the vjps only,
@@ -66,29 +66,40 @@ def ntvp_backend(problem: GramianProblem, sink: GramSink) -> Any:
     # freed, no block assembled, chunk sized by chunk_size or memory_budget over the
     # transient c × P. Same bound as here, so the diagonal is delegated to it.
     if problem.diagonal:
-        return jacobian_backend(problem, sink)
+        result = jacobian_backend(problem)
+        result.report.backend = "ntvp"
+        result.report.notes.append("diagonal: the jacobian backend's vjps (no forward mode)")
+        return result
     _prepare_forward_ad()
+    return vmap_or_loop(lambda loop: _run(problem, loop), loop=problem.chunk_size == 1)
+
+
+def _run(problem: Problem, loop: bool) -> BackendResult:
+    way = "dense rows" if problem.batch is None else "per-sample vjps"
+    report = RunReport("ntvp", f"{way}, {'loops' if loop else 'vmap'}")
     if problem.batch is None:
-        return _dense_rows(problem, sink)
-    aux = problem.probe()  # the row count K per sample sizes the chunks; aux of the batch
-    _per_sample_rows(problem, sink)
-    return aux
+        return _dense_rows(problem, report, loop)
+    return _per_sample_rows(problem, report, loop)
 
 
 # -- dense rows ------------------------------------------------------------------------------
 
-def _dense_rows(problem: GramianProblem, sink: GramSink) -> Any:
-    rows, vjp_fn, aux_tensors = torch.func.vjp(
-        lambda *leaves: problem.rows_with_tensor_aux(leaves), *problem.leaves, has_aux=True)
-    aux = problem.restore_aux(aux_tensors)
+def _dense_rows(problem: Problem, report: RunReport, loop: bool) -> BackendResult:
+    aux_parts = TensorAux()
+
+    def rows_fn(*leaves: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
+        rows, aux = problem.rows(leaves)
+        return rows, aux_parts.split(aux)
+
+    rows, vjp_fn, aux_tensors = functional.vjp_with_aux(rows_fn, *problem.leaves)
     num_rows = rows.numel()
-    columns = _Columns(problem, num_rows)
-    chunk = _rows_per_chunk(problem, num_rows)
+    columns = _Columns(problem, report)
+    chunk = 1 if loop else _rows_per_chunk(problem, num_rows)
     for start in range(0, num_rows, chunk):
         stop = min(start + chunk, num_rows)
-        columns.push(slice(start, stop), _row_vjps(vjp_fn, rows, start, stop))
-    columns.flush(sink)
-    return aux
+        columns.push(slice(start, stop), row_vjps(vjp_fn, rows, start, stop))
+    return BackendResult(columns.blocks(), report, symmetric=False,
+                         aux=aux_parts.join(aux_tensors), rows=rows.detach())
 
 
 # -- per-sample rows -------------------------------------------------------------------------
@@ -102,26 +113,23 @@ def _dense_rows(problem: GramianProblem, sink: GramSink) -> Any:
 # J v = [J_b' v]_b' over all b'. One full-batch forward-mode pass computes all of them at the
 # cost of B single-sample ones, and better vectorized, so the jvp runs on the full batch.
 # A chunk is either whole samples (c ≥ K rows per sample: c // K samples) or a slice of one
-# sample's rows (c < K), so it never holds more than c vjps. Results land in the rows
-# problem.canonical_rows() assigns to (b, k).
+# sample's rows (c < K), so it never holds more than c vjps. A chunk's rows are stored at
+# their output rows (``Problem.sample_major_index``), so the blocks are in output order.
 
-def _per_sample_rows(problem: GramianProblem, sink: GramSink) -> None:
-    batch, spec = problem.batch, problem.output
-    assert batch is not None and spec is not None
-    num_rows = spec.num_rows
-    rows_per_sample = num_rows // batch.size
+def _per_sample_rows(problem: Problem, report: RunReport, loop: bool) -> BackendResult:
+    batch = problem.batch
+    assert batch is not None
+    columns = _Columns(problem, report)
+    rows_per_sample = problem.rows_per_sample
     if rows_per_sample == 0:
-        return
-    canonical = problem.canonical_rows()
-    columns = _Columns(problem, num_rows)
-    chunk = _rows_per_chunk(problem, num_rows)
+        return BackendResult(columns.blocks(), report)
+    index = problem.sample_major_index
+    chunk = 1 if loop else _rows_per_chunk(problem, problem.num_rows)
     for first, count, k_start, k_stop in _sample_chunks(batch.size, rows_per_sample, chunk):
-        inputs = tuple(t.narrow(d, first, count) for t, d in zip(batch.tensors, batch.dims,
-                                                                   strict=True))
         # the vjps are not bound to a name: they are freed before the next chunk's exist
-        columns.push(canonical[first:first + count, k_start:k_stop].reshape(-1),
-                     _sample_vjps(problem, inputs, k_start, k_stop))
-    columns.flush(sink)
+        columns.push(index[first:first + count, k_start:k_stop].reshape(-1),
+                     _sample_vjps(problem, batch.narrow(first, count), k_start, k_stop))
+    return BackendResult(columns.blocks(), report, symmetric=False)
 
 
 def _sample_chunks(num_samples: int, rows_per_sample: int,
@@ -144,16 +152,16 @@ def _sample_chunks(num_samples: int, rows_per_sample: int,
             yield sample, 1, start, min(start + chunk, rows_per_sample)
 
 
-def _sample_vjps(problem: GramianProblem, inputs: tuple[Tensor, ...], k_start: int,
+def _sample_vjps(problem: Problem, inputs: tuple[Tensor, ...], k_start: int,
                  k_stop: int) -> Tangents:
     """The vjps of rows ``k_start..k_stop-1`` of each sample in ``inputs``, sample-major."""
     batch = problem.batch
     assert batch is not None
 
     def one_sample(*sample: Tensor) -> Tangents:  # inputs of one sample, batch dim kept
-        rows, vjp_fn = torch.func.vjp(lambda *leaves: problem.sample_rows(leaves, sample),
+        rows, vjp_fn = functional.vjp(lambda *leaves: problem.sample_rows(leaves, sample),
                                       *problem.leaves)
-        return _row_vjps(vjp_fn, rows, k_start, k_stop)
+        return row_vjps(vjp_fn, rows, k_start, k_stop)
 
     count = inputs[0].shape[batch.dims[0]]
     if count == 1:
@@ -169,58 +177,68 @@ def _sample_vjps(problem: GramianProblem, inputs: tuple[Tensor, ...], k_start: i
 # -- pushing forward -------------------------------------------------------------------------
 
 class _Columns:
-    """The ``[m, m]`` result(s), filled ``c`` rows at a time by pushing vjps forward."""
+    """The ``[m, m]`` result(s), filled ``c`` rows at a time by pushing vjps forward.
 
-    def __init__(self, problem: GramianProblem, num_rows: int) -> None:
+    Row ``i`` is computed as ``J (Jᵀ e_i)``, column ``i`` by other rows' pushes: equal in
+    exact arithmetic, not bitwise, so the result is marked not symmetric and the sink
+    averages it with its transpose (factorizations downstream, Cholesky or ``eigh``, rely on
+    exact symmetry).
+    """
+
+    def __init__(self, problem: Problem, report: RunReport) -> None:
         self.problem = problem
-        spec = problem.output
-        assert spec is not None
+        self.report = report
+        num_rows = problem.num_rows
         count = len(problem.leaves) if problem.per_leaf else 1
-        self.blocks = [torch.zeros(num_rows, num_rows, dtype=spec.dtype, device=spec.device)
-                       for _ in range(count)]
+        self._blocks = [torch.zeros(num_rows, num_rows, dtype=problem.compute_dtype,
+                                    device=problem.output.device) for _ in range(count)]
 
     def push(self, rows: slice | Tensor, tangents: Tangents) -> None:
         """Store ``J v`` (``J_l v_l`` per leaf) at ``rows``, for the vjps ``v`` of ``rows``."""
         problem = self.problem
         leaves = problem.leaves
+        self.report.row_chunks.append((tangents[0].shape[0], _bytes(tangents)))
         if not problem.per_leaf:
-            self.blocks[0][rows] = _push_forward(problem, lambda *ls: problem.rows(ls)[0],
-                                                 leaves, tangents)
+            self._store(0, rows, tangents, _push_forward(
+                problem, lambda *ls: problem.rows(ls)[0], leaves, tangents))
             return
-        for index, (block, tangent) in enumerate(zip(self.blocks, tangents, strict=True)):
+        for index, tangent in enumerate(tangents):
             def rows_of_leaf(leaf: Tensor, index: int = index) -> Tensor:
                 return problem.rows(replace_leaves(leaves, (index,), (leaf,)))[0]
 
-            block[rows] = _push_forward(problem, rows_of_leaf, (leaves[index],), (tangent,))
+            self._store(index, rows, (tangent,),
+                        _push_forward(problem, rows_of_leaf, (leaves[index],), (tangent,)))
 
-    def flush(self, sink: GramSink) -> None:
-        """Hand the blocks to the sink, symmetrized.
+    def _store(self, block: int, rows: slice | Tensor, tangents: Tangents, pushed: Tensor) -> None:
+        self.report.pushes.append((tangents[0].shape[0], _bytes(tangents), _bytes((pushed,))))
+        self._blocks[block][rows] = pushed
 
-        Row ``i`` was computed as ``J (Jᵀ e_i)``, column ``i`` by other rows' pushes: equal in
-        exact arithmetic, not bitwise. Averaging with the transpose makes ``G`` exactly
-        symmetric, which factorizations downstream (Cholesky, ``eigh``) rely on.
-        """
-        for index, block in enumerate(self.blocks):
-            sink.add(index, (block + block.mT).mul_(0.5))
+    def blocks(self) -> tuple[Tensor, ...]:
+        """The filled blocks (not yet symmetric)."""
+        return tuple(self._blocks)
 
 
-def _push_forward(problem: GramianProblem, rows_fn: Callable[..., Tensor],
+def _bytes(tensors: Sequence[Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _push_forward(problem: Problem, rows_fn: Callable[..., Tensor],
                   primals: Sequence[Tensor], tangents: Tangents) -> Tensor:
     """``[c, m]``: ``rows_fn``'s jvp at ``primals`` along each of the ``c`` tangents."""
 
     def push(*tangent: Tensor) -> Tensor:
         return torch.func.jvp(rows_fn, tuple(primals), tangent)[1]
 
-    with _forward_mode(problem.api):
+    with _forward_mode(problem):
         if tangents[0].shape[0] == 1:
             return push(*(t[0] for t in tangents)).unsqueeze(0)
         return torch.func.vmap(push)(*tangents)
 
 
-def _rows_per_chunk(problem: GramianProblem, num_rows: int) -> int:
+def _rows_per_chunk(problem: Problem, num_rows: int) -> int:
     width = sum(leaf.numel() for leaf in problem.leaves)
-    itemsize = max(leaf.element_size() for leaf in problem.leaves)
-    return rows_per_chunk(problem.chunk_size, num_rows, width, itemsize, problem.memory_budget)
+    return rows_per_chunk(problem.chunk_size, num_rows, width, problem.itemsize,
+                          problem.memory_budget)
 
 
 # -- forward-mode AD: setup and errors -------------------------------------------------------
@@ -242,54 +260,60 @@ def _prepare_forward_ad() -> None:
 # NOTE [missing forward AD]
 # Some ops have no forward-mode derivative (torch 2.13: e.g. torch.cdist, embedding_bag,
 # grid_sample, ctc_loss), nor does a custom autograd.Function without a jvp staticmethod.
-# ntvp then raises a NotImplementedError naming the op and suggesting a reverse-mode
-# backend; it never falls back silently: the user picked ntvp for its memory bound, and the
-# jacobian backend would hold m × P. The one exception is attention: the fused
+# ntvp then raises BackendCannotRun naming the op and the reverse-mode backends that can
+# (NOTE [declared inability]): it never falls back silently when chosen explicitly (the user
+# picked ntvp for its memory bound, and the jacobian backend would hold m × P); auto moves on
+# to its next candidate. The one exception is attention: the fused
 # scaled_dot_product_attention kernels (flash, memory-efficient, cuDNN) have no forward AD,
 # but its math implementation does and computes the same function. The forward-mode pass
 # therefore runs with only the math kernel enabled (torch.nn.attention.sdpa_kernel, a
 # process-wide setting restored on exit); the reverse-mode pass keeps the user's kernels.
 
-_NATIVE_OP = re.compile(r"Trying to use forward AD with (\S+) that does not support it")
-_CUSTOM_FUNCTION = "must implement the jvp function for custom autograd.Function"
-_FIX = ("Use backend='jacobian' or backend='graph' (reverse mode only) for this function, "
-        "or ")
+_ALTERNATIVES = ("jacobian", "graph")
 
 
 @contextlib.contextmanager
-def _forward_mode(api: str) -> Iterator[None]:
+def _forward_mode(problem: Problem) -> Iterator[None]:
     """Run forward-mode AD with attention's math kernel; explain ops that lack forward AD."""
     try:
         with sdpa_kernel(SDPBackend.MATH):
             yield
     except (NotImplementedError, RuntimeError) as err:
-        message = str(err)
-        native = _NATIVE_OP.search(message)
-        if native is not None:
-            got = (f"an operation without a forward-mode derivative in torch "
-                   f"{torch.__version__}: aten::{native.group(1)}")
-            fix = _FIX + "replace that operation."
-        elif _CUSTOM_FUNCTION in message:
-            got = (f"the custom autograd.Function {_custom_function_name(err)} without a jvp "
-                   "staticmethod")
-            fix = _FIX + "give the Function a jvp staticmethod (see the PyTorch notes "
-            fix += "'Extending torch.func with autograd.Function')."
-        else:
+        missing = _torch_compat.missing_forward_ad(err)
+        if missing is None:
             raise
-        try:
-            fail(api, "every operation of f to support forward-mode AD (backend='ntvp' "
-                 "pushes vjps forward with torch.func.jvp)", got, fix, NotImplementedError)
-        except NotImplementedError as clear:
-            raise clear from err
+        kind, name = missing
+        if kind == "op":
+            got = (f"an operation without a forward-mode derivative in torch "
+                   f"{torch.__version__}: aten::{name}")
+            fix = "Or replace that operation."
+        else:
+            got = (f"the custom autograd.Function {_functions_without_jvp(problem)} without a "
+                   "jvp staticmethod")
+            fix = ("Or give the Function a jvp staticmethod (see the PyTorch notes "
+                   "'Extending torch.func with autograd.Function').")
+        raise BackendCannotRun(
+            problem.api, "ntvp", "every operation of f to support forward-mode AD "
+            "(it pushes vjps forward with torch.func.jvp)", got, _ALTERNATIVES,
+            fix) from err
 
 
-def _custom_function_name(err: BaseException) -> str:
-    """The innermost user ``autograd.Function`` on ``err``'s traceback, best effort."""
-    name = "(name not found)"
-    frame = err.__traceback__
-    while frame is not None:
-        function = frame.tb_frame.f_locals.get("autograd_function")
-        if isinstance(function, type) and issubclass(function, torch.autograd.Function):
-            name = function.__qualname__
-        frame = frame.tb_next
-    return name
+def _functions_without_jvp(problem: Problem) -> str:
+    """Names of the custom ``autograd.Function``s of ``f`` without a ``jvp`` (error path).
+
+    One plain forward records ``f``'s graph; its custom Function nodes say their class.
+    """
+    leaves = tuple(leaf.detach().requires_grad_() for leaf in problem.leaves)
+    with torch.enable_grad():
+        rows, _ = problem.rows(leaves)
+    names, seen, stack = set(), set(), [rows.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        cls = _torch_compat.custom_function_class(node)
+        if cls is not None and getattr(cls, "jvp", None) is torch.autograd.Function.jvp:
+            names.add(cls.__qualname__)
+        stack.extend(child for child, _ in node.next_functions)
+    return ", ".join(sorted(names)) or "(name not found)"

@@ -1,0 +1,1 @@
+"""The public functions, each a thin layer over the pipeline (``_api.pipeline``)."""

@@ -1,0 +1,129 @@
+"""``torchgram.aggregated_grad``: weights from the Gramian, then ``Jᵀ w``, in one call."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from torchgram._api.pipeline import compute
+from torchgram._core import checks
+from torchgram._core.options import Options
+from torchgram._core.sink import shape_block
+
+_API = "torchgram.aggregated_grad"
+
+
+class Aggregation(NamedTuple):
+    """What :func:`aggregated_grad` computed besides the update.
+
+    Attributes:
+        gramian: ``G = J Jᵀ``, shaped as ``torchgram.gramian`` returns it (per-leaf blocks
+            with ``per_leaf=True``).
+        weights: The weighting's ``w``, shaped like ``f``'s output (``[m]`` for a pytree).
+        output: ``f``'s output (detached).
+        aux: ``f``'s aux with ``has_aux=True``, else ``None``.
+    """
+
+    gramian: Any
+    weights: Tensor
+    output: Any
+    aux: Any
+
+
+def aggregated_grad(
+    f: Callable[..., Any],
+    weighting: Callable[[Tensor], Tensor],
+    argnums: int | Sequence[int] = 0,
+    *,
+    has_aux: bool = False,
+    backend: str = "auto",
+    chunk_size: int | None = None,
+    batch_dim: int | None = None,
+    in_dims: int | None | Sequence[int | None] = 0,
+    per_leaf: bool = False,
+    memory_budget: int | None = None,
+) -> Callable[..., tuple[Any, Aggregation]]:
+    """The update ``Jᵀ w`` with ``w = weighting(J Jᵀ)``: Jacobian descent in one call.
+
+    The Gramian is computed as by :func:`torchgram.gramian` (same options, except
+    ``diagonal``, which a weighting cannot use), the weighting maps it to one weight per
+    output entry, and the update is the weighted sum of the rows' gradients. When the backend
+    kept what makes it cheap (the ``jacobian`` backend with its Jacobian in one block), the
+    update is one matrix-vector product with no further pass; otherwise it costs one more
+    forward and backward (a ``vjp`` with cotangent ``w``).
+
+    Args:
+        f: ``f(*args, **kwargs)`` returning the losses (any floating tensor or pytree).
+        weighting: A function ``G [m, m] -> w [m]``, e.g. :func:`torchgram.weighting.upgrad`.
+        argnums: The differentiated positional argument(s), as for ``gramian``.
+        has_aux: ``f`` returns ``(output, aux)``; aux is reported in the info.
+        backend: As for ``gramian``.
+        chunk_size: As for ``gramian``.
+        batch_dim: As for ``gramian``.
+        in_dims: As for ``gramian``.
+        per_leaf: Report per-leaf Gramian blocks in the info (the weighting sees their sum).
+        memory_budget: As for ``gramian``.
+
+    Returns:
+        A function of ``f``'s arguments returning ``(update, info)``: ``update`` has the
+        structure of the differentiated argument (a tuple of them for a tuple ``argnums``),
+        ``None`` at constant leaves, and ``info`` is an :class:`Aggregation`.
+
+    Example:
+        >>> import torch, torchgram as tg
+        >>> def losses(w, x):
+        ...     return (x @ w - 1.0) ** 2
+        >>> w, x = torch.zeros(3), torch.eye(3)
+        >>> update, info = tg.aggregated_grad(losses, lambda G: torch.ones(3) / 3)(w, x)
+        >>> update
+        tensor([-0.6667, -0.6667, -0.6667])
+        >>> info.gramian.shape, info.weights.shape
+        (torch.Size([3, 3]), torch.Size([3]))
+    """
+    options = Options.validate(
+        _API, f, argnums, has_aux=has_aux, backend=backend, chunk_size=chunk_size,
+        batch_dim=batch_dim, in_dims=in_dims, diagonal=False, per_leaf=per_leaf,
+        memory_budget=memory_budget,
+    )
+    if not callable(weighting):
+        checks.fail(_API, "a weighting callable G -> w (e.g. torchgram.weighting.upgrad)",
+                    f"{type(weighting).__name__}",
+                    "Pass the function itself, not its result.", TypeError)
+
+    @functools.wraps(f)
+    def aggregated_grad_of_f(*args: Any, **kwargs: Any) -> tuple[Any, Aggregation]:
+        computation = compute(options, f, args, kwargs, want_pullback=True)
+        blocks = computation.blocks
+        matrix = blocks[0] if len(blocks) == 1 else torch.stack(blocks).sum(0)
+        weights = _call_weighting(weighting, matrix)
+        grads = computation.pullback(weights)
+        problem = computation.problem
+        update = problem.diff.unflatten_like_args(list(grads),
+                                                  as_tuple=not options.single_argnum)
+        shaped_weights = shape_block(problem, weights, diagonal=True)
+        return update, Aggregation(computation.value(), shaped_weights, computation.output(),
+                                   computation.aux)
+
+    aggregated_grad_of_f.__doc__ = (
+        f"Jᵀ w with w = {checks.function_name(weighting)}(J Jᵀ), J the Jacobian of "
+        f"{checks.function_name(f)} w.r.t. argument(s) {argnums!r}. Built by "
+        f"torchgram.aggregated_grad."
+    )
+    return aggregated_grad_of_f
+
+
+def _call_weighting(weighting: Callable[[Tensor], Tensor], matrix: Tensor) -> Tensor:
+    weights = weighting(matrix)
+    num_rows = matrix.shape[0]
+    if not isinstance(weights, Tensor) or weights.shape != (num_rows,):
+        got = (f"shape {tuple(weights.shape)}" if isinstance(weights, Tensor)
+               else type(weights).__name__)
+        checks.fail(_API, f"the weighting to return a tensor of shape ({num_rows},), one "
+                    "weight per output entry", got,
+                    "A weighting maps the [m, m] Gramian to [m] weights.", TypeError)
+    return weights.to(matrix.dtype)
+

@@ -1,0 +1,115 @@
+"""One Gramian call through the pipeline: problem → backend → sink (DESIGN.md §5).
+
+``gramian``, ``aggregated_grad`` and ``explain`` validate their :class:`~torchgram._core.
+options.Options` when they are built and call :func:`compute` when they are called.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from torchgram._core import functional
+from torchgram._core.checks import fail
+from torchgram._core.errors import OutputChanged
+from torchgram._core.options import Options
+from torchgram._core.problem import Problem, build_problem, forget_probe
+from torchgram._core.pytree import detach_tree
+from torchgram._core.result import NO_AUX, BackendResult
+from torchgram._core.sink import assemble, shape_block, to_backend_order, to_output_order
+from torchgram.backends import get_backend
+
+
+@dataclass(frozen=True)
+class Computation:
+    """One call's problem, the backend's result and the assembled blocks.
+
+    Attributes:
+        problem: The call's problem.
+        result: What the backend returned.
+        blocks: ``[m, m]`` (``[m]`` diagonal) in output order: one per leaf with
+            ``per_leaf``, else one.
+        aux: ``f``'s aux (detached) with ``has_aux``, else ``None``.
+    """
+
+    problem: Problem
+    result: BackendResult
+    blocks: list[Tensor]
+    aux: Any
+
+    def value(self, blocks: list[Tensor] | None = None, *, diagonal: bool | None = None) -> Any:
+        """What the transform returns for ``blocks``: ``S + S`` shaped, per leaf or summed."""
+        problem = self.problem
+        blocks = self.blocks if blocks is None else blocks
+        diagonal = problem.diagonal if diagonal is None else diagonal
+        shaped = [shape_block(problem, block, diagonal=diagonal) for block in blocks]
+        if not problem.per_leaf:
+            return shaped[0]
+        return problem.diff.unflatten_like_args(shaped,
+                                                as_tuple=not problem.options.single_argnum)
+
+    def output(self) -> Any:
+        """``f``'s output (detached), from the backend's rows or one gradient-free forward."""
+        problem = self.problem
+        rows = self.result.rows
+        if rows is None:
+            with torch.no_grad():
+                rows = problem.rows(problem.leaves)[0]
+            problem.draw.finish()
+        else:
+            rows = to_output_order(problem, self.result.row_order, rows, diagonal=True)
+        return problem.unflatten_rows(rows.detach())
+
+    def pullback(self, weights: Tensor) -> tuple[Tensor, ...]:
+        """``Jᵀ w`` per leaf for weights ``[m]`` in output order (kept factors, or a vjp)."""
+        problem = self.problem
+        kept = self.result.pullback
+        if kept is not None:
+            return kept(to_backend_order(problem, self.result.row_order, weights))
+        _, vjp_fn = functional.vjp(lambda *leaves: problem.rows(leaves)[0], *problem.leaves)
+        grads = vjp_fn(weights.to(problem.output.dtype))
+        problem.draw.finish()
+        return tuple(grad.to(leaf.dtype) for grad, leaf in zip(grads, problem.leaves,
+                                                               strict=True))
+
+
+def compute(options: Options, f: Callable[..., Any], args: tuple[Any, ...],
+            kwargs: Mapping[str, Any], *, want_pullback: bool = False) -> Computation:
+    """Build the call's problem, run the backend, assemble its blocks; compute aux if needed."""
+    probe_with_grad = options.backend == "graph"
+    problem = build_problem(options, f, args, kwargs, want_pullback=want_pullback,
+                            probe_with_grad=probe_with_grad)
+    try:
+        result = _run(problem)
+    except OutputChanged:  # a cached probe went stale: probe afresh, once
+        forget_probe(problem)
+        problem = build_problem(options, f, args, kwargs, want_pullback=want_pullback,
+                                probe_with_grad=probe_with_grad, fresh=True)
+        try:
+            result = _run(problem)
+        except OutputChanged:
+            fail(options.api, "f to return outputs of the same structure on every evaluation",
+                 "outputs whose shapes or dtypes change from one evaluation to the next",
+                 "Make the output's structure a function of the inputs' shapes only.",
+                 RuntimeError)
+    aux = None
+    if options.has_aux:
+        aux = result.aux
+        if aux is NO_AUX:  # the backend never evaluated the whole batch
+            with torch.no_grad():
+                aux = problem.call(problem.leaves)[1]
+        aux = detach_tree(aux)
+    problem.draw.finish()
+    return Computation(problem, result, assemble(problem, result), aux)
+
+
+def _run(problem: Problem) -> BackendResult:
+    try:
+        return get_backend(problem.options.backend)(problem)
+    except BaseException:
+        problem.draw.finish()
+        raise

@@ -1,0 +1,153 @@
+"""Every private or undocumented torch behaviour torchgram relies on, in one place.
+
+Each function here wraps one such behaviour, and ``tests/_core/test_torch_compat.py`` checks
+each against the installed torch, so that a torch release that moves one fails a named
+test instead of producing a wrong Gramian. Nothing else in the package touches these
+internals directly.
+
+* autograd nodes (the graph backend walks an existing graph): a node's input metadata
+  (``node._input_metadata``), its creation order (``node._sequence_nr()``), calling a C++
+  node directly (``node(*grads)``), the Python node of a custom ``autograd.Function``
+  (``BackwardCFunction``, its ``apply`` and ``needs_input_grad``), a leaf's
+  ``AccumulateGrad`` ``variable``, the reentrant checkpoint's Function
+  (``torch.utils.checkpoint.CheckpointFunction``);
+* error messages torch raises that mean something precise: an op or a custom Function
+  without forward-mode AD, a graph freed by an earlier backward;
+* ``Tensor.T`` / ``Tensor.mT`` as seen by a ``TorchFunctionMode`` (the getter's descriptor as
+  ``func.__self__``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.autograd.function import BackwardCFunction
+from torch.utils.checkpoint import CheckpointFunction
+
+Node = Any
+"""An autograd node (``tensor.grad_fn`` or an entry of ``node.next_functions``)."""
+
+
+# -- autograd nodes ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SlotMetadata:
+    """What the engine knows of a node's input slot: the cotangent's shape, dtype, device."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+
+def slot_metadata(node: Node) -> list[SlotMetadata]:
+    """One entry per input slot of ``node`` (one per output of its forward op).
+
+    Example:
+        >>> y = torch.ones(2, 3, requires_grad=True).sum(0)
+        >>> slot_metadata(y.grad_fn)
+        [SlotMetadata(shape=(3,), dtype=torch.float32, device=device(type='cpu'))]
+    """
+    return [SlotMetadata(tuple(meta.shape), meta.dtype, meta.device)
+            for meta in node._input_metadata]
+
+
+def creation_order(node: Node) -> int:
+    """The engine's priority of ``node``: later-created nodes run first in a backward.
+
+    A leaf's ``AccumulateGrad`` has the largest value (``2**64 - 1``).
+    """
+    return int(node._sequence_nr())
+
+
+def is_custom_function_node(node: Node) -> bool:
+    """Whether ``node`` belongs to a custom ``autograd.Function`` (not callable directly)."""
+    return isinstance(node, BackwardCFunction)
+
+
+def call_builtin_node(node: Node, grads: list[Tensor | None]) -> list[Tensor | None]:
+    """Run a C++ node's backward on ``grads``: one gradient (or ``None``) per next edge.
+
+    ``None`` is accepted for an input slot that received no cotangent.
+    """
+    result = node(*grads)  # a bare tensor when the node has one next edge
+    return [result] if isinstance(result, Tensor) or result is None else list(result)
+
+
+def call_custom_function_node(node: Node,
+                              grads: list[Tensor]) -> tuple[list[Any], tuple[bool, ...]]:
+    """Run a custom Function's ``backward``.
+
+    Returns its outputs (one per forward argument) and ``needs_input_grad`` (which forward
+    arguments have a next edge, in order).
+    """
+    result = node.apply(*grads)
+    per_argument = list(result) if isinstance(result, tuple | list) else [result]
+    return per_argument, tuple(node.needs_input_grad)
+
+
+def custom_function_class(node: Node) -> type | None:
+    """The ``autograd.Function`` subclass whose ``apply`` recorded ``node``, if any."""
+    cls = getattr(node, "_forward_cls", None)
+    return cls if isinstance(cls, type) else None
+
+
+def is_reentrant_checkpoint(node: Node) -> bool:
+    """Whether ``node`` is a ``torch.utils.checkpoint(..., use_reentrant=True)`` region."""
+    return custom_function_class(node) is CheckpointFunction
+
+
+def is_leaf_accumulator(node: Node) -> bool:
+    """Whether ``node`` is a leaf's ``AccumulateGrad`` (the only nodes with a ``variable``)."""
+    return not node.next_functions and getattr(node, "variable", None) is not None
+
+
+# -- error messages --------------------------------------------------------------------------
+
+_NATIVE_OP = re.compile(r"Trying to use forward AD with (\S+) that does not support it")
+_CUSTOM_FUNCTION = "must implement the jvp function for custom autograd.Function"
+_FREED = "backward through the graph a second time"
+
+
+def missing_forward_ad(error: BaseException) -> tuple[str, str] | None:
+    """``("op", name)`` or ``("function", "")`` if ``error`` says forward AD is missing.
+
+    Example:
+        >>> missing_forward_ad(NotImplementedError(
+        ...     "Trying to use forward AD with _cdist_forward that does not support it"))
+        ('op', '_cdist_forward')
+    """
+    message = str(error)
+    native = _NATIVE_OP.search(message)
+    if native is not None:
+        return "op", native.group(1)
+    if _CUSTOM_FUNCTION in message:
+        return "function", ""
+    return None
+
+
+def is_freed_graph_error(error: BaseException) -> bool:
+    """Whether ``error`` says the graph's saved tensors were freed by an earlier backward."""
+    return isinstance(error, RuntimeError) and _FREED in str(error)
+
+
+# -- TorchFunctionMode -----------------------------------------------------------------------
+
+_TRANSPOSE_GETTERS = (torch.Tensor.T, torch.Tensor.mT)
+
+
+def is_transpose_getter(func: Any) -> bool:
+    """Whether a ``TorchFunctionMode`` call is the ``Tensor.T`` or ``Tensor.mT`` getter."""
+    owner = getattr(func, "__self__", None)
+    return any(owner is getter for getter in _TRANSPOSE_GETTERS)
+
+
+def getter_name(func: Any) -> str | None:
+    """``"Tensor.<name>"`` when a mode's call is a property getter, else ``None``."""
+    owner = getattr(func, "__self__", None)
+    if owner is not None and type(owner).__name__ == "getset_descriptor":
+        return f"Tensor.{owner.__name__}"
+    return None

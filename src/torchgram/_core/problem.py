@@ -1,0 +1,592 @@
+"""One Gramian call, normalised: the pure function of the differentiated leaves.
+
+# NOTE [the problem]
+A :class:`Problem` is built once per call, before any backend runs, and never changes:
+the function, the arguments, the differentiated leaves (:class:`~torchgram._core.pytree.
+DiffLeaves`), the per-sample structure (:class:`BatchSpec`), the output's structure
+(:class:`OutputSpec`, from a probe of ``f``: NOTE [call signatures]) and the options.
+Backends are functions ``problem -> BackendResult`` (``_core.result``); they evaluate ``f``
+through the problem:
+
+* :meth:`Problem.rows` evaluates ``f`` on the full inputs and returns its output flattened
+  to the ``m`` rows of the Jacobian (``optree.tree_leaves`` order, each leaf flattened
+  row-major) and aux;
+* with per-sample structure, :meth:`Problem.sample_rows` evaluates ``f`` on one sample seen
+  as a batch of one and returns that sample's ``K`` rows; :meth:`OutputSpec.sample_major_index`
+  says where row ``k`` of sample ``b`` sits among the ``m`` rows.
+
+Every evaluation checks its output against the spec (shapes only, no host sync) and starts
+from the call's random-number state (NOTE [one draw]).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import optree
+import torch
+from torch import Tensor
+
+from torchgram._core.checks import fail, resolve_argnums
+from torchgram._core.errors import OutputChanged
+from torchgram._core.options import InDims, Options
+from torchgram._core.pytree import DiffLeaves, select_diff_leaves
+from torchgram._core.rng import RngState
+from torchgram._core.signature import LruCache, call_signature
+
+_TENSOR_SLOT = object()
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    """Structure of ``f``'s output on the full batch.
+
+    Attributes:
+        treespec: The output's optree treespec (a single leaf for a tensor output).
+        shapes: The full shape of every output leaf.
+        dtypes: The dtype of every output leaf.
+        dtype: Their common (promoted) floating dtype: the Gramian has this dtype.
+        device: The device of the first output leaf; the Gramian lives there.
+        batch_dims: With per-sample structure, the sample dimension of every output leaf
+            (non-negative); otherwise ``None``.
+    """
+
+    treespec: optree.PyTreeSpec
+    shapes: tuple[torch.Size, ...]
+    dtypes: tuple[torch.dtype, ...]
+    dtype: torch.dtype
+    device: torch.device
+    batch_dims: tuple[int, ...] | None
+
+    @property
+    def num_rows(self) -> int:
+        """``m``: the total number of output entries, i.e. of Jacobian rows."""
+        return sum(math.prod(shape) for shape in self.shapes)
+
+    @property
+    def is_tensor(self) -> bool:
+        """Whether ``f`` returned a bare tensor (the Gramian then has shape ``S + S``)."""
+        return self.treespec.num_nodes == 1 and self.treespec.num_leaves == 1
+
+    @property
+    def sample_shapes(self) -> tuple[torch.Size, ...]:
+        """The shape of every output leaf for one sample (size 1 along its batch dim)."""
+        assert self.batch_dims is not None
+        return tuple(torch.Size((*shape[:dim], 1, *shape[dim + 1:]))
+                     for shape, dim in zip(self.shapes, self.batch_dims, strict=True))
+
+    def sample_major_index(self, samples: int) -> Tensor:
+        """``[B, K]`` index: row ``k`` of sample ``b`` is row ``index[b, k]`` of the output.
+
+        The per-sample row order is that of :meth:`Problem.sample_rows`: output leaves in
+        order, each flattened row-major with its batch dimension removed.
+        """
+        assert self.batch_dims is not None
+        columns = []
+        offset = 0
+        for shape, dim in zip(self.shapes, self.batch_dims, strict=True):
+            numel = math.prod(shape)
+            index = torch.arange(offset, offset + numel, device=self.device).reshape(shape)
+            columns.append(index.movedim(dim, 0).reshape(samples, -1))
+            offset += numel
+        return torch.cat(columns, dim=1)
+
+    @property
+    def sample_major_is_output_order(self) -> bool:
+        """Whether sample-major rows are already in the output's order (one leaf, dim 0)."""
+        return self.batch_dims is not None and len(self.shapes) == 1 and self.batch_dims[0] == 0
+
+    def check(self, out_leaves: list[Tensor], treespec: optree.PyTreeSpec, *,
+              per_sample: bool) -> None:
+        """Raise :class:`OutputChanged` unless the leaves have this structure."""
+        shapes = self.sample_shapes if per_sample else self.shapes
+        if treespec != self.treespec or len(out_leaves) != len(shapes) or any(
+                not isinstance(leaf, Tensor) or leaf.shape != shape or leaf.dtype != dtype
+                for leaf, shape, dtype in zip(out_leaves, shapes, self.dtypes, strict=True)):
+            raise OutputChanged("f returned an output of another structure than its probe")
+
+
+@dataclass(frozen=True)
+class BatchSpec:
+    """Where the samples are in the inputs (DESIGN.md §3).
+
+    Attributes:
+        batch_dim: The output dimension that indexes samples, as the user gave it.
+        size: The number of samples ``B``.
+        positions: For every batched input tensor, ``(arg position, leaf index)``.
+        dims: The (non-negative) batch dimension of every batched input tensor.
+        tensors: The batched input tensors themselves.
+    """
+
+    batch_dim: int
+    size: int
+    positions: tuple[tuple[int, int], ...]
+    dims: tuple[int, ...]
+    tensors: tuple[Tensor, ...]
+
+    def narrow(self, first: int, count: int) -> tuple[Tensor, ...]:
+        """The batched inputs restricted to samples ``first..first+count-1`` (dims kept)."""
+        return tuple(t.narrow(d, first, count) for t, d in zip(self.tensors, self.dims,
+                                                                strict=True))
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """An evaluation of ``f`` on the full batch with autograd, made by the probe.
+
+    Attributes:
+        leaves: Fresh aliases of the differentiated leaves that require grad (never the
+            user's tensors).
+        rows: The output rows ``[m]``, with their autograd graph.
+        aux: ``f``'s aux.
+    """
+
+    leaves: tuple[Tensor, ...]
+    rows: Tensor
+    aux: Any
+
+
+class Draw:
+    """The random-number states of one call (NOTE [one draw]): where it starts and ends.
+
+    Owned by the call (not shared between calls); every evaluation restores ``start``.
+    """
+
+    def __init__(self, start: RngState) -> None:
+        self.start = start
+        self.end: RngState | None = None
+
+    def before_evaluation(self) -> None:
+        """Start an evaluation of ``f`` from the call's state."""
+        self.start.restore()
+
+    def after_full_evaluation(self) -> None:
+        """Remember where a plain call of ``f`` leaves the generators (the first time)."""
+        if self.end is None:
+            self.end = RngState.capture(device for device, _ in self.start.accelerators)
+
+    def finish(self) -> None:
+        """Leave the generators where one plain call of ``f`` would."""
+        (self.end or self.start).restore()
+
+
+@dataclass(frozen=True)
+class Problem:
+    """The function, its differentiated leaves, its inputs, its output and the options.
+
+    Build one with :func:`build_problem`; see NOTE [the problem].
+
+    Attributes:
+        f: The user's function.
+        args: The positional arguments of the call.
+        kwargs: The keyword arguments, passed through to ``f``.
+        diff: The differentiated leaves.
+        options: The transform's options.
+        batch: The per-sample structure, or ``None`` for dense rows.
+        output: The output's structure.
+        draw: The call's random-number states.
+        want_pullback: Whether the caller also wants ``Jᵀ w`` (``aggregated_grad``): a
+            backend that keeps what makes it cheap returns a pullback.
+        evaluation: The probe's evaluation, when it was one the backend can use (NOTE
+            [probing]); ``None`` otherwise.
+    """
+
+    f: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: Mapping[str, Any]
+    diff: DiffLeaves
+    options: Options
+    batch: BatchSpec | None
+    output: OutputSpec
+    draw: Draw = field(compare=False, repr=False)
+    want_pullback: bool = False
+    evaluation: Evaluation | None = field(default=None, compare=False, repr=False)
+
+    # -- the options, for short ------------------------------------------------------------
+
+    @property
+    def api(self) -> str:
+        """The public API, for error messages."""
+        return self.options.api
+
+    @property
+    def leaves(self) -> tuple[Tensor, ...]:
+        """The differentiated leaves (detached)."""
+        return self.diff.leaves
+
+    @property
+    def chunk_size(self) -> int | None:
+        """Rows per vectorized pass (``None``: all at once; ``1``: a plain loop)."""
+        return self.options.chunk_size
+
+    @property
+    def memory_budget(self) -> int | None:
+        """Bytes of Jacobian a backend may hold at once (``None``: no cap)."""
+        return self.options.memory_budget
+
+    @property
+    def diagonal(self) -> bool:
+        """Whether only the diagonal of the Gramian is wanted."""
+        return self.options.diagonal
+
+    @property
+    def per_leaf(self) -> bool:
+        """Whether one block per leaf is wanted (otherwise only their sum)."""
+        return self.options.per_leaf
+
+    @property
+    def has_aux(self) -> bool:
+        """Whether ``f`` returns ``(output, aux)``."""
+        return self.options.has_aux
+
+    @property
+    def num_rows(self) -> int:
+        """``m``."""
+        return self.output.num_rows
+
+    @property
+    def samples(self) -> int:
+        """``B`` (1 without per-sample structure)."""
+        return 1 if self.batch is None else self.batch.size
+
+    @property
+    def rows_per_sample(self) -> int:
+        """``K`` rows per sample (``m`` without per-sample structure)."""
+        return self.num_rows // self.samples
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes of the widest differentiated leaf's entries."""
+        return max(leaf.element_size() for leaf in self.leaves)
+
+    @functools.cached_property
+    def compute_dtype(self) -> torch.dtype:
+        """The widest of the output's and the leaves' dtypes: blocks are summed in it."""
+        dtype = self.output.dtype
+        for leaf in self.leaves:
+            dtype = torch.promote_types(dtype, leaf.dtype)
+        return dtype
+
+    @functools.cached_property
+    def sample_major_index(self) -> Tensor:
+        """``[B, K]``: the output row of row ``k`` of sample ``b`` (per-sample problems)."""
+        return self.output.sample_major_index(self.samples)
+
+    # -- evaluation ------------------------------------------------------------------------
+
+    def call(self, leaves: tuple[Tensor, ...], args: tuple[Any, ...] | None = None, *,
+             full: bool = True) -> tuple[Any, Any]:
+        """Run ``f`` with ``leaves`` in place of the parameters; return ``(output, aux)``.
+
+        ``full``: whether this evaluates the whole batch (it then fixes the call's final
+        random-number state, NOTE [one draw]).
+        """
+        full_args = self.diff.rebuild_args(self.args if args is None else args, leaves)
+        self.draw.before_evaluation()
+        result = self.f(*full_args, **self.kwargs)
+        if full:
+            self.draw.after_full_evaluation()
+        return split_aux(self.api, result, self.has_aux)
+
+    def rows(self, leaves: tuple[Tensor, ...]) -> tuple[Tensor, Any]:
+        """Evaluate ``f`` on the full inputs; return its output as an ``[m]`` vector and aux."""
+        out, aux = self.call(leaves)
+        out_leaves, treespec = optree.tree_flatten(out)
+        self.output.check(out_leaves, treespec, per_sample=False)
+        return concat_rows(out_leaves, self.output.dtype), aux
+
+    def sample_rows(self, leaves: tuple[Tensor, ...], sample_inputs: tuple[Tensor, ...]) -> Tensor:
+        """Evaluate ``f`` on one sample (a batch of one); return that sample's ``[K]`` rows.
+
+        ``sample_inputs`` are the batched input tensors restricted to one sample, with their
+        batch dimension kept (size 1), in the order of ``self.batch.positions``.
+        """
+        batch = self._require_batch()
+        args = replace_input_leaves(self.args, batch.positions, sample_inputs)
+        out, _ = self.call(leaves, args, full=False)
+        out_leaves, treespec = optree.tree_flatten(out)
+        spec = self.output
+        spec.check(out_leaves, treespec, per_sample=True)
+        assert spec.batch_dims is not None
+        squeezed = [leaf.squeeze(dim) for leaf, dim in zip(out_leaves, spec.batch_dims,
+                                                            strict=True)]
+        return concat_rows(squeezed, spec.dtype)
+
+    def unflatten_rows(self, rows: Tensor) -> Any:
+        """``[m]`` output rows (output order) back into ``f``'s output structure."""
+        spec = self.output
+        pieces = rows.split([math.prod(shape) for shape in spec.shapes])
+        leaves = [piece.reshape(shape).to(dtype) for piece, shape, dtype
+                  in zip(pieces, spec.shapes, spec.dtypes, strict=True)]
+        return optree.tree_unflatten(spec.treespec, leaves)
+
+    def _require_batch(self) -> BatchSpec:
+        if self.batch is None:
+            raise RuntimeError("per-sample evaluation needs batch_dim")
+        return self.batch
+
+
+class TensorAux:
+    """Splits an aux pytree into its tensor leaves (all ``torch.func`` accepts) and the rest.
+
+    One object per evaluation that needs it: ``split`` inside the transformed function,
+    ``join`` on the transformed tensor leaves afterwards.
+
+    Example:
+        >>> parts = TensorAux()
+        >>> tensors = parts.split({"loss": torch.ones(1), "tag": "x"})
+        >>> parts.join(tensors)
+        {'loss': tensor([1.]), 'tag': 'x'}
+    """
+
+    def __init__(self) -> None:
+        self._spec: optree.PyTreeSpec | None = None
+        self._constants: list[Any] = []
+
+    def split(self, aux: Any) -> tuple[Tensor, ...]:
+        """The tensor leaves of ``aux``; the rest is kept for :meth:`join`."""
+        leaves, self._spec = optree.tree_flatten(aux, none_is_leaf=True)
+        self._constants = [_TENSOR_SLOT if isinstance(a, Tensor) else a for a in leaves]
+        return tuple(a for a in leaves if isinstance(a, Tensor))
+
+    def join(self, tensors: tuple[Tensor, ...]) -> Any:
+        """The aux pytree with ``tensors`` at its tensor leaves."""
+        assert self._spec is not None
+        values = iter(tensors)
+        leaves = [next(values) if constant is _TENSOR_SLOT else constant
+                  for constant in self._constants]
+        return optree.tree_unflatten(self._spec, leaves)
+
+
+def split_aux(api: str, result: Any, has_aux: bool) -> tuple[Any, Any]:
+    """``(output, aux)`` of ``f``'s result (aux ``None`` without ``has_aux``)."""
+    if not has_aux:
+        return result, None
+    if not isinstance(result, tuple | list) or len(result) != 2:
+        got = (f"a {type(result).__name__} of length {len(result)}"
+               if isinstance(result, tuple | list) else type(result).__name__)
+        fail(api, "f to return a pair (output, aux) because has_aux=True", got,
+             "Return `out, aux` from f, or drop has_aux=True.", TypeError)
+    return result[0], result[1]
+
+
+def concat_rows(out_leaves: list[Tensor], dtype: torch.dtype) -> Tensor:
+    """Output leaves flattened row-major and concatenated, in ``dtype``."""
+    if len(out_leaves) == 1:
+        return out_leaves[0].reshape(-1).to(dtype)
+    return torch.cat([leaf.reshape(-1).to(dtype) for leaf in out_leaves])
+
+
+def replace_input_leaves(args: tuple[Any, ...], positions: tuple[tuple[int, int], ...],
+                         values: tuple[Tensor, ...]) -> tuple[Any, ...]:
+    """Return ``args`` with leaf ``j`` of argument ``i`` replaced, for each ``(i, j)``."""
+    by_arg: dict[int, list[tuple[int, Tensor]]] = {}
+    for (i, j), value in zip(positions, values, strict=True):
+        by_arg.setdefault(i, []).append((j, value))
+    rebuilt = list(args)
+    for i, replacements in by_arg.items():
+        leaves, spec = optree.tree_flatten(args[i])
+        for j, value in replacements:
+            leaves[j] = value
+        rebuilt[i] = optree.tree_unflatten(spec, leaves)
+    return tuple(rebuilt)
+
+
+# -- building a problem ------------------------------------------------------------------------
+
+_PROBES = LruCache[OutputSpec](maxsize=256)
+
+
+# NOTE [probing]
+# A problem is built from one evaluation of f, the probe: its output gives the OutputSpec,
+# and any error in it (a non-tensor output, a batch_dim that does not index samples...) is
+# reported before any Jacobian work. With batch_dim the probe evaluates one sample (a batch
+# of one) without gradients, which is cheap. Without it, it evaluates the batch; when the
+# backend will evaluate the batch with plain autograd anyway (graph), the probe is that
+# evaluation, with fresh leaves that require grad, and is handed to the backend
+# (Problem.evaluation) so that f runs once. Probes are cached per call signature (NOTE [call
+# signatures]): a cached probe means no evaluation before dispatch; every later evaluation
+# checks its output against the spec, and a stale one is probed afresh (OutputChanged).
+
+def build_problem(options: Options, f: Callable[..., Any], args: tuple[Any, ...],
+                  kwargs: Mapping[str, Any], *, want_pullback: bool = False,
+                  probe_with_grad: bool = False, fresh: bool = False) -> Problem:
+    """Validate a call's arguments against the options and describe it as a :class:`Problem`.
+
+    Raises the call-time errors (argnums out of range, no leaf to differentiate, bad
+    ``in_dims`` or batch sizes, a bad output) before any Jacobian work.
+
+    Args:
+        options: The transform's options.
+        f: The user's function.
+        args: The call's positional arguments.
+        kwargs: The call's keyword arguments.
+        want_pullback: Whether ``Jᵀ w`` will be asked for too.
+        probe_with_grad: Whether a full-batch probe should record an autograd graph for the
+            backend to reuse (NOTE [probing]).
+        fresh: Probe ``f`` even if a probe of this signature is cached (it was stale).
+    """
+    api = options.api
+    argnums = resolve_argnums(api, options.argnums, len(args))
+    diff = select_diff_leaves(args, argnums)
+    if not diff.leaves:
+        fail(api, f"floating-point tensor leaves in the differentiated argument(s) {argnums}",
+             "none (" + ", ".join(type(args[i]).__name__ for i in argnums) + ")",
+             "Pass the parameters (a tensor or a pytree of float tensors) at argnums, "
+             "or change argnums.", TypeError)
+    batch = (None if options.batch_dim is None
+             else make_batch_spec(api, args, argnums, options.batch_dim, options.in_dims))
+    draw = Draw(RngState.capture(_devices(args, kwargs)))
+    key = _probe_key(f, args, kwargs, diff, options.has_aux, batch)
+    spec = None if fresh else _PROBES.get(key)
+    evaluation = None
+    if spec is None:
+        spec, evaluation = _probe(api, f, args, kwargs, diff, batch, options.has_aux, draw,
+                                  with_grad=probe_with_grad and batch is None)
+        _PROBES.put(key, spec)
+    return Problem(f, args, kwargs, diff, options, batch, spec, draw, want_pullback,
+                   evaluation)
+
+
+def _probe_key(f: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any],
+               diff: DiffLeaves, has_aux: bool, batch: BatchSpec | None) -> Hashable | None:
+    return call_signature(f, args, kwargs, diff.positions, has_aux,
+                          None if batch is None else (batch.batch_dim, batch.positions,
+                                                      batch.dims))
+
+
+def forget_probe(problem: Problem) -> None:
+    """Drop the cached probe of this call's signature (it was stale)."""
+    _PROBES.pop(_probe_key(problem.f, problem.args, problem.kwargs, problem.diff,
+                           problem.has_aux, problem.batch))
+
+
+def _devices(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[torch.device]:
+    leaves: list[Any] = optree.tree_leaves((args, dict(kwargs)))  # type: ignore[arg-type]
+    return [leaf.device for leaf in leaves
+            if isinstance(leaf, Tensor) and leaf.device.type != "cpu"]
+
+
+def _probe(api: str, f: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any],
+           diff: DiffLeaves, batch: BatchSpec | None, has_aux: bool, draw: Draw, *,
+           with_grad: bool) -> tuple[OutputSpec, Evaluation | None]:
+    """Evaluate ``f`` once (NOTE [probing]): its output's spec, and the evaluation to reuse."""
+    if batch is not None:
+        args = replace_input_leaves(args, batch.positions, batch.narrow(0, 1))
+    leaves = tuple(leaf.detach().requires_grad_() for leaf in diff.leaves) if with_grad \
+        else diff.leaves
+    with torch.set_grad_enabled(with_grad):
+        draw.before_evaluation()
+        try:
+            result = f(*diff.rebuild_args(args, leaves), **kwargs)
+        finally:
+            if with_grad:
+                draw.after_full_evaluation()
+            draw.start.restore()  # the next evaluation starts from the call's state
+        out, aux = split_aux(api, result, has_aux)
+        spec = make_output_spec(api, out, batch)
+        if not with_grad:
+            return spec, None
+        return spec, Evaluation(leaves, concat_rows(optree.tree_leaves(out), spec.dtype), aux)
+
+
+def make_output_spec(api: str, out: Any, batch: BatchSpec | None) -> OutputSpec:
+    """Validate ``f``'s output (one sample with ``batch``) and describe it for the batch."""
+    out_leaves, treespec = optree.tree_flatten(out)
+    if not out_leaves:
+        fail(api, "f to return a floating tensor or a pytree of them",
+             f"an empty pytree {out!r:.80}", "Return the losses or outputs to differentiate.",
+             TypeError)
+    for leaf in out_leaves:
+        if not isinstance(leaf, Tensor):
+            fail(api, "f to return a floating tensor or a pytree of them",
+                 f"a leaf of type {type(leaf).__name__}",
+                 "Return torch tensors (wrap Python numbers with torch.as_tensor).", TypeError)
+        if leaf.is_complex():
+            fail(api, "real floating outputs", f"dtype {leaf.dtype}",
+                 "The Gramian of a complex function is not defined here: return "
+                 "torch.view_as_real(out) to treat real and imaginary parts as rows.",
+                 TypeError)
+        if not leaf.is_floating_point():
+            fail(api, "floating outputs", f"dtype {leaf.dtype}",
+                 "Integer and boolean outputs have no derivative: return a floating "
+                 "tensor (e.g. the loss before argmax).", TypeError)
+    dtypes = tuple(leaf.dtype for leaf in out_leaves)
+    dtype = dtypes[0]
+    for other in dtypes[1:]:
+        dtype = torch.promote_types(dtype, other)
+    shapes = tuple(leaf.shape for leaf in out_leaves)
+    batch_dims = None
+    if batch is not None:
+        batch_dims = tuple(_output_batch_dim(api, shape, batch) for shape in shapes)
+        shapes = tuple(torch.Size((*shape[:dim], batch.size, *shape[dim + 1:]))
+                       for shape, dim in zip(shapes, batch_dims, strict=True))
+    return OutputSpec(treespec, shapes, dtypes, dtype, out_leaves[0].device, batch_dims)
+
+
+def _output_batch_dim(api: str, shape: torch.Size, batch: BatchSpec) -> int:
+    """The output dim indexing samples, checked on one sample's output (a batch of one)."""
+    ndim = len(shape)
+    if not -ndim <= batch.batch_dim < ndim:
+        fail(api, f"batch_dim within [-{ndim}, {ndim}) for an output of {ndim} dimension(s)",
+             f"batch_dim={batch.batch_dim} (output shape of one sample {tuple(shape)})",
+             "batch_dim names the output dimension that indexes samples.")
+    dim = batch.batch_dim % ndim
+    if shape[dim] != 1:
+        fail(api, f"output dim {dim} (batch_dim) to have size 1 for one sample (a batch of one) "
+             f"-- for the whole batch, output dim {dim} (batch_dim) to have size {batch.size} --",
+             f"an output of shape {tuple(shape)} for one sample",
+             "Check batch_dim and in_dims: each output entry along batch_dim must depend "
+             "on the matching sample of the batched inputs only.")
+    return dim
+
+
+def make_batch_spec(api: str, args: tuple[Any, ...], argnums: tuple[int, ...], batch_dim: int,
+                    in_dims: InDims) -> BatchSpec:
+    """Find the batched input tensors from ``in_dims`` and check their batch sizes agree."""
+    input_positions = [i for i in range(len(args)) if i not in argnums]
+    if isinstance(in_dims, tuple | list):
+        if len(in_dims) != len(input_positions):
+            fail(api, f"in_dims with one entry per non-differentiated positional argument "
+                 f"({len(input_positions)} here: positions {input_positions})",
+                 f"in_dims={tuple(in_dims)!r} with {len(in_dims)} entries",
+                 "Give an int (batched) or None (shared) for each input, or a single int.")
+        per_input = tuple(in_dims)
+    else:
+        per_input = (in_dims,) * len(input_positions)
+    positions, dims, tensors = [], [], []
+    for i, dim in zip(input_positions, per_input, strict=True):
+        if dim is None:
+            continue
+        for j, leaf in enumerate(optree.tree_leaves(args[i])):
+            if not isinstance(leaf, Tensor):
+                continue
+            if leaf.dim() == 0 or not -leaf.dim() <= dim < leaf.dim():
+                fail(api, f"in_dims entry {dim} to be a valid dimension of every tensor in "
+                     f"argument {i}", f"a tensor of shape {tuple(leaf.shape)}",
+                     "Set that argument's in_dims entry to None if it is shared by all samples.")
+            positions.append((i, j))
+            dims.append(dim % leaf.dim())
+            tensors.append(leaf)
+    if not tensors:
+        fail(api, "at least one batched input tensor when batch_dim is given",
+             f"in_dims={in_dims!r} selecting no tensor among the inputs",
+             "Pass the batch as a positional argument with in_dims pointing at its sample "
+             "dimension, or drop batch_dim.")
+    sizes = {tensor.shape[dim] for tensor, dim in zip(tensors, dims, strict=True)}
+    if len(sizes) != 1:
+        described = ", ".join(
+            f"arg {i} leaf {j}: {tuple(t.shape)} at dim {d}"
+            for (i, j), t, d in zip(positions, tensors, dims, strict=True)
+        )
+        fail(api, "all batched inputs to have the same batch size",
+             f"different sizes {sorted(sizes)} ({described})",
+             "Fix in_dims (None for shared inputs) or the inputs' shapes.")
+    size = sizes.pop()
+    if size == 0:
+        fail(api, "a non-empty batch", "batch size 0", "Pass at least one sample.")
+    return BatchSpec(batch_dim, size, tuple(positions), tuple(dims), tuple(tensors))

@@ -1,0 +1,77 @@
+"""Random-number state: evaluate ``f`` several times and see one draw.
+
+# NOTE [one draw]
+A backend may evaluate ``f`` more than once (a probe of its output, a trace, a forward per
+leaf group, a last forward for ``aux``). With random ops (dropout in train mode) each
+evaluation would draw anew, and the Gramian would mix several functions. So the call
+captures the generators' state when it starts, every evaluation starts from that state,
+and the call ends in the state that one plain call of ``f`` leaves behind: the Gramian is
+that of the draw a single plain call with the current RNG state sees.
+
+Only the default generators are handled (CPU, and each accelerator that holds an argument);
+an explicit ``torch.Generator`` passed to ``f`` is the caller's to manage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+def _module(device: torch.device) -> Any:
+    """The ``torch.<device type>`` module whose ``get_rng_state(index)`` exists, if any."""
+    if device.type == "cpu":
+        return None
+    module = getattr(torch, device.type, None)
+    if module is None or not hasattr(module, "get_rng_state"):
+        return None
+    initialized = getattr(module, "is_initialized", None)
+    if callable(initialized) and not initialized():
+        return None
+    return module
+
+
+@dataclass(frozen=True)
+class RngState:
+    """The state of the default generators: CPU, and those of ``devices``.
+
+    Example:
+        >>> state = RngState.capture([])
+        >>> a = torch.rand(2)
+        >>> state.restore()
+        >>> torch.equal(torch.rand(2), a)
+        True
+    """
+
+    cpu: Tensor
+    accelerators: tuple[tuple[torch.device, Tensor], ...]
+
+    @classmethod
+    def capture(cls, devices: Iterable[torch.device]) -> RngState:
+        """The current state (``devices``: the accelerators whose generators matter)."""
+        states = []
+        for device in dict.fromkeys(devices):
+            module = _module(device)
+            if module is not None:
+                index = device.index if device.index is not None else module.current_device()
+                states.append((torch.device(device.type, index), module.get_rng_state(index)))
+        return cls(torch.get_rng_state(), tuple(states))
+
+    def restore(self) -> None:
+        """Put the generators back in this state."""
+        torch.set_rng_state(self.cpu)
+        for device, state in self.accelerators:
+            module = _module(device)
+            if module is not None:
+                module.set_rng_state(state, device.index)
+
+    def same_as(self, other: RngState) -> bool:
+        """Whether no random number was drawn between ``self`` and ``other``."""
+        return torch.equal(self.cpu, other.cpu) and len(self.accelerators) == len(
+            other.accelerators) and all(
+            a[0] == b[0] and torch.equal(a[1], b[1])
+            for a, b in zip(self.accelerators, other.accelerators, strict=True))

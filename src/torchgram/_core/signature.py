@@ -1,0 +1,134 @@
+"""What a call's plan depends on, as a hashable key, and a small thread-safe LRU cache.
+
+# NOTE [call signatures]
+Probing ``f`` (its output structure) and tracing it (the structured backend's record of
+which ops use which parameter) cost a forward pass each. Both depend only on the function
+and on the *structure* of its arguments, so they are cached under a key made of:
+
+* the function, known by its code object and the identities of its bound instance and of
+  its closure's contents (never a reference to them: a key keeps nothing alive);
+* every argument leaf: tensors by shape, dtype, device and ``requires_grad``, other leaves
+  by type;
+* the differentiated positions, ``has_aux`` and the batch structure.
+
+A cached entry may still be stale (``f`` branches on data, or on a module's ``training``
+flag, which the key cannot see): every use of one is checked against the run it describes
+(NOTE [declared inability] for the output, ``TraceMismatch`` for traces), and a stale entry
+is dropped and recomputed, so a cache hit can cost time but never correctness.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Mapping
+from typing import Any, Generic, TypeVar
+
+import optree
+from torch import Tensor
+
+Value = TypeVar("Value")
+
+
+def function_identity(f: Callable[..., Any]) -> tuple[Any, ...] | None:
+    """``f``'s code object, the id of its bound instance and of its closure's contents.
+
+    ``None`` when ``f`` has no code object to key on (e.g. a builtin): such calls are not
+    cached.
+
+    Example:
+        >>> function_identity(lambda x: x)[1:]
+        (0, ())
+        >>> function_identity(abs) is None
+        True
+    """
+    code = getattr(f, "__code__", None)
+    if code is not None:
+        return code, 0, _closure_ids(f)
+    func = getattr(f, "__func__", None)
+    if func is not None and getattr(func, "__code__", None) is not None:
+        return func.__code__, id(getattr(f, "__self__", None)), _closure_ids(func)
+    method = type(f).__call__ if callable(f) else None  # a callable object
+    call = getattr(method, "__code__", None)
+    return None if call is None else (call, id(f), ())
+
+
+def _closure_ids(func: Any) -> tuple[int, ...]:
+    ids = []
+    for cell in getattr(func, "__closure__", None) or ():
+        try:
+            ids.append(id(cell.cell_contents))
+        except ValueError:  # an empty cell
+            ids.append(0)
+    return tuple(ids)
+
+
+def _describe(leaf: Any) -> Hashable:
+    if isinstance(leaf, Tensor):
+        return ("T", tuple(leaf.shape), leaf.dtype, leaf.device, leaf.requires_grad)
+    return type(leaf).__name__
+
+
+def call_signature(f: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any],
+                   *extra: Hashable) -> Hashable | None:
+    """The key of NOTE [call signatures], or ``None`` when ``f`` cannot be keyed.
+
+    ``extra`` adds what else the cached value depends on (differentiated positions, batch
+    structure, ``has_aux``...).
+    """
+    identity = function_identity(f)
+    if identity is None:
+        return None
+    described_args = tuple(tuple(_describe(leaf) for leaf in optree.tree_leaves(arg))
+                           for arg in args)
+    described_kwargs = tuple(sorted(
+        (name, tuple(_describe(leaf) for leaf in optree.tree_leaves(value)))
+        for name, value in kwargs.items()))
+    return identity, described_args, described_kwargs, extra
+
+
+class LruCache(Generic[Value]):
+    """A bounded least-recently-used cache, safe to use from several threads.
+
+    Example:
+        >>> cache = LruCache[int](maxsize=2)
+        >>> cache.put("a", 1); cache.put("b", 2); cache.put("c", 3)
+        >>> cache.get("a") is None, cache.get("c")
+        (True, 3)
+    """
+
+    def __init__(self, maxsize: int) -> None:
+        self.maxsize = maxsize
+        self._entries: OrderedDict[Hashable, Value] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: Hashable | None) -> Value | None:
+        """The value under ``key`` (marked as recently used), or ``None``."""
+        if key is None:
+            return None
+        with self._lock:
+            value = self._entries.get(key)
+            if value is not None:
+                self._entries.move_to_end(key)
+            return value
+
+    def put(self, key: Hashable | None, value: Value) -> None:
+        """Store ``value`` under ``key`` (nothing for a ``None`` key), evicting the oldest."""
+        if key is None:
+            return
+        with self._lock:
+            self._entries[key] = value
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.maxsize:
+                self._entries.popitem(last=False)
+
+    def pop(self, key: Hashable | None) -> None:
+        """Forget ``key`` (a stale entry)."""
+        if key is None:
+            return
+        with self._lock:
+            self._entries.pop(key, None)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)

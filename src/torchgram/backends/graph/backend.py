@@ -1,0 +1,52 @@
+"""``backend="graph"``: run ``f`` eagerly on leaves that require grad, then walk its graph.
+
+The functional front of the engine behind :func:`torchgram.autograd.gramian` (DESIGN.md §2):
+``f`` is evaluated once, on the full batch, with fresh leaves (detached aliases of the
+parameters, never the user's tensors) that require grad; the row-Jacobians are pushed from
+the output through the recorded autograd graph to those leaves (NOTE [frontier walk] in
+``walk``) and each leaf's block is Grammed as soon as its Jacobian is complete.
+
+Options:
+
+* ``chunk_size``: rows per vectorized node call; with ``diagonal=True`` the walk runs once
+  per chunk of rows, which also bounds the live frontier to ``chunk_size`` rows.
+* ``diagonal``, ``per_leaf``, ``has_aux`` (the aux of the single full-batch evaluation,
+  detached from the walked graph): supported.
+* ``batch_dim`` / ``in_dims``: accepted and validated, and the result is the same matrix,
+  but the walk does not use the per-sample structure: the row-Jacobians at an activation
+  are held densely (``m × numel``) even where the structure says most entries are zero.
+  A backend that works per sample (``jacobian`` with ``batch_dim``) is cheaper there.
+* ``memory_budget``: ignored. The memory of this backend is the frontier of live
+  row-Jacobians (``m`` times the size of the activations between two layers), set by the
+  graph, not by grouping leaves; reduce it with fewer rows, or with ``chunk_size`` in
+  diagonal mode.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torchgram._core.problem import Problem
+from torchgram._core.pytree import detach_tree
+from torchgram._core.result import BackendResult, RunReport
+from torchgram._core.sink import LeafBlocks
+from torchgram.backends._registry import register
+from torchgram.backends.graph.gramian import graph_gramian
+
+
+@register("graph")
+def graph_backend(problem: Problem) -> BackendResult:
+    """Evaluate ``f`` once with leaves that require grad, then walk the graph it recorded."""
+    report = RunReport("graph", "walk of one full-batch forward")
+    blocks = LeafBlocks.for_problem(problem)
+    if problem.evaluation is not None:  # the probe ran f with autograd: NOTE [probing]
+        leaves, rows, aux = (problem.evaluation.leaves, problem.evaluation.rows,
+                             problem.evaluation.aux)
+    else:
+        leaves = tuple(leaf.detach().requires_grad_() for leaf in problem.leaves)
+        with torch.enable_grad():
+            rows, aux = problem.rows(leaves)
+    if rows.requires_grad:  # otherwise f does not depend on the leaves: G = 0
+        graph_gramian(problem.api, [rows], leaves, blocks, chunk_size=problem.chunk_size,
+                      diagonal=problem.diagonal, report=report)
+    return BackendResult(blocks.blocks(), report, aux=detach_tree(aux), rows=rows.detach())

@@ -1,0 +1,529 @@
+"""Gram contractions of the structured backend: ghost pairs, materialized blocks, fallback.
+
+Rows are in the backend's own order ``(r, b)``: ``R`` rows per sample × ``B`` samples
+(``B = 1`` without per-sample structure). Every leaf gets a block ``[R, B, R, B]``
+(``[R, B]`` with ``diagonal=True``):
+
+* **materialize / fallback**: the per-row Jacobian ``[R, B, P]`` is the sum of every tapped
+  use's ``Σ_t first ⊗ second`` and of the gradient of the leaf's carrier (its per-sample copy),
+  then one Gram product;
+* **ghost**: ``Σ_{u, v} Σ_{t, t', g} ⟨first_u, first_v⟩ ⟨second_u, second_v⟩`` over every
+  ordered pair of uses (cross terms included), from factor Grams (NOTE [factors]); index
+  factors (embeddings) use comparisons and gathers instead of one-hots.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from torchgram.backends.structured.cost import LeafPlan
+from torchgram.backends.structured.trace import UseRecord
+
+_U_LETTERS = {"cot": "rbtg", "act": "btg", "index": "bt"}
+_V_LETTERS = {"cot": "scwg", "act": "cwg", "index": "cw"}
+_V_DIAGONAL_LETTERS = {"cot": "rbwg", "act": "bwg", "index": "bw"}
+
+DEFAULT_PAIR_ELEMENTS = 2**25
+"""Entries of one ghost pair block (``[R, B, T, R, B, T, G]``) before it is row-chunked."""
+
+
+FactorKind = Literal["act", "cot", "index"]
+
+
+@dataclass(frozen=True)
+class Factor:
+    """One factor of a use: ``act [B, T, G, a]``, ``cot [R, B, T, G, c]`` or ``index [B, T]``."""
+
+    tensor: Tensor
+    kind: FactorKind
+    key: Any = None
+    """For a cotangent of all rows: which tap it comes from (its Gram can be shared)."""
+
+    def take(self, rows: slice, samples: slice) -> Factor:
+        """Restrict to some rows (cotangents only) and samples."""
+        if self.kind == "cot":
+            return Factor(self.tensor[rows, samples], self.kind)
+        return Factor(self.tensor[samples], self.kind)
+
+
+def _dedupe(letters: str) -> str:
+    return "".join(dict.fromkeys(letters))
+
+
+def factor_gram(x: Factor, y: Factor, diagonal: bool, dtype: torch.dtype) -> tuple[Tensor, str]:
+    """Inner products of every position of ``x`` with every position of ``y``.
+
+    Returns the tensor and its einsum letters: ``r b t g`` for ``x``'s row, sample, position
+    and group, ``s c w`` for ``y``'s (``r b`` again when ``diagonal``: same row and sample).
+
+    Example:
+        >>> import torch
+        >>> act = Factor(torch.randn(3, 1, 1, 4), "act")
+        >>> gram, letters = factor_gram(act, act, False, torch.float32)
+        >>> letters, gram.shape
+        ('btgcw', torch.Size([3, 1, 1, 3, 1]))
+    """
+    xl = _U_LETTERS[x.kind]
+    yl = (_V_DIAGONAL_LETTERS if diagonal else _V_LETTERS)[y.kind]
+    if x.kind != "index" and y.kind != "index":
+        out = _dedupe(xl + yl)
+        return torch.einsum(f"{xl}z,{yl}z->{out}", x.tensor, y.tensor), out
+    if x.kind == "index" and y.kind == "index":
+        a, b = x.tensor, y.tensor
+        if diagonal:
+            return (a[:, :, None] == b[:, None, :]).to(dtype), "btw"
+        return (a[:, :, None, None] == b[None, None]).to(dtype), "btcw"
+    index, il, dense, dl = ((x.tensor, xl, y.tensor, yl) if x.kind == "index"
+                            else (y.tensor, yl, x.tensor, xl))
+    dense = dense.select(dl.index("g"), 0)  # an embedding has one group
+    dl = dl.replace("g", "")
+    sample, position = il[0], il[1]
+    if sample in dl:  # diagonal: the same sample on both sides
+        view = [1] * len(dl)
+        view[dl.index(sample)] = index.shape[0]
+        gather_index = index.reshape(*view, index.shape[1]).expand(*dense.shape[:-1],
+                                                                   index.shape[1])
+        return torch.gather(dense, -1, gather_index), dl + position
+    gathered = dense.index_select(-1, index.reshape(-1))
+    return gathered.reshape(*dense.shape[:-1], *index.shape), dl + il
+
+
+@dataclass(frozen=True)
+class UseFactors:
+    """A use's two factors in the leaf's layout (``first ⊗ second``)."""
+
+    first: Factor
+    second: Factor
+
+    def take(self, rows: slice, samples: slice) -> UseFactors:
+        """Restrict to some rows and samples."""
+        return UseFactors(self.first.take(rows, samples), self.second.take(rows, samples))
+
+
+def _single_position(u: UseFactors, v: UseFactors) -> bool:
+    """Dense factors, same orientation, one position and one group: plain matrix products."""
+    factors = (u.first, u.second, v.first, v.second)
+    return (u.first.kind == v.first.kind and all(f.kind != "index" for f in factors)
+            and all(f.tensor.shape[-3] == 1 and f.tensor.shape[-2] == 1 for f in factors))
+
+
+def single_position_cot_gram(x: Factor, y: Factor, diagonal: bool,
+                             cache: dict[Any, Tensor] | None = None) -> Tensor:
+    """``⟨x[r, b], y[s, c]⟩`` of one-position cotangents: ``[R, B, R', B']`` (``[R, B]``).
+
+    Shared through ``cache`` when both are the same tap's cotangent (a weight and its bias).
+    """
+    key = (x.key, diagonal) if x.key is not None and x.key == y.key else None
+    if cache is not None and key is not None and key in cache:
+        return cache[key]
+    rows, samples = x.tensor.shape[:2]
+    c_x = x.tensor.reshape(rows * samples, -1)
+    c_y = y.tensor.reshape(y.tensor.shape[0] * y.tensor.shape[1], -1)
+    if diagonal:
+        gram = (c_x * c_y).sum(-1).reshape(rows, samples)
+    else:
+        gram = (c_x @ c_y.T).reshape(rows, samples, y.tensor.shape[0], y.tensor.shape[1])
+    if cache is not None and key is not None:
+        cache[key] = gram
+    return gram
+
+
+def _pair_single_position(u: UseFactors, v: UseFactors, diagonal: bool,
+                          cache: dict[Any, Tensor] | None) -> Tensor:
+    """:func:`pair_gram` for ``T = G = 1``: ``(A Aᵀ) ⊙ (C Cᵀ)`` (the MLP case)."""
+    act_u, cot_u = (u.first, u.second) if u.first.kind == "act" else (u.second, u.first)
+    act_v, cot_v = (v.first, v.second) if v.first.kind == "act" else (v.second, v.first)
+    a_u = act_u.tensor.reshape(act_u.tensor.shape[0], -1)
+    a_v = act_v.tensor.reshape(act_v.tensor.shape[0], -1)
+    cots = single_position_cot_gram(cot_u, cot_v, diagonal, cache)
+    if diagonal:
+        return cots * (a_u * a_v).sum(-1)
+    return cots * (a_u @ a_v.T)[None, :, None, :]
+
+
+def pair_gram(u: UseFactors, v: UseFactors, diagonal: bool, dtype: torch.dtype,
+              cache: dict[Any, Tensor] | None = None) -> Tensor:
+    """``⟨J_u[r, b], J_v[s, c]⟩`` as ``[R, B, R', B']`` (``[R, B]`` when ``diagonal``).
+
+    ``cache`` shares the Gram of a tap's cotangent between the uses of one call.
+    """
+    if _single_position(u, v):
+        return _pair_single_position(u, v, diagonal, cache)
+    first, first_letters = factor_gram(u.first, v.first, diagonal, dtype)
+    second, second_letters = factor_gram(u.second, v.second, diagonal, dtype)
+    out = "rb" if diagonal else "rbsc"
+    return torch.einsum(f"{first_letters},{second_letters}->{out}", first, second)
+
+
+def _pair_chunked(u: UseFactors, v: UseFactors, rows: int, samples: int, positions: int,
+                  diagonal: bool, dtype: torch.dtype, max_elements: int,
+                  cache: dict[Any, Tensor] | None = None) -> Tensor:
+    """:func:`pair_gram`, split over u's samples (or rows) so one block stays bounded."""
+    per_sample = rows * positions * (1 if diagonal else rows * samples * positions)
+    sample_chunk = max(1, min(samples, max_elements // max(1, per_sample)))
+    row_chunk = rows
+    if sample_chunk == 1 and per_sample > max_elements:
+        row_chunk = max(1, rows * max_elements // per_sample)
+    if sample_chunk >= samples and row_chunk >= rows:
+        return pair_gram(u, v, diagonal, dtype, cache)
+    pieces_b = []
+    for b0 in range(0, samples, sample_chunk):
+        b_slice = slice(b0, b0 + sample_chunk)
+        pieces_r = []
+        for r0 in range(0, rows, row_chunk):
+            r_slice = slice(r0, r0 + row_chunk)
+            u_part = u.take(r_slice, b_slice)
+            v_part = v.take(r_slice, b_slice) if diagonal else v
+            pieces_r.append(pair_gram(u_part, v_part, diagonal, dtype))
+        pieces_b.append(torch.cat(pieces_r, dim=0))
+    return torch.cat(pieces_b, dim=1)
+
+
+def materialize_use(use: UseRecord, factors: UseFactors, numel: int) -> Tensor:
+    """The use's per-row Jacobian ``[R, B, numel]`` in the leaf's layout."""
+    if use.role == "bias":
+        cot = factors.first.tensor if factors.first.kind == "cot" else factors.second.tensor
+        summed = cot.sum(dim=2)
+        return summed.reshape(*summed.shape[:2], -1)
+    first, second = factors.first, factors.second
+    if use.shape.elementwise:  # Σ_t act ⊙ cot, the activation shared by the rows
+        act_factor, cot_factor = (first, second) if first.kind == "act" else (second, first)
+        summed = (cot_factor.tensor * act_factor.tensor).sum(dim=2)
+        return summed.reshape(*summed.shape[:2], numel)
+    if first.kind == "index" or second.kind == "index":
+        index, cot = ((first.tensor, second.tensor) if first.kind == "index"
+                      else (second.tensor, first.tensor))
+        rows, samples, positions = cot.shape[:3]
+        classes = use.shape.act_width
+        dim = cot.shape[-1]
+        offsets = index + classes * torch.arange(samples, device=index.device)[:, None]
+        jac = cot.new_zeros(rows, samples * classes, dim)
+        jac.index_add_(1, offsets.reshape(-1), cot.reshape(rows, samples * positions, dim))
+        jac = jac.reshape(rows, samples, classes, dim)
+        if first.kind != "index":  # a transposed embedding table
+            jac = jac.transpose(-1, -2)
+        return jac.reshape(rows, samples, numel)
+    # [(R,) B, T, G, i] -> [(R,) B, G, i, T] and [(R,) B, G, T, j]: one (broadcast) matmul
+    # writes the Jacobian contiguously in the leaf's layout [R, B, G, i, j]
+    rows = max(f.tensor.shape[0] for f in (first, second) if f.kind == "cot")
+    if rows == 1 and first.tensor.shape[-2] == 1:  # one group: transposed views, no copies
+        samples, positions = first.tensor.shape[-4], first.tensor.shape[-3]
+        left = first.tensor.reshape(samples, positions, -1).transpose(1, 2)
+        right = second.tensor.reshape(samples, positions, -1)
+        return torch.bmm(left, right).reshape(1, samples, numel)
+    left = first.tensor.movedim(-3, -1)
+    right = second.tensor.movedim(-2, -3)
+    if first.kind != "cot":
+        left = left.unsqueeze(0)
+    if second.kind != "cot":
+        right = right.unsqueeze(0)
+    jac = torch.matmul(left, right)
+    return jac.reshape(*jac.shape[:2], numel)
+
+
+def flat_rows(jacobian: Tensor) -> Tensor:
+    """``[R, B, *shape]`` → ``[R, B, P]``, with the entries in memory order (no copy).
+
+    The order of a Jacobian's columns does not change its Gram matrix, so the flattening
+    follows the strides the backward produced instead of copying to row-major order.
+    """
+    rest = sorted(range(2, jacobian.dim()), key=lambda d: -jacobian.stride()[d])
+    return jacobian.permute(0, 1, *rest).reshape(*jacobian.shape[:2], -1)
+
+
+def gram_of_rows(jacobian: Tensor, diagonal: bool) -> Tensor:
+    """The Gram block ``[R, B, R, B]`` (or ``[R, B]``) of per-row Jacobians ``[R, B, P]``."""
+    if diagonal:
+        return jacobian.square().sum(dim=-1)
+    rows, samples = jacobian.shape[:2]
+    flat = jacobian.reshape(rows * samples, -1)
+    return (flat @ flat.T).reshape(rows, samples, rows, samples)
+
+
+def sparse_embedding_gram(indices: Sequence[Tensor], cots: Sequence[Tensor], classes: int,
+                          diagonal: bool) -> Tensor:
+    """The block of an embedding table used only by lookups, from its non-zero rows.
+
+    Row ``(r, b)``'s Jacobian has a non-zero row ``v`` only for the tokens of sample ``b``:
+    ``S[r, b, v] = Σ_{uses, t: index = v} g[r, b, t]``. Then
+    ``G[(r, b), (s, c)] = Σ_v ⟨S[r, b, v], S[s, c, v]⟩`` over the pairs of (sample, token)
+    entries that share a token: about ``n·(1 + n/V)`` pairs for ``n`` entries spread over
+    ``V`` tokens, instead of ``(R·B)²·V·d`` for the materialized Gram.
+
+    Args:
+        indices: Per use, the indices ``[B, T]``.
+        cots: Per use, the cotangents ``[R, B, T, 1, d]`` (padding already masked).
+        classes: ``V``, the number of rows of the table.
+        diagonal: Return only ``[R, B]`` (each row's squared norm).
+
+    Returns:
+        ``[R, B, R, B]`` (``[R, B]`` with ``diagonal``).
+
+    Example:
+        >>> import torch
+        >>> index = torch.tensor([[1, 1, 2], [2, 0, 0]])
+        >>> cot = torch.randn(1, 2, 3, 1, 4)
+        >>> jac = torch.zeros(2, 3, 4).index_put_(
+        ...     (torch.tensor([[0], [1]]).expand(2, 3), index), cot[0, :, :, 0], accumulate=True)
+        >>> dense = jac.reshape(2, -1) @ jac.reshape(2, -1).T
+        >>> torch.allclose(sparse_embedding_gram([index], [cot], 3, False)[0, :, 0], dense)
+        True
+    """
+    rows, samples = cots[0].shape[:2]
+    device = cots[0].device
+    sample_ids = torch.arange(samples, device=device)[:, None]
+    keys = torch.cat([(index + classes * sample_ids).reshape(-1) for index in indices])
+    values = torch.cat([cot.reshape(rows, -1, cot.shape[-1]) for cot in cots], dim=1)
+    unique, inverse = torch.unique(keys, return_inverse=True)
+    summed = values.new_zeros(rows, unique.numel(), values.shape[-1])
+    summed.index_add_(1, inverse, values)  # S[r, (b, v)]
+    key_sample = torch.div(unique, classes, rounding_mode="floor")
+    if diagonal:
+        out = values.new_zeros(rows, samples)
+        return out.index_add_(1, key_sample, summed.square().sum(-1))
+    token = unique - classes * key_sample
+    order = torch.argsort(token, stable=True)
+    token_sorted = token[order]
+    starts = torch.ones_like(token_sorted, dtype=torch.bool)
+    starts[1:] = token_sorted[1:] != token_sorted[:-1]
+    group = torch.cumsum(starts.long(), 0) - 1
+    group_start = torch.nonzero(starts).reshape(-1)
+    group_size = torch.diff(torch.cat([group_start, group_start.new_tensor([token.numel()])]))
+    per_entry = group_size[group]
+    left = torch.repeat_interleave(torch.arange(token.numel(), device=device), per_entry)
+    first_pair = torch.cumsum(per_entry, 0) - per_entry
+    right = group_start[group[left]] + (torch.arange(left.numel(), device=device)
+                                        - first_pair[left])
+    left, right = order[left], order[right]
+    dots = torch.einsum("rpd,spd->prs", summed[:, left], summed[:, right])
+    out = values.new_zeros(samples, samples, rows, rows)
+    out.index_put_((key_sample[left], key_sample[right]), dots, accumulate=True)
+    return out.permute(2, 0, 3, 1)
+
+
+def pullback_use(use: UseRecord, factors: UseFactors, weights: Tensor, numel: int) -> Tensor:
+    """``Σ_{r, b} w[r, b] J_u[r, b]``, flattened in the leaf's layout (``weights: [R, B]``)."""
+    def weighted(factor: Factor) -> Tensor:
+        w = weights.to(factor.tensor.dtype)
+        return (factor.tensor * w.reshape(*w.shape, *([1] * (factor.tensor.dim() - 2)))).sum(0)
+
+    first, second = factors.first, factors.second
+    if use.role == "bias":
+        return weighted(first if first.kind == "cot" else second).sum((0, 1)).reshape(numel)
+    first_t = weighted(first) if first.kind == "cot" else first.tensor
+    second_t = weighted(second) if second.kind == "cot" else second.tensor
+    if use.shape.elementwise:
+        return (first_t * second_t).sum((0, 1)).reshape(numel)
+    if first.kind == "index" or second.kind == "index":
+        index, cot = (first_t, second_t) if first.kind == "index" else (second_t, first_t)
+        table = cot.new_zeros(use.shape.act_width, cot.shape[-1])
+        table.index_add_(0, index.reshape(-1), cot.reshape(-1, cot.shape[-1]))
+        return (table if first.kind == "index" else table.T).reshape(numel)
+    return torch.einsum("btgi,btgj->gij", first_t, second_t).reshape(numel)
+
+
+class Contraction:
+    """Collects the pass's factors, row chunk by row chunk, and yields per-leaf blocks.
+
+    Args:
+        plans: One plan per leaf (its ``way``).
+        uses: The run's records of each planned leaf's tapped uses (they carry the layouts
+            of the run; the plan's are the trace's).
+        numels: Number of entries of every leaf.
+        samples: ``B``.
+        rows: ``R``.
+        diagonal: Whether only the diagonal is wanted.
+        max_pair_elements: Bound on one ghost pair block before row-chunking.
+    """
+
+    def __init__(self, plans: Sequence[LeafPlan], uses: dict[int, tuple[UseRecord, ...]],
+                 numels: Sequence[int], samples: int, rows: int, diagonal: bool,
+                 max_pair_elements: int = DEFAULT_PAIR_ELEMENTS, keep: bool = False) -> None:
+        self.plans = plans
+        self.uses = uses
+        self.keep = keep
+        self._kept: dict[int, list[tuple[UseRecord, UseFactors] | Tensor]] = {}
+        self.complete = True
+        self.numels = numels
+        self.samples = samples
+        self.rows = rows
+        self.diagonal = diagonal
+        self.max_pair_elements = max_pair_elements
+        self._acts: Sequence[Tensor] = ()
+        self._act_factors: dict[tuple[int, int], Factor] = {}
+        self._jacobians: dict[int, Tensor] = {}
+        self._grams: dict[int, Tensor] = {}
+        self._cot_grams: dict[Any, Tensor] = {}
+        self._ghost_cots: dict[tuple[int, int], list[Tensor]] = {}
+
+    def set_acts(self, acts: Sequence[Tensor]) -> None:
+        """The recorded activations, each with a leading sample dim."""
+        self._acts = acts
+
+    def _act_factor(self, key: tuple[int, int], use: UseRecord) -> Factor:
+        factor = self._act_factors.get(key)
+        if factor is None:
+            assert use.act is not None
+            tensor = use.layout.act_factor(self._acts[use.act], 1)
+            factor = Factor(tensor, "index" if use.shape.act_is_index else "act")
+            self._act_factors[key] = factor
+        return factor
+
+    def _cot_tensor(self, use: UseRecord, tap_cots: Sequence[Tensor | None]) -> Tensor | None:
+        raw = tap_cots[use.tap]
+        if raw is None:
+            return None
+        act_raw = self._acts[use.act] if use.act is not None else None
+        return use.layout.cot_factor(raw, 2, act_raw)
+
+    def _factors(self, key: tuple[int, int], use: UseRecord, cot: Tensor,
+                 complete: bool = False) -> UseFactors:
+        cot_factor = Factor(cot, "cot", (use.tap, id(use.layout)) if complete else None)
+        if use.role == "bias":
+            return UseFactors(cot_factor, cot_factor)
+        act = self._act_factor(key, use)
+        return UseFactors(act, cot_factor) if use.act_first else UseFactors(cot_factor, act)
+
+    def add_rows(self, start: int, stop: int, tap_cots: Sequence[Tensor | None],
+                 carrier_grads: dict[int, Tensor]) -> None:
+        """Consume rows ``start:stop``: tap cotangents ``[c, B, *y]`` and carrier gradients.
+
+        ``carrier_grads[leaf]`` is ``[c, B, *leaf.shape]``: the Jacobian of the leaf's
+        unrecognised uses.
+        """
+        if self.keep:
+            self._keep(start, stop, tap_cots, carrier_grads)
+        for plan in self.plans:
+            if plan.way in ("ghost", "sparse"):
+                for k, use in enumerate(self.uses.get(plan.leaf, ())):
+                    cot = self._cot_tensor(use, tap_cots)
+                    if cot is not None:
+                        self._ghost_cots.setdefault((plan.leaf, k), []).append(cot)
+                    else:
+                        self._ghost_cots.setdefault((plan.leaf, k), [])
+                continue
+            if plan.way == "unused":
+                continue
+            numel = self.numels[plan.leaf]
+            part: Tensor | None = carrier_grads.pop(plan.leaf, None)
+            uses = self.uses.get(plan.leaf, ())
+            if part is not None:  # [c, B, *leaf.shape]: in the leaf's layout if others add to it
+                part = part.reshape(*part.shape[:2], -1) if uses else flat_rows(part)
+            complete = start == 0 and stop == self.rows
+            if complete and part is None and len(uses) == 1 and uses[0].role == "bias" \
+                    and uses[0].shape.positions == 1 and uses[0].shape.groups == 1:
+                cot = self._cot_tensor(uses[0], tap_cots)
+                if cot is not None:  # a bias without positions: its Jacobian is the cotangent
+                    factor = Factor(cot, "cot", (uses[0].tap, id(uses[0].layout)))
+                    self._grams[plan.leaf] = single_position_cot_gram(
+                        factor, factor, self.diagonal, self._cot_grams)
+                continue
+            for k, use in enumerate(uses):
+                cot = self._cot_tensor(use, tap_cots)
+                if cot is None:
+                    continue
+                jac = materialize_use(use, self._factors((plan.leaf, k), use, cot), numel)
+                part = jac if part is None else part + jac
+            if part is None:
+                continue
+            store = self._jacobians.get(plan.leaf)
+            if store is None and start == 0 and stop == self.rows:  # all rows at once:
+                self._grams[plan.leaf] = gram_of_rows(part, self.diagonal)  # Gram and free
+                continue
+            if store is None:
+                store = self._jacobians[plan.leaf] = part.new_zeros(self.rows, self.samples,
+                                                                    numel)
+            store[start:stop] += part
+
+    def _keep(self, start: int, stop: int, tap_cots: Sequence[Tensor | None],
+              carrier_grads: dict[int, Tensor]) -> None:
+        """Keep what ``Jᵀ w`` needs (one chunk of all rows only)."""
+        if not (start == 0 and stop == self.rows):
+            self.complete = False
+            return
+        for plan in self.plans:
+            kept = self._kept.setdefault(plan.leaf, [])
+            if plan.leaf in carrier_grads:
+                kept.append(carrier_grads[plan.leaf])
+            for k, use in enumerate(self.uses.get(plan.leaf, ())):
+                cot = self._cot_tensor(use, tap_cots)
+                if cot is not None:
+                    kept.append((use, self._factors((plan.leaf, k), use, cot)))
+
+    def pullback(self, weights: Tensor) -> list[Tensor | None]:
+        """``Jᵀ w`` per leaf (flattened; ``None`` where zero), for ``weights [R, B]``.
+
+        Needs ``keep=True`` and all rows in one chunk (:attr:`complete`).
+        """
+        grads: list[Tensor | None] = [None] * len(self.numels)
+        for leaf, kept in self._kept.items():
+            for item in kept:
+                if isinstance(item, Tensor):  # a carrier's gradients [R, B, *leaf.shape]
+                    w = weights.to(item.dtype)
+                    piece = (item * w.reshape(*w.shape, *([1] * (item.dim() - 2)))).sum((0, 1))
+                    piece = piece.reshape(-1)
+                else:
+                    piece = pullback_use(item[0], item[1], weights, self.numels[leaf])
+                current = grads[leaf]
+                grads[leaf] = piece if current is None else current + piece
+        return grads
+
+    def blocks(self, dtype: torch.dtype) -> Iterator[tuple[int, Tensor]]:
+        """``(leaf, block)`` for every leaf with a non-zero contribution, freeing as it goes."""
+        for plan in self.plans:
+            if plan.way == "ghost":
+                block = self._ghost_block(plan, dtype)
+            elif plan.way == "sparse":
+                block = self._sparse_block(plan)
+            elif plan.leaf in self._grams:
+                block = self._grams.pop(plan.leaf)
+            else:
+                jacobian = self._jacobians.pop(plan.leaf, None)
+                block = None if jacobian is None else gram_of_rows(jacobian, self.diagonal)
+            if block is not None:
+                yield plan.leaf, block
+
+    def _sparse_block(self, plan: LeafPlan) -> Tensor | None:
+        indices, cots = [], []
+        for k, use in enumerate(self.uses.get(plan.leaf, ())):
+            pieces = self._ghost_cots.pop((plan.leaf, k), [])
+            if pieces:
+                cots.append(pieces[0] if len(pieces) == 1 else torch.cat(pieces))
+                indices.append(self._act_factor((plan.leaf, k), use).tensor)
+        if not cots:
+            return None
+        return sparse_embedding_gram(indices, cots, self.uses[plan.leaf][0].shape.act_width,
+                                     self.diagonal)
+
+    def _ghost_block(self, plan: LeafPlan, dtype: torch.dtype) -> Tensor | None:
+        factors: list[tuple[UseFactors, int]] = []
+        for k, use in enumerate(self.uses.get(plan.leaf, ())):
+            pieces = self._ghost_cots.pop((plan.leaf, k), [])
+            if not pieces:
+                continue
+            cot = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+            factors.append((self._factors((plan.leaf, k), use, cot, complete=True),
+                            use.shape.positions * use.shape.groups))
+        total: Tensor | None = None
+        for i, (u, pos_u) in enumerate(factors):
+            for j in range(i, len(factors)):
+                v, pos_v = factors[j]
+                block = _pair_chunked(u, v, self.rows, self.samples,
+                                      max(pos_u, pos_v), self.diagonal, dtype,
+                                      self.max_pair_elements, self._cot_grams)
+                if i != j:
+                    block = 2 * block if self.diagonal else block + block.permute(2, 3, 0, 1)
+                total = block if total is None else total + block
+        return total
+
+
+def to_row_major(block: Tensor, diagonal: bool) -> Tensor:
+    """A block ``[R, B, R, B]`` (``[R, B]``) as ``[m, m]`` (``[m]``), rows in ``(r, b)`` order."""
+    rows, samples = block.shape[:2]
+    m = rows * samples
+    return block.reshape(m) if diagonal else block.reshape(m, m)

@@ -1,0 +1,420 @@
+"""The structured backend's passes: one tapped forward, then backwards for row cotangents.
+
+# NOTE [structured passes]
+*Per-sample* (``batch_dim``): a trace of ``f`` on one sample (a batch of one) says which calls
+are tapped and which leaves need the fallback; traces are cached per function and call
+signature, which is safe because every run is checked against its trace (below). Then ONE
+forward, in one of two ways:
+
+* **batched** (no fallback leaf): ``f`` runs on the whole batch with plain autograd. Each
+  tapped call's output must have the trace's shape except in one dimension, where the trace
+  has 1 and the batch ``B``: that dimension indexes the samples (wherever the model moved it).
+  This assumes that samples keep their order along it inside ``f`` (true unless ``f`` sorts
+  or permutes its batch); if any shape does not fit, the ``vmap`` way is used instead.
+* **vmap**: ``f`` runs per sample under ``vmap`` (each sample a batch of one, DESIGN.md §3)
+  with the taps ``[B, *y]`` and per-sample copies ``[B, *θ]`` of the fallback leaves (their
+  "carriers") as batched inputs, and plain autograd outside. Scaled dot-product attention
+  runs with its math kernel there: the fused kernels have no batching rule, and vmap would
+  call them once per sample.
+
+Row ``(b, k)`` depends on sample ``b`` only, so the backward of a cotangent that is 1 at
+``(b, k)`` for *every* ``b`` gives, at once, every sample's ``∂out_(b,k)/∂y`` on that
+sample's slice of each tap, and its per-sample fallback gradients on the carriers. ``K = 1``
+(per-sample losses) is one forward and one backward; ``K > 1`` vmaps the backward over
+chunks of ``k`` (``is_grads_batched``). ``chunk_size=1`` loops without ``vmap``: over rows,
+and (for the ``vmap`` way) over samples.
+
+*Dense rows* (no ``batch_dim``): one forward of ``f`` with taps made on the fly, every leaf's
+tensor carrying the gradient of its unrecognised uses, and the backward vmapped over chunks
+of basis cotangents of the ``m`` rows: everything is one "sample" with ``R = m`` rows.
+
+A run that leaves its trace (different tapped calls, an unrecognised use the trace did not
+see) raises ``TraceMismatch``; the backend then redoes the pass with every leaf on the
+fallback, which is always right.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from torchgram._core.problem import Problem
+from torchgram._core.result import NO_AUX
+from torchgram._core.signature import LruCache, call_signature
+from torchgram.backends.structured.trace import Recording, TapMode, TraceMismatch, zero_tap
+
+GradChunk = tuple[int, int, list[Tensor | None], dict[int, Tensor]]
+
+ForwardKind = Literal["batched", "vmap", "loop", "dense"]
+"""The ways of running ``f`` (NOTE [structured passes])."""
+
+_TRACES = LruCache[Recording](maxsize=64)
+
+
+def _trace_key(problem: Problem) -> Hashable | None:
+    """The trace's cache key (NOTE [call signatures])."""
+    batch = problem.batch
+    return call_signature(problem.f, problem.args, problem.kwargs, problem.diff.positions,
+                          problem.has_aux,
+                          None if batch is None else (batch.batch_dim, batch.positions,
+                                                      batch.dims))
+
+
+def cached_trace(problem: Problem) -> Recording | None:
+    """The cached trace of this call's signature, if any."""
+    return _TRACES.get(_trace_key(problem))
+
+
+def keep_trace(problem: Problem, recording: Recording) -> None:
+    """Cache a recording made by a tapped run as this call's trace."""
+    _TRACES.put(_trace_key(problem), recording)
+
+
+def forget_trace(problem: Problem) -> None:
+    """Drop the cached trace of this call's signature (a run did not replay it)."""
+    _TRACES.pop(_trace_key(problem))
+
+
+def trace(problem: Problem) -> Recording:
+    """Run ``f`` once under a tracing :class:`TapMode` (one sample with ``batch_dim``).
+
+    Leaves are given as tensors that require gradients, with gradients enabled, so that
+    code which branches on ``requires_grad`` takes the same path as in the real pass. The
+    recording is cached per function and call signature (NOTE [call signatures]).
+    """
+    recording = cached_trace(problem)
+    if recording is not None:
+        return recording
+    with torch.enable_grad():
+        carriers = tuple(leaf.detach().requires_grad_() for leaf in problem.leaves)
+        mode = TapMode(carriers, problem.leaves, taps="trace")
+        batch = problem.batch
+        if batch is None:
+            with mode:
+                rows = problem.rows(carriers)[0]
+        else:
+            with mode:
+                rows = problem.sample_rows(carriers, batch.narrow(0, 1))
+    mode.recording.rows = rows.numel()
+    keep_trace(problem, mode.recording)
+    return mode.recording
+
+
+def check_replay(traced: Recording, run: Recording, samples: int) -> None:
+    """Raise ``TraceMismatch`` unless ``run`` has the trace's uses (``samples`` × positions)."""
+    if len(traced.uses) != len(run.uses) or len(traced.taps) != len(run.taps) or not all(
+            t.same_structure(r, samples) for t, r in zip(traced.uses, run.uses, strict=True)):
+        raise TraceMismatch("the run's tapped uses differ from the trace's")
+
+
+@dataclass
+class Forward:
+    """A tapped forward, ready for backwards.
+
+    Attributes:
+        kind: ``"batched"``, ``"vmap"``, ``"loop"`` or ``"dense"`` (NOTE [structured passes]).
+        recording: The tapped calls and uses as seen by the run.
+        samples: ``B`` (1 for dense rows).
+        rows_per_sample: ``R``.
+        acts: Recorded activations, each ``[B, *per-sample shape]``.
+        outputs: The rows: ``[B, R]`` (vmap), per sample ``[R]`` (loop), ``[m]`` (batched:
+            output order; dense).
+        taps: The taps (per sample for ``loop``).
+        carriers: The fallback leaves' tensors (per sample for ``loop``).
+        carrier_leaves: The leaves with carriers, in order.
+        aux: ``f``'s aux when the full batch was evaluated, else ``NO_AUX``.
+        tap_dims: ``batched`` only: each tap's sample dimension.
+        order: ``batched`` only: ``order[b, k]`` is the output row of row ``k`` of sample ``b``.
+    """
+
+    kind: ForwardKind
+    recording: Recording
+    samples: int
+    rows_per_sample: int
+    acts: list[Tensor]
+    outputs: list[Tensor]
+    taps: list[list[Tensor]]
+    carriers: list[list[Tensor]]
+    carrier_leaves: list[int]
+    aux: Any = NO_AUX
+    tap_dims: list[int | None] = field(default_factory=list)
+    order: Tensor | None = None
+
+    def detached_rows(self) -> Tensor:
+        """The output rows, in the backend's ``[B, R]`` layout (``[m]`` when batched/dense)."""
+        if self.kind in ("batched", "dense"):
+            return self.outputs[0].detach().reshape(-1)
+        if len(self.outputs) == 1:
+            return self.outputs[0].detach()
+        return torch.stack([out.detach().reshape(-1) for out in self.outputs])
+
+
+# -- the ways of running f -----------------------------------------------------------------
+
+def _per_sample_view(x: Tensor, dim: int | None, lead: int, samples: int) -> Tensor:
+    """``x`` with its sample dim ``dim`` (after ``lead`` dims) moved to ``lead``, size-1 kept.
+
+    ``dim=None``: ``x`` does not depend on the sample (``samples > 1``: shared, expanded) or
+    there is one sample.
+    """
+    if dim is None:
+        x = x.unsqueeze(lead)
+        return x.expand(*x.shape[:lead], samples, *x.shape[lead + 1:])
+    return x.movedim(lead + dim, lead).unsqueeze(lead + 1 + dim)
+
+
+_NO_DIM = -1
+
+
+def _sample_dim(traced: Sequence[int], full: Sequence[int], samples: int, *,
+                shared_ok: bool) -> int | None:
+    """The dim of ``full`` that indexes samples (``None``: no such dim), or ``_NO_DIM``."""
+    if len(traced) != len(full):
+        return _NO_DIM
+    differ = [i for i, (t, f) in enumerate(zip(traced, full, strict=True)) if t != f]
+    if not differ:
+        return None if (samples == 1 or shared_ok) else _NO_DIM
+    if len(differ) == 1 and traced[differ[0]] == 1 and full[differ[0]] == samples:
+        return differ[0]
+    return _NO_DIM
+
+
+def batched_forward(problem: Problem, traced: Recording) -> Forward | None:
+    """The per-sample forward on the whole batch without ``vmap``, or ``None`` if it cannot be.
+
+    Raises ``TraceMismatch`` when the run leaves the trace.
+    """
+    batch = problem.batch
+    assert batch is not None
+    samples = batch.size
+    leaves = problem.leaves
+    carriers = tuple(leaf.detach().requires_grad_() for leaf in leaves)
+    mode = TapMode(carriers, leaves, taps="lazy", carriers=())
+    with mode:
+        rows, aux = problem.rows(carriers)
+    run = mode.recording
+    check_replay(traced, run, samples)
+    tap_dims = [_sample_dim(t.shape, r.shape, samples, shared_ok=False)
+                for t, r in zip(traced.taps, run.taps, strict=True)]
+    act_dims: dict[int, int | None] = {}
+    for t, r in zip(traced.uses, run.uses, strict=True):
+        if r.act is not None and t.act_shape is not None and r.act_shape is not None:
+            act_dims[r.act] = _sample_dim(t.act_shape, r.act_shape, samples, shared_ok=True)
+    if _NO_DIM in tap_dims or _NO_DIM in act_dims.values() or len(act_dims) != len(mode.acts):
+        return None
+    acts = [_per_sample_view(act, act_dims[i], 0, samples) for i, act in enumerate(mode.acts)]
+    per_sample = rows.numel() // samples
+    return Forward("batched", run, samples, per_sample, acts, [rows], [mode.made_taps], [[]],
+                   [], aux=aux, tap_dims=tap_dims,
+                   order=problem.sample_major_index if per_sample > 1 else None)
+
+
+def restrict(traced: Recording, tapped: Sequence[int]) -> Recording:
+    """The trace as a run that taps only the ``tapped`` leaves sees it (renumbered)."""
+    keep = set(tapped)
+    uses = [use for use in traced.uses if use.leaf in keep]
+    taps = sorted({use.tap for use in uses})
+    acts = sorted({use.act for use in uses if use.act is not None})
+    tap_index = {old: new for new, old in enumerate(taps)}
+    act_index = {old: new for new, old in enumerate(acts)}
+    return Recording(
+        taps=[traced.taps[i] for i in taps],
+        uses=[dataclasses.replace(use, tap=tap_index[use.tap],
+                                  act=None if use.act is None else act_index[use.act])
+              for use in uses],
+        unrecognised=traced.unrecognised, unrecognised_flops=traced.unrecognised_flops)
+
+
+def per_sample_forward(problem: Problem, traced: Recording,
+                       fallback: Sequence[int], *, loop: bool) -> Forward:
+    """The tapped per-sample forward under ``vmap`` (or a loop over samples).
+
+    ``traced`` is the trace restricted to the leaves that are not on the fallback.
+    """
+    batch = problem.batch
+    assert batch is not None
+    size = batch.size
+    leaves = problem.leaves
+    fallback = sorted(fallback)
+    tapped = [i for i in range(len(leaves)) if i not in set(fallback)]
+    tap_specs = traced.taps
+    base = [leaf.detach().requires_grad_() for leaf in leaves]
+    recordings: list[Recording] = []
+
+    def run(taps: Sequence[Tensor], carriers: Sequence[Tensor],
+            sample: tuple[Tensor, ...]) -> tuple[Tensor, list[Tensor]]:
+        run_leaves = list(base)
+        for leaf, carrier in zip(fallback, carriers, strict=True):
+            run_leaves[leaf] = carrier
+        mode = TapMode(run_leaves, leaves, tapped=tapped, taps=list(taps), expected=tap_specs,
+                       carriers=fallback)
+        with mode:
+            rows = problem.sample_rows(tuple(run_leaves), sample)
+        mode.finish()
+        recordings.append(mode.recording)
+        return rows, mode.acts
+
+    device = leaves[0].device
+    if loop:
+        outputs, acts_per_sample, taps_all, carriers_all = [], [], [], []
+        for b in range(size):
+            taps = [zero_tap(spec.shape, spec.dtype, device) for spec in tap_specs]
+            carriers = [leaves[i].detach().requires_grad_() for i in fallback]
+            sample = batch.narrow(b, 1)
+            rows, acts = run(taps, carriers, sample)
+            outputs.append(rows)
+            acts_per_sample.append(acts)
+            taps_all.append(taps)
+            carriers_all.append(carriers)
+        check_replay(traced, recordings[0], 1)
+        acts = [torch.stack([acts_b[i] for acts_b in acts_per_sample])
+                for i in range(len(acts_per_sample[0]))]
+        return Forward("loop", recordings[0], size, outputs[0].numel(), acts, outputs,
+                       taps_all, carriers_all, fallback)
+
+    taps = [zero_tap((size, *spec.shape), spec.dtype, device) for spec in tap_specs]
+    carriers = [leaves[i].detach().expand(size, *leaves[i].shape).requires_grad_()
+                for i in fallback]
+
+    def one_sample(taps: tuple[Tensor, ...], carriers: tuple[Tensor, ...],
+                   *inputs: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
+        sample = tuple(x.unsqueeze(d) for x, d in zip(inputs, batch.dims, strict=True))
+        rows, acts = run(taps, carriers, sample)
+        return rows, tuple(acts)
+
+    # Attention's math kernel: the fused ones have no batching rule (NOTE above).
+    with sdpa_kernel(SDPBackend.MATH):
+        rows, batched_acts = torch.func.vmap(one_sample, in_dims=(0, 0, *batch.dims))(
+            tuple(taps), tuple(carriers), *batch.tensors)
+    acts = list(batched_acts)
+    check_replay(traced, recordings[0], 1)
+    return Forward("vmap", recordings[0], size, rows.shape[1], list(acts), [rows], [taps],
+                   [carriers], fallback)
+
+
+def dense_forward(problem: Problem) -> Forward:
+    """The tapped forward on the full inputs, taps made on the fly (dense rows)."""
+    leaves = problem.leaves
+    carriers = [leaf.detach().requires_grad_() for leaf in leaves]
+    mode = TapMode(carriers, leaves, taps="lazy")
+    with mode:
+        rows, aux = problem.rows(tuple(carriers))
+    used = sorted(mode.recording.unrecognised)
+    mode.recording.rows = rows.numel()
+    return Forward("dense", mode.recording, 1, rows.numel(),
+                   [act.unsqueeze(0) for act in mode.acts], [rows], [mode.made_taps],
+                   [[carriers[i] for i in used]], used, aux=aux)
+
+
+# -- backwards -------------------------------------------------------------------------------
+
+def rows_per_pass(problem: Problem, forward: Forward) -> int:
+    """Cotangent directions per backward (each covers every sample): chunk_size / budget."""
+    rows = forward.rows_per_sample
+    if problem.chunk_size is not None:
+        return max(1, min(rows, problem.chunk_size // max(1, forward.samples)))
+    if problem.memory_budget is None:
+        return max(rows, 1)
+    per_direction = sum(t.numel() for t in forward.taps[0]) + \
+        sum(c.numel() for c in forward.carriers[0])
+    per_direction *= forward.samples if forward.kind == "loop" else 1
+    return int(max(1, min(rows, problem.memory_budget // max(1, per_direction *
+                                                                  problem.itemsize))))
+
+
+def _direction_cotangents(forward: Forward, start: int, stop: int) -> Tensor:
+    """``[c, *outputs]``: for each ``k`` in ``start:stop``, 1 at row ``k`` of every sample."""
+    rows = forward.outputs[0]
+    count = stop - start
+    cot = rows.new_zeros(count, *rows.shape)
+    ks = torch.arange(start, stop, device=rows.device)
+    if forward.kind == "batched":
+        assert forward.order is not None
+        cot[torch.arange(count, device=rows.device)[:, None], forward.order[:, ks].T] = 1
+    elif forward.kind == "dense":
+        cot[torch.arange(count, device=rows.device), ks] = 1
+    else:
+        cot[torch.arange(count, device=rows.device), :, ks] = 1
+    return cot
+
+
+def backward_chunks(forward: Forward, per_pass: int, *,
+                    vectorize: bool) -> Iterator[GradChunk]:
+    """``(start, stop, tap cotangents [c, B, *y], carrier grads [c, B, *θ])`` per row chunk.
+
+    A tap the output does not depend on gets ``None``.
+    """
+    if forward.kind == "loop":
+        yield from _looped_chunks(forward)
+        return
+    rows = forward.outputs[0]
+    if not rows.requires_grad:
+        return
+    inputs = [*forward.taps[0], *forward.carriers[0]]
+    num_taps = len(forward.taps[0])
+    total = forward.rows_per_sample
+    samples = forward.samples
+    for start in range(0, total, per_pass):
+        stop = min(start + per_pass, total)
+        count = stop - start
+        if total == 1 and forward.kind in ("vmap", "batched"):
+            cot = torch.ones_like(rows).unsqueeze(0)
+        else:
+            cot = _direction_cotangents(forward, start, stop)
+        batched = vectorize and count > 1
+        raw = torch.autograd.grad(
+            rows, inputs, cot if batched else cot[0], retain_graph=stop < total,
+            allow_unused=True, is_grads_batched=batched)
+        grads: list[Tensor | None] = [None if g is None else (g if batched else g.unsqueeze(0))
+                                      for g in raw]
+        del raw
+        if forward.kind == "dense":  # no sample dim: B = 1
+            grads = [None if g is None else g.unsqueeze(1) for g in grads]
+        elif forward.kind == "batched":
+            grads = [None if g is None else _per_sample_view(g, dim, 1, samples)
+                     for g, dim in zip(grads, forward.tap_dims, strict=True)]
+        tap_cots = grads[:num_taps]
+        carrier_grads = {  # [c, B, *leaf.shape], in whatever layout the backward made
+            leaf: grad.reshape(count, samples, *grad.shape[-(grad.dim() - 2):])
+            if forward.kind == "dense" else grad
+            for leaf, grad in zip(forward.carrier_leaves, grads[num_taps:], strict=True)
+            if grad is not None
+        }
+        del grads  # the consumer frees what it is done with
+        yield start, stop, tap_cots, carrier_grads
+
+
+def _looped_chunks(forward: Forward) -> Iterator[GradChunk]:
+    """One row at a time, one sample at a time, without vmap (``chunk_size=1``)."""
+    total = forward.rows_per_sample
+    num_taps = len(forward.taps[0])
+    for k in range(total):
+        per_sample: list[list[Tensor | None]] = []
+        for b, rows in enumerate(forward.outputs):
+            inputs = [*forward.taps[b], *forward.carriers[b]]
+            if not rows.requires_grad or not inputs:
+                per_sample.append([None] * len(inputs))
+                continue
+            grads = torch.autograd.grad(rows.reshape(-1)[k], inputs,
+                                        retain_graph=k + 1 < total, allow_unused=True)
+            per_sample.append(list(grads))
+        stacked: list[Tensor | None] = []
+        for i, column in enumerate(zip(*per_sample, strict=True)):
+            if all(g is None for g in column):
+                stacked.append(None)
+                continue
+            like = forward.taps[0][i] if i < num_taps else forward.carriers[0][i - num_taps]
+            stacked.append(torch.stack([torch.zeros_like(like) if g is None else g
+                                        for g in column]).unsqueeze(0))
+        carrier_grads = {
+            leaf: grad
+            for leaf, grad in zip(forward.carrier_leaves, stacked[num_taps:], strict=True)
+            if grad is not None
+        }
+        yield k, k + 1, stacked[:num_taps], carrier_grads

@@ -1,0 +1,58 @@
+"""Structured rules: ops whose parameter Jacobians are sums of outer products (DESIGN.md §1).
+
+One module per family: ``linear`` (``F.linear``, matmuls), ``conv`` (``conv{1,2,3}d``),
+``embedding``, ``norm`` (layer / group norm affine parameters), and ``attention``, which
+rewrites self-attention calls into ops these rules see. ``base`` says what a rule reports
+(NOTE [factors]); ``torchgram.backends.structured.trace`` runs a function under a
+``TorchFunctionMode`` that finds the calls the rules recognise and taps their outputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch.nn.functional as F
+
+from torchgram.backends.structured.rules.attention import rewrite_multi_head_attention
+from torchgram.backends.structured.rules.base import Layout, Match, Operand, Rule, UseShape
+from torchgram.backends.structured.rules.conv import ConvRule
+from torchgram.backends.structured.rules.embedding import EmbeddingRule
+from torchgram.backends.structured.rules.linear import LinearRule, MatmulRule
+from torchgram.backends.structured.rules.norm import GroupNormRule, LayerNormRule
+
+RULES: tuple[Rule, ...] = (LinearRule(), MatmulRule(), ConvRule(), EmbeddingRule(),
+                           LayerNormRule(), GroupNormRule())
+_BY_FUNC: dict[Any, Rule] = {func: rule for rule in RULES for func in rule.funcs}
+REWRITES: dict[Any, Callable[[tuple[Any, ...], dict[str, Any]], Any]] = {
+    F.multi_head_attention_forward: rewrite_multi_head_attention,
+}
+"""Composite functions re-expressed (under the mode) in ops the rules see, when possible."""
+
+
+def rule_for(func: Any) -> Rule | None:
+    """The rule that handles the torch function ``func``, if any.
+
+    Example:
+        >>> import torch
+        >>> rule_for(torch.nn.functional.linear).name
+        'linear'
+        >>> rule_for(torch.tanh) is None
+        True
+    """
+    try:
+        return _BY_FUNC.get(func)
+    except TypeError:  # unhashable callables
+        return None
+
+
+def rewrite_for(func: Any) -> Callable[[tuple[Any, ...], dict[str, Any]], Any] | None:
+    """The rewrite of the composite function ``func``, if any (NOTE [attention rewrite])."""
+    try:
+        return REWRITES.get(func)
+    except TypeError:
+        return None
+
+
+__all__ = ["REWRITES", "RULES", "Layout", "Match", "Operand", "Rule", "UseShape", "rewrite_for",
+           "rule_for"]

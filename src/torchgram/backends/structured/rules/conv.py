@@ -1,0 +1,167 @@
+"""Rule for ``conv1d`` / ``conv2d`` / ``conv3d`` (stride, padding, dilation, groups, bias).
+
+A convolution is a linear layer applied at every output position to the input *patch*
+under the kernel. With ``W: [C_out, C_in/G, *k]`` seen as ``[G, C_out/G, (C_in/G)·K]``:
+
+    J_W = Σ_t Σ_g g[t, g] ⊗ patch[t, g]          (cotangent first, G groups)
+    J_b = Σ_t g[t]
+
+Patches are extracted after the pass, from the saved input: zero padding, then
+``Tensor.unfold`` along every spatial dim with a window of ``dilation·(k-1)+1`` and step
+``stride``, keeping every ``dilation``-th element (``F.unfold`` for the 2-D symmetric case),
+channel-major like the weight's ``(C_in/G, *k)`` flattening.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from torchgram.backends.structured.rules.base import Layout, Match, Operand, Rule
+
+
+def _tuple(value: Any, nd: int) -> tuple[int, ...]:
+    if isinstance(value, int):
+        return (value,) * nd
+    values = tuple(int(v) for v in value)
+    return values * nd if len(values) == 1 else values
+
+
+def resolve_padding(padding: Any, kernel: tuple[int, ...],
+                    dilation: tuple[int, ...]) -> tuple[tuple[int, int], ...] | None:
+    """``(left, right)`` zero padding per spatial dim; ``None`` for an unknown spec.
+
+    Example:
+        >>> resolve_padding("same", (4, 3), (1, 2))
+        ((1, 2), (2, 2))
+        >>> resolve_padding(1, (3, 3), (1, 1))
+        ((1, 1), (1, 1))
+    """
+    nd = len(kernel)
+    if padding == "valid":
+        return ((0, 0),) * nd
+    if padding == "same":
+        totals = [d * (k - 1) for k, d in zip(kernel, dilation, strict=True)]
+        return tuple((t // 2, t - t // 2) for t in totals)
+    if isinstance(padding, str):
+        return None
+    return tuple((p, p) for p in _tuple(padding, nd))
+
+
+def patches(x: Tensor, kernel: tuple[int, ...], stride: tuple[int, ...],
+            padding: tuple[tuple[int, int], ...], dilation: tuple[int, ...]) -> Tensor:
+    """Input patches ``[N, C·K, L]`` of ``x: [N, C, *spatial]`` (like ``F.unfold``, any nd).
+
+    Rows are channel-major ``(c, k_1, ..., k_nd)``, like the weight's flattening; the ``L``
+    output positions are innermost, which keeps the one copy this makes contiguous.
+
+    Example:
+        >>> import torch
+        >>> x = torch.randn(2, 3, 5, 5)
+        >>> w = torch.randn(4, 3, 2, 2)
+        >>> p = patches(x, (2, 2), (2, 2), ((1, 1), (1, 1)), (1, 1))
+        >>> y = torch.conv2d(x, w, stride=2, padding=1)
+        >>> torch.allclose((w.reshape(4, -1) @ p).reshape(y.shape), y, atol=1e-5)
+        True
+    """
+    nd = len(kernel)
+    flat_pad = [p for pair in reversed(padding) for p in pair]
+    if any(flat_pad):
+        x = F.pad(x, flat_pad)
+    for i in range(nd):
+        span = dilation[i] * (kernel[i] - 1) + 1
+        x = x.unfold(2 + i, span, stride[i])
+    if any(d > 1 for d in dilation):
+        every_dilation: Any = (..., *(slice(None, None, d) for d in dilation))
+        x = x[every_dilation]
+    n, c = x.shape[:2]
+    # [N, C, L_1..L_nd, k_1..k_nd] -> [N, C, k_1..k_nd, L_1..L_nd]
+    order = (0, 1, *range(2 + nd, 2 + 2 * nd), *range(2, 2 + nd))
+    positions = math.prod(x.shape[2:2 + nd])
+    return x.permute(order).reshape(n, c * math.prod(kernel), positions)
+
+
+class ConvLayout(Layout):
+    """Convolution factors: cotangent ``[T, G, C_out/G]`` first, patches ``[T, G, a]`` second.
+
+    Example:
+        >>> import torch
+        >>> layout = ConvLayout(2, c_in=4, c_out=6, groups=2, kernel=(3, 3), stride=(1, 1),
+        ...                     padding=((1, 1), (1, 1)), dilation=(1, 1))
+        >>> layout.act_factor(torch.zeros(7, 1, 4, 5, 5), nlead=1).shape
+        torch.Size([7, 25, 2, 18])
+        >>> layout.cot_factor(torch.zeros(7, 1, 6, 5, 5), 1, torch.zeros(0)).shape
+        torch.Size([7, 25, 2, 3])
+    """
+
+    def __init__(self, nd: int, *, c_in: int, c_out: int, groups: int, kernel: tuple[int, ...],
+                 stride: tuple[int, ...], padding: tuple[tuple[int, int], ...],
+                 dilation: tuple[int, ...]) -> None:
+        self.rule = f"conv{nd}d"
+        self.act_first = False
+        self.nd = nd
+        self.c_in, self.c_out, self.groups = c_in, c_out, groups
+        self.kernel, self.stride, self.padding, self.dilation = kernel, stride, padding, dilation
+        self.act_width = (c_in // groups) * math.prod(kernel)
+        self.cot_width = c_out // groups
+
+    def act_factor(self, raw: Tensor, nlead: int) -> Tensor:
+        """Patches of the input, positions = (inner batch, output positions)."""
+        lead = raw.shape[:nlead]
+        x = raw.reshape(-1, self.c_in, *raw.shape[raw.dim() - self.nd:])
+        cols = patches(x, self.kernel, self.stride, self.padding, self.dilation)
+        n, _, positions = cols.shape
+        per_position = cols.view(n, self.groups, self.act_width, positions).permute(0, 3, 1, 2)
+        return per_position.reshape(*lead, -1, self.groups, self.act_width)
+
+    def cot_factor(self, raw: Tensor, nlead: int, act_raw: Tensor | None) -> Tensor:
+        """Output cotangent, positions = (inner batch, output positions)."""
+        del act_raw
+        lead = raw.shape[:nlead]
+        spatial = math.prod(raw.shape[raw.dim() - self.nd:])
+        g = raw.reshape(-1, self.c_out, spatial).transpose(1, 2)
+        return g.reshape(*lead, -1, self.groups, self.cot_width)
+
+
+class ConvRule(Rule):
+    """``torch.conv{1,2,3}d`` (= ``F.conv{1,2,3}d``, ``nn.Conv{1,2,3}d``)."""
+
+    name = "conv"
+    funcs = frozenset({torch.conv1d, torch.conv2d, torch.conv3d})
+    _ND = {torch.conv1d: 1, torch.conv2d: 2, torch.conv3d: 3}
+    _NAMES = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+    _DEFAULTS = (None, None, None, 1, 0, 1, 1)
+
+    def match(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Match | None:
+        """Recognise a convolution with zero (or ``"same"``/``"valid"``) padding."""
+        nd = self._ND[func]
+        values = [args[i] if i < len(args) else kwargs.get(name, default)
+                  for i, (name, default) in enumerate(zip(self._NAMES, self._DEFAULTS,
+                                                          strict=True))]
+        x, weight, bias, stride, padding, dilation, groups = values
+        if not (isinstance(x, Tensor) and isinstance(weight, Tensor)) or weight.dim() != nd + 2:
+            return None
+        if x.dim() not in (nd + 1, nd + 2) or not isinstance(groups, int):
+            return None
+        if bias is not None and (not isinstance(bias, Tensor) or bias.dim() != 1):
+            return None
+        kernel = tuple(weight.shape[2:])
+        dilation_t = _tuple(dilation, nd)
+        pads = resolve_padding(padding, kernel, dilation_t)
+        if pads is None:
+            return None
+        layout = ConvLayout(nd, c_in=x.shape[-nd - 1], c_out=weight.shape[0], groups=groups,
+                            kernel=kernel, stride=_tuple(stride, nd), padding=pads,
+                            dilation=dilation_t)
+        operands = [Operand(weight, layout, act=x)]
+        if bias is not None:
+            operands.append(Operand(bias, None, bias_of=layout))
+
+        def compute(w: Tensor, b: Tensor | None = None) -> Tensor:
+            return func(x, w, b, stride, padding, dilation, groups)
+
+        return Match(f"conv{nd}d", tuple(operands), compute)

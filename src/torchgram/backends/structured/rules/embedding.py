@@ -1,0 +1,88 @@
+"""Rule for ``F.embedding`` / ``nn.Embedding`` (with ``padding_idx``; never a one-hot).
+
+``y[t] = W[i_t]`` is a linear layer whose input is the one-hot of ``i_t``, so with
+``W: [V, d]``:
+
+    J_W = Σ_t onehot(i_t) ⊗ g_t        (the index first, the cotangent second)
+
+and every inner product involving the one-hot is an index comparison or a gather:
+``⟨onehot(i), onehot(j)⟩ = [i == j]``, ``⟨onehot(i), v⟩ = v[i]``. Positions whose index is
+``padding_idx`` get no gradient (as in ``F.embedding``'s backward): their cotangent is masked.
+``max_norm`` (which renormalises the weight in place), ``scale_grad_by_freq`` and ``sparse``
+are left to the fallback.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn.functional as F
+from torch import Tensor
+
+from torchgram.backends.structured.rules.base import Layout, Match, Operand, Rule
+
+
+class EmbeddingLayout(Layout):
+    """Index activation ``[T]`` (into ``V`` rows) first, cotangent ``[T, 1, d]`` second.
+
+    Example:
+        >>> import torch
+        >>> layout = EmbeddingLayout(num_embeddings=10, dim=4, padding_idx=0)
+        >>> index = torch.tensor([[0, 3, 3]])
+        >>> layout.cot_factor(torch.ones(2, 1, 3, 4), 2, index).sum((-2, -1))
+        tensor([[[0., 4., 4.]],
+        <BLANKLINE>
+                [[0., 4., 4.]]])
+    """
+
+    def __init__(self, num_embeddings: int, dim: int, padding_idx: int | None) -> None:
+        self.rule = "embedding"
+        self.act_first = True
+        self.act_is_index = True
+        self.act_width = num_embeddings
+        self.cot_width = dim
+        self.padding_idx = padding_idx
+
+    def act_factor(self, raw: Tensor, nlead: int) -> Tensor:
+        """The indices, ``[*lead, T]``."""
+        return raw.reshape(*raw.shape[:nlead], -1)
+
+    def cot_factor(self, raw: Tensor, nlead: int, act_raw: Tensor | None) -> Tensor:
+        """``[*lead, T, 1, d]``, zero where the index is ``padding_idx``."""
+        cot = raw.reshape(*raw.shape[:nlead], -1, 1, self.cot_width)
+        if self.padding_idx is None or act_raw is None:
+            return cot
+        index_lead = nlead if act_raw.dim() + 1 == raw.dim() else nlead - 1
+        keep = act_raw.reshape(*act_raw.shape[:index_lead], -1) != self.padding_idx
+        return cot * keep[..., None, None].to(cot.dtype)
+
+
+class EmbeddingRule(Rule):
+    """``F.embedding(indices, W, padding_idx)`` with a 2-D ``W``."""
+
+    name = "embedding"
+    funcs = frozenset({F.embedding})
+    _NAMES = ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq",
+              "sparse")
+    _DEFAULTS = (None, None, None, None, 2.0, False, False)
+
+    def match(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Match | None:
+        """Recognise a plain lookup (no ``max_norm``, ``scale_grad_by_freq`` or ``sparse``)."""
+        values = [args[i] if i < len(args) else kwargs.get(name, default)
+                  for i, (name, default) in enumerate(zip(self._NAMES, self._DEFAULTS,
+                                                          strict=True))]
+        index, weight, padding_idx, max_norm, norm_type, by_freq, sparse = values
+        if not (isinstance(index, Tensor) and isinstance(weight, Tensor)) or weight.dim() != 2:
+            return None
+        if index.is_floating_point() or index.is_complex():
+            return None
+        if max_norm is not None or by_freq or sparse:
+            return None
+        num_embeddings = weight.shape[0]
+        pad = None if padding_idx is None else padding_idx % num_embeddings
+        layout = EmbeddingLayout(num_embeddings, weight.shape[1], pad)
+
+        def compute(w: Tensor) -> Tensor:
+            return F.embedding(index, w, padding_idx, None, float(norm_type or 2.0), False, False)
+
+        return Match(self.name, (Operand(weight, layout, act=index),), compute)

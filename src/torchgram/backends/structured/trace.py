@@ -1,0 +1,342 @@
+"""Finding and tapping the structured uses of parameter leaves while ``f`` runs.
+
+# NOTE [taps]
+:class:`TapMode` is a ``torch.overrides.TorchFunctionMode``. It sees every torch function
+call made by ``f`` (not the inside of composite functions it intercepts, e.g.
+``F.multi_head_attention_forward``: those are opaque calls). A call is a *use* of leaf ``l``
+when one of its arguments **is** (by identity) the tensor ``f`` received for ``l`` — compared
+against the leaves as the transformed function received them, which under ``vmap`` are
+wrapped tensors — or a transposed view of it made under the mode (``W.T``, ``W.t()``, ...).
+
+* A call a rule recognises (``rules.RULES``) whose weight or bias operand is a leaf is
+  *tapped*: it runs with plain, gradient-free copies of those leaves, a zero tap ``z`` is
+  added to its output, and its other operand (the activation) is recorded. The cotangent
+  reaching ``z`` in a backward pass is the ``∂out/∂y`` the factors need (NOTE [factors]).
+* A composite function with a rewrite (``rules.REWRITES``, e.g. self-attention) runs as its
+  rewrite, with the mode active, so the calls inside it are seen.
+* Any other call involving a leaf that returns a floating tensor is an *unrecognised* use:
+  it runs unchanged on the tensor ``f`` received, so gradients reach that tensor (the
+  leaf's "carrier"), and the leaf needs the fallback for those uses.
+
+Three ways to run: ``trace`` (no taps; record what is used how), ``lazy`` taps (created on the
+fly; every leaf's tensor carries gradients for its unrecognised uses), and ``given`` taps
+(made beforehand from a trace, e.g. batched for ``vmap``; the run must replay the trace).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import optree
+import torch
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+from torchgram._core import _torch_compat
+from torchgram.backends.structured.rules import rewrite_for, rule_for
+from torchgram.backends.structured.rules.base import Layout, Match, UseShape
+
+Role = Literal["weight", "bias"]
+"""How a recognised call uses a leaf."""
+
+
+class TraceMismatch(RuntimeError):
+    """A tapped run did not replay the trace it was prepared from."""
+
+
+@dataclass(frozen=True)
+class LeafRef:
+    """Leaf ``index``, or its transpose."""
+
+    index: int
+    transposed: bool = False
+
+
+@dataclass(frozen=True)
+class TapRecord:
+    """One tapped call: its output's shape and dtype (per evaluated batch) and rule."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    rule: str
+
+
+@dataclass(frozen=True)
+class UseRecord:
+    """One recognised use of a leaf.
+
+    Attributes:
+        leaf: The leaf's index.
+        role: ``"weight"`` or ``"bias"``.
+        rule: The rule's name (``"linear"``, ``"matmul"``, ``"conv2d"``, ``"embedding"``...).
+        layout: The weight operand's factor layout (for a bias, the layout it sums).
+        act_first: Whether the activation is the first factor in the *leaf's* layout.
+        tap: Index of the call's tap.
+        act: Index of the activation among the mode's recorded activations (weights only).
+        shape: The use's sizes per evaluated batch.
+        act_shape: The activation's shape (weights only).
+    """
+
+    leaf: int
+    role: Role
+    rule: str
+    layout: Layout
+    act_first: bool
+    tap: int
+    act: int | None
+    shape: UseShape
+    act_shape: tuple[int, ...] | None = None
+
+    def same_structure(self, other: UseRecord, samples: int = 1) -> bool:
+        """Whether ``other`` is this use seen on ``samples`` times the batch (or the same)."""
+        mine, theirs = self.shape, other.shape
+        return (self.leaf, self.role, self.rule, self.act_first, self.tap, self.act) == \
+            (other.leaf, other.role, other.rule, other.act_first, other.tap, other.act) and \
+            (mine.groups, mine.act_width, mine.cot_width, mine.act_is_index, mine.elementwise) == \
+            (theirs.groups, theirs.act_width, theirs.cot_width, theirs.act_is_index,
+             theirs.elementwise) and \
+            mine.positions * samples == theirs.positions
+
+
+@dataclass
+class Recording:
+    """What a run of ``f`` under :class:`TapMode` found."""
+
+    taps: list[TapRecord] = field(default_factory=list)
+    uses: list[UseRecord] = field(default_factory=list)
+    unrecognised: dict[int, list[str]] = field(default_factory=dict)
+    unrecognised_flops: dict[int, int] = field(default_factory=dict)
+    rows: int | None = None
+    """Output rows of the evaluation (``K`` for one sample, ``m`` for the whole batch)."""
+    plans: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
+    """Plans made from this recording, by the backend (a cache)."""
+
+    def uses_of(self, leaf: int) -> list[UseRecord]:
+        """The recognised uses of ``leaf``, in call order."""
+        return [use for use in self.uses if use.leaf == leaf]
+
+
+_TRANSPOSE_METHODS = frozenset({torch.Tensor.t, torch.t})
+_SWAP_METHODS = frozenset({torch.Tensor.transpose, torch.transpose, torch.Tensor.swapaxes,
+                           torch.swapaxes, torch.Tensor.swapdims, torch.swapdims})
+_PERMUTE_METHODS = frozenset({torch.Tensor.permute, torch.permute})
+
+
+def _is_transpose(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether ``func(*args, **kwargs)`` transposes a 2-D tensor ``args[0]``."""
+    if _torch_compat.is_transpose_getter(func):
+        return True
+    try:
+        if func in _TRANSPOSE_METHODS:
+            return len(args) == 1 and not kwargs
+        if func in _SWAP_METHODS:
+            swapped = list(args[1:]) + list(kwargs.values())
+            return len(swapped) == 2 and all(isinstance(d, int) for d in swapped) \
+                and {d % 2 for d in swapped} == {0, 1}
+        if func in _PERMUTE_METHODS:
+            order = args[1:] if len(args) > 2 else (args[1] if len(args) == 2 else
+                                                    kwargs.get("dims", ()))
+            return [d % 2 for d in order] == [1, 0]
+    except TypeError:  # unhashable func
+        return False
+    return False
+
+
+def zero_tap(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A zero tensor of ``shape`` that requires gradients, stored as one element.
+
+    Its gradient still has the full shape: it is the cotangent of whatever it is added to.
+
+    Example:
+        >>> tap = zero_tap((2, 3), torch.float32, torch.device("cpu"))
+        >>> tap.shape, tap.is_leaf, tap.requires_grad, tap.stride()
+        (torch.Size([2, 3]), True, True, (0, 0))
+    """
+    return torch.zeros((), dtype=dtype, device=device).expand(*shape).requires_grad_()
+
+
+def _has_float_tensor(result: Any) -> bool:
+    return any(isinstance(leaf, Tensor) and leaf.is_floating_point()
+               for leaf in optree.tree_leaves(result))
+
+
+def describe(func: Any) -> str:
+    """A short readable name for a torch function (for reports)."""
+    getter = _torch_compat.getter_name(func)
+    if getter is not None:
+        return getter
+    name = getattr(func, "__name__", None) or repr(func)
+    qualname = getattr(func, "__qualname__", "")
+    if qualname.startswith(("TensorBase.", "Tensor.")):
+        return "Tensor." + name
+    return name
+
+
+class TapMode(TorchFunctionMode):
+    """Runs ``f`` recognising, tapping and recording the uses of parameter leaves.
+
+    Args:
+        leaves: The tensors ``f`` receives for the leaves (identity is what counts).
+        plain: Gradient-free tensors with the leaves' values, used in tapped calls.
+        tapped: The leaves whose recognised uses are tapped (``None``: all). Other leaves
+            are left to their carriers.
+        taps: ``"trace"``, ``"lazy"``, or the pre-made taps of a replay.
+        expected: For a replay, the trace's tap records (checked call by call).
+        carriers: For a replay, the leaves whose tensors carry gradients (an unrecognised use
+            of another leaf means the run left the trace).
+
+    Example:
+        >>> import torch
+        >>> w = torch.randn(3, 2)
+        >>> with TapMode([w], [w], taps="trace") as mode:
+        ...     y = torch.tanh(torch.randn(4, 2) @ w.T)
+        >>> [(use.rule, use.role, use.act_first, use.shape.positions)
+        ...  for use in mode.recording.uses]
+        [('matmul', 'weight', False, 4)]
+    """
+
+    def __init__(self, leaves: Sequence[Tensor], plain: Sequence[Tensor], *,
+                 tapped: Collection[int] | None = None,
+                 taps: Literal["trace", "lazy"] | Sequence[Tensor] = "trace",
+                 expected: Sequence[TapRecord] | None = None,
+                 carriers: Collection[int] | None = None) -> None:
+        super().__init__()
+        self._refs: dict[int, LeafRef] = {}
+        self._pins: list[Tensor] = list(leaves)  # keep ids valid for the whole run
+        for index, leaf in enumerate(leaves):
+            self._refs.setdefault(id(leaf), LeafRef(index))
+        self._plain = list(plain)
+        self._tapped = None if tapped is None else frozenset(tapped)
+        self._taps = taps
+        self._expected = expected
+        self._carriers = None if carriers is None else frozenset(carriers)
+        self.recording = Recording()
+        self.acts: list[Tensor] = []
+        self._next_act = 0
+        self.made_taps: list[Tensor] = []
+
+    # -- bookkeeping ------------------------------------------------------------------------
+
+    def _ref(self, value: Any) -> LeafRef | None:
+        return self._refs.get(id(value)) if isinstance(value, Tensor) else None
+
+    def finish(self) -> None:
+        """Check that a replay used every tap it was given."""
+        if isinstance(self._taps, Sequence) and not isinstance(self._taps, str):
+            if len(self.recording.taps) != len(self._taps):
+                raise TraceMismatch(f"the run tapped {len(self.recording.taps)} calls, the "
+                                    f"trace {len(self._taps)}")
+
+    def _note_unrecognised(self, refs: list[LeafRef], name: str, result: Any) -> None:
+        flops = sum(leaf.numel() for leaf in optree.tree_leaves(result)
+                    if isinstance(leaf, Tensor))
+        for ref in refs:
+            if self._carriers is not None and ref.index not in self._carriers:
+                raise TraceMismatch(f"unrecognised use of leaf {ref.index} in {name} that the "
+                                    "trace did not see")
+            names = self.recording.unrecognised.setdefault(ref.index, [])
+            if name not in names:
+                names.append(name)
+            width = self._plain[ref.index].numel() // max(1, self._plain[ref.index].shape[0]) \
+                if self._plain[ref.index].dim() > 1 else 1
+            self.recording.unrecognised_flops[ref.index] = \
+                self.recording.unrecognised_flops.get(ref.index, 0) + flops * width
+
+    # -- the mode ---------------------------------------------------------------------------
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        leaves: list[Any] = optree.tree_leaves((args, kwargs))  # type: ignore[arg-type]
+        found = [(leaf, ref) for leaf in leaves if (ref := self._ref(leaf)) is not None]
+        if not found:
+            return func(*args, **kwargs)
+        if len(found) == 1 and args and args[0] is found[0][0] and args[0].dim() == 2 \
+                and _is_transpose(func, args, kwargs):
+            result = func(*args, **kwargs)
+            ref = found[0][1]
+            self._refs[id(result)] = LeafRef(ref.index, not ref.transposed)
+            self._pins.append(result)
+            return result
+        rewrite = rewrite_for(func)
+        if rewrite is not None:
+            with self:  # the rewrite's own calls go through the mode (NOTE [attention rewrite])
+                result = rewrite(args, kwargs)
+            if result is not NotImplemented:
+                return result
+        rule = rule_for(func)
+        match = rule.match(func, args, kwargs) if rule is not None else None
+        if match is not None:
+            result = self._tap(match, found)
+            if result is not None:
+                return result
+        result = func(*args, **kwargs)
+        if _has_float_tensor(result):
+            self._note_unrecognised([ref for _, ref in found], describe(func), result)
+        return result
+
+    def _recognised(self, match: Match) -> list[tuple[int, LeafRef, Role]]:
+        chosen: list[tuple[int, LeafRef, Role]] = []
+        for i, operand in enumerate(match.operands):
+            ref = self._ref(operand.value)
+            if ref is None or (self._tapped is not None and ref.index not in self._tapped):
+                continue
+            if operand.layout is not None:
+                chosen.append((i, ref, "weight"))
+            elif operand.bias_of is not None and not ref.transposed:
+                chosen.append((i, ref, "bias"))
+        return chosen
+
+    def _tap(self, match: Match, found: list[tuple[Tensor, LeafRef]]) -> Tensor | None:
+        chosen = self._recognised(match)
+        if not chosen:
+            return None
+        remaining = Counter(id(leaf) for leaf, _ in found)
+        for i, _, _ in chosen:
+            remaining[id(match.operands[i].value)] -= 1
+        others = [ref for leaf, ref in found if remaining[id(leaf)] > 0]
+        values = [operand.value for operand in match.operands]
+        for i, ref, _ in chosen:
+            plain = self._plain[ref.index]
+            values[i] = plain.T if ref.transposed else plain
+        y = match.compute(*values)
+        if others:
+            self._note_unrecognised(others, f"{match.rule} (as an activation)", y)
+        tap_index = len(self.recording.taps)
+        record = TapRecord(tuple(y.shape), y.dtype, match.rule)
+        if self._taps == "lazy":
+            tap = zero_tap(y.shape, y.dtype, y.device)
+            self.made_taps.append(tap)
+            y = y + tap
+        elif not isinstance(self._taps, str):
+            expected = self._expected
+            if tap_index >= len(self._taps) or expected is None or expected[tap_index] != record:
+                raise TraceMismatch(f"tapped call {tap_index} ({match.rule}, output "
+                                    f"{tuple(y.shape)}) differs from the trace")
+            y = y + self._taps[tap_index]
+        self.recording.taps.append(record)
+        acts: dict[int, int] = {}
+        for i, ref, role in chosen:
+            operand = match.operands[i]
+            layout = operand.layout if role == "weight" else operand.bias_of
+            assert layout is not None
+            act_index = None
+            if role == "weight":
+                assert operand.act is not None
+                act_index = acts.get(id(operand.act))
+                if act_index is None:
+                    act_index = acts[id(operand.act)] = self._next_act
+                    self._next_act += 1
+                    if self._taps != "trace":
+                        self.acts.append(operand.act.detach())
+            self.recording.uses.append(UseRecord(
+                leaf=ref.index, role=role, rule=match.rule, layout=layout,
+                act_first=layout.act_first != ref.transposed, tap=tap_index, act=act_index,
+                shape=layout.shape(y.numel()),
+                act_shape=None if operand.act is None or role != "weight"
+                else tuple(operand.act.shape),
+            ))
+        return y

@@ -1,0 +1,145 @@
+"""Each private torch behaviour torchgram relies on, checked against the installed torch.
+
+A failure here means a torch release moved an internal that ``_core/_torch_compat.py``
+wraps: fix the wrapper there (nothing else in the package touches these internals).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+from torch.utils.checkpoint import checkpoint
+
+from torchgram._core import _torch_compat as compat
+
+
+def test_slot_metadata_describes_every_output_of_a_node() -> None:
+    x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    a, b = x.split([1, 2], dim=1)
+    node = a.grad_fn
+    metadata = compat.slot_metadata(node)
+    assert [m.shape for m in metadata] == [(2, 1), (2, 2)]
+    assert all(m.dtype == torch.float64 and m.device == x.device for m in metadata)
+    del b
+
+
+def test_creation_order_follows_the_forward_and_leaves_come_last() -> None:
+    x = torch.randn(3, requires_grad=True)
+    first = x.sin()
+    second = first.cos()
+    accumulate = torch.autograd.graph.get_gradient_edge(x).node
+    assert compat.creation_order(second.grad_fn) > compat.creation_order(first.grad_fn)
+    assert compat.creation_order(accumulate) == 2**64 - 1
+
+
+def test_a_builtin_node_called_directly_returns_one_gradient_per_next_edge() -> None:
+    x = torch.randn(3, requires_grad=True)
+    y = torch.randn(3, requires_grad=True)
+    node = (x * y).grad_fn
+    assert not compat.is_custom_function_node(node)
+    grad_x, grad_y = compat.call_builtin_node(node, [torch.ones(3)])
+    torch.testing.assert_close(grad_x, y.detach())
+    torch.testing.assert_close(grad_y, x.detach())
+    single = compat.call_builtin_node(x.sin().grad_fn, [torch.ones(3)])
+    assert len(single) == 1
+    torch.testing.assert_close(single[0], x.detach().cos())
+
+
+class _Scale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, factor: float, y: Tensor) -> Tensor:
+        ctx.factor = factor
+        return x * factor + y
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, Tensor]:
+        return grad * ctx.factor, None, grad
+
+
+def test_custom_function_nodes_are_recognised_and_called_through_apply() -> None:
+    x = torch.randn(3, requires_grad=True)
+    y = torch.randn(3)  # no next edge: needs_input_grad marks which arguments have one
+    node = _Scale.apply(x, 2.0, y).grad_fn
+    assert compat.is_custom_function_node(node)
+    assert compat.custom_function_class(node) is _Scale
+    outputs, needs = compat.call_custom_function_node(node, [torch.ones(3)])
+    assert needs == (True, False, False)
+    torch.testing.assert_close(outputs[0], 2 * torch.ones(3))
+    assert compat.custom_function_class(x.sin().grad_fn) is None
+
+
+def test_reentrant_checkpoint_is_recognised() -> None:
+    x = torch.randn(3, requires_grad=True)
+    reentrant = checkpoint(torch.sin, x, use_reentrant=True)
+    plain = checkpoint(torch.sin, x, use_reentrant=False)
+    assert compat.is_reentrant_checkpoint(reentrant.grad_fn)
+    assert not compat.is_reentrant_checkpoint(plain.grad_fn)
+
+
+def test_leaf_accumulators_are_recognised() -> None:
+    x = torch.randn(3, requires_grad=True)
+    accumulate = torch.autograd.graph.get_gradient_edge(x).node
+    assert compat.is_leaf_accumulator(accumulate)
+    assert not compat.is_leaf_accumulator(x.sin().grad_fn)
+
+
+def test_forward_ad_errors_are_recognised() -> None:
+    with warnings.catch_warnings():  # torch's first jvp imports decompositions noisily
+        warnings.simplefilter("ignore", DeprecationWarning)
+        with pytest.raises(NotImplementedError) as native:
+            torch.func.jvp(lambda x: torch.cdist(x, x), (torch.ones(2, 2),),
+                           (torch.ones(2, 2),))
+    assert compat.missing_forward_ad(native.value) == ("op", "_cdist_forward")
+
+    class NoJvp(torch.autograd.Function):
+        @staticmethod
+        def forward(x: Tensor) -> Tensor:
+            return x * 2
+
+        @staticmethod
+        def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
+            pass
+
+        @staticmethod
+        def backward(ctx: Any, grad: Tensor) -> Tensor:
+            return grad * 2
+
+    with pytest.raises(NotImplementedError) as custom:
+        torch.func.jvp(NoJvp.apply, (torch.ones(2),), (torch.ones(2),))
+    assert compat.missing_forward_ad(custom.value) == ("function", "")
+    assert compat.missing_forward_ad(RuntimeError("something else")) is None
+
+
+def test_freed_graph_error_is_recognised() -> None:
+    x = torch.randn(3, requires_grad=True)
+    y = (x * x).sum()
+    y.backward()
+    with pytest.raises(RuntimeError) as freed:
+        y.backward()
+    assert compat.is_freed_graph_error(freed.value)
+    assert not compat.is_freed_graph_error(RuntimeError("other"))
+
+
+def test_transpose_getters_are_seen_by_a_function_mode() -> None:
+    seen: list[Any] = []
+
+    class Record(TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    w = torch.randn(2, 3)
+    with Record():
+        _ = w.T
+        _ = w.mT
+        _ = w.t()
+        _ = w.shape
+    assert [compat.is_transpose_getter(func) for func in seen] == [True, True, False, False]
+    assert compat.getter_name(seen[0]) == "Tensor.T"
+    assert compat.getter_name(seen[2]) is None

@@ -1,0 +1,27 @@
+"""The one way tests build a problem and read a backend's result (through the pipeline)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from torchgram._core.options import Options
+from torchgram._core.problem import Problem, build_problem
+from torchgram._core.result import BackendResult
+from torchgram._core.sink import assemble
+
+
+def make_problem(f: Callable[..., Any], args: tuple[Any, ...],
+                 kwargs: Mapping[str, Any] | None = None, *, want_pullback: bool = False,
+                 **options: Any) -> Problem:
+    """The problem ``tg.gramian(f, **options)(*args, **kwargs)`` would build."""
+    validated = Options.validate("test", f, **options)
+    return build_problem(validated, f, tuple(args), kwargs or {}, want_pullback=want_pullback)
+
+
+def flat_gramian(problem: Problem, result: BackendResult) -> torch.Tensor:
+    """A backend's summed result as the sink assembles it: ``[m, m]`` (``[m]``), output order."""
+    blocks = assemble(problem, result)
+    return blocks[0] if len(blocks) == 1 else torch.stack(blocks).sum(0)
