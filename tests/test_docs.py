@@ -58,8 +58,10 @@ def test_api_reference_documents_every_public_name(site: Path) -> None:
                   if not (namespace == "torchgram" and name in ("autograd", "weighting"))]
         for name in public:
             assert f'id="{namespace}.{name}"' in html, f"{namespace}.{name} is not documented"
-    # the docstrings' "Example:" sections are rendered as code, not as Markdown quotes
-    assert "<blockquote>" not in pages["torchgram"].read_text(encoding="utf-8")
+    for page in pages.values():
+        html = page.read_text(encoding="utf-8")
+        # "Example:" sections are rendered as code (not Markdown quotes), Sphinx roles as code
+        assert "<blockquote>" not in html and ":func:" not in html and ":class:" not in html
 
 
 def test_design_notes_collect_every_note_of_the_source(site: Path) -> None:
