@@ -197,26 +197,6 @@ def _norms_skip(package: str) -> Callable[[Case], str | None]:
     return skip_reason
 
 
-def _backpack(case: Case) -> Call:
-    """BackPACK ``BatchL2Grad``: per-sample squared gradient norms of a sum-reduced loss."""
-    x, y = case.inputs
-    from backpack import backpack, extend
-    from backpack.extensions import BatchL2Grad
-
-    model = extend(copy.deepcopy(case.module))
-    loss_fn = extend(torch.nn.CrossEntropyLoss(reduction="sum"))
-    params = list(model.parameters())
-
-    def call() -> Tensor:
-        _zero_grads(params)
-        loss = loss_fn(model(x), y)
-        with backpack(BatchL2Grad()):
-            loss.backward()
-        return torch.stack([p.batch_l2 for p in params]).sum(dim=0)
-
-    return call
-
-
 def _opacus(case: Case) -> Call:
     """opacus ghost clipping's norm pass: ``GradSampleModuleFastGradientClipping`` + backward.
 
@@ -402,7 +382,6 @@ _FIXED = (
     Method("torchjd autogram", "peer", _torchjd, lambda case: _missing("torchjd")),
     Method("torch.func vmap(grad)", "peer", _vmap_per_sample, _per_sample_skip),
     Method("torch.func jacrev (naive)", "peer", _naive_jacrev),
-    Method("backpack BatchL2Grad", "peer", _backpack, _norms_skip("backpack")),
     Method("opacus ghost norms", "peer", _opacus, _norms_skip("opacus")),
 )
 FLOOR = "backward (floor)"
