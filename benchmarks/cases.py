@@ -7,7 +7,7 @@ compared entry by entry.
 A case's *rows* are the output whose Jacobian's Gramian every method computes:
 ``rows(model, *inputs)`` runs the model (any callable with the module's signature) and
 returns per-sample losses ``[B]``, logits ``[B, 10]`` (NTK) or task losses ``[5]``.
-The same ``rows`` drives the module path (plain backward, torchjd, BackPACK, opacus) and the
+The same ``rows`` drives the module path (plain backward, torchjd, opacus) and the
 functional path (torchgram, torch.func), through :attr:`Case.f`.
 """
 
@@ -41,7 +41,7 @@ class Case:
         batch_dim: ``0`` when row ``b`` (of dim 0) depends on sample ``b`` only, else ``None``.
         diagonal: Whether the case asks for ``diag(G)`` only (per-sample squared norms).
         classifier: Whether ``rows`` is ``cross_entropy(model(x), y, reduction="none")`` for
-            ``inputs == (x, y)`` (what BackPACK and opacus need).
+            ``inputs == (x, y)`` (what opacus needs).
     """
 
     name: str

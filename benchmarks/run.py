@@ -34,7 +34,7 @@ import torchgram  # noqa: E402
 from benchmarks import cases, measure, peers, report  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-PEER_PACKAGES = ("torchjd", "backpack-for-pytorch", "opacus")
+PEER_PACKAGES = ("torchjd", "opacus")
 
 
 def _parser() -> argparse.ArgumentParser:
