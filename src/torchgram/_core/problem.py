@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from torchgram._core.checks import fail, resolve_argnums
-from torchgram._core.errors import OutputChanged
+from torchgram._core.errors import NotPerSample, OutputChanged
 from torchgram._core.options import InDims, Options
 from torchgram._core.pytree import DiffLeaves, select_diff_leaves
 from torchgram._core.rng import RngState
@@ -117,14 +117,14 @@ class BatchSpec:
     Attributes:
         batch_dim: The output dimension that indexes samples, as the user gave it.
         size: The number of samples ``B``.
-        positions: For every batched input tensor, ``(arg position, leaf index)``.
+        positions: For every batched input tensor, ``(arg position or keyword, leaf index)``.
         dims: The (non-negative) batch dimension of every batched input tensor.
         tensors: The batched input tensors themselves.
     """
 
     batch_dim: int
     size: int
-    positions: tuple[tuple[int, int], ...]
+    positions: tuple[tuple[int | str, int], ...]
     dims: tuple[int, ...]
     tensors: tuple[Tensor, ...]
 
@@ -168,6 +168,18 @@ class Draw:
         """Remember where a plain call of ``f`` leaves the generators (the first time)."""
         if self.end is None:
             self.end = RngState.capture(device for device, _ in self.start.accelerators)
+
+    @property
+    def random(self) -> bool | None:
+        """Whether a full evaluation of ``f`` drew random numbers (``None``: none ran yet)."""
+        return None if self.end is None else not self.end.same_as(self.start)
+
+    def check_no_draw(self) -> None:
+        """Raise :class:`NotPerSample` if the evaluation that just ran drew random numbers."""
+        now = RngState.capture(device for device, _ in self.start.accelerators)
+        if not now.same_as(self.start):
+            raise NotPerSample("f draws random numbers (dropout, ...): one sample at a time it "
+                               "would see other draws than the batch's", random=True)
 
     def finish(self) -> None:
         """Leave the generators where one plain call of ``f`` would."""
@@ -278,18 +290,23 @@ class Problem:
 
     # -- evaluation ------------------------------------------------------------------------
 
-    def call(self, leaves: tuple[Tensor, ...], args: tuple[Any, ...] | None = None, *,
-             full: bool = True) -> tuple[Any, Any]:
+    def call(self, leaves: tuple[Tensor, ...], args: tuple[Any, ...] | None = None,
+             kwargs: Mapping[str, Any] | None = None, *, full: bool = True,
+             check_draw: bool = True) -> tuple[Any, Any]:
         """Run ``f`` with ``leaves`` in place of the parameters; return ``(output, aux)``.
 
         ``full``: whether this evaluates the whole batch (it then fixes the call's final
-        random-number state, NOTE [one draw]).
+        random-number state, NOTE [one draw]); an evaluation of part of the batch that draws
+        random numbers raises :class:`NotPerSample` (unless ``check_draw`` is false: a trace
+        that only looks at the ops).
         """
         full_args = self.diff.rebuild_args(self.args if args is None else args, leaves)
         self.draw.before_evaluation()
-        result = self.f(*full_args, **self.kwargs)
+        result = self.f(*full_args, **(self.kwargs if kwargs is None else kwargs))
         if full:
             self.draw.after_full_evaluation()
+        elif check_draw:
+            self.draw.check_no_draw()
         return split_aux(self.api, result, self.has_aux)
 
     def rows(self, leaves: tuple[Tensor, ...]) -> tuple[Tensor, Any]:
@@ -299,15 +316,18 @@ class Problem:
         self.output.check(out_leaves, treespec, per_sample=False)
         return concat_rows(out_leaves, self.output.dtype), aux
 
-    def sample_rows(self, leaves: tuple[Tensor, ...], sample_inputs: tuple[Tensor, ...]) -> Tensor:
+    def sample_rows(self, leaves: tuple[Tensor, ...], sample_inputs: tuple[Tensor, ...], *,
+                    check_draw: bool = True) -> Tensor:
         """Evaluate ``f`` on one sample (a batch of one); return that sample's ``[K]`` rows.
 
         ``sample_inputs`` are the batched input tensors restricted to one sample, with their
         batch dimension kept (size 1), in the order of ``self.batch.positions``.
+        ``check_draw``: see :meth:`call`.
         """
         batch = self._require_batch()
-        args = replace_input_leaves(self.args, batch.positions, sample_inputs)
-        out, _ = self.call(leaves, args, full=False)
+        args, kwargs = replace_input_leaves(self.args, self.kwargs, batch.positions,
+                                            sample_inputs)
+        out, _ = self.call(leaves, args, kwargs, full=False, check_draw=check_draw)
         out_leaves, treespec = optree.tree_flatten(out)
         spec = self.output
         spec.check(out_leaves, treespec, per_sample=True)
@@ -381,19 +401,28 @@ def concat_rows(out_leaves: list[Tensor], dtype: torch.dtype) -> Tensor:
     return torch.cat([leaf.reshape(-1).to(dtype) for leaf in out_leaves])
 
 
-def replace_input_leaves(args: tuple[Any, ...], positions: tuple[tuple[int, int], ...],
-                         values: tuple[Tensor, ...]) -> tuple[Any, ...]:
-    """Return ``args`` with leaf ``j`` of argument ``i`` replaced, for each ``(i, j)``."""
-    by_arg: dict[int, list[tuple[int, Tensor]]] = {}
+def replace_input_leaves(args: tuple[Any, ...], kwargs: Mapping[str, Any],
+                         positions: tuple[tuple[int | str, int], ...],
+                         values: tuple[Tensor, ...]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``args`` and ``kwargs`` with some leaves replaced.
+
+    For each ``(i, j)`` of ``positions``, leaf ``j`` of argument ``i`` (a position or a
+    keyword) becomes the matching entry of ``values``.
+    """
+    by_arg: dict[int | str, list[tuple[int, Tensor]]] = {}
     for (i, j), value in zip(positions, values, strict=True):
         by_arg.setdefault(i, []).append((j, value))
     rebuilt = list(args)
+    rebuilt_kwargs = dict(kwargs)
     for i, replacements in by_arg.items():
-        leaves, spec = optree.tree_flatten(args[i])
+        leaves, spec = optree.tree_flatten(args[i] if isinstance(i, int) else kwargs[i])
         for j, value in replacements:
             leaves[j] = value
-        rebuilt[i] = optree.tree_unflatten(spec, leaves)
-    return tuple(rebuilt)
+        if isinstance(i, int):
+            rebuilt[i] = optree.tree_unflatten(spec, leaves)
+        else:
+            rebuilt_kwargs[i] = optree.tree_unflatten(spec, leaves)
+    return tuple(rebuilt), rebuilt_kwargs
 
 
 # -- building a problem ------------------------------------------------------------------------
@@ -439,7 +468,8 @@ def build_problem(options: Options, f: Callable[..., Any], args: tuple[Any, ...]
              "Pass the parameters (a tensor or a pytree of float tensors) at argnums, "
              "or change argnums.", TypeError)
     batch = (None if options.batch_dim is None
-             else make_batch_spec(api, args, argnums, options.batch_dim, options.in_dims))
+             else make_batch_spec(api, args, argnums, options.batch_dim, options.in_dims,
+                                  kwargs))
     draw = Draw(RngState.capture(_devices(args, kwargs)))
     key = _probe_key(f, args, kwargs, diff, options.has_aux, batch)
     spec = None if fresh else _PROBES.get(key)
@@ -476,7 +506,7 @@ def _probe(api: str, f: Callable[..., Any], args: tuple[Any, ...], kwargs: Mappi
            with_grad: bool) -> tuple[OutputSpec, Evaluation | None]:
     """Evaluate ``f`` once (NOTE [probing]): its output's spec, and the evaluation to reuse."""
     if batch is not None:
-        args = replace_input_leaves(args, batch.positions, batch.narrow(0, 1))
+        args, kwargs = replace_input_leaves(args, kwargs, batch.positions, batch.narrow(0, 1))
     leaves = tuple(leaf.detach().requires_grad_() for leaf in diff.leaves) if with_grad \
         else diff.leaves
     with torch.set_grad_enabled(with_grad):
@@ -545,31 +575,65 @@ def _output_batch_dim(api: str, shape: torch.Size, batch: BatchSpec) -> int:
     return dim
 
 
+# NOTE [in_dims]
+# in_dims says where the samples are in every non-differentiated argument, positional or
+# keyword, like torch.func.vmap's in_dims (and like JAX's vmap for keywords):
+# * an int (or None): every non-differentiated positional argument and every keyword
+#   argument has its samples along that dimension (None: shared by all samples);
+# * a tuple: one int or None per non-differentiated positional argument, optionally followed
+#   by a dict {keyword: int or None}; keywords it does not name have their samples along
+#   dim 0 (a keyword tensor is never silently left whole: each sample sees its own slice).
+# Every tensor leaf of a batched argument is batched along the same dimension; non-tensor
+# leaves (strings, flags, Python numbers) are passed as they are.
+
 def make_batch_spec(api: str, args: tuple[Any, ...], argnums: tuple[int, ...], batch_dim: int,
-                    in_dims: InDims) -> BatchSpec:
+                    in_dims: InDims, kwargs: Mapping[str, Any] | None = None) -> BatchSpec:
     """Find the batched input tensors from ``in_dims`` and check their batch sizes agree."""
+    kwargs = kwargs or {}
     input_positions = [i for i in range(len(args)) if i not in argnums]
+    keyword_dims: dict[str, int | None] = {}
     if isinstance(in_dims, tuple | list):
-        if len(in_dims) != len(input_positions):
+        entries = list(in_dims)
+        last = entries[-1] if entries else None
+        if isinstance(last, dict):
+            keyword_dims = dict(last)
+            entries.pop()
+        if len(entries) != len(input_positions):
             fail(api, f"in_dims with one entry per non-differentiated positional argument "
                  f"({len(input_positions)} here: positions {input_positions})",
-                 f"in_dims={tuple(in_dims)!r} with {len(in_dims)} entries",
+                 f"in_dims={tuple(in_dims)!r} with {len(entries)} positional entries",
                  "Give an int (batched) or None (shared) for each input, or a single int.")
-        per_input = tuple(in_dims)
+        per_input: list[Any] = entries
+        keyword_default: int | None = 0
     else:
-        per_input = (in_dims,) * len(input_positions)
-    positions, dims, tensors = [], [], []
-    for i, dim in zip(input_positions, per_input, strict=True):
+        per_input = [in_dims] * len(input_positions)
+        keyword_default = in_dims
+    unknown = sorted(set(keyword_dims) - set(kwargs))
+    if unknown:
+        fail(api, f"in_dims to name keyword arguments of the call ({sorted(kwargs)})",
+             f"in_dims for {unknown}", "Name only keywords the call passes.")
+    arguments: list[tuple[int | str, Any, Any]] = [
+        (i, args[i], dim) for i, dim in zip(input_positions, per_input, strict=True)]
+    arguments += [(name, value, keyword_dims.get(name, keyword_default))
+                  for name, value in kwargs.items()]
+    positions: list[tuple[int | str, int]] = []
+    dims, tensors = [], []
+    for where, value, dim in arguments:
         if dim is None:
             continue
-        for j, leaf in enumerate(optree.tree_leaves(args[i])):
+        for j, leaf in enumerate(optree.tree_leaves(value)):
             if not isinstance(leaf, Tensor):
                 continue
             if leaf.dim() == 0 or not -leaf.dim() <= dim < leaf.dim():
-                fail(api, f"in_dims entry {dim} to be a valid dimension of every tensor in "
-                     f"argument {i}", f"a tensor of shape {tuple(leaf.shape)}",
-                     "Set that argument's in_dims entry to None if it is shared by all samples.")
-            positions.append((i, j))
+                name = f"argument {where}" if isinstance(where, int) else f"keyword {where!r}"
+                entry = (f"in_dims entry {dim}" if isinstance(where, int) or where in keyword_dims
+                         else f"the keyword default in_dims {dim}")
+                fail(api, f"{entry} to be a valid dimension of every tensor in {name}",
+                     f"a tensor of shape {tuple(leaf.shape)}",
+                     f"Set {name}'s in_dims entry to None if it is shared by all samples"
+                     + ("" if isinstance(where, int) else
+                        f", e.g. in_dims=(..., {{{where!r}: None}})") + ".")
+            positions.append((where, j))
             dims.append(dim % leaf.dim())
             tensors.append(leaf)
     if not tensors:
@@ -580,9 +644,8 @@ def make_batch_spec(api: str, args: tuple[Any, ...], argnums: tuple[int, ...], b
     sizes = {tensor.shape[dim] for tensor, dim in zip(tensors, dims, strict=True)}
     if len(sizes) != 1:
         described = ", ".join(
-            f"arg {i} leaf {j}: {tuple(t.shape)} at dim {d}"
-            for (i, j), t, d in zip(positions, tensors, dims, strict=True)
-        )
+            f"{'arg' if isinstance(i, int) else 'keyword'} {i!r} leaf {j}: {tuple(t.shape)} "
+            f"at dim {d}" for (i, j), t, d in zip(positions, tensors, dims, strict=True))
         fail(api, "all batched inputs to have the same batch size",
              f"different sizes {sorted(sizes)} ({described})",
              "Fix in_dims (None for shared inputs) or the inputs' shapes.")

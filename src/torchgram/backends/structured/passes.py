@@ -100,7 +100,7 @@ def trace(problem: Problem) -> Recording:
                 rows = problem.rows(carriers)[0]
         else:
             with mode:
-                rows = problem.sample_rows(carriers, batch.narrow(0, 1))
+                rows = problem.sample_rows(carriers, batch.narrow(0, 1), check_draw=False)
     mode.recording.rows = rows.numel()
     keep_trace(problem, mode.recording)
     return mode.recording
