@@ -143,3 +143,20 @@ def test_transpose_getters_are_seen_by_a_function_mode() -> None:
     assert [compat.is_transpose_getter(func) for func in seen] == [True, True, False, False]
     assert compat.getter_name(seen[0]) == "Tensor.T"
     assert compat.getter_name(seen[2]) is None
+
+
+def test_cdist_batched_backward_is_still_wrong() -> None:
+    """NOTE [wrong batching rules]: when torch fixes this, drop torch.cdist from the list."""
+    torch.manual_seed(0)
+    anchors = torch.randn(3, 8, dtype=torch.float64)
+    h = torch.randn(4, 8, dtype=torch.float64)
+
+    def f(h: Tensor) -> Tensor:
+        return torch.cdist(h, anchors).sum(-1)
+
+    looped = torch.func.jacrev(f, chunk_size=1)(h)
+    vmapped = torch.func.jacrev(f)(h)
+    assert not torch.allclose(looped, vmapped), "torch fixed cdist's batching rule"
+    assert compat.wrong_batched_backward(torch.cdist) == "torch.cdist"
+    assert compat.wrong_batched_backward(torch.sin) is None
+    assert f(h.requires_grad_()).grad_fn.next_functions[0][0].name() in compat.WRONG_BATCHED_NODES

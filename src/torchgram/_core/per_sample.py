@@ -30,19 +30,14 @@ the Gramian's own round-off too.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
-from torch.overrides import TorchFunctionMode
 
+from torchgram._core.census import OpCensus
 from torchgram._core.errors import NotPerSample
 from torchgram._core.problem import Problem
-
-_BATCH_NORM = inspect.signature(F.batch_norm)
-_EMBEDDING = inspect.signature(F.embedding)
 
 
 def tolerance(dtype: torch.dtype) -> float:
@@ -55,64 +50,20 @@ def tolerance(dtype: torch.dtype) -> float:
     return 1e-4 if torch.finfo(dtype).bits <= 32 else 1e-9
 
 
-def coupling_op(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
-    """Why a torch function call makes samples interact, or ``None``.
-
-    Example:
-        >>> x = torch.randn(4, 3)
-        >>> coupling_op(F.batch_norm, (x, None, None), {"training": True})
-        'batch_norm in training mode (statistics of the whole batch)'
-        >>> coupling_op(F.batch_norm, (x, torch.zeros(3), torch.ones(3)), {}) is None
-        True
-    """
-    try:
-        if func is F.batch_norm:
-            bound = _BATCH_NORM.bind(*args, **kwargs)
-            bound.apply_defaults()
-            a = bound.arguments
-            if a["training"] or a["running_mean"] is None or a["running_var"] is None:
-                return "batch_norm in training mode (statistics of the whole batch)"
-        if func is F.embedding:
-            bound = _EMBEDDING.bind(*args, **kwargs)
-            bound.apply_defaults()
-            if bound.arguments["scale_grad_by_freq"]:
-                return ("embedding(scale_grad_by_freq=True) (gradients divided by token counts "
-                        "over the whole batch)")
-    except TypeError:  # a call we cannot read: not one of these
-        return None
-    return None
-
-
-class _Census(TorchFunctionMode):
-    """Records the calls that make samples interact (:func:`coupling_op`)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.found: list[str] = []
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
-                           kwargs: dict[str, Any] | None = None) -> Any:
-        kwargs = kwargs or {}
-        why = coupling_op(func, args, kwargs)
-        if why is not None and why not in self.found:
-            self.found.append(why)
-        return func(*args, **kwargs)
-
-
 def batch_rows(problem: Problem) -> tuple[Tensor, Any]:
     """``f``'s output rows ``[m]`` on the whole batch (output order) and aux, without gradients.
 
     Raises :class:`NotPerSample` if that evaluation drew random numbers or called an op that
     makes samples interact.
     """
-    census = _Census()
+    census = OpCensus()
     with torch.no_grad(), census:
         rows, aux = problem.rows(problem.leaves)
     if problem.draw.random:
         raise NotPerSample("f draws random numbers (dropout, ...): one sample at a time it "
                            "would see other draws than the batch's", random=True)
-    if census.found:
-        raise NotPerSample(f"f calls {census.found[0]}: its samples interact")
+    if census.coupling:
+        raise NotPerSample(f"f calls {census.coupling[0]}: its samples interact")
     return rows, aux
 
 

@@ -31,6 +31,7 @@ import optree
 import torch
 from torch import Tensor
 
+from torchgram._core.census import OpCensus
 from torchgram._core.checks import fail, resolve_argnums
 from torchgram._core.errors import NotPerSample, OutputChanged
 from torchgram._core.options import InDims, Options
@@ -205,6 +206,7 @@ class Problem:
             backend that keeps what makes it cheap returns a pullback.
         evaluation: The probe's evaluation, when it was one the backend can use (NOTE
             [probing]); ``None`` otherwise.
+        unbatched: Calls of ``f`` whose backward ``vmap`` gets wrong: vjps one at a time.
     """
 
     f: Callable[..., Any]
@@ -217,6 +219,7 @@ class Problem:
     draw: Draw = field(compare=False, repr=False)
     want_pullback: bool = False
     evaluation: Evaluation | None = field(default=None, compare=False, repr=False)
+    unbatched: tuple[str, ...] = ()
 
     # -- the options, for short ------------------------------------------------------------
 
@@ -259,6 +262,11 @@ class Problem:
     def num_rows(self) -> int:
         """``m``."""
         return self.output.num_rows
+
+    @property
+    def loops_only(self) -> bool:
+        """Whether vjps must run one at a time: ``chunk_size=1``, or ``unbatched`` calls."""
+        return self.chunk_size == 1 or bool(self.unbatched)
 
     @property
     def samples(self) -> int:
@@ -427,7 +435,21 @@ def replace_input_leaves(args: tuple[Any, ...], kwargs: Mapping[str, Any],
 
 # -- building a problem ------------------------------------------------------------------------
 
-_PROBES = LruCache[OutputSpec](maxsize=256)
+@dataclass(frozen=True)
+class Probe:
+    """What the probe of a call signature found (cached, NOTE [probing]).
+
+    Attributes:
+        spec: The output's structure.
+        unbatched: Calls of ``f`` whose backward ``vmap`` gets wrong (NOTE [wrong batching
+            rules] in ``_torch_compat``): backends then compute the rows' vjps one at a time.
+    """
+
+    spec: OutputSpec
+    unbatched: tuple[str, ...] = ()
+
+
+_PROBES = LruCache[Probe](maxsize=256)
 
 
 # NOTE [probing]
@@ -472,14 +494,14 @@ def build_problem(options: Options, f: Callable[..., Any], args: tuple[Any, ...]
                                   kwargs))
     draw = Draw(RngState.capture(_devices(args, kwargs)))
     key = _probe_key(f, args, kwargs, diff, options.has_aux, batch)
-    spec = None if fresh else _PROBES.get(key)
+    probe = None if fresh else _PROBES.get(key)
     evaluation = None
-    if spec is None:
-        spec, evaluation = _probe(api, f, args, kwargs, diff, batch, options.has_aux, draw,
-                                  with_grad=probe_with_grad and batch is None)
-        _PROBES.put(key, spec)
-    return Problem(f, args, kwargs, diff, options, batch, spec, draw, want_pullback,
-                   evaluation)
+    if probe is None:
+        probe, evaluation = _probe(api, f, args, kwargs, diff, batch, options.has_aux, draw,
+                                   with_grad=probe_with_grad and batch is None)
+        _PROBES.put(key, probe)
+    return Problem(f, args, kwargs, diff, options, batch, probe.spec, draw, want_pullback,
+                   evaluation, probe.unbatched)
 
 
 def _probe_key(f: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any],
@@ -503,25 +525,28 @@ def _devices(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[torch.dev
 
 def _probe(api: str, f: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any],
            diff: DiffLeaves, batch: BatchSpec | None, has_aux: bool, draw: Draw, *,
-           with_grad: bool) -> tuple[OutputSpec, Evaluation | None]:
-    """Evaluate ``f`` once (NOTE [probing]): its output's spec, and the evaluation to reuse."""
+           with_grad: bool) -> tuple[Probe, Evaluation | None]:
+    """Evaluate ``f`` once (NOTE [probing]): what it found, and the evaluation to reuse."""
     if batch is not None:
         args, kwargs = replace_input_leaves(args, kwargs, batch.positions, batch.narrow(0, 1))
     leaves = tuple(leaf.detach().requires_grad_() for leaf in diff.leaves) if with_grad \
         else diff.leaves
+    census = OpCensus()
     with torch.set_grad_enabled(with_grad):
         draw.before_evaluation()
         try:
-            result = f(*diff.rebuild_args(args, leaves), **kwargs)
+            with census:
+                result = f(*diff.rebuild_args(args, leaves), **kwargs)
         finally:
             if with_grad:
                 draw.after_full_evaluation()
             draw.start.restore()  # the next evaluation starts from the call's state
         out, aux = split_aux(api, result, has_aux)
-        spec = make_output_spec(api, out, batch)
+        probe = Probe(make_output_spec(api, out, batch), tuple(census.unbatched))
         if not with_grad:
-            return spec, None
-        return spec, Evaluation(leaves, concat_rows(optree.tree_leaves(out), spec.dtype), aux)
+            return probe, None
+        rows = concat_rows(optree.tree_leaves(out), probe.spec.dtype)
+        return probe, Evaluation(leaves, rows, aux)
 
 
 def make_output_spec(api: str, out: Any, batch: BatchSpec | None) -> OutputSpec:

@@ -35,7 +35,7 @@ from torchgram.backends._vmap_or_loop import vmap_or_loop
 @register("jacobian")
 def jacobian_backend(problem: Problem) -> BackendResult:
     """Compute the Gramian blocks of ``problem`` from explicit Jacobian blocks."""
-    loop = problem.chunk_size == 1
+    loop = problem.loops_only
     if problem.batch is None:
         return vmap_or_loop(lambda loop: _run(problem, loop, per_sample=False), loop=loop)
     try:

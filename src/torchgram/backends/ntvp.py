@@ -73,7 +73,7 @@ def ntvp_backend(problem: Problem) -> BackendResult:
         result.report.notes.append("diagonal: the jacobian backend's vjps (no forward mode)")
         return result
     _prepare_forward_ad()
-    loop = problem.chunk_size == 1
+    loop = problem.loops_only
     with EmbeddingConventions():  # NOTE [embedding conventions]
         if problem.batch is None:
             return vmap_or_loop(lambda loop: _run(problem, loop, per_sample=False), loop=loop)

@@ -116,7 +116,7 @@ def _contract(problem: Problem, forward: Forward, plan: StructuredPlan, rows: Te
     contraction.set_acts(forward.acts)
     per_pass = rows_per_pass(problem, forward)
     for start, stop, tap_cots, carrier_grads in backward_chunks(
-            forward, per_pass, vectorize=problem.chunk_size != 1):
+            forward, per_pass, vectorize=not problem.loops_only):
         report.row_chunks.append((stop - start, sum(
             t.numel() * t.element_size() for t in [*tap_cots, *carrier_grads.values()]
             if t is not None)))

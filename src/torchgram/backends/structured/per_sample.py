@@ -89,7 +89,7 @@ def _check_batched(problem: Problem, forward: Forward) -> None:
 def _one_sample_at_a_time(problem: Problem, expected: Recording, fallback: list[int]) -> Forward:
     """``vmap`` over samples, a loop where it cannot; every sample checked against the batch."""
     batch_outputs, _ = batch_rows(problem)
-    loop = problem.chunk_size == 1
+    loop = problem.loops_only
     forward = None
     if not loop:
         try:

@@ -37,7 +37,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from torchgram._core import _torch_compat
-from torchgram._core.per_sample import coupling_op
+from torchgram._core.census import coupling_op
 from torchgram.backends._embedding import embedding_with_conventions
 from torchgram.backends.structured.rules import rewrite_for, rule_for
 from torchgram.backends.structured.rules.base import Layout, Match, UseShape
