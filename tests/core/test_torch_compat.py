@@ -160,3 +160,11 @@ def test_cdist_batched_backward_is_still_wrong() -> None:
     assert compat.wrong_batched_backward(torch.cdist) == "torch.cdist"
     assert compat.wrong_batched_backward(torch.sin) is None
     assert f(h.requires_grad_()).grad_fn.next_functions[0][0].name() in compat.WRONG_BATCHED_NODES
+
+
+def test_version_counts_in_place_writes() -> None:
+    x = torch.zeros(3)
+    before = compat.version(x)
+    x.add_(1)
+    assert compat.version(x) == before + 1
+    assert compat.version(x.detach()) == compat.version(x)  # shared with aliases

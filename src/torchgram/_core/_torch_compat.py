@@ -105,6 +105,11 @@ def is_leaf_accumulator(node: Node) -> bool:
     return not node.next_functions and getattr(node, "variable", None) is not None
 
 
+def version(tensor: Tensor) -> int:
+    """The version counter of ``tensor``'s storage: it grows with every in-place write."""
+    return int(tensor._version)
+
+
 # -- error messages --------------------------------------------------------------------------
 
 _NATIVE_OP = re.compile(r"Trying to use forward AD with (\S+) that does not support it")

@@ -31,6 +31,7 @@ import optree
 import torch
 from torch import Tensor
 
+from torchgram._core import _torch_compat
 from torchgram._core.census import OpCensus
 from torchgram._core.checks import fail, resolve_argnums
 from torchgram._core.errors import NotPerSample, OutputChanged
@@ -443,10 +444,14 @@ class Probe:
         spec: The output's structure.
         unbatched: Calls of ``f`` whose backward ``vmap`` gets wrong (NOTE [wrong batching
             rules] in ``_torch_compat``): backends then compute the rows' vjps one at a time.
+        mutates_leaves: Whether ``f`` writes into its parameters (``F.embedding`` with
+            ``max_norm`` renormalises rows in place): every call then works on copies of
+            them, so the user's tensors are never changed.
     """
 
     spec: OutputSpec
     unbatched: tuple[str, ...] = ()
+    mutates_leaves: bool = False
 
 
 _PROBES = LruCache[Probe](maxsize=256)
@@ -456,7 +461,9 @@ _PROBES = LruCache[Probe](maxsize=256)
 # A problem is built from one evaluation of f, the probe: its output gives the OutputSpec,
 # and any error in it (a non-tensor output, a batch_dim that does not index samples...) is
 # reported before any Jacobian work. With batch_dim the probe evaluates one sample (a batch
-# of one) without gradients, which is cheap. Without it, it evaluates the batch; when the
+# of one) without gradients, which is cheap; it runs on copies of the parameters, and if f
+# writes into them (an embedding's max_norm), every call of that signature works on copies.
+# Without batch_dim, it evaluates the batch; when the
 # backend will evaluate the batch with plain autograd anyway (graph), the probe is that
 # evaluation, with fresh leaves that require grad, and is handed to the backend
 # (Problem.evaluation) so that f runs once. Probes are cached per call signature (NOTE [call
@@ -500,6 +507,8 @@ def build_problem(options: Options, f: Callable[..., Any], args: tuple[Any, ...]
         probe, evaluation = _probe(api, f, args, kwargs, diff, batch, options.has_aux, draw,
                                    with_grad=probe_with_grad and batch is None)
         _PROBES.put(key, probe)
+    if probe.mutates_leaves:
+        diff = diff.replace_leaves(tuple(leaf.clone() for leaf in diff.leaves))
     return Problem(f, args, kwargs, diff, options, batch, probe.spec, draw, want_pullback,
                    evaluation, probe.unbatched)
 
@@ -529,8 +538,9 @@ def _probe(api: str, f: Callable[..., Any], args: tuple[Any, ...], kwargs: Mappi
     """Evaluate ``f`` once (NOTE [probing]): what it found, and the evaluation to reuse."""
     if batch is not None:
         args, kwargs = replace_input_leaves(args, kwargs, batch.positions, batch.narrow(0, 1))
-    leaves = tuple(leaf.detach().requires_grad_() for leaf in diff.leaves) if with_grad \
-        else diff.leaves
+    copies = tuple(leaf.clone() for leaf in diff.leaves)  # f may write into its parameters
+    versions = [_torch_compat.version(leaf) for leaf in copies]
+    leaves = tuple(leaf.requires_grad_() for leaf in copies) if with_grad else copies
     census = OpCensus()
     with torch.set_grad_enabled(with_grad):
         draw.before_evaluation()
@@ -542,7 +552,9 @@ def _probe(api: str, f: Callable[..., Any], args: tuple[Any, ...], kwargs: Mappi
                 draw.after_full_evaluation()
             draw.start.restore()  # the next evaluation starts from the call's state
         out, aux = split_aux(api, result, has_aux)
-        probe = Probe(make_output_spec(api, out, batch), tuple(census.unbatched))
+        mutated = any(_torch_compat.version(leaf) != before
+                      for leaf, before in zip(copies, versions, strict=True))
+        probe = Probe(make_output_spec(api, out, batch), tuple(census.unbatched), mutated)
         if not with_grad:
             return probe, None
         rows = concat_rows(optree.tree_leaves(out), probe.spec.dtype)

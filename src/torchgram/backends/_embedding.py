@@ -14,8 +14,9 @@ those modes, the call is rewritten into a plain lookup whose conventions are wri
     out = out.detach() + (out - out.detach()) / count[index]     (1/count derivative)
 
 which has the same value and, in every mode, the derivative reverse mode defines (the one
-``torch.func.jacrev`` and the oracle use). ``max_norm`` (an in-place renormalisation of
-the weight) is left to torch.
+``torch.func.jacrev`` and the oracle use). With ``max_norm`` the rows are first
+renormalised in place, as ``F.embedding`` does (on copies of the user's table: NOTE
+[probing]).
 """
 
 from __future__ import annotations
@@ -51,9 +52,14 @@ def embedding_with_conventions(args: tuple[Any, ...], kwargs: dict[str, Any]) ->
     padding_idx = a.get("padding_idx")
     by_freq = a.get("scale_grad_by_freq", False)
     index, weight = a["input"], a["weight"]
-    if (padding_idx is None and not by_freq) or a.get("max_norm") is not None \
-            or a.get("sparse", False) or not isinstance(weight, Tensor):
+    if (padding_idx is None and not by_freq) or a.get("sparse", False) \
+            or not isinstance(weight, Tensor):
         return NotImplemented
+    max_norm = a.get("max_norm")
+    if max_norm is not None:  # what F.embedding does first: rows renormalised in place
+        with torch.no_grad():
+            torch.embedding_renorm_(weight.detach(), index.contiguous(), max_norm,
+                                    a.get("norm_type", 2.0))
     out = F.embedding(index, weight)
     if padding_idx is not None:
         padding = (index == padding_idx % weight.shape[0]).unsqueeze(-1)
