@@ -43,7 +43,7 @@ def aggregated_grad(
     backend: str = "auto",
     chunk_size: int | None = None,
     batch_dim: int | None = None,
-    in_dims: int | None | Sequence[int | None] = 0,
+    in_dims: int | None | Sequence[Any] = 0,
     per_leaf: bool = False,
     memory_budget: int | None = None,
 ) -> Callable[..., tuple[Any, Aggregation]]:
