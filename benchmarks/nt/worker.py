@@ -20,7 +20,9 @@ Request (JSON)::
       "implementations": ["JACOBIAN_CONTRACTION", "NTK_VECTOR_PRODUCTS",
                           "STRUCTURED_DERIVATIVES", "AUTO"],
       "repeats": 10,                # warm calls timed per implementation (median reported)
-      "max_seconds": 20.0           # stop timing one implementation after this much warm time
+      "max_seconds": 20.0,          # stop timing one implementation after this much warm time
+      "max_memory_gb": 12           # address-space cap (RLIMIT_AS): an implementation that
+                                    # needs more fails with RESOURCE_EXHAUSTED, recorded
     }
 
 Layers (``f(params, x)`` is their composition; weights use JAX's ``[in, out]`` layout):
@@ -34,7 +36,9 @@ Layers (``f(params, x)`` is their composition; weights use JAX's ``[in, out]`` l
 
 Every implementation in ``nt.NtkImplementation`` named in the request is built with
 ``nt.empirical_ntk_fn(f, trace_axes, diagonal_axes, vmap_axes, implementation)`` and wrapped in
-``jax.jit``. Its first call (trace + compile + run, ``block_until_ready``) is timed once, then,
+``jax.jit``. After a jitted forward and gradient of ``f`` (so that jax's own start-up is
+paid before any timing), each implementation's first call (trace + compile + run,
+``block_until_ready``) is timed once, then,
 after one more untimed call, the implementations take turns (round robin, the order rotating
 every round) for ``repeats`` timed calls each; the median is reported. A failure is recorded
 with its message, never raised.
@@ -49,8 +53,11 @@ over wall time of the timed calls, which shows how many cores were really busy.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
+import re
 import resource
 import statistics
 import sys
@@ -183,9 +190,16 @@ def time_kernel(f: Callable[[Any, Any], Any], params: Any, x1: Any, x2: Any | No
                 f, trace_axes=tuple(spec["trace_axes"]),
                 diagonal_axes=tuple(spec["diagonal_axes"]), vmap_axes=spec["vmap_axes"],
                 implementation=getattr(nt.NtkImplementation, name)))
-            start = time.perf_counter()
-            kernel = fn(x1, x2, params).block_until_ready()
-            entry["first_call_s"] = time.perf_counter() - start
+            printed = io.StringIO()  # AUTO prints "impl=N, flops=F" per candidate
+            with contextlib.redirect_stdout(printed):
+                start = time.perf_counter()
+                kernel = fn(x1, x2, params).block_until_ready()
+                entry["first_call_s"] = time.perf_counter() - start
+            flops = {nt.NtkImplementation(int(i)).name: float(v)
+                     for i, v in re.findall(r"impl=(\d+), flops=([0-9.e+-]+)", printed.getvalue())}
+            if flops:
+                entry["auto_flops"] = flops
+                entry["auto_choice"] = min(flops, key=flops.__getitem__)
             fn(x1, x2, params).block_until_ready()  # one more, untimed
         except Exception as exc:  # noqa: BLE001 - recorded, the others still run
             entry["error"] = _error(exc)
@@ -239,6 +253,10 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
     for spec in request["kernels"]:
         x1 = jnp.asarray(arrays[spec["x1"]])
         x2 = None if spec.get("x2") is None else jnp.asarray(arrays[spec["x2"]])
+        # Warm jax's tracing, autodiff and compilation machinery on this model (a jitted
+        # forward and gradient) so that no implementation's first call pays for it alone.
+        jax.jit(f)(params, x1).block_until_ready()
+        jax.block_until_ready(jax.jit(jax.grad(lambda p, x: f(p, x).sum()))(params, x1))
         kernels, timing = time_kernel(f, params, x1, x2, spec, implementations,
                                       int(request.get("repeats", 10)),
                                       float(request.get("max_seconds", 20.0)))
@@ -258,6 +276,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("usage: worker.py REQUEST.json", file=sys.stderr)
         return 2
     request = json.loads(Path(args[0]).read_text())
+    if request.get("max_memory_gb"):
+        cap = int(float(request["max_memory_gb"]) * 2**30)
+        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
     threads = configure_threads(request.get("threads"))
     report = run(request)
     report["thread_settings"] = threads
