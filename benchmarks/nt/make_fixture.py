@@ -215,6 +215,12 @@ def _predict(arrays: dict[str, np.ndarray], meta: dict[str, Any],
         k_ss = np.asarray(ntk_fn(jnp.asarray(arrays["mlp.x2"]), None, params))
         arrays[f"predict.k_test_train.trace_{tag}"] = k_st
         arrays[f"predict.k_test_test.trace_{tag}"] = k_ss
+        entries.append({"key": f"predict.k_test_train.trace_{tag}",
+                        "what": "NT's kernel(x2, x1) on the MLP (k_test_train)",
+                        "shape": list(k_st.shape)})
+        entries.append({"key": f"predict.k_test_test.trace_{tag}",
+                        "what": "NT's kernel(x2, None) on the MLP, for gp_inference's "
+                                "k_test_test", "shape": list(k_ss.shape)})
         for index, setting in enumerate(PREDICT_SETTINGS):
             prefix = f"predict.gd.trace_{tag}.s{index}"
             predict_fn = nt.predict.gradient_descent_mse(
@@ -272,6 +278,10 @@ def _predict(arrays: dict[str, np.ndarray], meta: dict[str, Any],
                             "mean_shape": list(mean.shape),
                             "ntkgp_cov_shape": list(np.shape(cov.covariance)),
                             "mean_rel_diff_to_formula": _close(mean, ref_mean),
+                            "ntkgp_cov_rel_diff_to_formula": _close(
+                                np.asarray(cov.covariance), semantics.gp_inference_ntkgp_cov(
+                                    k_tt, k_st, k_ss, setting["diag_reg"],
+                                    setting["diag_reg_absolute_scale"])),
                             "ntkgp_cov_mean_equals_mean": _close(np.asarray(cov.mean), mean)})
     meta["predict"] = entries
 
@@ -304,7 +314,8 @@ def main() -> int:
     failures = [e["key"] for e in meta["kernels"] if not e["matches_reference"]
                 or e.get("vmap_axes_none_max_rel_diff", 0.0) > RTOL]
     failures += [e["key"] for e in meta["predict"]
-                 if max(v for k, v in e.items() if k.endswith("to_formula")) > 1e-8]
+                 if max((v for k, v in e.items() if k.endswith("to_formula")), default=0.0)
+                 > 1e-8]
     meta["checks_failed"] = failures
     OUT.parent.mkdir(parents=True, exist_ok=True)
     np.savez_compressed(OUT.with_suffix(".npz"), **arrays)

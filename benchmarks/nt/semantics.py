@@ -165,3 +165,27 @@ def gp_inference_mean(k_train_train: np.ndarray, y_train: np.ndarray,
     mean = kt2d @ np.linalg.solve(k2d, y_train.reshape(k2d.shape[0], channels))
     return mean.reshape(k_test_train.shape[0::2] + tuple(y_train.shape[y_train.ndim - len(
         canonical_axes(trace_axes, y_train.ndim)):]))
+
+
+def gp_inference_ntkgp_cov(k_train_train: np.ndarray, k_test_train: np.ndarray,
+                           k_test_test: np.ndarray, diag_reg: float = 0.0,
+                           diag_reg_absolute_scale: bool = False) -> np.ndarray:
+    """Covariance of ``gp_inference(...)(get="ntkgp", k_test_train, k_test_test)``.
+
+    ``K_test,test - K_test,train Θ_reg⁻¹ K_train,test``, every kernel in NT's interleaved
+    layout (``[N1, N2, K, K]`` or, traced, ``[N1, N2]``) and the result too.
+    """
+    def flat(k: np.ndarray) -> np.ndarray:
+        ndim = k.ndim // 2
+        rows = int(np.prod(k.shape[0::2], dtype=np.int64))
+        return np.transpose(k, tuple(range(0, 2 * ndim, 2)) + tuple(range(1, 2 * ndim, 2))
+                            ).reshape(rows, -1)
+
+    theta = add_diagonal_regularizer(flat(k_train_train), diag_reg, diag_reg_absolute_scale)
+    k_st = flat(k_test_train)
+    cov = flat(k_test_test) - k_st @ np.linalg.solve(theta, k_st.T)
+    ndim = k_test_test.ndim // 2
+    unflat = cov.reshape(k_test_test.shape[0::2] + k_test_test.shape[1::2])
+    order = [axis for pair in zip(range(ndim), range(ndim, 2 * ndim), strict=True)
+             for axis in pair]
+    return np.transpose(unflat, order)

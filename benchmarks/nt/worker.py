@@ -169,8 +169,10 @@ def time_kernel(f: Callable[[Any, Any], Any], params: Any, x1: Any, x2: Any | No
 
     Returns:
         ``(kernels, report)``: the kernel of each implementation that ran (numpy), and per
-        implementation ``first_call_s``, ``warm_median_s``, ``warm_s`` (every timed call),
-        ``shape`` and ``cpu_per_wall`` — or ``error``.
+        implementation ``first_call_s``, ``warm_median_s``, ``warm_min_s``, ``warm_s`` (every
+        timed call), ``cpu_s`` and ``cpu_median_s`` (this process's CPU seconds per call: on
+        one thread, what the call costs with the core to itself), ``cpu_per_wall``,
+        ``shape`` — or ``error``.
     """
     import jax
     import neural_tangents as nt
@@ -207,10 +209,9 @@ def time_kernel(f: Callable[[Any, Any], Any], params: Any, x1: Any, x2: Any | No
         kernels[name] = np.asarray(kernel)
         entry["shape"] = list(kernel.shape)
         entry["dtype"] = str(kernel.dtype)
-        entry["warm_s"] = []
+        entry["warm_s"], entry["cpu_s"] = [], []
         fns[name] = fn
 
-    cpu = {name: 0.0 for name in fns}
     for round_ in range(repeats):
         running = [name for name in fns if sum(report[name]["warm_s"]) < max_seconds]
         if not running:
@@ -220,11 +221,13 @@ def time_kernel(f: Callable[[Any, Any], Any], params: Any, x1: Any, x2: Any | No
             cpu_start, start = _cpu_seconds(), time.perf_counter()
             fns[name](x1, x2, params).block_until_ready()
             report[name]["warm_s"].append(time.perf_counter() - start)
-            cpu[name] += _cpu_seconds() - cpu_start
+            report[name]["cpu_s"].append(_cpu_seconds() - cpu_start)
     for name in fns:
-        warm = report[name]["warm_s"]
+        warm, cpu = report[name]["warm_s"], report[name]["cpu_s"]
         report[name]["warm_median_s"] = statistics.median(warm) if warm else None
-        report[name]["cpu_per_wall"] = cpu[name] / sum(warm) if warm else None
+        report[name]["warm_min_s"] = min(warm) if warm else None
+        report[name]["cpu_median_s"] = statistics.median(cpu) if cpu else None
+        report[name]["cpu_per_wall"] = sum(cpu) / sum(warm) if warm else None
     return kernels, report
 
 
