@@ -369,6 +369,11 @@ def _best(record: dict[str, Any]) -> tuple[str, float] | None:
     return min(timed.items(), key=lambda item: item[1]) if timed else None
 
 
+def _ms(entry: dict[str, Any], key: str) -> str:
+    value = entry.get(key)
+    return "—" if value is None else f"{1000 * value:.1f}"
+
+
 def format_table(records: Sequence[dict[str, Any]]) -> str:
     """A markdown table: one row per (case, threads, implementation)."""
     lines = ["| case | threads | implementation | first call (s) | warm median (ms) | "
@@ -400,8 +405,8 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
                 note.append("MISMATCH")
             error = f"{e['rel_error']:.1e}" if "rel_error" in e else "—"
             lines.append(f"| {record['case']} | {record['threads']} | {name} | "
-                         f"{e['first_call_s']:.2f} | {1000 * e['warm_median_s']:.1f} | "
-                         f"{1000 * e['warm_min_s']:.1f} | {1000 * e['cpu_median_s']:.1f} | "
+                         f"{e['first_call_s']:.2f} | {_ms(e, 'warm_median_s')} | "
+                         f"{_ms(e, 'warm_min_s')} | {_ms(e, 'cpu_median_s')} | "
                          f"{error} | {'; '.join(note)} |")
     return "\n".join(lines)
 
@@ -423,7 +428,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-torchgram", action="store_true")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke run)")
     parser.add_argument("--json", type=Path, default=None, help="write every record here")
+    parser.add_argument("--render", type=Path, default=None,
+                        help="print the table of a --json file and exit (runs nothing)")
     args = parser.parse_args(argv)
+    if args.render is not None:
+        saved = json.loads(args.render.read_text())
+        print(json.dumps(saved["header"]))
+        print(format_table(saved["records"]))
+        return 0
     if not VENV_PYTHON.exists():
         print(NOT_INSTALLED)
         return 0
