@@ -10,6 +10,7 @@ float64 torch reference (``torch.func.jacrev``, ``J1 @ J2.T``, put in NT's layou
     python -m benchmarks.nt.client                        # every case, 1 and 2 threads
     python -m benchmarks.nt.client --cases mlp-trace --threads 1 --repeats 5
     python -m benchmarks.nt.client --quick                # tiny sizes: a smoke run
+    python -m benchmarks.nt.client --check-fixture        # the fixture, rebuilt in torch
 
 Weight layout (torch → JAX):
 
@@ -34,7 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -225,6 +226,86 @@ def _copy_module(module: nn.Module, dtype: torch.dtype) -> nn.Module:
     import copy
 
     return copy.deepcopy(module).to(dtype)
+
+
+FIXTURE = HERE.parents[1] / "tests" / "data" / "nt_reference"
+
+
+def torch_apply(layers: Sequence[dict[str, Any]]
+                ) -> Callable[[dict[str, Tensor], Tensor], Tensor]:
+    """The fixture's models in torch (layout ``NCHW``): ``f(params, x)`` from the worker's layers.
+
+    ``dense`` is ``x @ w + b`` (``[in, out]``), ``conv`` is ``F.conv2d`` with torch's OIHW
+    weights as stored; ``params`` maps the layers' weight names to tensors.
+    """
+    import torch.nn.functional as F
+
+    def apply(params: dict[str, Tensor], x: Tensor) -> Tensor:
+        h = x
+        for layer in layers:
+            op = layer["op"]
+            if op == "dense":
+                h = h @ params[layer["w"]] + params[layer["b"]]
+            elif op == "conv":
+                (top, bottom), (left, right) = layer["padding"]
+                if top != bottom or left != right:
+                    raise ValueError("client: asymmetric padding")
+                h = F.conv2d(h, params[layer["w"]], params[layer["b"]],
+                             stride=tuple(layer["stride"]), padding=(top, left))
+            elif op == "relu":
+                h = torch.relu(h)
+            elif op == "tanh":
+                h = torch.tanh(h)
+            elif op == "avgpool_global":
+                h = h.mean(dim=(2, 3))
+            elif op == "flatten":
+                h = h.flatten(1)
+            else:
+                raise ValueError(f"client: no torch translation for {op!r}")
+        return h
+
+    return apply
+
+
+def check_fixture(path: Path = FIXTURE) -> dict[str, float]:
+    """Rebuild the fixture's models in torch and compare every stored NT kernel.
+
+    The dense float64 Gramian ``jacrev`` gives, put in NT's layout by
+    :func:`semantics.to_nt_layout`, must equal each ``*.ntk.*`` array: the check that the
+    fixture can be reproduced without jax (what ``torchgram.ntk``'s tests will do).
+
+    Returns:
+        Key → relative error, for every stored kernel.
+    """
+    meta = json.loads(path.with_suffix(".json").read_text())
+    errors: dict[str, float] = {}
+    with np.load(path.with_suffix(".npz")) as data:
+        arrays = {key: torch.from_numpy(data[key]) for key in data.files}
+    for entry in meta["kernels"]:
+        if not entry["stored"]:
+            continue
+        model = meta["models"][entry["model"]]
+        prefix = entry["model"] + "."
+        weights = {name[len(prefix):]: value for name, value in arrays.items()
+                   if name.startswith(prefix) and "." not in name[len(prefix):]}
+        params = {k: v for k, v in weights.items() if not k.startswith("x")}
+        f = torch_apply(model["layers"])
+        x1 = weights["x1"]
+        x2 = x1 if entry["x2"] is None else weights[entry["x2"]]
+
+        def flat_jacobian(x: Tensor, f: Any = f, params: dict[str, Tensor] = params
+                          ) -> Tensor:
+            jac = torch.func.jacrev(lambda p: f(p, x))(params)
+            return torch.cat([leaf.reshape(x.shape[0] * leaf.shape[1], -1)
+                              for leaf in jac.values()], dim=1)
+
+        out = f(params, x1)
+        gram = (flat_jacobian(x1) @ flat_jacobian(x2).T).reshape(
+            tuple(out.shape) + (x2.shape[0],) + tuple(out.shape[1:]))
+        kernel = semantics.to_nt_layout(gram.numpy(), out.ndim, entry["trace_axes"],
+                                        entry["diagonal_axes"])
+        errors[entry["key"]] = relative_error(kernel, arrays[entry["key"]].numpy())
+    return errors
 
 
 def relative_error(a: np.ndarray, b: np.ndarray) -> float:
@@ -430,7 +511,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None, help="write every record here")
     parser.add_argument("--render", type=Path, default=None,
                         help="print the table of a --json file and exit (runs nothing)")
+    parser.add_argument("--check-fixture", action="store_true",
+                        help="rebuild tests/data/nt_reference in torch, compare every stored "
+                             "kernel with a dense float64 jacrev (needs no NT venv) and exit")
     args = parser.parse_args(argv)
+    if args.check_fixture:
+        errors = check_fixture()
+        worst = max(errors, key=errors.__getitem__)
+        print(f"{len(errors)} fixture kernels reproduced in torch; largest relative error "
+              f"{errors[worst]:.1e} ({worst})")
+        return 0 if errors[worst] < 1e-12 else 1
     if args.render is not None:
         saved = json.loads(args.render.read_text())
         print(json.dumps(saved["header"]))
