@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torchgram._core import checks
+from torchgram._core import _torch_compat, checks
 from torchgram._core.sink import LeafBlocks
 from torchgram.backends.graph import graph_gramian, plan_graph, release_graph
 
@@ -153,6 +153,14 @@ def _check_outputs(outputs: list[Tensor]) -> None:
 
 def _check_inputs(inputs: list[Tensor]) -> None:
     for index, tensor in enumerate(inputs):
+        if _torch_compat.is_dtensor(tensor):
+            checks.fail(_API, "inputs that are the graph's own tensors",
+                        f"inputs[{index}], a DTensor (placements {tensor.placements})",
+                        "A DTensor parameter holds one shard: an FSDP2 module's graph "
+                        "uses the whole parameters FSDP all-gathers (a zero block here), "
+                        "a tensor-parallel one only this rank's part. Use "
+                        "torchgram.distributed.autograd.gramian / backward(losses, module, "
+                        "...) on every rank.", TypeError)
         if not tensor.requires_grad:
             checks.fail(_API, "inputs that require grad",
                         f"inputs[{index}] of shape {tuple(tensor.shape)} with "

@@ -27,6 +27,8 @@ from torchgram.distributed._tensor_parallel import (
     has_dtensor_leaves,
     reduced_blocks,
     sharded_compute,
+    sharded_pullback,
+    sharded_value,
 )
 
 CrossRank = Literal["exact", "local"]
@@ -139,7 +141,7 @@ def _gramian(options: Options, f: Callable[..., Any], args: tuple[Any, ...],
     if has_dtensor_leaves(options, args):
         call = sharded_compute(options, f, args, kwargs, group)
         blocks = reduced_blocks(call, options.per_leaf)
-        value = call.computation.value(blocks)
+        value = sharded_value(options, call, blocks)
         return value, call.computation.aux, _tp_report(call.group)
     if cross_rank == "local":
         resolved = resolve_group(options.api, group)
@@ -388,18 +390,18 @@ def _tp_step(options: Options, f: Callable[..., Any], weighting: Callable[[Tenso
              args: tuple[Any, ...], kwargs: Mapping[str, Any], group: GroupLike,
              watch: Stopwatch) -> tuple[Any, Aggregation]:
     """Tensor parallel: weights from the reduced ``G``, the update as sharded DTensors."""
-    call = sharded_compute(options, f, args, kwargs, group, want_pullback=True)
+    call = sharded_compute(options, f, args, kwargs, group)
     blocks = reduced_blocks(call, options.per_leaf)
     matrix = blocks[0] if len(blocks) == 1 else torch.stack(blocks).sum(0)
     gramian_time = watch.lap()
     weights = broadcast_weights(options.api, weighting, matrix, call.group)
     weighting_time = watch.lap()
-    grads = dtensor_grads(call, call.computation.pullback(weights))
+    grads = dtensor_grads(call, sharded_pullback(call, weights))
     times = StepTimes(gramian_time, weighting_time, watch.lap())
     computation = call.computation
     update = call.diff.unflatten_like_args(grads, as_tuple=not options.single_argnum)
     shaped = shape_block(computation.problem, weights, diagonal=True)
-    return update, Aggregation(computation.value(blocks), shaped, computation.output(),
+    return update, Aggregation(sharded_value(options, call, blocks), shaped, computation.output(),
                                computation.aux, times, _tp_report(call.group))
 
 

@@ -27,13 +27,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import Tensor
 
 from torchgram._api.pipeline import compute
-from torchgram._core.checks import fail, resolve_argnums
+from torchgram._core import checks
+from torchgram._core.census import OpCensus
+from torchgram._core.checks import resolve_argnums
 from torchgram._core.errors import NotPerSample, OutputChanged
 from torchgram._core.options import Options
 from torchgram._core.problem import Problem, build_problem, forget_probe, make_batch_spec
@@ -150,7 +152,13 @@ def _local_work(local: Local, options: Options, f: Callable[..., Any], args: tup
     if options.diagonal:
         _local_diagonal(local, options, f, args, kwargs, batch)
         return
-    problem = build_problem(options, f, args, kwargs, want_pullback=True)
+    try:
+        problem = build_problem(options, f, args, kwargs, want_pullback=True)
+    except Exception as error:
+        if batch is not None:  # a batch of one failed: say so if the samples interact
+            _raise_if_coupled(api, f, local.diff.rebuild_args(
+                args, [leaf.clone() for leaf in local.diff.leaves]), kwargs, error)
+        raise
     local.problem = problem
     if problem.num_rows == 0:
         local.summary = RankSummary(error=None, mode="empty", batch=batch)
@@ -165,13 +173,7 @@ def _local_work(local: Local, options: Options, f: Callable[..., Any], args: tup
             payloads = pass_payloads(problem)
     except NotPerSample as why:
         if not why.random:
-            fail(api, "samples that do not interact: batch_dim promises it, and each rank "
-                 "sees its own samples only",
-                 f"{why.reason}",
-                 "The single-process Gramian of the concatenated batch would couple "
-                 "samples of different ranks, which no rank computes. Use batch-norm in "
-                 "eval mode, GroupNorm or LayerNorm, or batch_dim=None for the Gramian of "
-                 "the rows each rank computes.")
+            _coupled(api, why.reason)
         payloads = pass_payloads(problem, dense=True)
     local.payloads = payloads
     local.outputs = payloads.outputs
@@ -203,6 +205,30 @@ def _local_diagonal(local: Local, options: Options, f: Callable[..., Any],
     local.summary = RankSummary(error=None, mode="ranks" if rows else "empty", samples=1,
                                 rows=rows, batch=batch, output=_output_desc(problem),
                                 leaves=tuple(LeafSummary(zero=True) for _ in problem.leaves))
+
+
+def _coupled(api: str, reason: str, error: BaseException | None = None) -> NoReturn:
+    message = checks.message(
+        api, "samples that do not interact: batch_dim promises it, and each rank sees its "
+        "own samples only", reason,
+        "The single-process Gramian of the concatenated batch would couple samples of "
+        "different ranks, which no rank computes. Use batch-norm in eval mode, GroupNorm or "
+        "LayerNorm, or batch_dim=None for the Gramian of the rows each rank computes.")
+    raise ValueError(message) from error
+
+
+def _raise_if_coupled(api: str, f: Callable[..., Any], args: tuple[Any, ...],
+                      kwargs: Mapping[str, Any], error: BaseException) -> None:
+    """After ``f`` failed on a batch of one: the clear error if the batch's samples interact."""
+    census = OpCensus()
+    try:
+        with torch.no_grad(), census:
+            f(*args, **kwargs)
+    except Exception:  # noqa: BLE001 -- f fails on its batch too: the original error stands
+        return
+    if census.coupling:
+        _coupled(api, f"f calls {census.coupling[0]}: its samples interact (and f fails on "
+                 f"one sample alone: {type(error).__name__}: {str(error)[:100]})", error)
 
 
 def _output_desc(problem: Problem) -> OutputDesc:

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch.utils._python_dispatch import TorchDispatchMode
-
-_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional"})
+from torchgram._core._torch_compat import COLLECTIVE_NAMESPACES, TorchDispatchMode
 
 
 class CollectiveInF(RuntimeError):  # noqa: N818 -- reads as a statement
@@ -34,6 +32,6 @@ class NoCollectives(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
-        if getattr(func, "namespace", None) in _NAMESPACES:
+        if getattr(func, "namespace", None) in COLLECTIVE_NAMESPACES:
             raise CollectiveInF(str(func))
         return func(*args, **(kwargs or {}))

@@ -33,6 +33,7 @@ from torchgram._api.pipeline import Computation, compute
 from torchgram._core.checks import fail, resolve_argnums
 from torchgram._core.options import Options
 from torchgram._core.pytree import DiffLeaves, select_diff_leaves
+from torchgram._core.sink import shape_block
 from torchgram.distributed._group import Group, GroupLike, resolve_group
 
 
@@ -133,3 +134,30 @@ def dtensor_grads(call: ShardedCall, grads: Sequence[Tensor]) -> list[Tensor]:
         else:
             out.append(grad)
     return out
+
+
+def sharded_value(options: Options, call: ShardedCall, blocks: list[Tensor]) -> Any:
+    """What the call returns for the reduced blocks (shaped, per leaf or summed)."""
+    problem = call.computation.problem
+    shaped = [shape_block(problem, block, diagonal=options.diagonal) for block in blocks]
+    if not options.per_leaf:
+        return shaped[0]
+    return call.diff.unflatten_like_args(shaped, as_tuple=not options.single_argnum)
+
+
+def sharded_pullback(call: ShardedCall, weights: Tensor) -> list[Tensor]:
+    """``Jᵀ w`` for this rank's shards: one forward and backward with plain autograd.
+
+    (``DTensor.from_local`` is an ``autograd.Function`` without functorch support, so no
+    ``torch.func.vjp`` here.)
+    """
+    problem = call.computation.problem
+    leaves = tuple(leaf.detach().requires_grad_() for leaf in problem.leaves)
+    try:
+        with torch.enable_grad():
+            rows = problem.rows(leaves)[0]
+            grads = torch.autograd.grad(rows, leaves, weights.to(rows.dtype), allow_unused=True)
+    finally:
+        problem.draw.finish()
+    return [torch.zeros_like(leaf) if grad is None else grad
+            for grad, leaf in zip(grads, leaves, strict=True)]
