@@ -20,7 +20,8 @@ internals directly.
   FSDP2's internals: the class ``fully_shard`` replaced (``_orig_cls_mro_index``), its
   forward hooks (``FSDPState._pre_forward_hook_handle``...) and its parameters
   (``FSDPParamGroup.fsdp_params``: ``sharded_param``, ``_unsharded_param``,
-  ``_module_info``).
+  ``_module_info``) and the custom Function it puts on a sharded module's inputs
+  (``RegisterPostBackwardFunction``).
 """
 
 from __future__ import annotations
@@ -256,3 +257,15 @@ def fsdp_params(root: torch.nn.Module) -> Iterator[FsdpParam]:
                 info = param._module_info
                 yield FsdpParam(info.module, info.param_name, param.sharded_param,
                                 getattr(param, "_unsharded_param", None))
+
+
+def passes_cotangents_through(node: Node) -> bool:
+    """Whether a custom Function node only returns its cotangents, around a side effect.
+
+    FSDP2's ``RegisterPostBackwardFunction`` sits on a sharded module's inputs; its
+    ``backward`` returns its cotangents unchanged and runs FSDP's post-backward (gradient
+    reduce-scatter, resharding), which a graph walk must not trigger.
+    """
+    cls = custom_function_class(node)
+    return cls is not None and cls.__name__ == "RegisterPostBackwardFunction" \
+        and cls.__module__.startswith("torch.distributed.fsdp")
