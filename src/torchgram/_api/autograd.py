@@ -155,7 +155,8 @@ def _check_inputs(inputs: list[Tensor]) -> None:
     for index, tensor in enumerate(inputs):
         if _torch_compat.is_dtensor(tensor):
             checks.fail(_API, "inputs that are the graph's own tensors",
-                        f"inputs[{index}], a DTensor (placements {tensor.placements})",
+                        f"inputs[{index}], a DTensor (placements "
+                        f"{getattr(tensor, 'placements', None)})",
                         "A DTensor parameter holds one shard: an FSDP2 module's graph "
                         "uses the whole parameters FSDP all-gathers (a zero block here), "
                         "a tensor-parallel one only this rank's part. Use "

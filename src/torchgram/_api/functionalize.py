@@ -101,7 +101,7 @@ def _plain(module: nn.Module) -> nn.Module:
 def _replica(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
     original = _torch_compat.fsdp_original_class(module)
     cls = type(module) if original is None else original
-    replica = object.__new__(cls)
+    replica: nn.Module = object.__new__(cls)
     replica.__dict__.update(module.__dict__)
     if original is not None:
         hooks = _torch_compat.fsdp_forward_hook_ids(module)
@@ -115,11 +115,12 @@ def _replica(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
     return replica
 
 
-def _whole(param: Tensor | None, memo: dict[int, Any]) -> Tensor | None:
+def _whole(param: nn.Parameter | None, memo: dict[int, Any]) -> nn.Parameter | None:
     """A DTensor parameter's whole tensor (once per parameter: tied weights stay tied)."""
     if param is None or not _torch_compat.is_dtensor(param):
         return param
     if id(param) not in memo:
         whole = param.full_tensor()  # type: ignore[attr-defined]
         memo[id(param)] = nn.Parameter(whole.detach(), requires_grad=param.requires_grad)
-    return memo[id(param)]
+    whole_param: nn.Parameter = memo[id(param)]
+    return whole_param

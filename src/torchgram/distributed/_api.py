@@ -314,14 +314,20 @@ def broadcast_weights(api: str, weighting: Callable[[Tensor], Tensor], matrix: T
             buffer[:size] = call_weighting(api, weighting, matrix)
         except Exception as caught:  # noqa: BLE001 -- raised below, on every rank
             error = caught
-            buffer[size] = 1
+            kinds = [kind for kind in _WEIGHTING_ERRORS if isinstance(caught, kind)]
+            buffer[size] = 1 + _WEIGHTING_ERRORS.index(kinds[0] if kinds else RuntimeError)
     buffer = group.broadcast(buffer, src=0)
-    if bool(buffer[size] != 0):
+    flag = int(buffer[size])
+    if flag:
         if error is not None:
             raise error
-        raise RuntimeError(f"{api}: the weighting failed on the group's first rank, which "
-                           "computes the weights for all; see its error.")
+        kind = _WEIGHTING_ERRORS[flag - 1]
+        raise kind(f"{api}: the weighting failed on the group's first rank, which computes "
+                   f"the weights for all ({kind.__name__}); see its message there.")
     return buffer[:size]
+
+
+_WEIGHTING_ERRORS: list[type[Exception]] = [TypeError, ValueError, RuntimeError]
 
 
 def _data_parallel_update(result: Result, weights: Tensor, group: Group) -> list[Tensor]:

@@ -47,12 +47,12 @@ from torchgram.backends.structured.payloads import (
     PassPayloads,
     contract_payload,
     pass_payloads,
-    payload_pullback,
     payload_way,
 )
 from torchgram.distributed._agreement import (
     Agreement,
     LeafSummary,
+    Mode,
     OutputDesc,
     RankSummary,
     TensorDesc,
@@ -183,7 +183,7 @@ def _local_work(local: Local, options: Options, f: Callable[..., Any], args: tup
             with torch.no_grad():
                 aux = problem.call(problem.leaves)[1]
         local.aux = detach_tree(aux)
-    mode = "ranks" if payloads.kind == "dense" else "samples"
+    mode: Mode = "ranks" if payloads.kind == "dense" else "samples"
     leaves = tuple(describe(payload, payloads.rows, payloads.samples, leaf)
                    for payload, leaf in zip(payloads.leaves, problem.leaves, strict=True))
     local.summary = RankSummary(error=None, mode=mode, samples=payloads.samples,

@@ -34,9 +34,12 @@ from typing import Literal
 
 import optree
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from torchgram._core import _torch_compat, checks
+from torchgram._core.checks import fail
 from torchgram._core.options import Options
 from torchgram._core.pytree import select_diff_leaves
 from torchgram.backends.graph.gramian import graph_jacobians
@@ -92,7 +95,8 @@ def eager_inputs(api: str, inputs: nn.Module | Tensor | Iterable[Tensor]) -> Eag
     for index, tensor in enumerate(tensors):
         if _torch_compat.is_dtensor(tensor):
             checks.fail(api, "the FSDP2 module itself, or plain tensors",
-                        f"inputs[{index}], a DTensor (placements {tensor.placements})",
+                        f"inputs[{index}], a DTensor (placements "
+                        f"{getattr(tensor, 'placements', None)})",
                         "Pass the root module given to fully_shard: its graph's leaves are "
                         "FSDP's whole parameters, which only the module knows.", TypeError)
     return EagerInputs(tensors, "plain")
@@ -140,7 +144,7 @@ def eager_gramian(api: str, outputs: list[Tensor], inputs: EagerInputs, group: G
         dtype = outputs[0].dtype
         for out in outputs[1:]:
             dtype = torch.promote_types(dtype, out.dtype)
-        output = OutputDesc(optree.tree_structure([0] * len(outputs)),
+        output = OutputDesc(optree.tree_structure(list(range(len(outputs)))),  # type: ignore[arg-type]
                             tuple(tuple(out.shape) for out in outputs), None,
                             tuple(str(out.dtype) for out in outputs), str(dtype))
         local.summary = RankSummary(
@@ -174,8 +178,27 @@ def local_rows(result: Result, group: Group) -> slice:
 
 
 def resolve(api: str, inputs: EagerInputs, group: GroupLike) -> Group:
-    """The call's group: ``group``, else the wrapper's, else the default group."""
-    return resolve_group(api, group if group is not None else inputs.group)
+    """The call's group: ``group``, else the wrapper's, else the default group.
+
+    A DDP or FSDP2 step is reduced by the wrapper over its own ranks, so the Gramian's group
+    must be made of the same ranks (``Jᵀ w`` of the batch of exactly those ranks).
+    """
+    resolved = resolve_group(api, group if group is not None else inputs.group)
+    if inputs.wrapper != "plain" and inputs.group is not None:
+        wrapper = _wrapper_ranks(inputs.group)
+        ranks = dist.get_process_group_ranks(resolved.pg)
+        if sorted(ranks) != sorted(wrapper):
+            fail(api, f"group to be the ranks the {inputs.wrapper.upper()} module reduces "
+                 f"over ({wrapper})", f"a group of ranks {ranks}",
+                 "Pass group=None: the Gramian is then taken over the wrapper's own ranks.")
+    return resolved
+
+
+def _wrapper_ranks(group: GroupLike) -> list[int]:
+    """The global ranks of a DDP process group or an FSDP2 device mesh."""
+    if isinstance(group, DeviceMesh):
+        return [int(r) for r in group.mesh.flatten().tolist()]
+    return list(dist.get_process_group_ranks(group))
 
 
 def accumulate(tensors: list[Tensor], grads: list[Tensor]) -> None:

@@ -108,7 +108,16 @@ def resolve_group(api: str, group: GroupLike) -> Group:
     else:
         pg = group
     assert isinstance(pg, dist.ProcessGroup)
-    backend = dist.get_backend(pg)
-    device = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
-              else torch.device("cpu"))
-    return Group(pg, dist.get_rank(pg), dist.get_world_size(pg), device)
+    return Group(pg, dist.get_rank(pg), dist.get_world_size(pg), _collective_device(pg))
+
+
+def _collective_device(pg: dist.ProcessGroup) -> torch.device:
+    """Where ``pg``'s collectives run.
+
+    The current CUDA device for NCCL (or a backend that lists it, ``"cpu:gloo,cuda:nccl"``),
+    else the CPU (Gloo).
+    """
+    backend = str(dist.get_backend(pg))
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -125,7 +125,7 @@ def reduced_blocks(call: ShardedCall, per_leaf: bool) -> list[Tensor]:
 
 def dtensor_grads(call: ShardedCall, grads: Sequence[Tensor]) -> list[Tensor]:
     """Local-shard gradients as DTensors placed like their parameters."""
-    out = []
+    out: list[Tensor] = []
     for grad, leaf in zip(grads, call.diff.leaves, strict=True):
         if isinstance(leaf, DTensor):
             out.append(DTensor.from_local(grad, leaf.device_mesh, leaf.placements,

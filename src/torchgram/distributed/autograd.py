@@ -21,8 +21,8 @@ from torchgram._api.step_times import StepTimes, Stopwatch
 from torchgram._api.weighted_backward import BackwardInfo
 from torchgram._api.weights import call_weighting, check_weighting
 from torchgram._core import checks
-from torchgram.backends.graph.gramian import graph_gramian
 from torchgram._core.sink import LeafBlocks
+from torchgram.backends.graph.gramian import graph_gramian
 from torchgram.distributed._api import broadcast_weights
 from torchgram.distributed._eager import (
     EagerInputs,
@@ -151,22 +151,26 @@ def backward(
     check_group(_BACKWARD, group)
     output_list = _outputs(_BACKWARD, losses)
     resolved_inputs = eager_inputs(_BACKWARD, inputs)
-    device = output_list[0].device if output_list else torch.device("cpu")
-    watch = Stopwatch(device)
-    resolved = resolve(_BACKWARD, resolved_inputs, group)
-    if cross_rank == "local":
-        matrix = _local_gramian(output_list, resolved_inputs, chunk_size)
-        gramian_time = watch.lap()
-        weights = call_weighting(_BACKWARD, weighting, matrix)
-        mine, scale = weights, 1.0 / resolved.size
-    else:
-        result = eager_gramian(_BACKWARD, output_list, resolved_inputs, resolved, chunk_size)
-        matrix = result.blocks[0]
-        gramian_time = watch.lap()
-        weights = broadcast_weights(_BACKWARD, weighting, matrix, resolved)
-        mine, scale = weights[local_rows(result, resolved)], 1.0
-    weighting_time = watch.lap()
-    _step(output_list, resolved_inputs, mine, scale, resolved, retain_graph)
+    try:
+        device = output_list[0].device if output_list else torch.device("cpu")
+        watch = Stopwatch(device)
+        resolved = resolve(_BACKWARD, resolved_inputs, group)
+        if cross_rank == "local":
+            matrix = _local_gramian(output_list, resolved_inputs, chunk_size)
+            gramian_time = watch.lap()
+            weights = call_weighting(_BACKWARD, weighting, matrix)
+            mine, scale = weights, 1.0 / resolved.size
+        else:
+            result = eager_gramian(_BACKWARD, output_list, resolved_inputs, resolved, chunk_size)
+            matrix = result.blocks[0]
+            gramian_time = watch.lap()
+            weights = broadcast_weights(_BACKWARD, weighting, matrix, resolved)
+            mine, scale = weights[local_rows(result, resolved)], 1.0
+        weighting_time = watch.lap()
+        _step(output_list, resolved_inputs, mine, scale, resolved, retain_graph)
+    except BaseException:
+        resolved_inputs.reshard()  # no backward ran: free what eager_inputs gathered
+        raise
     times = StepTimes(gramian_time, weighting_time, watch.lap())
     return (weights, BackwardInfo(matrix, times)) if with_info else weights
 

@@ -190,9 +190,10 @@ def _leaf_payload(plan: LeafPlan, uses: Sequence[UseRecord], acts: Sequence[Tens
     if carrier is None and all(all(c is not None for c in pieces) for _, _, pieces in per_use):
         payloads = []
         for use, act, pieces in per_use:
-            if not pieces:
+            full = [c for c in pieces if c is not None]
+            if not full:
                 continue
-            cot = Factor(pieces[0] if len(pieces) == 1 else torch.cat(pieces), "cot")
+            cot = Factor(full[0] if len(full) == 1 else torch.cat(full), "cot")
             payloads.append(UsePayload(use, _use_factors(use, act, cot)))
         return LeafPayload(plan, tuple(payloads))
     # some chunk of some use was not reached (or a carrier part): materialize chunk by chunk
@@ -200,10 +201,10 @@ def _leaf_payload(plan: LeafPlan, uses: Sequence[UseRecord], acts: Sequence[Tens
     for i, count in enumerate(chunks):
         part: Tensor | None = None if carrier is None else carrier[i]
         for use, act, pieces in per_use:
-            cot = pieces[i]
-            if cot is None:
+            piece = pieces[i]
+            if piece is None:
                 continue
-            jac = materialize_use(use, _use_factors(use, act, Factor(cot, "cot")), numel)
+            jac = materialize_use(use, _use_factors(use, act, Factor(piece, "cot")), numel)
             part = jac if part is None else part + jac
         if part is None:
             part = reached[0].new_zeros(count, samples, numel)
