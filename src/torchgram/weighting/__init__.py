@@ -32,8 +32,10 @@ from ._mgda import mgda as mgda
 from ._pcgrad import pcgrad as pcgrad
 from ._sum import sum as sum
 from ._upgrad import upgrad as upgrad
+from ._warm_start import WarmStart as WarmStart
 
 __all__ = [
+    "WarmStart",
     "aligned_mtl",
     "dualproj",
     "imtl_g",

@@ -124,6 +124,18 @@ def _cholesky_solve(factor: Tensor, rhs: Tensor) -> Tensor:
     return x.squeeze(-1)
 
 
+def _identity_off(matrix: Tensor, keep: Tensor) -> Tensor:
+    """``matrix`` broadcast to ``[batch, n, n]``, its rows and columns off ``keep`` made identity's.
+
+    ``keep`` is a ``[batch, n]`` boolean. Done by multiplying with 0/1 masks: bit-identical to
+    ``torch.where``, and several times faster on CPU for these sizes.
+    """
+    mask = keep.to(matrix.dtype)
+    system = matrix * (mask.unsqueeze(-1) * mask.unsqueeze(-2))
+    system.diagonal(dim1=-2, dim2=-1).add_(1.0 - mask)
+    return system
+
+
 def _solve_on_face(K: Tensor, free: Tensor, rhs: Tensor) -> tuple[Tensor, Tensor]:
     """Solves ``K_FF z_F = rhs_F`` with ``z = 0`` off ``F``, for each row's free set ``F``.
 
@@ -143,20 +155,16 @@ def _solve_on_face(K: Tensor, free: Tensor, rhs: Tensor) -> tuple[Tensor, Tensor
     """
     batch, m = free.shape
     if m < _GATHER_FROM:
-        eye = torch.eye(m, dtype=K.dtype, device=K.device)
-        system = torch.where(free.unsqueeze(-1) & free.unsqueeze(-2), K, eye)
-        factor, info = torch.linalg.cholesky_ex(system)
-        return _cholesky_solve(factor, torch.where(free, rhs, 0.0)), info == 0
+        factor, info = torch.linalg.cholesky_ex(_identity_off(K, free))
+        return _cholesky_solve(factor, rhs * free), info == 0
     count = free.sum(dim=-1)
     p = int(count.max())  # Host synchronisation: the size of the gathered blocks.
     order = torch.argsort((~free).view(torch.uint8), dim=-1, stable=True)[:, :p]  # Free first.
     valid = torch.arange(p, device=K.device) < count.unsqueeze(-1)
     block = K.index_select(0, order.flatten()).view(batch, p, m)
     block = block.gather(2, order.unsqueeze(1).expand(batch, p, p))
-    eye = torch.eye(p, dtype=K.dtype, device=K.device)
-    system = torch.where(valid.unsqueeze(-1) & valid.unsqueeze(-2), block, eye)
-    factor, info = torch.linalg.cholesky_ex(system)
-    y = _cholesky_solve(factor, torch.where(valid, rhs.gather(1, order), 0.0))
+    factor, info = torch.linalg.cholesky_ex(_identity_off(block, valid))
+    y = _cholesky_solve(factor, rhs.gather(1, order) * valid)
     return torch.zeros_like(rhs).scatter(1, order, y), info == 0
 
 
@@ -440,7 +448,7 @@ def _interior_point_simplex(H: Tensor, jitter: Tensor) -> Tensor:
 # ---------------------------------------------------------------- public entry points
 
 
-def solve_nonneg_qp(H: Tensor, q: Tensor) -> Tensor:
+def solve_nonneg_qp(H: Tensor, q: Tensor, free: Tensor | None = None) -> Tensor:
     """Solves ``min_x ½ xᵀHx + qᵀx`` s.t. ``x ≥ 0`` for each row of ``q``.
 
     See NOTE [batched QP solver] at the top of this module.
@@ -449,21 +457,25 @@ def solve_nonneg_qp(H: Tensor, q: Tensor) -> Tensor:
         H: Symmetric positive-definite float64 matrix of shape ``[m, m]``. A singular one is
             accepted too (then one of the minimisers is returned, if the problem is bounded).
         q: Float64 tensor of shape ``[k, m]``: one linear term per problem.
+        free: Initial free sets, boolean ``[k, m]`` (e.g. the previous solution's support, to
+            warm-start); by default the variables with ``q_j < 0``.
 
     Returns:
         The minimisers, shape ``[k, m]``, non-negative.
     """
     m = q.shape[-1]
+    if free is None:
+        # x = 0 is the solution unless s = q has negative entries: those start in the free set.
+        free = q < -_SIGN_TOL * q.abs().amax(dim=-1, keepdim=True)
     chunk = max(1, _MAX_BATCH_ENTRIES // max(m * m, 1))
     if q.shape[0] > chunk:
-        return torch.cat([_solve_nonneg_qp(H, part) for part in torch.split(q, chunk)])
-    return _solve_nonneg_qp(H, q)
+        return torch.cat([_solve_nonneg_qp(H, part, part_free) for part, part_free
+                          in zip(torch.split(q, chunk), torch.split(free, chunk), strict=True)])
+    return _solve_nonneg_qp(H, q, free)
 
 
-def _solve_nonneg_qp(H: Tensor, q: Tensor) -> Tensor:
+def _solve_nonneg_qp(H: Tensor, q: Tensor, free: Tensor) -> Tensor:
     """:func:`solve_nonneg_qp` for one chunk of right-hand sides."""
-    # x = 0 is the solution unless s = q has negative entries: those start in the free set.
-    free = q < -_SIGN_TOL * q.abs().amax(dim=-1, keepdim=True)
     x, solved = _active_set(_NonnegQP.new(H, q), free)
     if bool(solved.all()):  # Host synchronisation.
         return x.clamp(min=0.0)
@@ -490,20 +502,24 @@ def _regularizing_shift(H: Tensor) -> Tensor:
     return (_JITTER * H.diagonal().mean() - 2.0 * eigenvalue).clamp(min=0.0)
 
 
-def solve_simplex_qp(H: Tensor) -> Tensor:
+def solve_simplex_qp(H: Tensor, free: Tensor | None = None) -> Tensor:
     """Solves ``min_w ½ wᵀHw`` s.t. ``w ≥ 0`` and ``Σ w = 1``.
 
     See NOTE [batched QP solver] at the top of this module.
 
     Args:
         H: Symmetric positive semi-definite float64 matrix of shape ``[m, m]``, not all zero.
+        free: Initial support guess, boolean ``[m]`` with a ``True`` entry (e.g. the previous
+            solution's support, to warm-start); by default every variable.
 
     Returns:
         A minimiser of shape ``[m]`` (unique in ``Jᵀw`` but not necessarily in ``w`` when ``H``
         is singular).
     """
     m = H.shape[0]
-    free = torch.ones(1, m, dtype=torch.bool, device=H.device)
+    if free is None:
+        free = torch.ones(m, dtype=torch.bool, device=H.device)
+    free = free.reshape(1, m)
     w, solved = _active_set(_SimplexQP(H, _JITTER * H.diagonal().mean()), free)
     if not bool(solved.all()):  # Host synchronisation.
         # A face system was not positive-definite (H indefinite by round-off, e.g. a float32

@@ -1,0 +1,79 @@
+"""One entry point for the batched non-negative QPs: the direct or the CG solver, by size.
+
+NOTE [choosing the non-negative QP solver]
+Both solvers return the solution to float64 round-off (the direct one by its sign checks on
+exact face solves, the CG one by its KKT certificate, NOTE [KKT certificate] in ``_kkt.py``);
+they differ in cost. The direct solver (``_qp.py``) factorises a ``p × p`` face block per
+problem and active-set round, ``p`` about half of ``m`` for UPGrad: LAPACK, one small matrix
+at a time, ``O(k p³)`` per round. The CG solver (``_cg_qp.py``) costs one ``[k, m] × [m, m]``
+GEMM per iteration and needs tens to hundreds of iterations. Measured on one CPU thread, the
+direct solver is faster for ``m`` up to about 64 with ``k = m`` problems (UPGrad), where the
+per-call overhead of tensor operations dominates both, and for a single problem (DualProj) up
+to several hundred variables; the CG solver from there on, by a factor growing like ``m``.
+
+The CG solver runs on the Jacobi-scaled problem (``H → DHD`` with ``D = diag(H)^{-1/2}``,
+``q → Dq``, ``x → D⁻¹x``: the KKT residual does not change, NOTE [KKT certificate]), so that
+gradients of very different norms (per-sample gradients late in training) do not leave some
+entries below the resolution of its float32 iterations. The few problems it does not certify
+are solved by the direct solver.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from ._cg_qp import solve_nonneg_qp_cg
+from ._qp import solve_nonneg_qp
+
+# The CG solver from this many variables on for a batch of problems (UPGrad: k = m) ...
+_CG_FROM = 96
+# ... and from this many for a single problem (DualProj).
+_CG_FROM_SINGLE = 768
+
+
+class NonnegSolution(NamedTuple):
+    """The solutions, the solver that found them and its iterations (CG only, else 0)."""
+
+    x: Tensor
+    solver: str
+    iterations: int
+
+
+def solve_nonneg(H: Tensor, q: Tensor, x0: Tensor | None = None) -> NonnegSolution:
+    """Solves ``min_x ½ xᵀHx + qᵀx`` s.t. ``x ≥ 0`` for each row of ``q``, by the faster solver.
+
+    See NOTE [choosing the non-negative QP solver].
+
+    Args:
+        H: Symmetric positive-definite float64 matrix of shape ``[m, m]`` (positive
+            semi-definite is accepted, then one of the minimisers is returned).
+        q: Float64 tensor of shape ``[k, m]``.
+        x0: A previous solution, float64 ``[k, m]``, to start from (warm start).
+
+    Returns:
+        The minimisers (float64 ``[k, m]``, non-negative), the solver's name and iterations.
+
+    Example:
+        >>> import torch
+        >>> H = torch.tensor([[2.0, -1.0], [-1.0, 2.0]], dtype=torch.float64)
+        >>> solution = solve_nonneg(H, torch.tensor([[-2.0, 2.0]], dtype=torch.float64))
+        >>> solution.x, solution.solver
+        (tensor([[1.0000, 0.0000]], dtype=torch.float64), 'direct')
+    """
+    k, m = q.shape
+    free = None if x0 is None else x0 > 0
+    if m < (_CG_FROM_SINGLE if k == 1 else _CG_FROM):
+        return NonnegSolution(solve_nonneg_qp(H, q, free), "direct", 0)
+    scale = H.diagonal().clamp(min=torch.finfo(H.dtype).tiny).rsqrt()
+    x, certified, iterations = solve_nonneg_qp_cg(
+        H * scale.unsqueeze(-1) * scale, q * scale, free=free,
+        x0=None if x0 is None else x0 / scale,
+    )
+    x = x * scale
+    if not bool(certified.all()):  # Host synchronisation.
+        left = (~certified).nonzero().squeeze(-1)
+        x.index_copy_(0, left, solve_nonneg_qp(H, q[left], None if free is None else free[left]))
+    return NonnegSolution(x, "cg", iterations)
