@@ -10,9 +10,10 @@ iterations share one matrix product ``P H`` (``[k, m] × [m, m]``, one GEMM, mas
 
 * Primal-dual active-set (PDAS) steps decide the faces, as in the direct solver: a variable of
   ``F`` whose value turns negative leaves it, a variable off ``F`` whose multiplier ``s_j`` turns
-  negative joins it. The face systems are solved only as far as the signs need: a problem with
-  wrong signs changes its face after ``_FACE_ITERATIONS`` CG iterations on it (sooner if CG has
-  converged there), and restarts CG on the new face from where it stands (not from zero).
+  negative joins it. The face systems are solved only as far as the signs need: every
+  ``_CHECK_EVERY`` CG iterations, the problems with wrong signs change their faces and restart
+  CG on the new ones from where they stand (not from zero). Checking at common ticks rather
+  than after every iteration keeps the bookkeeping off the critical path.
 * Mixed precision: the CG iterations run in ``work_dtype`` (float32 from ``_FLOAT32_FROM``
   variables on, where GEMMs are about twice as fast; float64 below), the iterate is kept in
   float64, and each CG *round* solves for the correction to the float64 residual ``s = Hx + q``
@@ -45,9 +46,8 @@ _FLOAT32_FROM = 128
 _NOISE_ULPS = 16.0
 # A problem whose residual has not halved in this many rounds in a row is given up.
 _STALLED_ROUNDS = 3
-# A problem with wrong signs moves to its next face after this many CG iterations on the current
-# one (or sooner, when CG has converged on it).
-_FACE_ITERATIONS = 4
+# CG iterations between two checks of the signs (and of the rounds' ends).
+_CHECK_EVERY = 6
 # Done problems are dropped from the batch once they are this fraction of it.
 _DROP_FRACTION = 0.125
 
@@ -75,8 +75,8 @@ class _Batch:
     * ``low``: below it, ``x`` (on the face) or ``s`` (off it) is a wrong sign.
     * ``p``: the CG direction (zero off the face); ``rr``: ``|r|²``; ``target``: the ``|r|²``
       that ends the round.
-    * ``free`` (bool ``[b, m]``); ``age`` (CG iterations on the current face), ``stalls``
-      (rounds in a row that did not halve ``residual``): int ``[2, b]``;
+    * ``free`` (bool ``[b, m]``); ``stalls`` (rounds in a row that did not halve
+      ``residual``): int ``[b]``;
       ``residual``: the best KKT residual at the end of a round, float64 ``[b]``; ``done``:
       certified or given up, bool ``[b]``; ``rows``: indices in the caller's batch.
     """
@@ -94,15 +94,12 @@ class _Batch:
     x64: Tensor
     rr: Tensor
     target: Tensor
-    age: Tensor
-    stalls: Tensor
 
     def __init__(self, rows: Tensor, work: Tensor, wide: Tensor, small: Tensor, free: Tensor,
-                 counts: Tensor, residual: Tensor, done: Tensor) -> None:
+                 stalls: Tensor, residual: Tensor, done: Tensor) -> None:
         self.rows, self.work, self.wide, self.small = rows, work, wide, small
-        self.free, self.counts, self.residual, self.done = free, counts, residual, done
-        for names, stack in ((_WORK, work), (_WIDE, wide), (_SMALL, small),
-                             (("age", "stalls"), counts)):
+        self.free, self.stalls, self.residual, self.done = free, stalls, residual, done
+        for names, stack in ((_WORK, work), (_WIDE, wide), (_SMALL, small)):
             for name, view in zip(names, stack.unbind(0), strict=True):
                 setattr(self, name, view)
 
@@ -110,14 +107,14 @@ class _Batch:
         """The problems ``index`` (positions in this batch), as a new batch."""
         return _Batch(self.rows[index], self.work.index_select(1, index),
                       self.wide.index_select(1, index), self.small.index_select(1, index),
-                      self.free[index], self.counts.index_select(1, index),
-                      self.residual[index], self.done[index])
+                      self.free[index], self.stalls[index], self.residual[index],
+                      self.done[index])
 
     def write(self, index: Tensor, other: _Batch) -> None:
         """Overwrites the problems ``index`` with the batch ``other`` (of ``len(index)`` rows)."""
-        for name in ("work", "wide", "small", "counts"):
+        for name in ("work", "wide", "small"):
             getattr(self, name).index_copy_(1, index, getattr(other, name))
-        for name in ("free", "residual", "done"):
+        for name in ("free", "stalls", "residual", "done"):
             getattr(self, name).index_copy_(0, index, getattr(other, name))
 
 
@@ -128,7 +125,7 @@ def solve_nonneg_qp_cg(
     free: Tensor | None = None,
     x0: Tensor | None = None,
     tol: float = KKT_TOL,
-    max_iterations: int = 1000,
+    max_iterations: int = 2000,
     work_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor, int]:
     """Solves ``min_x ½ xᵀHx + qᵀx`` s.t. ``x ≥ 0`` for each row of ``q``, to a certified residual.
@@ -149,8 +146,9 @@ def solve_nonneg_qp_cg(
             variables on, else float64).
 
     Returns:
-        The solutions ``x ≥ 0`` (float64 ``[k, m]``, zero where not certified), which of them
-        are certified (boolean ``[k]``), and the number of iterations run.
+        The solutions ``x ≥ 0`` (float64 ``[k, m]``; where not certified, the last iterate, a
+        starting point for another solver), which of them are certified (boolean ``[k]``), and
+        the number of iterations run.
 
     Example:
         >>> import torch
@@ -177,13 +175,13 @@ def solve_nonneg_qp_cg(
     batch = _round(x, torch.addmm(q, x, H), free.clone(), sigma, q, H_work.dtype)
     iterations = 0
     for iterations in range(1, max_iterations + 1):  # noqa: B007 (returned)
-        wrong = _cg_step(batch, H_work)
-        batch.age.add_(1)
+        _cg_step(batch, H_work)
+        if iterations % _CHECK_EVERY:
+            continue
+        wrong = _wrong_signs(batch)
         active = ~batch.done
-        has_wrong = (wrong.amax(dim=-1) > 0) & active
-        converged = (batch.rr <= batch.target) & active
-        flip = has_wrong & ((batch.age >= _FACE_ITERATIONS) | converged)
-        end_round = converged & ~has_wrong
+        flip = (wrong.amax(dim=-1) > 0) & active
+        end_round = (batch.rr <= batch.target) & active & ~flip
         any_flip, any_end = torch.stack([flip.any(), end_round.any()]).tolist()  # Host sync.
         if any_flip:
             index = flip.nonzero().squeeze(-1)
@@ -199,6 +197,10 @@ def solve_nonneg_qp_cg(
                 break
             if done >= _DROP_FRACTION * batch.rows.shape[0]:
                 batch = batch.select((~batch.done).nonzero().squeeze(-1))
+    left = ~certified[batch.rows]
+    if bool(left.any()):  # Host synchronisation.
+        rows = batch.rows[left]
+        solution.index_copy_(0, rows, (batch.x64[left] + batch.dx[left]).clamp(min=0.0))
     return solution, certified, iterations
 
 
@@ -226,14 +228,14 @@ def _round(x: Tensor, s: Tensor, free: Tensor, sigma: Tensor, q: Tensor, work: t
     return _Batch(
         rows=torch.arange(n, device=q.device) if rows is None else rows,
         work=work_stack, wide=torch.stack([q, x]), small=small, free=free,
-        counts=torch.stack([zeros, zeros if stalls is None else stalls]),
+        stalls=zeros if stalls is None else stalls,
         residual=torch.full_like(s[:, 0], torch.inf) if residual is None else residual,
         done=zeros.bool() if done is None else done,
     )
 
 
-def _cg_step(batch: _Batch, H_work: Tensor) -> Tensor:
-    """One CG iteration on every face (in place); returns the wrong signs as 0/1, ``[b, m]``.
+def _cg_step(batch: _Batch, H_work: Tensor) -> None:
+    """One CG iteration on every face, in place.
 
     A round ends once ``|r|²`` is below ``target``: its residual reduced by ``√eps`` of the
     working dtype. A round solves for a correction to the float64 residual it starts from, so its
@@ -249,6 +251,10 @@ def _cg_step(batch: _Batch, H_work: Tensor) -> Tensor:
     rr = torch.linalg.vecdot(r, r)
     batch.p.mul_((rr / batch.rr.clamp(min=tiny)).unsqueeze(-1)).add_(r)
     batch.rr.copy_(rr)
+
+
+def _wrong_signs(batch: _Batch) -> Tensor:
+    """The wrong signs of the current iterates, as 0/1 in the working dtype, ``[b, m]``."""
     # x on the face, s off it (x is zero off the face, s about zero on it): a sign is wrong below
     # the noise of the working precision, the float64 end of the round settles those within it.
     violation = batch.low - batch.x - batch.dx

@@ -7,9 +7,11 @@ they differ in cost. The direct solver (``_qp.py``) factorises a ``p × p`` face
 problem and active-set round, ``p`` about half of ``m`` for UPGrad: LAPACK, one small matrix
 at a time, ``O(k p³)`` per round. The CG solver (``_cg_qp.py``) costs one ``[k, m] × [m, m]``
 GEMM per iteration and needs tens to hundreds of iterations. Measured on one CPU thread, the
-direct solver is faster for ``m`` up to about 64 with ``k = m`` problems (UPGrad), where the
-per-call overhead of tensor operations dominates both, and for a single problem (DualProj) up
-to several hundred variables; the CG solver from there on, by a factor growing like ``m``.
+direct solver is faster for ``m`` up to about 100 to 200 with ``k = m`` problems (UPGrad;
+100 for random Gramians, 200 for ill-conditioned ones, where CG needs hundreds of iterations),
+where the per-call overhead of tensor operations dominates both, and for a single problem
+(DualProj) up to several hundred variables; the CG solver from there on, by a factor growing
+like ``m``.
 
 The CG solver runs on the Jacobi-scaled problem (``H → DHD`` with ``D = diag(H)^{-1/2}``,
 ``q → Dq``, ``x → D⁻¹x``: the KKT residual does not change, NOTE [KKT certificate]), so that
@@ -29,7 +31,7 @@ from ._cg_qp import solve_nonneg_qp_cg
 from ._qp import solve_nonneg_qp
 
 # The CG solver from this many variables on for a batch of problems (UPGrad: k = m) ...
-_CG_FROM = 96
+_CG_FROM = 128
 # ... and from this many for a single problem (DualProj).
 _CG_FROM_SINGLE = 768
 
@@ -74,6 +76,7 @@ def solve_nonneg(H: Tensor, q: Tensor, x0: Tensor | None = None) -> NonnegSoluti
     )
     x = x * scale
     if not bool(certified.all()):  # Host synchronisation.
+        # The direct solver, from the faces where CG stopped.
         left = (~certified).nonzero().squeeze(-1)
-        x.index_copy_(0, left, solve_nonneg_qp(H, q[left], None if free is None else free[left]))
+        x.index_copy_(0, left, solve_nonneg_qp(H, q[left], x[left] > 0))
     return NonnegSolution(x, "cg", iterations)
