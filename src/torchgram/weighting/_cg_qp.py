@@ -17,20 +17,24 @@ iterations share one matrix product ``P H`` (``[k, m] × [m, m]``, one GEMM, mas
 * Mixed precision: the CG iterations run in ``work_dtype`` (float32 from ``_FLOAT32_FROM``
   variables on, where GEMMs are about twice as fast; float64 below), the iterate is kept in
   float64, and each CG *round* solves for the correction to the float64 residual ``s = Hx + q``
-  (iterative refinement): a round ends once it has reduced the face residual by
-  ``_ROUND_REDUCTION`` or reached the working precision's noise floor, and the next one starts
-  from ``s`` recomputed exactly, in float64.
+  (iterative refinement), in units of that residual (so that nothing underflows once it is
+  tiny): a round ends once it has reduced the face residual by ``√eps`` of the working dtype,
+  and the next one starts from ``s`` recomputed exactly, in float64. Sign changes within
+  ``√eps`` of their magnitude are left to the float64 end of the round.
 * Certificate: at the end of every round the problem's relative KKT residual ``ρ`` (NOTE [KKT
   certificate] in ``_kkt.py``) is computed from that float64 ``s``; a problem is done when
   ``ρ ≤ tol``, with its solution clamped to ``x ≥ 0`` (the clamped point is the one certified).
   Done problems are frozen, and dropped from the GEMM once there are enough of them.
-* What is not certified within ``max_iterations`` (PDAS may cycle on hard problems, and CG
-  stalls on singular faces) is left to the caller, which solves it with the direct method.
+* What is not certified within ``max_iterations``, or makes no progress in
+  ``_STALLED_ROUNDS`` rounds (PDAS may cycle on hard problems, and CG stalls on singular
+  faces), is left to the caller, which solves it with the direct method.
 
-Host synchronisation: one per iteration (which problems change face or end a round).
-Cost: one ``[k, m] × [m, m]`` GEMM and a few dozen elementwise operations on ``[k, m]``
-tensors per iteration; for UPGrad about 40 to 60 iterations on random Gramians, a few hundred on
-ill-conditioned ones (the count grows like ``√cond`` of the face systems).
+Host synchronisation: one per ``_CHECK_EVERY`` iterations (which problems change face or end a
+round), plus one per round end. Cost: one ``[k, m] × [m, m]`` GEMM and about ten elementwise
+operations on ``[k, m]`` tensors per iteration, and at each face change or round end a few dozen
+more on the problems concerned (with one float64 GEMM per round end). For UPGrad: about 50 to 70
+iterations on random Gramians, a few hundred on ill-conditioned ones (the count grows like
+``√cond`` of the face systems), whatever ``m``.
 """
 
 from __future__ import annotations
@@ -42,8 +46,9 @@ from ._kkt import KKT_TOL
 
 # From this m on, CG iterations run in float32 (NOTE [batched CG active-set solver]).
 _FLOAT32_FROM = 128
-# Ulps of the working dtype below which a sign counts as zero, relative to its magnitude.
-_NOISE_ULPS = 16.0
+# Variables leaving the faces change s by rows of H, gathered and added while they are fewer than
+# one in this many entries of the problems changing faces (then one GEMM is cheaper).
+_SPARSE_DROPS = 128
 # A problem whose residual has not halved in this many rounds in a row is given up.
 _STALLED_ROUNDS = 3
 # CG iterations between two checks of the signs (and of the rounds' ends).
@@ -54,51 +59,67 @@ _DROP_FRACTION = 0.125
 
 # Per-problem vectors in the working dtype, stacked so that a PDAS step or the end of a round
 # reads and writes a problem's whole state with one indexing operation per stack.
-_WORK = ("q", "minus_free", "off_face", "x", "dx", "s", "sigma", "low", "p")
+_WORK = ("q", "minus_free", "off_face", "s0", "r0", "base", "sigma", "dx", "hdx", "p")
 _WIDE = ("q64", "x64")  # float64
-_SMALL = ("rr", "target")  # one number per problem, working dtype
+_SMALL = ("rr", "target", "scale")  # one number per problem, working dtype
+_ROW = ("free", "stalls", "residual", "scale64", "done")  # one tensor each
 
 
 class _Batch:
     """The problems still being solved, one row each.
 
+    A round solves for the correction ``δ`` to its starting point ``x`` that zeroes the residual
+    ``r = -s`` on the face, ``s = Hx + q``: ``H_FF δ_F = r_F``. It is solved in units of
+    ``|r|`` (``δ = |r| δ̂``, ``H_FF δ̂_F = r̂_F`` with ``|r̂| = 1``), so that its working dtype
+    neither underflows nor loses digits once ``r`` is tiny, as it is in the last rounds.
+
     The fields named in ``_WORK``, ``_WIDE`` and ``_SMALL`` are views into three stacked
-    tensors (``work`` ``[9, b, m]``, ``wide`` ``[2, b, m]``, ``small`` ``[2, b]``), updated in
+    tensors (``work`` ``[10, b, m]``, ``wide`` ``[2, b, m]``, ``small`` ``[3, b]``), updated in
     place. Masks are kept as ``work`` tensors: multiplying by them is several times faster on
     CPU than ``torch.where`` with a boolean mask.
 
-    * ``q``, ``q64``: the linear terms. ``minus_free``: -1 on the face, 0 off it (``r = -s`` on
-      the face); ``off_face``: its complement, 1 off the face.
-    * ``x``, ``x64``: the iterate at the start of the round (≥ 0, zero off the face), in the
-      working dtype and in float64; ``dx``: the round's correction (zero off the face).
-    * ``s``: the multipliers ``H (x + dx) + q``; ``sigma``: the magnitudes summed into them.
-    * ``low``: below it, ``x`` (on the face) or ``s`` (off it) is a wrong sign.
-    * ``p``: the CG direction (zero off the face); ``rr``: ``|r|²``; ``target``: the ``|r|²``
-      that ends the round.
-    * ``free`` (bool ``[b, m]``); ``stalls`` (rounds in a row that did not halve
-      ``residual``): int ``[b]``;
-      ``residual``: the best KKT residual at the end of a round, float64 ``[b]``; ``done``:
-      certified or given up, bool ``[b]``; ``rows``: indices in the caller's batch.
+    * ``q``, ``q64``: the linear terms. ``minus_free``: -1 on the face, 0 off it;
+      ``off_face``: 1 off the face, 0 on it.
+    * ``x64``: the round's starting point (float64, ≥ 0, zero off the face); ``s0``: its
+      multipliers; ``scale``, ``scale64``: ``|r|`` there; ``r0``: ``r / |r|``.
+    * ``dx``: ``δ̂`` so far; ``hdx``: ``H δ̂`` (the residual is ``r0 - (H δ̂)_F``); ``p``: the CG
+      direction (zero off the face); ``rr``: ``|r̂|²``; ``target``: the ``|r̂|²`` that ends
+      the round.
+    * ``base``: ``low - x - s`` off the face, where ``low`` is the threshold below which ``x``
+      (on the face) or ``s`` (off it) is a wrong sign: the wrong signs are where
+      ``base - |r| (δ̂ + H δ̂ off the face)`` is positive. ``sigma``: the magnitudes summed into
+      ``s``.
+    * ``free`` (bool ``[b, m]``); ``stalls``: rounds in a row that did not halve ``residual``,
+      the best KKT residual at the end of a round (float64 ``[b]``); ``done``: certified or
+      given up; ``rows``: indices in the caller's batch.
     """
 
     q: Tensor
     minus_free: Tensor
     off_face: Tensor
-    x: Tensor
-    dx: Tensor
-    s: Tensor
+    s0: Tensor
+    r0: Tensor
+    base: Tensor
     sigma: Tensor
-    low: Tensor
+    dx: Tensor
+    hdx: Tensor
     p: Tensor
     q64: Tensor
     x64: Tensor
     rr: Tensor
     target: Tensor
+    scale: Tensor
+    free: Tensor
+    stalls: Tensor
+    residual: Tensor
+    scale64: Tensor
+    done: Tensor
 
-    def __init__(self, rows: Tensor, work: Tensor, wide: Tensor, small: Tensor, free: Tensor,
-                 stalls: Tensor, residual: Tensor, done: Tensor) -> None:
+    def __init__(self, rows: Tensor, work: Tensor, wide: Tensor, small: Tensor,
+                 **row_fields: Tensor) -> None:
         self.rows, self.work, self.wide, self.small = rows, work, wide, small
-        self.free, self.stalls, self.residual, self.done = free, stalls, residual, done
+        for name in _ROW:
+            setattr(self, name, row_fields[name])
         for names, stack in ((_WORK, work), (_WIDE, wide), (_SMALL, small)):
             for name, view in zip(names, stack.unbind(0), strict=True):
                 setattr(self, name, view)
@@ -107,14 +128,13 @@ class _Batch:
         """The problems ``index`` (positions in this batch), as a new batch."""
         return _Batch(self.rows[index], self.work.index_select(1, index),
                       self.wide.index_select(1, index), self.small.index_select(1, index),
-                      self.free[index], self.stalls[index], self.residual[index],
-                      self.done[index])
+                      **{name: getattr(self, name)[index] for name in _ROW})
 
     def write(self, index: Tensor, other: _Batch) -> None:
         """Overwrites the problems ``index`` with the batch ``other`` (of ``len(index)`` rows)."""
         for name in ("work", "wide", "small"):
             getattr(self, name).index_copy_(1, index, getattr(other, name))
-        for name in ("free", "stalls", "residual", "done"):
+        for name in _ROW:
             getattr(self, name).index_copy_(0, index, getattr(other, name))
 
 
@@ -172,8 +192,7 @@ def solve_nonneg_qp_cg(
     H_work, H_abs = H.to(work_dtype), H.abs().to(work_dtype)
 
     sigma = torch.addmm(q.abs().to(work_dtype), x.to(work_dtype), H_abs)
-    batch = _round(x, torch.addmm(q, x, H), free.clone(), sigma, q, H_work.dtype)
-    iterations = 0
+    batch = _round(x, torch.addmm(q, x, H), free.clone(), sigma, q, work_dtype)
     for iterations in range(1, max_iterations + 1):  # noqa: B007 (returned)
         _cg_step(batch, H_work)
         if iterations % _CHECK_EVERY:
@@ -185,11 +204,18 @@ def solve_nonneg_qp_cg(
         any_flip, any_end = torch.stack([flip.any(), end_round.any()]).tolist()  # Host sync.
         if any_flip:
             index = flip.nonzero().squeeze(-1)
-            batch.write(index, _change_faces(batch.select(index), wrong[index] > 0, H_work))
+            if index.shape[0] == batch.rows.shape[0]:  # Every problem: no need to gather.
+                batch = _change_faces(batch, wrong > 0, H_work)
+            else:
+                batch.write(index, _change_faces(batch.select(index), wrong[index] > 0, H_work))
         if any_end:
             index = end_round.nonzero().squeeze(-1)
-            ended, solved = _end_round(batch.select(index), H, H_work, H_abs, tol)
-            batch.write(index, ended)
+            if index.shape[0] == batch.rows.shape[0]:
+                batch, solved = _end_round(batch, H, H_work, H_abs, tol)
+                ended = batch
+            else:
+                ended, solved = _end_round(batch.select(index), H, H_work, H_abs, tol)
+                batch.write(index, ended)
             solution.index_copy_(0, ended.rows[solved], ended.x64[solved])
             certified.index_fill_(0, ended.rows[solved], True)
             done = int(batch.done.sum())  # Host synchronisation.
@@ -200,8 +226,13 @@ def solve_nonneg_qp_cg(
     left = ~certified[batch.rows]
     if bool(left.any()):  # Host synchronisation.
         rows = batch.rows[left]
-        solution.index_copy_(0, rows, (batch.x64[left] + batch.dx[left]).clamp(min=0.0))
+        solution.index_copy_(0, rows, _current(batch.select(left.nonzero().squeeze(-1))))
     return solution, certified, iterations
+
+
+def _current(batch: _Batch) -> Tensor:
+    """The problems' current iterates ``x + |r| δ̂``, float64, clamped to ``x ≥ 0``."""
+    return torch.addcmul(batch.x64, batch.dx, batch.scale64.unsqueeze(-1)).clamp(min=0.0)
 
 
 def _round(x: Tensor, s: Tensor, free: Tensor, sigma: Tensor, q: Tensor, work: torch.dtype,
@@ -213,41 +244,51 @@ def _round(x: Tensor, s: Tensor, free: Tensor, sigma: Tensor, q: Tensor, work: t
     round (default: a first round).
     """
     n = q.shape[0]
-    minus_free = free.to(work).neg_()
-    s_work = s.to(work)
+    tiny = torch.finfo(work).tiny
+    plus_free = free.to(work)
+    off_face = 1.0 - plus_free
+    minus_free = plus_free.neg_()
+    s_work, x_work = s.to(work), x.to(work)
+    # |r| as its largest entry (no squares: they would underflow once r is tiny).
     r = s_work * minus_free
-    rr = torch.linalg.vecdot(r, r)
-    noise = _NOISE_ULPS * torch.finfo(work).eps
-    x_work = x.to(work)
+    scale = r.abs().amax(dim=-1).clamp_(min=tiny)
+    r0 = r.div_(scale.unsqueeze(-1))
+    rr = torch.linalg.vecdot(r0, r0)
+    noise = torch.finfo(work).eps ** 0.5
     low_x = x_work.abs().amax(dim=-1, keepdim=True).mul_(-noise)
-    low = torch.where(free, low_x, sigma * -noise)
-    work_stack = torch.stack([q.to(work), minus_free, minus_free + 1.0, x_work,
-                              torch.zeros_like(r), s_work, sigma, low, r])
-    small = torch.stack([rr, rr * torch.finfo(work).eps])
-    zeros = torch.zeros(n, dtype=torch.int64, device=q.device)
+    # low - x on the face (s ≈ 0 there): low = -noise max |x|; low - s off it (x = 0 there):
+    # low = -noise σ.
+    base = torch.add(s_work, sigma, alpha=noise).mul_(off_face).neg_()
+    base.addcmul_(minus_free, low_x, value=-1.0).sub_(x_work)
+    zeros = torch.zeros_like(r0)
+    work_stack = torch.stack([q.to(work), minus_free, off_face, s_work, r0, base, sigma, zeros,
+                              zeros, r0])
+    small = torch.stack([rr, rr * torch.finfo(work).eps, scale])
+    scale64 = scale.to(x.dtype)
+    counts = torch.zeros(n, dtype=torch.int64, device=q.device)
     return _Batch(
         rows=torch.arange(n, device=q.device) if rows is None else rows,
         work=work_stack, wide=torch.stack([q, x]), small=small, free=free,
-        stalls=zeros if stalls is None else stalls,
-        residual=torch.full_like(s[:, 0], torch.inf) if residual is None else residual,
-        done=zeros.bool() if done is None else done,
+        stalls=counts if stalls is None else stalls, scale64=scale64,
+        residual=torch.full_like(scale64, torch.inf) if residual is None else residual,
+        done=counts.bool() if done is None else done,
     )
 
 
 def _cg_step(batch: _Batch, H_work: Tensor) -> None:
     """One CG iteration on every face, in place.
 
-    A round ends once ``|r|²`` is below ``target``: its residual reduced by ``√eps`` of the
-    working dtype. A round solves for a correction to the float64 residual it starts from, so its
-    working precision limits the reduction (to about ``eps · cond``), not the final accuracy:
-    two rounds reach float64 round-off from a float32 start.
+    A round ends once ``|r̂|²`` is below ``target``: reduced by ``√eps`` of the working dtype.
+    The round solves for a correction to the float64 residual it starts from, so its working
+    precision limits the reduction (to about ``eps · cond``), not the final accuracy: two rounds
+    reach float64 round-off from a float32 start.
     """
     tiny = torch.finfo(H_work.dtype).tiny
     ph = batch.p @ H_work  # One GEMM for the whole batch; p is zero off the faces.
     alpha = (batch.rr / torch.linalg.vecdot(batch.p, ph).clamp(min=tiny)).unsqueeze(-1)
     batch.dx.addcmul_(batch.p, alpha)
-    batch.s.addcmul_(ph, alpha)
-    r = batch.s * batch.minus_free
+    batch.hdx.addcmul_(ph, alpha)
+    r = torch.addcmul(batch.r0, batch.hdx, batch.minus_free)
     rr = torch.linalg.vecdot(r, r)
     batch.p.mul_((rr / batch.rr.clamp(min=tiny)).unsqueeze(-1)).add_(r)
     batch.rr.copy_(rr)
@@ -257,17 +298,30 @@ def _wrong_signs(batch: _Batch) -> Tensor:
     """The wrong signs of the current iterates, as 0/1 in the working dtype, ``[b, m]``."""
     # x on the face, s off it (x is zero off the face, s about zero on it): a sign is wrong below
     # the noise of the working precision, the float64 end of the round settles those within it.
-    violation = batch.low - batch.x - batch.dx
-    return violation.addcmul_(batch.s, batch.off_face, value=-1.0).clamp_(min=0.0).sign_()
+    change = torch.addcmul(batch.dx, batch.hdx, batch.off_face)
+    violation = torch.addcmul(batch.base, change, batch.scale.unsqueeze(-1), value=-1.0)
+    return violation.clamp_(min=0.0).sign_()
 
 
 def _change_faces(batch: _Batch, wrong: Tensor, H_work: Tensor) -> _Batch:
-    """PDAS step: flip the wrong signs, restart CG on the new faces from the current point."""
+    """PDAS step: flip the wrong signs, restart CG on the new faces from the current point.
+
+    A variable joining the face keeps ``x_j = 0``; one leaving it drops its ``x_j``, which
+    changes ``s`` by ``-x_j H_j``: a few rows of ``H`` per problem, added without a GEMM.
+    """
     free = batch.free ^ wrong
-    x = (batch.x64 + batch.dx) * free
-    s = torch.addmm(batch.q, x.to(H_work.dtype), H_work)
-    return _round(x, s, free, batch.sigma, batch.q64, H_work.dtype, batch.rows, batch.residual,
-                  batch.stalls, batch.done)
+    x = torch.addcmul(batch.x64, batch.dx, batch.scale64.unsqueeze(-1))
+    # s = H x + q at the current point: the round's start plus |r| H δ̂.
+    s = torch.addcmul(batch.s0, batch.hdx, batch.scale.unsqueeze(-1)).to(x.dtype)
+    dropped = x * (batch.free & ~free)  # The values of the variables that leave the face.
+    problem, variable = dropped.nonzero(as_tuple=True)
+    if problem.shape[0] * _SPARSE_DROPS > dropped.numel():  # Many: one GEMM is cheaper.
+        s -= (dropped.to(H_work.dtype) @ H_work).to(s.dtype)
+    else:
+        s.index_add_(0, problem, H_work.index_select(0, variable).to(s.dtype)
+                     * -dropped[problem, variable].unsqueeze(-1))
+    return _round(x * free, s, free, batch.sigma, batch.q64, H_work.dtype, batch.rows,
+                  batch.residual, batch.stalls, batch.done)
 
 
 def _end_round(batch: _Batch, H: Tensor, H_work: Tensor, H_abs: Tensor, tol: float
@@ -277,7 +331,7 @@ def _end_round(batch: _Batch, H: Tensor, H_work: Tensor, H_abs: Tensor, tol: flo
     Returns the batch for their next round, where the certified problems and those given up
     (no progress in ``_STALLED_ROUNDS`` rounds) are done and frozen, and which are certified.
     """
-    x = batch.x64 + batch.dx
+    x = torch.addcmul(batch.x64, batch.dx, batch.scale64.unsqueeze(-1))
     free = batch.free & (x >= 0)  # Negative values leave the face...
     x = x.clamp(min=0.0)  # ... and the certified point is the clamped one.
     q = batch.q64

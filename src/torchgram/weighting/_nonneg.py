@@ -13,11 +13,13 @@ where the per-call overhead of tensor operations dominates both, and for a singl
 (DualProj) up to several hundred variables; the CG solver from there on, by a factor growing
 like ``m``.
 
-The CG solver runs on the Jacobi-scaled problem (``H → DHD`` with ``D = diag(H)^{-1/2}``,
-``q → Dq``, ``x → D⁻¹x``: the KKT residual does not change, NOTE [KKT certificate]), so that
-gradients of very different norms (per-sample gradients late in training) do not leave some
-entries below the resolution of its float32 iterations. The few problems it does not certify
-are solved by the direct solver.
+The CG solver runs on a diagonally rescaled problem (``H → DHD``, ``q → Dq``, ``x → D⁻¹x``: the
+KKT residual does not change, NOTE [KKT certificate]) with ``D = diag(H)^{-1/3}``: a diagonal
+preconditioner between none, best for a Gramian that is a multiple of the identity plus a
+low-rank term (rank-1: about 20 iterations for ``m = 256``, 440 with Jacobi's ``diag^{-1/2}``),
+and Jacobi's, best for gradients of very different norms (per-sample gradients late in
+training; rows whose norms span four orders of magnitude: 60 iterations, 400 without). The few
+problems it does not certify are solved by the direct solver, starting from where CG stopped.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ def solve_nonneg(H: Tensor, q: Tensor, x0: Tensor | None = None) -> NonnegSoluti
     free = None if x0 is None else x0 > 0
     if m < (_CG_FROM_SINGLE if k == 1 else _CG_FROM):
         return NonnegSolution(solve_nonneg_qp(H, q, free), "direct", 0)
-    scale = H.diagonal().clamp(min=torch.finfo(H.dtype).tiny).rsqrt()
+    scale = H.diagonal().clamp(min=torch.finfo(H.dtype).tiny).pow(-1.0 / 3.0)
     x, certified, iterations = solve_nonneg_qp_cg(
         H * scale.unsqueeze(-1) * scale, q * scale, free=free,
         x0=None if x0 is None else x0 / scale,
