@@ -23,8 +23,8 @@ weights (UPGrad, DualProj: ``_kkt.kkt_residual`` of every projection; MGDA: the 
 (for MGDA, whose torchjd version is Frank-Wolfe with a stopping rule, the ratio of the
 objectives ``wᵀGw`` instead, ``≥ 1`` when ours is at least as good; PCGrad's visiting orders
 are random, so only its time is compared). torchjd's quadprog-based UPGrad takes about an hour
-per call at ``m = 1024`` (its time grows like ``m⁴``): above ``--torchjd-max-m`` it is skipped,
-as is torchjd's PCGrad (a Python loop over ``m²`` pairs); the table says so.
+per call at ``m = 1024`` (its time grows like ``m⁴``): above ``--torchjd-max-m`` (256) it is
+skipped, as is torchjd's PCGrad (a Python loop over ``m²`` pairs); the table says so.
 
 The step section times one Jacobian-descent step with UPGrad over the per-sample losses of the
 benchmark MLP 784-512-512-10 (random inputs) with the public API: ``tg.gramian(losses,
@@ -72,6 +72,7 @@ class Config:
     weightings: tuple[str, ...]
     repeats: int
     torchjd_max_m: int
+    pcgrad_max_m: int
     step_batches: tuple[int, ...]
     step_widths: tuple[int, ...]
     warm_steps: int
@@ -79,11 +80,12 @@ class Config:
 
 
 FULL = Config(sizes=(16, 64, 256, 1024), families=FAMILIES, weightings=WEIGHTINGS, repeats=5,
-              torchjd_max_m=256, step_batches=(64, 256), step_widths=(784, 512, 512, 10),
-              warm_steps=10, train_steps=100)
-QUICK = Config(sizes=(6, 24, 100), families=FAMILIES, weightings=WEIGHTINGS, repeats=2,
-               torchjd_max_m=100, step_batches=(8,), step_widths=(20, 16, 16, 10),
-               warm_steps=3, train_steps=5)
+              torchjd_max_m=256, pcgrad_max_m=256, step_batches=(64, 256),
+              step_widths=(784, 512, 512, 10), warm_steps=10, train_steps=100)
+# Small enough to run in a few seconds, and with one size (130) on the CG solver's side.
+QUICK = Config(sizes=(6, 130), families=("random", "training"), weightings=WEIGHTINGS,
+               repeats=1, torchjd_max_m=130, pcgrad_max_m=6, step_batches=(8,),
+               step_widths=(20, 16, 16, 10), warm_steps=3, train_steps=3)
 
 
 @dataclass
@@ -207,18 +209,19 @@ def relative_difference(w: Tensor, reference: Tensor) -> float:
 # ---------------------------------------------------------------- timing
 
 
-def alternate(functions: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
-    """Median milliseconds of each function, timed in alternating turns after one warm-up each."""
+def alternate(functions: dict[str, Callable[[], Any]], repeats: int
+              ) -> tuple[dict[str, float], dict[str, Any]]:
+    """Median milliseconds of each function, timed in alternating turns after one warm-up each,
+    and each function's last result."""
     times: dict[str, list[float]] = {name: [] for name in functions}
-    for function in functions.values():
-        function()
+    results = {name: function() for name, function in functions.items()}
     names = list(functions)
     for turn in range(repeats):
         for name in names[turn % len(names):] + names[:turn % len(names)]:
             start = time.perf_counter()
-            functions[name]()
+            results[name] = functions[name]()
             times[name].append(1e3 * (time.perf_counter() - start))
-    return {name: statistics.median(values) for name, values in times.items()}
+    return {name: statistics.median(values) for name, values in times.items()}, results
 
 
 def _torchjd_weighting(name: str) -> Callable[[Tensor], Tensor] | None:
@@ -238,26 +241,27 @@ def compare(name: str, m: int, family: str, G: Tensor, config: Config) -> Row:
     ours: Callable[[Tensor], Tensor] = getattr(tg.weighting, name)
     theirs = _torchjd_weighting(name)
     note = ""
-    if theirs is not None and name in ("upgrad", "pcgrad") and m > config.torchjd_max_m:
-        theirs, note = None, f"torchjd skipped above m = {config.torchjd_max_m} (too slow)"
+    limit = config.pcgrad_max_m if name == "pcgrad" else config.torchjd_max_m
+    if theirs is not None and name in ("upgrad", "pcgrad") and m > limit:
+        theirs, note = None, f"torchjd skipped above m = {limit} (too slow)"
     elif theirs is None:
         note = "torchjd not installed"
     functions: dict[str, Callable[[], Any]] = {"ours": lambda: ours(G)}
     if theirs is not None:
         reference = theirs
         functions["torchjd"] = lambda: reference(G)
-    times = alternate(functions, config.repeats)
+    times, answers = alternate(functions, config.repeats)
     row = Row(name, m, family, times["ours"], times.get("torchjd"), note=note)
-    w = ours(G)
+    w = answers["ours"]
     if name in ("upgrad", "dualproj"):
         row.kkt, row.solver = dual_cone_kkt(G, name)
     elif name == "mgda":
         row.kkt = simplex_kkt(G, w)
     if theirs is not None and name == "mgda":
-        w_ref = theirs(G).double()
+        w_ref = answers["torchjd"].double()
         row.agreement = float(w_ref @ G @ w_ref / (w.double() @ G @ w.double()))
     elif theirs is not None and name != "pcgrad":
-        row.agreement = relative_difference(w, theirs(G))
+        row.agreement = relative_difference(w, answers["torchjd"])
     return row
 
 
@@ -299,7 +303,7 @@ def jd_step(batch: int, widths: Sequence[int], repeats: int) -> dict[str, Any]:
     aggregated = tg.aggregated_grad(
         lambda p, xb, yb: F.cross_entropy(fn(p, xb), yb, reduction="none"),
         tg.weighting.upgrad, batch_dim=0)
-    times = alternate({
+    times, _ = alternate({
         "backward": backward, "gramian": lambda: gramian(params, x, y),
         "upgrad": lambda: tg.weighting.upgrad(G), "vjp (Jᵀw)": vjp,
         "gramian + upgrad + vjp": composed,
@@ -443,7 +447,8 @@ def main(argv: Sequence[str] | None = None) -> Results:
     args = parser.parse_args(argv)
     config = QUICK if args.quick else FULL
     overrides = {"sizes": args.sizes, "families": args.families, "weightings": args.weightings,
-                 "repeats": args.repeats, "torchjd_max_m": args.torchjd_max_m}
+                 "repeats": args.repeats, "torchjd_max_m": args.torchjd_max_m,
+                 "pcgrad_max_m": args.torchjd_max_m}
     config = Config(**{**asdict(config), **{k: v for k, v in overrides.items() if v}})
 
     threads = torch.get_num_threads()
@@ -470,8 +475,7 @@ def main(argv: Sequence[str] | None = None) -> Results:
                 results.steps.append(jd_step(batch, config.step_widths, config.repeats))
                 print("step", results.steps[-1], flush=True)
         if not args.no_warm:
-            for m in (config.sizes[1], config.sizes[-1]) if len(config.sizes) > 1 \
-                    else config.sizes:
+            for m in sorted({config.sizes[min(1, len(config.sizes) - 1)], config.sizes[-1]}):
                 results.warm.append(warm_start(m, config.warm_steps))
                 print("warm", results.warm[-1], flush=True)
     finally:

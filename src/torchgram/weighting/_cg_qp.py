@@ -25,9 +25,9 @@ iterations share one matrix product ``P H`` (``[k, m] × [m, m]``, one GEMM, mas
   certificate] in ``_kkt.py``) is computed from that float64 ``s``; a problem is done when
   ``ρ ≤ tol``, with its solution clamped to ``x ≥ 0`` (the clamped point is the one certified).
   Done problems are frozen, and dropped from the GEMM once there are enough of them.
-* What is not certified within ``max_iterations``, or makes no progress in
-  ``_STALLED_ROUNDS`` rounds (PDAS may cycle on hard problems, and CG stalls on singular
-  faces), is left to the caller, which solves it with the direct method.
+* What is not certified within ``max_iterations``, makes no progress in ``_STALLED_ROUNDS``
+  rounds or diverges (PDAS may cycle on hard problems, and CG stalls or diverges on singular
+  faces) is left to the caller, which solves it with the direct method.
 
 Host synchronisation: one per ``_CHECK_EVERY`` iterations (which problems change face or end a
 round), plus one per round end. Cost: one ``[k, m] × [m, m]`` GEMM and about ten elementwise
@@ -49,7 +49,14 @@ _FLOAT32_FROM = 128
 # Variables leaving the faces change s by rows of H, gathered and added while they are fewer than
 # one in this many entries of the problems changing faces (then one GEMM is cheaper).
 _SPARSE_DROPS = 128
-# A problem whose residual has not halved in this many rounds in a row is given up.
+# A problem whose CG residual grows this much beyond its round's start (|r̂|² ≤ m) is given up.
+_DIVERGED = 1e8
+# A round ends after this many CG iterations at most (its end counts as a stall without progress).
+_ROUND_ITERATIONS = 240
+# A problem whose residual has not halved in this many rounds in a row is given up, as is one
+# whose faces have changed more than this many times (PDAS cycles; legitimate counts measured
+# on the benchmark Gramians of m = 256: at most 23).
+_FACE_CHANGES = 64
 _STALLED_ROUNDS = 3
 # CG iterations between two checks of the signs (and of the rounds' ends).
 _CHECK_EVERY = 6
@@ -61,8 +68,8 @@ _DROP_FRACTION = 0.125
 # reads and writes a problem's whole state with one indexing operation per stack.
 _WORK = ("q", "minus_free", "off_face", "s0", "r0", "base", "sigma", "dx", "hdx", "p")
 _WIDE = ("q64", "x64")  # float64
-_SMALL = ("rr", "target", "scale")  # one number per problem, working dtype
-_ROW = ("free", "stalls", "residual", "scale64", "done")  # one tensor each
+_SMALL = ("rr", "target", "scale", "age")  # one number per problem, working dtype
+_ROW = ("free", "stalls", "changes", "residual", "scale64", "done")  # one tensor each
 
 
 class _Batch:
@@ -74,7 +81,7 @@ class _Batch:
     neither underflows nor loses digits once ``r`` is tiny, as it is in the last rounds.
 
     The fields named in ``_WORK``, ``_WIDE`` and ``_SMALL`` are views into three stacked
-    tensors (``work`` ``[10, b, m]``, ``wide`` ``[2, b, m]``, ``small`` ``[3, b]``), updated in
+    tensors (``work`` ``[10, b, m]``, ``wide`` ``[2, b, m]``, ``small`` ``[4, b]``), updated in
     place. Masks are kept as ``work`` tensors: multiplying by them is several times faster on
     CPU than ``torch.where`` with a boolean mask.
 
@@ -84,14 +91,14 @@ class _Batch:
       multipliers; ``scale``, ``scale64``: ``|r|`` there; ``r0``: ``r / |r|``.
     * ``dx``: ``δ̂`` so far; ``hdx``: ``H δ̂`` (the residual is ``r0 - (H δ̂)_F``); ``p``: the CG
       direction (zero off the face); ``rr``: ``|r̂|²``; ``target``: the ``|r̂|²`` that ends
-      the round.
+      the round; ``age``: its CG iterations so far.
     * ``base``: ``low - x - s`` off the face, where ``low`` is the threshold below which ``x``
       (on the face) or ``s`` (off it) is a wrong sign: the wrong signs are where
       ``base - |r| (δ̂ + H δ̂ off the face)`` is positive. ``sigma``: the magnitudes summed into
       ``s``.
     * ``free`` (bool ``[b, m]``); ``stalls``: rounds in a row that did not halve ``residual``,
-      the best KKT residual at the end of a round (float64 ``[b]``); ``done``: certified or
-      given up; ``rows``: indices in the caller's batch.
+      the best KKT residual at the end of a round (float64 ``[b]``); ``changes``: face changes
+      so far; ``done``: certified or given up; ``rows``: indices in the caller's batch.
     """
 
     q: Tensor
@@ -109,8 +116,10 @@ class _Batch:
     rr: Tensor
     target: Tensor
     scale: Tensor
+    age: Tensor
     free: Tensor
     stalls: Tensor
+    changes: Tensor
     residual: Tensor
     scale64: Tensor
     done: Tensor
@@ -193,14 +202,26 @@ def solve_nonneg_qp_cg(
 
     sigma = torch.addmm(q.abs().to(work_dtype), x.to(work_dtype), H_abs)
     batch = _round(x, torch.addmm(q, x, H), free.clone(), sigma, q, work_dtype)
-    for iterations in range(1, max_iterations + 1):  # noqa: B007 (returned)
+    if x0 is not None:  # A warm start may be solved already: certify before iterating.
+        batch, solved = _end_round(batch, H, H_work, H_abs, tol)
+        solution.index_copy_(0, batch.rows[solved], batch.x64[solved])
+        certified.index_fill_(0, batch.rows[solved], True)
+    iterations = 0
+    while iterations < max_iterations and not (iterations == 0 and bool(batch.done.all())):
+        iterations += 1
         _cg_step(batch, H_work)
         if iterations % _CHECK_EVERY:
             continue
         wrong = _wrong_signs(batch)
+        # CG diverges on a singular face (H singular, e.g. reg_eps = 0): give those problems up.
+        diverged = ~(batch.rr <= _DIVERGED * batch.rows.new_tensor(m, dtype=batch.rr.dtype))
+        batch.done |= diverged
+        batch.age.add_(_CHECK_EVERY)
         active = ~batch.done
         flip = (wrong.amax(dim=-1) > 0) & active
-        end_round = (batch.rr <= batch.target) & active & ~flip
+        # A round also ends after _ROUND_ITERATIONS: its float64 end measures the progress.
+        end_round = ((batch.rr <= batch.target) | (batch.age >= _ROUND_ITERATIONS)) & active
+        end_round &= ~flip
         any_flip, any_end = torch.stack([flip.any(), end_round.any()]).tolist()  # Host sync.
         if any_flip:
             index = flip.nonzero().squeeze(-1)
@@ -218,11 +239,11 @@ def solve_nonneg_qp_cg(
                 batch.write(index, ended)
             solution.index_copy_(0, ended.rows[solved], ended.x64[solved])
             certified.index_fill_(0, ended.rows[solved], True)
-            done = int(batch.done.sum())  # Host synchronisation.
-            if done == batch.rows.shape[0]:
-                break
-            if done >= _DROP_FRACTION * batch.rows.shape[0]:
-                batch = batch.select((~batch.done).nonzero().squeeze(-1))
+        done = int(batch.done.sum())  # Host synchronisation.
+        if done == batch.rows.shape[0]:
+            break
+        if done >= _DROP_FRACTION * batch.rows.shape[0]:
+            batch = batch.select((~batch.done).nonzero().squeeze(-1))
     left = ~certified[batch.rows]
     if bool(left.any()):  # Host synchronisation.
         rows = batch.rows[left]
@@ -236,12 +257,12 @@ def _current(batch: _Batch) -> Tensor:
 
 
 def _round(x: Tensor, s: Tensor, free: Tensor, sigma: Tensor, q: Tensor, work: torch.dtype,
-           rows: Tensor | None = None, residual: Tensor | None = None,
-           stalls: Tensor | None = None, done: Tensor | None = None) -> _Batch:
+           previous: _Batch | None = None, **updates: Tensor) -> _Batch:
     """A batch starting a CG round from the float64 iterate ``x`` and its multipliers ``s``.
 
-    ``rows``, ``residual``, ``stalls`` and ``done`` carry over from the problems' previous
-    round (default: a first round).
+    ``rows`` and the other per-problem fields (``_ROW``) carry over from the batch
+    ``previous`` of the problems' last round, or are those of a first round; ``updates``
+    overrides some of them.
     """
     n = q.shape[0]
     tiny = torch.finfo(work).tiny
@@ -263,16 +284,19 @@ def _round(x: Tensor, s: Tensor, free: Tensor, sigma: Tensor, q: Tensor, work: t
     zeros = torch.zeros_like(r0)
     work_stack = torch.stack([q.to(work), minus_free, off_face, s_work, r0, base, sigma, zeros,
                               zeros, r0])
-    small = torch.stack([rr, rr * torch.finfo(work).eps, scale])
+    small = torch.stack([rr, rr * torch.finfo(work).eps, scale, torch.zeros_like(rr)])
     scale64 = scale.to(x.dtype)
-    counts = torch.zeros(n, dtype=torch.int64, device=q.device)
-    return _Batch(
-        rows=torch.arange(n, device=q.device) if rows is None else rows,
-        work=work_stack, wide=torch.stack([q, x]), small=small, free=free,
-        stalls=counts if stalls is None else stalls, scale64=scale64,
-        residual=torch.full_like(scale64, torch.inf) if residual is None else residual,
-        done=counts.bool() if done is None else done,
-    )
+    if previous is None:
+        counts = torch.zeros(n, dtype=torch.int64, device=q.device)
+        carried = {"rows": torch.arange(n, device=q.device), "stalls": counts,
+                   "changes": counts, "residual": torch.full_like(scale64, torch.inf),
+                   "done": counts.bool()}
+    else:
+        carried = {name: getattr(previous, name)
+                   for name in ("rows", "stalls", "changes", "residual", "done")}
+    carried |= updates
+    return _Batch(work=work_stack, wide=torch.stack([q, x]), small=small, free=free,
+                  scale64=scale64, **carried)
 
 
 def _cg_step(batch: _Batch, H_work: Tensor) -> None:
@@ -320,8 +344,9 @@ def _change_faces(batch: _Batch, wrong: Tensor, H_work: Tensor) -> _Batch:
     else:
         s.index_add_(0, problem, H_work.index_select(0, variable).to(s.dtype)
                      * -dropped[problem, variable].unsqueeze(-1))
-    return _round(x * free, s, free, batch.sigma, batch.q64, H_work.dtype, batch.rows,
-                  batch.residual, batch.stalls, batch.done)
+    changes = batch.changes + 1
+    return _round(x * free, s, free, batch.sigma, batch.q64, H_work.dtype, batch,
+                  changes=changes, done=batch.done | (changes > _FACE_CHANGES))
 
 
 def _end_round(batch: _Batch, H: Tensor, H_work: Tensor, H_abs: Tensor, tol: float
@@ -344,8 +369,8 @@ def _end_round(batch: _Batch, H: Tensor, H_work: Tensor, H_abs: Tensor, tol: flo
     stalls = torch.where(residual <= 0.5 * batch.residual, 0, batch.stalls + 1)
     done = solved | (stalls >= _STALLED_ROUNDS)
     free = free | (s < -tol * sigma64)  # Negative multipliers join the face (x is unchanged).
-    ended = _round(x, s, free, sigma, q, H_work.dtype, batch.rows,
-                   torch.minimum(residual, batch.residual), stalls, done)
+    ended = _round(x, s, free, sigma, q, H_work.dtype, batch, stalls=stalls, done=done,
+                   residual=torch.minimum(residual, batch.residual))
     ended.p.mul_(~done.unsqueeze(-1))  # A done problem is frozen: no direction and no
     ended.rr.mul_(~done)  # residual, hence no step.
     return ended, solved

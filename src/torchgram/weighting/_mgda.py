@@ -41,7 +41,8 @@ def mgda(G: Tensor, /, *, state: WarmStart | None = None) -> Tensor:
         state: A :class:`WarmStart` that a training loop passes to every call: the active-set
             method then starts from the previous call's support (the losses with ``w_i > 0``)
             instead of all of them, which saves rounds when consecutive Gramians are close.
-            The result does not depend on it.
+            The update ``Jᵀw`` does not depend on it (nor do the weights, unless the Gramian is
+            rank-deficient and its minimising weights are not unique).
 
     Returns:
         The weights ``w`` in the probability simplex, shape ``[m]``, with ``G``'s dtype and

@@ -19,7 +19,7 @@ preconditioner between none, best for a Gramian that is a multiple of the identi
 low-rank term (rank-1: about 20 iterations for ``m = 256``, 440 with Jacobi's ``diag^{-1/2}``),
 and Jacobi's, best for gradients of very different norms (per-sample gradients late in
 training; rows whose norms span four orders of magnitude: 60 iterations, 400 without). The few
-problems it does not certify are solved by the direct solver, starting from where CG stopped.
+problems it does not certify are solved by the direct solver.
 """
 
 from __future__ import annotations
@@ -78,7 +78,6 @@ def solve_nonneg(H: Tensor, q: Tensor, x0: Tensor | None = None) -> NonnegSoluti
     )
     x = x * scale
     if not bool(certified.all()):  # Host synchronisation.
-        # The direct solver, from the faces where CG stopped.
         left = (~certified).nonzero().squeeze(-1)
-        x.index_copy_(0, left, solve_nonneg_qp(H, q[left], x[left] > 0))
+        x.index_copy_(0, left, solve_nonneg_qp(H, q[left]))
     return NonnegSolution(x, "cg", iterations)

@@ -25,8 +25,16 @@ class WarmStart:
     Pass the same ``WarmStart`` to every call (``state=``): each call starts from the solution
     the previous one stored, and stores its own. This only changes the time a call takes: the
     weights are the solution of the call's own problem, certified to the same tolerance as from
-    a cold start. A state whose stored solution does not fit the call (another weighting, or
-    another number of losses, e.g. a smaller last batch) is ignored and overwritten.
+    a cold start (for :func:`mgda` on a rank-deficient Gramian, whose minimising weights are not
+    unique, the same update ``Jᵀw`` with possibly other weights). A state whose stored solution
+    does not fit the call (another weighting, or another number of losses, e.g. a smaller last
+    batch) is ignored and overwritten.
+
+    Warm starts pay off when the rows of consecutive Gramians are the same losses, slowly
+    changing: the tasks of multi-task learning, or a fixed (full) batch. With a fresh
+    mini-batch at every step (instance-wise risk minimisation), row ``i`` is another sample each
+    time and the previous solution is no better a start than none (see the benchmark's
+    warm-start section).
 
     Attributes:
         calls: Number of calls that used this state.
