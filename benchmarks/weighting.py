@@ -1,6 +1,6 @@
 """Weighting benchmark (issue 16): torchgram.weighting vs torchjd, and one Jacobian-descent step.
 
-Run:  python benchmarks/weighting.py            full run (m = 16, 64, 256, 1024; ~15-30 min)
+Run:  python benchmarks/weighting.py            full run (m = 16, 64, 256, 1024; ~20-40 min)
       python benchmarks/weighting.py --quick    tiny sizes, a few seconds (what the smoke test runs)
 
 Everything runs on one CPU thread (``torch.set_num_threads(1)``). Each table row times our
@@ -76,16 +76,20 @@ class Config:
     step_batches: tuple[int, ...]
     step_widths: tuple[int, ...]
     warm_steps: int
+    warm_sizes: tuple[int, ...]
     train_steps: int
+    large_repeats: int  # repeats from m = 1024 on
 
 
 FULL = Config(sizes=(16, 64, 256, 1024), families=FAMILIES, weightings=WEIGHTINGS, repeats=5,
               torchjd_max_m=256, pcgrad_max_m=256, step_batches=(64, 256),
-              step_widths=(784, 512, 512, 10), warm_steps=10, train_steps=100)
+              step_widths=(784, 512, 512, 10), warm_steps=10, warm_sizes=(64, 256),
+              train_steps=100, large_repeats=3)
 # Small enough to run in a few seconds, and with one size (130) on the CG solver's side.
 QUICK = Config(sizes=(6, 130), families=("random", "training"), weightings=WEIGHTINGS,
                repeats=1, torchjd_max_m=130, pcgrad_max_m=6, step_batches=(8,),
-               step_widths=(20, 16, 16, 10), warm_steps=3, train_steps=3)
+               step_widths=(20, 16, 16, 10), warm_steps=3, warm_sizes=(130,), train_steps=3,
+               large_repeats=1)
 
 
 @dataclass
@@ -250,7 +254,7 @@ def compare(name: str, m: int, family: str, G: Tensor, config: Config) -> Row:
     if theirs is not None:
         reference = theirs
         functions["torchjd"] = lambda: reference(G)
-    times, answers = alternate(functions, config.repeats)
+    times, answers = alternate(functions, config.repeats if m < 1024 else config.large_repeats)
     row = Row(name, m, family, times["ours"], times.get("torchjd"), note=note)
     w = answers["ours"]
     if name in ("upgrad", "dualproj"):
@@ -377,12 +381,14 @@ def render(results: Results) -> str:
     c = results.config
     lines = [
         "# Weighting benchmark (issue 16)", "",
+        "Written by `benchmarks/weighting.py` (see its docstring for what is measured).", "",
         f"Command: `python benchmarks/weighting.py{' --quick' if c['quick'] else ''}` — "
         f"{results.machine['threads']} thread, torch {results.machine['torch']}, "
         f"{results.machine['processor']}; load average before {results.machine['load_before']}"
         f", after {results.machine['load_after']}; wall time {results.wall_s:.0f} s.", "",
         "Medians of "
-        f"{c['repeats']} alternating turns (ours, torchjd) on the same float64 Gramian. "
+        f"{c['repeats']} ({c['large_repeats']} from m = 1024 on) alternating turns (ours, "
+        "torchjd) on the same float64 Gramian, after one warm-up call each. "
         f"`KKT`: largest relative KKT residual of the QPs (certified ≤ {KKT_TOL:g} for "
         "upgrad/dualproj); `vs torchjd`: max |w - w_torchjd| / max |w_torchjd| (mgda: "
         "torchjd's objective wᵀGw over ours, ≥ 1 means ours is at least as good).", "",
@@ -475,7 +481,7 @@ def main(argv: Sequence[str] | None = None) -> Results:
                 results.steps.append(jd_step(batch, config.step_widths, config.repeats))
                 print("step", results.steps[-1], flush=True)
         if not args.no_warm:
-            for m in sorted({config.sizes[min(1, len(config.sizes) - 1)], config.sizes[-1]}):
+            for m in config.warm_sizes:
                 results.warm.append(warm_start(m, config.warm_steps))
                 print("warm", results.warm[-1], flush=True)
     finally:
