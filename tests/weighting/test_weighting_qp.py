@@ -139,15 +139,19 @@ def test_simplex_qp_zero_rows_and_duplicates() -> None:
 
 # Each path of NOTE [batched QP solver], forced by its module constants: phase 1 alone (no phase
 # 2, in the retry either: what phase 1 leaves goes to the interior-point fallback), phase 2
-# alone, one exchange step then phase 2, the interior-point fallback alone, and the gathered
-# face systems at any m.
-SOLVER_PATHS: dict[str, dict[str, int]] = {
+# alone, one exchange step then phase 2, the interior-point fallback alone, the gathered face
+# systems at any m, with or without the complement side.
+SOLVER_PATHS: dict[str, dict[str, float]] = {
     "default": {},
     "exchange-then-interior-point": {"_DESCENT_ITERATIONS": 0},
     "descent-only": {"_EXCHANGE_ITERATIONS": 0},
     "one-exchange-then-descent": {"_EXCHANGE_ITERATIONS": 1},
     "interior-point-only": {"_EXCHANGE_ITERATIONS": 0, "_DESCENT_ITERATIONS": 0},
     "gathered-faces": {"_GATHER_FROM": 1},
+    # NOTE [complement side]: always through K⁻¹ when fewer variables are fixed than free, or
+    # never.
+    "complement-side": {"_GATHER_FROM": 1, "_MAX_COMPLEMENT_COND": 1e300},
+    "free-side-only": {"_GATHER_FROM": 1, "_MAX_COMPLEMENT_COND": 0},
 }
 
 
