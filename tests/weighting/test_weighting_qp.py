@@ -277,3 +277,29 @@ def test_dual_cone_weightings_without_ridge_on_singular_gramians(name: str, stru
     assert torch.isfinite(w).all()
     assert (w >= 1 / 12 - 1e-12).all()
     assert (G @ w >= -1e-10 * G.trace()).all()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_complement_side_matches_brute_force(monkeypatch: pytest.MonkeyPatch, seed: int) -> None:
+    # Centred rows (every pair of gradients conflicts): nearly every variable is free at the
+    # solution, so the face systems go through K⁻¹ and the few fixed ones (NOTE [complement
+    # side]), with the default condition-number gate.
+    m = 9
+    generator = torch.Generator().manual_seed(seed)
+    J = torch.eye(m, dtype=torch.float64) - 1.0 / m
+    J = J + 0.05 * torch.randn(m, m, generator=generator, dtype=torch.float64)
+    H = J @ J.T / (J @ J.T).trace() + 1e-4 * torch.eye(m, dtype=torch.float64)
+    monkeypatch.setattr(qp, "_GATHER_FROM", 1)
+    sizes: list[int] = []
+    complement = qp._solve_by_complement
+
+    def spy(K: Tensor, inverse: Tensor, free: Tensor, b: Tensor, p: int) -> tuple[Tensor, Tensor]:
+        sizes.append(p)
+        return complement(K, inverse, free, b, p)
+
+    monkeypatch.setattr(qp, "_solve_by_complement", spy)
+    x = solve_nonneg_qp(H, H)
+    assert sizes and min(sizes) <= 1  # The complement side ran, with |A| = 1 (or 0).
+    expected = torch.stack([brute_force_nonneg_qp(H, row) for row in H])
+    assert_close(x, expected, rtol=1e-12, atol=1e-13)
+    assert kkt_residual(H, H, x).max() < 1e-14
