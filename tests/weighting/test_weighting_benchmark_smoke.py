@@ -53,8 +53,8 @@ def test_answers_agree_and_are_certified(quick: tuple[Path, bench.Results]) -> N
             assert row.agreement is not None and row.agreement < 1e-8, row
         if row.weighting == "mgda":
             assert row.kkt is not None and row.kkt < 1e-9, row
-            # torchjd's Frank-Wolfe objective over ours: ours is never worse.
-            assert row.agreement is not None and row.agreement >= 1 - 1e-9, row
+            # torchjd's Frank-Wolfe objective less ours, over tr(G): ours is never worse.
+            assert row.agreement is not None and row.agreement >= -1e-12, row
     assert any(row.note for row in results.rows if row.weighting == "pcgrad")
 
 

@@ -101,3 +101,18 @@ def test_warm_start_keeps_no_autograd_graph() -> None:
     G = make_gramian(6, "conflicting").requires_grad_()
     weighting.upgrad(G, state=state)
     assert state._solution is not None and not state._solution.requires_grad
+
+
+def test_a_poor_warm_start_is_not_used() -> None:
+    # Per problem, the stored solution is the start only where it is closer to the new solution
+    # than zero is (smaller KKT violations, NOTE [KKT certificate]).
+    from torchgram.weighting._dual_cone import normalize_and_regularize
+    from torchgram.weighting._nonneg import _better_start, solve_nonneg
+
+    H = normalize_and_regularize(make_gramian(10, "conflicting", seed=6), 1e-4, 1e-4)
+    solution = solve_nonneg(H, H).x
+    far = torch.full_like(solution, 100.0)
+    x0 = torch.cat([solution[:5], far[5:]])
+    start, free = _better_start(H, H, x0)
+    assert torch.equal(start[:5], solution[:5]) and torch.equal(free[:5], solution[:5] > 0)
+    assert (start[5:] == 0).all() and torch.equal(free[5:], H[5:] < 0)
