@@ -1,8 +1,14 @@
-"""The one dense oracle: ``torch.func.jacrev``, flattened, ``J @ J.T``.
+"""The one dense oracle: ``torch.func.jacrev(..., chunk_size=1)``, flattened, ``J @ J.T``.
 
 Slow and memory-hungry on purpose: it builds the full Jacobian ``[m, P]`` of the
 flattened output with respect to every floating tensor leaf of the differentiated
 arguments, and contracts it. Every backend is checked against it.
+
+The rows come from one plain backward per row (``chunk_size=1`` is a loop of vjps, never
+``vmap``): a batching rule of torch can be wrong where the op's plain backward is right
+(torch 2.13: the backward of ``torch.cdist``, see ``tests/fuzz/FINDINGS.md``), and the
+backends use ``vmap`` everywhere, so an oracle that vmapped over its backward passes could
+agree with a wrong backend. It still composes with ``torch.func`` transforms around it.
 """
 
 from __future__ import annotations
@@ -60,7 +66,8 @@ def dense_gramian(f: Callable[..., Any], args: Sequence[Any],
 
     leaves = [flat[n][0][j].detach() for n, j in positions]
     output = f(*rebuild(leaves))
-    per_leaf = torch.func.jacrev(flat_output, argnums=tuple(range(len(leaves))))(*leaves)
+    per_leaf = torch.func.jacrev(flat_output, argnums=tuple(range(len(leaves))),
+                              chunk_size=1)(*leaves)
     num_rows = per_leaf[0].shape[0]
     columns = [jac.reshape(num_rows, -1) for jac in per_leaf]
     blocks = [c @ c.T for c in columns]
