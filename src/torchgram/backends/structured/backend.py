@@ -15,7 +15,9 @@ on the rules. ``torchgram.explain`` shows what happens to each leaf.
 
 # NOTE [structured options]
 * ``chunk_size``: backward directions per vectorized pass (``chunk_size // B`` of the ``K``
-  rows per sample with ``batch_dim``; ``1``: loops without ``vmap``).
+  rows per sample with ``batch_dim``; ``1``: loops without ``vmap``). Where ``vmap`` cannot
+  batch an op of ``f`` (e.g. ``torch.lstm_cell``), the call is redone with loops (NOTE
+  [vmap or loop]).
 * ``memory_budget``: a leaf whose materialized Jacobian would exceed it is contracted in
   ghost form when its uses allow, and the rows per backward are sized to fit. The per-row
   Jacobians of fallback leaves and the kept factors are not split: for a hard bound on
@@ -50,6 +52,7 @@ from torchgram._core.problem import Problem
 from torchgram._core.result import BackendResult, Pullback, RunReport
 from torchgram._core.sink import LeafBlocks, backend_index
 from torchgram.backends._registry import register
+from torchgram.backends._vmap_or_loop import vmap_or_loop
 from torchgram.backends.structured.contraction import Contraction, to_row_major
 from torchgram.backends.structured.cost import Force, LeafPlan, Sizes, plan_leaves
 from torchgram.backends.structured.passes import (
@@ -148,24 +151,33 @@ def run_structured(problem: Problem, plan: StructuredPlan | None = None, *,
     ``forward``: for dense rows, a tapped forward already run (by ``auto``'s planning).
     ``force`` is passed to :func:`plan_problem` (tests use it to exercise every way).
     """
-    with torch.enable_grad():
-        if problem.batch is None:
-            forward = dense_forward(problem) if forward is None else forward
-            if plan is None or force is not None or plan.recording is not forward.recording:
-                plan = plan_problem(problem, forward.recording, force=force)
-            rows = forward.detached_rows().reshape(-1)
-        else:
-            forward, plan = _per_sample(problem, plan, force)
-            rows = _row_major_rows(problem, forward)
-        return _contract(problem, forward, plan, rows)
+    given = [forward]  # a forward already run serves the first attempt only
+
+    def run(loop: bool) -> BackendResult:
+        forward, = given
+        given[0] = None
+        with torch.enable_grad():
+            if problem.batch is None:
+                forward = dense_forward(problem) if forward is None else forward
+                the_plan = plan
+                if plan is None or force is not None or plan.recording is not forward.recording:
+                    the_plan = plan_problem(problem, forward.recording, force=force)
+                assert the_plan is not None
+                rows = forward.detached_rows().reshape(-1)
+            else:
+                forward, the_plan = _per_sample(problem, plan, force, loop=loop)
+                rows = _row_major_rows(problem, forward)
+            return _contract(problem, forward, the_plan, rows, loop=loop)
+
+    # vmap (per-sample forward, batched backwards) first; loops where it cannot batch an op
+    return vmap_or_loop(run, loop=problem.chunk_size == 1)
 
 
-def _per_sample_forward(problem: Problem, traced: Recording) -> Forward:
+def _per_sample_forward(problem: Problem, traced: Recording, *, loop: bool) -> Forward:
     """The batched way if possible, else vmap (or a loop); all-fallback if the run diverges."""
     fallback = sorted(traced.unrecognised)
     tapped = [i for i in range(len(problem.leaves)) if i not in set(fallback)]
     expected = restrict(traced, tapped)
-    loop = problem.chunk_size == 1
     try:
         if not fallback:
             forward = batched_forward(problem, expected)
@@ -178,10 +190,10 @@ def _per_sample_forward(problem: Problem, traced: Recording) -> Forward:
         return per_sample_forward(problem, restrict(traced, []), everything, loop=loop)
 
 
-def _per_sample(problem: Problem, plan: StructuredPlan | None,
-                force: Force | None) -> tuple[Forward, StructuredPlan]:
+def _per_sample(problem: Problem, plan: StructuredPlan | None, force: Force | None, *,
+                loop: bool) -> tuple[Forward, StructuredPlan]:
     traced = plan.recording if plan is not None else trace(problem)
-    forward = _per_sample_forward(problem, traced)
+    forward = _per_sample_forward(problem, traced, loop=loop)
     if len(forward.carrier_leaves) > len(traced.unrecognised):  # the run diverged
         traced = Recording(unrecognised={i: ["(a run that left its trace)"]
                                          for i in range(len(problem.leaves))})
@@ -200,8 +212,8 @@ def _row_major_rows(problem: Problem, forward: Forward) -> Tensor:
     return rows if index is None else rows[index]
 
 
-def _contract(problem: Problem, forward: Forward, plan: StructuredPlan,
-              rows: Tensor) -> BackendResult:
+def _contract(problem: Problem, forward: Forward, plan: StructuredPlan, rows: Tensor, *,
+              loop: bool) -> BackendResult:
     samples, rows_per_sample = forward.samples, forward.rows_per_sample
     report = RunReport("structured", forward.kind,
                        leaf_ways=tuple(leaf.way for leaf in plan.leaves))
@@ -209,9 +221,9 @@ def _contract(problem: Problem, forward: Forward, plan: StructuredPlan,
                               [leaf.numel() for leaf in problem.leaves], samples,
                               rows_per_sample, problem.diagonal, keep=problem.want_pullback)
     contraction.set_acts(forward.acts)
-    per_pass = rows_per_pass(problem, forward)
-    for start, stop, tap_cots, carrier_grads in backward_chunks(
-            forward, per_pass, vectorize=problem.chunk_size != 1):
+    per_pass = 1 if loop else rows_per_pass(problem, forward)
+    for start, stop, tap_cots, carrier_grads in backward_chunks(forward, per_pass,
+                                                                vectorize=not loop):
         report.row_chunks.append((stop - start, sum(
             t.numel() * t.element_size() for t in [*tap_cots, *carrier_grads.values()]
             if t is not None)))

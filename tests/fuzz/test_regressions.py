@@ -1,0 +1,36 @@
+"""Every failure the fuzzer found and shrank, as a named test (``FINDINGS.md`` tells each story).
+
+Each test is the falsifying example hypothesis printed, pasted as it is (``FuzzCase`` reprs
+are Python), run on the backends it failed on and on the others, through the same property
+as the fuzzer (``fuzz_check.check``).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from fuzz_arch import (
+    Attention,
+    Features,
+    FuzzCase,
+    Head,
+    RnnCell,
+)
+from fuzz_check import check
+
+BACKENDS = ["jacobian", "ntvp", "graph", "structured", "auto"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_lstm_cell_without_batching_rule_loops_on_structured_per_sample_path(
+        backend: str) -> None:
+    """``torch.lstm_cell`` has no batching rule: structured's per-sample vmap raised it raw."""
+    case = FuzzCase(
+        seed=967, batch=2, length=2, input=Features(width=4, flat=False),
+        layers=(RnnCell(hidden=2, kind="lstm", bias=False, frozen=False),
+                Attention(heads=1, form="mha", causal=False, bias=True, frozen=False)),
+        head=Head(kind="feat", classes=2), dtype="float64", batch_dim=0, output_dim=0,
+        input_dim=1, as_module=False, input_via="positional", mixed_dtypes=False,
+        layout="nested", consts_via="closure", params_at="first", extra_leaves=False,
+        has_aux=True, diagonal=True, per_leaf=True, chunk_size=None, memory_budget=None)
+    assert check(case, backend) == "answered"
