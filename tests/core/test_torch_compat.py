@@ -143,3 +143,22 @@ def test_transpose_getters_are_seen_by_a_function_mode() -> None:
     assert [compat.is_transpose_getter(func) for func in seen] == [True, True, False, False]
     assert compat.getter_name(seen[0]) == "Tensor.T"
     assert compat.getter_name(seen[2]) is None
+
+
+def test_cdist_batching_rule_is_still_wrong_for_a_batched_cotangent_only() -> None:
+    """NOTE [wrong batching rules]: if this fails, torch fixed the rule; drop the entry."""
+    h = torch.randn(6, 4, dtype=torch.float64)
+    anchors = torch.randn(5, 4, dtype=torch.float64)
+    _, vjp_fn = torch.func.vjp(lambda h: torch.cdist(h, anchors), h)
+    cotangents = torch.randn(3, 6, 5, dtype=torch.float64)
+    looped = torch.stack([vjp_fn(c)[0] for c in cotangents])
+    vmapped = torch.func.vmap(vjp_fn)(cotangents)[0]
+    assert not torch.allclose(vmapped, looped)
+    per_sample = torch.func.vmap(  # inputs batched too: right
+        lambda h, c: torch.func.vjp(lambda h: torch.cdist(h, anchors), h)[1](c)[0])(
+        h.expand(3, 6, 4), cotangents)
+    torch.testing.assert_close(per_sample, looped)
+    node = torch.cdist(h.requires_grad_(), anchors).grad_fn
+    assert compat.node_has_wrong_batching_rule(node)
+    assert compat.has_wrong_batched_backward(torch.cdist) == "cdist"
+    assert not compat.node_has_wrong_batching_rule((h * 2).grad_fn)

@@ -110,6 +110,15 @@ class Elementwise:
 
 
 @dataclass(frozen=True)
+class Distance:
+    """Distances to learned anchors: ``torch.cdist(h, A)``, ``A`` of shape ``[anchors, D]``."""
+
+    anchors: int = 2
+    p: float = 2.0
+    frozen: bool = False
+
+
+@dataclass(frozen=True)
 class Buffer:
     """A constant broadcast along the batch: ``[D]`` (feature) or ``[1, T, D]`` (token)."""
 
@@ -150,8 +159,8 @@ class FusedRnn:
     kind: Literal["gru", "lstm"] = "gru"
 
 
-Layer = (Linear | Conv1d | Attention | RnnCell | Norm | Elementwise | Buffer | Activation
-         | TiedOut | Center | Dropout | FusedRnn)
+Layer = (Linear | Conv1d | Attention | RnnCell | Norm | Elementwise | Distance | Buffer
+         | Activation | TiedOut | Center | Dropout | FusedRnn)
 
 
 @dataclass(frozen=True)
@@ -325,6 +334,9 @@ def walk_shapes(case_input: Features | Tokens, length: int,
                 add(_Param(i, "factor", (2, d), layer.frozen))
             else:
                 add(_Param(i, "gate", (d,), layer.frozen))
+        elif isinstance(layer, Distance):
+            add(_Param(i, "anchors", (layer.anchors, d), layer.frozen))
+            shapes.width = layer.anchors
         elif isinstance(layer, Buffer):
             shape = (d,) if layer.shape == "feature" else (1, shapes.length, d)
             add(_Param(i, "buffer", shape, True, "positive" if layer.op == "mul" else "weight"))
@@ -421,6 +433,8 @@ def _layer(case: FuzzCase, i: int, layer: Layer, h: Tensor, get: Get) -> Tensor:
             return h * get(i, "scale")[1:-1]
         factor = get(i, "factor")
         return h + 0.5 * h @ (factor.T @ factor)
+    if isinstance(layer, Distance):
+        return torch.cdist(h, get(i, "anchors"), p=layer.p)
     if isinstance(layer, Buffer):
         buffer = get(i, "buffer")
         return h + buffer if layer.op == "add" else h * buffer

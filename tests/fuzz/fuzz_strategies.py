@@ -28,6 +28,7 @@ from fuzz_arch import (
     Buffer,
     Center,
     Conv1d,
+    Distance,
     Dropout,
     Elementwise,
     Features,
@@ -101,8 +102,8 @@ def _divisors(n: int) -> list[int]:
 @st.composite
 def _layer(draw: st.DrawFn, backend: str, width: int, length: int, tokens: Tokens | None,
            linears: dict[int, tuple[int, int]], batch: int, declared: bool) -> Layer:
-    kinds = ["linear", "linear", "conv", "attention", "rnn", "elementwise", "buffer",
-             "activation", "activation"]
+    kinds = ["linear", "linear", "conv", "attention", "rnn", "elementwise", "distance",
+             "buffer", "activation", "activation"]
     if width > 1:  # a norm over one value is constant, its float32 gradient only round-off
         kinds.append("norm")
     if tokens is not None and width == tokens.width and (
@@ -168,6 +169,8 @@ def _layer(draw: st.DrawFn, backend: str, width: int, length: int, tokens: Token
     if kind == "elementwise":
         return Elementwise(kind=draw(st.sampled_from(["scale_shift", "square_gate", "exp",
                                                       "slice", "gram"])), frozen=frozen)
+    if kind == "distance":  # p = 2 only: other p are not smooth where two points meet
+        return Distance(anchors=draw(st.integers(1, 3)), frozen=frozen)
     if kind == "buffer":
         return Buffer(shape=draw(st.sampled_from(["feature", "token"])),
                       op=draw(st.sampled_from(["add", "mul"])),

@@ -10,10 +10,13 @@ from __future__ import annotations
 import pytest
 
 from fuzz_arch import (
+    Activation,
     Attention,
+    Distance,
     Features,
     FuzzCase,
     Head,
+    Linear,
     RnnCell,
 )
 from fuzz_check import check
@@ -34,3 +37,16 @@ def test_lstm_cell_without_batching_rule_loops_on_structured_per_sample_path(
         layout="nested", consts_via="closure", params_at="first", extra_leaves=False,
         has_aux=True, diagonal=True, per_leaf=True, chunk_size=None, memory_budget=None)
     assert check(case, backend) == "answered"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("batch_dim", [None, 0])
+def test_cdist_whose_batched_backward_is_wrong_never_runs_under_vmap(
+        backend: str, batch_dim: int | None) -> None:
+    """``torch.cdist``'s batching rule: jacobian, graph and auto returned rel. error ~1."""
+    case = FuzzCase(
+        seed=3, batch=3, length=2, input=Features(width=3),
+        layers=(Linear(out=4), Activation("tanh"), Distance(anchors=3)),
+        head=Head(kind="feat"), dtype="float64", batch_dim=batch_dim, output_dim=0)
+    outcome = check(case, backend)
+    assert outcome == "answered" or backend == "ntvp"  # cdist has no forward-mode AD

@@ -14,7 +14,8 @@ internals directly.
 * error messages torch raises that mean something precise: an op or a custom Function
   without forward-mode AD, a graph freed by an earlier backward;
 * ``Tensor.T`` / ``Tensor.mT`` as seen by a ``TorchFunctionMode`` (the getter's descriptor as
-  ``func.__self__``).
+  ``func.__self__``);
+* batching rules of torch that give wrong values (NOTE [wrong batching rules]).
 """
 
 from __future__ import annotations
@@ -151,3 +152,36 @@ def getter_name(func: Any) -> str | None:
     if owner is not None and type(owner).__name__ == "getset_descriptor":
         return f"Tensor.{owner.__name__}"
     return None
+
+
+# -- batching rules that give wrong values ------------------------------------------------------
+
+# NOTE [wrong batching rules]
+# A batching rule can be wrong where the op's plain backward is right. torch 2.13's rule for
+# the backward of torch.cdist (aten::_cdist_backward) is: when only the cotangent is batched
+# -- vmap over the vjps of rows, the very thing a Jacobian does -- it returns values that
+# are neither the rows' gradients nor their sum (relative error ~1; the fuzzer found it,
+# tests/fuzz/FINDINGS.md). When the inputs are batched too (vmap over samples) it is right.
+# Nothing can tell such a result from a right one, so the functions and autograd nodes
+# listed here are never run with vmap over their backward: a function that calls one runs
+# its vjps as loops (backends._vmap_or_loop), a graph walk calls such a node row by row.
+# tests/core/test_torch_compat.py checks each entry is still wrong in the installed torch.
+
+_WRONG_BATCHED_BACKWARD = {"cdist": "CdistBackward0"}
+"""Torch function name -> the autograd node of its backward, whose batching rule is wrong."""
+
+
+def has_wrong_batched_backward(func: Any) -> str | None:
+    """The name of ``func`` if its backward's batching rule is wrong (a mode's ``func``).
+
+    Example:
+        >>> has_wrong_batched_backward(torch.cdist), has_wrong_batched_backward(torch.mm)
+        ('cdist', None)
+    """
+    name = getattr(func, "__name__", None)
+    return name if name in _WRONG_BATCHED_BACKWARD else None
+
+
+def node_has_wrong_batching_rule(node: Node) -> bool:
+    """Whether calling ``node`` under ``vmap`` over its cotangents gives wrong values."""
+    return type(node).__name__ in _WRONG_BATCHED_BACKWARD.values()

@@ -169,8 +169,10 @@ def run_structured(problem: Problem, plan: StructuredPlan | None = None, *,
                 rows = _row_major_rows(problem, forward)
             return _contract(problem, forward, the_plan, rows, loop=loop)
 
-    # vmap (per-sample forward, batched backwards) first; loops where it cannot batch an op
-    return vmap_or_loop(run, loop=problem.chunk_size == 1)
+    # vmap (per-sample forward, batched backwards) first; loops where it cannot batch an op.
+    # Its backwards batch the cotangents of the taps (is_grads_batched) on a forward that
+    # vmap either batched whole or did not run: not the pattern of NOTE [wrong batching rules]
+    return vmap_or_loop(run, loop=problem.chunk_size == 1, batched_backward=False)
 
 
 def _per_sample_forward(problem: Problem, traced: Recording, *, loop: bool) -> Forward:
