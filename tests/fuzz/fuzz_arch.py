@@ -225,6 +225,11 @@ class FuzzCase:
     chunk_size: int | None = None
     memory_budget: int | None = None
     repeat: Literal["none", "values", "skip_last"] = "none"
+    head_extra: Literal["none", "expand", "constant"] = "none"
+    requires_grad: bool = False
+    noncontiguous: bool = False
+    alias_tied: bool = False
+    grad_mode: Literal["enabled", "no_grad"] = "enabled"
 
 
 # -- parameters ------------------------------------------------------------------------------
@@ -381,10 +386,21 @@ def _owner(case: FuzzCase, i: int) -> int:
     return layer.tie if isinstance(layer, Linear) and layer.tie is not None else i
 
 
+def _weight(case: FuzzCase, i: int, get: Get) -> Tensor:
+    """Layer ``i``'s weight: under its own name where the case aliases tied weights."""
+    owner = _owner(case, i)
+    if owner != i and case.alias_tied and not case.as_module:
+        try:
+            return get(i, "weight")
+        except KeyError:  # the tied weight is frozen: no alias
+            pass
+    return get(owner, "weight")
+
+
 def _layer(case: FuzzCase, i: int, layer: Layer, h: Tensor, get: Get) -> Tensor:
     if isinstance(layer, Linear):
         owner = _owner(case, i)
-        w = get(owner, "weight")
+        w = _weight(case, i, get)
         if layer.transposed:
             w = w.T
             b = get(i, "bias") if layer.bias else None
@@ -625,7 +641,11 @@ def build(case: FuzzCase, dtype: torch.dtype | None = None) -> Built:
     values = {k: v.to(dtype) for k, v in _values(params, generator).items()}
     if case.mixed_dtypes:  # a float64 gain on the output beside the other leaves
         values[(-3, "gain")] = values[(-3, "gain")].double()
+    if case.noncontiguous:  # matrices as transposed views: same values, other strides
+        values = {k: v.T.contiguous().T if v.dim() == 2 else v for k, v in values.items()}
     frozen = {(p.layer, p.name) for p in params if p.frozen}
+    if case.requires_grad:  # leaves the caller's own autograd tracks
+        values = {k: v.requires_grad_() if k not in frozen else v for k, v in values.items()}
     buffers = {(p.layer, p.name): case.layers[p.layer] for p in params
                if p.layer >= 0 and isinstance(case.layers[p.layer], Buffer)}
     length = case.length
@@ -647,19 +667,26 @@ def build(case: FuzzCase, dtype: torch.dtype | None = None) -> Built:
     elif case.head.kind == "token_ce":
         labels = torch.randint(0, shapes.width, (case.batch, shapes.length), generator=generator)
     x = x.movedim(0, case.input_dim)
+    if case.requires_grad and x.is_floating_point():
+        x.requires_grad_()
     if case.as_module:
         return _build_module(case, values, frozen, buffers, x, labels)
     return _build_function(case, values, frozen, buffers, x, labels)
 
 
 def _finish(case: FuzzCase, out: Any, aux_source: Tensor) -> Any:
-    """Move the batch to ``output_dim`` in every output leaf; add aux."""
+    """Add ``head_extra``, move the batch to ``output_dim`` in every output leaf; add aux."""
     def move(t: Tensor) -> Tensor:
         return t.movedim(0, case.output_dim % t.dim())
 
-    out = move(out) if isinstance(out, Tensor) else \
-        type(out)(move(t) for t in out) if isinstance(out, tuple) else \
-        {k: move(v) for k, v in out.items()}
+    if case.head_extra == "expand" and isinstance(out, Tensor):  # rows repeated, stride 0
+        out = out[..., None].expand(*out.shape, 2)
+    elif case.head_extra == "constant":  # rows that depend on no parameter
+        dtype = optree.tree_leaves(out)[0].dtype
+        const = aux_source.detach().reshape(aux_source.shape[0], -1).sum(1).to(dtype)
+        out = {"out": out, "const": const}
+
+    out = optree.tree_map(move, out)
     if case.has_aux:
         return out, {"hidden": aux_source.detach(), "tag": "aux"}
     return out
@@ -704,6 +731,11 @@ def _build_function(case: FuzzCase, values: dict[tuple[int, str], Tensor],
                     frozen: set[tuple[int, str]], buffers: dict[tuple[int, str], Layer],
                     x: Tensor, labels: Tensor | None) -> Built:
     trainable = {k: v for k, v in values.items() if k not in frozen}
+    if case.alias_tied:  # a tied weight under each of its names: one tensor, two leaves
+        for i, layer in enumerate(case.layers):
+            if isinstance(layer, Linear) and layer.tie is not None \
+                    and (layer.tie, "weight") in trainable:
+                trainable[(i, "weight")] = trainable[(layer.tie, "weight")]
     consts = {k: v for k, v in values.items() if k in frozen and k not in buffers}
     via = {k: layer.via for k, layer in buffers.items() if isinstance(layer, Buffer)}
     closure_buffers = {k: v for k, v in values.items() if via.get(k) == "closure"}
@@ -812,9 +844,9 @@ class FuzzModule(nn.Module):
                 holder = owners[owner] = _Holder()
                 self.add_module(owner, holder)
             if (layer, name) in buffers or name.startswith("running_"):
-                holder.register_buffer(name, value.clone())
+                holder.register_buffer(name, value.detach().clone())
             else:
-                holder.register_parameter(name, nn.Parameter(value.clone(),
+                holder.register_parameter(name, nn.Parameter(value.detach().clone(),
                                                              requires_grad=(layer, name)
                                                              not in frozen))
 

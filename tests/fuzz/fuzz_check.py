@@ -117,9 +117,11 @@ def oracle(case: FuzzCase, *, repeated: bool = False) -> Dense | None:
     return dense_gramian(g, args, argnums)
 
 
-def run(built: Built, backend: str) -> Any:
-    """``tg.gramian(f, backend=backend, **options)(*args, **kwargs)``."""
-    return tg.gramian(built.f, backend=backend, **built.options)(*built.args, **built.kwargs)
+def run(built: Built, backend: str, *, no_grad: bool = False) -> Any:
+    """``tg.gramian(f, backend=backend, **options)(*args, **kwargs)`` (under ``no_grad``)."""
+    with torch.set_grad_enabled(not no_grad):
+        return tg.gramian(built.f, backend=backend, **built.options)(*built.args,
+                                                                     **built.kwargs)
 
 
 def assert_close(actual: Tensor, expected: Tensor, dtype: torch.dtype, what: str) -> None:
@@ -155,7 +157,7 @@ def _call(case: FuzzCase, built: Built, backend: str, expected: Dense | None) ->
     torch.manual_seed(case.seed)  # random ops: the oracle and the call see the same draw
     snapshot = Snapshot.take(built.args, built.kwargs, built.module)
     try:
-        result = run(built, backend)
+        result = run(built, backend, no_grad=case.grad_mode == "no_grad")
     except Exception as error:  # noqa: BLE001 -- the property is about which errors escape
         snapshot.assert_unchanged(built.module)
         if not str(error).startswith("torchgram."):

@@ -225,7 +225,11 @@ def cases(draw: st.DrawFn, backend: str) -> FuzzCase:
     if rows > MAX_ROWS:
         head = Head(kind="sq_mean")
     ndim = {"sq_mean": 1, "ce": 1, "token_ce": 1, "feat": 2, "seq": 3}.get(head.kind, 2)
-    if head.kind in ("dict", "tuple"):
+    head_extra = draw(st.sampled_from(["none", "none", "none", "expand", "constant"]))
+    if head_extra == "expand" and head.kind in ("dict", "tuple") or rows * 2 > MAX_ROWS:
+        head_extra = "none"
+    ndim += head_extra == "expand"
+    if head.kind in ("dict", "tuple") or head_extra == "constant":
         output_dim = draw(st.sampled_from([0, -1]))
     else:
         output_dim = draw(st.integers(-ndim, ndim - 1))
@@ -253,7 +257,7 @@ def cases(draw: st.DrawFn, backend: str) -> FuzzCase:
         dtype=draw(st.sampled_from(["float32", "float64"])),
         batch_dim=output_dim if declared else None,
         output_dim=output_dim,
-        input_dim=draw(st.integers(0, input_ndim - 1)),
+        input_dim=draw(st.integers(-input_ndim, input_ndim - 1)),
         as_module=as_module,
         input_via=input_via,  # type: ignore[arg-type]
         mixed_dtypes=not known_issue("mixed_dtypes", backend) and draw(st.booleans()),
@@ -269,4 +273,9 @@ def cases(draw: st.DrawFn, backend: str) -> FuzzCase:
         chunk_size=draw(st.sampled_from([None, None, 1, 2, 3, 5])),
         memory_budget=draw(st.sampled_from([None, None, None, 8, 64, 512, 4096])),
         repeat=repeat,  # type: ignore[arg-type]
+        head_extra=head_extra,  # type: ignore[arg-type]
+        requires_grad=draw(st.integers(0, 4)) == 0,
+        noncontiguous=draw(st.integers(0, 3)) == 0,
+        alias_tied=not as_module and draw(st.booleans()),
+        grad_mode=draw(st.sampled_from(["enabled", "enabled", "enabled", "no_grad"])),
     )
