@@ -60,14 +60,15 @@ def dense_gramian(f: Callable[..., Any], args: Sequence[Any],
             rebuilt[n] = optree.tree_unflatten(flat[n][1], per_arg[n])
         return rebuilt
 
-    def flat_output(*values: Tensor) -> Tensor:
+    def flat_output(*values: Tensor) -> tuple[Tensor, Any]:
         out = f(*rebuild(values))
-        return torch.cat([leaf.reshape(-1) for leaf in optree.tree_leaves(out)])
+        flat_out = torch.cat([leaf.reshape(-1) for leaf in optree.tree_leaves(out)])
+        return flat_out, optree.tree_map(lambda t: t.detach(), out)
 
     leaves = [flat[n][0][j].detach() for n, j in positions]
-    output = f(*rebuild(leaves))
-    per_leaf = torch.func.jacrev(flat_output, argnums=tuple(range(len(leaves))),
-                              chunk_size=1)(*leaves)
+    # one evaluation of f: with random ops, the Jacobian of the draw one plain call sees
+    per_leaf, output = torch.func.jacrev(flat_output, argnums=tuple(range(len(leaves))),
+                                         has_aux=True, chunk_size=1)(*leaves)
     num_rows = per_leaf[0].shape[0]
     columns = [jac.reshape(num_rows, -1) for jac in per_leaf]
     blocks = [c @ c.T for c in columns]

@@ -124,14 +124,20 @@ def run(built: Built, backend: str, *, no_grad: bool = False) -> Any:
                                                                      **built.kwargs)
 
 
-def assert_close(actual: Tensor, expected: Tensor, dtype: torch.dtype, what: str) -> None:
-    """Agreement relative to the largest entry of ``expected`` (the oracle, float64)."""
+def assert_close(actual: Tensor, expected: Tensor, dtype: torch.dtype, what: str, *,
+                 precision: torch.dtype | None = None) -> None:
+    """Agreement relative to the largest entry of ``expected`` (the oracle, float64).
+
+    ``precision``: the dtype the computation ran in (default ``dtype``) sets the tolerance.
+    """
+    precision = precision or dtype
     assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
     assert actual.dtype == dtype, f"{what}: dtype {actual.dtype}, expected {dtype}"
     scale = max(expected.abs().max().item() if expected.numel() else 0.0, 1e-2)
     error = (actual.double() - expected).abs().max().item() / scale if actual.numel() else 0.0
-    assert math.isfinite(error) and error <= TOLERANCE[dtype], \
-        f"{what}: relative error {error:.3g} > {TOLERANCE[dtype]:g}"
+    tolerance = TOLERANCE[precision]
+    assert math.isfinite(error) and error <= tolerance, \
+        f"{what}: relative error {error:.3g} > {tolerance:g}"
 
 
 def check(case: FuzzCase, backend: str) -> str:
@@ -191,7 +197,8 @@ def _compare(case: FuzzCase, built: Built, result: Any, expected: Dense) -> None
         assert isinstance(aux["hidden"], Tensor) and not aux["hidden"].requires_grad
     if not case.per_leaf:
         assert isinstance(result, Tensor), f"expected a tensor, got {type(result).__name__}"
-        assert_close(result, expected.shaped(diagonal=case.diagonal), dtype, "G")
+        assert_close(result, expected.shaped(diagonal=case.diagonal), dtype, "G",
+                     precision=getattr(torch, case.dtype))
         return
     if case.params_at == "split":
         assert isinstance(result, tuple) and len(result) == 2, "per_leaf with argnums tuple"
@@ -199,7 +206,8 @@ def _compare(case: FuzzCase, built: Built, result: Any, expected: Dense) -> None
     assert len(blocks) == len(expected.blocks), \
         f"per_leaf: {len(blocks)} blocks, expected {len(expected.blocks)}"
     for i, (block, want) in enumerate(zip(blocks, expected.blocks, strict=True)):
-        assert_close(block, expected.shaped(want, diagonal=case.diagonal), dtype, f"block {i}")
+        assert_close(block, expected.shaped(want, diagonal=case.diagonal), dtype, f"block {i}",
+                     precision=getattr(torch, case.dtype))
 
 
 def _output_dtype(case: FuzzCase) -> torch.dtype:
