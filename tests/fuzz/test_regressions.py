@@ -14,6 +14,7 @@ from fuzz_arch import (
     Attention,
     Distance,
     Features,
+    FusedRnn,
     FuzzCase,
     Head,
     Linear,
@@ -50,3 +51,18 @@ def test_cdist_whose_batched_backward_is_wrong_never_runs_under_vmap(
         head=Head(kind="feat"), dtype="float64", batch_dim=batch_dim, output_dim=0)
     outcome = check(case, backend)
     assert outcome == "answered" or backend == "ntvp"  # cdist has no forward-mode AD
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("batch_dim", [None, 0])
+def test_fused_lstm_under_no_grad(backend: str, batch_dim: int | None) -> None:
+    """torch.lstm's backward reads the global grad mode: jacobian and auto raised raw."""
+    case = FuzzCase(
+        seed=0, batch=2, length=1, input=Features(width=3),
+        layers=(FusedRnn(hidden=3, kind="lstm"), FusedRnn(hidden=1, kind="gru"),
+                Linear(out=2, bias=False, frozen=True)),
+        head=Head(kind="sq_mean"), dtype="float32", batch_dim=batch_dim, input_dim=2,
+        input_via="positional", params_at="last", requires_grad=True, noncontiguous=True,
+        grad_mode="no_grad")
+    outcome = check(case, backend)
+    assert outcome == "answered" or backend == "ntvp"  # torch.lstm has no forward-mode AD
