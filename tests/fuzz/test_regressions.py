@@ -66,3 +66,16 @@ def test_fused_lstm_under_no_grad(backend: str, batch_dim: int | None) -> None:
         grad_mode="no_grad")
     outcome = check(case, backend)
     assert outcome == "answered" or backend == "ntvp"  # torch.lstm has no forward-mode AD
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_output_without_leaves_but_inputs_that_require_grad(backend: str) -> None:
+    """The second call skips the only layer: rows require grad through x alone; structured
+    asked autograd for the gradients of no tensor and raised raw."""
+    case = FuzzCase(
+        seed=143, batch=4, length=2, input=Features(width=3),
+        layers=(RnnCell(hidden=4, kind="lstm", bias=False),), head=Head(kind="feat"),
+        dtype="float32", output_dim=-1, input_dim=-3, layout="list", extra_leaves=True,
+        diagonal=True, per_leaf=True, chunk_size=3, repeat="skip_last", head_extra="constant",
+        requires_grad=True, alias_tied=True)
+    assert check(case, backend) == "answered"

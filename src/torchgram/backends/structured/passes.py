@@ -354,9 +354,9 @@ def backward_chunks(forward: Forward, per_pass: int, *,
         yield from _looped_chunks(forward)
         return
     rows = forward.outputs[0]
-    if not rows.requires_grad:
-        return
     inputs = [*forward.taps[0], *forward.carriers[0]]
+    if not rows.requires_grad or not inputs:  # f uses no leaf (its inputs may require grad)
+        return
     num_taps = len(forward.taps[0])
     total = forward.rows_per_sample
     samples = forward.samples
