@@ -14,8 +14,7 @@ internals directly.
 * error messages torch raises that mean something precise: an op or a custom Function
   without forward-mode AD, a graph freed by an earlier backward;
 * ``Tensor.T`` / ``Tensor.mT`` as seen by a ``TorchFunctionMode`` (the getter's descriptor as
-  ``func.__self__``);
-* batching rules of torch that give wrong values (NOTE [wrong batching rules]).
+  ``func.__self__``).
 """
 
 from __future__ import annotations
@@ -106,6 +105,11 @@ def is_leaf_accumulator(node: Node) -> bool:
     return not node.next_functions and getattr(node, "variable", None) is not None
 
 
+def version(tensor: Tensor) -> int:
+    """The version counter of ``tensor``'s storage: it grows with every in-place write."""
+    return int(tensor._version)
+
+
 # -- error messages --------------------------------------------------------------------------
 
 _NATIVE_OP = re.compile(r"Trying to use forward AD with (\S+) that does not support it")
@@ -135,6 +139,30 @@ def is_freed_graph_error(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and _FREED in str(error)
 
 
+# -- batching rules torch gets wrong --------------------------------------------------------
+
+# NOTE [wrong batching rules]
+# torch 2.13's batching rule for the backward of torch.cdist returns wrong values: for
+# h [4, 8], torch.func.jacrev(lambda h: torch.cdist(h, a).sum(-1))(h) differs from plain
+# autograd (and from finite differences) by O(1), while jacrev(..., chunk_size=1), which
+# does not vmap the backward, is right. Every vmap over a backward through such a call would
+# give a wrong Gramian without a word, so backends compute those rows' vjps one at a time
+# (and the graph walk calls those nodes row by row). tests/core/test_torch_compat.py checks
+# that the bug is still there: when a torch release fixes it, that test fails, and the entry
+# can go.
+_WRONG_BATCHED_BACKWARD = {torch.cdist: "torch.cdist"}
+WRONG_BATCHED_NODES = frozenset({"CdistBackward0", "EuclideanDistBackward0"})
+"""Autograd node names whose backward ``vmap`` gets wrong (NOTE [wrong batching rules])."""
+
+
+def wrong_batched_backward(func: Any) -> str | None:
+    """The name of ``func`` if ``vmap`` over its backward is wrong (NOTE above), else ``None``."""
+    try:
+        return _WRONG_BATCHED_BACKWARD.get(func)
+    except TypeError:  # unhashable callables
+        return None
+
+
 # -- TorchFunctionMode -----------------------------------------------------------------------
 
 _TRANSPOSE_GETTERS = (torch.Tensor.T, torch.Tensor.mT)
@@ -152,36 +180,3 @@ def getter_name(func: Any) -> str | None:
     if owner is not None and type(owner).__name__ == "getset_descriptor":
         return f"Tensor.{owner.__name__}"
     return None
-
-
-# -- batching rules that give wrong values ------------------------------------------------------
-
-# NOTE [wrong batching rules]
-# A batching rule can be wrong where the op's plain backward is right. torch 2.13's rule for
-# the backward of torch.cdist (aten::_cdist_backward) is: when only the cotangent is batched
-# -- vmap over the vjps of rows, the very thing a Jacobian does -- it returns values that
-# are neither the rows' gradients nor their sum (relative error ~1; the fuzzer found it,
-# tests/fuzz/FINDINGS.md). When the inputs are batched too (vmap over samples) it is right.
-# Nothing can tell such a result from a right one, so the functions and autograd nodes
-# listed here are never run with vmap over their backward: a function that calls one runs
-# its vjps as loops (backends._vmap_or_loop), a graph walk calls such a node row by row.
-# tests/core/test_torch_compat.py checks each entry is still wrong in the installed torch.
-
-_WRONG_BATCHED_BACKWARD = {"cdist": "CdistBackward0"}
-"""Torch function name -> the autograd node of its backward, whose batching rule is wrong."""
-
-
-def has_wrong_batched_backward(func: Any) -> str | None:
-    """The name of ``func`` if its backward's batching rule is wrong (a mode's ``func``).
-
-    Example:
-        >>> has_wrong_batched_backward(torch.cdist), has_wrong_batched_backward(torch.mm)
-        ('cdist', None)
-    """
-    name = getattr(func, "__name__", None)
-    return name if name in _WRONG_BATCHED_BACKWARD else None
-
-
-def node_has_wrong_batching_rule(node: Node) -> bool:
-    """Whether calling ``node`` under ``vmap`` over its cotangents gives wrong values."""
-    return type(node).__name__ in _WRONG_BATCHED_BACKWARD.values()

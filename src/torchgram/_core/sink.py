@@ -38,6 +38,8 @@ class LeafBlocks:
         num_leaves: Number of differentiated leaves.
         per_leaf: Keep one block per leaf instead of their sum.
         diagonal: Contributions are diagonals (``[m]``) instead of matrices (``[m, m]``).
+        dtype: The dtype blocks are kept and summed in (the widest of the call's: a block of
+            a narrower leaf is cast before it is added). ``None``: each slot's first block's.
 
     Example:
         >>> blocks = LeafBlocks(2, per_leaf=False, diagonal=False)
@@ -48,20 +50,25 @@ class LeafBlocks:
                 [4., 4., 4.]])
     """
 
-    def __init__(self, num_leaves: int, *, per_leaf: bool, diagonal: bool) -> None:
+    def __init__(self, num_leaves: int, *, per_leaf: bool, diagonal: bool,
+                 dtype: torch.dtype | None = None) -> None:
         self.per_leaf = per_leaf
         self.diagonal = diagonal
+        self.dtype = dtype
         self._blocks: list[Tensor | None] = [None] * (num_leaves if per_leaf else 1)
         self._owned = [False] * len(self._blocks)
 
     @classmethod
     def for_problem(cls, problem: Problem) -> LeafBlocks:
         """The accumulator a call of ``problem`` needs."""
-        return cls(len(problem.leaves), per_leaf=problem.per_leaf, diagonal=problem.diagonal)
+        return cls(len(problem.leaves), per_leaf=problem.per_leaf, diagonal=problem.diagonal,
+                   dtype=problem.compute_dtype)
 
     def add(self, leaf_index: int, block: Tensor) -> None:
         """Add the Gramian (or its diagonal) of a column block of leaf ``leaf_index``'s J."""
         slot = leaf_index if self.per_leaf else 0
+        if self.dtype is not None:
+            block = block.to(self.dtype)
         current = self._blocks[slot]
         if current is None:
             self._blocks[slot] = block
@@ -78,6 +85,8 @@ class LeafBlocks:
         Column ``widths[i]`` wide slices belong to leaf ``leaf_indices[i]`` in order. When the
         blocks are summed, the whole block is contracted at once (one matmul).
         """
+        if self.dtype is not None:
+            jacobian = jacobian.to(self.dtype)
         if not self.per_leaf:
             self.add(0, gram(jacobian, self.diagonal))
             return

@@ -48,8 +48,7 @@ ops. When it raises (a ``backward`` calling ``.numpy()`` or ``.item()``, data-de
 control flow, an op without a batching rule under ``warnings`` as errors, ...), the node
 is called once per row instead, and its *type* is remembered so that later nodes of the
 same type go to the loop directly. A failure never yields partial results: the loop
-recomputes every row of the node. Nodes whose batching rule is known to give wrong values
-(NOTE [wrong batching rules]) always take the loop.
+recomputes every row of the node.
 """
 
 from __future__ import annotations
@@ -137,7 +136,7 @@ class NodeCaller:
     def _rows(self, node: Node, grads: list[Tensor | None], edges: Sequence[Edge | None],
               count: int) -> list[Tensor | None]:
         if count > 1 and self.chunk_size != 1 and type(node) not in self.loop_types \
-                and not _torch_compat.node_has_wrong_batching_rule(node):
+                and node_name(node) not in _torch_compat.WRONG_BATCHED_NODES:
             try:
                 return _vmapped(node, grads, edges)
             except Exception:  # noqa: BLE001 -- NOTE [vmap fallback]: any failure, loop instead
