@@ -820,7 +820,8 @@ def _build_function(case: FuzzCase, values: dict[tuple[int, str], Tensor],
         out = forward(case, get, xb, lab, skip_last=switch["skip_last"])
         return _finish(case, out, xb)
 
-    in_dims_value = tuple(in_dims)
+    keyword_dims = {name: case.input_dim if name == "x" else None for name in kwargs}
+    in_dims_value: tuple[Any, ...] = (*in_dims, keyword_dims) if keyword_dims else tuple(in_dims)
     return Built(f, args, kwargs, _options(case, argnums, in_dims_value), switch=switch)
 
 
