@@ -21,7 +21,9 @@ from torch import Tensor, nn
 
 import torchgram as tg
 from reference import dense_gramian
+from torchgram._core import problem as problem_module
 from torchgram._core import threads
+from torchgram._core.rng import RngState
 
 BACKENDS = ["jacobian", "ntvp", "graph", "structured", "auto"]
 THREADS = 4
@@ -228,3 +230,72 @@ def test_math_attention_is_released_on_interrupt(backend: str) -> None:
         tg.gramian(f, backend=backend, batch_dim=0)(torch.randn(3, 3), torch.randn(2, 4, 3))
     assert torch.backends.cuda.flash_sdp_enabled() == flash
     assert torch.autograd.forward_ad._current_level == -1
+
+
+_local = threading.local()
+
+
+def _unwrapped(t: Tensor) -> Tensor:
+    while torch._C._functorch.is_functorch_wrapped_tensor(t):
+        t = torch._C._functorch.get_unwrapped(t)
+    return t
+
+
+@pytest.mark.parametrize("backend", ["jacobian", "graph", "structured"])
+def test_random_functions_from_threads_each_see_one_draw(backend: str) -> None:
+    """Dropout in f, four threads: every evaluation of a call sees the same masks (the
+    generators are process-wide: NOTE [threads]), and G is the Gramian of that draw."""
+    torch.manual_seed(0)
+    params = {"w": torch.randn(5, 8, dtype=torch.float64),
+              "v": torch.randn(8, 3, dtype=torch.float64)}
+
+    def f(p: dict[str, Tensor], x: Tensor) -> Tensor:
+        d1 = F.dropout(torch.tanh(x @ p["w"]), 0.5)
+        time.sleep(1e-3)  # let other threads run between two draws
+        d2 = F.dropout(d1, 0.5)
+        _local.masks.append((_unwrapped(d1) != 0, _unwrapped(d2) != 0))
+        return d2 @ p["v"]
+
+    inputs = [torch.randn(6, 5, dtype=torch.float64) for _ in range(THREADS)]
+    failures: list[str] = []
+
+    def worker(index: int) -> None:
+        _local.masks = []
+        for call in range(8):
+            _local.masks.clear()
+            G = tg.gramian(f, backend=backend)(params, inputs[index])
+            first = _local.masks[0]
+            if any(not (torch.equal(m[0], first[0]) and torch.equal(m[1], first[1]))
+                   for m in _local.masks):
+                failures.append(f"call {call} of thread {index}: evaluations saw other draws")
+                continue
+            scale = first[0].to(torch.float64) * first[1].to(torch.float64) * 4
+
+            def masked(p: dict[str, Tensor], x: Tensor, scale: Tensor = scale) -> Tensor:
+                return (torch.tanh(x @ p["w"]) * scale) @ p["v"]
+
+            expected = dense_gramian(masked, (params, inputs[index])).shaped()
+            if not torch.allclose(G, expected, rtol=1e-10, atol=1e-12):
+                failures.append(f"call {call} of thread {index}: not that draw's Gramian")
+
+    workers = [threading.Thread(target=worker, args=(i,)) for i in range(THREADS)]
+    for thread in workers:
+        thread.start()
+    for thread in workers:
+        thread.join()
+    assert not failures, failures[:3]
+
+
+def test_a_call_of_a_function_without_random_ops_leaves_the_generator_alone() -> None:
+    """Another thread's draws are not rewound by a call that draws nothing (NOTE [threads])."""
+    w = torch.randn(3, 2)
+    torch.manual_seed(0)
+    state = torch.get_rng_state()
+    torch.rand(5)  # as if another thread drew while the call ran
+    advanced = torch.get_rng_state()
+    draw = problem_module.Draw(RngState.capture([]))
+    draw.start = RngState(state, ())  # the call began before that draw
+    draw.end = RngState(state, ())  # and f drew nothing
+    draw.finish()
+    assert torch.equal(torch.get_rng_state(), advanced)
+    assert tg.gramian(lambda w, x: torch.tanh(x @ w))(w, torch.randn(4, 3)).shape == (4, 2, 4, 2)

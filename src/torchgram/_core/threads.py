@@ -31,9 +31,15 @@ problem, plan and result torchgram builds. What is shared by the whole process, 
   atomic, and two threads planning the same trace at once build equal plans.
 * **the one-time forward-mode set-up** (NOTE [first forward-AD call]) runs under
   :data:`FORWARD_AD_LOCK`, so the warning filter it sets is never interleaved.
-* **random numbers** (NOTE [one draw]): the default generators are process-wide; a call
-  whose ``f`` draws random numbers rewinds them between its evaluations. Concurrent calls
-  of such functions are not isolated from each other (``tests/fuzz/FINDINGS.md``).
+* **random numbers** (NOTE [one draw]): the default generators are process-wide, and a
+  call restores its starting state before each evaluation of ``f``: two calls doing so at
+  once would give each other's evaluations other draws (a Gramian of no single function).
+  An evaluation that may draw holds :data:`RNG_LOCK` from that restore to its end, so the
+  **evaluations of functions that draw are serialised**; once a full evaluation has shown
+  that ``f`` draws nothing, the call no longer touches the generators nor takes the lock
+  (it does not rewind other threads' generators either). Other code drawing from the
+  default generators in another thread meanwhile is not protected: pass it its own
+  ``torch.Generator``.
 """
 
 from __future__ import annotations
@@ -46,6 +52,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 FORWARD_AD_LOCK = threading.RLock()
 """Held by every forward-mode AD pass of torchgram (reentrant: nested calls are fine)."""
+
+RNG_LOCK = threading.RLock()
+"""Held from restoring a call's random state to the end of an evaluation that may draw."""
 
 MODULE_LOCK = threading.RLock()
 """Held while a function made by ``torchgram.functionalize`` runs its module."""
