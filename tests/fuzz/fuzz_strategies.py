@@ -7,9 +7,10 @@ strategy does not generate them while they are listed. Each entry names one feat
 issue 9 fixes it, delete the entry and the fuzzer covers it again (the repro of each is in
 ``tests/fuzz/FINDINGS.md``).
 
-Profiles (``TORCHGRAM_FUZZ_PROFILE``): ``fast`` (default; a fixed, derandomized set of
-examples per backend, part of the normal test run, well under a minute on two cores) and
-``long`` (thousands of random examples, hypothesis's example database on, no time limit):
+Profiles (``TORCHGRAM_FUZZ_PROFILE``): ``fast`` (default; 20 derandomized examples per
+backend, the same on every run, part of the normal test run: about 20 s of CPU on two
+cores) and ``long`` (2000 random examples per backend, hypothesis's example database in
+``.hypothesis/`` on, no time limit):
 
     TORCHGRAM_FUZZ_PROFILE=long python -m pytest tests/fuzz -q -p no:cacheprovider
 """
