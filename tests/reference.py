@@ -1,8 +1,20 @@
-"""The one dense oracle: ``torch.func.jacrev``, flattened, ``J @ J.T``.
+"""The one dense oracle: one plain ``torch.autograd.grad`` per row, flattened, ``J @ J.T``.
 
 Slow and memory-hungry on purpose: it builds the full Jacobian ``[m, P]`` of the
 flattened output with respect to every floating tensor leaf of the differentiated
 arguments, and contracts it. Every backend is checked against it.
+
+It evaluates ``f`` once, as a plain call (no ``torch.func`` transform), and takes one plain
+backward per row, so that it is the Jacobian of the function as a user's own call runs it:
+
+* no ``vmap`` over backward passes: a batching rule of torch can be wrong where the op's
+  plain backward is right (torch 2.13: the backward of ``torch.cdist``), and the backends
+  use ``vmap`` everywhere, so a vmapped oracle could agree with a wrong backend;
+* no functorch wrappers around the forward: they can change what a random op draws where
+  (``F.dropout`` lays its mask out along its input's strides, which a wrapped ``batch_norm``
+  output does not share), and the contract is the draw a plain call sees (DESIGN.md §3).
+
+``tests/fuzz/FINDINGS.md`` tells both stories.
 """
 
 from __future__ import annotations
@@ -54,15 +66,21 @@ def dense_gramian(f: Callable[..., Any], args: Sequence[Any],
             rebuilt[n] = optree.tree_unflatten(flat[n][1], per_arg[n])
         return rebuilt
 
-    def flat_output(*values: Tensor) -> Tensor:
-        out = f(*rebuild(values))
-        return torch.cat([leaf.reshape(-1) for leaf in optree.tree_leaves(out)])
-
-    leaves = [flat[n][0][j].detach() for n, j in positions]
-    output = f(*rebuild(leaves))
-    per_leaf = torch.func.jacrev(flat_output, argnums=tuple(range(len(leaves))))(*leaves)
-    num_rows = per_leaf[0].shape[0]
-    columns = [jac.reshape(num_rows, -1) for jac in per_leaf]
+    leaves = [flat[n][0][j].detach().requires_grad_() for n, j in positions]
+    with torch.enable_grad():  # one plain evaluation: with random ops, the draw it sees
+        out = f(*rebuild(leaves))
+        rows = torch.cat([leaf.reshape(-1) for leaf in optree.tree_leaves(out)])
+        per_row = []
+        for i in range(rows.numel()):
+            grads = torch.autograd.grad(rows[i], leaves, retain_graph=True, allow_unused=True) \
+                if rows.requires_grad else (None,) * len(leaves)
+            per_row.append(torch.cat([
+                (torch.zeros_like(leaf) if grad is None else grad).reshape(-1).to(rows.dtype)
+                for leaf, grad in zip(leaves, grads, strict=True)]))
+    output = optree.tree_map(lambda t: t.detach(), out)
+    widths = [leaf.numel() for leaf in leaves]
+    full = torch.stack(per_row) if per_row else rows.new_zeros(0, sum(widths))
+    columns = list(full.detach().split(widths, dim=1))
     blocks = [c @ c.T for c in columns]
     jacobian = torch.cat(columns, dim=1)
     return Dense(jacobian @ jacobian.T, blocks, jacobian, output)

@@ -186,8 +186,8 @@ def row_vjps(vjp_fn: Callable[..., tuple[Tensor, ...]], rows: Tensor, start: int
     """``Jᵀ e_i`` for rows ``start..stop-1``, each leaf's result stacked on a leading dim."""
     basis = basis_rows(start, stop, rows)
     if stop - start == 1:
-        return tuple(grad.unsqueeze(0) for grad in vjp_fn(basis[0]))
-    return torch.func.vmap(vjp_fn)(basis)
+        return tuple(grad.unsqueeze(0) for grad in functional.with_grad(lambda: vjp_fn(basis[0])))
+    return functional.with_grad(lambda: torch.func.vmap(vjp_fn)(basis))
 
 
 def _per_sample_group(problem: Problem, group: LeafGroup, report: RunReport, loop: bool,
@@ -253,7 +253,8 @@ def _sample_vmap(sample_rows: Callable[..., Tensor], primals: tuple[Tensor, ...]
 
     jac = torch.func.jacrev(one_sample, argnums=tuple(range(num_leaves)), has_aux=True,
                             chunk_size=inner_chunk)
-    return torch.func.vmap(jac, in_dims=(None,) * num_leaves + dims)(*primals, *inputs)
+    return functional.with_grad(  # NOTE [backward under no_grad]
+        lambda: torch.func.vmap(jac, in_dims=(None,) * num_leaves + dims)(*primals, *inputs))
 
 
 def _sample_loop(sample_rows: Callable[..., Tensor], primals: tuple[Tensor, ...],

@@ -35,19 +35,18 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import functools
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from torchgram._core import _torch_compat, functional
 from torchgram._core.errors import BackendCannotRun, NotPerSample, OutputChanged
 from torchgram._core.per_sample import batch_rows, check_samples
 from torchgram._core.problem import Problem, TensorAux
 from torchgram._core.result import BackendResult, RunReport
+from torchgram._core.threads import FORWARD_AD_LOCK, math_attention
 from torchgram.backends._embedding import EmbeddingConventions
 from torchgram.backends._grouping import rows_per_chunk
 from torchgram.backends._registry import register
@@ -259,7 +258,7 @@ def _push_forward(problem: Problem, rows_fn: Callable[..., Tensor],
     def push(*tangent: Tensor) -> Tensor:
         return torch.func.jvp(rows_fn, tuple(primals), tangent)[1]
 
-    with _forward_mode(problem):
+    with FORWARD_AD_LOCK, _forward_mode(problem):  # forward AD is process-wide: NOTE [threads]
         if tangents[0].shape[0] == 1:
             return push(*(t[0] for t in tangents)).unsqueeze(0)
         return torch.func.vmap(push)(*tangents)
@@ -279,8 +278,19 @@ def _rows_per_chunk(problem: Problem, num_rows: int) -> int:
 # act on (and that fails programs running with -W error). One tiny jvp at first use, with
 # just that warning ignored, does the import once.
 
-@functools.cache
+_forward_ad_ready = False
+
+
 def _prepare_forward_ad() -> None:
+    global _forward_ad_ready
+    with FORWARD_AD_LOCK:  # once, and never beside another thread's warning filters
+        if _forward_ad_ready:
+            return
+        _first_jvp()
+        _forward_ad_ready = True
+
+
+def _first_jvp() -> None:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"`?torch\.jit\.script`? is deprecated",
                                 category=DeprecationWarning)
@@ -296,8 +306,8 @@ def _prepare_forward_ad() -> None:
 # to its next candidate. The one exception is attention: the fused
 # scaled_dot_product_attention kernels (flash, memory-efficient, cuDNN) have no forward AD,
 # but its math implementation does and computes the same function. The forward-mode pass
-# therefore runs with only the math kernel enabled (torch.nn.attention.sdpa_kernel, a
-# process-wide setting restored on exit); the reverse-mode pass keeps the user's kernels.
+# therefore runs with only the math kernel enabled (a process-wide setting, restored when the
+# last thread using it leaves: NOTE [threads]); the reverse-mode pass keeps the user's kernels.
 
 _ALTERNATIVES = ("jacobian", "graph")
 
@@ -306,7 +316,7 @@ _ALTERNATIVES = ("jacobian", "graph")
 def _forward_mode(problem: Problem) -> Iterator[None]:
     """Run forward-mode AD with attention's math kernel; explain ops that lack forward AD."""
     try:
-        with sdpa_kernel(SDPBackend.MATH):
+        with math_attention():
             yield
     except (NotImplementedError, RuntimeError) as err:
         missing = _torch_compat.missing_forward_ad(err)

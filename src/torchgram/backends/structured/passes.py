@@ -42,11 +42,11 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from torchgram._core.problem import Problem
 from torchgram._core.result import NO_AUX
 from torchgram._core.signature import LruCache, call_signature
+from torchgram._core.threads import math_attention
 from torchgram.backends.structured.trace import Recording, TapMode, TraceMismatch, zero_tap
 
 GradChunk = tuple[int, int, list[Tensor | None], dict[int, Tensor]]
@@ -289,7 +289,7 @@ def per_sample_forward(problem: Problem, traced: Recording,
         return rows, tuple(acts)
 
     # Attention's math kernel: the fused ones have no batching rule (NOTE above).
-    with sdpa_kernel(SDPBackend.MATH):
+    with math_attention():
         rows, batched_acts = torch.func.vmap(one_sample, in_dims=(0, 0, *batch.dims))(
             tuple(taps), tuple(carriers), *batch.tensors)
     acts = list(batched_acts)
@@ -359,9 +359,9 @@ def backward_chunks(forward: Forward, per_pass: int, *,
         yield from _looped_chunks(forward)
         return
     rows = forward.outputs[0]
-    if not rows.requires_grad:
-        return
     inputs = [*forward.taps[0], *forward.carriers[0]]
+    if not rows.requires_grad or not inputs:  # f uses no leaf (its inputs may require grad)
+        return
     num_taps = len(forward.taps[0])
     total = forward.rows_per_sample
     samples = forward.samples
