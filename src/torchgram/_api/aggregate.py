@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from torchgram._api.pipeline import compute
+from torchgram._api.pipeline import compute, outside_compile
 from torchgram._core import checks
 from torchgram._core.options import Options
 from torchgram._core.sink import shape_block
@@ -95,6 +95,7 @@ def aggregated_grad(
                     "Pass the function itself, not its result.", TypeError)
 
     @functools.wraps(f)
+    @outside_compile
     def aggregated_grad_of_f(*args: Any, **kwargs: Any) -> tuple[Any, Aggregation]:
         computation = compute(options, f, args, kwargs, want_pullback=True)
         blocks = computation.blocks

@@ -204,7 +204,10 @@ def explain(
     )
     checks.check_bool(_API, "run", run)
 
+    from torchgram._api.pipeline import outside_compile
+
     @functools.wraps(f)
+    @outside_compile
     def explain_f(*args: Any, **kwargs: Any) -> Explanation:
         from torchgram._api.pipeline import compute
         from torchgram.backends.auto import plan_auto

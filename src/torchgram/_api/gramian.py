@@ -6,7 +6,7 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from torchgram._api.pipeline import compute
+from torchgram._api.pipeline import compute, outside_compile
 from torchgram._core.checks import function_name
 from torchgram._core.options import Options
 
@@ -95,6 +95,7 @@ def gramian(
     )
 
     @functools.wraps(f)
+    @outside_compile
     def gramian_of_f(*args: Any, **kwargs: Any) -> Any:
         computation = compute(options, f, args, kwargs)
         result = computation.value()

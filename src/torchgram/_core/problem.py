@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from torchgram._core.checks import fail, resolve_argnums
+from torchgram._core.composition import Composition, detect_composition
 from torchgram._core.errors import OutputChanged
 from torchgram._core.options import InDims, Options
 from torchgram._core.pytree import DiffLeaves, select_diff_leaves
@@ -193,6 +194,7 @@ class Problem:
             backend that keeps what makes it cheap returns a pullback.
         evaluation: The probe's evaluation, when it was one the backend can use (NOTE
             [probing]); ``None`` otherwise.
+        composition: The transforms and autograd around the call (NOTE [composition]).
     """
 
     f: Callable[..., Any]
@@ -205,6 +207,7 @@ class Problem:
     draw: Draw = field(compare=False, repr=False)
     want_pullback: bool = False
     evaluation: Evaluation | None = field(default=None, compare=False, repr=False)
+    composition: Composition = Composition()
 
     # -- the options, for short ------------------------------------------------------------
 
@@ -215,7 +218,7 @@ class Problem:
 
     @property
     def leaves(self) -> tuple[Tensor, ...]:
-        """The differentiated leaves (detached)."""
+        """The differentiated leaves (detached unless the call composes: NOTE [composition])."""
         return self.diff.leaves
 
     @property
@@ -432,7 +435,8 @@ def build_problem(options: Options, f: Callable[..., Any], args: tuple[Any, ...]
     """
     api = options.api
     argnums = resolve_argnums(api, options.argnums, len(args))
-    diff = select_diff_leaves(args, argnums)
+    composition = detect_composition(args, kwargs)
+    diff = select_diff_leaves(args, argnums, detach=not composition.differentiable)
     if not diff.leaves:
         fail(api, f"floating-point tensor leaves in the differentiated argument(s) {argnums}",
              "none (" + ", ".join(type(args[i]).__name__ for i in argnums) + ")",
@@ -446,10 +450,11 @@ def build_problem(options: Options, f: Callable[..., Any], args: tuple[Any, ...]
     evaluation = None
     if spec is None:
         spec, evaluation = _probe(api, f, args, kwargs, diff, batch, options.has_aux, draw,
-                                  with_grad=probe_with_grad and batch is None)
+                                  with_grad=probe_with_grad and batch is None
+                                  and not composition.differentiable)
         _PROBES.put(key, spec)
     return Problem(f, args, kwargs, diff, options, batch, spec, draw, want_pullback,
-                   evaluation)
+                   evaluation, composition)
 
 
 def _probe_key(f: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any],

@@ -187,6 +187,8 @@ class TapMode(TorchFunctionMode):
         expected: For a replay, the trace's tap records (checked call by call).
         carriers: For a replay, the leaves whose tensors carry gradients (an unrecognised use
             of another leaf means the run left the trace).
+        keep_graph: Record the activations with their autograd graph (a differentiable
+            ``G``, NOTE [composition]) instead of detached.
 
     Example:
         >>> import torch
@@ -202,8 +204,9 @@ class TapMode(TorchFunctionMode):
                  tapped: Collection[int] | None = None,
                  taps: Literal["trace", "lazy"] | Sequence[Tensor] = "trace",
                  expected: Sequence[TapRecord] | None = None,
-                 carriers: Collection[int] | None = None) -> None:
+                 carriers: Collection[int] | None = None, keep_graph: bool = False) -> None:
         super().__init__()
+        self._keep_graph = keep_graph
         self._refs: dict[int, LeafRef] = {}
         self._pins: list[Tensor] = list(leaves)  # keep ids valid for the whole run
         for index, leaf in enumerate(leaves):
@@ -331,7 +334,8 @@ class TapMode(TorchFunctionMode):
                     act_index = acts[id(operand.act)] = self._next_act
                     self._next_act += 1
                     if self._taps != "trace":
-                        self.acts.append(operand.act.detach())
+                        self.acts.append(operand.act if self._keep_graph
+                                         else operand.act.detach())
             self.recording.uses.append(UseRecord(
                 leaf=ref.index, role=role, rule=match.rule, layout=layout,
                 act_first=layout.act_first != ref.transposed, tap=tap_index, act=act_index,
