@@ -213,6 +213,11 @@ def explain(
         from torchgram.backends.auto import plan_auto
 
         problem = build_problem(options, f, args, kwargs)
+        if problem.composition.transforms:  # NOTE [composition]
+            checks.fail(_API, "a call outside torch.func transforms (explain traces f with "
+                        "eager autograd)", f"a call {problem.composition.describe()}",
+                        "Call torchgram.explain outside the transform: inside one, backend="
+                        "'auto' runs the jacobian backend (then ntvp).", RuntimeError)
         plan = plan_auto(problem)
         structured = plan.structured
         names = leaf_names(problem.diff, args)

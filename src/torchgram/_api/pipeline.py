@@ -6,6 +6,7 @@ options.Options` when they are built and call :func:`compute` when they are call
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -15,6 +16,7 @@ from torch import Tensor
 
 from torchgram._core import functional
 from torchgram._core.checks import fail
+from torchgram._core.composition import differentiable_evaluation, refuse_inside_taps
 from torchgram._core.errors import OutputChanged
 from torchgram._core.options import Options
 from torchgram._core.problem import Problem, build_problem, forget_probe
@@ -98,6 +100,7 @@ def outside_compile(fn: Fn) -> Fn:
 def compute(options: Options, f: Callable[..., Any], args: tuple[Any, ...],
             kwargs: Mapping[str, Any], *, want_pullback: bool = False) -> Computation:
     """Build the call's problem, run the backend, assemble its blocks; compute aux if needed."""
+    refuse_inside_taps(options.api)  # NOTE [composition]: nested in a structured call
     probe_with_grad = options.backend == "graph"
     problem = build_problem(options, f, args, kwargs, want_pullback=want_pullback,
                             probe_with_grad=probe_with_grad)
@@ -128,8 +131,11 @@ def compute(options: Options, f: Callable[..., Any], args: tuple[Any, ...],
 
 
 def _run(problem: Problem) -> BackendResult:
+    kernels = differentiable_evaluation() if problem.composition.differentiable \
+        else contextlib.nullcontext()
     try:
-        return get_backend(problem.options.backend)(problem)
+        with kernels:
+            return get_backend(problem.options.backend)(problem)
     except BaseException:
         problem.draw.finish()
         raise

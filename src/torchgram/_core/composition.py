@@ -29,20 +29,33 @@ records in the problem (:class:`Composition`) which of three situations it is in
 Tensors ``f`` captures from its closure are not inspected in eager mode (they are, in
 effect, under ``torch.func`` transforms): to differentiate ``G`` eagerly with respect to
 them, pass them as arguments.
+
+**Nesting** (``f`` itself calls a torchgram transform) needs nothing more: an enclosing
+``jacobian`` or ``ntvp`` call runs ``f`` under ``torch.func`` transforms, an enclosing
+``graph`` call with leaves that require grad, and the inner call composes accordingly. The
+one exception is an enclosing ``structured`` call: its taps see the torch functions ``f``
+calls, not the backward passes a nested call runs on the same leaves, so its per-leaf
+structure would miss those uses. A call made while a structured trace or forward runs
+(:func:`tapped_evaluation`) therefore raises ``BackendCannotRun`` for the enclosing
+structured backend, and ``auto`` moves on to its next candidate.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import optree
 import torch
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from torchgram._core import _torch_compat
 from torchgram._core.errors import BackendCannotRun
+from torchgram._core.norms import DecomposedNorms
 
 if TYPE_CHECKING:
     from torchgram._core.problem import Problem
@@ -127,3 +140,37 @@ def graph_leaf(leaf: Tensor, copies: int | None = None) -> Tensor:
     if copies is not None:
         alias = alias.expand(copies, *leaf.shape)
     return alias.requires_grad_()
+
+
+_TAPPED: ContextVar[bool] = ContextVar("torchgram_tapped_evaluation", default=False)
+
+
+@contextlib.contextmanager
+def tapped_evaluation() -> Iterator[None]:
+    """Mark the evaluation of ``f`` under the structured backend's taps (NOTE [composition])."""
+    token = _TAPPED.set(True)
+    try:
+        yield
+    finally:
+        _TAPPED.reset(token)
+
+
+def refuse_inside_taps(api: str) -> None:
+    """Raise :class:`BackendCannotRun` for the enclosing structured call, if there is one."""
+    if _TAPPED.get():
+        raise BackendCannotRun(
+            api, "structured", "f without torchgram calls inside (the taps see the torch "
+            "functions f calls, not the backward passes a nested call runs on the same "
+            "leaves)", "a nested torchgram call in f", (*COMPOSING_BACKENDS, "graph"), "")
+
+
+@contextlib.contextmanager
+def differentiable_evaluation() -> Iterator[None]:
+    """Run a differentiable call's backend with ops whose derivatives are right at any order.
+
+    The fused ``scaled_dot_product_attention`` kernels have no double backward: its math
+    implementation, the same function, runs instead (a process-wide setting, restored on
+    exit). Layer, batch and instance norm run decomposed (NOTE [decomposed norms]).
+    """
+    with sdpa_kernel(SDPBackend.MATH), DecomposedNorms():
+        yield

@@ -201,13 +201,17 @@ def auto_backend(problem: Problem) -> BackendResult:
     """Run the backends of :func:`plan_auto`'s order until one can (reusing the plan)."""
     if problem.composition.transforms:  # NOTE [composition]: no trace under torch.func
         return _first_that_runs(problem, COMPOSING_BACKENDS, None)
-    plan = plan_auto(problem)
+    try:
+        plan = plan_auto(problem)
+    except BackendCannotRun as error:  # the trace met a nested torchgram call
+        return _first_that_runs(problem, error.alternatives, None,
+                                [(error.backend, error.reason)])
     return _first_that_runs(problem, plan.order, plan)
 
 
-def _first_that_runs(problem: Problem, order: tuple[str, ...],
-                     plan: AutoPlan | None) -> BackendResult:
-    attempts: list[tuple[str, str]] = []
+def _first_that_runs(problem: Problem, order: tuple[str, ...], plan: AutoPlan | None,
+                     attempts: list[tuple[str, str]] | None = None) -> BackendResult:
+    attempts = [] if attempts is None else attempts
     for name in order:
         try:
             if name == "structured" and plan is not None:

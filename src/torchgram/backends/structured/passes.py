@@ -370,9 +370,8 @@ def backward_chunks(forward: Forward, per_pass: int, *, vectorize: bool,
         else:
             cot = _direction_cotangents(forward, start, stop)
         batched = vectorize and count > 1
-        raw = torch.autograd.grad(
-            rows, inputs, cot if batched else cot[0], retain_graph=create_graph or stop < total,
-            create_graph=create_graph, allow_unused=True, is_grads_batched=batched)
+        raw = _grads(rows, inputs, cot, batched=batched, retain_graph=stop < total,
+                     create_graph=create_graph)
         grads: list[Tensor | None] = [None if g is None else (g if batched else g.unsqueeze(0))
                                       for g in raw]
         del raw
@@ -390,6 +389,33 @@ def backward_chunks(forward: Forward, per_pass: int, *, vectorize: bool,
         }
         del grads  # the consumer frees what it is done with
         yield start, stop, tap_cots, carrier_grads
+
+
+def _grads(rows: Tensor, inputs: list[Tensor], cot: Tensor, *, batched: bool,
+           retain_graph: bool, create_graph: bool) -> tuple[Tensor | None, ...]:
+    """``autograd.grad`` of ``rows`` for the cotangents ``cot`` (``[c, *rows]``).
+
+    ``c = 1`` unless ``batched``; batched results have a leading ``c`` dim.
+
+    With ``create_graph`` a batched backward that fails (a double-backward formula without a
+    batching rule: layer and group norm in torch 2.13) is redone one cotangent at a time.
+    """
+    if not create_graph:
+        return torch.autograd.grad(rows, inputs, cot if batched else cot[0],
+                                   retain_graph=retain_graph, allow_unused=True,
+                                   is_grads_batched=batched)
+    if batched:
+        try:
+            return torch.autograd.grad(rows, inputs, cot, retain_graph=True, create_graph=True,
+                                       allow_unused=True, is_grads_batched=True)
+        except RuntimeError:
+            per_row = [torch.autograd.grad(rows, inputs, c, retain_graph=True, create_graph=True,
+                                           allow_unused=True) for c in cot]
+            return tuple(None if all(g[i] is None for g in per_row) else torch.stack(
+                [torch.zeros_like(inputs[i]) if g[i] is None else g[i] for g in per_row])
+                for i in range(len(inputs)))
+    return torch.autograd.grad(rows, inputs, cot[0], retain_graph=True, create_graph=True,
+                               allow_unused=True)
 
 
 def _looped_chunks(forward: Forward, create_graph: bool) -> Iterator[GradChunk]:

@@ -25,6 +25,7 @@ fly; every leaf's tensor carries gradients for its unrecognised uses), and ``giv
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from torchgram._core import _torch_compat
+from torchgram._core.composition import tapped_evaluation
 from torchgram.backends.structured.rules import rewrite_for, rule_for
 from torchgram.backends.structured.rules.base import Layout, Match, UseShape
 
@@ -220,6 +222,19 @@ class TapMode(TorchFunctionMode):
         self.acts: list[Tensor] = []
         self._next_act = 0
         self.made_taps: list[Tensor] = []
+        self._contexts: list[contextlib.ExitStack] = []
+
+    def __enter__(self) -> TapMode:
+        contexts = contextlib.ExitStack()
+        contexts.enter_context(tapped_evaluation())  # nested calls refuse: NOTE [composition]
+        self._contexts.append(contexts)
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            self._contexts.pop().__exit__(*exc)
 
     # -- bookkeeping ------------------------------------------------------------------------
 
