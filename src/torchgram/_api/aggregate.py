@@ -54,7 +54,9 @@ def aggregated_grad(
     output entry, and the update is the weighted sum of the rows' gradients. When the backend
     kept what makes it cheap (the ``jacobian`` backend with its Jacobian in one block), the
     update is one matrix-vector product with no further pass; otherwise it costs one more
-    forward and backward (a ``vjp`` with cotangent ``w``).
+    forward and backward (a ``vjp`` with cotangent ``w``). Like ``gramian``, it composes with
+    ``torch.func`` transforms and eager autograd (NOTE [composition]): the update is
+    differentiable through ``G`` and ``w`` when the weighting is.
 
     Args:
         f: ``f(*args, **kwargs)`` returning the losses (any floating tensor or pytree).

@@ -34,6 +34,13 @@ def gramian(
     entries ``i`` and ``j``: the empirical NTK, or the pairwise inner products of
     per-sample / per-task gradients.
 
+    It composes like a ``torch.func`` transform (NOTE [composition]): ``grad``, ``jacrev``,
+    ``jacfwd``, ``vjp``, ``jvp`` and ``vmap`` of a function that calls it, and nested calls, give
+    the right answers (inside those transforms ``auto`` runs the ``jacobian`` backend); in
+    eager mode ``G`` carries the autograd graph when a differentiated leaf or an input
+    requires grad (and nothing extra is paid when none does); under ``torch.compile`` the
+    call runs eagerly, as one graph break.
+
     Args:
         f: The function ``f(*args, **kwargs)``. It returns a floating tensor or a pytree of
             floating tensors (``(output, aux)`` with ``has_aux=True``).

@@ -6,7 +6,6 @@ options.Options` when they are built and call :func:`compute` when they are call
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -16,7 +15,7 @@ from torch import Tensor
 
 from torchgram._core import functional
 from torchgram._core.checks import fail
-from torchgram._core.composition import differentiable_evaluation, refuse_inside_taps
+from torchgram._core.composition import refuse_inside_taps
 from torchgram._core.errors import OutputChanged
 from torchgram._core.options import Options
 from torchgram._core.problem import Problem, build_problem, forget_probe
@@ -131,11 +130,8 @@ def compute(options: Options, f: Callable[..., Any], args: tuple[Any, ...],
 
 
 def _run(problem: Problem) -> BackendResult:
-    kernels = differentiable_evaluation() if problem.composition.differentiable \
-        else contextlib.nullcontext()
     try:
-        with kernels:
-            return get_backend(problem.options.backend)(problem)
+        return get_backend(problem.options.backend)(problem)
     except BaseException:
         problem.draw.finish()
         raise

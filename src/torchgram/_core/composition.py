@@ -89,6 +89,10 @@ class Composition:
         """Whether ``G`` must be a differentiable (and batchable) function of the call."""
         return bool(self.transforms) or self.create_graph
 
+    def evaluation(self) -> contextlib.AbstractContextManager[None]:
+        """The context every evaluation of ``f`` runs in (:func:`differentiable_evaluation`)."""
+        return differentiable_evaluation() if self.differentiable else contextlib.nullcontext()
+
     def describe(self) -> str:
         """The situation in words, for messages and reports."""
         if self.transforms:
@@ -166,7 +170,7 @@ def refuse_inside_taps(api: str) -> None:
 
 @contextlib.contextmanager
 def differentiable_evaluation() -> Iterator[None]:
-    """Run a differentiable call's backend with ops whose derivatives are right at any order.
+    """Evaluate ``f`` with ops whose derivatives are right at any order, batched or not.
 
     The fused ``scaled_dot_product_attention`` kernels have no double backward: its math
     implementation, the same function, runs instead (a process-wide setting, restored on

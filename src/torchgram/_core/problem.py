@@ -290,7 +290,8 @@ class Problem:
         """
         full_args = self.diff.rebuild_args(self.args if args is None else args, leaves)
         self.draw.before_evaluation()
-        result = self.f(*full_args, **self.kwargs)
+        with self.composition.evaluation():  # NOTE [decomposed norms] when differentiable
+            result = self.f(*full_args, **self.kwargs)
         if full:
             self.draw.after_full_evaluation()
         return split_aux(self.api, result, self.has_aux)
