@@ -15,14 +15,20 @@ from torchgram._api.explain import Explanation as Explanation
 from torchgram._api.explain import explain as explain
 from torchgram._api.functionalize import functionalize as functionalize
 from torchgram._api.gramian import gramian as gramian
+from torchgram._api.independence import Independence as Independence
+from torchgram._api.independence import check_independence as check_independence
+from torchgram._api.step_times import StepTimes as StepTimes
 from torchgram._core.errors import BackendCannotRun as BackendCannotRun
 
 __all__ = [
     "Aggregation",
     "BackendCannotRun",
     "Explanation",
+    "Independence",
+    "StepTimes",
     "aggregated_grad",
     "autograd",
+    "check_independence",
     "explain",
     "functionalize",
     "gramian",

@@ -160,3 +160,28 @@ def test_functorch_transforms_names_the_active_levels_outermost_first() -> None:
     torch.func.jacfwd(torch.func.jacrev(record))(torch.ones(2))
     assert seen == [(), ("grad",), ("vmap",), ("jvp",), ("grad", "vmap"),
                     ("vmap", "jvp", "grad")]
+
+
+def test_cdist_batched_backward_is_still_wrong() -> None:
+    """NOTE [wrong batching rules]: when torch fixes this, drop torch.cdist from the list."""
+    torch.manual_seed(0)
+    anchors = torch.randn(3, 8, dtype=torch.float64)
+    h = torch.randn(4, 8, dtype=torch.float64)
+
+    def f(h: Tensor) -> Tensor:
+        return torch.cdist(h, anchors).sum(-1)
+
+    looped = torch.func.jacrev(f, chunk_size=1)(h)
+    vmapped = torch.func.jacrev(f)(h)
+    assert not torch.allclose(looped, vmapped), "torch fixed cdist's batching rule"
+    assert compat.wrong_batched_backward(torch.cdist) == "torch.cdist"
+    assert compat.wrong_batched_backward(torch.sin) is None
+    assert f(h.requires_grad_()).grad_fn.next_functions[0][0].name() in compat.WRONG_BATCHED_NODES
+
+
+def test_version_counts_in_place_writes() -> None:
+    x = torch.zeros(3)
+    before = compat.version(x)
+    x.add_(1)
+    assert compat.version(x) == before + 1
+    assert compat.version(x.detach()) == compat.version(x)  # shared with aliases

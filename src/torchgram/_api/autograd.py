@@ -96,7 +96,11 @@ def gramian(
     dtype = output_list[0].dtype
     for out in output_list[1:]:
         dtype = torch.promote_types(dtype, out.dtype)
-    blocks = LeafBlocks(len(input_list), per_leaf=per_input, diagonal=diagonal)
+    widest = dtype
+    for tensor in input_list:
+        widest = torch.promote_types(widest, tensor.real.dtype if tensor.is_complex()
+                                     else tensor.dtype)
+    blocks = LeafBlocks(len(input_list), per_leaf=per_input, diagonal=diagonal, dtype=widest)
     plan = plan_graph(output_list, input_list)
     if num_rows:
         graph_gramian(_API, output_list, input_list, blocks, chunk_size=chunk_size,

@@ -148,7 +148,7 @@ def explain(
     backend: str = "auto",
     chunk_size: int | None = None,
     batch_dim: int | None = None,
-    in_dims: int | None | Sequence[int | None] = 0,
+    in_dims: int | None | Sequence[Any] = 0,
     diagonal: bool = False,
     per_leaf: bool = False,
     memory_budget: int | None = None,

@@ -21,7 +21,7 @@ def gramian(
     backend: str = "auto",
     chunk_size: int | None = None,
     batch_dim: int | None = None,
-    in_dims: int | None | Sequence[int | None] = 0,
+    in_dims: int | None | Sequence[Any] = 0,
     diagonal: bool = False,
     per_leaf: bool = False,
     memory_budget: int | None = None,
@@ -55,11 +55,15 @@ def gramian(
             ``chunk_size × P``.
         batch_dim: Declares per-sample structure: output dimension ``batch_dim`` indexes
             independent samples, and entry ``b`` along it depends only on sample ``b`` of the
-            batched inputs. Backends then work on single samples (about ``B`` times less
-            work than ``B·K`` dense rows). The result is the same matrix.
+            batched inputs. Backends then work on per-sample pieces (about ``B`` times less
+            work than ``B·K`` dense rows). The result is the same matrix; where the samples
+            turn out to interact (batch-norm in training mode, ``x - x.mean(0)``), it is the
+            exact coupled Gramian (NOTE [per-sample]).
         in_dims: With ``batch_dim``, where the samples are in each non-differentiated
-            positional argument, like ``torch.func.vmap``: an int for all of them, or one
-            int/``None`` per non-differentiated positional argument (``None`` = shared).
+            argument, like ``torch.func.vmap``: an int for all of them (keyword arguments
+            included), or one int/``None`` per non-differentiated positional argument,
+            optionally followed by a dict ``{keyword: int or None}`` (keywords it does not
+            name: dim 0). ``None`` = shared by all samples.
         diagonal: Return only ``G[i, i]`` (squared per-row gradient norms), without any
             ``m × m`` work.
         per_leaf: Return one block ``J_l J_lᵀ`` per parameter leaf, in the structure of the

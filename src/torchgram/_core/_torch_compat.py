@@ -107,6 +107,11 @@ def is_leaf_accumulator(node: Node) -> bool:
     return not node.next_functions and getattr(node, "variable", None) is not None
 
 
+def version(tensor: Tensor) -> int:
+    """The version counter of ``tensor``'s storage: it grows with every in-place write."""
+    return int(tensor._version)
+
+
 # -- error messages --------------------------------------------------------------------------
 
 _NATIVE_OP = re.compile(r"Trying to use forward AD with (\S+) that does not support it")
@@ -134,6 +139,30 @@ def missing_forward_ad(error: BaseException) -> tuple[str, str] | None:
 def is_freed_graph_error(error: BaseException) -> bool:
     """Whether ``error`` says the graph's saved tensors were freed by an earlier backward."""
     return isinstance(error, RuntimeError) and _FREED in str(error)
+
+
+# -- batching rules torch gets wrong --------------------------------------------------------
+
+# NOTE [wrong batching rules]
+# torch 2.13's batching rule for the backward of torch.cdist returns wrong values: for
+# h [4, 8], torch.func.jacrev(lambda h: torch.cdist(h, a).sum(-1))(h) differs from plain
+# autograd (and from finite differences) by O(1), while jacrev(..., chunk_size=1), which
+# does not vmap the backward, is right. Every vmap over a backward through such a call would
+# give a wrong Gramian without a word, so backends compute those rows' vjps one at a time
+# (and the graph walk calls those nodes row by row). tests/core/test_torch_compat.py checks
+# that the bug is still there: when a torch release fixes it, that test fails, and the entry
+# can go.
+_WRONG_BATCHED_BACKWARD = {torch.cdist: "torch.cdist"}
+WRONG_BATCHED_NODES = frozenset({"CdistBackward0", "EuclideanDistBackward0"})
+"""Autograd node names whose backward ``vmap`` gets wrong (NOTE [wrong batching rules])."""
+
+
+def wrong_batched_backward(func: Any) -> str | None:
+    """The name of ``func`` if ``vmap`` over its backward is wrong (NOTE above), else ``None``."""
+    try:
+        return _WRONG_BATCHED_BACKWARD.get(func)
+    except TypeError:  # unhashable callables
+        return None
 
 
 # -- TorchFunctionMode -----------------------------------------------------------------------

@@ -99,14 +99,25 @@ def check_batch_dim(api: str, batch_dim: Any) -> None:
 
 
 def check_in_dims(api: str, in_dims: Any) -> None:
-    """``in_dims`` is an int, ``None``, or a tuple of those (one per non-differentiated arg)."""
-    entries = in_dims if isinstance(in_dims, tuple | list) else (in_dims,)
+    """Check ``in_dims``: an int or ``None``, or a tuple of those, optionally with a dict.
+
+    The tuple has one entry per non-differentiated positional argument, optionally followed
+    by a dict ``{keyword: int or None}`` (NOTE [in_dims]).
+    """
+    entries = list(in_dims) if isinstance(in_dims, tuple | list) else [in_dims]
+    if entries and isinstance(entries[-1], dict) and isinstance(in_dims, tuple | list):
+        keywords = entries.pop()
+        entries += list(keywords.values())
+        if not all(isinstance(name, str) for name in keywords):
+            fail(api, "the keyword entries of in_dims to be named by strings",
+                 repr(in_dims), "E.g. in_dims=(0, {'attention_mask': 0}).", TypeError)
     for entry in entries:
         if entry is not None and (isinstance(entry, bool) or not isinstance(entry, int)):
             fail(api, "in_dims to be an int, None, or a tuple of ints/None (one per "
-                 "non-differentiated positional argument)", repr(in_dims),
-                 "E.g. in_dims=0, or in_dims=(0, None) for a batched x and a shared y.",
-                 TypeError)
+                 "non-differentiated positional argument, then optionally a dict for "
+                 "keyword arguments)", repr(in_dims),
+                 "E.g. in_dims=0, in_dims=(0, None) for a batched x and a shared y, or "
+                 "in_dims=(0, {'mask': None}) for a shared keyword tensor.", TypeError)
 
 
 def check_choice(api: str, name: str, value: Any, choices: Sequence[str]) -> None:

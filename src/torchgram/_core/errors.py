@@ -53,3 +53,21 @@ class BackendCannotRun(NotImplementedError):  # noqa: N818 -- reads as a stateme
 
 class OutputChanged(RuntimeError):  # noqa: N818
     """An evaluation of ``f`` did not return the output structure the call was planned for."""
+
+
+class NotPerSample(RuntimeError):  # noqa: N818
+    """Evaluating ``f`` one sample at a time does not give its Gramian (NOTE [per-sample]).
+
+    Internal: a backend's per-sample way raises it, and the backend computes the same matrix
+    from the whole batch instead.
+
+    Attributes:
+        reason: What was found, for reports.
+        random: Whether the reason is that ``f`` draws random numbers (as opposed to samples
+            that interact, or ``f`` failing on a batch of one).
+    """
+
+    def __init__(self, reason: str, *, random: bool = False) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.random = random

@@ -19,8 +19,10 @@ BackendName = Literal["auto", "graph", "jacobian", "ntvp", "structured"]
 
 BACKEND_NAMES: tuple[str, ...] = get_args(BackendName)
 
-InDims = int | None | tuple[int | None, ...]
-"""Where the samples are in the non-differentiated arguments (like ``torch.func.vmap``)."""
+InDims = int | None | tuple[int | None | dict[str, int | None], ...]
+"""Where the samples are in the non-differentiated arguments (like ``torch.func.vmap``): one
+int or ``None`` for every argument, or one per non-differentiated positional argument,
+optionally followed by a dict for keyword arguments (NOTE [in_dims])."""
 
 
 @dataclass(frozen=True)
@@ -80,7 +82,10 @@ class Options:
                                   "memory_budget is a number of bytes, e.g. 2**30 for 1 GiB.")
         checks.check_batch_dim(api, batch_dim)
         checks.check_in_dims(api, in_dims)
-        in_dims_value = tuple(in_dims) if isinstance(in_dims, list | tuple) else in_dims
+        in_dims_value = in_dims
+        if isinstance(in_dims, list | tuple):
+            in_dims_value = tuple(dict(entry) if isinstance(entry, dict) else entry
+                                  for entry in in_dims)
         return cls(api, nums, single, has_aux, cast(BackendName, backend), chunk_size,
                    batch_dim, in_dims_value, diagonal, per_leaf, memory_budget)
 

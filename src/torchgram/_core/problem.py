@@ -31,11 +31,13 @@ import optree
 import torch
 from torch import Tensor
 
+from torchgram._core import _torch_compat
+from torchgram._core.census import OpCensus
 from torchgram._core.checks import fail, resolve_argnums
 from torchgram._core.composition import Composition, detect_composition
-from torchgram._core.errors import OutputChanged
+from torchgram._core.errors import NotPerSample, OutputChanged
 from torchgram._core.options import InDims, Options
-from torchgram._core.pytree import DiffLeaves, select_diff_leaves
+from torchgram._core.pytree import DiffLeaves, leaves_of, select_diff_leaves
 from torchgram._core.rng import RngState
 from torchgram._core.signature import LruCache, call_signature
 
@@ -118,14 +120,14 @@ class BatchSpec:
     Attributes:
         batch_dim: The output dimension that indexes samples, as the user gave it.
         size: The number of samples ``B``.
-        positions: For every batched input tensor, ``(arg position, leaf index)``.
+        positions: For every batched input tensor, ``(arg position or keyword, leaf index)``.
         dims: The (non-negative) batch dimension of every batched input tensor.
         tensors: The batched input tensors themselves.
     """
 
     batch_dim: int
     size: int
-    positions: tuple[tuple[int, int], ...]
+    positions: tuple[tuple[int | str, int], ...]
     dims: tuple[int, ...]
     tensors: tuple[Tensor, ...]
 
@@ -170,6 +172,18 @@ class Draw:
         if self.end is None:
             self.end = RngState.capture(device for device, _ in self.start.accelerators)
 
+    @property
+    def random(self) -> bool | None:
+        """Whether a full evaluation of ``f`` drew random numbers (``None``: none ran yet)."""
+        return None if self.end is None else not self.end.same_as(self.start)
+
+    def check_no_draw(self) -> None:
+        """Raise :class:`NotPerSample` if the evaluation that just ran drew random numbers."""
+        now = RngState.capture(device for device, _ in self.start.accelerators)
+        if not now.same_as(self.start):
+            raise NotPerSample("f draws random numbers (dropout, ...): one sample at a time it "
+                               "would see other draws than the batch's", random=True)
+
     def finish(self) -> None:
         """Leave the generators where one plain call of ``f`` would."""
         (self.end or self.start).restore()
@@ -194,6 +208,7 @@ class Problem:
             backend that keeps what makes it cheap returns a pullback.
         evaluation: The probe's evaluation, when it was one the backend can use (NOTE
             [probing]); ``None`` otherwise.
+        unbatched: Calls of ``f`` whose backward ``vmap`` gets wrong: vjps one at a time.
         composition: The transforms and autograd around the call (NOTE [composition]).
     """
 
@@ -207,6 +222,7 @@ class Problem:
     draw: Draw = field(compare=False, repr=False)
     want_pullback: bool = False
     evaluation: Evaluation | None = field(default=None, compare=False, repr=False)
+    unbatched: tuple[str, ...] = ()
     composition: Composition = Composition()
 
     # -- the options, for short ------------------------------------------------------------
@@ -252,6 +268,11 @@ class Problem:
         return self.output.num_rows
 
     @property
+    def loops_only(self) -> bool:
+        """Whether vjps must run one at a time: ``chunk_size=1``, or ``unbatched`` calls."""
+        return self.chunk_size == 1 or bool(self.unbatched)
+
+    @property
     def samples(self) -> int:
         """``B`` (1 without per-sample structure)."""
         return 1 if self.batch is None else self.batch.size
@@ -281,19 +302,24 @@ class Problem:
 
     # -- evaluation ------------------------------------------------------------------------
 
-    def call(self, leaves: tuple[Tensor, ...], args: tuple[Any, ...] | None = None, *,
-             full: bool = True) -> tuple[Any, Any]:
+    def call(self, leaves: tuple[Tensor, ...], args: tuple[Any, ...] | None = None,
+             kwargs: Mapping[str, Any] | None = None, *, full: bool = True,
+             check_draw: bool = True) -> tuple[Any, Any]:
         """Run ``f`` with ``leaves`` in place of the parameters; return ``(output, aux)``.
 
         ``full``: whether this evaluates the whole batch (it then fixes the call's final
-        random-number state, NOTE [one draw]).
+        random-number state, NOTE [one draw]); an evaluation of part of the batch that draws
+        random numbers raises :class:`NotPerSample` (unless ``check_draw`` is false: a trace
+        that only looks at the ops).
         """
         full_args = self.diff.rebuild_args(self.args if args is None else args, leaves)
         self.draw.before_evaluation()
         with self.composition.evaluation():  # NOTE [decomposed norms] when differentiable
-            result = self.f(*full_args, **self.kwargs)
+            result = self.f(*full_args, **(self.kwargs if kwargs is None else kwargs))
         if full:
             self.draw.after_full_evaluation()
+        elif check_draw:
+            self.draw.check_no_draw()
         return split_aux(self.api, result, self.has_aux)
 
     def rows(self, leaves: tuple[Tensor, ...]) -> tuple[Tensor, Any]:
@@ -303,15 +329,18 @@ class Problem:
         self.output.check(out_leaves, treespec, per_sample=False)
         return concat_rows(out_leaves, self.output.dtype), aux
 
-    def sample_rows(self, leaves: tuple[Tensor, ...], sample_inputs: tuple[Tensor, ...]) -> Tensor:
+    def sample_rows(self, leaves: tuple[Tensor, ...], sample_inputs: tuple[Tensor, ...], *,
+                    check_draw: bool = True) -> Tensor:
         """Evaluate ``f`` on one sample (a batch of one); return that sample's ``[K]`` rows.
 
         ``sample_inputs`` are the batched input tensors restricted to one sample, with their
         batch dimension kept (size 1), in the order of ``self.batch.positions``.
+        ``check_draw``: see :meth:`call`.
         """
         batch = self._require_batch()
-        args = replace_input_leaves(self.args, batch.positions, sample_inputs)
-        out, _ = self.call(leaves, args, full=False)
+        args, kwargs = replace_input_leaves(self.args, self.kwargs, batch.positions,
+                                            sample_inputs)
+        out, _ = self.call(leaves, args, kwargs, full=False, check_draw=check_draw)
         out_leaves, treespec = optree.tree_flatten(out)
         spec = self.output
         spec.check(out_leaves, treespec, per_sample=True)
@@ -385,31 +414,60 @@ def concat_rows(out_leaves: list[Tensor], dtype: torch.dtype) -> Tensor:
     return torch.cat([leaf.reshape(-1).to(dtype) for leaf in out_leaves])
 
 
-def replace_input_leaves(args: tuple[Any, ...], positions: tuple[tuple[int, int], ...],
-                         values: tuple[Tensor, ...]) -> tuple[Any, ...]:
-    """Return ``args`` with leaf ``j`` of argument ``i`` replaced, for each ``(i, j)``."""
-    by_arg: dict[int, list[tuple[int, Tensor]]] = {}
+def replace_input_leaves(args: tuple[Any, ...], kwargs: Mapping[str, Any],
+                         positions: tuple[tuple[int | str, int], ...],
+                         values: tuple[Tensor, ...]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``args`` and ``kwargs`` with some leaves replaced.
+
+    For each ``(i, j)`` of ``positions``, leaf ``j`` of argument ``i`` (a position or a
+    keyword) becomes the matching entry of ``values``.
+    """
+    by_arg: dict[int | str, list[tuple[int, Tensor]]] = {}
     for (i, j), value in zip(positions, values, strict=True):
         by_arg.setdefault(i, []).append((j, value))
     rebuilt = list(args)
+    rebuilt_kwargs = dict(kwargs)
     for i, replacements in by_arg.items():
-        leaves, spec = optree.tree_flatten(args[i])
+        leaves, spec = optree.tree_flatten(args[i] if isinstance(i, int) else kwargs[i])
         for j, value in replacements:
             leaves[j] = value
-        rebuilt[i] = optree.tree_unflatten(spec, leaves)
-    return tuple(rebuilt)
+        if isinstance(i, int):
+            rebuilt[i] = optree.tree_unflatten(spec, leaves)
+        else:
+            rebuilt_kwargs[i] = optree.tree_unflatten(spec, leaves)
+    return tuple(rebuilt), rebuilt_kwargs
 
 
 # -- building a problem ------------------------------------------------------------------------
 
-_PROBES = LruCache[OutputSpec](maxsize=256)
+@dataclass(frozen=True)
+class Probe:
+    """What the probe of a call signature found (cached, NOTE [probing]).
+
+    Attributes:
+        spec: The output's structure.
+        unbatched: Calls of ``f`` whose backward ``vmap`` gets wrong (NOTE [wrong batching
+            rules] in ``_torch_compat``): backends then compute the rows' vjps one at a time.
+        mutates_leaves: Whether ``f`` writes into its parameters (``F.embedding`` with
+            ``max_norm`` renormalises rows in place): every call then works on copies of
+            them, so the user's tensors are never changed.
+    """
+
+    spec: OutputSpec
+    unbatched: tuple[str, ...] = ()
+    mutates_leaves: bool = False
+
+
+_PROBES = LruCache[Probe](maxsize=256)
 
 
 # NOTE [probing]
 # A problem is built from one evaluation of f, the probe: its output gives the OutputSpec,
 # and any error in it (a non-tensor output, a batch_dim that does not index samples...) is
 # reported before any Jacobian work. With batch_dim the probe evaluates one sample (a batch
-# of one) without gradients, which is cheap. Without it, it evaluates the batch; when the
+# of one) without gradients, which is cheap; it runs on copies of the parameters, and if f
+# writes into them (an embedding's max_norm), every call of that signature works on copies.
+# Without batch_dim, it evaluates the batch; when the
 # backend will evaluate the batch with plain autograd anyway (graph), the probe is that
 # evaluation, with fresh leaves that require grad, and is handed to the backend
 # (Problem.evaluation) so that f runs once. Probes are cached per call signature (NOTE [call
@@ -444,18 +502,21 @@ def build_problem(options: Options, f: Callable[..., Any], args: tuple[Any, ...]
              "Pass the parameters (a tensor or a pytree of float tensors) at argnums, "
              "or change argnums.", TypeError)
     batch = (None if options.batch_dim is None
-             else make_batch_spec(api, args, argnums, options.batch_dim, options.in_dims))
+             else make_batch_spec(api, args, argnums, options.batch_dim, options.in_dims,
+                                  kwargs))
     draw = Draw(RngState.capture(_devices(args, kwargs)))
     key = _probe_key(f, args, kwargs, diff, options.has_aux, batch)
-    spec = None if fresh else _PROBES.get(key)
+    probe = None if fresh else _PROBES.get(key)
     evaluation = None
-    if spec is None:
-        spec, evaluation = _probe(api, f, args, kwargs, diff, batch, options.has_aux, draw,
-                                  with_grad=probe_with_grad and batch is None
-                                  and not composition.differentiable)
-        _PROBES.put(key, spec)
-    return Problem(f, args, kwargs, diff, options, batch, spec, draw, want_pullback,
-                   evaluation, composition)
+    if probe is None:
+        probe, evaluation = _probe(api, f, args, kwargs, diff, batch, options.has_aux, draw,
+                                   with_grad=probe_with_grad and batch is None
+                                   and not composition.differentiable)
+        _PROBES.put(key, probe)
+    if probe.mutates_leaves:
+        diff = diff.replace_leaves(tuple(leaf.clone() for leaf in diff.leaves))
+    return Problem(f, args, kwargs, diff, options, batch, probe.spec, draw, want_pullback,
+                   evaluation, probe.unbatched, composition)
 
 
 def _probe_key(f: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any],
@@ -472,32 +533,37 @@ def forget_probe(problem: Problem) -> None:
 
 
 def _devices(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[torch.device]:
-    leaves: list[Any] = optree.tree_leaves((args, dict(kwargs)))  # type: ignore[arg-type]
-    return [leaf.device for leaf in leaves
+    return [leaf.device for leaf in leaves_of((args, dict(kwargs)))
             if isinstance(leaf, Tensor) and leaf.device.type != "cpu"]
 
 
 def _probe(api: str, f: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any],
            diff: DiffLeaves, batch: BatchSpec | None, has_aux: bool, draw: Draw, *,
-           with_grad: bool) -> tuple[OutputSpec, Evaluation | None]:
-    """Evaluate ``f`` once (NOTE [probing]): its output's spec, and the evaluation to reuse."""
+           with_grad: bool) -> tuple[Probe, Evaluation | None]:
+    """Evaluate ``f`` once (NOTE [probing]): what it found, and the evaluation to reuse."""
     if batch is not None:
-        args = replace_input_leaves(args, batch.positions, batch.narrow(0, 1))
-    leaves = tuple(leaf.detach().requires_grad_() for leaf in diff.leaves) if with_grad \
-        else diff.leaves
+        args, kwargs = replace_input_leaves(args, kwargs, batch.positions, batch.narrow(0, 1))
+    copies = tuple(leaf.clone() for leaf in diff.leaves)  # f may write into its parameters
+    versions = [_torch_compat.version(leaf) for leaf in copies]
+    leaves = tuple(leaf.requires_grad_() for leaf in copies) if with_grad else copies
+    census = OpCensus()
     with torch.set_grad_enabled(with_grad):
         draw.before_evaluation()
         try:
-            result = f(*diff.rebuild_args(args, leaves), **kwargs)
+            with census:
+                result = f(*diff.rebuild_args(args, leaves), **kwargs)
         finally:
             if with_grad:
                 draw.after_full_evaluation()
             draw.start.restore()  # the next evaluation starts from the call's state
         out, aux = split_aux(api, result, has_aux)
-        spec = make_output_spec(api, out, batch)
+        mutated = any(_torch_compat.version(leaf) != before
+                      for leaf, before in zip(copies, versions, strict=True))
+        probe = Probe(make_output_spec(api, out, batch), tuple(census.unbatched), mutated)
         if not with_grad:
-            return spec, None
-        return spec, Evaluation(leaves, concat_rows(optree.tree_leaves(out), spec.dtype), aux)
+            return probe, None
+        rows = concat_rows(optree.tree_leaves(out), probe.spec.dtype)
+        return probe, Evaluation(leaves, rows, aux)
 
 
 def make_output_spec(api: str, out: Any, batch: BatchSpec | None) -> OutputSpec:
@@ -551,31 +617,65 @@ def _output_batch_dim(api: str, shape: torch.Size, batch: BatchSpec) -> int:
     return dim
 
 
+# NOTE [in_dims]
+# in_dims says where the samples are in every non-differentiated argument, positional or
+# keyword, like torch.func.vmap's in_dims (and like JAX's vmap for keywords):
+# * an int (or None): every non-differentiated positional argument and every keyword
+#   argument has its samples along that dimension (None: shared by all samples);
+# * a tuple: one int or None per non-differentiated positional argument, optionally followed
+#   by a dict {keyword: int or None}; keywords it does not name have their samples along
+#   dim 0 (a keyword tensor is never silently left whole: each sample sees its own slice).
+# Every tensor leaf of a batched argument is batched along the same dimension; non-tensor
+# leaves (strings, flags, Python numbers) are passed as they are.
+
 def make_batch_spec(api: str, args: tuple[Any, ...], argnums: tuple[int, ...], batch_dim: int,
-                    in_dims: InDims) -> BatchSpec:
+                    in_dims: InDims, kwargs: Mapping[str, Any] | None = None) -> BatchSpec:
     """Find the batched input tensors from ``in_dims`` and check their batch sizes agree."""
+    kwargs = kwargs or {}
     input_positions = [i for i in range(len(args)) if i not in argnums]
+    keyword_dims: dict[str, int | None] = {}
     if isinstance(in_dims, tuple | list):
-        if len(in_dims) != len(input_positions):
+        entries = list(in_dims)
+        last = entries[-1] if entries else None
+        if isinstance(last, dict):
+            keyword_dims = dict(last)
+            entries.pop()
+        if len(entries) != len(input_positions):
             fail(api, f"in_dims with one entry per non-differentiated positional argument "
                  f"({len(input_positions)} here: positions {input_positions})",
-                 f"in_dims={tuple(in_dims)!r} with {len(in_dims)} entries",
+                 f"in_dims={tuple(in_dims)!r} with {len(entries)} positional entries",
                  "Give an int (batched) or None (shared) for each input, or a single int.")
-        per_input = tuple(in_dims)
+        per_input: list[Any] = entries
+        keyword_default: int | None = 0
     else:
-        per_input = (in_dims,) * len(input_positions)
-    positions, dims, tensors = [], [], []
-    for i, dim in zip(input_positions, per_input, strict=True):
+        per_input = [in_dims] * len(input_positions)
+        keyword_default = in_dims
+    unknown = sorted(set(keyword_dims) - set(kwargs))
+    if unknown:
+        fail(api, f"in_dims to name keyword arguments of the call ({sorted(kwargs)})",
+             f"in_dims for {unknown}", "Name only keywords the call passes.")
+    arguments: list[tuple[int | str, Any, Any]] = [
+        (i, args[i], dim) for i, dim in zip(input_positions, per_input, strict=True)]
+    arguments += [(name, value, keyword_dims.get(name, keyword_default))
+                  for name, value in kwargs.items()]
+    positions: list[tuple[int | str, int]] = []
+    dims, tensors = [], []
+    for where, value, dim in arguments:
         if dim is None:
             continue
-        for j, leaf in enumerate(optree.tree_leaves(args[i])):
+        for j, leaf in enumerate(optree.tree_leaves(value)):
             if not isinstance(leaf, Tensor):
                 continue
             if leaf.dim() == 0 or not -leaf.dim() <= dim < leaf.dim():
-                fail(api, f"in_dims entry {dim} to be a valid dimension of every tensor in "
-                     f"argument {i}", f"a tensor of shape {tuple(leaf.shape)}",
-                     "Set that argument's in_dims entry to None if it is shared by all samples.")
-            positions.append((i, j))
+                name = f"argument {where}" if isinstance(where, int) else f"keyword {where!r}"
+                entry = (f"in_dims entry {dim}" if isinstance(where, int) or where in keyword_dims
+                         else f"the keyword default in_dims {dim}")
+                fail(api, f"{entry} to be a valid dimension of every tensor in {name}",
+                     f"a tensor of shape {tuple(leaf.shape)}",
+                     f"Set {name}'s in_dims entry to None if it is shared by all samples"
+                     + ("" if isinstance(where, int) else
+                        f", e.g. in_dims=(..., {{{where!r}: None}})") + ".")
+            positions.append((where, j))
             dims.append(dim % leaf.dim())
             tensors.append(leaf)
     if not tensors:
@@ -586,9 +686,8 @@ def make_batch_spec(api: str, args: tuple[Any, ...], argnums: tuple[int, ...], b
     sizes = {tensor.shape[dim] for tensor, dim in zip(tensors, dims, strict=True)}
     if len(sizes) != 1:
         described = ", ".join(
-            f"arg {i} leaf {j}: {tuple(t.shape)} at dim {d}"
-            for (i, j), t, d in zip(positions, tensors, dims, strict=True)
-        )
+            f"{'arg' if isinstance(i, int) else 'keyword'} {i!r} leaf {j}: {tuple(t.shape)} "
+            f"at dim {d}" for (i, j), t, d in zip(positions, tensors, dims, strict=True))
         fail(api, "all batched inputs to have the same batch size",
              f"different sizes {sorted(sizes)} ({described})",
              "Fix in_dims (None for shared inputs) or the inputs' shapes.")

@@ -7,6 +7,7 @@ from `optree.tree_leaves` with those defaults.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +41,10 @@ class DiffLeaves:
     arg_leaves: tuple[tuple[Any, ...], ...]
     positions: tuple[tuple[int, int], ...]
     leaves: tuple[Tensor, ...]
+
+    def replace_leaves(self, leaves: tuple[Tensor, ...]) -> DiffLeaves:
+        """The same structure with other tensors for the differentiated leaves."""
+        return dataclasses.replace(self, leaves=leaves)
 
     @property
     def numels(self) -> tuple[int, ...]:
@@ -92,6 +97,11 @@ def select_diff_leaves(args: Sequence[Any], argnums: tuple[int, ...], *,
                 leaves.append(leaf.detach() if detach else leaf)
     return DiffLeaves(tuple(argnums), tuple(treespecs), tuple(arg_leaves), tuple(positions),
                       tuple(leaves))
+
+
+def leaves_of(tree: Any) -> list[Any]:
+    """Every leaf of ``tree`` (``optree.tree_leaves``, typed for any pytree)."""
+    return list(optree.tree_leaves(tree))
 
 
 def tree_map_tensors(fn: Callable[[Tensor], Any], tree: Any) -> Any:

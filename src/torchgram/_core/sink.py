@@ -41,7 +41,8 @@ class LeafBlocks:
         num_leaves: Number of differentiated leaves.
         per_leaf: Keep one block per leaf instead of their sum.
         diagonal: Contributions are diagonals (``[m]``) instead of matrices (``[m, m]``).
-        dtype: The dtype blocks are Grammed and summed in (``None``: promoted as they come).
+        dtype: The dtype blocks are kept and summed in (the widest of the call's: a block of
+            a narrower leaf is cast before it is added). ``None``: promoted as they come.
         in_place: Whether sums may be made in place (not when ``G`` is differentiated).
 
     Example:
@@ -71,9 +72,9 @@ class LeafBlocks:
 
     def add(self, leaf_index: int, block: Tensor) -> None:
         """Add the Gramian (or its diagonal) of a column block of leaf ``leaf_index``'s J."""
+        slot = leaf_index if self.per_leaf else 0
         if self.dtype is not None:
             block = block.to(self.dtype)
-        slot = leaf_index if self.per_leaf else 0
         current = self._blocks[slot]
         if current is None:
             self._blocks[slot] = block

@@ -7,14 +7,15 @@ forward pushes) under ``vmap``, which fails on functions it cannot batch: a cust
 batching rule. Then the whole computation is redone with plain loops (what
 ``chunk_size=1`` does), which need only autograd: slower, always exact. An error the loops
 raise too is the function's own, or a declared inability (``BackendCannotRun``), and
-reaches the caller as it is.
+reaches the caller as it is; so does :class:`NotPerSample` (NOTE [per-sample]), which the
+backend answers by working on the whole batch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from torchgram._core.errors import BackendCannotRun, OutputChanged
+from torchgram._core.errors import BackendCannotRun, NotPerSample, OutputChanged
 from torchgram._core.result import BackendResult
 
 
@@ -24,7 +25,7 @@ def vmap_or_loop(run: Callable[[bool], BackendResult], *, loop: bool) -> Backend
         return run(True)
     try:
         return run(False)
-    except (BackendCannotRun, OutputChanged):
+    except (BackendCannotRun, OutputChanged, NotPerSample):
         raise
     except Exception as error:  # noqa: BLE001 -- any vmap failure: loop instead
         result = run(True)

@@ -27,6 +27,8 @@ import torch
 from torch import Tensor
 
 from torchgram._core import functional
+from torchgram._core.errors import BackendCannotRun, NotPerSample, OutputChanged
+from torchgram._core.per_sample import batch_rows, check_samples
 from torchgram._core.problem import Problem, TensorAux
 from torchgram._core.result import NO_AUX, BackendResult, Pullback, RowOrder, RunReport
 from torchgram._core.sink import LeafBlocks
@@ -38,23 +40,35 @@ from torchgram.backends._vmap_or_loop import vmap_or_loop
 @register("jacobian")
 def jacobian_backend(problem: Problem) -> BackendResult:
     """Compute the Gramian blocks of ``problem`` from explicit Jacobian blocks."""
-    return vmap_or_loop(lambda loop: _run(problem, loop=loop), loop=problem.chunk_size == 1)
+    loop = problem.loops_only
+    if problem.batch is None:
+        return vmap_or_loop(lambda loop: _run(problem, loop, per_sample=False), loop=loop)
+    try:
+        return vmap_or_loop(lambda loop: _run(problem, loop, per_sample=True), loop=loop)
+    except NotPerSample as why:  # NOTE [per-sample]: the same matrix from the whole batch
+        result = vmap_or_loop(lambda loop: _run(problem, loop, per_sample=False), loop=loop)
+        result.report.notes.append(f"per-sample evaluation does not hold ({why.reason}): "
+                                   "rows of the whole batch instead")
+        return result
 
 
-def _run(problem: Problem, *, loop: bool) -> BackendResult:
-    way = "dense rows" if problem.batch is None else "per-sample"
+def _run(problem: Problem, loop: bool, *, per_sample: bool) -> BackendResult:
+    way = "per-sample" if per_sample else "rows of the batch"
     report = RunReport("jacobian", f"{way}, {'loops' if loop else 'vmap'}")
     blocks = LeafBlocks.for_problem(problem)
     groups = _groups(problem)
     keep_block = problem.want_pullback and len(groups) == 1 and not problem.diagonal
-    order: RowOrder = "output" if problem.batch is None else "sample_major"
+    order: RowOrder = "sample_major" if per_sample else "output"
     aux, rows, pullback = NO_AUX, None, None
+    batch_outputs = None
+    if per_sample:  # the batch's outputs, to check the samples run alone against
+        batch_outputs, aux = batch_rows(problem)
     for group in groups:
-        if problem.batch is None:
+        if batch_outputs is None:
             group_aux, group_rows, writer = _dense_group(problem, group, report, loop)
             aux = group_aux if aux is NO_AUX else aux
         else:
-            group_rows, writer = _per_sample_group(problem, group, report, loop)
+            group_rows, writer = _per_sample_group(problem, group, report, loop, batch_outputs)
         rows = group_rows if rows is None else rows
         writer.flush(blocks)
         if keep_block:
@@ -213,8 +227,8 @@ def row_vjps(vjp_fn: Callable[..., tuple[Tensor, ...]], rows: Tensor, start: int
     return torch.func.vmap(vjp_fn)(basis)
 
 
-def _per_sample_group(problem: Problem, group: LeafGroup, report: RunReport,
-                      loop: bool) -> tuple[Tensor, _BlockWriter]:
+def _per_sample_group(problem: Problem, group: LeafGroup, report: RunReport, loop: bool,
+                      batch_outputs: Tensor) -> tuple[Tensor, _BlockWriter]:
     batch = problem.batch
     assert batch is not None
     leaf_ids = group.leaves
@@ -238,10 +252,19 @@ def _per_sample_group(problem: Problem, group: LeafGroup, report: RunReport,
         count = min(samples_per_pass, batch.size - first)
         inputs = batch.narrow(first, count)
         if loop:
-            jacobians, sample_outputs = _sample_loop(sample_rows, primals, inputs, batch.dims)
+            try:
+                jacobians, sample_outputs = _sample_loop(sample_rows, primals, inputs,
+                                                         batch.dims)
+            except (BackendCannotRun, OutputChanged, NotPerSample):
+                raise
+            except Exception as error:  # the batch ran: f fails on a batch of one
+                raise NotPerSample(f"f fails on a batch of one ({type(error).__name__}: "
+                                   f"{str(error)[:100]})") from error
         else:
             jacobians, sample_outputs = _sample_vmap(sample_rows, primals, inputs, batch.dims,
                                                      inner_chunk)
+        check_samples(problem, sample_outputs, torch.arange(first, first + count),
+                      batch_outputs)
         outputs.append(sample_outputs.detach().reshape(-1))
         rows = slice(first * rows_per_sample, (first + count) * rows_per_sample)
         writer.write(rows, {

@@ -44,9 +44,11 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from torchgram._core import _torch_compat, functional
-from torchgram._core.errors import BackendCannotRun
+from torchgram._core.errors import BackendCannotRun, NotPerSample, OutputChanged
+from torchgram._core.per_sample import batch_rows, check_samples
 from torchgram._core.problem import Problem, TensorAux
 from torchgram._core.result import BackendResult, RunReport
+from torchgram.backends._embedding import EmbeddingConventions
 from torchgram.backends._grouping import rows_per_chunk
 from torchgram.backends._registry import register
 from torchgram.backends._vmap_or_loop import vmap_or_loop
@@ -71,15 +73,25 @@ def ntvp_backend(problem: Problem) -> BackendResult:
         result.report.notes.append("diagonal: the jacobian backend's vjps (no forward mode)")
         return result
     _prepare_forward_ad()
-    return vmap_or_loop(lambda loop: _run(problem, loop), loop=problem.chunk_size == 1)
+    loop = problem.loops_only
+    with EmbeddingConventions():  # NOTE [embedding conventions]
+        if problem.batch is None:
+            return vmap_or_loop(lambda loop: _run(problem, loop, per_sample=False), loop=loop)
+        try:
+            return vmap_or_loop(lambda loop: _run(problem, loop, per_sample=True), loop=loop)
+        except NotPerSample as why:  # NOTE [per-sample]: the same matrix from the whole batch
+            result = vmap_or_loop(lambda loop: _run(problem, loop, per_sample=False), loop=loop)
+            result.report.notes.append(f"per-sample evaluation does not hold ({why.reason}): "
+                                       "rows of the whole batch instead")
+            return result
 
 
-def _run(problem: Problem, loop: bool) -> BackendResult:
-    way = "dense rows" if problem.batch is None else "per-sample vjps"
+def _run(problem: Problem, loop: bool, *, per_sample: bool) -> BackendResult:
+    way = "per-sample vjps" if per_sample else "rows of the batch"
     report = RunReport("ntvp", f"{way}, {'loops' if loop else 'vmap'}")
-    if problem.batch is None:
-        return _dense_rows(problem, report, loop)
-    return _per_sample_rows(problem, report, loop)
+    if per_sample:
+        return _per_sample_rows(problem, report, loop)
+    return _dense_rows(problem, report, loop)
 
 
 # -- dense rows ------------------------------------------------------------------------------
@@ -124,12 +136,17 @@ def _per_sample_rows(problem: Problem, report: RunReport, loop: bool) -> Backend
     if rows_per_sample == 0:
         return BackendResult(columns.blocks(), report)
     index = problem.sample_major_index
+    batch_outputs, aux = batch_rows(problem)  # to check the samples run alone against
     chunk = 1 if loop else _rows_per_chunk(problem, problem.num_rows)
     for first, count, k_start, k_stop in _sample_chunks(batch.size, rows_per_sample, chunk):
-        # the vjps are not bound to a name: they are freed before the next chunk's exist
-        columns.push(index[first:first + count, k_start:k_stop].reshape(-1),
-                     _sample_vjps(problem, batch.narrow(first, count), k_start, k_stop))
-    return BackendResult(columns.blocks(), report, symmetric=False)
+        vjps, sample_outputs = _sample_vjps(problem, batch.narrow(first, count), k_start,
+                                            k_stop, loop)
+        check_samples(problem, sample_outputs, torch.arange(first, first + count),
+                      batch_outputs)
+        columns.push(index[first:first + count, k_start:k_stop].reshape(-1), vjps)
+        del vjps  # freed before the next chunk's exist
+    return BackendResult(columns.blocks(), report, symmetric=False, aux=aux,
+                         rows=batch_outputs)
 
 
 def _sample_chunks(num_samples: int, rows_per_sample: int,
@@ -152,26 +169,38 @@ def _sample_chunks(num_samples: int, rows_per_sample: int,
             yield sample, 1, start, min(start + chunk, rows_per_sample)
 
 
-def _sample_vjps(problem: Problem, inputs: tuple[Tensor, ...], k_start: int,
-                 k_stop: int) -> Tangents:
-    """The vjps of rows ``k_start..k_stop-1`` of each sample in ``inputs``, sample-major."""
+def _sample_vjps(problem: Problem, inputs: tuple[Tensor, ...], k_start: int, k_stop: int,
+                 loop: bool) -> tuple[Tangents, Tensor]:
+    """The vjps of rows ``k_start..k_stop-1`` of each sample in ``inputs``, and their rows.
+
+    Returns the vjps (sample-major) and the samples' rows ``[count, K]``.
+    """
     batch = problem.batch
     assert batch is not None
 
-    def one_sample(*sample: Tensor) -> Tangents:  # inputs of one sample, batch dim kept
+    def one_sample(*sample: Tensor) -> tuple[Tangents, Tensor]:  # batch dim kept
         rows, vjp_fn = functional.vjp(lambda *leaves: problem.sample_rows(leaves, sample),
                                       *problem.leaves)
-        return row_vjps(vjp_fn, rows, k_start, k_stop)
+        return row_vjps(vjp_fn, rows, k_start, k_stop), rows.detach()
 
     count = inputs[0].shape[batch.dims[0]]
     if count == 1:
-        return one_sample(*inputs)
+        try:
+            vjps, rows = one_sample(*inputs)
+        except (BackendCannotRun, OutputChanged, NotPerSample):
+            raise
+        except Exception as error:
+            if not loop:
+                raise
+            raise NotPerSample(f"f fails on a batch of one ({type(error).__name__}: "
+                               f"{str(error)[:100]})") from error
+        return vjps, rows.unsqueeze(0)
 
-    def unsqueezed(*sample: Tensor) -> Tangents:
+    def unsqueezed(*sample: Tensor) -> tuple[Tangents, Tensor]:
         return one_sample(*(x.unsqueeze(d) for x, d in zip(sample, batch.dims, strict=True)))
 
-    per_sample = torch.func.vmap(unsqueezed, in_dims=batch.dims)(*inputs)
-    return tuple(t.flatten(0, 1) for t in per_sample)
+    per_sample, rows = torch.func.vmap(unsqueezed, in_dims=batch.dims)(*inputs)
+    return tuple(t.flatten(0, 1) for t in per_sample), rows
 
 
 # -- pushing forward -------------------------------------------------------------------------

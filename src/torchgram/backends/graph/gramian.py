@@ -96,7 +96,7 @@ def graph_gramian(api: str, outputs: Sequence[Tensor], inputs: Sequence[Tensor],
             flat = jacobian.reshape(jacobian.shape[0], -1)
             if flat.is_complex():  # real and imaginary parts are two real columns each
                 flat = torch.view_as_real(flat).reshape(flat.shape[0], -1)
-            if blocks.dtype is not None:  # mixed dtypes: Gram in the widest
+            if blocks.dtype is not None:  # Grams in the call's widest dtype
                 flat = flat.to(blocks.dtype)
             for index in by_edge[edge]:
                 blocks.add(index, _gram(flat, diagonal, start, num_rows))

@@ -135,7 +135,8 @@ class NodeCaller:
 
     def _rows(self, node: Node, grads: list[Tensor | None], edges: Sequence[Edge | None],
               count: int) -> list[Tensor | None]:
-        if count > 1 and self.chunk_size != 1 and type(node) not in self.loop_types:
+        if count > 1 and self.chunk_size != 1 and type(node) not in self.loop_types \
+                and node_name(node) not in _torch_compat.WRONG_BATCHED_NODES:
             try:
                 return _vmapped(node, grads, edges)
             except Exception:  # noqa: BLE001 -- NOTE [vmap fallback]: any failure, loop instead

@@ -40,100 +40,25 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
 from torchgram._core.composition import require_no_transforms
+from torchgram._core.errors import NotPerSample
 from torchgram._core.problem import Problem
-from torchgram._core.result import BackendResult, Pullback, RunReport
+from torchgram._core.result import BackendResult, Pullback, RowOrder, RunReport
 from torchgram._core.sink import LeafBlocks, backend_index
 from torchgram.backends._registry import register
 from torchgram.backends.structured.contraction import Contraction, to_row_major
-from torchgram.backends.structured.cost import Force, LeafPlan, Sizes, plan_leaves
+from torchgram.backends.structured.cost import Force
 from torchgram.backends.structured.passes import (
     Forward,
     backward_chunks,
-    batched_forward,
     dense_forward,
-    forget_trace,
-    per_sample_forward,
-    restrict,
     rows_per_pass,
-    trace,
 )
-from torchgram.backends.structured.trace import Recording, TraceMismatch, UseRecord
-
-
-@dataclass(frozen=True)
-class StructuredPlan:
-    """What the structured backend will do for a problem (see :func:`plan_problem`).
-
-    Attributes:
-        recording: The uses found by the trace.
-        sizes: Samples, rows per sample, diagonal, itemsize.
-        leaves: One :class:`LeafPlan` per differentiated leaf.
-        forward_flops: Rough multiply-adds of one forward of ``f`` on the whole batch.
-    """
-
-    recording: Recording
-    sizes: Sizes
-    leaves: tuple[LeafPlan, ...]
-    forward_flops: float
-
-    @property
-    def contraction_cost(self) -> float:
-        """Estimated multiply-adds of all leaves' contractions."""
-        return sum(plan.cost for plan in self.leaves)
-
-
-def _forward_flops(recording: Recording, samples: int) -> float:
-    per_call = {use.tap: use.shape.forward_flops for use in recording.uses if use.role == "weight"}
-    unrecognised = sum(recording.unrecognised_flops.values())
-    return float(samples * (sum(per_call.values()) + unrecognised))
-
-
-def plan_problem(problem: Problem, recording: Recording | None = None, *,
-                 force: Force | None = None) -> StructuredPlan:
-    """Trace ``f`` (one sample with ``batch_dim``) and plan every leaf, without computing G.
-
-    Without ``batch_dim`` the trace runs ``f`` on the full inputs and the plan is the one
-    the backend would make after its own forward. ``force`` (``"ghost"``, ``"materialize"``
-    or ``"sparse"``) overrides the cost model wherever that way is possible (for tests).
-    """
-    if recording is None:
-        recording = trace(problem)
-    samples = problem.samples
-    sizes = Sizes(samples, problem.rows_per_sample, problem.diagonal, problem.itemsize)
-    numels = tuple(leaf.numel() for leaf in problem.leaves)
-    key = (sizes, numels, problem.batch is None, problem.memory_budget, force)
-    plan = recording.plans.get(key)
-    if plan is None:
-        leaves = plan_leaves(numels, recording, sizes, tap_fallback_uses=problem.batch is None,
-                             memory_budget=problem.memory_budget, force=force)
-        plan = StructuredPlan(recording, sizes, tuple(leaves),
-                              _forward_flops(recording, samples))
-        recording.plans[key] = plan
-    return plan
-
-
-def run_uses(plans: Sequence[LeafPlan], run: Recording) -> dict[int, tuple[UseRecord, ...]]:
-    """The run's records of the uses each plan contracts (same uses as planned, or raise)."""
-    by_leaf: dict[int, list[UseRecord]] = {}
-    for use in run.uses:
-        by_leaf.setdefault(use.leaf, []).append(use)
-    uses = {}
-    for plan in plans:
-        if not plan.uses:
-            continue
-        seen = tuple(by_leaf.get(plan.leaf, ()))
-        if len(seen) != len(plan.uses):
-            raise TraceMismatch(f"leaf {plan.leaf}: {len(seen)} uses in the run, "
-                                f"{len(plan.uses)} planned")
-        uses[plan.leaf] = seen
-    return uses
+from torchgram.backends.structured.per_sample import per_sample_forward_checked
+from torchgram.backends.structured.plan import StructuredPlan, plan_problem, run_uses
 
 
 @register("structured")
@@ -152,45 +77,25 @@ def run_structured(problem: Problem, plan: StructuredPlan | None = None, *,
     require_no_transforms(problem, "structured")
     with torch.enable_grad():
         if problem.batch is None:
-            forward = dense_forward(problem) if forward is None else forward
-            if plan is None or force is not None or plan.recording is not forward.recording:
-                plan = plan_problem(problem, forward.recording, force=force)
-            rows = forward.detached_rows().reshape(-1)
-        else:
-            forward, plan = _per_sample(problem, plan, force)
-            rows = _row_major_rows(problem, forward)
-        return _contract(problem, forward, plan, rows)
+            return _dense(problem, plan, forward, force)
+        try:
+            forward, plan = per_sample_forward_checked(problem, plan, force)
+        except NotPerSample as why:  # NOTE [per-sample]: the same matrix from the whole batch
+            result = _dense(problem, None, None, force)
+            result.report.notes.append(f"per-sample passes do not hold ({why.reason}): rows of "
+                                       "the whole batch instead")
+            return result
+        return _contract(problem, forward, plan, _row_major_rows(problem, forward),
+                         "row_major")
 
 
-def _per_sample_forward(problem: Problem, traced: Recording) -> Forward:
-    """The batched way if possible, else vmap (or a loop); all-fallback if the run diverges."""
-    fallback = sorted(traced.unrecognised)
-    tapped = [i for i in range(len(problem.leaves)) if i not in set(fallback)]
-    expected = restrict(traced, tapped)
-    loop = problem.chunk_size == 1
-    try:
-        if not fallback:
-            forward = batched_forward(problem, expected)
-            if forward is not None:
-                return forward
-        return per_sample_forward(problem, expected, fallback, loop=loop)
-    except TraceMismatch:
-        forget_trace(problem)  # the next call traces afresh
-        everything = range(len(problem.leaves))
-        return per_sample_forward(problem, restrict(traced, []), everything, loop=loop)
-
-
-def _per_sample(problem: Problem, plan: StructuredPlan | None,
-                force: Force | None) -> tuple[Forward, StructuredPlan]:
-    traced = plan.recording if plan is not None else trace(problem)
-    forward = _per_sample_forward(problem, traced)
-    if len(forward.carrier_leaves) > len(traced.unrecognised):  # the run diverged
-        traced = Recording(unrecognised={i: ["(a run that left its trace)"]
-                                         for i in range(len(problem.leaves))})
-        plan = None
-    if plan is None or force is not None:
-        plan = plan_problem(problem, traced, force=force)
-    return forward, plan
+def _dense(problem: Problem, plan: StructuredPlan | None, forward: Forward | None,
+           force: Force | None) -> BackendResult:
+    """One tapped forward of the whole batch; its ``m`` rows as ``R = m`` rows of one sample."""
+    forward = dense_forward(problem) if forward is None else forward
+    if plan is None or force is not None or plan.recording is not forward.recording:
+        plan = plan_problem(problem, forward.recording, force=force, dense=True)
+    return _contract(problem, forward, plan, forward.detached_rows().reshape(-1), "output")
 
 
 def _row_major_rows(problem: Problem, forward: Forward) -> Tensor:
@@ -202,8 +107,8 @@ def _row_major_rows(problem: Problem, forward: Forward) -> Tensor:
     return rows if index is None else rows[index]
 
 
-def _contract(problem: Problem, forward: Forward, plan: StructuredPlan,
-              rows: Tensor) -> BackendResult:
+def _contract(problem: Problem, forward: Forward, plan: StructuredPlan, rows: Tensor,
+              order: RowOrder) -> BackendResult:
     samples, rows_per_sample = forward.samples, forward.rows_per_sample
     report = RunReport("structured", forward.kind,
                        leaf_ways=tuple(leaf.way for leaf in plan.leaves))
@@ -214,7 +119,7 @@ def _contract(problem: Problem, forward: Forward, plan: StructuredPlan,
     contraction.set_acts(forward.acts)
     per_pass = rows_per_pass(problem, forward)
     for start, stop, tap_cots, carrier_grads in backward_chunks(
-            forward, per_pass, vectorize=problem.chunk_size != 1,
+            forward, per_pass, vectorize=not problem.loops_only,
             create_graph=problem.composition.create_graph):
         report.row_chunks.append((stop - start, sum(
             t.numel() * t.element_size() for t in [*tap_cots, *carrier_grads.values()]
@@ -227,7 +132,7 @@ def _contract(problem: Problem, forward: Forward, plan: StructuredPlan,
     pullback = None
     if problem.want_pullback and contraction.complete:
         pullback = _pullback(problem, contraction, rows_per_sample, samples)
-    return BackendResult(blocks.blocks(), report, row_order="row_major", aux=forward.aux,
+    return BackendResult(blocks.blocks(), report, row_order=order, aux=forward.aux,
                          rows=rows, pullback=pullback)
 
 

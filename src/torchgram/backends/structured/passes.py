@@ -101,7 +101,7 @@ def trace(problem: Problem) -> Recording:
                 rows = problem.rows(carriers)[0]
         else:
             with mode:
-                rows = problem.sample_rows(carriers, batch.narrow(0, 1))
+                rows = problem.sample_rows(carriers, batch.narrow(0, 1), check_draw=False)
     mode.recording.rows = rows.numel()
     keep_trace(problem, mode.recording)
     return mode.recording
@@ -316,8 +316,13 @@ def dense_forward(problem: Problem) -> Forward:
 # -- backwards -------------------------------------------------------------------------------
 
 def rows_per_pass(problem: Problem, forward: Forward) -> int:
-    """Cotangent directions per backward (each covers every sample): chunk_size / budget."""
+    """Cotangent directions per backward (each covers every sample): chunk_size / budget.
+
+    One when the backwards cannot be vmapped (``Problem.loops_only``).
+    """
     rows = forward.rows_per_sample
+    if problem.loops_only:
+        return 1
     if problem.chunk_size is not None:
         return max(1, min(rows, problem.chunk_size // max(1, forward.samples)))
     if problem.memory_budget is None:

@@ -33,11 +33,15 @@ from typing import Any, Literal
 
 import optree
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from torchgram._core import _torch_compat
+from torchgram._core.census import coupling_op
 from torchgram._core.composition import tapped_evaluation
+from torchgram._core.pytree import leaves_of
+from torchgram.backends._embedding import embedding_with_conventions
 from torchgram.backends.structured.rules import rewrite_for, rule_for
 from torchgram.backends.structured.rules.base import Layout, Match, UseShape
 
@@ -113,6 +117,8 @@ class Recording:
     unrecognised_flops: dict[int, int] = field(default_factory=dict)
     rows: int | None = None
     """Output rows of the evaluation (``K`` for one sample, ``m`` for the whole batch)."""
+    coupling: list[str] = field(default_factory=list)
+    """Calls that make samples interact (NOTE [per-sample]), named."""
     plans: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
     """Plans made from this recording, by the backend (a cache)."""
 
@@ -268,8 +274,11 @@ class TapMode(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
-        leaves: list[Any] = optree.tree_leaves((args, kwargs))  # type: ignore[arg-type]
-        found = [(leaf, ref) for leaf in leaves if (ref := self._ref(leaf)) is not None]
+        why = coupling_op(func, args, kwargs)
+        if why is not None and why not in self.recording.coupling:
+            self.recording.coupling.append(why)
+        found = [(leaf, ref) for leaf in leaves_of((args, kwargs))
+                 if (ref := self._ref(leaf)) is not None]
         if not found:
             return func(*args, **kwargs)
         if len(found) == 1 and args and args[0] is found[0][0] and args[0].dim() == 2 \
@@ -291,7 +300,11 @@ class TapMode(TorchFunctionMode):
             result = self._tap(match, found)
             if result is not None:
                 return result
-        result = func(*args, **kwargs)
+        result = NotImplemented
+        if func is F.embedding:  # NOTE [embedding conventions]: per-sample carriers too
+            result = embedding_with_conventions(args, kwargs)
+        if result is NotImplemented:
+            result = func(*args, **kwargs)
         if _has_float_tensor(result):
             self._note_unrecognised([ref for _, ref in found], describe(func), result)
         return result

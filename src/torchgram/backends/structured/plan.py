@@ -1,0 +1,83 @@
+"""The structured backend's plan: its trace, and one way per leaf (NOTE [structured cost model])."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torchgram._core.problem import Problem
+from torchgram.backends.structured.cost import Force, LeafPlan, Sizes, plan_leaves
+from torchgram.backends.structured.passes import trace
+from torchgram.backends.structured.trace import Recording, TraceMismatch, UseRecord
+
+
+@dataclass(frozen=True)
+class StructuredPlan:
+    """What the structured backend will do for a problem (see :func:`plan_problem`).
+
+    Attributes:
+        recording: The uses found by the trace.
+        sizes: Samples, rows per sample, diagonal, itemsize.
+        leaves: One :class:`LeafPlan` per differentiated leaf.
+        forward_flops: Rough multiply-adds of one forward of ``f`` on the whole batch.
+    """
+
+    recording: Recording
+    sizes: Sizes
+    leaves: tuple[LeafPlan, ...]
+    forward_flops: float
+
+    @property
+    def contraction_cost(self) -> float:
+        """Estimated multiply-adds of all leaves' contractions."""
+        return sum(plan.cost for plan in self.leaves)
+
+
+def _forward_flops(recording: Recording, samples: int) -> float:
+    per_call = {use.tap: use.shape.forward_flops for use in recording.uses if use.role == "weight"}
+    unrecognised = sum(recording.unrecognised_flops.values())
+    return float(samples * (sum(per_call.values()) + unrecognised))
+
+
+def plan_problem(problem: Problem, recording: Recording | None = None, *,
+                 force: Force | None = None, dense: bool = False) -> StructuredPlan:
+    """Trace ``f`` (one sample with ``batch_dim``) and plan every leaf, without computing G.
+
+    Without ``batch_dim`` (or with ``dense``: the rows of the whole batch, NOTE
+    [per-sample]) the recording is that of a run on the full inputs, and the plan is the
+    one the backend makes after its own forward. ``force`` (``"ghost"``, ``"materialize"``
+    or ``"sparse"``) overrides the cost model wherever that way is possible (for tests).
+    """
+    if recording is None:
+        recording = trace(problem)
+    dense = dense or problem.batch is None
+    samples = 1 if dense else problem.samples
+    rows = problem.num_rows if dense else problem.rows_per_sample
+    sizes = Sizes(samples, rows, problem.diagonal, problem.itemsize)
+    numels = tuple(leaf.numel() for leaf in problem.leaves)
+    key = (sizes, numels, dense, problem.memory_budget, force)
+    plan = recording.plans.get(key)
+    if plan is None:
+        leaves = plan_leaves(numels, recording, sizes, tap_fallback_uses=dense,
+                             memory_budget=problem.memory_budget, force=force)
+        plan = StructuredPlan(recording, sizes, tuple(leaves),
+                              _forward_flops(recording, samples))
+        recording.plans[key] = plan
+    return plan
+
+
+def run_uses(plans: Sequence[LeafPlan], run: Recording) -> dict[int, tuple[UseRecord, ...]]:
+    """The run's records of the uses each plan contracts (same uses as planned, or raise)."""
+    by_leaf: dict[int, list[UseRecord]] = {}
+    for use in run.uses:
+        by_leaf.setdefault(use.leaf, []).append(use)
+    uses = {}
+    for plan in plans:
+        if not plan.uses:
+            continue
+        seen = tuple(by_leaf.get(plan.leaf, ()))
+        if len(seen) != len(plan.uses):
+            raise TraceMismatch(f"leaf {plan.leaf}: {len(seen)} uses in the run, "
+                                f"{len(plan.uses)} planned")
+        uses[plan.leaf] = seen
+    return uses

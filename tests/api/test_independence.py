@@ -1,0 +1,46 @@
+"""``tg.check_independence``: the opt-in check of batch_dim's promise, on every model case."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchgram as tg
+from models import recurrent, regressions, torchjd_ports, transformers_models, vision
+from models.case import build
+
+BUILDERS = {**transformers_models.BUILDERS, **vision.BUILDERS, **recurrent.BUILDERS,
+            **regressions.BUILDERS, **torchjd_ports.BUILDERS}
+INTERACTING = {"resnet-train", "centered-batch", "WithBatchNorm", "tied-scale-grad-by-freq"}
+"""Cases whose samples interact: batch statistics, a mean over the batch, and token counts
+over the batch in the embedding's backward."""
+
+
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_every_model_case_is_judged_right(name: str) -> None:
+    case = build(BUILDERS, name)
+    check = tg.check_independence(case.f, batch_dim=0, in_dims=case.in_dims)
+    report = check(*case.args, **case.kw_inputs)
+    assert report.independent == (name not in INTERACTING), str(report)
+    assert report.samples_checked == tuple(range(3))
+    if name == "resnet-train":
+        assert report.coupling_ops and "batch_norm" in report.coupling_ops[0]
+
+
+def test_interactions_name_the_samples_and_print() -> None:
+    w = torch.randn(3, dtype=torch.float64)
+
+    def shifted(w, x):  # sample b sees sample b - 1
+        return torch.tanh(torch.roll(x, 1, dims=0) @ w + x @ w)
+
+    report = tg.check_independence(shifted)(w, torch.randn(4, 3, dtype=torch.float64))
+    assert not report.independent
+    assert set(report.interactions) == {(0, 1), (1, 2), (2, 3), (3, 0)}
+    assert "Changing sample b moved sample c: 0→1" in str(report)
+
+
+def test_bad_sample_index_is_rejected() -> None:
+    with pytest.raises(ValueError, match=r"torchgram.check_independence: expected samples "
+                                         r"within \[0, 4\)"):
+        tg.check_independence(lambda w, x: x @ w, samples=[5])(torch.randn(3),
+                                                                 torch.randn(4, 3))

@@ -1,0 +1,161 @@
+"""``transformers`` models from tiny configs: random init, no downloads, float64.
+
+Each builder returns a :class:`models.case.ModelCase` whose function calls the model the way
+people do — ``model(input_ids, attention_mask=mask)``, the mask **by keyword** (issue 9,
+regression 3) — and returns per-sample losses ``[B]``. Models are in eval mode with dropout
+probabilities 0, except ``bert-dropout`` (train mode, one random draw per call). Attention
+runs with the ``eager`` kernels and with ``sdpa`` (the library's default on CPU), since the
+two build and use the mask differently.
+
+Sizes: hidden 8 (LLaMA 16), 1 layer, 2 heads (LLaMA 4 query / 2 key-value heads), vocab 20,
+``B = 3`` samples of ``T = 5`` tokens, padded to different lengths.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from transformers import (
+    BertConfig,
+    BertForSequenceClassification,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    ViTConfig,
+    ViTForImageClassification,
+)
+
+import torchgram as tg
+from models.case import ModelCase
+
+BATCH, TOKENS, VOCAB, LABELS = 3, 5, 20, 3
+PAD = 0
+LENGTHS = (5, 3, 4)
+"""Unpadded length of each sample."""
+
+
+def _padded_tokens() -> tuple[Tensor, Tensor]:
+    """Token ids ``[B, T]``, right-padded with ``PAD``, and the attention mask (int64, 1 = real).
+
+    Right padding: with left padding, the eager causal attention of ``transformers`` 5.24 gives
+    NaN outputs for the fully masked rows of the padded queries, in every sample's loss.
+    """
+    ids = torch.randint(1, VOCAB, (BATCH, TOKENS))
+    mask = torch.zeros(BATCH, TOKENS, dtype=torch.long)
+    for b, length in enumerate(LENGTHS):
+        mask[b, :length] = 1
+    ids[mask == 0] = PAD
+    return ids, mask
+
+
+def lm_losses(logits: Tensor, ids: Tensor, mask: Tensor | None = None) -> Tensor:
+    """Per-sample next-token cross-entropy ``[B]``, averaged over the real target tokens."""
+    token = F.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none")
+    if mask is None:
+        return token.mean(1)
+    weights = mask[:, 1:].to(token.dtype)
+    return (token * weights).sum(1) / weights.sum(1)
+
+
+def bert(attn: str, *, dropout: float = 0.0) -> ModelCase:
+    config = BertConfig(vocab_size=VOCAB, hidden_size=8, num_hidden_layers=1,
+                        num_attention_heads=2, intermediate_size=16, max_position_embeddings=8,
+                        num_labels=LABELS, pad_token_id=PAD, hidden_dropout_prob=dropout,
+                        attention_probs_dropout_prob=dropout, attn_implementation=attn)
+    model = BertForSequenceClassification(config).to(torch.float64)
+    model.train(dropout > 0)
+    fn, params = tg.functionalize(model)
+    ids, mask = _padded_tokens()
+    labels = torch.randint(0, LABELS, (BATCH,))
+
+    def f(p: dict[str, Tensor], ids: Tensor, labels: Tensor, *, attention_mask: Tensor) -> Tensor:
+        logits = fn(p, ids, attention_mask=attention_mask).logits
+        return F.cross_entropy(logits, labels, reduction="none")
+
+    name = "bert-dropout" if dropout else f"bert-mask-{attn}"
+    note = ("BertForSequenceClassification, train mode, dropout 0.1, padded + mask"
+            if dropout else "BertForSequenceClassification, padded samples + attention mask")
+    return ModelCase(name, f, params, (ids, labels), {"attention_mask": mask},
+                     output_shape=(BATCH,), module=model, seed=1234 if dropout else None,
+                     note=note)
+
+
+def gpt2(attn: str, *, masked: bool) -> ModelCase:
+    config = GPT2Config(vocab_size=VOCAB, n_positions=8, n_embd=8, n_layer=1, n_head=2,
+                        n_inner=16, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                        bos_token_id=1, eos_token_id=1, attn_implementation=attn)
+    model = GPT2LMHeadModel(config).to(torch.float64).eval()
+    assert model.lm_head.weight is model.transformer.wte.weight  # tied
+    fn, params = tg.functionalize(model)
+    ids, mask = _padded_tokens()
+    if not masked:
+        def f_plain(p: dict[str, Tensor], ids: Tensor) -> Tensor:
+            return lm_losses(fn(p, ids).logits, ids)
+
+        return ModelCase(f"gpt2-{attn}", f_plain, params, (ids,), output_shape=(BATCH,),
+                         module=model, note="GPT2LMHeadModel, tied embeddings, LM loss")
+
+    def f(p: dict[str, Tensor], ids: Tensor, *, attention_mask: Tensor) -> Tensor:
+        return lm_losses(fn(p, ids, attention_mask=attention_mask).logits, ids, attention_mask)
+
+    return ModelCase(f"gpt2-mask-{attn}", f, params, (ids,), {"attention_mask": mask},
+                     output_shape=(BATCH,), module=model,
+                     note="GPT2LMHeadModel, tied embeddings, right-padded + mask, LM loss")
+
+
+LLAMA_RTOL = 1e-6
+"""LLaMA computes in float32 inside a float64 model: ``LlamaRMSNorm`` casts the hidden states
+to float32 for the variance, and eager attention takes its softmax in float32. Forward- and
+reverse-mode derivatives (``ntvp`` vs the oracle) then agree to ~1e-8 only; with a float64
+RMSNorm they agree to 1e-11 (eager) and 1e-16 (sdpa). Real errors seen here are > 1e-1."""
+
+
+def llama(attn: str) -> ModelCase:
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=24,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=16, pad_token_id=PAD, bos_token_id=1,
+                         eos_token_id=2, attn_implementation=attn)
+    model = LlamaForCausalLM(config).to(torch.float64).eval()
+    fn, params = tg.functionalize(model)
+    ids, mask = _padded_tokens()
+
+    def f(p: dict[str, Tensor], ids: Tensor, *, attention_mask: Tensor) -> Tensor:
+        return lm_losses(fn(p, ids, attention_mask=attention_mask).logits, ids, attention_mask)
+
+    return ModelCase(f"llama-mask-{attn}", f, params, (ids,), {"attention_mask": mask},
+                     output_shape=(BATCH,), module=model, rtol=LLAMA_RTOL,
+                     note="LlamaForCausalLM: GQA 4/2 heads, RMSNorm, rotary; padded + mask")
+
+
+def vit(attn: str) -> ModelCase:
+    config = ViTConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=8,
+                       num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
+                       num_labels=LABELS, attn_implementation=attn)
+    model = ViTForImageClassification(config).to(torch.float64).eval()
+    fn, params = tg.functionalize(model)
+    pixels = torch.randn(BATCH, 3, 8, 8, dtype=torch.float64)
+    labels = torch.randint(0, LABELS, (BATCH,))
+
+    def f(p: dict[str, Tensor], pixels: Tensor, labels: Tensor) -> Tensor:
+        return F.cross_entropy(fn(p, pixels).logits, labels, reduction="none")
+
+    return ModelCase(f"vit-{attn}", f, params, (pixels, labels), output_shape=(BATCH,),
+                     module=model, note="ViTForImageClassification, 8x8 images, 4x4 patches")
+
+
+BUILDERS: dict[str, Callable[[], ModelCase]] = {
+    "bert-mask-eager": lambda: bert("eager"),
+    "bert-mask-sdpa": lambda: bert("sdpa"),
+    "bert-dropout": lambda: bert("eager", dropout=0.1),
+    "gpt2-eager": lambda: gpt2("eager", masked=False),
+    "gpt2-mask-eager": lambda: gpt2("eager", masked=True),
+    "gpt2-mask-sdpa": lambda: gpt2("sdpa", masked=True),
+    "llama-mask-eager": lambda: llama("eager"),
+    "llama-mask-sdpa": lambda: llama("sdpa"),
+    "vit-eager": lambda: vit("eager"),
+    "vit-sdpa": lambda: vit("sdpa"),
+}
