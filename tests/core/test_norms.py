@@ -82,3 +82,21 @@ def test_batched_and_forward_derivatives_are_right(norm: str, mode: str) -> None
     with DecomposedNorms():
         actual = torch.func.grad(rows_times_c)(W, mode)
     torch.testing.assert_close(actual, expected)
+
+
+def test_torch_still_gets_batched_norm_derivatives_wrong() -> None:
+    """When this fails, torch fixed its batching rules: DecomposedNorms can go."""
+    x, W, gamma = (torch.randn(5, 6, dtype=DOUBLE), torch.randn(6, 6, dtype=DOUBLE),
+                   torch.randn(6, dtype=DOUBLE))
+
+    def weight_jacobian_sum(W: Tensor, batched: bool) -> Tensor:
+        _, vjp_fn = torch.func.vjp(lambda g: torch.tanh(F.layer_norm(x @ W.T, (6,), g)).sum(-1),
+                                   gamma)
+        basis = torch.eye(5, dtype=DOUBLE)
+        J = torch.func.vmap(vjp_fn)(basis)[0] if batched else \
+            torch.stack([vjp_fn(e)[0] for e in basis])
+        return (J * torch.arange(30, dtype=DOUBLE).reshape(5, 6)).sum()
+
+    batched = torch.func.grad(weight_jacobian_sum)(W, True)
+    looped = torch.func.grad(weight_jacobian_sum)(W, False)
+    assert not torch.allclose(batched, looped), "torch fixed layer_norm's batched backward"

@@ -19,6 +19,8 @@ not, are right. Values agree with the fused kernels to round-off. Running statis
 norm in training mode, instance norm with ``use_input_stats`` and running buffers) are
 updated in place exactly as the fused kernels do (momentum, unbiased variance), outside
 autograd. Eval-mode batch norm is an affine map of fixed statistics and runs unchanged.
+``tests/core/test_norms.py`` checks that torch still gets it wrong (and fails once torch
+fixes it, when this mode can go).
 """
 
 from __future__ import annotations
