@@ -31,6 +31,7 @@ REPOSITORY_FILES = (
     "benchmarks/README.md",
     "benchmarks/results/benchmarks.md",
     "benchmarks/results/benchmarks.png",
+    "benchmarks/results/compose.md",
 )
 NOTES_PAGE = "design/notes.md"
 PACKAGE = Path("src") / "torchgram"
