@@ -26,6 +26,12 @@ records in the problem (:class:`Composition`) which of three situations it is in
 * **neither** (the common case): leaves are detached, backends write in place, and nothing
   extra is paid.
 
+In the first two situations every evaluation of ``f`` runs with ops whose derivatives are
+right at any order, batched or not (:func:`differentiable_evaluation`: attention's math
+kernel, NOTE [decomposed norms]). Inside ``vmap`` the per-sample check of ``batch_dim``
+(NOTE [per-sample]) is data-dependent and cannot run, so backends compute the rows of the
+whole batch there: the same matrix, checked or not.
+
 Tensors ``f`` captures from its closure are not inspected in eager mode (they are, in
 effect, under ``torch.func`` transforms): to differentiate ``G`` eagerly with respect to
 them, pass them as arguments.
