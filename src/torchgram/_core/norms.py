@@ -94,13 +94,17 @@ def batch_norm(x: Tensor, running_mean: Tensor | None, running_var: Tensor | Non
 
     Example:
         >>> x = torch.randn(5, 3, 2, dtype=torch.float64)
-        >>> ours, theirs = torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)
-        >>> y = batch_norm(x, ours, None, training=True)
-        >>> torch.allclose(y, F.batch_norm(x, theirs, None, training=True))
+        >>> ours = (torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64))
+        >>> theirs = (torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64))
+        >>> y = batch_norm(x, *ours, training=True)
+        >>> torch.allclose(y, F.batch_norm(x, *theirs, training=True))
         True
-        >>> torch.allclose(ours, theirs)
+        >>> all(torch.allclose(a, b) for a, b in zip(ours, theirs))
         True
     """
+    if (running_mean is None) != (running_var is None):  # torch refuses that too
+        raise ValueError("running_mean and running_var must either both be None or neither be "
+                         "None")
     if not training and running_mean is not None and running_var is not None:
         return F.batch_norm(x, running_mean, running_var, weight, bias, False, momentum, eps)
     dims = [0, *range(2, x.dim())]
