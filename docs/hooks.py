@@ -33,6 +33,7 @@ REPOSITORY_FILES = (
     "benchmarks/results/benchmarks.png",
     "benchmarks/WEIGHTING_NOTES.md",
     "benchmarks/results/weighting.md",
+    "benchmarks/results/compose.md",
 )
 NOTES_PAGE = "design/notes.md"
 PACKAGE = Path("src") / "torchgram"

@@ -84,3 +84,57 @@ def dense_gramian(f: Callable[..., Any], args: Sequence[Any],
     blocks = [c @ c.T for c in columns]
     jacobian = torch.cat(columns, dim=1)
     return Dense(jacobian @ jacobian.T, blocks, jacobian, output)
+
+
+def dense_gramian_fn(f: Callable[..., Any], argnums: int | tuple[int, ...] = 0, *,
+                     chunk_size: int | None = None) -> Callable[..., Tensor]:
+    """The oracle as a function of ``f``'s arguments, differentiable and batchable.
+
+    The same flattened ``jacrev`` Jacobian as :func:`dense_gramian`, with nothing detached, so
+    ``torch.func`` transforms, ``vmap`` and eager autograd compose with it: the reference for
+    everything computed *through* a Gramian. The result is shaped as ``torchgram.gramian``
+    returns it (``S + S`` for a tensor output of shape ``S``, ``[m, m]`` for a pytree) in the
+    output's dtype; the product is formed in the widest dtype of the Jacobian's columns.
+    ``chunk_size=1`` makes ``jacrev`` loop instead of ``vmap`` (the derivatives of batched
+    batch-norm backwards are wrong in torch 2.13).
+    """
+    def gramian(*args: Any) -> Tensor:
+        nums = (argnums,) if isinstance(argnums, int) else argnums
+        nums = tuple(n % len(args) for n in nums)
+        flat = {n: optree.tree_flatten(args[n]) for n in nums}
+        positions = [(n, j) for n in nums for j, leaf in enumerate(flat[n][0])
+                     if isinstance(leaf, Tensor) and leaf.is_floating_point()]
+
+        def rebuild(values: Sequence[Tensor]) -> list[Any]:
+            per_arg = {n: list(flat[n][0]) for n in nums}
+            for (n, j), value in zip(positions, values, strict=True):
+                per_arg[n][j] = value
+            rebuilt = list(args)
+            for n in nums:
+                rebuilt[n] = optree.tree_unflatten(flat[n][1], per_arg[n])
+            return rebuilt
+
+        def flat_output(*values: Tensor) -> tuple[Tensor, Any]:
+            out = f(*rebuild(values))
+            leaves = optree.tree_leaves(out)
+            return torch.cat([leaf.reshape(-1) for leaf in leaves]), out
+
+        leaves = [flat[n][0][j] for n, j in positions]
+        per_leaf, out = torch.func.jacrev(flat_output, argnums=tuple(range(len(leaves))),
+                                          has_aux=True, chunk_size=chunk_size)(*leaves)
+        num_rows = per_leaf[0].shape[0]
+        columns = [jac.reshape(num_rows, -1) for jac in per_leaf]
+        dtype = columns[0].dtype
+        for column in columns[1:]:
+            dtype = torch.promote_types(dtype, column.dtype)
+        jacobian = torch.cat([column.to(dtype) for column in columns], dim=1)
+        out_leaves = optree.tree_leaves(out)
+        out_dtype = out_leaves[0].dtype
+        for leaf in out_leaves[1:]:
+            out_dtype = torch.promote_types(out_dtype, leaf.dtype)
+        gram = (jacobian @ jacobian.T).to(out_dtype)
+        if isinstance(out, Tensor):
+            return gram.reshape(*out.shape, *out.shape)
+        return gram
+
+    return gramian

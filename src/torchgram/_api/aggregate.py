@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from torchgram._api.pipeline import compute
+from torchgram._api.pipeline import compute, outside_compile
 from torchgram._api.step_times import StepTimes, Stopwatch
 from torchgram._api.weights import call_weighting, check_weighting
 from torchgram._core import checks
@@ -59,7 +59,9 @@ def aggregated_grad(
     output entry, and the update is the weighted sum of the rows' gradients. When the backend
     kept what makes it cheap (the ``jacobian`` backend with its Jacobian in one block), the
     update is one matrix-vector product with no further pass; otherwise it costs one more
-    forward and backward (a ``vjp`` with cotangent ``w``).
+    forward and backward (a ``vjp`` with cotangent ``w``). Like ``gramian``, it composes with
+    ``torch.func`` transforms and eager autograd (NOTE [composition]): the update is
+    differentiable through ``G`` and ``w`` when the weighting is.
 
     Args:
         f: ``f(*args, **kwargs)`` returning the losses (any floating tensor or pytree).
@@ -97,6 +99,7 @@ def aggregated_grad(
     check_weighting(_API, weighting)
 
     @functools.wraps(f)
+    @outside_compile
     def aggregated_grad_of_f(*args: Any, **kwargs: Any) -> tuple[Any, Aggregation]:
         watch = Stopwatch(_device(args))
         computation = compute(options, f, args, kwargs, want_pullback=True)

@@ -204,12 +204,20 @@ def explain(
     )
     checks.check_bool(_API, "run", run)
 
+    from torchgram._api.pipeline import outside_compile
+
     @functools.wraps(f)
+    @outside_compile
     def explain_f(*args: Any, **kwargs: Any) -> Explanation:
         from torchgram._api.pipeline import compute
         from torchgram.backends.auto import plan_auto
 
         problem = build_problem(options, f, args, kwargs)
+        if problem.composition.transforms:  # NOTE [composition]
+            checks.fail(_API, "a call outside torch.func transforms (explain traces f with "
+                        "eager autograd)", f"a call {problem.composition.describe()}",
+                        "Call torchgram.explain outside the transform: inside one, backend="
+                        "'auto' runs the jacobian backend (then ntvp).", RuntimeError)
         plan = plan_auto(problem)
         structured = plan.structured
         names = leaf_names(problem.diff, args)

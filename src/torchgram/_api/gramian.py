@@ -6,7 +6,7 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from torchgram._api.pipeline import compute
+from torchgram._api.pipeline import compute, outside_compile
 from torchgram._core.checks import function_name
 from torchgram._core.options import Options
 
@@ -33,6 +33,13 @@ def gramian(
     concatenated into columns. ``G[i, j]`` is the inner product of the gradients of output
     entries ``i`` and ``j``: the empirical NTK, or the pairwise inner products of
     per-sample / per-task gradients.
+
+    It composes like a ``torch.func`` transform (NOTE [composition]): ``grad``, ``jacrev``,
+    ``jacfwd``, ``vjp``, ``jvp`` and ``vmap`` of a function that calls it, and nested calls, give
+    the right answers (inside those transforms ``auto`` runs the ``jacobian`` backend); in
+    eager mode ``G`` carries the autograd graph when a differentiated leaf or an input
+    requires grad (and nothing extra is paid when none does); under ``torch.compile`` the
+    call runs eagerly, as one graph break.
 
     Args:
         f: The function ``f(*args, **kwargs)``. It returns a floating tensor or a pytree of
@@ -99,6 +106,7 @@ def gramian(
     )
 
     @functools.wraps(f)
+    @outside_compile
     def gramian_of_f(*args: Any, **kwargs: Any) -> Any:
         computation = compute(options, f, args, kwargs)
         result = computation.value()

@@ -35,6 +35,7 @@ from torch import Tensor
 from torchgram._core import _torch_compat
 from torchgram._core.census import OpCensus
 from torchgram._core.checks import fail, resolve_argnums
+from torchgram._core.composition import Composition, detect_composition
 from torchgram._core.errors import NotPerSample, OutputChanged
 from torchgram._core.options import InDims, Options
 from torchgram._core.pytree import DiffLeaves, leaves_of, select_diff_leaves
@@ -242,6 +243,7 @@ class Problem:
         evaluation: The probe's evaluation, when it was one the backend can use (NOTE
             [probing]); ``None`` otherwise.
         unbatched: Calls of ``f`` whose backward ``vmap`` gets wrong: vjps one at a time.
+        composition: The transforms and autograd around the call (NOTE [composition]).
     """
 
     f: Callable[..., Any]
@@ -255,6 +257,7 @@ class Problem:
     want_pullback: bool = False
     evaluation: Evaluation | None = field(default=None, compare=False, repr=False)
     unbatched: tuple[str, ...] = ()
+    composition: Composition = Composition()
 
     # -- the options, for short ------------------------------------------------------------
 
@@ -265,7 +268,7 @@ class Problem:
 
     @property
     def leaves(self) -> tuple[Tensor, ...]:
-        """The differentiated leaves (detached)."""
+        """The differentiated leaves (detached unless the call composes: NOTE [composition])."""
         return self.diff.leaves
 
     @property
@@ -344,7 +347,10 @@ class Problem:
         that only looks at the ops).
         """
         full_args = self.diff.rebuild_args(self.args if args is None else args, leaves)
-        with self.draw.evaluation(full=full, check=check_draw):
+        with (
+            self.draw.evaluation(full=full, check=check_draw),
+            self.composition.evaluation(),  # NOTE [decomposed norms] when differentiable
+        ):
             result = self.f(*full_args, **(self.kwargs if kwargs is None else kwargs))
         return split_aux(self.api, result, self.has_aux)
 
@@ -520,7 +526,8 @@ def build_problem(options: Options, f: Callable[..., Any], args: tuple[Any, ...]
     """
     api = options.api
     argnums = resolve_argnums(api, options.argnums, len(args))
-    diff = select_diff_leaves(args, argnums)
+    composition = detect_composition(args, kwargs)
+    diff = select_diff_leaves(args, argnums, detach=not composition.differentiable)
     if not diff.leaves:
         fail(api, f"floating-point tensor leaves in the differentiated argument(s) {argnums}",
              "none (" + ", ".join(type(args[i]).__name__ for i in argnums) + ")",
@@ -535,12 +542,13 @@ def build_problem(options: Options, f: Callable[..., Any], args: tuple[Any, ...]
     evaluation = None
     if probe is None:
         probe, evaluation = _probe(api, f, args, kwargs, diff, batch, options.has_aux, draw,
-                                   with_grad=probe_with_grad and batch is None)
+                                   with_grad=probe_with_grad and batch is None
+                                   and not composition.differentiable)
         _PROBES.put(key, probe)
     if probe.mutates_leaves:
         diff = diff.replace_leaves(tuple(leaf.clone() for leaf in diff.leaves))
     return Problem(f, args, kwargs, diff, options, batch, probe.spec, draw, want_pullback,
-                   evaluation, probe.unbatched)
+                   evaluation, probe.unbatched, composition)
 
 
 def _probe_key(f: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any],

@@ -11,6 +11,11 @@ The reference path (DESIGN.md §2). For each group of leaves that fits the memor
 
 With ``diagonal=True`` no block is assembled: each chunk's squared row norms are summed
 and the chunk freed, so memory is one chunk of gradients.
+
+The backend composes (NOTE [composition]): with leaves that are not detached, its
+``torch.func`` products are differentiable by, and batchable under, the transforms around the
+call and by eager autograd; blocks are then concatenated rather than written in place.
+Blocks are assembled in the call's ``compute_dtype`` (mixed-dtype leaves: the widest).
 """
 
 from __future__ import annotations
@@ -80,8 +85,9 @@ def _block_pullback(problem: Problem, group: LeafGroup, block: Tensor) -> Pullba
         grads = [torch.zeros(leaf.shape, dtype=leaf.dtype, device=leaf.device)
                  for leaf in problem.leaves]
         column = 0
-        for piece in group.slices:
-            grads[piece.leaf].view(-1)[piece.start:piece.stop] = flat[column:column + piece.width]
+        for piece in group.slices:  # one group: every piece is a whole leaf
+            leaf = problem.leaves[piece.leaf]
+            grads[piece.leaf] = flat[column:column + piece.width].reshape(leaf.shape).to(leaf.dtype)
             column += piece.width
         return tuple(grads)
 
@@ -108,16 +114,26 @@ def _transient_width(problem: Problem, group: LeafGroup) -> int:
 
 
 class _BlockWriter:
-    """Writes row chunks of a group's gradients into its block (or diagonal sums)."""
+    """Writes row chunks of a group's gradients into its block (or diagonal sums).
+
+    When ``G`` must be differentiable (NOTE [composition]) the chunks are kept and
+    concatenated at :meth:`flush` instead: ``vmap`` refuses in-place writes of batched values
+    into a fresh buffer.
+    """
 
     def __init__(self, problem: Problem, group: LeafGroup, report: RunReport) -> None:
         self.group = group
         self.diagonal = problem.diagonal
         self.report = report
         num_rows = problem.num_rows
-        dtype = problem.compute_dtype
+        dtype = self.dtype = problem.compute_dtype
         device = problem.leaves[group.slices[0].leaf].device
-        if self.diagonal:
+        self.chunks: list[dict[int, Tensor]] | None = None
+        if problem.composition.differentiable:
+            self.chunks = []
+            if not self.diagonal:
+                report.jacobian_blocks.append((num_rows, group.width))
+        elif self.diagonal:
             self.diagonals = {leaf: torch.zeros(num_rows, dtype=dtype, device=device)
                               for leaf in group.leaves}
         else:
@@ -129,9 +145,16 @@ class _BlockWriter:
         self.report.row_chunks.append((
             rows.stop - rows.start,
             sum(grad.numel() * grad.element_size() for grad in grads.values())))
+        if self.chunks is not None:
+            pieces = {}
+            for piece in self.group.slices:
+                values = grads[piece.leaf][:, piece.start:piece.stop].to(self.dtype)
+                pieces[piece.leaf] = values.square().sum(dim=1) if self.diagonal else values
+            self.chunks.append(pieces)
+            return
         column = 0
         for piece in self.group.slices:
-            values = grads[piece.leaf][:, piece.start:piece.stop]
+            values = grads[piece.leaf][:, piece.start:piece.stop].to(self.dtype)
             if self.diagonal:
                 self.diagonals[piece.leaf][rows] += values.square().sum(dim=1)
             else:
@@ -140,12 +163,26 @@ class _BlockWriter:
 
     def flush(self, blocks: LeafBlocks) -> None:
         """Hand the group's contribution to the accumulator."""
+        if self.chunks is not None:
+            self._concatenate()
         if self.diagonal:
             for leaf, diagonal in self.diagonals.items():
                 blocks.add(leaf, diagonal)
         else:
             blocks.add_jacobian([s.leaf for s in self.group.slices], self.block,
                                 [s.width for s in self.group.slices])
+
+    def _concatenate(self) -> None:
+        """The kept row chunks as the block (or the diagonals), out of place."""
+        assert self.chunks is not None
+        columns = {piece.leaf: [chunk[piece.leaf] for chunk in self.chunks]
+                   for piece in self.group.slices}
+        self.chunks = None
+        if self.diagonal:
+            self.diagonals = {leaf: torch.cat(pieces) for leaf, pieces in columns.items()}
+        else:
+            self.block = torch.cat([torch.cat(columns[piece.leaf]) for piece in self.group.slices],
+                                   dim=1)
 
 
 def _dense_group(problem: Problem, group: LeafGroup, report: RunReport,

@@ -210,7 +210,9 @@ class _Columns:
     Row ``i`` is computed as ``J (Jᵀ e_i)``, column ``i`` by other rows' pushes: equal in
     exact arithmetic, not bitwise, so the result is marked not symmetric and the sink
     averages it with its transpose (factorizations downstream, Cholesky or ``eigh``, rely on
-    exact symmetry).
+    exact symmetry). When ``G`` must be differentiable (NOTE [composition]) the pushed rows
+    are kept and put in order at the end, out of place (``vmap`` refuses in-place writes of
+    batched values into a fresh buffer).
     """
 
     def __init__(self, problem: Problem, report: RunReport) -> None:
@@ -218,7 +220,13 @@ class _Columns:
         self.report = report
         num_rows = problem.num_rows
         count = len(problem.leaves) if problem.per_leaf else 1
-        self._blocks = [torch.zeros(num_rows, num_rows, dtype=problem.compute_dtype,
+        self.dtype = problem.compute_dtype
+        self._pieces: list[list[tuple[Tensor, Tensor]]] | None = None
+        if problem.composition.differentiable:
+            self._pieces = [[] for _ in range(count)]
+            self._blocks = []
+            return
+        self._blocks = [torch.zeros(num_rows, num_rows, dtype=self.dtype,
                                     device=problem.output.device) for _ in range(count)]
 
     def push(self, rows: slice | Tensor, tangents: Tangents) -> None:
@@ -239,12 +247,28 @@ class _Columns:
 
     def _store(self, block: int, rows: slice | Tensor, tangents: Tangents, pushed: Tensor) -> None:
         self.report.pushes.append((tangents[0].shape[0], _bytes(tangents), _bytes((pushed,))))
-        target = self._blocks[block]
-        target[rows] = pushed.to(target.dtype)
+        pushed = pushed.to(self.dtype)
+        if self._pieces is None:
+            self._blocks[block][rows] = pushed
+            return
+        if isinstance(rows, slice):
+            rows = torch.arange(rows.start, rows.stop, device=pushed.device)
+        self._pieces[block].append((rows, pushed))
 
     def blocks(self) -> tuple[Tensor, ...]:
         """The filled blocks (not yet symmetric)."""
-        return tuple(self._blocks)
+        if self._pieces is None:
+            return tuple(self._blocks)
+        num_rows = self.problem.num_rows
+        blocks = []
+        for pieces in self._pieces:
+            if not pieces:
+                blocks.append(torch.zeros(num_rows, num_rows, dtype=self.dtype,
+                                          device=self.problem.output.device))
+                continue
+            order = torch.cat([rows for rows, _ in pieces])
+            blocks.append(torch.cat([pushed for _, pushed in pieces])[torch.argsort(order)])
+        return tuple(blocks)
 
 
 def _bytes(tensors: Sequence[Tensor]) -> int:
