@@ -30,6 +30,7 @@ into that layout, :func:`spec_reduce` a full cross Gramian.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -77,10 +78,7 @@ class PairSpec:
 
     def row_groups(self, row_shape: Sequence[int]) -> tuple[int, int, int]:
         """``(F, D, T)``: rows of free, diagonal and traced axes for a sample's row shape."""
-        sizes: dict[str, int] = {"free": 1, "diagonal": 1, "trace": 1}
-        for size, mode in zip(row_shape, self.row_modes, strict=True):
-            sizes[mode] *= size
-        return sizes["free"], sizes["diagonal"], sizes["trace"]
+        return _row_groups(self, tuple(row_shape))[:3]
 
     def row_permutation(self) -> tuple[int, ...]:
         """The row axes in ``(free, diagonal, traced)`` order (each group in axis order)."""
@@ -94,20 +92,31 @@ class PairSpec:
         return all(m == "trace" for m in self.modes)
 
 
+@functools.lru_cache(maxsize=256)
+def _row_groups(spec: PairSpec, row_shape: tuple[int, ...]) -> tuple[int, int, int, bool]:
+    """``(F, D, T, whether the row axes need a permutation)``, computed once per shape."""
+    sizes: dict[str, int] = {"free": 1, "diagonal": 1, "trace": 1}
+    for size, mode in zip(row_shape, spec.row_modes, strict=True):
+        sizes[mode] *= size
+    perm = spec.row_permutation()
+    return sizes["free"], sizes["diagonal"], sizes["trace"], list(perm) != sorted(perm)
+
+
 def group_rows(x: Tensor, spec: PairSpec, row_shape: Sequence[int]) -> Tensor:
     """``x [R, ...]`` with its rows (of shape ``row_shape``) as ``[F, D, T, ...]``.
 
     Example:
         >>> spec = PairSpec(("free", "trace", "free"), batch_axis=0)
-        >>> group_rows(torch.arange(6.0).reshape(6, 1), spec, (2, 3))[:, 0, :, 0]
-        tensor([[0., 1.],
-                [2., 3.],
-                [4., 5.]])
+        >>> rows = torch.arange(6.0).reshape(6, 1)  # row r = 3 i + j: i traced, j free
+        >>> group_rows(rows, spec, (2, 3))[:, 0, :, 0]  # [F = 3, T = 2]
+        tensor([[0., 3.],
+                [1., 4.],
+                [2., 5.]])
     """
     rest = x.shape[1:]
-    f, d, t = spec.row_groups(row_shape)
-    perm = spec.row_permutation()
-    if list(perm) != sorted(perm):
+    f, d, t, permute = _row_groups(spec, tuple(row_shape))
+    if permute:
+        perm = spec.row_permutation()
         x = x.reshape(*row_shape, *rest)
         x = x.permute(*perm, *range(len(row_shape), x.dim()))
     return x.reshape(f, d, t, *rest)
@@ -116,6 +125,10 @@ def group_rows(x: Tensor, spec: PairSpec, row_shape: Sequence[int]) -> Tensor:
 def spec_gram(x: Tensor, y: Tensor | None, spec: PairSpec, row_shape1: Sequence[int],
               row_shape2: Sequence[int] | None = None) -> Tensor:
     """The kernel block ``[Bd, D, F1, B1, F2, B2]`` of per-row Jacobians (NOTE [cross kernels]).
+
+    Matrix products batched over the diagonal and traced row groups, on the ``[R, B, P]``
+    layout the backward passes produce (no copy when the rows are already grouped), then a
+    sum over the traced rows.
 
     Args:
         x: Side 1's per-row Jacobians ``[R1, B1, P]`` (rows ``(r, b)``).
@@ -134,17 +147,28 @@ def spec_gram(x: Tensor, y: Tensor | None, spec: PairSpec, row_shape1: Sequence[
         >>> torch.allclose(block.reshape(3, 3), dense)
         True
     """
-    xg = group_rows(x, spec, row_shape1)
-    yg = xg if y is None else group_rows(y, spec, row_shape2 or row_shape1)
+    xg = group_rows(x.reshape(x.shape[0], x.shape[1], -1), spec, row_shape1)  # [F1, D, T, B1, P]
+    yg = xg if y is None else group_rows(y.reshape(y.shape[0], y.shape[1], -1), spec,
+                                         row_shape2 or row_shape1)
+    f1, d, t, b1, p = xg.shape
+    f2, b2 = yg.shape[0], yg.shape[3]
     mode = spec.batch_mode
     if mode == "free":
-        out = torch.einsum("fdtbp,gdtcp->dfbgc", xg, yg)
-        return out.unsqueeze(0)
-    if mode == "diagonal":
-        out = torch.einsum("fdtbp,gdtbp->bdfg", xg, yg)
-        return out.unsqueeze(3).unsqueeze(5)
-    out = torch.einsum("fdtbp,gdtbp->dfg", xg, yg)
-    return out.unsqueeze(0).unsqueeze(3).unsqueeze(5)
+        # [D, T, F1 B1, P] @ [D, T, P, F2 B2], summed over T
+        xm = (xg.reshape(d * t, b1, p) if f1 == 1 else
+              xg.permute(1, 2, 0, 3, 4).reshape(d * t, f1 * b1, p))
+        ym = xm if y is None else (yg.reshape(d * t, b2, p) if f2 == 1 else
+                                   yg.permute(1, 2, 0, 3, 4).reshape(d * t, f2 * b2, p))
+        out = torch.bmm(xm, ym.transpose(1, 2)).reshape(d, t, f1, b1, f2, b2)
+        out = out[:, 0] if t == 1 else out.sum(1)
+        return out.unsqueeze(0)  # [1, D, F1, B1, F2, B2]
+    # the same sample on both sides: [B, D, T, F1, P] @ [B, D, T, P, F2]
+    xm = xg.permute(3, 1, 2, 0, 4).reshape(b1 * d * t, f1, p)
+    ym = xm if y is None else yg.permute(3, 1, 2, 0, 4).reshape(b2 * d * t, f2, p)
+    out = torch.bmm(xm, ym.transpose(1, 2)).reshape(b1, d, t, f1, f2).sum(2)
+    if mode == "trace":
+        out = out.sum(0, keepdim=True)
+    return out.unsqueeze(3).unsqueeze(5)  # [Bd, D, F1, 1, F2, 1]
 
 
 def spec_reduce(gram: Tensor, spec: PairSpec, row_shape1: Sequence[int],

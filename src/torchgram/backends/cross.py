@@ -230,12 +230,26 @@ def graph_cross(problem: CrossProblem) -> CrossResult:
 # -- auto ------------------------------------------------------------------------------------
 
 
+def _auto_order(problem: Problem) -> tuple[str, ...]:
+    """``plan_auto(problem).order``, kept with the structured plan it derives from."""
+    from torchgram.backends.auto import LAST_RESORT, estimate_backends, ranked
+    from torchgram.backends.structured import plan_problem
+
+    plan = plan_problem(problem)
+    key = ("auto order", plan.sizes, problem.chunk_size, problem.memory_budget,
+           problem.batch is None, tuple(leaf.numel() for leaf in problem.leaves))
+    order = plan.recording.plans.get(key)
+    if order is None:
+        order = plan.recording.plans[key] = (*ranked(estimate_backends(problem, plan)),
+                                             LAST_RESORT)
+    assert isinstance(order, tuple)
+    return order
+
+
 @register_cross("auto")
 def auto_cross(problem: CrossProblem) -> CrossResult:
     """``auto``'s candidates for the left side's Gramian, in order, until one can."""
-    from torchgram.backends.auto import plan_auto
-
-    order = plan_auto(problem.left).order
+    order = _auto_order(problem.left)
     attempts: list[tuple[str, str]] = []
     for name in order:
         try:

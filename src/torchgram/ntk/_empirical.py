@@ -219,7 +219,8 @@ class EmpiricalNTK:
         tiles2 = tiles1 if right is None else _tiles(right, tile, fresh)
         plan = _pairing(len(tiles1), len(tiles2), self_kernel=right is None,
                         diagonal=spec.batch_mode != "free")
-        canonical = _canonical(left, right, spec)
+        single = len(tiles1) == 1 and len(tiles2) == 1
+        canonical = None if single else _canonical(left, right, spec)
         reports, backends = [], []
         total = sum(len(rights) for _, rights in plan)
         try:
@@ -233,6 +234,9 @@ class EmpiricalNTK:
                     if result.report.backend not in backends:
                         backends.append(result.report.backend)
                     for j, block in zip(rights, result.blocks, strict=True):
+                        if canonical is None:
+                            canonical = block
+                            continue
                         _place(canonical, block, spec, tiles1, tiles2, i, i if j is None else j,
                                self_kernel=right is None)
         except OutputChanged:
@@ -240,6 +244,7 @@ class EmpiricalNTK:
                 if side is not None:
                     forget_probe(side)
             raise
+        assert canonical is not None
         kernel = to_nt_layout(canonical, spec, shape1, shape2).to(left.output.dtype)
         self.last_run = KernelRun(nt_shape(spec, shape1, shape2), tuple(backends),
                                   (len(tiles1), len(tiles2)), total, tile,
@@ -349,9 +354,6 @@ def _place(canonical: Tensor, block: Tensor, spec: PairSpec, tiles1: Sequence[Pr
            tiles2: Sequence[Problem], i: int, j: int, *, self_kernel: bool) -> None:
     """Write tile pair ``(i, j)``'s block (and its mirror image for a self kernel)."""
     block = block.to(canonical.dtype)
-    if len(tiles1) == 1 and len(tiles2) == 1:
-        canonical.copy_(block)
-        return
     start1 = sum(t.samples for t in tiles1[:i])
     start2 = sum(t.samples for t in tiles2[:j])
     mode = spec.batch_mode

@@ -28,7 +28,7 @@ activations (embeddings); any other leaf is materialized (always exact).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,13 +53,18 @@ from torchgram.backends.structured.contraction import Factor, UseFactors, materi
 from torchgram.backends.structured.cost import LeafPlan
 from torchgram.backends.structured.passes import (
     Forward,
+    _per_sample_view,
     backward_chunks,
+    batched_forward,
     dense_forward,
+    forget_trace,
+    restrict,
     rows_per_pass,
+    trace,
 )
 from torchgram.backends.structured.per_sample import per_sample_forward_checked
 from torchgram.backends.structured.plan import StructuredPlan, plan_problem, run_uses
-from torchgram.backends.structured.trace import UseRecord
+from torchgram.backends.structured.trace import TraceMismatch, UseRecord
 
 MAX_PAIR_ELEMENTS = 2**25
 """Entries of one ghost pair's cotangent Gram before it is split over side-1 samples."""
@@ -127,20 +132,113 @@ def _ghost_pairs_ok(plan: LeafPlan) -> bool:
     return len(orientation) == 1
 
 
-def _plan_side(problem: Problem, ways: dict[int, str] | None) -> tuple[Forward, dict[int, str],
-                                                                       StructuredPlan, bool]:
-    """The side's forward, its ways, plan, and whether its rows are the whole batch's."""
-    if problem.batch is not None:
-        try:
-            forward, plan = per_sample_forward_checked(problem, None, None)
-            return forward, ways or cross_ways(plan), plan, False
-        except NotPerSample:
-            forward = dense_forward(problem)
-            plan = plan_problem(problem, forward.recording, force="materialize", dense=True)
-            return forward, {p.leaf: ("unused" if p.way == "unused" else "materialize")
-                             for p in plan.leaves}, plan, True
-    forward = dense_forward(problem)
-    plan = plan_problem(problem, forward.recording, dense=True)
+def _batched(problem: Problem) -> tuple[Forward, StructuredPlan] | None:
+    """The per-sample forward on the whole batch, unchecked (NOTE [derivative check]).
+
+    ``None`` when the batched way does not apply (a leaf on the fallback, tapped calls
+    whose shapes do not show the samples, a run that left its trace).
+    """
+    traced = trace(problem)
+    if traced.coupling:
+        raise NotPerSample(f"f calls {traced.coupling[0]}: its samples interact")
+    if traced.unrecognised:
+        return None
+    tapped = tuple(range(len(problem.leaves)))
+    key = ("restricted", tapped)
+    expected = traced.plans.get(key)
+    if expected is None:
+        expected = traced.plans[key] = restrict(traced, tapped)
+    try:
+        forward = batched_forward(problem, expected)
+    except TraceMismatch:
+        forget_trace(problem)
+        return None
+    if forward is None:
+        return None
+    if forward.recording.coupling:
+        raise NotPerSample(f"f calls {forward.recording.coupling[0]}: its samples interact")
+    return forward, plan_problem(problem, traced)
+
+
+# NOTE [derivative check]
+# The batched way reads sample b's factors from the rows of sample b of every tap, which is
+# exact if and only if no output row of sample b has a non-zero cotangent on another
+# sample's rows of a tap: then J(out[b]) = Σ_taps cot[b] ⊗ act[b], however the activations
+# were computed from the inputs (even if the inputs were mixed before the first tap). So
+# instead of evaluating f again on samples run apart (what tg.gramian's batched way does),
+# kernels check exactly that, in the same backward: two more directions, all rows of the
+# first sample and all rows of the last, whose cotangents must be exactly zero on every
+# other sample's rows of every tap (an interaction through the graph makes them non-zero).
+# A failed check means the rows of the whole batch (NOTE [per-sample]).
+
+
+def _checked_chunks(problem: Problem, forward: Forward,
+                    per_pass: int) -> Iterator[tuple[int, int, list[Tensor | None]]]:
+    """Batched backwards with the derivative check in the first (NOTE [derivative check])."""
+    rows = forward.outputs[0]
+    if not rows.requires_grad:
+        return
+    taps = forward.taps[0]
+    total, samples = forward.rows_per_sample, forward.samples
+    index = problem.sample_major_index  # [B, K]: output rows of each sample
+    checks = sorted({0, samples - 1}) if samples > 1 else []
+    flat = rows.reshape(-1)
+    for start in range(0, total, per_pass):
+        stop = min(start + per_pass, total)
+        extra = checks if start == 0 else []
+        count = stop - start + len(extra)
+        cot = flat.new_zeros(count, flat.numel())
+        span = torch.arange(stop - start, device=flat.device)
+        cot[span[:, None], index[:, start:stop].T] = 1
+        for j, sample in enumerate(extra):
+            cot[stop - start + j, index[sample]] = 1
+        cot = cot.reshape(count, *rows.shape)
+        batched = count > 1
+        raw = torch.autograd.grad(rows, taps, cot if batched else cot[0],
+                                  retain_graph=stop < total, allow_unused=True,
+                                  is_grads_batched=batched)
+        grads = [None if g is None else
+                 _per_sample_view(g if batched else g.unsqueeze(0), dim, 1, samples)
+                 for g, dim in zip(raw, forward.tap_dims, strict=True)]
+        del raw
+        if extra:
+            _check_independence(grads, extra, stop - start)
+        yield start, stop, [None if g is None else g[:stop - start] for g in grads]
+
+
+def _check_independence(grads: Sequence[Tensor | None], samples: Sequence[int],
+                        first: int) -> None:
+    """Raise ``NotPerSample`` unless check direction ``first + j`` stays on sample ``j``."""
+    leaks = []
+    for grad in grads:
+        if grad is None:
+            continue
+        for j, sample in enumerate(samples):
+            other = grad[first + j]  # [B, *y]: one direction, every sample's rows
+            leaks.append(other[:sample].ne(0).any())
+            leaks.append(other[sample + 1:].ne(0).any())
+    if leaks and bool(torch.stack(leaks).any()):
+        raise NotPerSample("an output row of one sample has a derivative on another "
+                           "sample's activations: the samples interact")
+
+
+def _plan_side(problem: Problem, ways: dict[int, str] | None, *, whole_batch: bool
+               ) -> tuple[Forward, dict[int, str], StructuredPlan, bool]:
+    """The side's forward, its ways and plan, and whether it runs the derivative check."""
+    if whole_batch:
+        forward = dense_forward(problem)
+        plan = plan_problem(problem, forward.recording, force="materialize", dense=True)
+        return forward, {p.leaf: ("unused" if p.way == "unused" else "materialize")
+                         for p in plan.leaves}, plan, False
+    if problem.batch is None:
+        forward = dense_forward(problem)
+        plan = plan_problem(problem, forward.recording, dense=True)
+        return forward, ways or cross_ways(plan), plan, False
+    batched = None if problem.loops_only else _batched(problem)
+    if batched is not None:
+        forward, plan = batched
+        return forward, ways or cross_ways(plan), plan, True
+    forward, plan = per_sample_forward_checked(problem, None, None)
     return forward, ways or cross_ways(plan), plan, False
 
 
@@ -148,103 +246,115 @@ def compute_side(problem: Problem, ways: dict[int, str] | None = None) -> Side:
     """Run ``problem``'s passes once and keep its factors / Jacobians (NOTE above).
 
     ``ways``: those of the other side (so that both keep the same pieces); ``None``: this
-    side's own plan.
+    side's own plan. Where the per-sample passes do not hold, the side's rows are those of
+    the whole batch, every leaf materialized (NOTE [per-sample]).
     """
     with torch.enable_grad():
-        forward, ways, plan, whole_batch = _plan_side(problem, ways)
-        if whole_batch:
-            ways = {leaf: ("unused" if way == "unused" else "materialize")
-                    for leaf, way in ways.items()}
-        samples, rows = forward.samples, forward.rows_per_sample
-        side = Side(problem, dict(ways), samples, row_shape(problem) if not whole_batch
-                    else (rows,), kind=forward.kind)
-        if whole_batch:
-            side.notes.append("per-sample passes do not hold: rows of the whole batch")
-        uses = run_uses(plan.leaves, forward.recording)
-        acts = forward.acts
-        numels = [leaf.numel() for leaf in problem.leaves]
-        cot_pieces: dict[tuple[int, int], list[Tensor]] = {}
-        stores: dict[int, Tensor] = {}
-        per_pass = rows_per_pass(problem, forward)
+        if problem.batch is not None:
+            try:
+                return _compute_side(problem, ways, whole_batch=False)
+            except NotPerSample as why:
+                side = _compute_side(problem, ways, whole_batch=True)
+                side.notes.append(f"per-sample passes do not hold ({why.reason}): rows of "
+                                  "the whole batch")
+                return side
+        return _compute_side(problem, ways, whole_batch=False)
 
-        def act_factor(use: UseRecord) -> Factor:
-            assert use.act is not None
-            return Factor(use.layout.act_factor(acts[use.act], 1),
-                          "index" if use.shape.act_is_index else "act")
 
-        def cot_tensor(use: UseRecord, tap_cots: Sequence[Tensor | None]) -> Tensor | None:
-            raw = tap_cots[use.tap]
-            if raw is None:
-                return None
-            return use.layout.cot_factor(raw, 2, acts[use.act] if use.act is not None else None)
+def _compute_side(problem: Problem, ways: dict[int, str] | None, *, whole_batch: bool) -> Side:
+    """:func:`compute_side` one way (the rows of the whole batch with ``whole_batch``)."""
+    forward, ways, plan, derivative_check = _plan_side(problem, ways, whole_batch=whole_batch)
+    samples, rows = forward.samples, forward.rows_per_sample
+    side = Side(problem, dict(ways), samples, row_shape(problem) if not whole_batch
+                else (rows,), kind=forward.kind)
+    uses = run_uses(plan.leaves, forward.recording)
+    acts = forward.acts
+    numels = [leaf.numel() for leaf in problem.leaves]
+    cot_pieces: dict[tuple[int, int], list[Tensor]] = {}
+    stores: dict[int, Tensor] = {}
+    per_pass = rows_per_pass(problem, forward)
 
-        def use_factors(use: UseRecord, cot: Tensor) -> UseFactors:
-            cot_factor = Factor(cot, "cot", (use.tap, id(use.layout)))
-            if use.role == "bias":
-                return UseFactors(cot_factor, cot_factor)
-            act = act_factor(use)
-            return UseFactors(act, cot_factor) if use.act_first else UseFactors(cot_factor, act)
+    def act_factor(use: UseRecord) -> Factor:
+        assert use.act is not None
+        return Factor(use.layout.act_factor(acts[use.act], 1),
+                      "index" if use.shape.act_is_index else "act")
 
-        planned = {p.leaf: p for p in plan.leaves}
-        for start, stop, tap_cots, carrier_grads in backward_chunks(
-                forward, per_pass, vectorize=not problem.loops_only):
-            for leaf, way in side.ways.items():
-                leaf_uses = uses.get(leaf, ())
-                if way == "unused":
-                    continue
-                if way == "ghost":
-                    for k, use in enumerate(leaf_uses):
-                        cot = cot_tensor(use, tap_cots)
-                        if cot is not None:
-                            cot_pieces.setdefault((leaf, k), []).append(cot)
-                    continue
-                part: Tensor | None = carrier_grads.pop(leaf, None)
-                if part is not None:
-                    part = part.reshape(*part.shape[:2], -1)
-                single = (len(leaf_uses) == 1 and leaf_uses[0].role == "bias"
-                          and planned[leaf].uses and planned[leaf].uses[0].shape.positions == 1
-                          and leaf_uses[0].shape.groups == 1)
-                if part is None and single and start == 0 and stop == rows:
-                    cot = cot_tensor(leaf_uses[0], tap_cots)
-                    if cot is not None:
-                        stores[leaf] = cot.reshape(rows, samples, -1)
-                        side.bias_taps[leaf] = (leaf_uses[0].tap, id(leaf_uses[0].layout))
-                    continue
-                for use in leaf_uses:
-                    cot = cot_tensor(use, tap_cots)
-                    if cot is None:
-                        continue
-                    jac = materialize_use(use, use_factors(use, cot), numels[leaf])
-                    part = jac if part is None else part + jac
-                if part is None:
-                    continue
-                if start == 0 and stop == rows:
-                    stores[leaf] = part
-                    continue
-                store = stores.get(leaf)
-                if store is None:
-                    store = stores[leaf] = part.new_zeros(rows, samples, numels[leaf])
-                store[start:stop] += part
-            del tap_cots, carrier_grads
+    def cot_tensor(use: UseRecord, tap_cots: Sequence[Tensor | None]) -> Tensor | None:
+        raw = tap_cots[use.tap]
+        if raw is None:
+            return None
+        return use.layout.cot_factor(raw, 2, acts[use.act] if use.act is not None else None)
+
+    def use_factors(use: UseRecord, cot: Tensor) -> UseFactors:
+        cot_factor = Factor(cot, "cot", (use.tap, id(use.layout)))
+        if use.role == "bias":
+            return UseFactors(cot_factor, cot_factor)
+        act = act_factor(use)
+        return UseFactors(act, cot_factor) if use.act_first else UseFactors(cot_factor, act)
+
+    planned = {p.leaf: p for p in plan.leaves}
+    chunks: Iterator[tuple[int, int, list[Tensor | None], dict[int, Tensor]]] = (
+        ((start, stop, cots, {}) for start, stop, cots
+         in _checked_chunks(problem, forward, per_pass)) if derivative_check
+        else backward_chunks(forward, per_pass, vectorize=not problem.loops_only))
+    for start, stop, tap_cots, carrier_grads in chunks:
         for leaf, way in side.ways.items():
-            if way != "ghost":
+            leaf_uses = uses.get(leaf, ())
+            if way == "unused":
                 continue
-            kept = []
-            for k, use in enumerate(uses.get(leaf, ())):
-                pieces = cot_pieces.pop((leaf, k), [])
-                if pieces:
-                    cot = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-                    kept.append((use, use_factors(use, cot)))
-            if kept:
-                side.factors[leaf] = kept
-        for leaf, jac in stores.items():
-            if whole_batch:  # [m, 1, P] in output order -> [R, B, P]
-                jac = sample_rows_view(jac.reshape(jac.shape[0], -1), problem, "output")
-            side.jacobians[leaf] = jac
-        if whole_batch:
-            side.samples = problem.samples
-            side.row_shape = row_shape(problem)
-            side.bias_taps.clear()
+            if way == "ghost":
+                for k, use in enumerate(leaf_uses):
+                    cot = cot_tensor(use, tap_cots)
+                    if cot is not None:
+                        cot_pieces.setdefault((leaf, k), []).append(cot)
+                continue
+            part: Tensor | None = carrier_grads.pop(leaf, None)
+            if part is not None:
+                part = part.reshape(*part.shape[:2], -1)
+            single = (len(leaf_uses) == 1 and leaf_uses[0].role == "bias"
+                      and planned[leaf].uses and planned[leaf].uses[0].shape.positions == 1
+                      and leaf_uses[0].shape.groups == 1)
+            if part is None and single and start == 0 and stop == rows:
+                cot = cot_tensor(leaf_uses[0], tap_cots)
+                if cot is not None:
+                    stores[leaf] = cot.reshape(rows, samples, -1)
+                    side.bias_taps[leaf] = (leaf_uses[0].tap, id(leaf_uses[0].layout))
+                continue
+            for use in leaf_uses:
+                cot = cot_tensor(use, tap_cots)
+                if cot is None:
+                    continue
+                jac = materialize_use(use, use_factors(use, cot), numels[leaf])
+                part = jac if part is None else part + jac
+            if part is None:
+                continue
+            if start == 0 and stop == rows:
+                stores[leaf] = part
+                continue
+            store = stores.get(leaf)
+            if store is None:
+                store = stores[leaf] = part.new_zeros(rows, samples, numels[leaf])
+            store[start:stop] += part
+        del tap_cots, carrier_grads
+    for leaf, way in side.ways.items():
+        if way != "ghost":
+            continue
+        kept = []
+        for k, use in enumerate(uses.get(leaf, ())):
+            pieces = cot_pieces.pop((leaf, k), [])
+            if pieces:
+                cot = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+                kept.append((use, use_factors(use, cot)))
+        if kept:
+            side.factors[leaf] = kept
+    for leaf, jac in stores.items():
+        if whole_batch:  # [m, 1, P] in output order -> [R, B, P]
+            jac = sample_rows_view(jac.reshape(jac.shape[0], -1), problem, "output")
+        side.jacobians[leaf] = jac
+    if whole_batch:
+        side.samples = problem.samples
+        side.row_shape = row_shape(problem)
+        side.bias_taps.clear()
     return side
 
 
@@ -348,18 +458,42 @@ def _ghost_general(act_u: Factor, cot_u: Factor, act_v: Factor, cot_v: Factor, s
     return out if mode == "diagonal" else out.sum(0, keepdim=True)
 
 
+def _one_position(factors: UseFactors) -> bool:
+    """A weight use without positions or groups and with a dense activation (an MLP layer)."""
+    act, cot = _split(factors)
+    return act.kind == "act" and cot.tensor.shape[2] == 1 and cot.tensor.shape[3] == 1
+
+
+@dataclass
+class _TapTerms:
+    """The one-position terms of a pair of taps: ``cot Gram ⊙ (Σ act Grams + biases)``."""
+
+    cot1: Tensor
+    cot2: Tensor
+    acts: Tensor | None = None
+    biases: int = 0
+
+
 def contract(left: Side, right: Side | None, spec: PairSpec, dtype: torch.dtype) -> Tensor:
-    """The kernel block between two sides (``None``: ``left`` with itself), canonical layout."""
+    """The kernel block between two sides (``None``: ``left`` with itself), canonical layout.
+
+    One-position uses (linear layers on vectors, their biases) are grouped by the pair of
+    taps they read their cotangents from: each pair costs one cotangent Gram, multiplied by
+    the sum of its weight uses' activation Grams plus one per bias (NOTE above).
+    """
     symmetric = right is None
     other = left if right is None else right
     shape1, shape2 = left.row_shape, other.row_shape
-    cot_grams: dict[Any, Tensor] = {}
-    total: Tensor | None = None
+    mode = spec.batch_mode
+    taps: dict[Any, _TapTerms] = {}
+    blocks: list[Tensor] = []
 
-    def add(block: Tensor) -> None:
-        nonlocal total
-        block = block.to(dtype)
-        total = block if total is None else total + block
+    def tap_terms(key: Any, cot1: Tensor, cot2: Tensor) -> _TapTerms:
+        terms = taps.get(key)
+        if terms is None:
+            terms = taps[key] = _TapTerms(cot1.reshape(cot1.shape[0], cot1.shape[1], -1),
+                                          cot2.reshape(cot2.shape[0], cot2.shape[1], -1))
+        return terms
 
     for leaf, way in left.ways.items():
         if way == "unused" or other.ways.get(leaf) == "unused":
@@ -368,28 +502,48 @@ def contract(left: Side, right: Side | None, spec: PairSpec, dtype: torch.dtype)
             uses1, uses2 = left.factors[leaf], other.factors[leaf]
             for i, (_, u) in enumerate(uses1):
                 for j, (_, v) in enumerate(uses2):
+                    if _one_position(u) and _one_position(v):
+                        act_u, cot_u = _split(u)
+                        act_v, cot_v = _split(v)
+                        terms = tap_terms((cot_u.key, cot_v.key), cot_u.tensor, cot_v.tensor)
+                        a_u = act_u.tensor.reshape(act_u.tensor.shape[0], -1)
+                        a_v = act_v.tensor.reshape(act_v.tensor.shape[0], -1)
+                        act = a_u @ a_v.T if mode == "free" else (a_u * a_v).sum(-1)
+                        terms.acts = act if terms.acts is None else terms.acts + act
+                        continue
                     if symmetric and j < i:
                         continue
-                    block = ghost_pair(u, v, spec, shape1, shape2, dtype, cot_grams)
+                    block = ghost_pair(u, v, spec, shape1, shape2, dtype)
                     if symmetric and j > i:
                         block = block + mirror(block)
-                    add(block)
+                    blocks.append(block)
             continue
         key1, key2 = left.bias_taps.get(leaf), other.bias_taps.get(leaf)
         if key1 is not None and key2 is not None:
-            gram = cot_grams.get((key1, key2, spec.batch_mode))
-            if gram is None:
-                gram = cot_grams[(key1, key2, spec.batch_mode)] = spec_gram(
-                    left.jacobians[leaf], other.jacobians[leaf], spec, shape1, shape2)
-            add(gram)
+            tap_terms((key1, key2), left.jacobians[leaf], other.jacobians[leaf]).biases += 1
             continue
         jac1 = left.jacobian(leaf)
         jac2 = jac1 if symmetric else other.jacobian(leaf)
         if jac1 is None or jac2 is None:
             continue
-        add(spec_gram(jac1, None if symmetric else jac2, spec, shape1, shape2))
-    if total is None:
+        blocks.append(spec_gram(jac1, None if symmetric else jac2, spec, shape1, shape2))
+    pair_spec = spec if mode != "trace" else dataclasses.replace(
+        spec, modes=_diagonal_batch(spec))
+    for terms in taps.values():
+        same = symmetric and terms.cot1 is terms.cot2
+        gram = spec_gram(terms.cot1, None if same else terms.cot2, pair_spec, shape1, shape2)
+        weight: Tensor | float = float(terms.biases)
+        if terms.acts is not None:
+            weight = terms.acts + terms.biases if terms.biases else terms.acts
+            weight = (weight[None, None, None, :, None, :] if mode == "free"
+                      else weight[:, None, None, None, None, None])
+        block = gram * weight
+        blocks.append(block.sum(0, keepdim=True) if mode == "trace" else block)
+    if not blocks:
         raise _NoBlock
+    total = blocks[0].to(dtype)
+    for block in blocks[1:]:
+        total = total + block.to(dtype)
     return total
 
 
