@@ -64,7 +64,7 @@ from torchgram.backends.structured.passes import (
 )
 from torchgram.backends.structured.per_sample import per_sample_forward_checked
 from torchgram.backends.structured.plan import StructuredPlan, plan_problem, run_uses
-from torchgram.backends.structured.trace import TraceMismatch, UseRecord
+from torchgram.backends.structured.trace import Recording, TraceMismatch, UseRecord
 
 MAX_PAIR_ELEMENTS = 2**25
 """Entries of one ghost pair's cotangent Gram before it is split over side-1 samples."""
@@ -172,7 +172,7 @@ def _batched(problem: Problem) -> tuple[Forward, StructuredPlan] | None:
 # A failed check means the rows of the whole batch (NOTE [per-sample]).
 
 
-def _checked_chunks(problem: Problem, forward: Forward,
+def _checked_chunks(problem: Problem, forward: Forward, recording: Recording,
                     per_pass: int) -> Iterator[tuple[int, int, list[Tensor | None]]]:
     """Batched backwards with the derivative check in the first (NOTE [derivative check])."""
     rows = forward.outputs[0]
@@ -180,19 +180,12 @@ def _checked_chunks(problem: Problem, forward: Forward,
         return
     taps = forward.taps[0]
     total, samples = forward.rows_per_sample, forward.samples
-    index = problem.sample_major_index  # [B, K]: output rows of each sample
-    checks = sorted({0, samples - 1}) if samples > 1 else []
-    flat = rows.reshape(-1)
+    checks = (0, samples - 1) if samples > 1 else ()
     for start in range(0, total, per_pass):
         stop = min(start + per_pass, total)
-        extra = checks if start == 0 else []
-        count = stop - start + len(extra)
-        cot = flat.new_zeros(count, flat.numel())
-        span = torch.arange(stop - start, device=flat.device)
-        cot[span[:, None], index[:, start:stop].T] = 1
-        for j, sample in enumerate(extra):
-            cot[stop - start + j, index[sample]] = 1
-        cot = cot.reshape(count, *rows.shape)
+        extra = checks if start == 0 else ()
+        cot, others = _directions(problem, recording, rows, start, stop, extra)
+        count = cot.shape[0]
         batched = count > 1
         raw = torch.autograd.grad(rows, taps, cot if batched else cot[0],
                                   retain_graph=stop < total, allow_unused=True,
@@ -201,25 +194,39 @@ def _checked_chunks(problem: Problem, forward: Forward,
                  _per_sample_view(g if batched else g.unsqueeze(0), dim, 1, samples)
                  for g, dim in zip(raw, forward.tap_dims, strict=True)]
         del raw
-        if extra:
-            _check_independence(grads, extra, stop - start)
+        if others is not None:
+            first = stop - start
+            leaks = [g[first:].reshape(len(extra), samples, -1).ne(0).any(-1)
+                     for g in grads if g is not None]
+            if leaks and bool((torch.stack(leaks) & others).any()):
+                raise NotPerSample("an output row of one sample has a derivative on another "
+                                   "sample's activations: the samples interact")
         yield start, stop, [None if g is None else g[:stop - start] for g in grads]
 
 
-def _check_independence(grads: Sequence[Tensor | None], samples: Sequence[int],
-                        first: int) -> None:
-    """Raise ``NotPerSample`` unless check direction ``first + j`` stays on sample ``j``."""
-    leaks = []
-    for grad in grads:
-        if grad is None:
-            continue
-        for j, sample in enumerate(samples):
-            other = grad[first + j]  # [B, *y]: one direction, every sample's rows
-            leaks.append(other[:sample].ne(0).any())
-            leaks.append(other[sample + 1:].ne(0).any())
-    if leaks and bool(torch.stack(leaks).any()):
-        raise NotPerSample("an output row of one sample has a derivative on another "
-                           "sample's activations: the samples interact")
+def _directions(problem: Problem, recording: Recording, rows: Tensor, start: int, stop: int,
+                checks: tuple[int, ...]) -> tuple[Tensor, Tensor | None]:
+    """The cotangents of rows ``start:stop`` and of the check directions, and the check mask.
+
+    The same for every call of a signature: kept with its trace.
+    """
+    key = ("cross directions", rows.shape, rows.dtype, rows.device, start, stop, checks)
+    cached = recording.plans.get(key)
+    if cached is None:
+        index = problem.sample_major_index  # [B, K]: output rows of each sample
+        count = stop - start + len(checks)
+        cot = rows.new_zeros(count, rows.numel())
+        span = torch.arange(stop - start, device=rows.device)
+        cot[span[:, None], index[:, start:stop].T] = 1
+        for j, sample in enumerate(checks):
+            cot[stop - start + j, index[sample]] = 1
+        others = None
+        if checks:
+            others = torch.ones(len(checks), problem.samples, dtype=torch.bool,
+                                device=rows.device)
+            others[torch.arange(len(checks)), torch.tensor(checks)] = False
+        cached = recording.plans[key] = (cot.reshape(count, *rows.shape), others)
+    return cached
 
 
 def _plan_side(problem: Problem, ways: dict[int, str] | None, *, whole_batch: bool
@@ -295,7 +302,7 @@ def _compute_side(problem: Problem, ways: dict[int, str] | None, *, whole_batch:
     planned = {p.leaf: p for p in plan.leaves}
     chunks: Iterator[tuple[int, int, list[Tensor | None], dict[int, Tensor]]] = (
         ((start, stop, cots, {}) for start, stop, cots
-         in _checked_chunks(problem, forward, per_pass)) if derivative_check
+         in _checked_chunks(problem, forward, plan.recording, per_pass)) if derivative_check
         else backward_chunks(forward, per_pass, vectorize=not problem.loops_only))
     for start, stop, tap_cots, carrier_grads in chunks:
         for leaf, way in side.ways.items():
