@@ -106,9 +106,41 @@ class Side:
         numel = self.problem.leaves[leaf].numel()
         total: Tensor | None = None
         for use, factors in self.factors[leaf]:
-            part = materialize_use(use, factors, numel)
+            part = materialize(use, factors, numel)
             total = part if total is None else total + part
         return total
+
+
+MAX_ROW_LOOP = 64
+"""Rows up to which a use with positions is materialized row by row (no expanded copies)."""
+
+
+def materialize(use: UseRecord, factors: UseFactors, numel: int) -> Tensor:
+    """A use's per-row Jacobian ``[R, B, numel]`` in the leaf's layout.
+
+    For a dense use with positions (a convolution, a linear layer on a sequence) and one
+    group, row by row: ``J[r, b] = cot[r, b]ᵀ act[b]`` is one matrix product per sample,
+    batched over the samples, without the ``R``-fold copy of the activations a broadcasting
+    product would make; everything else as ``contraction.materialize_use``.
+    """
+    first, second = factors.first, factors.second
+    if (use.role == "bias" or use.shape.elementwise or first.kind == "index"
+            or second.kind == "index"):
+        return materialize_use(use, factors, numel)
+    cot, act, cot_first = ((first, second, True) if first.kind == "cot"
+                           else (second, first, False))
+    rows, samples, positions, groups, width = cot.tensor.shape
+    if groups != 1 or positions == 1 or rows > MAX_ROW_LOOP or act.tensor.dim() != 4:
+        return materialize_use(use, factors, numel)
+    acts = act.tensor.reshape(samples, positions, -1)  # [B, T, a]
+    out = cot.tensor.new_empty(rows, samples, numel)
+    for r in range(rows):
+        cots = cot.tensor[r].reshape(samples, positions, width)  # [B, T, c]
+        if cot_first:
+            torch.bmm(cots.transpose(1, 2), acts, out=out[r].view(samples, width, -1))
+        else:
+            torch.bmm(acts.transpose(1, 2), cots, out=out[r].view(samples, -1, width))
+    return out
 
 
 def cross_ways(plan: StructuredPlan) -> dict[int, str]:
@@ -331,7 +363,7 @@ def _compute_side(problem: Problem, ways: dict[int, str] | None, *, whole_batch:
                 cot = cot_tensor(use, tap_cots)
                 if cot is None:
                     continue
-                jac = materialize_use(use, use_factors(use, cot), numels[leaf])
+                jac = materialize(use, use_factors(use, cot), numels[leaf])
                 part = jac if part is None else part + jac
             if part is None:
                 continue
