@@ -132,9 +132,9 @@ def to_nt_layout(block: Tensor, spec: PairSpec, shape1: Sequence[int],
         >>> spec = PairSpec(("free", "free"), batch_axis=0)
         >>> import torch
         >>> block = torch.arange(24.0).reshape(1, 1, 2, 3, 2, 2)  # F = K = 2; B1 = 3, B2 = 2
-        >>> to_nt_layout(block, spec, (3, 2), (2, 2))[2, 1]  # [N1, N2, K, K]
-        tensor([[13., 15.],
-                [17., 19.]])
+        >>> kernel = to_nt_layout(block, spec, (3, 2), (2, 2))  # [N1, N2, K, K]
+        >>> torch.equal(kernel[2, 1], block[0, 0, :, 2, :, 1])
+        True
     """
     batch = spec.batch_axis
     names: list[tuple[str, int]] = []  # the canonical dims, after splitting D, F1, F2

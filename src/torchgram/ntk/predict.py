@@ -333,10 +333,11 @@ def kernel_regression(k_train_train: Tensor, k_test_train: Tensor, y_train: Tens
 
     Example:
         >>> import torch, torchgram as tg
-        >>> k = torch.eye(3) * 2.0
-        >>> tg.ntk.kernel_regression(k, k[:2], torch.ones(3, 2), ridge=0.0)
-        tensor([[1., 1.],
-                [1., 1.]])
+        >>> k = torch.eye(3) * 2.0           # three independent training points
+        >>> y = torch.tensor([[1.0], [2.0], [3.0]])
+        >>> tg.ntk.kernel_regression(k, k[:2], y, ridge=2.0)   # each shrunk by 2 / (2 + 2)
+        tensor([[0.5000],
+                [1.0000]])
     """
     api = "torchgram.ntk.kernel_regression"
     _check_tensor(api, "k_train_train", k_train_train)

@@ -62,7 +62,7 @@ from torchgram.backends.structured.passes import (
     rows_per_pass,
     trace,
 )
-from torchgram.backends.structured.per_sample import per_sample_forward_checked
+from torchgram.backends.structured.per_sample import _check_batched, per_sample_forward_checked
 from torchgram.backends.structured.plan import StructuredPlan, plan_problem, run_uses
 from torchgram.backends.structured.trace import Recording, TraceMismatch, UseRecord
 
@@ -192,6 +192,25 @@ def _batched(problem: Problem) -> tuple[Forward, StructuredPlan] | None:
     return forward, plan_problem(problem, traced)
 
 
+VALUE_CHECK_FIXED = 1.5e7
+"""Cost of evaluating ``f`` once more (the value check), in multiply-adds (Python and
+dispatch; the same units as NOTE [auto cost model])."""
+BACKWARD_PER_DIRECTION = 0.5
+"""A backward direction's cost as a fraction of the forward's (activations' gradients only)."""
+
+
+def derivative_check_cheaper(forward_flops: float, samples: int) -> bool:
+    """Whether two more backward directions cost less than one more evaluation of ``f``.
+
+    Example:
+        >>> derivative_check_cheaper(1e7, 16), derivative_check_cheaper(3e8, 512)
+        (True, False)
+    """
+    derivative = 2 * BACKWARD_PER_DIRECTION * forward_flops
+    value = VALUE_CHECK_FIXED + 2 * forward_flops / max(1, samples)
+    return samples > 1 and derivative < value
+
+
 # NOTE [derivative check]
 # The batched way reads sample b's factors from the rows of sample b of every tap, which is
 # exact if and only if no output row of sample b has a non-zero cotangent on another
@@ -201,7 +220,10 @@ def _batched(problem: Problem) -> tuple[Forward, StructuredPlan] | None:
 # kernels check exactly that, in the same backward: two more directions, all rows of the
 # first sample and all rows of the last, whose cotangents must be exactly zero on every
 # other sample's rows of every tap (an interaction through the graph makes them non-zero).
-# A failed check means the rows of the whole batch (NOTE [per-sample]).
+# A failed check means the rows of the whole batch (NOTE [per-sample]). Two directions
+# cost about a forward of the batch, so for large batches (where one more evaluation of
+# f on two samples is cheaper) the value check of tg.gramian's batched way runs instead:
+# derivative_check_cheaper compares the two from the plan's forward cost.
 
 
 def _checked_chunks(problem: Problem, forward: Forward, recording: Recording,
@@ -276,7 +298,10 @@ def _plan_side(problem: Problem, ways: dict[int, str] | None, *, whole_batch: bo
     batched = None if problem.loops_only else _batched(problem)
     if batched is not None:
         forward, plan = batched
-        return forward, ways or cross_ways(plan), plan, True
+        derivative = derivative_check_cheaper(plan.forward_flops, forward.samples)
+        if not derivative:
+            _check_batched(problem, forward)  # samples run apart (NOTE [per-sample])
+        return forward, ways or cross_ways(plan), plan, derivative
     forward, plan = per_sample_forward_checked(problem, None, None)
     return forward, ways or cross_ways(plan), plan, False
 
