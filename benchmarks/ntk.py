@@ -11,7 +11,7 @@ order rotating every round, so that both sides see the same machine load. Every 
 compared with a dense float64 ``jacrev`` reference in NT's layout
 (``benchmarks.nt.client.reference_kernel``) and torchgram's with each NT implementation's.
 
-    python benchmarks/ntk.py                          # every case, 1 thread; writes results/ntk.{md,json}
+    python benchmarks/ntk.py              # every case, 1 thread; writes results/ntk.{md,json}
     python benchmarks/ntk.py --cases mlp-trace --repeats 30
     python benchmarks/ntk.py --quick                  # tiny sizes (smoke)
     python benchmarks/run.py                          # runs this section too (--no-ntk: not)
@@ -220,7 +220,8 @@ def summary_table(records: list[dict[str, Any]]) -> str:
         name, nt = best
         ratio_wall = nt["warm_median_s"] / ours["warm_median_s"]
         ratio_cpu = nt["cpu_median_s"] / ours["cpu_median_s"]
-        errors = f"{ours.get('rel_error', float('nan')):.1e} / {nt.get('rel_error', float('nan')):.1e}"
+        nan = float("nan")
+        errors = f"{ours.get('rel_error', nan):.1e} / {nt.get('rel_error', nan):.1e}"
         lines.append(
             f"| {record['case']} | [{shape}] | {name} | {_ms(nt['warm_median_s'])} / "
             f"{_ms(nt['cpu_median_s'])} | {_ms(ours['warm_median_s'])} / "

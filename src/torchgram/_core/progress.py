@@ -2,36 +2,49 @@
 
 # NOTE [progress]
 ``progress=True`` shows a ``tqdm`` bar (on stderr) over the steps of a computation that has
-more than one: the row chunks of a ``tg.gramian`` backend, the tiles of a kernel
-(``torchgram.ntk``). A computation of one step shows nothing, and ``progress=False`` never
-imports ``tqdm``.
+more than one: the row chunks of a ``tg.gramian`` backend (``chunk_size`` or
+``memory_budget`` splitting the rows), the tile pairs of a kernel (``torchgram.ntk``). A
+computation of one step shows nothing, and ``progress=False`` never imports ``tqdm``. A
+backend that learns its number of steps group by group announces them with
+:meth:`Progress.extend`; the bar appears once there is more than one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from typing import Any, TypeVar
-
-T = TypeVar("T")
+from typing import Any
 
 
 class Progress:
-    """A ``tqdm`` bar of ``total`` steps when ``enabled`` and ``total > 1``, else a no-op.
+    """A ``tqdm`` bar of ``total`` steps when ``enabled`` and there are several, else a no-op.
 
     Example:
         >>> with Progress(False, 3, "tiles") as bar:
         ...     bar.update()
-        >>> bar.count
-        1
+        >>> bar.count, bar.total
+        (1, 3)
     """
 
-    def __init__(self, enabled: bool, total: int, desc: str) -> None:
+    def __init__(self, enabled: bool, total: int = 0, desc: str = "") -> None:
+        self.enabled = enabled
+        self.total = 0
         self.count = 0
+        self.desc = desc
         self._bar: Any = None
-        if enabled and total > 1:
+        self.extend(total)
+
+    def extend(self, steps: int) -> None:
+        """Announce ``steps`` more steps (the bar appears once there are more than one)."""
+        self.total += steps
+        if not self.enabled or self.total <= 1:
+            return
+        if self._bar is None:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True)
+            self._bar = tqdm(total=self.total, desc=self.desc, unit="step", dynamic_ncols=True,
+                             initial=self.count)
+        else:
+            self._bar.total = self.total
+            self._bar.refresh()
 
     def update(self, steps: int = 1) -> None:
         """Count ``steps`` finished steps."""
@@ -50,11 +63,3 @@ class Progress:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def progress_iter(enabled: bool, items: Iterable[T], total: int, desc: str) -> Iterator[T]:
-    """``items``, advancing a :class:`Progress` bar after each one."""
-    with Progress(enabled, total, desc) as bar:
-        for item in items:
-            yield item
-            bar.update()
