@@ -38,6 +38,7 @@ from torch.overrides import TorchFunctionMode
 
 from torchgram._core import _torch_compat
 from torchgram._core.census import coupling_op
+from torchgram._core.pytree import leaves_of
 from torchgram.backends._embedding import embedding_with_conventions
 from torchgram.backends.structured.rules import rewrite_for, rule_for
 from torchgram.backends.structured.rules.base import Layout, Match, UseShape
@@ -258,8 +259,8 @@ class TapMode(TorchFunctionMode):
         why = coupling_op(func, args, kwargs)
         if why is not None and why not in self.recording.coupling:
             self.recording.coupling.append(why)
-        leaves: list[Any] = optree.tree_leaves((args, kwargs))  # type: ignore[arg-type]
-        found = [(leaf, ref) for leaf in leaves if (ref := self._ref(leaf)) is not None]
+        found = [(leaf, ref) for leaf in leaves_of((args, kwargs))
+                 if (ref := self._ref(leaf)) is not None]
         if not found:
             return func(*args, **kwargs)
         if len(found) == 1 and args and args[0] is found[0][0] and args[0].dim() == 2 \
