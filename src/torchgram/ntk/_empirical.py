@@ -161,7 +161,8 @@ class EmpiricalNTK:
                 f", kwargs {dict(vmap.kwargs_axes)}" if vmap.kwargs_axes else "")
         options = self.options
         return [("f", function_name(self.f)),
-                ("trace_axes", f"{self.trace_axes} (mean over each traced pair)"),
+                ("trace_axes", f"{self.trace_axes}" + (" (mean over each traced pair)"
+                                                       if self.trace_axes else "")),
                 ("diagonal_axes", str(self.diagonal_axes)),
                 ("vmap_axes", vmap_text),
                 ("backend", options.backend),
