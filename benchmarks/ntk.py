@@ -5,7 +5,7 @@ serving timed calls on demand (``benchmarks/nt/worker.py --serve``); this proces
 torchgram. On each case both build their kernel function once (NT: every
 ``nt.NtkImplementation``, ``jax.jit``-ed; its first call, trace + compile + run, is timed
 after a jitted forward and gradient warmed jax up; torchgram: ``tg.ntk.empirical_ntk_fn``,
-whose first call is timed after a plain forward and backward warmed torch up), then the
+whose first call is timed after torch was warmed up: :func:`warm_up_torch`), then the
 timed warm calls **take turns**: one call of each NT implementation, one of torchgram, the
 order rotating every round, so that both sides see the same machine load. Every answer is
 compared with a dense float64 ``jacrev`` reference in NT's layout
@@ -112,6 +112,19 @@ class Worker:
             self.process.wait(timeout=60)
 
 
+def warm_up_torch(case: client.NTCase) -> None:
+    """Warm torch up as the worker warms jax up: a forward and backward of the model, and
+    one batched backward (torch's first ``is_grads_batched`` in a process imports sympy,
+    about 3 s, once), so that torchgram's first call measures its own tracing and planning.
+    """
+    with torch.enable_grad():
+        case.module(case.x1).sum().backward()
+        x = torch.ones(2, requires_grad=True)
+        torch.autograd.grad(x * 2, x, torch.eye(2), is_grads_batched=True)
+    case.module.zero_grad(set_to_none=True)
+    tg.backends.backend_names()  # import every backend module (as NT's import is excluded)
+
+
 def torchgram_kernel_fn(case: client.NTCase) -> tuple[Any, dict[str, torch.Tensor]]:
     """``tg.ntk.empirical_ntk_fn`` of the case's module (``tg.functionalize``), and params."""
     fn, params = tg.functionalize(case.module)
@@ -134,9 +147,7 @@ def run_case(case: client.NTCase, threads: int, repeats: int, max_seconds: float
             record["worker_start_s"] = worker.start_s
             record["versions"] = worker.report["versions"]
             ntk_fn, params = torchgram_kernel_fn(case)
-            with torch.enable_grad():  # warm torch up, as the worker warms jax up
-                case.module(case.x1).sum().backward()
-            case.module.zero_grad(set_to_none=True)
+            warm_up_torch(case)
             start = time.perf_counter()
             kernel = ntk_fn(case.x1, case.x2, params)
             first = time.perf_counter() - start
@@ -268,7 +279,8 @@ def markdown(records: list[dict[str, Any]], header: dict[str, Any]) -> str:
         "sides see the same load; medians over the rounds. *CPU* is the process's CPU time "
         "per call (NT: the worker's, torchgram: this process's). *first call*: NT's trace + "
         "compile + run after a jitted forward and gradient; torchgram's first call of a new "
-        "`ntk_fn` after a plain forward and backward. See `benchmarks/ntk.py`.",
+        "`ntk_fn` after a plain forward and backward and one batched backward (torch's first "
+        "in a process imports sympy, ~3 s once). See `benchmarks/ntk.py`.",
         "## Summary", summary_table(records), "## Every method", detail_table(records)])
 
 
