@@ -34,6 +34,8 @@ REPOSITORY_FILES = (
     "benchmarks/WEIGHTING_NOTES.md",
     "benchmarks/results/weighting.md",
     "benchmarks/results/compose.md",
+    "benchmarks/results/ntk.md",
+    "benchmarks/nt/SEMANTICS.md",
 )
 NOTES_PAGE = "design/notes.md"
 PACKAGE = Path("src") / "torchgram"

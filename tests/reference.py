@@ -138,3 +138,43 @@ def dense_gramian_fn(f: Callable[..., Any], argnums: int | tuple[int, ...] = 0, 
         return gram
 
     return gramian
+
+
+def dense_cross_gramian(f: Callable[..., Any], params: Any, x1: Any, x2: Any | None,
+                        kwargs: dict[str, Any] | None = None) -> Tensor:
+    """``J(x1) J(x2)ᵀ`` of ``f(params, x)`` from two dense Jacobians, shaped ``S1 + S2``."""
+    kwargs = kwargs or {}
+    first = dense_gramian(lambda p: f(p, x1, **kwargs), (params,))
+    second = first if x2 is None else dense_gramian(lambda p: f(p, x2, **kwargs), (params,))
+    shape = tuple(first.output.shape) + tuple(second.output.shape)
+    return (first.jacobian @ second.jacobian.T).reshape(shape)
+
+
+def nt_layout(gram: Tensor, trace_axes: Sequence[int] = (),
+              diagonal_axes: Sequence[int] = ()) -> Tensor:
+    """A cross Gramian ``S1 + S2`` in neural-tangents' layout, independently of torchgram.
+
+    Output axes in order; a free axis's pair side by side, a diagonal axis once (its
+    diagonal), a traced axis averaged over its pair (NT divides by the size).
+    """
+    ndim = gram.dim() // 2
+    trace = {a % ndim for a in trace_axes}
+    diagonal = {a % ndim for a in diagonal_axes}
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    left, right, out = list(letters[:ndim]), list(letters[ndim:2 * ndim]), ""
+    size = 1
+    for axis in range(ndim):
+        if axis in trace or axis in diagonal:
+            right[axis] = left[axis]
+            out += "" if axis in trace else left[axis]
+            size *= gram.shape[axis] if axis in trace else 1
+        else:
+            out += left[axis] + right[axis]
+    return torch.einsum(f"{''.join(left)}{''.join(right)}->{out}", gram) / size
+
+
+def dense_cross_kernel(f: Callable[..., Any], params: Any, x1: Any, x2: Any | None,
+                       trace_axes: Sequence[int] = (), diagonal_axes: Sequence[int] = (),
+                       kwargs: dict[str, Any] | None = None) -> Tensor:
+    """neural-tangents' kernel of ``f(params, x)``: :func:`nt_layout` of the dense cross Gramian."""
+    return nt_layout(dense_cross_gramian(f, params, x1, x2, kwargs), trace_axes, diagonal_axes)

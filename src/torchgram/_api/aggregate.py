@@ -51,6 +51,7 @@ def aggregated_grad(
     in_dims: int | None | Sequence[Any] = 0,
     per_leaf: bool = False,
     memory_budget: int | None = None,
+    progress: bool = False,
 ) -> Callable[..., tuple[Any, Aggregation]]:
     """The update ``Jᵀ w`` with ``w = weighting(J Jᵀ)``: Jacobian descent in one call.
 
@@ -74,6 +75,7 @@ def aggregated_grad(
         in_dims: As for ``gramian``.
         per_leaf: Report per-leaf Gramian blocks in the info (the weighting sees their sum).
         memory_budget: As for ``gramian``.
+        progress: As for ``gramian``.
 
     Returns:
         A function of ``f``'s arguments returning ``(update, info)``: ``update`` has the
@@ -94,7 +96,7 @@ def aggregated_grad(
     options = Options.validate(
         _API, f, argnums, has_aux=has_aux, backend=backend, chunk_size=chunk_size,
         batch_dim=batch_dim, in_dims=in_dims, diagonal=False, per_leaf=per_leaf,
-        memory_budget=memory_budget,
+        memory_budget=memory_budget, progress=progress,
     )
     check_weighting(_API, weighting)
 

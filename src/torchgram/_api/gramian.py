@@ -25,6 +25,7 @@ def gramian(
     diagonal: bool = False,
     per_leaf: bool = False,
     memory_budget: int | None = None,
+    progress: bool = False,
 ) -> Callable[..., Any]:
     """Gramian ``G = J Jᵀ`` of the Jacobian of ``f`` w.r.t. the arguments ``argnums``.
 
@@ -72,6 +73,8 @@ def gramian(
         memory_budget: Bytes of Jacobian the ``jacobian`` backend may assemble at once.
             Leaves are grouped into blocks that fit; a leaf too large on its own is split
             into column slices (each re-running the row passes). See NOTE [memory budget].
+        progress: Show a ``tqdm`` progress bar over the backend's row chunks when it runs
+            more than one (``chunk_size`` or ``memory_budget`` splitting the rows).
 
     Returns:
         A function taking the same arguments as ``f`` and returning ``G`` (or ``(G, aux)``).
@@ -102,7 +105,7 @@ def gramian(
     options = Options.validate(
         _API, f, argnums, has_aux=has_aux, backend=backend, chunk_size=chunk_size,
         batch_dim=batch_dim, in_dims=in_dims, diagonal=diagonal, per_leaf=per_leaf,
-        memory_budget=memory_budget,
+        memory_budget=memory_budget, progress=progress,
     )
 
     @functools.wraps(f)

@@ -16,6 +16,7 @@ from torch import Tensor
 from torchgram._core import functional
 from torchgram._core.checks import fail
 from torchgram._core.composition import refuse_inside_taps
+from torchgram._core.cross import CrossProblem, CrossResult
 from torchgram._core.errors import OutputChanged
 from torchgram._core.options import Options
 from torchgram._core.problem import Problem, build_problem, forget_probe
@@ -23,6 +24,7 @@ from torchgram._core.pytree import detach_tree
 from torchgram._core.result import NO_AUX, BackendResult
 from torchgram._core.sink import assemble, shape_block, to_backend_order, to_output_order
 from torchgram.backends import get_backend
+from torchgram.backends._registry import get_cross_backend
 
 
 @dataclass(frozen=True)
@@ -135,3 +137,17 @@ def _run(problem: Problem) -> BackendResult:
     except BaseException:
         problem.draw.finish()
         raise
+
+
+def compute_cross(problem: CrossProblem) -> CrossResult:
+    """Run a kernel between two input sets on the options' backend (NOTE [cross kernels]).
+
+    The blocks come back in the canonical layout; ``torchgram.ntk`` assembles them. Every
+    side's random-number state is left where a plain call of ``f`` leaves it.
+    """
+    try:
+        return get_cross_backend(problem.left.options.backend)(problem)
+    finally:
+        for side in (problem.left, *problem.rights):
+            if side is not None:
+                side.draw.finish()

@@ -331,8 +331,11 @@ class Problem:
 
     @functools.cached_property
     def sample_major_index(self) -> Tensor:
-        """``[B, K]``: the output row of row ``k`` of sample ``b`` (per-sample problems)."""
-        return self.output.sample_major_index(self.samples)
+        """``[B, K]``: the output row of row ``k`` of sample ``b`` (per-sample problems).
+
+        Shared by every problem with this output structure (never write into it).
+        """
+        return _sample_major_index(self.output, self.samples)
 
     # -- evaluation ------------------------------------------------------------------------
 
@@ -425,6 +428,11 @@ class TensorAux:
         leaves = [next(values) if constant is _TENSOR_SLOT else constant
                   for constant in self._constants]
         return optree.tree_unflatten(self._spec, leaves)
+
+
+@functools.lru_cache(maxsize=64)
+def _sample_major_index(spec: OutputSpec, samples: int) -> Tensor:
+    return spec.sample_major_index(samples)
 
 
 def split_aux(api: str, result: Any, has_aux: bool) -> tuple[Any, Any]:

@@ -30,6 +30,7 @@ from torchgram._core import functional
 from torchgram._core.errors import BackendCannotRun, NotPerSample, OutputChanged
 from torchgram._core.per_sample import batch_rows, check_samples
 from torchgram._core.problem import Problem, TensorAux
+from torchgram._core.progress import Progress
 from torchgram._core.result import NO_AUX, BackendResult, Pullback, RowOrder, RunReport
 from torchgram._core.sink import LeafBlocks
 from torchgram.backends._grouping import LeafGroup, group_leaves, rows_per_chunk
@@ -63,16 +64,18 @@ def _run(problem: Problem, loop: bool, *, per_sample: bool) -> BackendResult:
     batch_outputs = None
     if per_sample:  # the batch's outputs, to check the samples run alone against
         batch_outputs, aux = batch_rows(problem)
-    for group in groups:
-        if batch_outputs is None:
-            group_aux, group_rows, writer = _dense_group(problem, group, report, loop)
-            aux = group_aux if aux is NO_AUX else aux
-        else:
-            group_rows, writer = _per_sample_group(problem, group, report, loop, batch_outputs)
-        rows = group_rows if rows is None else rows
-        writer.flush(blocks)
-        if keep_block:
-            pullback = _block_pullback(problem, group, writer.block)
+    with Progress(problem.options.progress, 0, "jacobian row chunks") as bar:
+        for group in groups:
+            if batch_outputs is None:
+                group_aux, group_rows, writer = _dense_group(problem, group, report, loop, bar)
+                aux = group_aux if aux is NO_AUX else aux
+            else:
+                group_rows, writer = _per_sample_group(problem, group, report, loop,
+                                                       batch_outputs, bar)
+            rows = group_rows if rows is None else rows
+            writer.flush(blocks)
+            if keep_block:
+                pullback = _block_pullback(problem, group, writer.block)
     return BackendResult(blocks.blocks(), report, row_order=order, aux=aux, rows=rows,
                          pullback=pullback)
 
@@ -185,8 +188,8 @@ class _BlockWriter:
                                    dim=1)
 
 
-def _dense_group(problem: Problem, group: LeafGroup, report: RunReport,
-                 loop: bool) -> tuple[object, Tensor, _BlockWriter]:
+def _dense_group(problem: Problem, group: LeafGroup, report: RunReport, loop: bool,
+                 bar: Progress | None = None) -> tuple[object, Tensor, _BlockWriter]:
     leaf_ids = group.leaves
     aux_parts = TensorAux()
 
@@ -201,12 +204,16 @@ def _dense_group(problem: Problem, group: LeafGroup, report: RunReport,
                                           _transient_width(problem, group), problem.itemsize,
                                           problem.memory_budget)
     writer = _BlockWriter(problem, group, report)
+    if bar is not None:
+        bar.extend(-(-num_rows // chunk))
     for start in range(0, num_rows, chunk):
         stop = min(start + chunk, num_rows)
         grads = row_vjps(vjp_fn, rows, start, stop)
         writer.write(slice(start, stop), {
             leaf: grad.reshape(stop - start, -1) for leaf, grad in zip(leaf_ids, grads, strict=True)
         })
+        if bar is not None:
+            bar.update()
     return aux_parts.join(aux_tensors), rows.detach(), writer
 
 
@@ -228,7 +235,8 @@ def row_vjps(vjp_fn: Callable[..., tuple[Tensor, ...]], rows: Tensor, start: int
 
 
 def _per_sample_group(problem: Problem, group: LeafGroup, report: RunReport, loop: bool,
-                      batch_outputs: Tensor) -> tuple[Tensor, _BlockWriter]:
+                      batch_outputs: Tensor,
+                      bar: Progress | None = None) -> tuple[Tensor, _BlockWriter]:
     batch = problem.batch
     assert batch is not None
     leaf_ids = group.leaves
@@ -248,6 +256,8 @@ def _per_sample_group(problem: Problem, group: LeafGroup, report: RunReport, loo
     inner_chunk = chunk if chunk < rows_per_sample else None
     writer = _BlockWriter(problem, group, report)
     outputs = []
+    if bar is not None:
+        bar.extend(-(-batch.size // samples_per_pass))
     for first in range(0, batch.size, samples_per_pass):
         count = min(samples_per_pass, batch.size - first)
         inputs = batch.narrow(first, count)
@@ -271,6 +281,8 @@ def _per_sample_group(problem: Problem, group: LeafGroup, report: RunReport, loo
             leaf: jac.reshape(count * rows_per_sample, -1)
             for leaf, jac in zip(leaf_ids, jacobians, strict=True)
         })
+        if bar is not None:
+            bar.update()
     return torch.cat(outputs), writer
 
 

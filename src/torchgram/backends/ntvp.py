@@ -45,6 +45,7 @@ from torchgram._core import _torch_compat, functional
 from torchgram._core.errors import BackendCannotRun, NotPerSample, OutputChanged
 from torchgram._core.per_sample import batch_rows, check_samples
 from torchgram._core.problem import Problem, TensorAux
+from torchgram._core.progress import Progress
 from torchgram._core.result import BackendResult, RunReport
 from torchgram._core.threads import FORWARD_AD_LOCK, math_attention
 from torchgram.backends._embedding import EmbeddingConventions
@@ -106,9 +107,11 @@ def _dense_rows(problem: Problem, report: RunReport, loop: bool) -> BackendResul
     num_rows = rows.numel()
     columns = _Columns(problem, report)
     chunk = 1 if loop else _rows_per_chunk(problem, num_rows)
-    for start in range(0, num_rows, chunk):
-        stop = min(start + chunk, num_rows)
-        columns.push(slice(start, stop), row_vjps(vjp_fn, rows, start, stop))
+    with Progress(problem.options.progress, -(-num_rows // chunk), "ntvp row chunks") as bar:
+        for start in range(0, num_rows, chunk):
+            stop = min(start + chunk, num_rows)
+            columns.push(slice(start, stop), row_vjps(vjp_fn, rows, start, stop))
+            bar.update()
     return BackendResult(columns.blocks(), report, symmetric=False,
                          aux=aux_parts.join(aux_tensors), rows=rows.detach())
 
@@ -137,13 +140,16 @@ def _per_sample_rows(problem: Problem, report: RunReport, loop: bool) -> Backend
     index = problem.sample_major_index
     batch_outputs, aux = batch_rows(problem)  # to check the samples run alone against
     chunk = 1 if loop else _rows_per_chunk(problem, problem.num_rows)
-    for first, count, k_start, k_stop in _sample_chunks(batch.size, rows_per_sample, chunk):
-        vjps, sample_outputs = _sample_vjps(problem, batch.narrow(first, count), k_start,
-                                            k_stop, loop)
-        check_samples(problem, sample_outputs, torch.arange(first, first + count),
-                      batch_outputs)
-        columns.push(index[first:first + count, k_start:k_stop].reshape(-1), vjps)
-        del vjps  # freed before the next chunk's exist
+    chunks = list(_sample_chunks(batch.size, rows_per_sample, chunk))
+    with Progress(problem.options.progress, len(chunks), "ntvp row chunks") as bar:
+        for first, count, k_start, k_stop in chunks:
+            vjps, sample_outputs = _sample_vjps(problem, batch.narrow(first, count), k_start,
+                                                k_stop, loop)
+            check_samples(problem, sample_outputs, torch.arange(first, first + count),
+                          batch_outputs)
+            columns.push(index[first:first + count, k_start:k_stop].reshape(-1), vjps)
+            del vjps  # freed before the next chunk's exist
+            bar.update()
     return BackendResult(columns.blocks(), report, symmetric=False, aux=aux,
                          rows=batch_outputs)
 
