@@ -21,7 +21,9 @@ internals directly.
   forward hooks (``FSDPState._pre_forward_hook_handle``...) and its parameters
   (``FSDPParamGroup.fsdp_params``: ``sharded_param``, ``_unsharded_param``,
   ``_module_info``) and the custom Function it puts on a sharded module's inputs
-  (``RegisterPostBackwardFunction``).
+  (``RegisterPostBackwardFunction``);
+* the functorch transforms active around a call (``torch._C._functorch.get_interpreter_stack``:
+  torch has no public way to ask whether code runs under ``torch.func.grad`` or ``vmap``).
 """
 
 from __future__ import annotations
@@ -190,6 +192,31 @@ def getter_name(func: Any) -> str | None:
     if owner is not None and type(owner).__name__ == "getset_descriptor":
         return f"Tensor.{owner.__name__}"
     return None
+
+
+# -- functorch -------------------------------------------------------------------------------
+
+_TRANSFORM_NAMES = {"Grad": "grad", "Jvp": "jvp", "Vmap": "vmap", "Functionalize": "functionalize"}
+
+
+def functorch_transforms() -> tuple[str, ...]:
+    """The ``torch.func`` transforms the caller runs under, outermost first (``()``: none).
+
+    ``"grad"`` covers ``grad``, ``vjp``, ``jacrev`` and ``hessian``'s reverse levels, ``"jvp"``
+    ``jvp`` and ``jacfwd``, ``"vmap"`` ``vmap``.
+
+    Example:
+        >>> functorch_transforms()
+        ()
+        >>> torch.func.vmap(lambda x: (print(functorch_transforms()), x)[1])(torch.ones(2))
+        ('vmap',)
+        tensor([1., 1.])
+    """
+    stack = torch._C._functorch.get_interpreter_stack()
+    if not stack:
+        return ()
+    return tuple(_TRANSFORM_NAMES.get(interpreter.key().name, interpreter.key().name.lower())
+                 for interpreter in stack)
 
 
 # -- torch.distributed -----------------------------------------------------------------------
