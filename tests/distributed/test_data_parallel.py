@@ -132,6 +132,23 @@ def _local(rank: int) -> dict[str, Any]:
     return {"shape": tuple(got.shape), "own": float((got - own).abs().max())}
 
 
+def _no_graph(rank: int) -> dict[str, Any]:
+    """Parameters that require grad: results without a graph (the same on every rank), and
+    a call under torch.func.grad refused on every rank."""
+    case, local = _mlp(rank)
+    params = {k: v.clone().requires_grad_() for k, v in case.params.items()}
+    G = tg.distributed.gramian(case.f, batch_dim=0)(params, *local)
+    update, info = tg.distributed.aggregated_grad(case.f, tg.weighting.upgrad, batch_dim=0)(
+        params, *local)
+    single = tg.gramian(case.f, batch_dim=0)(case.params, *case.inputs)
+    under = _error(lambda: torch.func.grad(
+        lambda p: tg.distributed.gramian(case.f, batch_dim=0)(p, *local).sum())(case.params))
+    return {"requires grad": [G.requires_grad, info.gramian.requires_grad,
+                              info.weights.requires_grad,
+                              *(u.requires_grad for u in update.values())],
+            "single": float((G - single).abs().max()), "under grad": under}
+
+
 def _dropout(rank: int) -> dict[str, Any]:
     """f draws random numbers: one draw per rank, each rank's block that of its own draw.
 
@@ -239,6 +256,7 @@ def worker(checks: Checks, rank: int, world: int) -> None:
     checks.run("options", lambda: _options(rank))
     checks.run("step", lambda: _step(rank))
     checks.run("local", lambda: _local(rank))
+    checks.run("no graph", lambda: _no_graph(rank))
     checks.run("dropout", lambda: _dropout(rank))
     checks.run("errors", lambda: _errors(rank))
     checks.run("benchmark", lambda: _benchmark(rank))
@@ -303,6 +321,14 @@ def test_local_gramian_is_each_rank_own(results: Results) -> None:
     first, second = outcome(results, "local")
     assert first["shape"] == (3, 3) and second["shape"] == (2, 2)
     assert first["own"] < TOL and second["own"] < TOL
+
+
+def test_no_gradient_flows_through_the_exchange(results: Results) -> None:
+    for value in outcome(results, "no graph"):
+        assert not any(value["requires grad"]), value
+        assert value["single"] < TOL
+        error, text = value["under grad"]
+        assert error == "RuntimeError" and "outside torch.func transforms" in text, text
 
 
 def test_random_f_gives_each_rank_block_of_its_own_draw(

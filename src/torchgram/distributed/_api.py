@@ -13,7 +13,7 @@ from torch import Tensor
 from torchgram._api.pipeline import compute
 from torchgram._api.step_times import StepTimes, Stopwatch
 from torchgram._api.weights import call_weighting, check_weighting
-from torchgram._core import checks
+from torchgram._core import _torch_compat, checks
 from torchgram._core.options import Options
 from torchgram._core.pytree import DiffLeaves, leaves_of
 from torchgram._core.sink import shape_block
@@ -111,7 +111,9 @@ def gramian(
 
     Returns:
         A function of ``f``'s arguments returning ``G`` (``S + S`` for a tensor output of
-        shape ``S`` over the whole batch with ``batch_dim``, else ``[M, M]``).
+        shape ``S`` over the whole batch with ``batch_dim``, else ``[M, M]``). Unlike
+        :func:`torchgram.gramian`, ``G`` carries no autograd graph, and a call under
+        ``torch.func`` transforms is refused: no gradient flows through the exchange.
 
     Example:
         >>> import torch, torchgram as tg
@@ -126,8 +128,9 @@ def gramian(
 
     @functools.wraps(f)
     def gramian_of_f(*args: Any, **kwargs: Any) -> Any:
+        refuse_transforms(options.api)
         value, aux, _ = _gramian(options, f, args, kwargs, group, cross_rank)
-        return (value, aux) if has_aux else value
+        return (detached(value), aux) if has_aux else detached(value)
 
     gramian_of_f.__doc__ = (f"Gramian J Jᵀ of {checks.function_name(f)} over the samples of "
                             "every rank. Built by torchgram.distributed.gramian.")
@@ -150,6 +153,27 @@ def _gramian(options: Options, f: Callable[..., Any], args: tuple[Any, ...],
     result = run(options, f, args, kwargs, resolve_group(options.api, group))
     return _value(options, result), result.local.aux, _named(result.exchange, result.local.diff,
                                                               args)
+
+
+def refuse_transforms(api: str) -> None:
+    """Refuse a call under ``torch.func`` transforms (before any collective, on every rank).
+
+    The exchange is neither differentiable nor batchable: gradients through it would miss
+    the blocks other ranks formed, so results carry no autograd graph (:func:`detached`).
+    """
+    active = _torch_compat.functorch_transforms()
+    if active:
+        checks.fail(api, "a call outside torch.func transforms",
+                    f"a call under {' and '.join(active)}",
+                    "The exchange between ranks is not differentiable and cannot be "
+                    "batched: call it outside grad / vmap / jvp (differentiate "
+                    "torchgram.gramian within one process instead).", RuntimeError)
+
+
+def detached(tree: Any) -> Any:
+    """``tree`` with every tensor detached: no gradient flows through the exchange."""
+    return optree.tree_map(lambda leaf: leaf.detach() if isinstance(leaf, Tensor) else leaf,
+                           tree, none_is_leaf=True)
 
 
 def _value(options: Options, result: Result) -> Any:
@@ -255,7 +279,8 @@ def aggregated_grad(
 
     Returns:
         A function of ``f``'s arguments returning ``(update, info)``: ``update`` in the
-        structure of the differentiated argument(s), ``info`` an :class:`Aggregation`.
+        structure of the differentiated argument(s), ``info`` an :class:`Aggregation`
+        (tensors without autograd graph, as for :func:`gramian`).
     """
     options = _validate(_AGGREGATED, f, argnums, group, cross_rank, has_aux=has_aux,
                         backend=backend, chunk_size=chunk_size, batch_dim=batch_dim,
@@ -265,6 +290,12 @@ def aggregated_grad(
 
     @functools.wraps(f)
     def aggregated_grad_of_f(*args: Any, **kwargs: Any) -> tuple[Any, Aggregation]:
+        refuse_transforms(options.api)
+        update, info = step(*args, **kwargs)
+        return detached(update), info._replace(gramian=detached(info.gramian),
+                                               weights=info.weights.detach())
+
+    def step(*args: Any, **kwargs: Any) -> tuple[Any, Aggregation]:
         watch = Stopwatch(_device(args))
         if has_dtensor_leaves(options, args):
             return _tp_step(options, f, weighting, args, kwargs, group, watch)
@@ -437,6 +468,7 @@ def explain(
 
     @functools.wraps(f)
     def explain_f(*args: Any, **kwargs: Any) -> Exchange:
+        refuse_transforms(options.api)
         return _gramian(options, f, args, kwargs, group, "exact")[2]
 
     return explain_f

@@ -23,7 +23,7 @@ from torchgram._api.weights import call_weighting, check_weighting
 from torchgram._core import checks
 from torchgram._core.sink import LeafBlocks
 from torchgram.backends.graph.gramian import graph_gramian
-from torchgram.distributed._api import broadcast_weights
+from torchgram.distributed._api import broadcast_weights, detached, refuse_transforms
 from torchgram.distributed._eager import (
     EagerInputs,
     accumulate,
@@ -94,14 +94,15 @@ def gramian(
     """
     checks.check_choice(_GRAMIAN, "cross_rank", cross_rank, ("exact", "local"))
     check_group(_GRAMIAN, group)
+    refuse_transforms(_GRAMIAN)
     output_list = _outputs(_GRAMIAN, outputs)
     resolved_inputs = eager_inputs(_GRAMIAN, inputs)
     try:
         if cross_rank == "local":
-            return _local_gramian(output_list, resolved_inputs, chunk_size)
+            return detached(_local_gramian(output_list, resolved_inputs, chunk_size))
         resolved = resolve(_GRAMIAN, resolved_inputs, group)
-        return eager_gramian(_GRAMIAN, output_list, resolved_inputs, resolved,
-                             chunk_size).blocks[0]
+        return detached(eager_gramian(_GRAMIAN, output_list, resolved_inputs, resolved,
+                                      chunk_size).blocks[0])
     finally:
         resolved_inputs.reshard()
 
@@ -149,6 +150,7 @@ def backward(
     check_weighting(_BACKWARD, weighting)
     checks.check_choice(_BACKWARD, "cross_rank", cross_rank, ("exact", "local"))
     check_group(_BACKWARD, group)
+    refuse_transforms(_BACKWARD)
     output_list = _outputs(_BACKWARD, losses)
     resolved_inputs = eager_inputs(_BACKWARD, inputs)
     try:
@@ -172,7 +174,8 @@ def backward(
         resolved_inputs.reshard()  # no backward ran: free what eager_inputs gathered
         raise
     times = StepTimes(gramian_time, weighting_time, watch.lap())
-    return (weights, BackwardInfo(matrix, times)) if with_info else weights
+    weights = weights.detach()
+    return (weights, BackwardInfo(detached(matrix), times)) if with_info else weights
 
 
 def _step(outputs: list[Tensor], inputs: EagerInputs, weights: Tensor, scale: float,
