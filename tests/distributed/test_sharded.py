@@ -165,11 +165,28 @@ def _tensor_parallel(rank: int) -> dict[str, Any]:
             "digest": digest(gramian) + digest(info.weights)}
 
 
+def _two_dim_mesh(rank: int) -> tuple[str, str]:
+    """A DTensor parameter on a 2-D mesh: a clear error on every rank, before any exchange."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp"))
+    weight = distribute_tensor(torch.randn(4, 3, dtype=torch.float64), mesh,
+                               [Shard(0), Replicate()])
+    try:
+        tg.distributed.gramian(lambda p, x: p["w"].sum() * x)({"w": weight},
+                                                              torch.ones(2))
+    except NotImplementedError as error:
+        return type(error).__name__, str(error)
+    return "no error", ""
+
+
 def worker(checks: Checks, rank: int, world: int) -> None:
     assert world == 2
     checks.run("ddp", lambda: _ddp(rank))
     checks.run("fsdp", lambda: _fsdp(rank))
     checks.run("tensor parallel", lambda: _tensor_parallel(rank))
+    checks.run("2-D mesh", lambda: _two_dim_mesh(rank))
 
 
 @pytest.fixture(scope="module")
@@ -216,3 +233,8 @@ def test_tensor_parallel_sums_shard_blocks_and_counts_replicas_once(
         assert value["gramian"] < TOL and value["per leaf"] < TOL and value["update"] < TOL
     assert first["update types"] == ["DTensor"]
     assert first["digest"] == second["digest"]
+
+
+def test_tensor_parallel_on_a_2d_mesh_is_refused_clearly(results: Results) -> None:
+    for error, text in outcome(results, "2-D mesh"):
+        assert error == "NotImplementedError" and "1-D device mesh" in text, text
