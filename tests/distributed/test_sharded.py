@@ -126,6 +126,37 @@ def _fsdp(rank: int) -> dict[str, Any]:
     return out
 
 
+def _fsdp_internals(rank: int) -> dict[str, Any]:
+    """The FSDP2 internals ``_core/_torch_compat.py`` reads, on the installed torch."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from torchgram._core import _torch_compat
+
+    model, _, _, xl, yl = _setup(rank)
+    mesh = init_device_mesh("cpu", (2,))
+    for layer in (model[0], model[2], model):
+        fully_shard(layer, mesh=mesh)
+    losses = _losses(model(xl), yl)
+    params = list(_torch_compat.fsdp_params(model))
+    seen, stack, post_backward = set(), [losses.grad_fn], False
+    while stack:  # FSDP2's post-backward Function on the sharded modules' inputs
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        post_backward |= _torch_compat.passes_cotangents_through(node)
+        stack.extend(child for child, _ in node.next_functions)
+    return {"params": sorted(f"{type(p.module).__name__}.{p.name}" for p in params),
+            "shards are DTensors": all(_torch_compat.is_dtensor(p.sharded) for p in params),
+            "whole after forward": [tuple(p.unsharded.shape) for p in params
+                                    if p.unsharded is not None],
+            "original class": _torch_compat.fsdp_original_class(model[0]).__name__,
+            "plain module": _torch_compat.fsdp_original_class(model[1]),
+            "forward hooks": len(_torch_compat.fsdp_forward_hook_ids(model[0])),
+            "post-backward node": post_backward}
+
+
 def _tensor_parallel(rank: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import (
@@ -185,6 +216,7 @@ def worker(checks: Checks, rank: int, world: int) -> None:
     assert world == 2
     checks.run("ddp", lambda: _ddp(rank))
     checks.run("fsdp", lambda: _fsdp(rank))
+    checks.run("fsdp internals", lambda: _fsdp_internals(rank))
     checks.run("tensor parallel", lambda: _tensor_parallel(rank))
     checks.run("2-D mesh", lambda: _two_dim_mesh(rank))
 
@@ -216,6 +248,18 @@ def test_fsdp2_functionalize_gives_whole_parameters(results: list[dict[str, Any]
     assert first["params"] == ["Tensor"] * 4
     assert first["functional"] < TOL and second["functional"] < TOL
     assert first["functional digest"] == second["functional digest"]
+
+
+def test_the_fsdp2_internals_torchgram_reads_are_where_it_reads_them(
+        results: Results) -> None:
+    for value in outcome(results, "fsdp internals"):
+        assert value["params"] == ["FSDPLinear.bias", "FSDPLinear.bias", "FSDPLinear.weight",
+                                   "FSDPLinear.weight"], value
+        assert value["shards are DTensors"]
+        assert sorted(value["whole after forward"]) == [(3,), (3, 8), (8,), (8, 6)]
+        assert value["original class"] == "Linear" and value["plain module"] is None
+        assert value["forward hooks"] >= 2  # pre-forward and forward hooks
+        assert value["post-backward node"]
 
 
 def test_single_process_apis_refuse_sharded_parameters(results: list[dict[str, Any]]) -> None:

@@ -73,7 +73,7 @@ class Group:
     def broadcast(self, tensor: Tensor, src: int = 0) -> Tensor:
         """``tensor`` of group rank ``src`` on every rank (same shape and dtype everywhere)."""
         buffer = tensor.to(self.device).contiguous().clone()
-        dist.broadcast(buffer, group=self.pg, group_src=src)
+        dist.broadcast(buffer, src=dist.get_global_rank(self.pg, src), group=self.pg)
         return buffer.to(tensor.device)
 
     def all_to_all_bytes(self, send: Sequence[Tensor],
