@@ -68,7 +68,13 @@ def _dense(name: str, sizes: tuple[int, int], rank: int) -> dict[str, Any]:
 
     got = tg.distributed.gramian(case.f)(case.params, *local)
     oracle = dense_gramian(both, (case.params,)).gramian
-    return {"oracle": float((got - oracle).abs().max()), "digest": digest(got)}
+    update, info = tg.distributed.aggregated_grad(case.f, tg.weighting.upgrad)(case.params,
+                                                                              *local)
+    single, single_info = tg.aggregated_grad(both, tg.weighting.upgrad)(case.params)
+    return {"oracle": float((got - oracle).abs().max()), "digest": digest(got),
+            "update": max(float((update[k] - single[k]).abs().max()) for k in update),
+            "weights": float((info.weights - single_info.weights).abs().max()),
+            "update digest": digest(update)}
 
 
 def _mlp(rank: int, sizes: tuple[int, int] = (3, 2)) -> tuple[Any, ...]:
@@ -290,8 +296,10 @@ def test_both_payload_kinds_travel(results: list[dict[str, Any]]) -> None:
 def test_without_batch_dim_rows_are_every_rank_outputs_in_rank_order(
         results: list[dict[str, Any]], name: str) -> None:
     first, second = outcome(results, f"dense {name}")
-    assert first["oracle"] < TOL and second["oracle"] < TOL
+    for value in (first, second):
+        assert value["oracle"] < TOL and value["update"] < TOL and value["weights"] < TOL
     assert first["digest"] == second["digest"]
+    assert first["update digest"] == second["update digest"]
 
 
 def test_options_match_the_single_process_call(results: list[dict[str, Any]]) -> None:
