@@ -56,12 +56,20 @@ def _split(case: Any, sizes: tuple[int, ...]) -> list[tuple[Any, ...]]:
 def simulate(f: Any, params: Any, parts: list[tuple[Any, ...]], *, seeds: list[int] | None = None,
              force_jacobian: bool = False, **options: Any) -> Tensor:
     """What every rank of ``torchgram.distributed.gramian`` returns, computed in-process."""
+    return simulate_calls(f, [((params, *part), {}) for part in parts], seeds=seeds,
+                          force_jacobian=force_jacobian, **options)
+
+
+def simulate_calls(f: Any, calls: list[tuple[tuple[Any, ...], dict[str, Any]]], *,
+                   seeds: list[int] | None = None, force_jacobian: bool = False,
+                   **options: Any) -> Tensor:
+    """:func:`simulate` with every rank's whole call ``(args, kwargs)``."""
     validated = Options.validate("test", f, **options)
     locals_ = []
-    for rank, part in enumerate(parts):
+    for rank, (args, kwargs) in enumerate(calls):
         if seeds is not None:
             torch.manual_seed(seeds[rank])
-        locals_.append(local_phase(validated, f, (params, *part), {}))
+        locals_.append(local_phase(validated, f, args, kwargs))
     summaries = [local.summary for local in locals_]
     raise_any_error("test", summaries, 0, locals_[0].error)
     agreement = agree("test", summaries, force_jacobian=force_jacobian)
@@ -71,7 +79,7 @@ def simulate(f: Any, params: Any, parts: list[tuple[Any, ...]], *, seeds: list[i
     for i, agreed in enumerate(agreement.leaves):
         if agreed.owner is None:
             continue
-        received: list[list[Tensor] | None] = [None] * len(parts)
+        received: list[list[Tensor] | None] = [None] * len(calls)
         for source in agreed.sources:
             tensors = wire_tensors(_sendable(locals_[source], agreement)[i], agreed.kind,
                                    leaves[i])
@@ -207,3 +215,32 @@ def test_a_call_without_a_process_group_says_how_to_start_one() -> None:
     assert not torch.distributed.is_initialized()
     with pytest.raises(RuntimeError, match="init_process_group"):
         tg.distributed.gramian(lambda w, x: x @ w, batch_dim=0)(torch.ones(2), torch.ones(3, 2))
+
+
+def test_one_sample_per_rank_still_checks_that_samples_do_not_interact() -> None:
+    """NOTE [one sample per rank]: x - x.mean(0) is per-sample on a batch of one."""
+    w = torch.randn(3, dtype=torch.float64)
+    x = torch.randn(2, 3, dtype=torch.float64)
+
+    def centred(w: Tensor, x: Tensor) -> Tensor:
+        return torch.tanh((x - x.mean(0)) @ w)
+
+    with pytest.raises(ValueError, match="another sample moves the outputs"):
+        simulate(centred, w, [(x[:1],), (x[1:],)], batch_dim=0)
+    # one sample in the whole batch: nothing to interact with, the single-process answer
+    alone = simulate(centred, w, [(x[:1],), (x[:0],)], batch_dim=0)
+    torch.testing.assert_close(alone, tg.gramian(centred, batch_dim=0)(w, x[:1]))
+    # per-sample f, one sample per rank: checked, and answered
+    plain = simulate(lambda w, x: torch.tanh(x @ w), w, [(x[:1],), (x[1:],)], batch_dim=0)
+    torch.testing.assert_close(plain, tg.gramian(lambda w, x: torch.tanh(x @ w),
+                                                 batch_dim=0)(w, x), atol=TOL, rtol=0)
+    # a single token per sample cannot be changed: nothing checked the promise, refused
+    table = torch.randn(4, 2, dtype=torch.float64)
+    tokens = torch.tensor([1, 2])
+
+    def embedded(t: Tensor, i: Tensor) -> Tensor:
+        h = t[i]
+        return (h - h.mean(0)).sum(-1)
+
+    with pytest.raises(ValueError, match="could not change theirs"):
+        simulate(embedded, table, [(tokens[:1],), (tokens[1:],)], batch_dim=0)

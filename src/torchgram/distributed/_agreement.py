@@ -39,6 +39,7 @@ import optree
 from torchgram._core.checks import fail
 
 Mode = Literal["samples", "ranks", "empty"]
+Alone = Literal["checked", "coupled", "unchecked"]
 PayloadKind = Literal["factors", "jacobian", "zero"]
 
 _ERRORS: dict[str, type[Exception]] = {
@@ -120,6 +121,8 @@ class RankSummary:
         batch: This rank's number of samples along ``batch_dim`` (``None`` without it).
         output: Its output structure (``None`` when it could not run ``f``).
         leaves: One summary per differentiated leaf.
+        alone: With one sample, whether another sample moved its outputs (``"coupled"``)
+            or could not be made (``"unchecked"``), NOTE [one sample per rank].
     """
 
     error: tuple[str, str] | None
@@ -129,6 +132,7 @@ class RankSummary:
     batch: int | None = None
     output: OutputDesc | None = None
     leaves: tuple[LeafSummary, ...] = ()
+    alone: Alone = "checked"
 
 
 @dataclass(frozen=True)
@@ -197,6 +201,7 @@ def agree(api: str, summaries: list[RankSummary], *, force_jacobian: bool) -> Ag
     _check_outputs(api, summaries, active)
     modes = {summaries[r].mode for r in active}
     mode: Literal["samples", "ranks"] = "samples" if modes == {"samples"} else "ranks"
+    _check_verified(api, summaries, active)
     convert = len(modes) > 1
     if mode == "samples":
         sizes = tuple(s.samples if s.mode != "empty" else 0 for s in summaries)
@@ -215,6 +220,32 @@ def _rank_rows(summary: RankSummary) -> int:
     if summary.mode == "empty":
         return 0
     return summary.rows * summary.samples
+
+
+def _check_verified(api: str, summaries: list[RankSummary], active: list[int]) -> None:
+    """Refuse samples that interact, seen by a rank holding one (NOTE [one sample per rank]).
+
+    Also when every rank with samples holds one and some could not change its inputs: then
+    nothing checked ``batch_dim``'s promise.
+    """
+    batches = [summaries[r].batch for r in active]
+    if any(b is None for b in batches) or sum(b or 0 for b in batches) < 2:
+        return
+    coupled = [r for r in active if summaries[r].alone == "coupled"]
+    if coupled:
+        fail(api, "samples that do not interact: batch_dim promises it, and each rank sees "
+             "its own samples only",
+             f"another sample moves the outputs of the one sample of ranks {coupled} (checked "
+             "on a batch of two): the samples interact",
+             "Use batch-norm in eval mode, GroupNorm or LayerNorm, or batch_dim=None for the "
+             "Gramian of the rows each rank computes.")
+    unchecked = [r for r in active if summaries[r].alone == "unchecked"]
+    if unchecked and all(b == 1 for b in batches):
+        fail(api, "a way to check batch_dim's promise that samples do not interact",
+             f"one sample on every rank, and ranks {unchecked} could not change theirs "
+             "(integer inputs with a single entry per sample)",
+             "Give some rank two samples or more, or pass batch_dim=None (the Gramian of the "
+             "rows each rank computes).")
 
 
 def _check_outputs(api: str, summaries: list[RankSummary], active: list[int]) -> None:

@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+import optree
 import torch
 from torch import Tensor
 
@@ -38,7 +39,15 @@ from torchgram._core.census import OpCensus
 from torchgram._core.checks import resolve_argnums
 from torchgram._core.errors import NotPerSample, OutputChanged
 from torchgram._core.options import Options
-from torchgram._core.problem import Problem, build_problem, forget_probe, make_batch_spec
+from torchgram._core.per_sample import tolerance
+from torchgram._core.problem import (
+    Problem,
+    build_problem,
+    concat_rows,
+    forget_probe,
+    make_batch_spec,
+    replace_input_leaves,
+)
 from torchgram._core.pytree import DiffLeaves, detach_tree, select_diff_leaves
 from torchgram._core.result import NO_AUX
 from torchgram.backends.structured.cost import Sizes
@@ -51,6 +60,7 @@ from torchgram.backends.structured.payloads import (
 )
 from torchgram.distributed._agreement import (
     Agreement,
+    Alone,
     LeafSummary,
     Mode,
     OutputDesc,
@@ -184,11 +194,65 @@ def _local_work(local: Local, options: Options, f: Callable[..., Any], args: tup
                 aux = problem.call(problem.leaves)[1]
         local.aux = detach_tree(aux)
     mode: Mode = "ranks" if payloads.kind == "dense" else "samples"
+    alone: Alone = "checked"
+    if mode == "samples" and batch == 1:  # NOTE [one sample per rank]
+        alone = _one_sample_check(problem, payloads.outputs)
     leaves = tuple(describe(payload, payloads.rows, payloads.samples, leaf)
                    for payload, leaf in zip(payloads.leaves, problem.leaves, strict=True))
     local.summary = RankSummary(error=None, mode=mode, samples=payloads.samples,
                                 rows=payloads.rows, batch=batch,
-                                output=_output_desc(problem), leaves=leaves)
+                                output=_output_desc(problem), leaves=leaves, alone=alone)
+
+
+# NOTE [one sample per rank]
+# batch_dim promises that samples do not interact; the structured pass checks it on the
+# rank's batch (samples run alone against the batch, NOTE [per-sample checks]), which says
+# nothing when the rank holds one sample: f(x) - f(x).mean(0) is then per-sample on every
+# rank, and the Gramian would silently be that of another function than f on the whole
+# batch. So a rank with one sample evaluates f once more (no gradient) on a batch of two:
+# its sample and a clearly different one (floating inputs changed, integer inputs rolled
+# along another dimension); its sample's outputs must not move. The rank reports what it
+# found, and the agreement raises on every rank when the whole batch has several samples:
+# the samples interact, or no input could be changed (a single integer per sample) and no
+# rank had two samples to check on (NOTE [plan agreement]).
+
+def _one_sample_check(problem: Problem, alone: Tensor) -> Alone:
+    """Whether a second sample leaves this rank's one sample's outputs alone.
+
+    ``"unchecked"``: no input could be changed. The agreement raises (NOTE [plan
+    agreement]), so that every rank raises, and only when the whole batch has several
+    samples.
+    """
+    batch = problem.batch
+    assert batch is not None and batch.size == 1
+    generator = torch.Generator().manual_seed(0)
+    pairs, changed = [], False
+    for tensor, dim in zip(batch.tensors, batch.dims, strict=True):
+        other = tensor.detach().clone()
+        if tensor.is_floating_point() or tensor.is_complex():
+            noise = torch.randn(other.shape, generator=generator).to(other.dtype)
+            other = other + 0.5 * (other.abs() + 1) * noise.to(other.device)
+            changed = True
+        else:
+            dims = [d for d in range(other.dim()) if d != dim and other.shape[d] > 1]
+            if dims:
+                other = other.roll(1, dims=dims[-1])
+                changed = changed or not torch.equal(other, tensor)
+        pairs.append(torch.cat([tensor.detach(), other], dim=dim))
+    if not changed:
+        return "unchecked"
+    args, kwargs = replace_input_leaves(problem.args, problem.kwargs, batch.positions,
+                                        tuple(pairs))
+    with torch.no_grad():
+        out, _ = problem.call(problem.leaves, args, kwargs, full=False)
+    leaves = optree.tree_leaves(out)
+    out_dims = problem.output.batch_dims
+    assert out_dims is not None
+    first = concat_rows([leaf.narrow(d, 0, 1) for leaf, d in zip(leaves, out_dims,
+                                                                 strict=True)], alone.dtype)
+    rtol = 10 * tolerance(alone.dtype)
+    moved = ((first - alone).abs() > rtol * (alone.abs().max() + alone.abs())).any()
+    return "coupled" if bool(moved) else "checked"
 
 
 def _local_diagonal(local: Local, options: Options, f: Callable[..., Any],
