@@ -11,5 +11,7 @@ Example:
 from torchgram._api.autograd import gramian as gramian
 from torchgram._api.weighted_backward import BackwardInfo as BackwardInfo
 from torchgram._api.weighted_backward import backward as backward
+from torchgram.backends.eager.record import Recording as Recording
+from torchgram.backends.eager.record import record as record
 
-__all__ = ["BackwardInfo", "backward", "gramian"]
+__all__ = ["BackwardInfo", "Recording", "backward", "gramian", "record"]

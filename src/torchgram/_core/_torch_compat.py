@@ -10,7 +10,8 @@ internals directly.
   node directly (``node(*grads)``), the Python node of a custom ``autograd.Function``
   (``BackwardCFunction``, its ``apply`` and ``needs_input_grad``), a leaf's
   ``AccumulateGrad`` ``variable``, the reentrant checkpoint's Function
-  (``torch.utils.checkpoint.CheckpointFunction``);
+  (``torch.utils.checkpoint.CheckpointFunction``), the Function through which module
+  backward hooks run (``torch.nn.modules._functions.BackwardHookFunction``);
 * error messages torch raises that mean something precise: an op or a custom Function
   without forward-mode AD, a graph freed by an earlier backward;
 * ``Tensor.T`` / ``Tensor.mT`` as seen by a ``TorchFunctionMode`` (the getter's descriptor as
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.autograd.function import BackwardCFunction
+from torch.nn.modules._functions import BackwardHookFunction
 from torch.utils.checkpoint import CheckpointFunction
 
 Node = Any
@@ -100,9 +102,19 @@ def is_reentrant_checkpoint(node: Node) -> bool:
     return custom_function_class(node) is CheckpointFunction
 
 
+def is_module_hook_node(node: Node) -> bool:
+    """Whether ``node`` runs module backward hooks (``register_full_backward_hook`` & co)."""
+    return custom_function_class(node) is BackwardHookFunction
+
+
 def is_leaf_accumulator(node: Node) -> bool:
     """Whether ``node`` is a leaf's ``AccumulateGrad`` (the only nodes with a ``variable``)."""
     return not node.next_functions and getattr(node, "variable", None) is not None
+
+
+def leaf_of(node: Node) -> Tensor:
+    """The leaf tensor of an ``AccumulateGrad`` node (see :func:`is_leaf_accumulator`)."""
+    return node.variable
 
 
 def version(tensor: Tensor) -> int:
