@@ -6,9 +6,10 @@ test instead of producing a wrong Gramian. Nothing else in the package touches t
 internals directly.
 
 * autograd nodes (the graph backend walks an existing graph): a node's input metadata
-  (``node._input_metadata``), its creation order (``node._sequence_nr()``), calling a C++
-  node directly (``node(*grads)``), the Python node of a custom ``autograd.Function``
-  (``BackwardCFunction``, its ``apply`` and ``needs_input_grad``), a leaf's
+  (``node._input_metadata``), what a node saved (``node._saved_<name>``), its creation
+  order (``node._sequence_nr()``), calling a C++ node directly (``node(*grads)``), the
+  Python node of a custom ``autograd.Function`` (``BackwardCFunction``, its ``apply`` and
+  ``needs_input_grad``), a leaf's
   ``AccumulateGrad`` ``variable``, the reentrant checkpoint's Function
   (``torch.utils.checkpoint.CheckpointFunction``), the Function through which module
   backward hooks run (``torch.nn.modules._functions.BackwardHookFunction``);
@@ -110,6 +111,18 @@ def is_module_hook_node(node: Node) -> bool:
 def is_leaf_accumulator(node: Node) -> bool:
     """Whether ``node`` is a leaf's ``AccumulateGrad`` (the only nodes with a ``variable``)."""
     return not node.next_functions and getattr(node, "variable", None) is not None
+
+
+def saved(node: Node, name: str) -> Any:
+    """What a built-in node saved under ``name`` (``node._saved_<name>``), unpacked.
+
+    Example:
+        >>> x = torch.randn(2, 3, requires_grad=True)
+        >>> node = (x @ torch.randn(3, 4)).grad_fn  # MmBackward0
+        >>> saved(node, "self") is None, tuple(saved(node, "mat2").shape)
+        (True, (3, 4))
+    """
+    return getattr(node, f"_saved_{name}")
 
 
 def leaf_of(node: Node) -> Tensor:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from torchgram._core import _torch_compat
 from torchgram._core.checks import fail
 from torchgram._core.result import RunReport
 from torchgram._core.sink import LeafBlocks
@@ -44,10 +45,11 @@ from torchgram.backends.eager.samples import (
     numel,
     probe_samples,
 )
-from torchgram.backends.graph.gramian import graph_gramian
+from torchgram.backends.graph.gramian import graph_gramian, input_edge
 from torchgram.backends.graph.nodes import Edge, NodeCaller
 from torchgram.backends.graph.release import release_graph
-from torchgram.backends.structured.contraction import Contraction, to_row_major
+from torchgram.backends.graph.sparse import SparseWalk, _Slot, compact_block
+from torchgram.backends.structured.contraction import Contraction, flat_rows, to_row_major
 from torchgram.backends.structured.cost import Sizes, plan_leaves
 from torchgram.backends.structured.trace import Recording as UseTable
 from torchgram.backends.structured.trace import TapRecord, UseRecord
@@ -189,6 +191,10 @@ def _walk(api: str, rows: Rows, inputs: Sequence[Tensor], walked: Sequence[int],
           blocks: LeafBlocks, *, chunk_size: int | None, diagonal: bool,
           report: RunReport) -> None:
     """The walk's blocks of the inputs ``walked`` (output order)."""
+    if rows.samples > 1:
+        sparse_gramian(api, rows, inputs, walked, blocks, chunk_size=chunk_size,
+                       diagonal=diagonal, report=report)
+        return
     sub = LeafBlocks(len(walked), per_leaf=blocks.per_leaf, diagonal=diagonal,
                      dtype=blocks.dtype)
     graph_gramian(api, list(rows.outputs), [inputs[i] for i in walked], sub,
@@ -196,6 +202,70 @@ def _walk(api: str, rows: Rows, inputs: Sequence[Tensor], walked: Sequence[int],
     for k, block in enumerate(sub.blocks()):
         if block is not None:
             blocks.add(walked[k] if blocks.per_leaf else 0, block)
+
+
+def sparse_gramian(api: str, rows: Rows, inputs: Sequence[Tensor], walked: Sequence[int],
+                   blocks: LeafBlocks, *, chunk_size: int | None, diagonal: bool,
+                   report: RunReport) -> None:
+    """The sample-sparse walk's blocks of the inputs ``walked`` (NOTE [sample-sparse walk])."""
+    by_edge: dict[Edge, list[int]] = {}
+    for i in walked:
+        by_edge.setdefault(input_edge(inputs[i]), []).append(i)
+    caller = NodeCaller(chunk_size)
+    walk = SparseWalk(rows, list(by_edge), caller)
+    for node in walk.plan.children:
+        if _torch_compat.is_reentrant_checkpoint(node):
+            _fail_reentrant(api)
+    samples, total = rows.samples, rows.per_sample
+    step = total if not diagonal or chunk_size is None else max(1, chunk_size // samples)
+    dtype = blocks.dtype
+    for start in range(0, total, step):
+        stop = min(start + step, total)
+
+        def on_target(edge: Edge, slot: _Slot | None, start: int = start,
+                      stop: int = stop) -> None:
+            if slot is None:
+                return
+            count = stop - start
+            if slot.layout is not None:
+                rows_ = slot.rows[:count]
+                rows_ = rows_.to(dtype) if dtype is not None else rows_
+                block = compact_block(rows_, slot.layout, samples, diagonal)
+            else:
+                flat = flat_rows(slot.rows.unsqueeze(0))[0]  # columns in memory order
+                if flat.is_complex():
+                    flat = torch.view_as_real(flat).reshape(flat.shape[0], -1)
+                flat = flat.to(dtype) if dtype is not None else flat
+                block = flat.square().sum(1) if diagonal else flat @ flat.T
+            if diagonal:
+                full = block.new_zeros(rows.num_rows)
+                full[start * samples:stop * samples] = block
+                block = full
+            block = rows.to_output_order(block, diagonal)
+            for i in by_edge[edge]:
+                blocks.add(i if blocks.per_leaf else 0, block)
+
+        try:
+            with torch.no_grad():
+                walk.run(start, stop, on_target)
+        except RuntimeError as error:
+            if not _torch_compat.is_freed_graph_error(error):
+                raise
+            fail(api, "a graph whose saved tensors are still alive",
+                 "a graph already freed by an earlier backward pass or autograd.grad call",
+                 "Pass retain_graph=True to that earlier call, or compute the Gramian first "
+                 "and then call backward.", RuntimeError)
+    report.looped_nodes = dict(caller.vmap_failures)
+    result = walk.result
+    report.way = "sample-sparse walk" if report.way == "graph walk" else report.way
+    for name, count in result.expanded_nodes.items():
+        report.notes.append(f"walk: {name} called on every sample's rows ({count}×)")
+    for name, count in result.ruled_nodes.items():
+        report.notes.append(f"walk: {name} split per sample from its saved tensors "
+                            f"({count}×)")
+    if result.probed:
+        report.notes.append("walk: probed samples to locate them in the graph (cached for "
+                            "this graph's signature)")
 
 
 # -- the tapped inputs --------------------------------------------------------------------------

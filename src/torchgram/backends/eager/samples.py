@@ -10,9 +10,8 @@ re-run, so here a :class:`SampleLayout` is found from the shape alone and, when 
 not enough, from a probe:
 
 * **candidates**: the dims where a rule allows samples (not a feature dim) whose size is
-  ``B``; if there is none, a dim of size ``n·B`` holding the samples outermost
-  (``index // n``) or innermost (``index % B``) — e.g. ``[B·T, d]`` or ``[T·B, d]`` after a
-  reshape;
+  ``B``, and those of size ``n·B`` holding the samples outermost (``index // n``) or
+  innermost (``index % B``) — e.g. ``[B·T, d]`` or ``[T·B, d]`` after a reshape;
 * **probe**: a backward whose cotangent is 1 on every row of one sample ``s`` only: under the
   promise, its cotangent at a tensor carrying the samples is exactly zero outside sample
   ``s``'s slice, so a candidate for which it is not is wrong, and a tensor for which every
@@ -78,20 +77,18 @@ def candidates(shape: Sequence[int], samples: int, dims: Sequence[int]) -> list[
     """The layouts the shape allows, among ``dims`` (NOTE [sample layouts]).
 
     Example:
-        >>> candidates((32, 64, 128), 32, [0, 1])
+        >>> candidates((32, 48, 128), 32, [0, 1])
         [SampleLayout(dim=0, outer=1, inner=1)]
         >>> candidates((2048, 128), 32, [0])
         [SampleLayout(dim=0, outer=1, inner=64), SampleLayout(dim=0, outer=64, inner=1)]
     """
     exact = [SampleLayout(d) for d in dims if shape[d] == samples]
-    if exact:
-        return exact
     found = []
     for d in dims:
         size = shape[d]
         if size > samples and size % samples == 0:
             found += [SampleLayout(d, 1, size // samples), SampleLayout(d, size // samples, 1)]
-    return found
+    return exact + found
 
 
 def allowed_dims(layout: Layout, shape: Sequence[int],
