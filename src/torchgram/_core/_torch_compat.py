@@ -125,6 +125,43 @@ def saved(node: Node, name: str) -> Any:
     return getattr(node, f"_saved_{name}")
 
 
+_SCALAR_SAVED: dict[type, tuple[str, ...]] = {}
+
+
+def saved_arguments(node: Node) -> tuple[Any, ...]:
+    """The non-tensor arguments a built-in node saved (``dim``, ``training``, ``eps``, ...).
+
+    Tensors a node saves have a ``_raw_saved_<name>`` twin; the other ``_saved_<name>``
+    attributes are the op's plain arguments, read without unpacking any tensor. They tell
+    apart nodes of one type and shapes that compute differently (``batch_norm`` in training
+    mode or not, a mean over another dim).
+
+    Example:
+        >>> x = torch.randn(4, 3, requires_grad=True)
+        >>> saved_arguments(x.mean(0).grad_fn)[:2]
+        (('dim', (0,)), ('keepdim', False))
+    """
+    names = _SCALAR_SAVED.get(type(node))
+    if names is None:
+        attributes = dir(node)
+        names = _SCALAR_SAVED[type(node)] = tuple(
+            name[len("_saved_"):] for name in attributes
+            if name.startswith("_saved_") and f"_raw{name}" not in attributes)
+    values = []
+    for name in names:
+        value = getattr(node, f"_saved_{name}")
+        if isinstance(value, list):
+            value = tuple(value)
+        if isinstance(value, Tensor):
+            continue
+        try:
+            hash(value)
+        except TypeError:
+            value = repr(value)
+        values.append((name, value))
+    return tuple(values)
+
+
 def leaf_of(node: Node) -> Tensor:
     """The leaf tensor of an ``AccumulateGrad`` node (see :func:`is_leaf_accumulator`)."""
     return node.variable

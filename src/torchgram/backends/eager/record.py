@@ -124,8 +124,9 @@ class Recording:
         coupling: Calls that make samples interact (NOTE [per-sample]).
         hooks: Hook registrations seen (``Tensor.register_hook``, ``retain_grad``).
         calls: Number of torch calls seen.
-        signature: A hash of the names of every call seen, in order (with the taps' shapes,
-            the key of the cached sample layouts, NOTE [sample layouts]).
+        signature: A hash of the names and plain arguments (dims, flags) of every call
+            seen, in order (with the taps' shapes, the key of the cached sample layouts,
+            NOTE [sample layouts]).
         expired: Set when the activations were released (the recording is not used then).
     """
 
@@ -210,7 +211,8 @@ class RecordMode(TorchFunctionMode):
         kwargs = kwargs or {}
         recording = self.recording
         recording.calls += 1
-        recording.signature = hash((recording.signature, getattr(func, "__name__", None)))
+        recording.signature = hash((recording.signature, getattr(func, "__name__", None),
+                                    _plain_arguments(args, kwargs)))
         why = coupling_op(func, args, kwargs)
         if why is not None and why not in recording.coupling:
             recording.coupling.append(why)
@@ -350,6 +352,20 @@ def _holders(y: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any],
                 continue
             stack.append(child)
     return found
+
+
+_PLAIN = (int, float, bool, str, type(None))
+
+
+def _plain_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """A call's non-tensor arguments that hash (dims, flags): part of the signature."""
+    plain = []
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, _PLAIN):
+            plain.append(value)
+        elif isinstance(value, tuple | list) and all(isinstance(v, _PLAIN) for v in value):
+            plain.append(tuple(value))
+    return tuple(plain)
 
 
 def _has_float_tensor(result: Any) -> bool:

@@ -20,7 +20,10 @@ NOTE [sample layouts]: a slot whose candidates the probes leave ambiguous, or wh
 sample's cotangent spreads over the others (the samples interact there, e.g. batch-norm in
 training mode), is expanded, which is always exact. The decisions are cached per signature
 of the graph (its nodes' names and shapes, ``B``), and the probe rows are pushed only when
-there is no cached decision.
+there is no cached decision. The signature holds every node's type, input shapes and
+non-tensor saved arguments (``batch_norm``'s ``training``, a reduction's ``dim``): what
+decides whether samples interact, short of the values themselves (a permutation of the
+batch whose values change between calls with the same signature would not be seen).
 """
 
 from __future__ import annotations
@@ -94,7 +97,8 @@ class SparseWalk:
                             key=_torch_compat.creation_order)
         self.position = {node: i for i, node in enumerate(self.order)}
         self.key: Hashable = (rows.samples, rows.batch_dim, tuple(
-            (node_name(node), _shapes(node)) for node in self.order),
+            (node_name(node), _shapes(node), _torch_compat.saved_arguments(node))
+            for node in self.order),
             tuple(sorted(_shapes(node) for node in leaves)),
             tuple(sorted(self.position.get(node, -1) for node in self.plan.targets)))
         self.result = SparseResult()
