@@ -12,6 +12,7 @@ from torch import Tensor
 from torchgram._core import checks
 from torchgram._core.result import RunReport
 from torchgram._core.sink import LeafBlocks
+from torchgram.backends.eager.record import paused
 
 if TYPE_CHECKING:
     from torchgram.backends.eager.gramian import EagerResult
@@ -102,9 +103,10 @@ def gramian(
         >>> weights = torch.ones(6) / 6  # e.g. from a Gramian-based weighting of G
         >>> losses.backward(weights)  # the graph is still usable
     """
-    call = prepare(_API, outputs, inputs, batch_dim=batch_dim, chunk_size=chunk_size,
-                   retain_graph=retain_graph, diagonal=diagonal, per_input=per_input)
-    return call.run().value
+    with paused():  # called inside a record() block: our own calls are not recorded
+        call = prepare(_API, outputs, inputs, batch_dim=batch_dim, chunk_size=chunk_size,
+                       retain_graph=retain_graph, diagonal=diagonal, per_input=per_input)
+        return call.run().value
 
 
 @dataclass

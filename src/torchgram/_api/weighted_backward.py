@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -13,6 +13,7 @@ from torchgram._api.step_times import StepTimes, Stopwatch
 from torchgram._api.weights import call_weighting, check_weighting
 from torchgram._core import checks
 from torchgram._core.result import RunReport
+from torchgram.backends.eager.record import paused
 
 _API = "torchgram.autograd.backward"
 
@@ -65,6 +66,14 @@ def backward(
         >>> info.gramian.shape, info.times.total > 0
         (torch.Size([3, 3]), True)
     """
+    with paused():  # inside a record() block, these calls are not the user's
+        return _backward(outputs, inputs, weighting, batch_dim, chunk_size, retain_graph,
+                         with_info)
+
+
+def _backward(outputs: Any, inputs: Any, weighting: Callable[[Tensor], Tensor],
+              batch_dim: int | None, chunk_size: int | None, retain_graph: bool,
+              with_info: bool) -> Tensor | tuple[Tensor, BackwardInfo]:
     check_weighting(_API, weighting)
     checks.check_bool(_API, "with_info", with_info)
     call = prepare(_API, outputs, inputs, batch_dim=batch_dim, chunk_size=chunk_size,

@@ -22,6 +22,7 @@ Samples that interact (a call the recording knows to mix them, or a probe showin
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -107,7 +108,7 @@ def eager_gramian(api: str, outputs: Sequence[Tensor], inputs: Sequence[Tensor],
         graph = index_graph(outputs)
         if graph.reentrant:
             _fail_reentrant(api)
-        tapped = _select(recording, graph, inputs, walked, report)
+        tapped = _select(api, recording, graph, inputs, walked, report)
         if tapped.inputs:
             others = [i for i in walked if i not in set(tapped.inputs)]
             result = _contract(api, recording, graph, tapped, rows, inputs, blocks, ways,
@@ -143,7 +144,25 @@ def _fail_reentrant(api: str) -> None:
          "which this walk supports.")
 
 
-def _select(recording: Recording, graph: GraphIndex, inputs: Sequence[Tensor],
+def _walked(report: RunReport, index: int, why: str) -> None:
+    """Note that input ``index`` is walked, and why."""
+    report.notes.append(f"inputs[{index}]: walked ({why})")
+
+
+def walk_reasons(report: RunReport) -> dict[int, str]:
+    """Why each walked input of a report was walked, by input index."""
+    reasons = {}
+    for note in report.notes:
+        found = _WALKED.match(note)
+        if found:
+            reasons[int(found.group(1))] = found.group(2)
+    return reasons
+
+
+_WALKED = re.compile(r"inputs\[(\d+)\]: walked \((.*)\)$")
+
+
+def _select(api: str, recording: Recording, graph: GraphIndex, inputs: Sequence[Tensor],
             candidates_: Sequence[int], report: RunReport) -> _Tapped:
     """The inputs whose every use in the graph the recording tapped (NOTE [eager recording])."""
     tapped = _Tapped()
@@ -155,17 +174,15 @@ def _select(recording: Recording, graph: GraphIndex, inputs: Sequence[Tensor],
         leaf = recording.leaf_index(tensor)
         if leaf is None:
             continue
-        name = f"inputs[{i}]"
         if leaf in recording.unrecognised:
-            report.notes.append(f"{name}: walked (used outside the rules in "
-                                f"{', '.join(recording.unrecognised[leaf])})")
+            _walked(report, i, "used outside the rules in "
+                    + ", ".join(recording.unrecognised[leaf]))
             continue
         in_graph = graph.holders(tensor)
         uses = [use for use in recording.uses if use.leaf == leaf and use.holders & in_graph]
         seen = set().union(*(use.holders for use in uses)) if uses else set()
         if not in_graph <= seen:
-            report.notes.append(f"{name}: walked (the graph uses it where the recording did "
-                                "not see it)")
+            _walked(report, i, "the graph uses it where the recording did not see it")
             continue
         slots = {}
         for use in uses:
@@ -176,14 +193,16 @@ def _select(recording: Recording, graph: GraphIndex, inputs: Sequence[Tensor],
             slots[use.tap] = (node, tap.output_nr)
         else:
             if any(use.act in stale for use in uses if use.act is not None):
-                report.notes.append(f"{name}: walked (an activation it multiplies was changed "
-                                    "in place after the call)")
-                continue
+                fail(api, "the activations of the recorded calls unchanged until the Gramian",
+                     f"an input of a recorded {recording.taps[uses[0].tap].rule} call "
+                     f"(multiplied by inputs[{i}]) changed in place after the call",
+                     "Do not modify it in place (autograd's own backward needs it too), "
+                     "e.g. use out-of-place ops such as torch.relu instead of relu_.")
             tapped.inputs.append(i)
             tapped.uses[i] = uses
             tapped.slots.update(slots)
             continue
-        report.notes.append(f"{name}: walked (a recorded call is not found in the graph)")
+        _walked(report, i, "a recorded call is not found in the graph")
     return tapped
 
 
@@ -304,7 +323,7 @@ def _contract(api: str, recording: Recording, graph: GraphIndex, tapped: _Tapped
             bad = [use.tap for use in tapped.uses[i] if use.tap in layouts.failed]
             if bad:
                 tapped.inputs.remove(i)
-                report.notes.append(f"inputs[{i}]: walked ({layouts.failed[bad[0]]})")
+                _walked(report, i, layouts.failed[bad[0]])
         taps = sorted({use.tap for i in tapped.inputs for use in tapped.uses[i]})
         retain_graph, want_pullback = True, False  # the walk comes next
         if not tapped.inputs:

@@ -170,9 +170,20 @@ class Recording:
 class _ThreadState(threading.local):
     latest: weakref.ReferenceType[Recording] | None = None
     depth: int = 0
+    paused: int = 0  # > 0 while torchgram itself computes (its calls are not the user's)
 
 
 _STATE = _ThreadState()
+
+
+@contextmanager
+def paused() -> Iterator[None]:
+    """Within this block, the modes of ``record()`` blocks pass every call through unseen."""
+    _STATE.paused += 1
+    try:
+        yield
+    finally:
+        _STATE.paused -= 1
 
 
 def current_recording() -> Recording | None:
@@ -209,6 +220,8 @@ class RecordMode(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
+        if _STATE.paused:
+            return func(*args, **kwargs)
         recording = self.recording
         recording.calls += 1
         recording.signature = hash((recording.signature, getattr(func, "__name__", None),
@@ -359,7 +372,7 @@ _PLAIN = (int, float, bool, str, type(None))
 
 def _plain_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
     """A call's non-tensor arguments that hash (dims, flags): part of the signature."""
-    plain = []
+    plain: list[Any] = []
     for value in (*args, *kwargs.values()):
         if isinstance(value, _PLAIN):
             plain.append(value)
