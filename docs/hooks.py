@@ -31,6 +31,8 @@ REPOSITORY_FILES = (
     "benchmarks/README.md",
     "benchmarks/results/benchmarks.md",
     "benchmarks/results/benchmarks.png",
+    "benchmarks/WEIGHTING_NOTES.md",
+    "benchmarks/results/weighting.md",
 )
 NOTES_PAGE = "design/notes.md"
 PACKAGE = Path("src") / "torchgram"
