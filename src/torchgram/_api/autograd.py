@@ -51,7 +51,11 @@ def gramian(
     Nothing of the graph is changed and no ``.grad`` is written; with the default
     ``retain_graph=True`` the graph can be used afterwards (e.g. ``backward``). The walk runs
     no hook; a recorded call's pass is one ``torch.autograd.grad`` when the graph has no hook
-    torchgram can see (NOTE [eager taps]).
+    torchgram can see (NOTE [eager taps]). torchgram cannot see the hooks added to the
+    recorded graph *after* the ``record()`` block (``Tensor.register_hook``, ``retain_grad``,
+    ``grad_fn.register_hook``): like in any ``torch.autograd.grad``, they run during those
+    passes, and a tensor that retains its grad receives one. Add them inside the block (the
+    pass is then walked, running none) or do not record.
 
     Args:
         outputs: A tensor, or a sequence of tensors, that require grad. Rows are their
@@ -76,7 +80,9 @@ def gramian(
         per_input: Return one block ``J_i J_iᵀ`` per input, as a tuple (their sum is ``G``).
 
     Returns:
-        ``G``, with the outputs' dtype (promoted across them) and device. For a tensor
+        ``G``, with the outputs' dtype (promoted across them) and device: under
+        ``torch.autocast``, float32 losses give a float32 ``G`` whose entries carry the round-off
+        of the lower-precision activations and cotangents the forward saved. For a tensor
         ``outputs`` of shape ``S``, ``G`` has shape ``S + S`` (``S`` with ``diagonal=True``);
         for a sequence of tensors, ``[m, m]`` (``[m]``) over their ``m`` entries. With
         ``per_input=True``, a tuple of such tensors, one per input. A complex input counts

@@ -14,8 +14,11 @@ ways:
 * **walk** (otherwise): the graph walk of ``torchgram.autograd.gramian`` (NOTE [frontier
   walk]) with the slots as targets: no hook runs, nothing is written.
 
-Hooks registered on tensors of the recorded graph *after* the ``record()`` block cannot be
-seen; they run during an engine pass, as they would in ``torch.autograd.grad``.
+Hooks registered on tensors or nodes of the recorded graph *after* the ``record()`` block
+cannot be seen (autograd gives no way to ask a node for its hooks): they run during an engine
+pass, as they would in ``torch.autograd.grad``, and a tensor that called ``retain_grad()``
+after the block receives a ``.grad`` (the pass's cotangent). Documented in
+``tg.autograd.gramian`` and ``tg.autograd.record``.
 """
 
 from __future__ import annotations

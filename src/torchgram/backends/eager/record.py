@@ -393,6 +393,11 @@ def record() -> Iterator[Recording]:
     Yields the :class:`Recording` (``with tg.autograd.record() as rec``); it is found by
     ``tg.autograd.gramian`` / ``backward`` without being passed. Starting a block releases
     the activations of this thread's previous recording.
+
+    Nothing is installed on the user's modules or tensors: the recording lives in the
+    recorded graph and is freed with it. Hooks on the graph's tensors (``register_hook``,
+    ``retain_grad``) should be added inside the block: added after it, torchgram cannot see
+    them, and they run during the Gramian's backward pass (a retained grad is then written).
     """
     previous = current_recording()
     if previous is not None and _STATE.depth == 0:
