@@ -13,6 +13,7 @@ import os
 import tempfile
 import weakref
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import optree
@@ -468,3 +469,19 @@ def test_bad_batch_dim_is_a_clear_error() -> None:
         tg.autograd.gramian([out, out[:2]], w, batch_dim=0)
     with pytest.raises(TypeError, match=r"^torchgram.autograd.backward: .*batch_dim"):
         tg.autograd.backward(out, w, tg.weighting.mean, batch_dim="0")  # type: ignore[arg-type]
+
+
+# -- the README's eager section runs ------------------------------------------------------------
+
+
+def test_readme_eager_section_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    section = readme.split("### Eager code: the torchjd-style training loop", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    scope: dict[str, Any] = {"torch": torch, "nn": nn, "tg": tg}
+    torch.manual_seed(0)
+    exec(compile(code, "README.md (eager code)", "exec"), scope)  # noqa: S102
+    model, x, y = scope["model"], scope["x"], scope["y"]
+    assert all(p.grad is not None for p in model.parameters())  # the loop's last step
+    assert_close(scope["G"], oracle_of(model, lambda m: scope["criterion"](m(x), y)), tol=1e-5)
+    assert "torchgram.autograd.explain: 16 sample(s); recorded" in capsys.readouterr().out
