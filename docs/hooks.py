@@ -33,6 +33,10 @@ REPOSITORY_FILES = (
     "benchmarks/results/benchmarks.png",
     "benchmarks/WEIGHTING_NOTES.md",
     "benchmarks/results/weighting.md",
+    "benchmarks/results/compose.md",
+    "benchmarks/results/ntk.md",
+    "benchmarks/results/eager.md",
+    "benchmarks/nt/SEMANTICS.md",
 )
 NOTES_PAGE = "design/notes.md"
 PACKAGE = Path("src") / "torchgram"

@@ -25,6 +25,7 @@ fly; every leaf's tensor carries gradients for its unrecognised uses), and ``giv
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ from torch.overrides import TorchFunctionMode
 
 from torchgram._core import _torch_compat
 from torchgram._core.census import coupling_op
+from torchgram._core.composition import tapped_evaluation
 from torchgram._core.pytree import leaves_of
 from torchgram.backends._embedding import embedding_with_conventions
 from torchgram.backends.structured.rules import rewrite_for, rule_for
@@ -193,6 +195,8 @@ class TapMode(TorchFunctionMode):
         expected: For a replay, the trace's tap records (checked call by call).
         carriers: For a replay, the leaves whose tensors carry gradients (an unrecognised use
             of another leaf means the run left the trace).
+        keep_graph: Record the activations with their autograd graph (a differentiable
+            ``G``, NOTE [composition]) instead of detached.
 
     Example:
         >>> import torch
@@ -208,8 +212,9 @@ class TapMode(TorchFunctionMode):
                  tapped: Collection[int] | None = None,
                  taps: Literal["trace", "lazy"] | Sequence[Tensor] = "trace",
                  expected: Sequence[TapRecord] | None = None,
-                 carriers: Collection[int] | None = None) -> None:
+                 carriers: Collection[int] | None = None, keep_graph: bool = False) -> None:
         super().__init__()
+        self._keep_graph = keep_graph
         self._refs: dict[int, LeafRef] = {}
         self._pins: list[Tensor] = list(leaves)  # keep ids valid for the whole run
         for index, leaf in enumerate(leaves):
@@ -223,6 +228,19 @@ class TapMode(TorchFunctionMode):
         self.acts: list[Tensor] = []
         self._next_act = 0
         self.made_taps: list[Tensor] = []
+        self._contexts: list[contextlib.ExitStack] = []
+
+    def __enter__(self) -> TapMode:
+        contexts = contextlib.ExitStack()
+        contexts.enter_context(tapped_evaluation())  # nested calls refuse: NOTE [composition]
+        self._contexts.append(contexts)
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            self._contexts.pop().__exit__(*exc)
 
     # -- bookkeeping ------------------------------------------------------------------------
 
@@ -344,7 +362,8 @@ class TapMode(TorchFunctionMode):
                     act_index = acts[id(operand.act)] = self._next_act
                     self._next_act += 1
                     if self._taps != "trace":
-                        self.acts.append(operand.act.detach())
+                        self.acts.append(operand.act if self._keep_graph
+                                         else operand.act.detach())
             self.recording.uses.append(UseRecord(
                 leaf=ref.index, role=role, rule=match.rule, layout=layout,
                 act_first=layout.act_first != ref.transposed, tap=tap_index, act=act_index,
