@@ -150,6 +150,9 @@ def _refuse_dtensors(options: Options, args: tuple[Any, ...]) -> None:
 def _run(problem: Problem) -> BackendResult:
     try:
         return get_backend(problem.options.backend)(problem)
+    except OutputChanged:  # the call starts afresh, from its own random state (NOTE [one draw])
+        problem.draw.rewind()
+        raise
     except BaseException:
         problem.draw.finish()
         raise

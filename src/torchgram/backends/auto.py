@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from torchgram._core.composition import COMPOSING_BACKENDS
-from torchgram._core.errors import BackendCannotRun
+from torchgram._core.errors import BackendCannotRun, NotPerSample
 from torchgram._core.problem import Problem
 from torchgram._core.result import BackendResult
 from torchgram.backends._registry import get_backend, register
@@ -173,7 +173,12 @@ def plan_auto(problem: Problem) -> AutoPlan:
         keep_trace(problem, forward.recording)
         structured = plan_problem(problem, forward.recording)
     else:
-        structured = plan_problem(problem)
+        try:
+            structured = plan_problem(problem)
+        except NotPerSample:  # f fails on a batch of one: plan the whole batch's rows
+            with torch.enable_grad():
+                forward = dense_forward(problem)
+            structured = plan_problem(problem, forward.recording, dense=True)
     estimates = estimate_backends(problem, structured)
     order = ranked(estimates)
     return AutoPlan(structured, estimates, (*order, LAST_RESORT), forward)

@@ -183,7 +183,7 @@ def _local_work(local: Local, options: Options, f: Callable[..., Any], args: tup
             payloads = pass_payloads(problem)
     except NotPerSample as why:
         if not why.random:
-            _coupled(api, why.reason)
+            _coupled(api, _named_coupling(f, args, kwargs) or why.reason)
         payloads = pass_payloads(problem, dense=True)
     local.payloads = payloads
     local.outputs = payloads.outputs
@@ -279,6 +279,20 @@ def _coupled(api: str, reason: str, error: BaseException | None = None) -> NoRet
         "different ranks, which no rank computes. Use batch-norm in eval mode, GroupNorm or "
         "LayerNorm, or batch_dim=None for the Gramian of the rows each rank computes.")
     raise ValueError(message) from error
+
+
+def _named_coupling(f: Callable[..., Any], args: tuple[Any, ...],
+                    kwargs: Mapping[str, Any]) -> str | None:
+    """The op known to make samples interact that ``f`` calls on the batch, if any."""
+    census = OpCensus()
+    try:
+        with torch.no_grad(), census:
+            f(*args, **kwargs)
+    except Exception:  # noqa: BLE001 -- only a better message was at stake
+        return None
+    if not census.coupling:
+        return None
+    return f"f calls {census.coupling[0]}, whose samples interact"
 
 
 def _raise_if_coupled(api: str, f: Callable[..., Any], args: tuple[Any, ...],
