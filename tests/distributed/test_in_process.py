@@ -244,3 +244,32 @@ def test_one_sample_per_rank_still_checks_that_samples_do_not_interact() -> None
 
     with pytest.raises(ValueError, match="could not change theirs"):
         simulate(embedded, table, [(tokens[:1],), (tokens[1:],)], batch_dim=0)
+
+
+def test_random_f_whose_samples_interact_is_refused() -> None:
+    """With dropout the rank sends its batch's rows: coupling is checked from one draw."""
+    w = torch.randn(3, dtype=torch.float64)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    drop = nn.Dropout(0.5)
+
+    def noisy_centred(w: Tensor, x: Tensor) -> Tensor:
+        return torch.tanh(drop(x - x.mean(0)) @ w)
+
+    torch.manual_seed(0)
+    with pytest.raises(ValueError, match="f draws random numbers"):
+        simulate(noisy_centred, w, [(x[:2],), (x[2:],)], seeds=[0, 1], batch_dim=0)
+
+    def noisy(w: Tensor, x: Tensor) -> Tensor:
+        return torch.tanh(drop(x) @ w)
+
+    def both(w: Tensor) -> Tensor:
+        torch.manual_seed(0)
+        first = noisy(w, x[:2])
+        torch.manual_seed(1)
+        return torch.cat([first, noisy(w, x[2:])])
+
+    got = simulate(noisy, w, [(x[:2],), (x[2:],)], seeds=[0, 1], batch_dim=0)
+    torch.testing.assert_close(got, dense_gramian(both, (w,)).gramian, atol=TOL, rtol=0)
+    # one sample per rank: nothing to compare (a batch of two draws other numbers), answered
+    got = simulate(noisy, w, [(x[:1],), (x[1:2],)], seeds=[0, 1], batch_dim=0)
+    assert got.shape == (2, 2)

@@ -185,6 +185,10 @@ def _local_work(local: Local, options: Options, f: Callable[..., Any], args: tup
         if not why.random:
             _coupled(api, _named_coupling(f, args, kwargs) or why.reason)
         payloads = pass_payloads(problem, dense=True)
+    if batch is not None and batch > 1 and problem.draw.random \
+            and _random_batch_coupled(problem):
+        _coupled(api, "changing one sample's inputs moves other samples' outputs (f draws "
+                 "random numbers: checked from the same random state)")
     local.payloads = payloads
     local.outputs = payloads.outputs
     if options.has_aux:
@@ -225,6 +229,8 @@ def _one_sample_check(problem: Problem, alone: Tensor) -> Alone:
     """
     batch = problem.batch
     assert batch is not None and batch.size == 1
+    if problem.draw.random:  # a batch of two draws other numbers: nothing to compare
+        return "checked"  # (the known gap the README names)
     generator = torch.Generator().manual_seed(0)
     pairs, changed = [], False
     for tensor, dim in zip(batch.tensors, batch.dims, strict=True):
@@ -279,6 +285,47 @@ def _coupled(api: str, reason: str, error: BaseException | None = None) -> NoRet
         "different ranks, which no rank computes. Use batch-norm in eval mode, GroupNorm or "
         "LayerNorm, or batch_dim=None for the Gramian of the rows each rank computes.")
     raise ValueError(message) from error
+
+
+def _random_batch_coupled(problem: Problem) -> bool:
+    """Whether another sample moves a sample's outputs, when ``f`` draws random numbers.
+
+    The per-sample comparison cannot run then (a sample alone draws other numbers); but
+    samples that interact would couple this rank's samples with other ranks' too. Both
+    evaluations start from the call's random state and have the batch's shapes, so they
+    draw the same numbers (NOTE [one draw]): sample 0's inputs are changed, and no other
+    sample's outputs may move.
+    """
+    batch = problem.batch
+    assert batch is not None
+    generator = torch.Generator().manual_seed(0)
+    changed, moved_any = [], False
+    for tensor, dim in zip(batch.tensors, batch.dims, strict=True):
+        other = tensor.detach().clone()
+        target = other.narrow(dim, 0, 1)
+        if other.is_floating_point() or other.is_complex():
+            noise = torch.randn(target.shape, generator=generator).to(other.dtype)
+            target.add_(0.5 * (target.abs() + 1) * noise.to(other.device))
+            moved_any = True
+        else:
+            target.copy_(other.narrow(dim, 1, 1))
+            moved_any = moved_any or not torch.equal(other, tensor)
+        changed.append(other)
+    if not moved_any:
+        return False
+
+    def rows(inputs: tuple[Tensor, ...]) -> Tensor:
+        args, kwargs = replace_input_leaves(problem.args, problem.kwargs, batch.positions,
+                                            inputs)
+        with torch.no_grad():
+            out, _ = problem.call(problem.leaves, args, kwargs)
+        return concat_rows(optree.tree_leaves(out), problem.output.dtype)
+
+    reference = rows(tuple(t.detach() for t in batch.tensors))
+    moved = rows(tuple(changed))
+    rtol = 10 * tolerance(reference.dtype)
+    differs = (moved - reference).abs() > rtol * (reference.abs().max() + reference.abs())
+    return bool(differs[problem.sample_major_index[1:]].any())
 
 
 def _named_coupling(f: Callable[..., Any], args: tuple[Any, ...],
