@@ -37,6 +37,7 @@ REPOSITORY_FILES = (
     "benchmarks/results/ntk.md",
     "benchmarks/results/eager.md",
     "benchmarks/nt/SEMANTICS.md",
+    "benchmarks/results/distributed.md",
 )
 NOTES_PAGE = "design/notes.md"
 PACKAGE = Path("src") / "torchgram"

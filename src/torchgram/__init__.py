@@ -37,3 +37,12 @@ __all__ = [
     "weighting",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    """``torchgram.distributed`` is imported on first use (it imports torch.distributed)."""
+    if name == "distributed":
+        import torchgram.distributed
+
+        return torchgram.distributed
+    raise AttributeError(f"module 'torchgram' has no attribute {name!r}")

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from torchgram._core import checks
+from torchgram._core import _torch_compat, checks
 from torchgram._core.result import RunReport
 from torchgram._core.sink import LeafBlocks
 from torchgram.backends.eager.record import paused
@@ -251,6 +251,15 @@ def _check_outputs(api: str, outputs: list[Tensor]) -> None:
 
 def _check_inputs(api: str, inputs: list[Tensor]) -> None:
     for index, tensor in enumerate(inputs):
+        if _torch_compat.is_dtensor(tensor):
+            checks.fail(api, "inputs that are the graph's own tensors",
+                        f"inputs[{index}], a DTensor (placements "
+                        f"{getattr(tensor, 'placements', None)})",
+                        "A DTensor parameter holds one shard: an FSDP2 module's graph "
+                        "uses the whole parameters FSDP all-gathers (a zero block here), "
+                        "a tensor-parallel one only this rank's part. Use "
+                        "torchgram.distributed.autograd.gramian / backward(losses, module, "
+                        "...) on every rank.", TypeError)
         if not tensor.requires_grad:
             checks.fail(api, "inputs that require grad",
                         f"inputs[{index}] of shape {tuple(tensor.shape)} with "

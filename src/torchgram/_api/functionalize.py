@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from torchgram._core import _torch_compat
 from torchgram._core.threads import MODULE_LOCK
 
 _API = "torchgram.functionalize"
@@ -34,6 +35,14 @@ def functionalize(module: nn.Module) -> tuple[Callable[..., Any], dict[str, Tens
         passes one at a time (NOTE [threads]); do not use the module itself from another
         thread meanwhile.
 
+    Distributed modules: a ``DistributedDataParallel`` wrapper is unwrapped (names are those
+    of ``ddp.module``, and ``fn`` never triggers DDP's gradient synchronisation). An FSDP2
+    module (``fully_shard``) is data parallel for the Gramian: ``params`` are its **whole**
+    parameters, all-gathered once here (a collective: every rank of its mesh calls
+    ``functionalize`` together), and ``fn`` runs a plain replica of the module, without
+    FSDP2's hooks, that shares its buffers (NOTE [FSDP2 replica]). Tensor-parallel DTensor
+    parameters stay DTensors (``torchgram.distributed`` takes them as they are).
+
     Raises:
         TypeError: If ``module`` is not an ``nn.Module`` (at build time) or ``params`` is not
             a mapping (at call time).
@@ -52,6 +61,7 @@ def functionalize(module: nn.Module) -> tuple[Callable[..., Any], dict[str, Tens
     if not isinstance(module, nn.Module):
         raise TypeError(f"{_API}: expected an nn.Module, but got {type(module).__name__}. "
                         "For a plain function, pass it to tg.gramian directly.")
+    module = _plain(module)
     params = {name: p.detach() for name, p in module.named_parameters() if p.requires_grad}
     known = {name for name, _ in module.named_parameters(remove_duplicate=False)}
 
@@ -72,3 +82,51 @@ def functionalize(module: nn.Module) -> tuple[Callable[..., Any], dict[str, Tens
     fn.__doc__ = f"Pure function of {type(module).__name__}: fn(params, *args, **kwargs)."
     fn.__name__ = f"functional_{type(module).__name__}"
     return fn, params
+
+
+# NOTE [FSDP2 replica]
+# fully_shard swaps a module's class for an FSDP subclass, registers forward hooks that
+# all-gather its parameters into FSDP's own unsharded tensors (ignoring whatever
+# functional_call put in their place) and leaves DTensor shards registered between
+# iterations. For a function of the parameters, functionalize builds a replica instead:
+# every module of the tree re-created with its original class and the same attributes
+# (buffers and submodule state shared), FSDP's forward hooks left out, and each sharded
+# parameter replaced by its whole tensor (DTensor.full_tensor(), one all-gather each).
+
+def _plain(module: nn.Module) -> nn.Module:
+    """``module`` without DDP's wrapper, and an FSDP2 tree as a plain replica."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(module, DistributedDataParallel):
+        module = module.module
+    if not any(_torch_compat.fsdp_original_class(m) is not None for m in module.modules()):
+        return module
+    return _replica(module, {})
+
+
+def _replica(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
+    original = _torch_compat.fsdp_original_class(module)
+    cls = type(module) if original is None else original
+    replica: nn.Module = object.__new__(cls)
+    replica.__dict__.update(module.__dict__)
+    if original is not None:
+        hooks = _torch_compat.fsdp_forward_hook_ids(module)
+        replica._forward_pre_hooks = type(module._forward_pre_hooks)(
+            (key, hook) for key, hook in module._forward_pre_hooks.items() if key not in hooks)
+        replica._forward_hooks = type(module._forward_hooks)(
+            (key, hook) for key, hook in module._forward_hooks.items() if key not in hooks)
+    replica._parameters = {name: _whole(p, memo) for name, p in module._parameters.items()}
+    replica._modules = {name: None if child is None else _replica(child, memo)
+                        for name, child in module._modules.items()}
+    return replica
+
+
+def _whole(param: nn.Parameter | None, memo: dict[int, Any]) -> nn.Parameter | None:
+    """A DTensor parameter's whole tensor (once per parameter: tied weights stay tied)."""
+    if param is None or not _torch_compat.is_dtensor(param):
+        return param
+    if id(param) not in memo:
+        whole = param.full_tensor()  # type: ignore[attr-defined]
+        memo[id(param)] = nn.Parameter(whole.detach(), requires_grad=param.requires_grad)
+    whole_param: nn.Parameter = memo[id(param)]
+    return whole_param

@@ -13,14 +13,14 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
-from torchgram._core import functional
+from torchgram._core import _torch_compat, functional
 from torchgram._core.checks import fail
 from torchgram._core.composition import refuse_inside_taps
 from torchgram._core.cross import CrossProblem, CrossResult
 from torchgram._core.errors import OutputChanged
 from torchgram._core.options import Options
 from torchgram._core.problem import Problem, build_problem, forget_probe
-from torchgram._core.pytree import detach_tree
+from torchgram._core.pytree import detach_tree, leaves_of
 from torchgram._core.result import NO_AUX, BackendResult
 from torchgram._core.sink import assemble, shape_block, to_backend_order, to_output_order
 from torchgram.backends import get_backend
@@ -102,6 +102,7 @@ def compute(options: Options, f: Callable[..., Any], args: tuple[Any, ...],
             kwargs: Mapping[str, Any], *, want_pullback: bool = False) -> Computation:
     """Build the call's problem, run the backend, assemble its blocks; compute aux if needed."""
     refuse_inside_taps(options.api)  # NOTE [composition]: nested in a structured call
+    _refuse_dtensors(options, args)
     probe_with_grad = options.backend == "graph"
     problem = build_problem(options, f, args, kwargs, want_pullback=want_pullback,
                             probe_with_grad=probe_with_grad)
@@ -129,6 +130,21 @@ def compute(options: Options, f: Callable[..., Any], args: tuple[Any, ...],
             aux = detach_tree(aux)
     problem.draw.finish()
     return Computation(problem, result, assemble(problem, result), aux)
+
+
+def _refuse_dtensors(options: Options, args: tuple[Any, ...]) -> None:
+    """DTensor parameters hold a shard each: one process sees part of the Gramian only."""
+    for num in options.argnums:
+        if not -len(args) <= num < len(args):
+            continue  # build_problem reports it
+        for leaf in leaves_of(args[num]):
+            if _torch_compat.is_dtensor(leaf):
+                fail(options.api, "plain tensors as parameters",
+                     f"a DTensor (placements {leaf.placements}) in argument {num}",
+                     "A process holds one shard of a DTensor, and so only part of the "
+                     "Gramian. Call torchgram.distributed.gramian / aggregated_grad on every "
+                     "rank instead (tg.functionalize gives an FSDP2 model's whole "
+                     "parameters).", TypeError)
 
 
 def _run(problem: Problem) -> BackendResult:

@@ -17,6 +17,13 @@ internals directly.
   without forward-mode AD, a graph freed by an earlier backward;
 * ``Tensor.T`` / ``Tensor.mT`` as seen by a ``TorchFunctionMode`` (the getter's descriptor as
   ``func.__self__``);
+* ``torch.distributed``: the ``TorchDispatchMode`` base class
+  (``torch.utils._python_dispatch``), the namespaces of the ops collectives dispatch, and
+  FSDP2's internals: the class ``fully_shard`` replaced (``_orig_cls_mro_index``), its
+  forward hooks (``FSDPState._pre_forward_hook_handle``...) and its parameters
+  (``FSDPParamGroup.fsdp_params``: ``sharded_param``, ``_unsharded_param``,
+  ``_module_info``) and the custom Function it puts on a sharded module's inputs
+  (``RegisterPostBackwardFunction``);
 * the functorch transforms active around a call (``torch._C._functorch.get_interpreter_stack``:
   torch has no public way to ask whether code runs under ``torch.func.grad`` or ``vmap``).
 """
@@ -24,6 +31,8 @@ internals directly.
 from __future__ import annotations
 
 import re
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +40,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import BackwardCFunction
 from torch.nn.modules._functions import BackwardHookFunction
+from torch.utils._python_dispatch import TorchDispatchMode as TorchDispatchMode
 from torch.utils.checkpoint import CheckpointFunction
 
 Node = Any
@@ -269,3 +279,82 @@ def functorch_transforms() -> tuple[str, ...]:
         return ()
     return tuple(_TRANSFORM_NAMES.get(interpreter.key().name, interpreter.key().name.lower())
                  for interpreter in stack)
+
+
+# -- torch.distributed -----------------------------------------------------------------------
+
+COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional"})
+"""Namespaces of the ops that ``torch.distributed`` collectives dispatch (seen by a
+``TorchDispatchMode`` before the collective starts)."""
+
+
+def is_dtensor(value: Any) -> bool:
+    """Whether ``value`` is a DTensor (without importing DTensor when nothing made one)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(value, module.DTensor)
+
+
+def fsdp_original_class(module: torch.nn.Module) -> type | None:
+    """The class FSDP2's ``fully_shard`` replaced, or ``None`` for a module it did not shard."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is None or not isinstance(module, fsdp.FSDPModule):
+        return None
+    cls = type(module)
+    original = cls.__mro__[getattr(cls, "_orig_cls_mro_index", 2)]
+    assert isinstance(original, type)
+    return original
+
+
+def fsdp_forward_hook_ids(module: torch.nn.Module) -> set[int]:
+    """The ids (keys of ``module._forward_pre_hooks`` / ``_forward_hooks``) of FSDP2's hooks."""
+    state = module._get_fsdp_state()  # type: ignore[operator]
+    ids: set[int] = set()
+    for handle in (state._pre_forward_hook_handle, state._post_forward_hook_handle):
+        for one in getattr(handle, "handles", (handle,)):
+            if one is not None and hasattr(one, "id"):
+                ids.add(one.id)
+    return ids
+
+
+@dataclass(frozen=True)
+class FsdpParam:
+    """One parameter FSDP2 manages: where it is registered, its shard and its whole tensor.
+
+    Attributes:
+        module: The module it is registered on.
+        name: Its name there.
+        sharded: The sharded DTensor parameter (what ``module.parameters()`` gives between
+            iterations).
+        unsharded: The whole parameter FSDP2 all-gathers for forward and backward (the leaf
+            of the autograd graph), or ``None`` before the first all-gather.
+    """
+
+    module: torch.nn.Module
+    name: str
+    sharded: Tensor
+    unsharded: Tensor | None
+
+
+def fsdp_params(root: torch.nn.Module) -> Iterator[FsdpParam]:
+    """Every parameter FSDP2 manages under ``root`` (nothing when ``root`` is not FSDP2)."""
+    for module in root.modules():
+        if fsdp_original_class(module) is None:
+            continue
+        state = module._get_fsdp_state()  # type: ignore[operator]
+        for group in state._fsdp_param_groups:
+            for param in group.fsdp_params:
+                info = param._module_info
+                yield FsdpParam(info.module, info.param_name, param.sharded_param,
+                                getattr(param, "_unsharded_param", None))
+
+
+def passes_cotangents_through(node: Node) -> bool:
+    """Whether a custom Function node only returns its cotangents, around a side effect.
+
+    FSDP2's ``RegisterPostBackwardFunction`` sits on a sharded module's inputs; its
+    ``backward`` returns its cotangents unchanged and runs FSDP's post-backward (gradient
+    reduce-scatter, resharding), which a graph walk must not trigger.
+    """
+    cls = custom_function_class(node)
+    return cls is not None and cls.__name__ == "RegisterPostBackwardFunction" \
+        and cls.__module__.startswith("torch.distributed.fsdp")

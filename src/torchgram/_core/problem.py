@@ -708,8 +708,13 @@ def _output_batch_dim(api: str, shape: torch.Size, batch: BatchSpec, samples: in
 # leaves (strings, flags, Python numbers) are passed as they are.
 
 def make_batch_spec(api: str, args: tuple[Any, ...], argnums: tuple[int, ...], batch_dim: int,
-                    in_dims: InDims, kwargs: Mapping[str, Any] | None = None) -> BatchSpec:
-    """Find the batched input tensors from ``in_dims`` and check their batch sizes agree."""
+                    in_dims: InDims, kwargs: Mapping[str, Any] | None = None, *,
+                    allow_empty: bool = False) -> BatchSpec:
+    """Find the batched input tensors from ``in_dims`` and check their batch sizes agree.
+
+    ``allow_empty``: accept a batch of size 0 (a process of ``torchgram.distributed`` may
+    have no samples).
+    """
     kwargs = kwargs or {}
     input_positions = [i for i in range(len(args)) if i not in argnums]
     keyword_dims: dict[str, int | None] = {}
@@ -771,6 +776,6 @@ def make_batch_spec(api: str, args: tuple[Any, ...], argnums: tuple[int, ...], b
              f"different sizes {sorted(sizes)} ({described})",
              "Fix in_dims (None for shared inputs) or the inputs' shapes.")
     size = sizes.pop()
-    if size == 0:
+    if size == 0 and not allow_empty:
         fail(api, "a non-empty batch", "batch size 0", "Pass at least one sample.")
     return BatchSpec(batch_dim, size, tuple(positions), tuple(dims), tuple(tensors))

@@ -117,6 +117,45 @@ def graph_gramian(api: str, outputs: Sequence[Tensor], inputs: Sequence[Tensor],
     return plan
 
 
+def graph_jacobians(api: str, outputs: Sequence[Tensor], inputs: Sequence[Tensor], *,
+                    chunk_size: int | None) -> list[Tensor | None]:
+    """Every input's row-Jacobian ``[m, numel]`` from one walk (``None``: not reached).
+
+    The columns are the input's entries in row-major order (a complex input: real and
+    imaginary parts interleaved), so that Jacobians of the same input made by different
+    processes line up column by column (``torchgram.distributed.autograd``).
+    """
+    plan = plan_graph(outputs, inputs)
+    _check_no_reentrant_checkpoint(api, plan)
+    num_rows = sum(out.numel() for out in outputs)
+    by_edge: dict[Edge, list[int]] = {}
+    for index, tensor in enumerate(inputs):
+        by_edge.setdefault(input_edge(tensor), []).append(index)
+    found: list[Tensor | None] = [None] * len(inputs)
+
+    def on_target(edge: Edge, jacobian: Tensor | None) -> None:
+        if jacobian is None:
+            return
+        flat = jacobian.reshape(jacobian.shape[0], -1)
+        if flat.is_complex():
+            flat = torch.view_as_real(flat).reshape(flat.shape[0], -1)
+        for index in by_edge[edge]:
+            found[index] = flat
+
+    if num_rows:
+        try:
+            with torch.no_grad():
+                plan.run(_seeds(outputs, 0, num_rows), on_target, NodeCaller(chunk_size))
+        except RuntimeError as error:
+            if not _torch_compat.is_freed_graph_error(error):
+                raise
+            fail(api, "a graph whose saved tensors are still alive",
+                 "a graph already freed by an earlier backward pass or autograd.grad call",
+                 "Pass retain_graph=True to that earlier call, or compute the Gramian first "
+                 "and then call backward.", RuntimeError)
+    return found
+
+
 def _check_no_reentrant_checkpoint(api: str, plan: WalkPlan) -> None:
     """Refuse graphs with a reentrant checkpoint: its parameters are not in the graph.
 

@@ -204,7 +204,10 @@ def _apply_custom(node: Node, grads: Sequence[Tensor | None]) -> list[Tensor | N
         torch.zeros(meta.shape, dtype=meta.dtype, device=meta.device) if g is None else g
         for g, meta in zip(grads, metadata, strict=True)
     ]
-    per_argument, needs = _torch_compat.call_custom_function_node(node, materialized)
+    if _torch_compat.passes_cotangents_through(node):  # no side effect (FSDP2's hook)
+        per_argument, needs = [None, *materialized], tuple(node.needs_input_grad)
+    else:
+        per_argument, needs = _torch_compat.call_custom_function_node(node, materialized)
     wanted = [per_argument[i] if i < len(per_argument) else None
               for i, need in enumerate(needs) if need]
     valid = [k for k, (child, _) in enumerate(node.next_functions) if child is not None]

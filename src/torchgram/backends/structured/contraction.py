@@ -519,17 +519,29 @@ class Contraction:
             cot = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
             factors.append((self._factors((plan.leaf, k), use, cot, complete=True),
                             use.shape.positions * use.shape.groups))
-        total: Tensor | None = None
-        for i, (u, pos_u) in enumerate(factors):
-            for j in range(i, len(factors)):
-                v, pos_v = factors[j]
-                block = _pair_chunked(u, v, self.rows, self.samples,
-                                      max(pos_u, pos_v), self.diagonal, dtype,
-                                      self.max_pair_elements, self._cot_grams)
-                if i != j:
-                    block = 2 * block if self.diagonal else block + block.permute(2, 3, 0, 1)
-                total = block if total is None else total + block
-        return total
+        return ghost_block(factors, self.rows, self.samples, self.diagonal, dtype,
+                           self.max_pair_elements, self._cot_grams)
+
+
+def ghost_block(factors: Sequence[tuple[UseFactors, int]], rows: int, samples: int,
+                diagonal: bool, dtype: torch.dtype, max_pair_elements: int = DEFAULT_PAIR_ELEMENTS,
+                cache: dict[Any, Tensor] | None = None) -> Tensor | None:
+    """A leaf's ghost block ``[R, B, R, B]`` (``[R, B]``) from its uses' factors.
+
+    ``factors``: per use, its factors and its positions × groups per sample. Every ordered
+    pair of uses is contracted (the cross terms of a leaf used several times), each pair
+    row-chunked so that one block stays under ``max_pair_elements``.
+    """
+    total: Tensor | None = None
+    for i, (u, pos_u) in enumerate(factors):
+        for j in range(i, len(factors)):
+            v, pos_v = factors[j]
+            block = _pair_chunked(u, v, rows, samples, max(pos_u, pos_v), diagonal, dtype,
+                                  max_pair_elements, cache)
+            if i != j:
+                block = 2 * block if diagonal else block + block.permute(2, 3, 0, 1)
+            total = block if total is None else total + block
+    return total
 
 
 def to_row_major(block: Tensor, diagonal: bool) -> Tensor:
