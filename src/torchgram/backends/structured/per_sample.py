@@ -17,22 +17,28 @@ the whole batch (the exact coupled Gramian when samples interact).
 
 from __future__ import annotations
 
+import contextlib
+
+import optree
 import torch
+from torch import Tensor
 
 from torchgram._core.errors import BackendCannotRun, NotPerSample, OutputChanged
-from torchgram._core.per_sample import batch_rows, check_samples
-from torchgram._core.problem import Problem
+from torchgram._core.per_sample import batch_rows, check_samples, tolerance
+from torchgram._core.problem import Problem, replace_input_leaves
 from torchgram.backends.structured.cost import Force
 from torchgram.backends.structured.passes import (
     Forward,
+    SampleAxis,
     batched_forward,
     forget_trace,
     per_sample_forward,
+    per_sample_view,
     restrict,
     trace,
 )
 from torchgram.backends.structured.plan import StructuredPlan, plan_problem
-from torchgram.backends.structured.trace import Recording, TraceMismatch
+from torchgram.backends.structured.trace import Recording, TapMode, TraceMismatch
 
 
 def per_sample_forward_checked(problem: Problem, plan: StructuredPlan | None,
@@ -61,8 +67,7 @@ def _forward(problem: Problem, traced: Recording) -> Forward:
     try:
         if not fallback:
             forward = batched_forward(problem, expected)
-            if forward is not None:
-                _check_batched(problem, forward)
+            if forward is not None and _check_batched(problem, forward):
                 return forward
         return _one_sample_at_a_time(problem, expected, fallback)
     except TraceMismatch:
@@ -71,19 +76,87 @@ def _forward(problem: Problem, traced: Recording) -> Forward:
                                      list(range(len(problem.leaves))))
 
 
-def _check_batched(problem: Problem, forward: Forward) -> None:
-    """The first and last samples run alone give the batch's outputs (unless ``f`` is random)."""
+def _check_batched(problem: Problem, forward: Forward) -> bool:
+    """The first and last samples without the others give the batch's outputs.
+
+    Raises :class:`NotPerSample` when they do not; returns ``False`` when a dim that merges
+    the samples (``Forward.merged_acts``) does not hold each sample's entries together.
+
+    NOTE [checking the batched pass]: with ``B > 2`` the two samples run as one batch of two
+    (one evaluation of ``f``, the cost of about one sample: the weights are read once);
+    samples that interact then see another batch than the whole one and give other outputs,
+    in both directions (the first sample sees the last, the last the first). With ``B = 2``
+    each runs alone. Where samples are merged in one dim of a tapped activation
+    (``x.view(-1, d)`` before ``torch.addmm``, as GPT-2's ``Conv1D`` does), the same run
+    records its activations, and each sample's slice of the merged dim (its entries taken
+    together, sample after sample) must be what the sample gave there. Skipped when ``f``
+    draws random numbers (NOTE [per-sample]); merged dims are then not used.
+    """
     if forward.recording.coupling:
         raise NotPerSample(f"f calls {forward.recording.coupling[0]}: its samples interact")
     batch = problem.batch
     assert batch is not None
-    if batch.size == 1 or problem.draw.random:
-        return
+    if batch.size == 1:
+        return True
+    if problem.draw.random:
+        return not forward.merged_acts
     samples = [0, batch.size - 1]
-    with torch.no_grad():
-        rows = torch.stack([problem.sample_rows(problem.leaves, batch.narrow(b, 1))
-                            for b in samples])
-    check_samples(problem, rows, torch.tensor(samples), forward.outputs[0].detach())
+    rows, same = [], True
+    for subset in ([[0], [1]] if batch.size == 2 else [samples]):
+        mode = (TapMode(problem.leaves, problem.leaves, keep_acts=True)
+                if forward.merged_acts else None)
+        with torch.no_grad(), mode or contextlib.nullcontext():
+            rows.append(subset_rows(problem, subset))
+        if mode is not None:
+            same = same and _same_merged_acts(forward, mode.acts, subset)
+    check_samples(problem, torch.cat(rows), torch.tensor(samples), forward.outputs[0].detach())
+    return same
+
+
+def _same_merged_acts(forward: Forward, acts: list[Tensor], subset: list[int]) -> bool:
+    """Whether the merged activations of a run of ``subset`` are the batch's slices of them."""
+    for i, dim in forward.merged_acts.items():
+        if i >= len(acts):
+            return False
+        alone = per_sample_view(acts[i], SampleAxis(dim, merged=True), 0, len(subset))
+        batched = forward.acts[i][subset]
+        if alone.shape != batched.shape:
+            return False
+        if not alone.is_floating_point():
+            if not torch.equal(alone, batched):
+                return False
+            continue
+        scale = batched.abs().max()
+        if not bool(((alone - batched).abs() <= tolerance(batched.dtype) * (scale + batched.abs()))
+                    .all()):
+            return False
+    return True
+
+
+def subset_rows(problem: Problem, samples: list[int]) -> Tensor:
+    """``f`` on the batch restricted to ``samples`` (in that order): their rows ``[n, K]``.
+
+    Raises :class:`NotPerSample` when the output's structure is not the batch's with ``n``
+    samples (then ``f`` does not treat a smaller batch like the whole one).
+    """
+    batch = problem.batch
+    assert batch is not None
+    index = torch.tensor(samples, device=batch.tensors[0].device)
+    inputs = tuple(t.index_select(d, index.to(t.device))
+                   for t, d in zip(batch.tensors, batch.dims, strict=True))
+    args, kwargs = replace_input_leaves(problem.args, problem.kwargs, batch.positions, inputs)
+    out, _ = problem.call(problem.leaves, args, kwargs, full=False)
+    out_leaves, treespec = optree.tree_flatten(out)
+    spec, count, batch_dims = problem.output, len(samples), problem.output.batch_dims
+    assert batch_dims is not None
+    expected = [torch.Size((*shape[:d], count, *shape[d + 1:]))
+                for shape, d in zip(spec.shapes, batch_dims, strict=True)]
+    if treespec != spec.treespec or [getattr(leaf, "shape", None) for leaf in out_leaves] \
+            != expected:
+        raise NotPerSample(f"f on {count} of the samples returns an output of another "
+                           "structure than on the batch")
+    return torch.cat([leaf.movedim(d, 0).reshape(count, -1).to(spec.dtype)
+                      for leaf, d in zip(out_leaves, batch_dims, strict=True)], dim=1)
 
 
 def _one_sample_at_a_time(problem: Problem, expected: Recording, fallback: list[int]) -> Forward:

@@ -21,10 +21,22 @@ wrapped tensors — or a transposed view of it made under the mode (``W.T``, ``W
 Three ways to run: ``trace`` (no taps; record what is used how), ``lazy`` taps (created on the
 fly; every leaf's tensor carries gradients for its unrecognised uses), and ``given`` taps
 (made beforehand from a trace, e.g. batched for ``vmap``; the run must replay the trace).
+
+# NOTE [tap edges]
+A lazy tap costs nothing when the tapped output ``y`` already has an autograd node (its
+activation requires gradients): the tap is then ``y``'s gradient edge
+(``torch.autograd.graph.get_gradient_edge``), and the backward asks for the gradient that
+reaches that edge, which is ``∂out/∂y`` for the ``y`` the op returned even when ``f``
+modifies ``y`` in place afterwards (``relu_``, ``+=``). Adding a zero tensor instead would
+copy every tapped output once more in the forward. An output without a node (the first
+layer's, whose input needs no gradient) gets a zero tap, which also makes the rest of the
+forward record the graph.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections import Counter
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +46,7 @@ import optree
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.overrides import TorchFunctionMode
 
 from torchgram._core import _torch_compat
@@ -50,12 +63,21 @@ class TraceMismatch(RuntimeError):
     """A tapped run did not replay the trace it was prepared from."""
 
 
+class NotBatched(RuntimeError):
+    """A batched run cannot read per-sample pieces (NOTE [shared taps]); stop it."""
+
+
 @dataclass(frozen=True)
 class LeafRef:
-    """Leaf ``index``, or its transpose."""
+    """Leaf ``index``, its transpose, or a view of it with the entries in the same order.
+
+    ``view_shape`` is the shape of such a view (``p.view(1, 1, -1)``, ``p[None]``...), which
+    rules that only see the entries one by one (elementwise weights, biases) accept.
+    """
 
     index: int
     transposed: bool = False
+    view_shape: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -150,6 +172,61 @@ def _is_transpose(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> b
     return False
 
 
+_RESHAPE_METHODS = frozenset({torch.Tensor.view, torch.Tensor.reshape, torch.reshape,
+                              torch.Tensor.view_as, torch.Tensor.reshape_as,
+                              torch.Tensor.unsqueeze, torch.unsqueeze, torch.Tensor.squeeze,
+                              torch.squeeze, torch.Tensor.flatten, torch.flatten})
+
+
+def _keeps_order(func: Any, args: tuple[Any, ...], result: Any) -> bool:
+    """Whether ``result = func(*args)`` is ``args[0]`` reshaped, its entries in the same order."""
+    x = args[0]
+    if not isinstance(result, Tensor) or result.dtype != x.dtype or result.numel() != x.numel():
+        return False
+    try:
+        if func in _RESHAPE_METHODS:
+            return True
+        if func is torch.Tensor.__getitem__ and len(args) == 2:
+            index = args[1] if isinstance(args[1], tuple) else (args[1],)
+            return all(i is None or i is Ellipsis or i == slice(None) for i in index)
+    except TypeError:  # unhashable func
+        return False
+    return False
+
+
+_BROADCASTING = frozenset({
+    torch.add, torch.sub, torch.mul, torch.div, torch.Tensor.add, torch.Tensor.sub,
+    torch.Tensor.mul, torch.Tensor.div, torch.Tensor.__add__, torch.Tensor.__radd__,
+    torch.Tensor.__sub__, torch.Tensor.__rsub__, torch.Tensor.__mul__, torch.Tensor.__rmul__,
+    torch.Tensor.__truediv__, torch.Tensor.__rtruediv__, torch.Tensor.__iadd__,
+    torch.Tensor.__isub__, torch.Tensor.__imul__, torch.Tensor.__itruediv__,
+})
+_IN_PLACE = frozenset({torch.Tensor.__iadd__, torch.Tensor.__isub__, torch.Tensor.__imul__,
+                       torch.Tensor.__itruediv__})
+_EXPANDS = frozenset({torch.Tensor.expand, torch.Tensor.expand_as})
+
+
+def _leaves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """The leaves of ``(args, kwargs)`` (``optree`` beyond one level of lists and tuples).
+
+    Example:
+        >>> _leaves((1, [2, 3]), {"a": 4})
+        [1, 2, 3, 4]
+    """
+    leaves: list[Any] = []
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, list | tuple):
+            for item in value:
+                if isinstance(item, list | tuple | dict):
+                    return optree.tree_leaves((args, kwargs))  # type: ignore[arg-type]
+                leaves.append(item)
+        elif isinstance(value, dict):
+            return optree.tree_leaves((args, kwargs))  # type: ignore[arg-type]
+        else:
+            leaves.append(value)
+    return leaves
+
+
 def zero_tap(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> Tensor:
     """A zero tensor of ``shape`` that requires gradients, stored as one element.
 
@@ -207,7 +284,8 @@ class TapMode(TorchFunctionMode):
                  tapped: Collection[int] | None = None,
                  taps: Literal["trace", "lazy"] | Sequence[Tensor] = "trace",
                  expected: Sequence[TapRecord] | None = None,
-                 carriers: Collection[int] | None = None) -> None:
+                 carriers: Collection[int] | None = None, samples: int | None = None,
+                 keep_acts: bool = False) -> None:
         super().__init__()
         self._refs: dict[int, LeafRef] = {}
         self._pins: list[Tensor] = list(leaves)  # keep ids valid for the whole run
@@ -221,7 +299,11 @@ class TapMode(TorchFunctionMode):
         self.recording = Recording()
         self.acts: list[Tensor] = []
         self._next_act = 0
-        self.made_taps: list[Tensor] = []
+        self.made_taps: list[Tensor | GradientEdge] = []
+        self._samples = samples
+        self._keep_acts = keep_acts or taps != "trace"
+        self._pending: dict[int, tuple[int, Tensor]] = {}
+        self.not_batched: str | None = None
 
     # -- bookkeeping ------------------------------------------------------------------------
 
@@ -234,6 +316,79 @@ class TapMode(TorchFunctionMode):
             if len(self.recording.taps) != len(self._taps):
                 raise TraceMismatch(f"the run tapped {len(self.recording.taps)} calls, the "
                                     f"trace {len(self._taps)}")
+        if self._pending and self.not_batched is None:
+            self.not_batched = "a tapped output shared by the samples never met the batch"
+
+    # -- NOTE [shared taps] -------------------------------------------------------------------
+    # In a batched run (``samples`` given), a tapped call whose output has the trace's shape
+    # does not depend on the sample: e.g. BERT's and GPT-2's position embeddings, looked up
+    # from ``position_ids`` of shape ``[1, T]`` and broadcast against the ``[B, T, d]`` token
+    # embeddings. Its cotangent is the sum over the samples, which is not the per-sample
+    # factor. Such an output gets no tap at first; where it meets the batch in a
+    # broadcasting op (``+``, ``-``, ``*``, ``/``, ``expand``) whose result has ``B`` in
+    # exactly one of its size-1 dims, it is expanded along that dim and tapped there, so the
+    # tap holds every sample's own cotangent. Ops that return it unchanged (``.to(device)``,
+    # dropout in eval mode) keep it pending; any other use, several candidate dims, an
+    # in-place op on it, or a run that ends with it pending, stops the batched run
+    # (:class:`NotBatched`), and the backend takes the per-sample ``vmap`` way instead.
+
+    def _is_shared(self, tap_index: int, y: Tensor) -> bool:
+        expected = self._expected
+        return (self._samples is not None and self._samples > 1 and expected is not None
+                and tap_index < len(expected) and tuple(y.shape) == expected[tap_index].shape)
+
+    def _give_up(self, why: str) -> NotBatched:
+        self.not_batched = self.not_batched or why
+        return NotBatched(why)
+
+    def _meet_batch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                    leaves: list[Any]) -> tuple[tuple[Any, ...], Any]:
+        """``args`` with pending shared outputs expanded and tapped, or a result to return."""
+        pending = [i for i, a in enumerate(args)
+                   if isinstance(a, Tensor) and id(a) in self._pending]
+        nested = sum(isinstance(a, Tensor) and id(a) in self._pending for a in leaves)
+        if not nested:
+            return args, NotImplemented
+        try:
+            known = func in _BROADCASTING or func in _EXPANDS
+        except TypeError:
+            known = False
+        if not known or nested != len(pending) or (func in _IN_PLACE and 0 in pending):
+            result = func(*args, **kwargs)
+            if len(pending) == 1 and result is args[pending[0]]:  # unchanged: still pending
+                return args, result
+            raise self._give_up(f"a tapped output shared by the samples is used by "
+                                f"{describe(func)} before it meets the batch")
+        tensors = [a for a in args if isinstance(a, Tensor)]
+        if func in _EXPANDS:
+            out = tuple(func(*args, **kwargs).shape)  # a view
+        else:
+            out = tuple(torch.broadcast_shapes(*(t.shape for t in tensors)))
+        assert self._samples is not None
+        new_args = list(args)
+        for i in pending:
+            y = args[i]
+            offset = len(out) - y.dim()
+            dims = [d for d in range(y.dim()) if y.shape[d] == 1 and offset >= 0
+                    and out[offset + d] == self._samples]
+            if len(dims) != 1:
+                raise self._give_up("a tapped output shared by the samples meets the batch "
+                                    f"in {describe(func)} along {len(dims)} candidate dims")
+            new_args[i] = self._expand_shared(y, dims[0])
+        return tuple(new_args), NotImplemented
+
+    def _expand_shared(self, y: Tensor, dim: int) -> Tensor:
+        tap_index, _ = self._pending.pop(id(y))
+        assert self._samples is not None
+        shape = (*y.shape[:dim], self._samples, *y.shape[dim + 1:])
+        tap = zero_tap(shape, y.dtype, y.device)
+        self.made_taps[tap_index] = tap
+        record = self.recording.taps[tap_index]
+        self.recording.taps[tap_index] = TapRecord(shape, record.dtype, record.rule)
+        numel = math.prod(shape)
+        self.recording.uses = [dataclasses.replace(use, shape=use.layout.shape(numel))
+                               if use.tap == tap_index else use for use in self.recording.uses]
+        return y.expand(shape) + tap
 
     def _note_unrecognised(self, refs: list[LeafRef], name: str, result: Any) -> None:
         flops = sum(leaf.numel() for leaf in optree.tree_leaves(result)
@@ -258,17 +413,32 @@ class TapMode(TorchFunctionMode):
         why = coupling_op(func, args, kwargs)
         if why is not None and why not in self.recording.coupling:
             self.recording.coupling.append(why)
-        leaves: list[Any] = optree.tree_leaves((args, kwargs))  # type: ignore[arg-type]
+        leaves = _leaves(args, kwargs)
+        if self._pending:  # NOTE [shared taps]
+            args, result = self._meet_batch(func, args, kwargs, leaves)
+            if result is not NotImplemented:
+                return result
+            leaves = _leaves(args, kwargs)
         found = [(leaf, ref) for leaf in leaves if (ref := self._ref(leaf)) is not None]
         if not found:
             return func(*args, **kwargs)
-        if len(found) == 1 and args and args[0] is found[0][0] and args[0].dim() == 2 \
-                and _is_transpose(func, args, kwargs):
-            result = func(*args, **kwargs)
+        if len(found) == 1 and args and args[0] is found[0][0]:
             ref = found[0][1]
-            self._refs[id(result)] = LeafRef(ref.index, not ref.transposed)
-            self._pins.append(result)
-            return result
+            if args[0].dim() == 2 and ref.view_shape is None \
+                    and _is_transpose(func, args, kwargs):
+                result = func(*args, **kwargs)
+                self._refs[id(result)] = LeafRef(ref.index, not ref.transposed)
+                self._pins.append(result)
+                return result
+            if not ref.transposed and not kwargs and (
+                    func in _RESHAPE_METHODS or func is torch.Tensor.__getitem__):
+                result = func(*args, **kwargs)
+                if _keeps_order(func, args, result):
+                    self._refs[id(result)] = LeafRef(ref.index, view_shape=tuple(result.shape))
+                    self._pins.append(result)
+                    return result
+                self._note_unrecognised([ref], describe(func), result)
+                return result
         rewrite = rewrite_for(func)
         if rewrite is not None:
             with self:  # the rewrite's own calls go through the mode (NOTE [attention rewrite])
@@ -286,6 +456,8 @@ class TapMode(TorchFunctionMode):
             result = embedding_with_conventions(args, kwargs)
         if result is NotImplemented:
             result = func(*args, **kwargs)
+        if any(result is leaf for leaf, _ in found):  # p.to(p.dtype), p.contiguous(): no use
+            return result
         if _has_float_tensor(result):
             self._note_unrecognised([ref for _, ref in found], describe(func), result)
         return result
@@ -297,7 +469,10 @@ class TapMode(TorchFunctionMode):
             if ref is None or (self._tapped is not None and ref.index not in self._tapped):
                 continue
             if operand.layout is not None:
-                chosen.append((i, ref, "weight"))
+                # an elementwise use sees entries one by one: a reshaped view is the same
+                # use, a transpose is not; other rules need the leaf's own layout
+                if not ref.transposed if operand.layout.elementwise else ref.view_shape is None:
+                    chosen.append((i, ref, "weight"))
             elif operand.bias_of is not None and not ref.transposed:
                 chosen.append((i, ref, "bias"))
         return chosen
@@ -313,13 +488,20 @@ class TapMode(TorchFunctionMode):
         values = [operand.value for operand in match.operands]
         for i, ref, _ in chosen:
             plain = self._plain[ref.index]
-            values[i] = plain.T if ref.transposed else plain
+            values[i] = plain.T if ref.transposed else (
+                plain if ref.view_shape is None else plain.reshape(ref.view_shape))
         y = match.compute(*values)
         if others:
             self._note_unrecognised(others, f"{match.rule} (as an activation)", y)
         tap_index = len(self.recording.taps)
         record = TapRecord(tuple(y.shape), y.dtype, match.rule)
-        if self._taps == "lazy":
+        if self._taps == "lazy" and self._is_shared(tap_index, y):  # NOTE [shared taps]
+            self.made_taps.append(y)  # replaced by the tap where y meets the batch
+            self._pending[id(y)] = (tap_index, y)
+            self._pins.append(y)
+        elif self._taps == "lazy" and y.grad_fn is not None:  # NOTE [tap edges]
+            self.made_taps.append(get_gradient_edge(y))
+        elif self._taps == "lazy":
             tap = zero_tap(y.shape, y.dtype, y.device)
             self.made_taps.append(tap)
             y = y + tap
@@ -342,7 +524,7 @@ class TapMode(TorchFunctionMode):
                 if act_index is None:
                     act_index = acts[id(operand.act)] = self._next_act
                     self._next_act += 1
-                    if self._taps != "trace":
+                    if self._keep_acts:
                         self.acts.append(operand.act.detach())
             self.recording.uses.append(UseRecord(
                 leaf=ref.index, role=role, rule=match.rule, layout=layout,

@@ -1,8 +1,10 @@
 """Structured rules: ops whose parameter Jacobians are sums of outer products (DESIGN.md §1).
 
 One module per family: ``linear`` (``F.linear``, matmuls), ``conv`` (``conv{1,2,3}d``),
-``embedding``, ``norm`` (layer / group norm affine parameters), and ``attention``, which
-rewrites self-attention calls into ops these rules see. ``base`` says what a rule reports
+``embedding``, ``norm`` (layer / group / RMS / batch norm affine parameters), ``elementwise``
+(parameters multiplied, added or expanded with broadcasting); ``attention`` and
+``recurrent`` rewrite self-attention and fused RNN / LSTM / GRU calls into ops these rules
+see. ``base`` says what a rule reports
 (NOTE [factors]); ``torchgram.backends.structured.trace`` runs a function under a
 ``TorchFunctionMode`` that finds the calls the rules recognise and taps their outputs.
 """
@@ -12,20 +14,38 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 
 from torchgram.backends.structured.rules.attention import rewrite_multi_head_attention
 from torchgram.backends.structured.rules.base import Layout, Match, Operand, Rule, UseShape
 from torchgram.backends.structured.rules.conv import ConvRule
+from torchgram.backends.structured.rules.elementwise import AddRule, ExpandRule, MulRule
 from torchgram.backends.structured.rules.embedding import EmbeddingRule
-from torchgram.backends.structured.rules.linear import LinearRule, MatmulRule
-from torchgram.backends.structured.rules.norm import GroupNormRule, LayerNormRule
+from torchgram.backends.structured.rules.linear import AddmmRule, LinearRule, MatmulRule
+from torchgram.backends.structured.rules.norm import (
+    BatchNormRule,
+    GroupNormRule,
+    LayerNormRule,
+    RMSNormRule,
+)
+from torchgram.backends.structured.rules.recurrent import (
+    rewrite_gru,
+    rewrite_lstm,
+    rewrite_rnn_relu,
+    rewrite_rnn_tanh,
+)
 
-RULES: tuple[Rule, ...] = (LinearRule(), MatmulRule(), ConvRule(), EmbeddingRule(),
-                           LayerNormRule(), GroupNormRule())
+RULES: tuple[Rule, ...] = (LinearRule(), MatmulRule(), AddmmRule(), ConvRule(), EmbeddingRule(),
+                           LayerNormRule(), GroupNormRule(), RMSNormRule(), BatchNormRule(),
+                           MulRule(), AddRule(), ExpandRule())
 _BY_FUNC: dict[Any, Rule] = {func: rule for rule in RULES for func in rule.funcs}
 REWRITES: dict[Any, Callable[[tuple[Any, ...], dict[str, Any]], Any]] = {
     F.multi_head_attention_forward: rewrite_multi_head_attention,
+    torch.lstm: rewrite_lstm,
+    torch.gru: rewrite_gru,
+    torch.rnn_tanh: rewrite_rnn_tanh,
+    torch.rnn_relu: rewrite_rnn_relu,
 }
 """Composite functions re-expressed (under the mode) in ops the rules see, when possible."""
 
