@@ -17,6 +17,7 @@ from torchgram._api.functionalize import functionalize as functionalize
 from torchgram._api.gramian import gramian as gramian
 from torchgram._api.independence import Independence as Independence
 from torchgram._api.independence import check_independence as check_independence
+from torchgram._api.step_times import StepTimes as StepTimes
 from torchgram._core.errors import BackendCannotRun as BackendCannotRun
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "BackendCannotRun",
     "Explanation",
     "Independence",
+    "StepTimes",
     "aggregated_grad",
     "autograd",
     "check_independence",

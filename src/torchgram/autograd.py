@@ -9,6 +9,7 @@ Example:
 """
 
 from torchgram._api.autograd import gramian as gramian
+from torchgram._api.weighted_backward import BackwardInfo as BackwardInfo
 from torchgram._api.weighted_backward import backward as backward
 
-__all__ = ["backward", "gramian"]
+__all__ = ["BackwardInfo", "backward", "gramian"]

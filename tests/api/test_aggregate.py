@@ -81,3 +81,12 @@ def test_bad_weighting_is_rejected() -> None:
         tg.aggregated_grad(case.f, lambda G: G)(*case.args)
     with pytest.raises(ValueError, match="torchgram.aggregated_grad: expected chunk_size"):
         tg.aggregated_grad(case.f, rows_weighting, chunk_size=0)
+
+
+def test_info_reports_where_the_step_time_went() -> None:
+    case = build("mlp")
+    _, info = tg.aggregated_grad(case.f, tg.weighting.upgrad, batch_dim=0)(*case.args)
+    times = info.times
+    assert times.gramian > 0 and times.weighting > 0 and times.pullback >= 0
+    assert times.total == times.gramian + times.weighting + times.pullback
+    assert "Gramian" in str(times) and "Jᵀw" in str(times)

@@ -52,3 +52,17 @@ def test_bad_weighting_is_rejected() -> None:
     with pytest.raises(TypeError, match=r"shape \(2,\).*got shape \(\)"):
         tg.autograd.backward(losses, w, lambda G: G.sum())
     assert w.grad is None
+
+
+def test_with_info_returns_the_gramian_and_the_time_split() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Tanh(), torch.nn.Linear(5, 1))
+    x = torch.randn(6, 4)
+    losses = model(x).squeeze(1) ** 2
+    params = list(model.parameters())
+    expected = tg.autograd.gramian(losses, params)
+    weights, info = tg.autograd.backward(losses, params, tg.weighting.mean, with_info=True)
+    torch.testing.assert_close(info.gramian, expected)
+    assert weights.shape == (6,)
+    assert info.times.gramian > 0 and info.times.pullback > 0
+    assert all(p.grad is not None for p in params)

@@ -262,7 +262,8 @@ def check_contract(case: ModelCase, backend: str, batch_dim: int | None,
     return Result("ok", seconds)
 
 
-_RELAYS = ("/torchgram/_functionalize.py", "/torchgram/rules/", "/torchgram/_problem.py")
+_RELAYS = ("/torchgram/_api/functionalize.py", "/torchgram/backends/structured/rules/",
+           "/torchgram/_core/problem.py")
 """torchgram frames that only relay a call of the user's function (functionalize's ``fn``,
 the structured taps' mode, the problem's evaluation helpers)."""
 

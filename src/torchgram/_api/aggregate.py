@@ -10,8 +10,11 @@ import torch
 from torch import Tensor
 
 from torchgram._api.pipeline import compute
+from torchgram._api.step_times import StepTimes, Stopwatch
+from torchgram._api.weights import call_weighting, check_weighting
 from torchgram._core import checks
 from torchgram._core.options import Options
+from torchgram._core.pytree import leaves_of
 from torchgram._core.sink import shape_block
 
 _API = "torchgram.aggregated_grad"
@@ -26,12 +29,14 @@ class Aggregation(NamedTuple):
         weights: The weighting's ``w``, shaped like ``f``'s output (``[m]`` for a pytree).
         output: ``f``'s output (detached).
         aux: ``f``'s aux with ``has_aux=True``, else ``None``.
+        times: Where the step's time went: the Gramian, the weighting, ``Jᵀ w``.
     """
 
     gramian: Any
     weights: Tensor
     output: Any
     aux: Any
+    times: StepTimes
 
 
 def aggregated_grad(
@@ -89,24 +94,25 @@ def aggregated_grad(
         batch_dim=batch_dim, in_dims=in_dims, diagonal=False, per_leaf=per_leaf,
         memory_budget=memory_budget,
     )
-    if not callable(weighting):
-        checks.fail(_API, "a weighting callable G -> w (e.g. torchgram.weighting.upgrad)",
-                    f"{type(weighting).__name__}",
-                    "Pass the function itself, not its result.", TypeError)
+    check_weighting(_API, weighting)
 
     @functools.wraps(f)
     def aggregated_grad_of_f(*args: Any, **kwargs: Any) -> tuple[Any, Aggregation]:
+        watch = Stopwatch(_device(args))
         computation = compute(options, f, args, kwargs, want_pullback=True)
         blocks = computation.blocks
         matrix = blocks[0] if len(blocks) == 1 else torch.stack(blocks).sum(0)
-        weights = _call_weighting(weighting, matrix)
+        gramian_time = watch.lap()
+        weights = call_weighting(_API, weighting, matrix)
+        weighting_time = watch.lap()
         grads = computation.pullback(weights)
+        times = StepTimes(gramian_time, weighting_time, watch.lap())
         problem = computation.problem
         update = problem.diff.unflatten_like_args(list(grads),
                                                   as_tuple=not options.single_argnum)
         shaped_weights = shape_block(problem, weights, diagonal=True)
         return update, Aggregation(computation.value(), shaped_weights, computation.output(),
-                                   computation.aux)
+                                   computation.aux, times)
 
     aggregated_grad_of_f.__doc__ = (
         f"Jᵀ w with w = {checks.function_name(weighting)}(J Jᵀ), J the Jacobian of "
@@ -116,14 +122,9 @@ def aggregated_grad(
     return aggregated_grad_of_f
 
 
-def _call_weighting(weighting: Callable[[Tensor], Tensor], matrix: Tensor) -> Tensor:
-    weights = weighting(matrix)
-    num_rows = matrix.shape[0]
-    if not isinstance(weights, Tensor) or weights.shape != (num_rows,):
-        got = (f"shape {tuple(weights.shape)}" if isinstance(weights, Tensor)
-               else type(weights).__name__)
-        checks.fail(_API, f"the weighting to return a tensor of shape ({num_rows},), one "
-                    "weight per output entry", got,
-                    "A weighting maps the [m, m] Gramian to [m] weights.", TypeError)
-    return weights.to(matrix.dtype)
-
+def _device(args: tuple[Any, ...]) -> torch.device:
+    """The device of the first tensor among the arguments (where the step's work is queued)."""
+    for leaf in leaves_of(args):
+        if isinstance(leaf, Tensor):
+            return leaf.device
+    return torch.device("cpu")

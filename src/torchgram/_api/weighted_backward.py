@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from torchgram._api.autograd import gramian
+from torchgram._api.step_times import StepTimes, Stopwatch
+from torchgram._api.weights import call_weighting, check_weighting
 from torchgram._core import checks
 
 _API = "torchgram.autograd.backward"
@@ -20,7 +23,8 @@ def backward(
     *,
     chunk_size: int | None = None,
     retain_graph: bool = False,
-) -> Tensor:
+    with_info: bool = False,
+) -> Tensor | tuple[Tensor, BackwardInfo]:
     """Accumulate ``Jᵀ w`` into ``inputs``' ``.grad``, with ``w = weighting(J Jᵀ)``.
 
     The imperative counterpart of :func:`torchgram.aggregated_grad`: the Gramian of the
@@ -35,9 +39,12 @@ def backward(
         weighting: A function ``G [m, m] -> w [m]``, e.g. :func:`torchgram.weighting.upgrad`.
         chunk_size: Rows per vectorized node call of the Gramian's graph walk.
         retain_graph: Keep the graph after the backward pass (as in ``torch.autograd``).
+        with_info: Also return a :class:`BackwardInfo`: the Gramian and where the step's
+            time went (Gramian, weighting, ``Jᵀ w``).
 
     Returns:
-        The weights ``w``, shaped like ``outputs`` (``[m]`` for a sequence of tensors).
+        The weights ``w``, shaped like ``outputs`` (``[m]`` for a sequence of tensors); with
+        ``with_info``, ``(w, info)``.
 
     Example:
         >>> import torch, torchgram as tg
@@ -47,26 +54,40 @@ def backward(
         tensor([0.3333, 0.3333, 0.3333])
         >>> w.grad
         tensor([-0.6667, -0.6667, -0.6667])
+        >>> losses = (torch.eye(3) @ w - 1.0) ** 2
+        >>> _, info = tg.autograd.backward(losses, [w], tg.weighting.upgrad, with_info=True)
+        >>> info.gramian.shape, info.times.total > 0
+        (torch.Size([3, 3]), True)
     """
-    if not callable(weighting):
-        checks.fail(_API, "a weighting callable G -> w (e.g. torchgram.weighting.upgrad)",
-                    type(weighting).__name__, "Pass the function itself, not its result.",
-                    TypeError)
+    check_weighting(_API, weighting)
     checks.check_bool(_API, "retain_graph", retain_graph)
+    checks.check_bool(_API, "with_info", with_info)
     input_list = [inputs] if isinstance(inputs, Tensor) else list(inputs)
-    matrix = gramian(outputs, input_list, chunk_size=chunk_size, retain_graph=True)
     output_list = [outputs] if isinstance(outputs, Tensor) else list(outputs)
+    watch = Stopwatch(output_list[0].device if output_list else torch.device("cpu"))
+    matrix = gramian(outputs, input_list, chunk_size=chunk_size, retain_graph=True)
     num_rows = sum(out.numel() for out in output_list)
     assert isinstance(matrix, Tensor)  # per_input=False: one block
-    weights = weighting(matrix.reshape(num_rows, num_rows))
-    if not isinstance(weights, Tensor) or weights.shape != (num_rows,):
-        got = (f"shape {tuple(weights.shape)}" if isinstance(weights, Tensor)
-               else type(weights).__name__)
-        checks.fail(_API, f"the weighting to return a tensor of shape ({num_rows},)", got,
-                    "A weighting maps the [m, m] Gramian to [m] weights.", TypeError)
+    gramian_time = watch.lap()
+    weights = call_weighting(_API, weighting, matrix.reshape(num_rows, num_rows))
+    weighting_time = watch.lap()
     pieces = weights.split([out.numel() for out in output_list])
     cotangents = [piece.reshape(out.shape).to(out.dtype)
                   for piece, out in zip(pieces, output_list, strict=True)]
     torch.autograd.backward(output_list, cotangents, inputs=input_list,
                             retain_graph=retain_graph)
-    return weights.reshape(output_list[0].shape) if isinstance(outputs, Tensor) else weights
+    times = StepTimes(gramian_time, weighting_time, watch.lap())
+    shaped = weights.reshape(output_list[0].shape) if isinstance(outputs, Tensor) else weights
+    return (shaped, BackwardInfo(matrix, times)) if with_info else shaped
+
+
+class BackwardInfo(NamedTuple):
+    """What :func:`backward` computed besides the weights (``with_info=True``).
+
+    Attributes:
+        gramian: ``G = J Jᵀ``, shaped as :func:`torchgram.autograd.gramian` returns it.
+        times: Where the step's time went: the Gramian, the weighting, ``Jᵀ w``.
+    """
+
+    gramian: Tensor
+    times: StepTimes

@@ -36,7 +36,7 @@ from torchgram._core.census import OpCensus
 from torchgram._core.checks import fail, resolve_argnums
 from torchgram._core.errors import NotPerSample, OutputChanged
 from torchgram._core.options import InDims, Options
-from torchgram._core.pytree import DiffLeaves, select_diff_leaves
+from torchgram._core.pytree import DiffLeaves, leaves_of, select_diff_leaves
 from torchgram._core.rng import RngState
 from torchgram._core.signature import LruCache, call_signature
 
@@ -527,8 +527,7 @@ def forget_probe(problem: Problem) -> None:
 
 
 def _devices(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[torch.device]:
-    leaves: list[Any] = optree.tree_leaves((args, dict(kwargs)))  # type: ignore[arg-type]
-    return [leaf.device for leaf in leaves
+    return [leaf.device for leaf in leaves_of((args, dict(kwargs)))
             if isinstance(leaf, Tensor) and leaf.device.type != "cpu"]
 
 

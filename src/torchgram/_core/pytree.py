@@ -94,6 +94,11 @@ def select_diff_leaves(args: Sequence[Any], argnums: tuple[int, ...]) -> DiffLea
                       tuple(leaves))
 
 
+def leaves_of(tree: Any) -> list[Any]:
+    """Every leaf of ``tree`` (``optree.tree_leaves``, typed for any pytree)."""
+    return list(optree.tree_leaves(tree))
+
+
 def tree_map_tensors(fn: Callable[[Tensor], Any], tree: Any) -> Any:
     """Apply ``fn`` to every tensor leaf of ``tree``, leaving other leaves unchanged."""
     return optree.tree_map(lambda leaf: fn(leaf) if isinstance(leaf, Tensor) else leaf, tree)

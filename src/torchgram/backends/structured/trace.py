@@ -51,6 +51,7 @@ from torch.overrides import TorchFunctionMode
 
 from torchgram._core import _torch_compat
 from torchgram._core.census import coupling_op
+from torchgram._core.pytree import leaves_of
 from torchgram.backends._embedding import embedding_with_conventions
 from torchgram.backends.structured.rules import rewrite_for, rule_for
 from torchgram.backends.structured.rules.base import Layout, Match, UseShape
@@ -218,10 +219,10 @@ def _leaves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
         if isinstance(value, list | tuple):
             for item in value:
                 if isinstance(item, list | tuple | dict):
-                    return optree.tree_leaves((args, kwargs))  # type: ignore[arg-type]
+                    return leaves_of((args, kwargs))
                 leaves.append(item)
         elif isinstance(value, dict):
-            return optree.tree_leaves((args, kwargs))  # type: ignore[arg-type]
+            return leaves_of((args, kwargs))
         else:
             leaves.append(value)
     return leaves
