@@ -6,16 +6,20 @@ here, with the layer lists of the papers / torchvision). A case's rows are per-s
 ``[B]``; ``rows(model, *inputs, **kw)`` runs the module (plain backward, torchjd) and
 ``f(params, *inputs, **kw)`` is the same through ``tg.functionalize`` (torchgram, torch.func).
 
-| case | model | inputs |
-|---|---|---|
-| ``gpt2`` | ``GPT2LMHeadModel``, 2 layers, d=128, 4 heads, tied embeddings | right-padded tokens + attention mask, LM loss |
-| ``llama`` | ``LlamaForCausalLM``, 2 layers, d=128, 4/2 heads (GQA), RMSNorm, rotary | as gpt2 |
-| ``bert`` | ``BertForSequenceClassification``, 2 layers, d=128, 4 heads | padded tokens + attention mask, CE |
-| ``vit`` | ``ViTForImageClassification``, 2 layers, d=128, 4 heads, 24×24 images, 4×4 patches (37 tokens) | CE |
-| ``resnet18`` | ResNet-18 (BasicBlock ×[2, 2, 2, 2], CIFAR stem), widths 16-128, eval-mode batch-norm | 32×32 images, CE |
-| ``mobilenet`` | MobileNetV3-small (11 inverted residuals, SE, hardswish), eval-mode batch-norm | 64×64 images, CE |
-| ``lstm`` | embedding 64 → ``nn.LSTM`` 128 → linear head on the last step | tokens, CE |
-| ``gru`` | embedding 64 → 2-layer bidirectional ``nn.GRU`` 128 → head on the final hidden states | tokens, CE |
+* ``gpt2``: ``GPT2LMHeadModel``, 2 layers, d=128, 4 heads, tied embeddings; right-padded tokens
+  with an attention mask, LM loss;
+* ``llama``: ``LlamaForCausalLM``, 2 layers, d=128, 4/2 heads (GQA), RMSNorm, rotary; as gpt2;
+* ``bert``: ``BertForSequenceClassification``, 2 layers, d=128, 4 heads; padded tokens with an
+  attention mask, cross-entropy;
+* ``vit``: ``ViTForImageClassification``, 2 layers, d=128, 4 heads, 24×24 images in 4×4
+  patches (37 tokens);
+* ``resnet18``: ResNet-18 (BasicBlock ×[2, 2, 2, 2], CIFAR stem), widths 16-128, eval-mode
+  batch-norm, 32×32 images;
+* ``mobilenet``: MobileNetV3-small (11 inverted residuals, squeeze-excite, hardswish),
+  eval-mode batch-norm, 64×64 images;
+* ``lstm``: embedding 64 → ``nn.LSTM`` 128 → linear head on the last step;
+* ``gru``: embedding 64 → 2-layer bidirectional ``nn.GRU`` 128 → head on the final hidden
+  states.
 """
 
 from __future__ import annotations
