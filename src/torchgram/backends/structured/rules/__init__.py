@@ -12,6 +12,7 @@ see. ``base`` says what a rule reports
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -40,7 +41,11 @@ RULES: tuple[Rule, ...] = (LinearRule(), MatmulRule(), AddmmRule(), ConvRule(), 
                            LayerNormRule(), GroupNormRule(), RMSNormRule(), BatchNormRule(),
                            MulRule(), AddRule(), ExpandRule())
 _BY_FUNC: dict[Any, Rule] = {func: rule for rule in RULES for func in rule.funcs}
-REWRITES: dict[Any, Callable[[tuple[Any, ...], dict[str, Any]], Any]] = {
+Rewrite = Callable[[tuple[Any, ...], dict[str, Any], AbstractContextManager[Any] | None], Any]
+"""``rewrite(args, kwargs, mode)``: the call re-expressed, entering ``mode`` (the tapping mode)
+around the calls the rules must see; ``NotImplemented`` when it does not apply."""
+
+REWRITES: dict[Any, Rewrite] = {
     F.multi_head_attention_forward: rewrite_multi_head_attention,
     torch.lstm: rewrite_lstm,
     torch.gru: rewrite_gru,
@@ -66,7 +71,7 @@ def rule_for(func: Any) -> Rule | None:
         return None
 
 
-def rewrite_for(func: Any) -> Callable[[tuple[Any, ...], dict[str, Any]], Any] | None:
+def rewrite_for(func: Any) -> Rewrite | None:
     """The rewrite of the composite function ``func``, if any (NOTE [attention rewrite])."""
     try:
         return REWRITES.get(func)

@@ -18,15 +18,19 @@ with ``F.linear`` so the rules see the weights, per layer and direction::
 
 The recurrent weight ``W_hh`` is then used once per step (``T`` uses of one position each);
 the Gram contractions take such uses together, as one use of ``T`` positions
-(NOTE [uses taken together]). Only the unpacked form with no active inter-layer dropout is
-rewritten (the fused kernel draws its dropout masks differently from ``F.dropout``); a
-``PackedSequence`` or dropout in training mode keeps the fused call, and its weights the
-fallback. Results are exact either way; the oracle tests compare both.
+(NOTE [uses taken together]). Only the ``F.linear`` calls run in the tapping mode; the
+cells' elementwise ops, which use no parameter, run without it (they are most of the calls).
+Only the unpacked form with no active inter-layer dropout is rewritten (the fused kernel
+draws its dropout masks differently from ``F.dropout``); a ``PackedSequence`` or dropout in
+training mode keeps the fused call, and its weights the fallback. Results are exact either
+way; the oracle tests compare both.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -34,44 +38,58 @@ import torch.nn.functional as F
 from torch import Tensor
 
 State = tuple[Tensor, ...]
-Cell = Callable[[Tensor, State, Sequence[Tensor | None]], State]
+Linear = Callable[[Tensor, Tensor, Tensor | None], Tensor]
+Cell = Callable[[Linear, Tensor, State, Sequence[Tensor | None]], State]
 
 
-def _lstm_cell(xs_t: Tensor, state: State, weights: Sequence[Tensor | None]) -> State:
+def _lstm_cell(linear: Linear, xs_t: Tensor, state: State,
+               weights: Sequence[Tensor | None]) -> State:
     w_hh, b_hh, w_hr = weights
     h, c = state
     assert w_hh is not None
-    i, f, g, o = (xs_t + F.linear(h, w_hh, b_hh)).chunk(4, dim=-1)
-    c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+    gates = xs_t + linear(h, w_hh, b_hh)
+    i, f, g, o = gates.chunk(4, dim=-1)
+    c = torch.addcmul(torch.sigmoid(f) * c, torch.sigmoid(i), torch.tanh(g))
     h = torch.sigmoid(o) * torch.tanh(c)
-    return (h if w_hr is None else F.linear(h, w_hr)), c
+    return (h if w_hr is None else linear(h, w_hr, None)), c
 
 
-def _gru_cell(xs_t: Tensor, state: State, weights: Sequence[Tensor | None]) -> State:
+def _gru_cell(linear: Linear, xs_t: Tensor, state: State,
+              weights: Sequence[Tensor | None]) -> State:
     w_hh, b_hh, _ = weights
     (h,) = state
     assert w_hh is not None
     x_r, x_z, x_n = xs_t.chunk(3, dim=-1)
-    h_r, h_z, h_n = F.linear(h, w_hh, b_hh).chunk(3, dim=-1)
+    h_r, h_z, h_n = linear(h, w_hh, b_hh).chunk(3, dim=-1)
     r = torch.sigmoid(x_r + h_r)
     z = torch.sigmoid(x_z + h_z)
-    n = torch.tanh(x_n + r * h_n)
-    return ((1 - z) * n + z * h,)
+    n = torch.tanh(torch.addcmul(x_n, r, h_n))
+    return (torch.lerp(n, h, z),)  # (1 - z) ⊙ n + z ⊙ h
 
 
 def _rnn_cell(nonlinearity: Callable[[Tensor], Tensor]) -> Cell:
-    def cell(xs_t: Tensor, state: State, weights: Sequence[Tensor | None]) -> State:
+    def cell(linear: Linear, xs_t: Tensor, state: State,
+             weights: Sequence[Tensor | None]) -> State:
         w_hh, b_hh, _ = weights
         assert w_hh is not None
-        return (nonlinearity(xs_t + F.linear(state[0], w_hh, b_hh)),)
+        return (nonlinearity(xs_t + linear(state[0], w_hh, b_hh)),)
 
     return cell
 
 
 def _run(cell: Cell, x: Tensor, initial: Sequence[State], params: Sequence[Tensor],
          has_biases: bool, num_layers: int, bidirectional: bool, batch_first: bool,
-         per_direction: int) -> tuple[Tensor, list[State]]:
-    """The layers and directions of a recurrent net, step by step; output and final states."""
+         per_direction: int, mode: AbstractContextManager[Any] | None) -> tuple[Tensor,
+                                                                                list[State]]:
+    """The layers and directions of a recurrent net, step by step; output and final states.
+
+    The projections run in ``mode`` (the tapping mode, when given), the rest without it.
+    """
+
+    def linear(h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        with mode or contextlib.nullcontext():
+            return F.linear(h, weight, bias)
+
     if batch_first:
         x = x.transpose(0, 1)
     steps = x.shape[0]
@@ -85,11 +103,11 @@ def _run(cell: Cell, x: Tensor, initial: Sequence[State], params: Sequence[Tenso
             w_ih, w_hh = w[0], w[1]
             b_ih, b_hh = (w[2], w[3]) if has_biases else (None, None)
             w_hr = w[-1] if per_direction in (3, 5) else None
-            xs = F.linear(x, w_ih, b_ih)
+            xs = linear(x, w_ih, b_ih)
             state = initial[index]
             out: list[Tensor | None] = [None] * steps
             for t in (range(steps) if direction == 0 else reversed(range(steps))):
-                state = cell(xs[t], state, (w_hh, b_hh, w_hr))
+                state = cell(linear, xs[t], state, (w_hh, b_hh, w_hr))
                 out[t] = state[0]
             outputs.append(torch.stack(out))  # type: ignore[arg-type]
             finals.append(state)
@@ -110,7 +128,8 @@ def _per_direction(params: Sequence[Tensor], has_biases: bool, layers: int,
     return per if rest == 0 and per in ((4, 5) if has_biases else (2, 3)) else None
 
 
-def rewrite_lstm(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def rewrite_lstm(args: tuple[Any, ...], kwargs: dict[str, Any],
+                 mode: AbstractContextManager[Any] | None = None) -> Any:
     """``torch.lstm(input, (h0, c0), params, ...)`` step by step, or ``NotImplemented``.
 
     Example:
@@ -134,12 +153,13 @@ def rewrite_lstm(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     h0, c0 = hx
     initial = [(h0[i], c0[i]) for i in range(layers * directions)]
     out, finals = _run(_lstm_cell, x, initial, params, has_biases, layers, bidirectional,
-                       batch_first, per)
+                       batch_first, per, mode)
     return out, torch.stack([s[0] for s in finals]), torch.stack([s[1] for s in finals])
 
 
-def _rewrite_single_state(cell: Cell) -> Callable[[tuple[Any, ...], dict[str, Any]], Any]:
-    def rewrite(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _rewrite_single_state(cell: Cell) -> Callable[..., Any]:
+    def rewrite(args: tuple[Any, ...], kwargs: dict[str, Any],
+                mode: AbstractContextManager[Any] | None = None) -> Any:
         if not _unpacked(args, kwargs) or not isinstance(args[1], Tensor):
             return NotImplemented
         x, h0, params, has_biases, layers, dropout, train, bidirectional, batch_first = args
@@ -149,7 +169,7 @@ def _rewrite_single_state(cell: Cell) -> Callable[[tuple[Any, ...], dict[str, An
             return NotImplemented
         initial = [(h0[i],) for i in range(layers * directions)]
         out, finals = _run(cell, x, initial, params, has_biases, layers, bidirectional,
-                           batch_first, per)
+                           batch_first, per, mode)
         return out, torch.stack([s[0] for s in finals])
 
     return rewrite
