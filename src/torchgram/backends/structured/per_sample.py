@@ -65,9 +65,9 @@ def _forward(problem: Problem, traced: Recording) -> Forward:
     tapped = [i for i in range(len(problem.leaves)) if i not in set(fallback)]
     expected = restrict(traced, tapped)
     try:
-        if not fallback:
+        if not fallback and traced.merged_order is not False:
             forward = batched_forward(problem, expected)
-            if forward is not None and _check_batched(problem, forward):
+            if forward is not None and _check_batched(problem, forward, traced):
                 return forward
         return _one_sample_at_a_time(problem, expected, fallback)
     except TraceMismatch:
@@ -76,7 +76,7 @@ def _forward(problem: Problem, traced: Recording) -> Forward:
                                      list(range(len(problem.leaves))))
 
 
-def _check_batched(problem: Problem, forward: Forward) -> bool:
+def _check_batched(problem: Problem, forward: Forward, traced: Recording) -> bool:
     """The first and last samples without the others give the batch's outputs.
 
     Raises :class:`NotPerSample` when they do not; returns ``False`` when a dim that merges
@@ -89,8 +89,11 @@ def _check_batched(problem: Problem, forward: Forward) -> bool:
     each runs alone. Where samples are merged in one dim of a tapped activation
     (``x.view(-1, d)`` before ``torch.addmm``, as GPT-2's ``Conv1D`` does), the same run
     records its activations, and each sample's slice of the merged dim (its entries taken
-    together, sample after sample) must be what the sample gave there. Skipped when ``f``
-    draws random numbers (NOTE [per-sample]); merged dims are then not used.
+    together, sample after sample) must be what the sample gave there. That order is a
+    property of the code, like the tapped calls of the trace, so it is checked on the first
+    batched run of a trace (later runs replay the same calls and shapes); a trace whose
+    order does not hold is not used batched again. Skipped when ``f`` draws random numbers
+    (NOTE [per-sample]); merged dims are then not used until a run can check them.
     """
     if forward.recording.coupling:
         raise NotPerSample(f"f calls {forward.recording.coupling[0]}: its samples interact")
@@ -99,17 +102,19 @@ def _check_batched(problem: Problem, forward: Forward) -> bool:
     if batch.size == 1:
         return True
     if problem.draw.random:
-        return not forward.merged_acts
+        return not forward.merged_acts or bool(traced.merged_order)
     samples = [0, batch.size - 1]
     rows, same = [], True
+    verify = bool(forward.merged_acts) and traced.merged_order is None
     for subset in ([[0], [1]] if batch.size == 2 else [samples]):
-        mode = (TapMode(problem.leaves, problem.leaves, keep_acts=True)
-                if forward.merged_acts else None)
+        mode = TapMode(problem.leaves, problem.leaves, keep_acts=True) if verify else None
         with torch.no_grad(), mode or contextlib.nullcontext():
             rows.append(subset_rows(problem, subset))
         if mode is not None:
             same = same and _same_merged_acts(forward, mode.acts, subset)
     check_samples(problem, torch.cat(rows), torch.tensor(samples), forward.outputs[0].detach())
+    if verify:
+        traced.merged_order = same
     return same
 
 

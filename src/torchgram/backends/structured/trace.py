@@ -141,6 +141,9 @@ class Recording:
     """Calls that make samples interact (NOTE [per-sample]), named."""
     plans: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
     """Plans made from this recording, by the backend (a cache)."""
+    merged_order: bool | None = field(default=None, compare=False, repr=False)
+    """Whether the merged sample dims of a batched run of this trace hold each sample's
+    entries together (``None``: not checked yet; NOTE [checking the batched pass])."""
 
     def uses_of(self, leaf: int) -> list[UseRecord]:
         """The recognised uses of ``leaf``, in call order."""
