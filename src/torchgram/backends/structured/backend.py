@@ -76,6 +76,13 @@ def run_structured(problem: Problem, plan: StructuredPlan | None = None, *,
     with torch.enable_grad():
         if problem.batch is None:
             return _dense(problem, plan, forward, force)
+        if plan is not None and plan.dense and forward is not None and force is None:
+            # auto planned the rows of the whole batch: the trace saw samples interact
+            result = _dense(problem, plan, forward, force)
+            why = (plan.recording.coupling or ["an op that makes them interact"])[0]
+            result.report.notes.append(f"per-sample passes do not hold (f calls {why}: its "
+                                       "samples interact): rows of the whole batch instead")
+            return result
         try:
             forward, plan = per_sample_forward_checked(problem, plan, force)
         except NotPerSample as why:  # NOTE [per-sample]: the same matrix from the whole batch

@@ -139,6 +139,11 @@ class Recording:
     """Output rows of the evaluation (``K`` for one sample, ``m`` for the whole batch)."""
     coupling: list[str] = field(default_factory=list)
     """Calls that make samples interact (NOTE [per-sample]), named."""
+    calls: int = 0
+    """Torch function calls seen (a measure of ``f``'s per-call overhead)."""
+    unbatchable: list[str] = field(default_factory=list)
+    """Calls ``vmap`` cannot batch (fused recurrent kernels): per-sample ``vmap`` passes over
+    ``f`` loop over the samples instead."""
     plans: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
     """Plans made from this recording, by the backend (a cache)."""
     merged_order: bool | None = field(default=None, compare=False, repr=False)
@@ -208,6 +213,17 @@ _BROADCASTING = frozenset({
 _IN_PLACE = frozenset({torch.Tensor.__iadd__, torch.Tensor.__isub__, torch.Tensor.__imul__,
                        torch.Tensor.__itruediv__})
 _EXPANDS = frozenset({torch.Tensor.expand, torch.Tensor.expand_as})
+
+
+_UNBATCHABLE = frozenset({torch.lstm, torch.gru, torch.rnn_tanh, torch.rnn_relu})
+
+
+def _unbatchable(func: Any) -> bool:
+    """Whether ``vmap`` cannot batch ``func`` (it then runs once per sample)."""
+    try:
+        return func in _UNBATCHABLE
+    except TypeError:  # unhashable func
+        return False
 
 
 def _leaves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
@@ -414,9 +430,13 @@ class TapMode(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
+        recording = self.recording
+        recording.calls += 1
         why = coupling_op(func, args, kwargs)
-        if why is not None and why not in self.recording.coupling:
-            self.recording.coupling.append(why)
+        if why is not None and why not in recording.coupling:
+            recording.coupling.append(why)
+        if _unbatchable(func) and describe(func) not in recording.unbatchable:
+            recording.unbatchable.append(describe(func))
         leaves = _leaves(args, kwargs)
         if self._pending:  # NOTE [shared taps]
             args, result = self._meet_batch(func, args, kwargs, leaves)
