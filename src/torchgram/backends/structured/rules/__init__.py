@@ -2,10 +2,10 @@
 
 One module per family: ``linear`` (``F.linear``, matmuls), ``conv`` (``conv{1,2,3}d``),
 ``embedding``, ``norm`` (layer / group / RMS / batch norm affine parameters), ``elementwise``
-(parameters multiplied, added or expanded with broadcasting); ``attention`` and
-``recurrent`` rewrite self-attention and fused RNN / LSTM / GRU calls into ops these rules
-see. ``base`` says what a rule reports
-(NOTE [factors]); ``torchgram.backends.structured.trace`` runs a function under a
+(parameters multiplied, added or expanded with broadcasting); ``attention``, ``recurrent``
+and ``einsum`` rewrite self-attention, fused RNN / LSTM / GRU calls and two-operand
+``torch.einsum`` contractions with a weight into ops these rules see. ``base`` says what a
+rule reports (NOTE [factors]); ``torchgram.backends.structured.trace`` runs a function under a
 ``TorchFunctionMode`` that finds the calls the rules recognise and taps their outputs.
 """
 
@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torchgram.backends.structured.rules.attention import rewrite_multi_head_attention
 from torchgram.backends.structured.rules.base import Layout, Match, Operand, Rule, UseShape
 from torchgram.backends.structured.rules.conv import ConvRule
+from torchgram.backends.structured.rules.einsum import rewrite_einsum
 from torchgram.backends.structured.rules.elementwise import AddRule, ExpandRule, MulRule
 from torchgram.backends.structured.rules.embedding import EmbeddingRule
 from torchgram.backends.structured.rules.linear import AddmmRule, LinearRule, MatmulRule
@@ -51,6 +52,7 @@ REWRITES: dict[Any, Rewrite] = {
     torch.gru: rewrite_gru,
     torch.rnn_tanh: rewrite_rnn_tanh,
     torch.rnn_relu: rewrite_rnn_relu,
+    torch.einsum: rewrite_einsum,
 }
 """Composite functions re-expressed (under the mode) in ops the rules see, when possible."""
 
