@@ -178,7 +178,7 @@ def _point(name: str, sizes: cases.Sizes, diagonal: bool) -> dict[str, Any]:
         "hand-written": lambda: handwritten(model, *case.inputs, diagonal),
     }
     expected = calls["hand-written"]().double()
-    actual = calls["torchgram"]().double().reshape(expected.shape)
+    actual = calls["torchgram"]().detach().double().reshape(expected.shape)
     error = float((actual - expected).norm() / expected.norm())
     explanation = tg.explain(case.f, batch_dim=0, diagonal=diagonal)(case.params, *case.inputs)
     contraction = sum(leaf.cost for leaf in explanation.leaves)

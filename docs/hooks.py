@@ -31,6 +31,8 @@ REPOSITORY_FILES = (
     "benchmarks/README.md",
     "benchmarks/results/benchmarks.md",
     "benchmarks/results/benchmarks.png",
+    "benchmarks/results/real_models.md",
+    "benchmarks/results/scaling.md",
 )
 NOTES_PAGE = "design/notes.md"
 PACKAGE = Path("src") / "torchgram"
