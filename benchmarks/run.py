@@ -59,6 +59,12 @@ def _parser() -> argparse.ArgumentParser:
     isolation.add_argument("--in-process", dest="isolate", action="store_false",
                            help="measure everything in this process (faster, less isolated)")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    parser.add_argument("--ntk", dest="ntk", action="store_true", default=None,
+                        help="also run the torchgram.ntk vs neural-tangents section "
+                             "(benchmarks/ntk.py; default unless --quick; skipped with a line "
+                             "when the neural-tangents venv is missing)")
+    parser.add_argument("--no-ntk", dest="ntk", action="store_false",
+                        help="skip the neural-tangents section")
     parser.add_argument("--render", type=Path, default=None, metavar="JSON",
                         help="measure nothing: rewrite the markdown and plot from a saved "
                              "benchmarks.json (into --out, default: next to it)")
@@ -150,6 +156,11 @@ def run(argv: list[str] | None = None) -> report.Results:
     print(f"\nwrote {out / 'benchmarks.md'}" + (f", {out / plot_name}" if plot_name else "")
           + f", {out / 'benchmarks.json'} in {env['wall_s']:.0f} s (the Jᵀw section: "
           f"{env['aggregated_wall_s']:.0f} s)")
+    if (not args.quick) if args.ntk is None else args.ntk:
+        from benchmarks import ntk
+
+        print("\n== torchgram.ntk vs neural-tangents (benchmarks/ntk.py, 1 thread)", flush=True)
+        ntk.main(["--out", str(out), *(["--quick"] if args.quick else [])])
     return results
 
 

@@ -31,6 +31,11 @@ REPOSITORY_FILES = (
     "benchmarks/README.md",
     "benchmarks/results/benchmarks.md",
     "benchmarks/results/benchmarks.png",
+    "benchmarks/WEIGHTING_NOTES.md",
+    "benchmarks/results/weighting.md",
+    "benchmarks/results/compose.md",
+    "benchmarks/results/ntk.md",
+    "benchmarks/nt/SEMANTICS.md",
     "benchmarks/results/real_models.md",
     "benchmarks/results/scaling.md",
 )

@@ -1,16 +1,18 @@
 """The empirical NTK of a small CNN on scikit-learn's digits, at init and after training.
 
 The empirical neural tangent kernel of a network ``f(θ, x) ∈ R^10`` is
-``Θ(x, x')[k, k'] = <∂f_k(θ, x)/∂θ, ∂f_k'(θ, x')/∂θ>``: exactly the Gramian ``J Jᵀ`` of the
-Jacobian of the outputs on a set of inputs, which ``tg.gramian(f, batch_dim=0)`` returns as a
-``[N, 10, N, 10]`` tensor. Kernel regression with it, ``f̂(x*) = Θ(x*, X) (Θ(X, X) + λI)⁻¹ Y``,
-is what gradient-descent training of the network *linearized* at ``θ`` (on the squared loss)
-converges to. At initialization that is the "lazy" / NTK regime; after training the kernel
-has moved and adapted to the data (the "after kernel", Long 2021; Fort et al. 2020).
+``Θ(x, x')[k, k'] = <∂f_k(θ, x)/∂θ, ∂f_k'(θ, x')/∂θ>``. ``tg.ntk.empirical_ntk_fn(fn,
+trace_axes=())`` computes it between two input sets with neural-tangents' semantics: a
+``[N1, N2, 10, 10]`` kernel, the training set against itself and the test set against the
+training set, without concatenating them. Kernel regression with it,
+``f̂(x*) = Θ(x*, X) (Θ(X, X) + λI)⁻¹ Y``, is what gradient-descent training of the network
+*linearized* at ``θ`` (on the squared loss) converges to: ``tg.ntk.gradient_descent_mse``
+gives it at infinite time (and at any finite time). At initialization that is the "lazy" /
+NTK regime; after training the kernel has moved and adapted to the data (the "after
+kernel", Long 2021; Fort et al. 2020).
 
-This script trains a CNN on 250 digits, computes the NTK on 250 + 250 train and test images
-at init and after training, and compares kernel regression with either kernel against the
-network itself.
+This script trains a CNN on 250 digits, computes the NTK at init and after training, and
+compares kernel regression with either kernel against the network itself.
 
 Run:  python examples/ntk.py
 """
@@ -23,7 +25,7 @@ import torchgram as tg
 
 N_TRAIN, N_TEST = 250, 250
 STEPS = 300
-RIDGE = 1e-4  # λ relative to the mean diagonal of the kernel
+RIDGE = 1e-4  # diag_reg, relative to the mean diagonal of the kernel (neural-tangents' default)
 
 
 def load_data() -> tuple[torch.Tensor, ...]:
@@ -45,38 +47,14 @@ def make_cnn() -> nn.Module:
     )
 
 
-def ntk(fn, params, x: torch.Tensor) -> torch.Tensor:
-    """The empirical NTK on the inputs x, as an [N * 10, N * 10] matrix (row = (sample, logit))."""
-    kernel = tg.gramian(fn, batch_dim=0)(params, x)  # [N, 10, N, 10]
-    n = x.shape[0]
-    return kernel.reshape(n * 10, n * 10)
+def check_against_jacrev(ntk_fn, fn, params, x1: torch.Tensor, x2: torch.Tensor) -> float:
+    """Max relative deviation of the kernel on a few inputs from J(x1) J(x2)ᵀ (torch.func)."""
+    def jacobian(x):
+        jac = torch.func.jacrev(fn)(params, x)  # per parameter: [n, 10, *shape]
+        return torch.cat([j.reshape(x.shape[0] * 10, -1) for j in jac.values()], dim=1)
 
-
-def check_against_jacrev(fn, params, x: torch.Tensor) -> float:
-    """Max relative deviation of the NTK on a few inputs from J Jᵀ with J from torch.func.jacrev."""
-    jac = torch.func.jacrev(fn)(params, x)  # per parameter: [n, 10, *shape]
-    J = torch.cat([j.reshape(x.shape[0] * 10, -1) for j in jac.values()], dim=1)
-    dense = J @ J.T
-    return ((ntk(fn, params, x) - dense).abs().max() / dense.abs().max()).item()
-
-
-def kernel_regression(K: torch.Tensor, y_train: torch.Tensor) -> torch.Tensor:
-    """Predicted test logits [N_TEST, 10] from the full NTK over train then test inputs."""
-    n = N_TRAIN * 10
-    K = K.double()
-    targets = nn.functional.one_hot(y_train, 10).double().reshape(-1) - 0.1  # centered one-hot
-    ridge = RIDGE * K[:n, :n].diagonal().mean()
-    # Cholesky succeeds only if K + λI is positive definite: a check that the NTK is PSD.
-    factor, info = torch.linalg.cholesky_ex(K[:n, :n] + ridge * torch.eye(n, dtype=K.dtype))
-    assert info == 0, "the NTK is not positive semi-definite"
-    coef = torch.cholesky_solve(targets[:, None], factor)[:, 0]
-    return (K[n:, :n] @ coef).reshape(N_TEST, 10)
-
-
-def trace_kernel(K: torch.Tensor) -> torch.Tensor:
-    """Σ_k Θ(x, x')[k, k]: the scalar kernel [N, N] summed over the outputs."""
-    n = K.shape[0] // 10
-    return K.reshape(n, 10, n, 10).diagonal(dim1=1, dim2=3).sum(-1)
+    dense = (jacobian(x1) @ jacobian(x2).T).reshape(len(x1), 10, len(x2), 10).permute(0, 2, 1, 3)
+    return ((ntk_fn(x1, x2, params) - dense).abs().max() / dense.abs().max()).item()
 
 
 def alignment(A: torch.Tensor, B: torch.Tensor) -> float:
@@ -95,18 +73,20 @@ def centered_alignment(K: torch.Tensor, labels: torch.Tensor) -> float:
 def main() -> None:
     torch.set_num_threads(1)  # small matrices and a shared machine: one thread is fastest
     x_train, y_train, x_test, y_test = load_data()
-    x_all = torch.cat([x_train, x_test])
     fn, params = tg.functionalize(make_cnn())
-    print(f"CNN with {sum(p.numel() for p in params.values())} parameters; NTK over "
-          f"{N_TRAIN} train + {N_TEST} test digits: a [{N_TRAIN + N_TEST}, 10, "
-          f"{N_TRAIN + N_TEST}, 10] kernel")
+    ntk_fn = tg.ntk.empirical_ntk_fn(fn, trace_axes=())  # the full kernel [N1, N2, 10, 10]
+    print(f"CNN with {sum(p.numel() for p in params.values())} parameters; NTK of "
+          f"{N_TRAIN} train digits with themselves and of {N_TEST} test digits with them")
 
-    deviation = check_against_jacrev(fn, params, x_train[:4])
-    print(f"NTK on 4 inputs vs dense jacrev J Jᵀ: max relative deviation {deviation:.1e}")
+    deviation = check_against_jacrev(ntk_fn, fn, params, x_test[:3], x_train[:4])
+    print(f"NTK between 3 and 4 inputs vs dense jacrev J1 J2ᵀ: max relative deviation "
+          f"{deviation:.1e}")
     assert deviation < 1e-4, "the NTK disagrees with the dense Jacobian"
 
+    targets = nn.functional.one_hot(y_train, 10).double() - 0.1  # centered one-hot
+
     def accuracy(logits: torch.Tensor) -> float:
-        return (logits.argmax(1) == y_test).float().mean().item()
+        return (logits.argmax(-1) == y_test).float().mean().item()
 
     results, kernels = {}, {}
     for stage in ("init", "trained"):
@@ -118,15 +98,23 @@ def main() -> None:
                 nn.functional.cross_entropy(fn(params, x_train), y_train).backward()
                 optimizer.step()
             params = {k: p.detach() for k, p in params.items()}
-        K = ntk(fn, params, x_all)
-        kernels[stage] = K
-        scalar = trace_kernel(K)[:N_TRAIN, :N_TRAIN].double()
+        k_train = ntk_fn(x_train, None, params).double()  # [250, 250, 10, 10]
+        k_test = ntk_fn(x_test, x_train, params).double()  # [250, 250, 10, 10]
+        kernels[stage] = k_train
+        # infinite-time gradient descent on the squared loss from zero outputs: kernel
+        # regression with diag_reg relative to the kernel's mean diagonal
+        predict_fn = tg.ntk.gradient_descent_mse(k_train, targets, diag_reg=RIDGE, trace_axes=())
+        regression = predict_fn(t=None, fx_train_0=None,
+                                fx_test_0=torch.zeros(N_TEST, 10, dtype=torch.float64),
+                                k_test_train=k_test)
+        scalar = k_train.diagonal(dim1=2, dim2=3).mean(-1)  # the logit-traced kernel [N, N]
         eigenvalues = torch.linalg.eigvalsh(scalar)
+        assert eigenvalues[0] > -1e-6 * eigenvalues[-1], "the NTK is not positive semi-definite"
         with torch.no_grad():
             network = accuracy(fn(params, x_test))
         results[stage] = {
             "network test accuracy": network,
-            "NTK regression test accuracy": accuracy(kernel_regression(K, y_train)),
+            "NTK regression test accuracy": accuracy(regression),
             "kernel-label alignment": centered_alignment(
                 scalar, nn.functional.one_hot(y_train, 10).double()),
             "top-10 eigenvalues / trace": (eigenvalues[-10:].sum() / eigenvalues.sum()).item(),
@@ -137,7 +125,7 @@ def main() -> None:
         print(f"{key:32}" + "".join(f"{results[s][key]:10.3f}" for s in ("init", "trained")))
     moved = 1 - alignment(kernels["init"], kernels["trained"])
     print(f"\nkernel distance 1 - cos(Θ_init, Θ_trained) = {moved:.3f}: the NTK moved in training.")
-    print("Kernel-label alignment: centered cosine between the train block of the output-summed "
+    print("Kernel-label alignment: centered cosine between the train block of the logit-traced "
           "NTK\nand the label kernel Y Yᵀ: training moved the kernel towards the task. The NTK "
           "at init is\nalready a good kernel for regression although the network at init "
           "is at chance.")

@@ -1,8 +1,20 @@
-"""The one dense oracle: ``torch.func.jacrev``, flattened, ``J @ J.T``.
+"""The one dense oracle: one plain ``torch.autograd.grad`` per row, flattened, ``J @ J.T``.
 
 Slow and memory-hungry on purpose: it builds the full Jacobian ``[m, P]`` of the
 flattened output with respect to every floating tensor leaf of the differentiated
 arguments, and contracts it. Every backend is checked against it.
+
+It evaluates ``f`` once, as a plain call (no ``torch.func`` transform), and takes one plain
+backward per row, so that it is the Jacobian of the function as a user's own call runs it:
+
+* no ``vmap`` over backward passes: a batching rule of torch can be wrong where the op's
+  plain backward is right (torch 2.13: the backward of ``torch.cdist``), and the backends
+  use ``vmap`` everywhere, so a vmapped oracle could agree with a wrong backend;
+* no functorch wrappers around the forward: they can change what a random op draws where
+  (``F.dropout`` lays its mask out along its input's strides, which a wrapped ``batch_norm``
+  output does not share), and the contract is the draw a plain call sees (DESIGN.md §3).
+
+``tests/fuzz/FINDINGS.md`` tells both stories.
 """
 
 from __future__ import annotations
@@ -54,15 +66,115 @@ def dense_gramian(f: Callable[..., Any], args: Sequence[Any],
             rebuilt[n] = optree.tree_unflatten(flat[n][1], per_arg[n])
         return rebuilt
 
-    def flat_output(*values: Tensor) -> Tensor:
-        out = f(*rebuild(values))
-        return torch.cat([leaf.reshape(-1) for leaf in optree.tree_leaves(out)])
-
-    leaves = [flat[n][0][j].detach() for n, j in positions]
-    output = f(*rebuild(leaves))
-    per_leaf = torch.func.jacrev(flat_output, argnums=tuple(range(len(leaves))))(*leaves)
-    num_rows = per_leaf[0].shape[0]
-    columns = [jac.reshape(num_rows, -1) for jac in per_leaf]
+    leaves = [flat[n][0][j].detach().requires_grad_() for n, j in positions]
+    with torch.enable_grad():  # one plain evaluation: with random ops, the draw it sees
+        out = f(*rebuild(leaves))
+        rows = torch.cat([leaf.reshape(-1) for leaf in optree.tree_leaves(out)])
+        per_row = []
+        for i in range(rows.numel()):
+            grads = torch.autograd.grad(rows[i], leaves, retain_graph=True, allow_unused=True) \
+                if rows.requires_grad else (None,) * len(leaves)
+            per_row.append(torch.cat([
+                (torch.zeros_like(leaf) if grad is None else grad).reshape(-1).to(rows.dtype)
+                for leaf, grad in zip(leaves, grads, strict=True)]))
+    output = optree.tree_map(lambda t: t.detach(), out)
+    widths = [leaf.numel() for leaf in leaves]
+    full = torch.stack(per_row) if per_row else rows.new_zeros(0, sum(widths))
+    columns = list(full.detach().split(widths, dim=1))
     blocks = [c @ c.T for c in columns]
     jacobian = torch.cat(columns, dim=1)
     return Dense(jacobian @ jacobian.T, blocks, jacobian, output)
+
+
+def dense_gramian_fn(f: Callable[..., Any], argnums: int | tuple[int, ...] = 0, *,
+                     chunk_size: int | None = None) -> Callable[..., Tensor]:
+    """The oracle as a function of ``f``'s arguments, differentiable and batchable.
+
+    The same flattened ``jacrev`` Jacobian as :func:`dense_gramian`, with nothing detached, so
+    ``torch.func`` transforms, ``vmap`` and eager autograd compose with it: the reference for
+    everything computed *through* a Gramian. The result is shaped as ``torchgram.gramian``
+    returns it (``S + S`` for a tensor output of shape ``S``, ``[m, m]`` for a pytree) in the
+    output's dtype; the product is formed in the widest dtype of the Jacobian's columns.
+    ``chunk_size=1`` makes ``jacrev`` loop instead of ``vmap`` (the derivatives of batched
+    batch-norm backwards are wrong in torch 2.13).
+    """
+    def gramian(*args: Any) -> Tensor:
+        nums = (argnums,) if isinstance(argnums, int) else argnums
+        nums = tuple(n % len(args) for n in nums)
+        flat = {n: optree.tree_flatten(args[n]) for n in nums}
+        positions = [(n, j) for n in nums for j, leaf in enumerate(flat[n][0])
+                     if isinstance(leaf, Tensor) and leaf.is_floating_point()]
+
+        def rebuild(values: Sequence[Tensor]) -> list[Any]:
+            per_arg = {n: list(flat[n][0]) for n in nums}
+            for (n, j), value in zip(positions, values, strict=True):
+                per_arg[n][j] = value
+            rebuilt = list(args)
+            for n in nums:
+                rebuilt[n] = optree.tree_unflatten(flat[n][1], per_arg[n])
+            return rebuilt
+
+        def flat_output(*values: Tensor) -> tuple[Tensor, Any]:
+            out = f(*rebuild(values))
+            leaves = optree.tree_leaves(out)
+            return torch.cat([leaf.reshape(-1) for leaf in leaves]), out
+
+        leaves = [flat[n][0][j] for n, j in positions]
+        per_leaf, out = torch.func.jacrev(flat_output, argnums=tuple(range(len(leaves))),
+                                          has_aux=True, chunk_size=chunk_size)(*leaves)
+        num_rows = per_leaf[0].shape[0]
+        columns = [jac.reshape(num_rows, -1) for jac in per_leaf]
+        dtype = columns[0].dtype
+        for column in columns[1:]:
+            dtype = torch.promote_types(dtype, column.dtype)
+        jacobian = torch.cat([column.to(dtype) for column in columns], dim=1)
+        out_leaves = optree.tree_leaves(out)
+        out_dtype = out_leaves[0].dtype
+        for leaf in out_leaves[1:]:
+            out_dtype = torch.promote_types(out_dtype, leaf.dtype)
+        gram = (jacobian @ jacobian.T).to(out_dtype)
+        if isinstance(out, Tensor):
+            return gram.reshape(*out.shape, *out.shape)
+        return gram
+
+    return gramian
+
+
+def dense_cross_gramian(f: Callable[..., Any], params: Any, x1: Any, x2: Any | None,
+                        kwargs: dict[str, Any] | None = None) -> Tensor:
+    """``J(x1) J(x2)ᵀ`` of ``f(params, x)`` from two dense Jacobians, shaped ``S1 + S2``."""
+    kwargs = kwargs or {}
+    first = dense_gramian(lambda p: f(p, x1, **kwargs), (params,))
+    second = first if x2 is None else dense_gramian(lambda p: f(p, x2, **kwargs), (params,))
+    shape = tuple(first.output.shape) + tuple(second.output.shape)
+    return (first.jacobian @ second.jacobian.T).reshape(shape)
+
+
+def nt_layout(gram: Tensor, trace_axes: Sequence[int] = (),
+              diagonal_axes: Sequence[int] = ()) -> Tensor:
+    """A cross Gramian ``S1 + S2`` in neural-tangents' layout, independently of torchgram.
+
+    Output axes in order; a free axis's pair side by side, a diagonal axis once (its
+    diagonal), a traced axis averaged over its pair (NT divides by the size).
+    """
+    ndim = gram.dim() // 2
+    trace = {a % ndim for a in trace_axes}
+    diagonal = {a % ndim for a in diagonal_axes}
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    left, right, out = list(letters[:ndim]), list(letters[ndim:2 * ndim]), ""
+    size = 1
+    for axis in range(ndim):
+        if axis in trace or axis in diagonal:
+            right[axis] = left[axis]
+            out += "" if axis in trace else left[axis]
+            size *= gram.shape[axis] if axis in trace else 1
+        else:
+            out += left[axis] + right[axis]
+    return torch.einsum(f"{''.join(left)}{''.join(right)}->{out}", gram) / size
+
+
+def dense_cross_kernel(f: Callable[..., Any], params: Any, x1: Any, x2: Any | None,
+                       trace_axes: Sequence[int] = (), diagonal_axes: Sequence[int] = (),
+                       kwargs: dict[str, Any] | None = None) -> Tensor:
+    """neural-tangents' kernel of ``f(params, x)``: :func:`nt_layout` of the dense cross Gramian."""
+    return nt_layout(dense_cross_gramian(f, params, x1, x2, kwargs), trace_axes, diagonal_axes)

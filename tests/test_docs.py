@@ -49,13 +49,14 @@ def test_api_reference_documents_every_public_name(site: Path) -> None:
         "torchgram": site / "api" / "torchgram" / "index.html",
         "torchgram.autograd": site / "api" / "autograd" / "index.html",
         "torchgram.weighting": site / "api" / "weighting" / "index.html",
+        "torchgram.ntk": site / "api" / "ntk" / "index.html",
     }
     modules = {"torchgram": torchgram, "torchgram.autograd": torchgram.autograd,
-               "torchgram.weighting": torchgram.weighting}
+               "torchgram.weighting": torchgram.weighting, "torchgram.ntk": torchgram.ntk}
     for namespace, page in pages.items():
         html = page.read_text(encoding="utf-8")
         public = [name for name in modules[namespace].__all__
-                  if not (namespace == "torchgram" and name in ("autograd", "weighting"))]
+                  if not (namespace == "torchgram" and name in ("autograd", "weighting", "ntk"))]
         for name in public:
             assert f'id="{namespace}.{name}"' in html, f"{namespace}.{name} is not documented"
     for page in pages.values():

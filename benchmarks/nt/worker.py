@@ -5,6 +5,16 @@ Only numpy, jax and neural_tangents are imported here (never torch). The main en
 
     benchmarks/nt/.venv/bin/python benchmarks/nt/worker.py REQUEST.json
 
+or, to take turns with torchgram call by call (``benchmarks/ntk.py``)::
+
+    benchmarks/nt/.venv/bin/python benchmarks/nt/worker.py --serve REQUEST.json
+
+which builds, compiles and first-calls every implementation of the request's first kernel,
+writes the kernels and a report (``output``), prints one JSON line ``{"ready": report}``, then
+answers each JSON line ``{"run": IMPLEMENTATION}`` read from stdin with one timed warm call,
+``{"wall_s": ..., "cpu_s": ...}``, until ``{"quit": true}`` or end of input. Protocol lines
+are the only output on stdout (everything else the libraries print goes to stderr).
+
 Request (JSON)::
 
     {
@@ -162,17 +172,15 @@ def _cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def time_kernel(f: Callable[[Any, Any], Any], params: Any, x1: Any, x2: Any | None,
-                spec: dict[str, Any], implementations: Sequence[str], repeats: int,
-                max_seconds: float) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Compute and time one kernel with every implementation.
+def build_kernels(f: Callable[[Any, Any], Any], params: Any, x1: Any, x2: Any | None,
+                  spec: dict[str, Any], implementations: Sequence[str]
+                  ) -> tuple[dict[str, Callable[..., Any]], dict[str, Any], dict[str, Any]]:
+    """Jit every implementation, time its first call, run it once more (untimed).
 
     Returns:
-        ``(kernels, report)``: the kernel of each implementation that ran (numpy), and per
-        implementation ``first_call_s``, ``warm_median_s``, ``warm_min_s``, ``warm_s`` (every
-        timed call), ``cpu_s`` and ``cpu_median_s`` (this process's CPU seconds per call: on
-        one thread, what the call costs with the core to itself), ``cpu_per_wall``,
-        ``shape`` — or ``error``.
+        ``(fns, kernels, report)``: the jitted kernel function of each implementation that
+        ran, its kernel (numpy), and per implementation ``first_call_s``, ``shape``,
+        ``dtype`` (AUTO: ``auto_flops``, ``auto_choice``) — or ``error``.
     """
     import jax
     import neural_tangents as nt
@@ -209,9 +217,25 @@ def time_kernel(f: Callable[[Any, Any], Any], params: Any, x1: Any, x2: Any | No
         kernels[name] = np.asarray(kernel)
         entry["shape"] = list(kernel.shape)
         entry["dtype"] = str(kernel.dtype)
-        entry["warm_s"], entry["cpu_s"] = [], []
         fns[name] = fn
+    return fns, kernels, report
 
+
+def time_kernel(f: Callable[[Any, Any], Any], params: Any, x1: Any, x2: Any | None,
+                spec: dict[str, Any], implementations: Sequence[str], repeats: int,
+                max_seconds: float) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Compute and time one kernel with every implementation.
+
+    Returns:
+        ``(kernels, report)``: the kernel of each implementation that ran (numpy), and per
+        implementation ``first_call_s``, ``warm_median_s``, ``warm_min_s``, ``warm_s`` (every
+        timed call), ``cpu_s`` and ``cpu_median_s`` (this process's CPU seconds per call: on
+        one thread, what the call costs with the core to itself), ``cpu_per_wall``,
+        ``shape`` — or ``error``.
+    """
+    fns, kernels, report = build_kernels(f, params, x1, x2, spec, implementations)
+    for name in fns:
+        report[name]["warm_s"], report[name]["cpu_s"] = [], []
     for round_ in range(repeats):
         running = [name for name in fns if sum(report[name]["warm_s"]) < max_seconds]
         if not running:
@@ -272,17 +296,75 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
     return report
 
 
+def serve(request: dict[str, Any], protocol: Any) -> dict[str, Any]:
+    """The ``--serve`` mode (module docstring): build, report ready, then time calls on demand.
+
+    ``protocol`` is the text stream the JSON lines go to (the original stdout).
+    """
+    import jax
+
+    jax.config.update("jax_enable_x64", bool(request.get("x64", False)))
+    import jax.numpy as jnp
+    import neural_tangents as nt
+    import numpy as np
+
+    jnp.zeros(1).block_until_ready()
+    with np.load(request["arrays"]) as data:
+        arrays = {name: data[name] for name in data.files}
+    layers = request["layers"]
+    f = build_apply(layers, request.get("layout", "NHWC"))
+    params = build_params(layers, arrays)
+    spec = request["kernels"][0]
+    x1 = jnp.asarray(arrays[spec["x1"]])
+    x2 = None if spec.get("x2") is None else jnp.asarray(arrays[spec["x2"]])
+    jax.jit(f)(params, x1).block_until_ready()
+    jax.block_until_ready(jax.jit(jax.grad(lambda p, x: f(p, x).sum()))(params, x1))
+    fns, kernels, timing = build_kernels(f, params, x1, x2, spec,
+                                         request.get("implementations", IMPLEMENTATIONS))
+    output = Path(request["output"])
+    np.savez(output.with_suffix(".npz"),
+             **{f"{spec['name']}__{name}": kernel for name, kernel in kernels.items()})
+    report: dict[str, Any] = {
+        "versions": {"jax": jax.__version__, "neural_tangents": nt.__version__,
+                     "numpy": np.__version__, "python": sys.version.split()[0]},
+        "x64": bool(request.get("x64", False)), "layout": request.get("layout", "NHWC"),
+        "kernels": {spec["name"]: {"spec": spec, "implementations": timing}}}
+    output.with_suffix(".json").write_text(json.dumps(report, indent=1))
+    protocol.write(json.dumps({"ready": report}) + "\n")
+    protocol.flush()
+    for line in sys.stdin:
+        message = json.loads(line)
+        if message.get("quit"):
+            break
+        name = message["run"]
+        cpu_start, start = _cpu_seconds(), time.perf_counter()
+        fns[name](x1, x2, params).block_until_ready()
+        reply = {"wall_s": time.perf_counter() - start, "cpu_s": _cpu_seconds() - cpu_start}
+        protocol.write(json.dumps(reply) + "\n")
+        protocol.flush()
+    return report
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point: ``worker.py REQUEST.json``."""
+    """Entry point: ``worker.py REQUEST.json`` or ``worker.py --serve REQUEST.json``."""
     args = list(sys.argv[1:] if argv is None else argv)
+    serving = bool(args) and args[0] == "--serve"
+    if serving:
+        args = args[1:]
     if len(args) != 1:
-        print("usage: worker.py REQUEST.json", file=sys.stderr)
+        print("usage: worker.py [--serve] REQUEST.json", file=sys.stderr)
         return 2
     request = json.loads(Path(args[0]).read_text())
     if request.get("max_memory_gb"):
         cap = int(float(request["max_memory_gb"]) * 2**30)
         resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
     threads = configure_threads(request.get("threads"))
+    if serving:
+        protocol = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+        os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # stray prints go to stderr
+        sys.stdout = sys.stderr
+        serve(request, protocol)
+        return 0
     report = run(request)
     report["thread_settings"] = threads
     Path(request["output"]).with_suffix(".json").write_text(json.dumps(report, indent=1))

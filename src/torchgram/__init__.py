@@ -8,6 +8,7 @@ Example:
 """
 
 from torchgram import autograd as autograd
+from torchgram import ntk as ntk
 from torchgram import weighting as weighting
 from torchgram._api.aggregate import Aggregation as Aggregation
 from torchgram._api.aggregate import aggregated_grad as aggregated_grad
@@ -32,6 +33,7 @@ __all__ = [
     "explain",
     "functionalize",
     "gramian",
+    "ntk",
     "weighting",
 ]
 __version__ = "0.1.0"

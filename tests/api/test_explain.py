@@ -111,3 +111,20 @@ def test_explaining_leaves_the_inputs_alone():
     x = torch.randn(4, 3)
     tg.explain(lambda w, x: torch.tanh(x @ w).sum(-1), batch_dim=0)(w, x)
     assert w.grad is None and w.requires_grad and w.is_leaf
+
+
+def test_displays_as_a_table_in_notebooks() -> None:
+    import torch
+
+    import torchgram as tg
+
+    def f(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(torch.nn.functional.linear(x, p["w"], p["b"])).sum(-1)
+
+    p = {"w": torch.randn(3, 2), "b": torch.randn(3)}
+    report = tg.explain(f, batch_dim=0, run=True)(p, torch.randn(4, 2))
+    assert repr(report) == str(report)  # not the dataclass dump
+    assert "ran: backend" in repr(report)
+    html = report._repr_html_()
+    assert html.startswith("<div>") and "<table>" in html and "<th" in html
+    assert "ran: backend" in html and "'" not in html.split("<table>")[0].replace("&#x27;", "")

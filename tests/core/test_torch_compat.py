@@ -145,6 +145,23 @@ def test_transpose_getters_are_seen_by_a_function_mode() -> None:
     assert compat.getter_name(seen[2]) is None
 
 
+def test_functorch_transforms_names_the_active_levels_outermost_first() -> None:
+    seen: list[tuple[str, ...]] = []
+
+    def record(x: Tensor) -> Tensor:
+        seen.append(compat.functorch_transforms())
+        return x.sin().sum()
+
+    record(torch.ones(2))
+    torch.func.grad(record)(torch.ones(2))
+    torch.func.vmap(record)(torch.ones(3, 2))
+    torch.func.jvp(record, (torch.ones(2),), (torch.ones(2),))
+    torch.func.grad(lambda x: torch.func.vmap(record)(x).sum())(torch.ones(3, 2))
+    torch.func.jacfwd(torch.func.jacrev(record))(torch.ones(2))
+    assert seen == [(), ("grad",), ("vmap",), ("jvp",), ("grad", "vmap"),
+                    ("vmap", "jvp", "grad")]
+
+
 def test_cdist_batched_backward_is_still_wrong() -> None:
     """NOTE [wrong batching rules]: when torch fixes this, drop torch.cdist from the list."""
     torch.manual_seed(0)

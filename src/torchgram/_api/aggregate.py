@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from torchgram._api.pipeline import compute
+from torchgram._api.pipeline import compute, outside_compile
 from torchgram._api.step_times import StepTimes, Stopwatch
 from torchgram._api.weights import call_weighting, check_weighting
 from torchgram._core import checks
@@ -51,6 +51,7 @@ def aggregated_grad(
     in_dims: int | None | Sequence[Any] = 0,
     per_leaf: bool = False,
     memory_budget: int | None = None,
+    progress: bool = False,
 ) -> Callable[..., tuple[Any, Aggregation]]:
     """The update ``Jᵀ w`` with ``w = weighting(J Jᵀ)``: Jacobian descent in one call.
 
@@ -59,7 +60,9 @@ def aggregated_grad(
     output entry, and the update is the weighted sum of the rows' gradients. When the backend
     kept what makes it cheap (the ``jacobian`` backend with its Jacobian in one block), the
     update is one matrix-vector product with no further pass; otherwise it costs one more
-    forward and backward (a ``vjp`` with cotangent ``w``).
+    forward and backward (a ``vjp`` with cotangent ``w``). Like ``gramian``, it composes with
+    ``torch.func`` transforms and eager autograd (NOTE [composition]): the update is
+    differentiable through ``G`` and ``w`` when the weighting is.
 
     Args:
         f: ``f(*args, **kwargs)`` returning the losses (any floating tensor or pytree).
@@ -72,6 +75,7 @@ def aggregated_grad(
         in_dims: As for ``gramian``.
         per_leaf: Report per-leaf Gramian blocks in the info (the weighting sees their sum).
         memory_budget: As for ``gramian``.
+        progress: As for ``gramian``.
 
     Returns:
         A function of ``f``'s arguments returning ``(update, info)``: ``update`` has the
@@ -92,11 +96,12 @@ def aggregated_grad(
     options = Options.validate(
         _API, f, argnums, has_aux=has_aux, backend=backend, chunk_size=chunk_size,
         batch_dim=batch_dim, in_dims=in_dims, diagonal=False, per_leaf=per_leaf,
-        memory_budget=memory_budget,
+        memory_budget=memory_budget, progress=progress,
     )
     check_weighting(_API, weighting)
 
     @functools.wraps(f)
+    @outside_compile
     def aggregated_grad_of_f(*args: Any, **kwargs: Any) -> tuple[Any, Aggregation]:
         watch = Stopwatch(_device(args))
         computation = compute(options, f, args, kwargs, want_pullback=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import html
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -121,6 +122,34 @@ class Explanation:
         return (f"{_API}: {structure}, forward ≈ {self.forward_flops:.2g} multiply-adds; "
                 f"{choice}\nestimated multiply-adds: {estimates}")
 
+    def _ran_lines(self) -> list[str]:
+        """What the computation really did (``run=True``), one line each."""
+        ran = self.ran
+        if ran is None:
+            return []
+        lines = [f"ran: backend {ran.backend!r}" + (f" ({ran.way})" if ran.way else "")]
+        lines += [f"gave up on {name!r}: {why}" for name, why in ran.attempts]
+        if ran.row_chunks:
+            lines.append(f"row chunks: {len(ran.row_chunks)}")
+        lines += [f"note: {note}" for note in ran.notes]
+        return lines
+
+    def __repr__(self) -> str:
+        return str(self)
+
+    def _repr_html_(self) -> str:
+        def cell(text: str, tag: str = "td") -> str:
+            return f"<{tag} style='text-align:left'>{html.escape(text)}</{tag}>"
+
+        lines = self._header().split("\n")
+        header = "".join(f"<div>{html.escape(line)}</div>" for line in lines)
+        titles = ("leaf", "shape", "way", "uses", "est. cost")
+        table = "<tr>" + "".join(cell(t, "th") for t in titles) + "</tr>"
+        table += "".join("<tr>" + "".join(cell(c) for c in row) + "</tr>"
+                         for row in self._rows())
+        ran = "".join(f"<div>{html.escape(line)}</div>" for line in self._ran_lines())
+        return f"<div>{header}<table>{table}</table>{ran}</div>"
+
     def __str__(self) -> str:
         titles = ("leaf", "shape", "way", "uses", "est. cost")
         rows = self._rows()
@@ -133,6 +162,7 @@ class Explanation:
         if self.fallback:
             lines.append("fallback (per-row Jacobians from the backward): "
                          + ", ".join(self.fallback))
+        lines += self._ran_lines()
         return "\n".join(lines)
 
     def _repr_markdown_(self) -> str:
@@ -141,7 +171,8 @@ class Explanation:
         table += ["| " + " | ".join(f"`{cell}`" if i == 0 else cell
                                      for i, cell in enumerate(row)) + " |"
                   for row in self._rows()]
-        return header + "\n\n" + "\n".join(table)
+        ran = "".join(f"  \n{line}" for line in self._ran_lines())
+        return header + "\n\n" + "\n".join(table) + ("\n" + ran if ran else "")
 
 
 def explain(
@@ -156,6 +187,7 @@ def explain(
     diagonal: bool = False,
     per_leaf: bool = False,
     memory_budget: int | None = None,
+    progress: bool = False,
     run: bool = False,
 ) -> Callable[..., Explanation]:
     """Report, per parameter leaf, how ``torchgram.gramian`` with these options would work.
@@ -179,6 +211,7 @@ def explain(
         diagonal: As for :func:`torchgram.gramian`.
         per_leaf: As for :func:`torchgram.gramian`.
         memory_budget: As for :func:`torchgram.gramian`.
+        progress: As for :func:`torchgram.gramian` (with ``run=True``).
         run: Also compute the Gramian, and report what really ran (``Explanation.ran``:
             the backend that answered, the candidates ``auto`` gave up on and why, each
             structured leaf's way, the Jacobian blocks and row chunks it formed).
@@ -204,16 +237,24 @@ def explain(
     options = Options.validate(
         _API, f, argnums, has_aux=has_aux, backend=backend, chunk_size=chunk_size,
         batch_dim=batch_dim, in_dims=in_dims, diagonal=diagonal, per_leaf=per_leaf,
-        memory_budget=memory_budget,
+        memory_budget=memory_budget, progress=progress,
     )
     checks.check_bool(_API, "run", run)
 
+    from torchgram._api.pipeline import outside_compile
+
     @functools.wraps(f)
+    @outside_compile
     def explain_f(*args: Any, **kwargs: Any) -> Explanation:
         from torchgram._api.pipeline import compute
         from torchgram.backends.auto import plan_auto
 
         problem = build_problem(options, f, args, kwargs)
+        if problem.composition.transforms:  # NOTE [composition]
+            checks.fail(_API, "a call outside torch.func transforms (explain traces f with "
+                        "eager autograd)", f"a call {problem.composition.describe()}",
+                        "Call torchgram.explain outside the transform: inside one, backend="
+                        "'auto' runs the jacobian backend (then ntvp).", RuntimeError)
         plan = plan_auto(problem)
         structured = plan.structured
         names = leaf_names(problem.diff, args)

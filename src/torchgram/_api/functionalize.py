@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from torchgram._core.threads import MODULE_LOCK
+
 _API = "torchgram.functionalize"
 
 
@@ -27,6 +29,10 @@ def functionalize(module: nn.Module) -> tuple[Callable[..., Any], dict[str, Tens
         ones. ``fn`` is pure: buffers the forward updates in place (e.g. BatchNorm running
         statistics) are updated on copies, so the module is never changed by a call. A
         subset of ``params`` may be passed; missing names use the module's own tensors.
+        ``fn`` may be called from several threads: while it runs, the module's attributes
+        are the call's tensors, so calls of functionalized modules run their forward
+        passes one at a time (NOTE [threads]); do not use the module itself from another
+        thread meanwhile.
 
     Raises:
         TypeError: If ``module`` is not an ``nn.Module`` (at build time) or ``params`` is not
@@ -58,9 +64,10 @@ def functionalize(module: nn.Module) -> tuple[Callable[..., Any], dict[str, Tens
             raise KeyError(f"{_API}: fn got parameter name(s) {unknown} that "
                            f"{type(module).__name__} does not have. Valid names: "
                            f"{sorted(known)}.")
-        buffers = {name: b.clone() for name, b in module.named_buffers()}
-        return torch.func.functional_call(module, {**buffers, **params}, args, kwargs,
-                                          tie_weights=True, strict=False)
+        with MODULE_LOCK:  # functional_call swaps the module's attributes: NOTE [threads]
+            buffers = {name: b.clone() for name, b in module.named_buffers()}
+            return torch.func.functional_call(module, {**buffers, **params}, args, kwargs,
+                                              tie_weights=True, strict=False)
 
     fn.__doc__ = f"Pure function of {type(module).__name__}: fn(params, *args, **kwargs)."
     fn.__name__ = f"functional_{type(module).__name__}"

@@ -6,7 +6,7 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from torchgram._api.pipeline import compute
+from torchgram._api.pipeline import compute, outside_compile
 from torchgram._core.checks import function_name
 from torchgram._core.options import Options
 
@@ -25,6 +25,7 @@ def gramian(
     diagonal: bool = False,
     per_leaf: bool = False,
     memory_budget: int | None = None,
+    progress: bool = False,
 ) -> Callable[..., Any]:
     """Gramian ``G = J Jᵀ`` of the Jacobian of ``f`` w.r.t. the arguments ``argnums``.
 
@@ -33,6 +34,13 @@ def gramian(
     concatenated into columns. ``G[i, j]`` is the inner product of the gradients of output
     entries ``i`` and ``j``: the empirical NTK, or the pairwise inner products of
     per-sample / per-task gradients.
+
+    It composes like a ``torch.func`` transform (NOTE [composition]): ``grad``, ``jacrev``,
+    ``jacfwd``, ``vjp``, ``jvp`` and ``vmap`` of a function that calls it, and nested calls, give
+    the right answers (inside those transforms ``auto`` runs the ``jacobian`` backend); in
+    eager mode ``G`` carries the autograd graph when a differentiated leaf or an input
+    requires grad (and nothing extra is paid when none does); under ``torch.compile`` the
+    call runs eagerly, as one graph break.
 
     Args:
         f: The function ``f(*args, **kwargs)``. It returns a floating tensor or a pytree of
@@ -65,6 +73,8 @@ def gramian(
         memory_budget: Bytes of Jacobian the ``jacobian`` backend may assemble at once.
             Leaves are grouped into blocks that fit; a leaf too large on its own is split
             into column slices (each re-running the row passes). See NOTE [memory budget].
+        progress: Show a ``tqdm`` progress bar over the backend's row chunks when it runs
+            more than one (``chunk_size`` or ``memory_budget`` splitting the rows).
 
     Returns:
         A function taking the same arguments as ``f`` and returning ``G`` (or ``(G, aux)``).
@@ -95,10 +105,11 @@ def gramian(
     options = Options.validate(
         _API, f, argnums, has_aux=has_aux, backend=backend, chunk_size=chunk_size,
         batch_dim=batch_dim, in_dims=in_dims, diagonal=diagonal, per_leaf=per_leaf,
-        memory_budget=memory_budget,
+        memory_budget=memory_budget, progress=progress,
     )
 
     @functools.wraps(f)
+    @outside_compile
     def gramian_of_f(*args: Any, **kwargs: Any) -> Any:
         computation = compute(options, f, args, kwargs)
         result = computation.value()

@@ -97,6 +97,7 @@ def check_independence(
 
     Example:
         >>> import torch, torchgram as tg
+        >>> _ = torch.manual_seed(0)
         >>> w = torch.randn(3)
         >>> x = torch.randn(5, 3)
         >>> tg.check_independence(lambda w, x: torch.tanh(x @ w))(w, x).independent

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
 
 from torchgram._core import functional
 from torchgram._core.checks import fail
+from torchgram._core.composition import refuse_inside_taps
+from torchgram._core.cross import CrossProblem, CrossResult
 from torchgram._core.errors import OutputChanged
 from torchgram._core.options import Options
 from torchgram._core.problem import Problem, build_problem, forget_probe
@@ -22,6 +24,7 @@ from torchgram._core.pytree import detach_tree
 from torchgram._core.result import NO_AUX, BackendResult
 from torchgram._core.sink import assemble, shape_block, to_backend_order, to_output_order
 from torchgram.backends import get_backend
+from torchgram.backends._registry import get_cross_backend
 
 
 @dataclass(frozen=True)
@@ -77,9 +80,28 @@ class Computation:
                                                                strict=True))
 
 
+# NOTE [torch.compile]
+# A function that calls a torchgram transform can be compiled: the call itself runs eagerly,
+# as one graph break (torch.compiler.disable), and the code around it is compiled. Dynamo
+# cannot trace the call's own machinery (optree treespecs made outside the graph, the probe
+# and trace caches, TorchFunctionMode taps keyed by tensor identity, random-number state
+# captured and restored), and every backend's eager path is the one tested against the
+# oracle, so the answer is the same with and without compile, on every backend.
+# fullgraph=True therefore raises at a torchgram call (dynamo's "skip" error): compile the
+# code before and after it, or use mode="reduce-overhead" without fullgraph.
+
+Fn = TypeVar("Fn", bound=Callable[..., Any])
+
+
+def outside_compile(fn: Fn) -> Fn:
+    """``fn`` runs eagerly under ``torch.compile``, as a graph break (NOTE [torch.compile])."""
+    return torch.compiler.disable(fn)
+
+
 def compute(options: Options, f: Callable[..., Any], args: tuple[Any, ...],
             kwargs: Mapping[str, Any], *, want_pullback: bool = False) -> Computation:
     """Build the call's problem, run the backend, assemble its blocks; compute aux if needed."""
+    refuse_inside_taps(options.api)  # NOTE [composition]: nested in a structured call
     probe_with_grad = options.backend == "graph"
     problem = build_problem(options, f, args, kwargs, want_pullback=want_pullback,
                             probe_with_grad=probe_with_grad)
@@ -97,12 +119,14 @@ def compute(options: Options, f: Callable[..., Any], args: tuple[Any, ...],
                  "Make the output's structure a function of the inputs' shapes only.",
                  RuntimeError)
     aux = None
-    if options.has_aux:
+    if options.has_aux:  # differentiable where G is (NOTE [composition]), else detached
+        differentiable = problem.composition.differentiable
         aux = result.aux
         if aux is NO_AUX:  # the backend never evaluated the whole batch
-            with torch.no_grad():
+            with torch.set_grad_enabled(differentiable and torch.is_grad_enabled()):
                 aux = problem.call(problem.leaves)[1]
-        aux = detach_tree(aux)
+        if not differentiable:
+            aux = detach_tree(aux)
     problem.draw.finish()
     return Computation(problem, result, assemble(problem, result), aux)
 
@@ -113,3 +137,17 @@ def _run(problem: Problem) -> BackendResult:
     except BaseException:
         problem.draw.finish()
         raise
+
+
+def compute_cross(problem: CrossProblem) -> CrossResult:
+    """Run a kernel between two input sets on the options' backend (NOTE [cross kernels]).
+
+    The blocks come back in the canonical layout; ``torchgram.ntk`` assembles them. Every
+    side's random-number state is left where a plain call of ``f`` leaves it.
+    """
+    try:
+        return get_cross_backend(problem.left.options.backend)(problem)
+    finally:
+        for side in (problem.left, *problem.rights):
+            if side is not None:
+                side.draw.finish()

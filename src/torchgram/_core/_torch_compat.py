@@ -14,7 +14,9 @@ internals directly.
 * error messages torch raises that mean something precise: an op or a custom Function
   without forward-mode AD, a graph freed by an earlier backward;
 * ``Tensor.T`` / ``Tensor.mT`` as seen by a ``TorchFunctionMode`` (the getter's descriptor as
-  ``func.__self__``).
+  ``func.__self__``);
+* the functorch transforms active around a call (``torch._C._functorch.get_interpreter_stack``:
+  torch has no public way to ask whether code runs under ``torch.func.grad`` or ``vmap``).
 """
 
 from __future__ import annotations
@@ -180,3 +182,28 @@ def getter_name(func: Any) -> str | None:
     if owner is not None and type(owner).__name__ == "getset_descriptor":
         return f"Tensor.{owner.__name__}"
     return None
+
+
+# -- functorch -------------------------------------------------------------------------------
+
+_TRANSFORM_NAMES = {"Grad": "grad", "Jvp": "jvp", "Vmap": "vmap", "Functionalize": "functionalize"}
+
+
+def functorch_transforms() -> tuple[str, ...]:
+    """The ``torch.func`` transforms the caller runs under, outermost first (``()``: none).
+
+    ``"grad"`` covers ``grad``, ``vjp``, ``jacrev`` and ``hessian``'s reverse levels, ``"jvp"``
+    ``jvp`` and ``jacfwd``, ``"vmap"`` ``vmap``.
+
+    Example:
+        >>> functorch_transforms()
+        ()
+        >>> torch.func.vmap(lambda x: (print(functorch_transforms()), x)[1])(torch.ones(2))
+        ('vmap',)
+        tensor([1., 1.])
+    """
+    stack = torch._C._functorch.get_interpreter_stack()
+    if not stack:
+        return ()
+    return tuple(_TRANSFORM_NAMES.get(interpreter.key().name, interpreter.key().name.lower())
+                 for interpreter in stack)

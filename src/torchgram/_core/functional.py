@@ -2,15 +2,26 @@
 
 ``torch.func.vjp`` returns a pair or a triple depending on ``has_aux``, which a type checker
 cannot tell apart; these wrappers say which.
+
+# NOTE [backward under no_grad]
+``torch.func``'s vjp ignores an outer ``torch.no_grad()``, but some backward kernels read the
+global grad mode themselves: torch 2.13's fused ``torch.lstm`` backward then finds no
+workspace ("Expected a proper Tensor but got None ... for argument #22 'workspace'"), and
+a call of ``tg.gramian`` under ``no_grad`` failed. Backward passes therefore run through
+:func:`with_grad`: grad mode on, and under an outer ``no_grad`` their results detached, so
+that nothing records a graph the caller turned off.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
+import optree
 import torch
 from torch import Tensor
+
+Result = TypeVar("Result")
 
 VjpFn = Callable[..., tuple[Tensor, ...]]
 """A vector-Jacobian product: cotangent(s) → one gradient per primal."""
@@ -25,3 +36,21 @@ def vjp_with_aux(fn: Callable[..., tuple[Tensor, Any]],
                  *primals: Tensor) -> tuple[Tensor, VjpFn, Any]:
     """``torch.func.vjp(fn, *primals, has_aux=True)``: the output, its vjp and the aux."""
     return cast(tuple[Tensor, VjpFn, Any], torch.func.vjp(fn, *primals, has_aux=True))
+
+
+def with_grad(fn: Callable[[], Result]) -> Result:
+    """``fn()`` with grad mode on (NOTE [backward under no_grad]).
+
+    Example:
+        >>> with torch.no_grad():
+        ...     grad = with_grad(lambda: torch.func.grad(torch.sin)(torch.zeros(())))
+        >>> grad, grad.requires_grad
+        (tensor(1.), False)
+    """
+    if torch.is_grad_enabled():
+        return fn()
+    with torch.enable_grad():
+        result = fn()
+    tree: Any = result
+    return cast(Result, optree.tree_map(
+        lambda leaf: leaf.detach() if isinstance(leaf, Tensor) else leaf, tree))

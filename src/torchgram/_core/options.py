@@ -41,6 +41,7 @@ class Options:
         diagonal: Whether only ``G[i, i]`` is wanted.
         per_leaf: Whether one block per differentiated leaf is wanted.
         memory_budget: Bytes of Jacobian a backend may hold at once (``None``: no cap).
+        progress: Whether to show a progress bar over the row chunks (NOTE [progress]).
 
     Example:
         >>> options = Options.validate("torchgram.gramian", abs, (0, -1), chunk_size=8)
@@ -63,18 +64,21 @@ class Options:
     diagonal: bool
     per_leaf: bool
     memory_budget: int | None
+    progress: bool = False
 
     @classmethod
     def validate(cls, api: str, f: Callable[..., Any], argnums: int | Sequence[int] = 0, *,
                  has_aux: bool = False, backend: str = "auto", chunk_size: int | None = None,
                  batch_dim: int | None = None, in_dims: Any = 0, diagonal: bool = False,
-                 per_leaf: bool = False, memory_budget: int | None = None) -> Options:
+                 per_leaf: bool = False, memory_budget: int | None = None,
+                 progress: bool = False) -> Options:
         """Check every option of a transform when it is built; raise with the API's name."""
         checks.check_callable(api, f)
         nums, single = checks.normalize_argnums(api, argnums)
         checks.check_bool(api, "has_aux", has_aux)
         checks.check_bool(api, "diagonal", diagonal)
         checks.check_bool(api, "per_leaf", per_leaf)
+        checks.check_bool(api, "progress", progress)
         checks.check_choice(api, "backend", backend, BACKEND_NAMES)
         checks.check_positive_int(api, "chunk_size", chunk_size,
                                   "chunk_size counts Jacobian rows per vectorized pass, e.g. 32.")
@@ -87,7 +91,7 @@ class Options:
             in_dims_value = tuple(dict(entry) if isinstance(entry, dict) else entry
                                   for entry in in_dims)
         return cls(api, nums, single, has_aux, cast(BackendName, backend), chunk_size,
-                   batch_dim, in_dims_value, diagonal, per_leaf, memory_budget)
+                   batch_dim, in_dims_value, diagonal, per_leaf, memory_budget, progress)
 
     def replace(self, **changes: Any) -> Options:
         """A copy with some options changed (e.g. ``backend`` when ``auto`` delegates)."""

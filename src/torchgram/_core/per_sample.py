@@ -51,13 +51,21 @@ def tolerance(dtype: torch.dtype) -> float:
 
 
 def batch_rows(problem: Problem) -> tuple[Tensor, Any]:
-    """``f``'s output rows ``[m]`` on the whole batch (output order) and aux, without gradients.
+    """``f``'s output rows ``[m]`` on the whole batch (output order) and aux.
+
+    Without gradients, unless ``G`` is differentiable (its aux then is too).
 
     Raises :class:`NotPerSample` if that evaluation drew random numbers or called an op that
-    makes samples interact.
+    makes samples interact, and inside ``torch.func.vmap``, where the comparison with samples
+    run alone (:func:`check_samples`) is data-dependent control flow, which ``vmap`` refuses
+    (NOTE [composition]).
     """
+    if "vmap" in problem.composition.transforms:
+        raise NotPerSample("inside torch.func.vmap, samples run alone cannot be compared with "
+                           "the batch (data-dependent)")
     census = OpCensus()
-    with torch.no_grad(), census:
+    keep_graph = problem.composition.differentiable and torch.is_grad_enabled()  # for aux
+    with torch.set_grad_enabled(keep_graph), census:
         rows, aux = problem.rows(problem.leaves)
     if problem.draw.random:
         raise NotPerSample("f draws random numbers (dropout, ...): one sample at a time it "

@@ -21,9 +21,10 @@ from the call's random-number state (NOTE [one draw]).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,11 +35,13 @@ from torch import Tensor
 from torchgram._core import _torch_compat
 from torchgram._core.census import OpCensus
 from torchgram._core.checks import fail, resolve_argnums
+from torchgram._core.composition import Composition, detect_composition
 from torchgram._core.errors import NotPerSample, OutputChanged
 from torchgram._core.options import InDims, Options
 from torchgram._core.pytree import DiffLeaves, leaves_of, select_diff_leaves
 from torchgram._core.rng import RngState
 from torchgram._core.signature import LruCache, call_signature
+from torchgram._core.threads import RNG_LOCK
 
 _TENSOR_SLOT = object()
 
@@ -156,15 +159,44 @@ class Draw:
     """The random-number states of one call (NOTE [one draw]): where it starts and ends.
 
     Owned by the call (not shared between calls); every evaluation restores ``start``.
+    The generators are process-wide (NOTE [threads]): evaluations that may draw hold
+    ``RNG_LOCK`` from the restore to their end, and once a full evaluation has shown that
+    ``f`` draws nothing, the call leaves the generators alone.
     """
 
     def __init__(self, start: RngState) -> None:
         self.start = start
         self.end: RngState | None = None
 
-    def before_evaluation(self) -> None:
-        """Start an evaluation of ``f`` from the call's state."""
-        self.start.restore()
+    @classmethod
+    def capture(cls, devices: Iterable[torch.device]) -> Draw:
+        """The draw of a call starting now."""
+        with RNG_LOCK:
+            return cls(RngState.capture(devices))
+
+    @contextlib.contextmanager
+    def evaluation(self, *, full: bool, check: bool = False,
+                   restore_after: bool = False) -> Iterator[None]:
+        """One evaluation of ``f`` from the call's state.
+
+        ``full``: it evaluates the whole batch (it fixes where the call ends); ``check``: an
+        evaluation of part of the batch that must not draw (:meth:`check_no_draw`);
+        ``restore_after``: put the generators back to the call's start afterwards.
+        """
+        if self.random is False:  # f draws nothing: the generators are none of our business
+            yield
+            return
+        with RNG_LOCK:
+            self.start.restore()
+            try:
+                yield
+                if full:
+                    self.after_full_evaluation()
+                elif check:
+                    self.check_no_draw()
+            finally:
+                if restore_after:
+                    self.start.restore()
 
     def after_full_evaluation(self) -> None:
         """Remember where a plain call of ``f`` leaves the generators (the first time)."""
@@ -185,7 +217,10 @@ class Draw:
 
     def finish(self) -> None:
         """Leave the generators where one plain call of ``f`` would."""
-        (self.end or self.start).restore()
+        if self.random is False:  # untouched by the call: other threads may have drawn since
+            return
+        with RNG_LOCK:
+            (self.end or self.start).restore()
 
 
 @dataclass(frozen=True)
@@ -208,6 +243,7 @@ class Problem:
         evaluation: The probe's evaluation, when it was one the backend can use (NOTE
             [probing]); ``None`` otherwise.
         unbatched: Calls of ``f`` whose backward ``vmap`` gets wrong: vjps one at a time.
+        composition: The transforms and autograd around the call (NOTE [composition]).
     """
 
     f: Callable[..., Any]
@@ -221,6 +257,7 @@ class Problem:
     want_pullback: bool = False
     evaluation: Evaluation | None = field(default=None, compare=False, repr=False)
     unbatched: tuple[str, ...] = ()
+    composition: Composition = Composition()
 
     # -- the options, for short ------------------------------------------------------------
 
@@ -231,7 +268,7 @@ class Problem:
 
     @property
     def leaves(self) -> tuple[Tensor, ...]:
-        """The differentiated leaves (detached)."""
+        """The differentiated leaves (detached unless the call composes: NOTE [composition])."""
         return self.diff.leaves
 
     @property
@@ -294,8 +331,11 @@ class Problem:
 
     @functools.cached_property
     def sample_major_index(self) -> Tensor:
-        """``[B, K]``: the output row of row ``k`` of sample ``b`` (per-sample problems)."""
-        return self.output.sample_major_index(self.samples)
+        """``[B, K]``: the output row of row ``k`` of sample ``b`` (per-sample problems).
+
+        Shared by every problem with this output structure (never write into it).
+        """
+        return _sample_major_index(self.output, self.samples)
 
     # -- evaluation ------------------------------------------------------------------------
 
@@ -310,12 +350,11 @@ class Problem:
         that only looks at the ops).
         """
         full_args = self.diff.rebuild_args(self.args if args is None else args, leaves)
-        self.draw.before_evaluation()
-        result = self.f(*full_args, **(self.kwargs if kwargs is None else kwargs))
-        if full:
-            self.draw.after_full_evaluation()
-        elif check_draw:
-            self.draw.check_no_draw()
+        with (
+            self.draw.evaluation(full=full, check=check_draw),
+            self.composition.evaluation(),  # NOTE [decomposed norms] when differentiable
+        ):
+            result = self.f(*full_args, **(self.kwargs if kwargs is None else kwargs))
         return split_aux(self.api, result, self.has_aux)
 
     def rows(self, leaves: tuple[Tensor, ...]) -> tuple[Tensor, Any]:
@@ -389,6 +428,11 @@ class TensorAux:
         leaves = [next(values) if constant is _TENSOR_SLOT else constant
                   for constant in self._constants]
         return optree.tree_unflatten(self._spec, leaves)
+
+
+@functools.lru_cache(maxsize=64)
+def _sample_major_index(spec: OutputSpec, samples: int) -> Tensor:
+    return spec.sample_major_index(samples)
 
 
 def split_aux(api: str, result: Any, has_aux: bool) -> tuple[Any, Any]:
@@ -490,7 +534,8 @@ def build_problem(options: Options, f: Callable[..., Any], args: tuple[Any, ...]
     """
     api = options.api
     argnums = resolve_argnums(api, options.argnums, len(args))
-    diff = select_diff_leaves(args, argnums)
+    composition = detect_composition(args, kwargs)
+    diff = select_diff_leaves(args, argnums, detach=not composition.differentiable)
     if not diff.leaves:
         fail(api, f"floating-point tensor leaves in the differentiated argument(s) {argnums}",
              "none (" + ", ".join(type(args[i]).__name__ for i in argnums) + ")",
@@ -499,18 +544,19 @@ def build_problem(options: Options, f: Callable[..., Any], args: tuple[Any, ...]
     batch = (None if options.batch_dim is None
              else make_batch_spec(api, args, argnums, options.batch_dim, options.in_dims,
                                   kwargs))
-    draw = Draw(RngState.capture(_devices(args, kwargs)))
+    draw = Draw.capture(_devices(args, kwargs))
     key = _probe_key(f, args, kwargs, diff, options.has_aux, batch)
     probe = None if fresh else _PROBES.get(key)
     evaluation = None
     if probe is None:
         probe, evaluation = _probe(api, f, args, kwargs, diff, batch, options.has_aux, draw,
-                                   with_grad=probe_with_grad and batch is None)
+                                   with_grad=probe_with_grad and batch is None
+                                   and not composition.differentiable)
         _PROBES.put(key, probe)
     if probe.mutates_leaves:
         diff = diff.replace_leaves(tuple(leaf.clone() for leaf in diff.leaves))
     return Problem(f, args, kwargs, diff, options, batch, probe.spec, draw, want_pullback,
-                   evaluation, probe.unbatched)
+                   evaluation, probe.unbatched, composition)
 
 
 def _probe_key(f: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any],
@@ -542,14 +588,9 @@ def _probe(api: str, f: Callable[..., Any], args: tuple[Any, ...], kwargs: Mappi
     leaves = tuple(leaf.requires_grad_() for leaf in copies) if with_grad else copies
     census = OpCensus()
     with torch.set_grad_enabled(with_grad):
-        draw.before_evaluation()
-        try:
-            with census:
-                result = f(*diff.rebuild_args(args, leaves), **kwargs)
-        finally:
-            if with_grad:
-                draw.after_full_evaluation()
-            draw.start.restore()  # the next evaluation starts from the call's state
+        # the next evaluation starts from the call's state
+        with draw.evaluation(full=with_grad, restore_after=True), census:
+            result = f(*diff.rebuild_args(args, leaves), **kwargs)
         out, aux = split_aux(api, result, has_aux)
         mutated = any(_torch_compat.version(leaf) != before
                       for leaf, before in zip(copies, versions, strict=True))

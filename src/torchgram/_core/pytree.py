@@ -32,7 +32,8 @@ class DiffLeaves:
         arg_leaves: All leaves of each differentiated argument (constants included).
         positions: For every differentiated leaf, ``(k, j)``: leaf ``j`` of argument ``argnums[k]``.
         leaves: The differentiated leaves themselves, detached (they share storage with the
-            user's tensors and never carry the user's ``requires_grad`` flag into our graphs).
+            user's tensors and never carry the user's ``requires_grad`` flag into our graphs),
+            or as given when the call must be differentiable (NOTE [composition]).
     """
 
     argnums: tuple[int, ...]
@@ -76,8 +77,12 @@ class DiffLeaves:
         return trees if as_tuple else trees[0]
 
 
-def select_diff_leaves(args: Sequence[Any], argnums: tuple[int, ...]) -> DiffLeaves:
-    """Flatten the differentiated arguments and pick their floating tensor leaves."""
+def select_diff_leaves(args: Sequence[Any], argnums: tuple[int, ...], *,
+                       detach: bool = True) -> DiffLeaves:
+    """Flatten the differentiated arguments and pick their floating tensor leaves.
+
+    ``detach=False`` keeps the leaves as given (a ``G`` differentiable through them).
+    """
     treespecs = []
     arg_leaves = []
     positions = []
@@ -89,7 +94,7 @@ def select_diff_leaves(args: Sequence[Any], argnums: tuple[int, ...]) -> DiffLea
         for j, leaf in enumerate(flat):
             if is_differentiable_leaf(leaf):
                 positions.append((k, j))
-                leaves.append(leaf.detach())
+                leaves.append(leaf.detach() if detach else leaf)
     return DiffLeaves(tuple(argnums), tuple(treespecs), tuple(arg_leaves), tuple(positions),
                       tuple(leaves))
 

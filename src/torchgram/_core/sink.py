@@ -14,7 +14,10 @@ Gramians of the separate *uses* of a leaf do not: J_l = Σ_u J_{l,u} has cross t
 
 The first piece of a slot is kept as given (no copy); a second one is added out of place
 once, and in place after that, so a block the backend still uses elsewhere is never
-written into.
+written into. Pieces are summed in the call's ``compute_dtype`` (the widest of the output's
+and the leaves' dtypes), so that a float32 leaf's block never rounds a float64 one. When
+``G`` must be differentiable (NOTE [composition]) every sum is out of place: an in-place add
+of a ``vmap``-batched block into an unbatched one is refused by ``vmap``.
 
 :func:`assemble` is the sink of the pipeline (NOTE [backend results]): the one place that
 puts rows in the output's order, symmetrises, casts and shapes.
@@ -39,7 +42,8 @@ class LeafBlocks:
         per_leaf: Keep one block per leaf instead of their sum.
         diagonal: Contributions are diagonals (``[m]``) instead of matrices (``[m, m]``).
         dtype: The dtype blocks are kept and summed in (the widest of the call's: a block of
-            a narrower leaf is cast before it is added). ``None``: each slot's first block's.
+            a narrower leaf is cast before it is added). ``None``: promoted as they come.
+        in_place: Whether sums may be made in place (not when ``G`` is differentiated).
 
     Example:
         >>> blocks = LeafBlocks(2, per_leaf=False, diagonal=False)
@@ -51,10 +55,11 @@ class LeafBlocks:
     """
 
     def __init__(self, num_leaves: int, *, per_leaf: bool, diagonal: bool,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, in_place: bool = True) -> None:
         self.per_leaf = per_leaf
         self.diagonal = diagonal
         self.dtype = dtype
+        self.in_place = in_place
         self._blocks: list[Tensor | None] = [None] * (num_leaves if per_leaf else 1)
         self._owned = [False] * len(self._blocks)
 
@@ -62,7 +67,8 @@ class LeafBlocks:
     def for_problem(cls, problem: Problem) -> LeafBlocks:
         """The accumulator a call of ``problem`` needs."""
         return cls(len(problem.leaves), per_leaf=problem.per_leaf, diagonal=problem.diagonal,
-                   dtype=problem.compute_dtype)
+                   dtype=problem.compute_dtype,
+                   in_place=not problem.composition.differentiable)
 
     def add(self, leaf_index: int, block: Tensor) -> None:
         """Add the Gramian (or its diagonal) of a column block of leaf ``leaf_index``'s J."""
@@ -72,10 +78,11 @@ class LeafBlocks:
         current = self._blocks[slot]
         if current is None:
             self._blocks[slot] = block
-        elif self._owned[slot]:
-            current.add_(block.to(current.dtype))
+        elif self._owned[slot] and self.in_place and \
+                torch.promote_types(current.dtype, block.dtype) == current.dtype:
+            current.add_(block)
         else:
-            self._blocks[slot] = current + block.to(current.dtype)
+            self._blocks[slot] = current + block
             self._owned[slot] = True
 
     def add_jacobian(self, leaf_indices: Sequence[int], jacobian: Tensor,

@@ -6,6 +6,7 @@ import importlib
 from collections.abc import Callable
 from typing import Protocol
 
+from torchgram._core.cross import CrossProblem, CrossResult
 from torchgram._core.options import BACKEND_NAMES
 from torchgram._core.problem import Problem
 from torchgram._core.result import BackendResult
@@ -17,10 +18,18 @@ class Backend(Protocol):
     def __call__(self, problem: Problem, /) -> BackendResult: ...
 
 
+class CrossBackend(Protocol):
+    """Computes the kernel blocks of a cross problem (NOTE [cross kernels])."""
+
+    def __call__(self, problem: CrossProblem, /) -> CrossResult: ...
+
+
 _BACKENDS: dict[str, Backend] = {}
+_CROSS: dict[str, CrossBackend] = {}
 # Modules that register backends; imported lazily so `import torchgram` stays light.
 _MODULES = ("torchgram.backends.jacobian", "torchgram.backends.auto", "torchgram.backends.ntvp",
-            "torchgram.backends.graph", "torchgram.backends.structured")
+            "torchgram.backends.graph", "torchgram.backends.structured",
+            "torchgram.backends.cross")
 
 
 def register(name: str) -> Callable[[Backend], Backend]:
@@ -30,6 +39,18 @@ def register(name: str) -> Callable[[Backend], Backend]:
 
     def decorate(backend: Backend) -> Backend:
         _BACKENDS[name] = backend
+        return backend
+
+    return decorate
+
+
+def register_cross(name: str) -> Callable[[CrossBackend], CrossBackend]:
+    """Decorator registering backend ``name``'s kernels between two input sets."""
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"unknown backend name {name!r}: add it to BackendName first")
+
+    def decorate(backend: CrossBackend) -> CrossBackend:
+        _CROSS[name] = backend
         return backend
 
     return decorate
@@ -55,3 +76,9 @@ def get_backend(name: str) -> Backend:
     """The backend registered as ``name``."""
     _load()
     return _BACKENDS[name]
+
+
+def get_cross_backend(name: str) -> CrossBackend:
+    """The cross-kernel implementation of backend ``name`` (NOTE [cross kernels])."""
+    _load()
+    return _CROSS[name]

@@ -28,6 +28,10 @@ jacobian ``m·P`` (or the budget), ntvp ``c·P`` for ``c`` rows per chunk. With 
 cheapest estimate wins. The fixed costs (Python and dispatch per call) are calibrated on a
 CPU so that tiny problems (small ``P·m``) go to ``jacobian``; ntvp wins where ``m·P`` does
 not fit the budget but a chunk of vjps does (huge ``P``, few rows).
+
+Inside ``torch.func`` transforms (NOTE [composition]) nothing is traced or estimated: the
+candidates are the backends that compose, ``jacobian`` then ``ntvp``. With eager inputs that
+require grad every backend can build a differentiable ``G``, and the plan is made as usual.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from torchgram._core.composition import COMPOSING_BACKENDS
 from torchgram._core.errors import BackendCannotRun
 from torchgram._core.problem import Problem
 from torchgram._core.result import BackendResult
@@ -214,17 +219,28 @@ def choose_backend(problem: Problem) -> str:
 @register("auto")
 def auto_backend(problem: Problem) -> BackendResult:
     """Run the backends of :func:`plan_auto`'s order until one can (reusing the plan)."""
-    plan = plan_auto(problem)
-    attempts: list[tuple[str, str]] = []
-    for name in plan.order:
+    if problem.composition.transforms:  # NOTE [composition]: no trace under torch.func
+        return _first_that_runs(problem, COMPOSING_BACKENDS, None)
+    try:
+        plan = plan_auto(problem)
+    except BackendCannotRun as error:  # the trace met a nested torchgram call
+        return _first_that_runs(problem, error.alternatives, None,
+                                [(error.backend, error.reason)])
+    return _first_that_runs(problem, plan.order, plan)
+
+
+def _first_that_runs(problem: Problem, order: tuple[str, ...], plan: AutoPlan | None,
+                     attempts: list[tuple[str, str]] | None = None) -> BackendResult:
+    attempts = [] if attempts is None else attempts
+    for name in order:
         try:
-            if name == "structured":
+            if name == "structured" and plan is not None:
                 result = run_structured(problem, plan.structured, forward=plan.forward)
             else:
                 result = get_backend(name)(problem)
         except BackendCannotRun as error:
             attempts.append((name, error.reason))
-            if name == plan.order[-1]:
+            if name == order[-1]:
                 raise
             continue
         result.report.attempts[:0] = attempts

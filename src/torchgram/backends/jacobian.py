@@ -11,6 +11,11 @@ The reference path (DESIGN.md §2). For each group of leaves that fits the memor
 
 With ``diagonal=True`` no block is assembled: each chunk's squared row norms are summed
 and the chunk freed, so memory is one chunk of gradients.
+
+The backend composes (NOTE [composition]): with leaves that are not detached, its
+``torch.func`` products are differentiable by, and batchable under, the transforms around the
+call and by eager autograd; blocks are then concatenated rather than written in place.
+Blocks are assembled in the call's ``compute_dtype`` (mixed-dtype leaves: the widest).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from torchgram._core import functional
 from torchgram._core.errors import BackendCannotRun, NotPerSample, OutputChanged
 from torchgram._core.per_sample import batch_rows, check_samples
 from torchgram._core.problem import Problem, TensorAux
+from torchgram._core.progress import Progress
 from torchgram._core.result import NO_AUX, BackendResult, Pullback, RowOrder, RunReport
 from torchgram._core.sink import LeafBlocks
 from torchgram.backends._grouping import LeafGroup, group_leaves, rows_per_chunk
@@ -58,16 +64,18 @@ def _run(problem: Problem, loop: bool, *, per_sample: bool) -> BackendResult:
     batch_outputs = None
     if per_sample:  # the batch's outputs, to check the samples run alone against
         batch_outputs, aux = batch_rows(problem)
-    for group in groups:
-        if batch_outputs is None:
-            group_aux, group_rows, writer = _dense_group(problem, group, report, loop)
-            aux = group_aux if aux is NO_AUX else aux
-        else:
-            group_rows, writer = _per_sample_group(problem, group, report, loop, batch_outputs)
-        rows = group_rows if rows is None else rows
-        writer.flush(blocks)
-        if keep_block:
-            pullback = _block_pullback(problem, group, writer.block)
+    with Progress(problem.options.progress, 0, "jacobian row chunks") as bar:
+        for group in groups:
+            if batch_outputs is None:
+                group_aux, group_rows, writer = _dense_group(problem, group, report, loop, bar)
+                aux = group_aux if aux is NO_AUX else aux
+            else:
+                group_rows, writer = _per_sample_group(problem, group, report, loop,
+                                                       batch_outputs, bar)
+            rows = group_rows if rows is None else rows
+            writer.flush(blocks)
+            if keep_block:
+                pullback = _block_pullback(problem, group, writer.block)
     return BackendResult(blocks.blocks(), report, row_order=order, aux=aux, rows=rows,
                          pullback=pullback)
 
@@ -80,8 +88,9 @@ def _block_pullback(problem: Problem, group: LeafGroup, block: Tensor) -> Pullba
         grads = [torch.zeros(leaf.shape, dtype=leaf.dtype, device=leaf.device)
                  for leaf in problem.leaves]
         column = 0
-        for piece in group.slices:
-            grads[piece.leaf].view(-1)[piece.start:piece.stop] = flat[column:column + piece.width]
+        for piece in group.slices:  # one group: every piece is a whole leaf
+            leaf = problem.leaves[piece.leaf]
+            grads[piece.leaf] = flat[column:column + piece.width].reshape(leaf.shape).to(leaf.dtype)
             column += piece.width
         return tuple(grads)
 
@@ -108,16 +117,26 @@ def _transient_width(problem: Problem, group: LeafGroup) -> int:
 
 
 class _BlockWriter:
-    """Writes row chunks of a group's gradients into its block (or diagonal sums)."""
+    """Writes row chunks of a group's gradients into its block (or diagonal sums).
+
+    When ``G`` must be differentiable (NOTE [composition]) the chunks are kept and
+    concatenated at :meth:`flush` instead: ``vmap`` refuses in-place writes of batched values
+    into a fresh buffer.
+    """
 
     def __init__(self, problem: Problem, group: LeafGroup, report: RunReport) -> None:
         self.group = group
         self.diagonal = problem.diagonal
         self.report = report
         num_rows = problem.num_rows
-        dtype = problem.compute_dtype
+        dtype = self.dtype = problem.compute_dtype
         device = problem.leaves[group.slices[0].leaf].device
-        if self.diagonal:
+        self.chunks: list[dict[int, Tensor]] | None = None
+        if problem.composition.differentiable:
+            self.chunks = []
+            if not self.diagonal:
+                report.jacobian_blocks.append((num_rows, group.width))
+        elif self.diagonal:
             self.diagonals = {leaf: torch.zeros(num_rows, dtype=dtype, device=device)
                               for leaf in group.leaves}
         else:
@@ -129,9 +148,16 @@ class _BlockWriter:
         self.report.row_chunks.append((
             rows.stop - rows.start,
             sum(grad.numel() * grad.element_size() for grad in grads.values())))
+        if self.chunks is not None:
+            pieces = {}
+            for piece in self.group.slices:
+                values = grads[piece.leaf][:, piece.start:piece.stop].to(self.dtype)
+                pieces[piece.leaf] = values.square().sum(dim=1) if self.diagonal else values
+            self.chunks.append(pieces)
+            return
         column = 0
         for piece in self.group.slices:
-            values = grads[piece.leaf][:, piece.start:piece.stop]
+            values = grads[piece.leaf][:, piece.start:piece.stop].to(self.dtype)
             if self.diagonal:
                 self.diagonals[piece.leaf][rows] += values.square().sum(dim=1)
             else:
@@ -140,6 +166,8 @@ class _BlockWriter:
 
     def flush(self, blocks: LeafBlocks) -> None:
         """Hand the group's contribution to the accumulator."""
+        if self.chunks is not None:
+            self._concatenate()
         if self.diagonal:
             for leaf, diagonal in self.diagonals.items():
                 blocks.add(leaf, diagonal)
@@ -147,9 +175,21 @@ class _BlockWriter:
             blocks.add_jacobian([s.leaf for s in self.group.slices], self.block,
                                 [s.width for s in self.group.slices])
 
+    def _concatenate(self) -> None:
+        """The kept row chunks as the block (or the diagonals), out of place."""
+        assert self.chunks is not None
+        columns = {piece.leaf: [chunk[piece.leaf] for chunk in self.chunks]
+                   for piece in self.group.slices}
+        self.chunks = None
+        if self.diagonal:
+            self.diagonals = {leaf: torch.cat(pieces) for leaf, pieces in columns.items()}
+        else:
+            self.block = torch.cat([torch.cat(columns[piece.leaf]) for piece in self.group.slices],
+                                   dim=1)
 
-def _dense_group(problem: Problem, group: LeafGroup, report: RunReport,
-                 loop: bool) -> tuple[object, Tensor, _BlockWriter]:
+
+def _dense_group(problem: Problem, group: LeafGroup, report: RunReport, loop: bool,
+                 bar: Progress | None = None) -> tuple[object, Tensor, _BlockWriter]:
     leaf_ids = group.leaves
     aux_parts = TensorAux()
 
@@ -164,12 +204,16 @@ def _dense_group(problem: Problem, group: LeafGroup, report: RunReport,
                                           _transient_width(problem, group), problem.itemsize,
                                           problem.memory_budget)
     writer = _BlockWriter(problem, group, report)
+    if bar is not None:
+        bar.extend(-(-num_rows // chunk))
     for start in range(0, num_rows, chunk):
         stop = min(start + chunk, num_rows)
         grads = row_vjps(vjp_fn, rows, start, stop)
         writer.write(slice(start, stop), {
             leaf: grad.reshape(stop - start, -1) for leaf, grad in zip(leaf_ids, grads, strict=True)
         })
+        if bar is not None:
+            bar.update()
     return aux_parts.join(aux_tensors), rows.detach(), writer
 
 
@@ -186,12 +230,13 @@ def row_vjps(vjp_fn: Callable[..., tuple[Tensor, ...]], rows: Tensor, start: int
     """``Jᵀ e_i`` for rows ``start..stop-1``, each leaf's result stacked on a leading dim."""
     basis = basis_rows(start, stop, rows)
     if stop - start == 1:
-        return tuple(grad.unsqueeze(0) for grad in vjp_fn(basis[0]))
-    return torch.func.vmap(vjp_fn)(basis)
+        return tuple(grad.unsqueeze(0) for grad in functional.with_grad(lambda: vjp_fn(basis[0])))
+    return functional.with_grad(lambda: torch.func.vmap(vjp_fn)(basis))
 
 
 def _per_sample_group(problem: Problem, group: LeafGroup, report: RunReport, loop: bool,
-                      batch_outputs: Tensor) -> tuple[Tensor, _BlockWriter]:
+                      batch_outputs: Tensor,
+                      bar: Progress | None = None) -> tuple[Tensor, _BlockWriter]:
     batch = problem.batch
     assert batch is not None
     leaf_ids = group.leaves
@@ -211,6 +256,8 @@ def _per_sample_group(problem: Problem, group: LeafGroup, report: RunReport, loo
     inner_chunk = chunk if chunk < rows_per_sample else None
     writer = _BlockWriter(problem, group, report)
     outputs = []
+    if bar is not None:
+        bar.extend(-(-batch.size // samples_per_pass))
     for first in range(0, batch.size, samples_per_pass):
         count = min(samples_per_pass, batch.size - first)
         inputs = batch.narrow(first, count)
@@ -234,6 +281,8 @@ def _per_sample_group(problem: Problem, group: LeafGroup, report: RunReport, loo
             leaf: jac.reshape(count * rows_per_sample, -1)
             for leaf, jac in zip(leaf_ids, jacobians, strict=True)
         })
+        if bar is not None:
+            bar.update()
     return torch.cat(outputs), writer
 
 
@@ -253,7 +302,8 @@ def _sample_vmap(sample_rows: Callable[..., Tensor], primals: tuple[Tensor, ...]
 
     jac = torch.func.jacrev(one_sample, argnums=tuple(range(num_leaves)), has_aux=True,
                             chunk_size=inner_chunk)
-    return torch.func.vmap(jac, in_dims=(None,) * num_leaves + dims)(*primals, *inputs)
+    return functional.with_grad(  # NOTE [backward under no_grad]
+        lambda: torch.func.vmap(jac, in_dims=(None,) * num_leaves + dims)(*primals, *inputs))
 
 
 def _sample_loop(sample_rows: Callable[..., Tensor], primals: tuple[Tensor, ...],

@@ -35,19 +35,19 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import functools
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from torchgram._core import _torch_compat, functional
 from torchgram._core.errors import BackendCannotRun, NotPerSample, OutputChanged
 from torchgram._core.per_sample import batch_rows, check_samples
 from torchgram._core.problem import Problem, TensorAux
+from torchgram._core.progress import Progress
 from torchgram._core.result import BackendResult, RunReport
+from torchgram._core.threads import FORWARD_AD_LOCK, math_attention
 from torchgram.backends._embedding import EmbeddingConventions
 from torchgram.backends._grouping import rows_per_chunk
 from torchgram.backends._registry import register
@@ -107,9 +107,11 @@ def _dense_rows(problem: Problem, report: RunReport, loop: bool) -> BackendResul
     num_rows = rows.numel()
     columns = _Columns(problem, report)
     chunk = 1 if loop else _rows_per_chunk(problem, num_rows)
-    for start in range(0, num_rows, chunk):
-        stop = min(start + chunk, num_rows)
-        columns.push(slice(start, stop), row_vjps(vjp_fn, rows, start, stop))
+    with Progress(problem.options.progress, -(-num_rows // chunk), "ntvp row chunks") as bar:
+        for start in range(0, num_rows, chunk):
+            stop = min(start + chunk, num_rows)
+            columns.push(slice(start, stop), row_vjps(vjp_fn, rows, start, stop))
+            bar.update()
     return BackendResult(columns.blocks(), report, symmetric=False,
                          aux=aux_parts.join(aux_tensors), rows=rows.detach())
 
@@ -138,13 +140,16 @@ def _per_sample_rows(problem: Problem, report: RunReport, loop: bool) -> Backend
     index = problem.sample_major_index
     batch_outputs, aux = batch_rows(problem)  # to check the samples run alone against
     chunk = 1 if loop else _rows_per_chunk(problem, problem.num_rows)
-    for first, count, k_start, k_stop in _sample_chunks(batch.size, rows_per_sample, chunk):
-        vjps, sample_outputs = _sample_vjps(problem, batch.narrow(first, count), k_start,
-                                            k_stop, loop)
-        check_samples(problem, sample_outputs, torch.arange(first, first + count),
-                      batch_outputs)
-        columns.push(index[first:first + count, k_start:k_stop].reshape(-1), vjps)
-        del vjps  # freed before the next chunk's exist
+    chunks = list(_sample_chunks(batch.size, rows_per_sample, chunk))
+    with Progress(problem.options.progress, len(chunks), "ntvp row chunks") as bar:
+        for first, count, k_start, k_stop in chunks:
+            vjps, sample_outputs = _sample_vjps(problem, batch.narrow(first, count), k_start,
+                                                k_stop, loop)
+            check_samples(problem, sample_outputs, torch.arange(first, first + count),
+                          batch_outputs)
+            columns.push(index[first:first + count, k_start:k_stop].reshape(-1), vjps)
+            del vjps  # freed before the next chunk's exist
+            bar.update()
     return BackendResult(columns.blocks(), report, symmetric=False, aux=aux,
                          rows=batch_outputs)
 
@@ -211,7 +216,9 @@ class _Columns:
     Row ``i`` is computed as ``J (Jᵀ e_i)``, column ``i`` by other rows' pushes: equal in
     exact arithmetic, not bitwise, so the result is marked not symmetric and the sink
     averages it with its transpose (factorizations downstream, Cholesky or ``eigh``, rely on
-    exact symmetry).
+    exact symmetry). When ``G`` must be differentiable (NOTE [composition]) the pushed rows
+    are kept and put in order at the end, out of place (``vmap`` refuses in-place writes of
+    batched values into a fresh buffer).
     """
 
     def __init__(self, problem: Problem, report: RunReport) -> None:
@@ -219,7 +226,13 @@ class _Columns:
         self.report = report
         num_rows = problem.num_rows
         count = len(problem.leaves) if problem.per_leaf else 1
-        self._blocks = [torch.zeros(num_rows, num_rows, dtype=problem.compute_dtype,
+        self.dtype = problem.compute_dtype
+        self._pieces: list[list[tuple[Tensor, Tensor]]] | None = None
+        if problem.composition.differentiable:
+            self._pieces = [[] for _ in range(count)]
+            self._blocks = []
+            return
+        self._blocks = [torch.zeros(num_rows, num_rows, dtype=self.dtype,
                                     device=problem.output.device) for _ in range(count)]
 
     def push(self, rows: slice | Tensor, tangents: Tangents) -> None:
@@ -240,12 +253,28 @@ class _Columns:
 
     def _store(self, block: int, rows: slice | Tensor, tangents: Tangents, pushed: Tensor) -> None:
         self.report.pushes.append((tangents[0].shape[0], _bytes(tangents), _bytes((pushed,))))
-        target = self._blocks[block]
-        target[rows] = pushed.to(target.dtype)
+        pushed = pushed.to(self.dtype)
+        if self._pieces is None:
+            self._blocks[block][rows] = pushed
+            return
+        if isinstance(rows, slice):
+            rows = torch.arange(rows.start, rows.stop, device=pushed.device)
+        self._pieces[block].append((rows, pushed))
 
     def blocks(self) -> tuple[Tensor, ...]:
         """The filled blocks (not yet symmetric)."""
-        return tuple(self._blocks)
+        if self._pieces is None:
+            return tuple(self._blocks)
+        num_rows = self.problem.num_rows
+        blocks = []
+        for pieces in self._pieces:
+            if not pieces:
+                blocks.append(torch.zeros(num_rows, num_rows, dtype=self.dtype,
+                                          device=self.problem.output.device))
+                continue
+            order = torch.cat([rows for rows, _ in pieces])
+            blocks.append(torch.cat([pushed for _, pushed in pieces])[torch.argsort(order)])
+        return tuple(blocks)
 
 
 def _bytes(tensors: Sequence[Tensor]) -> int:
@@ -259,7 +288,7 @@ def _push_forward(problem: Problem, rows_fn: Callable[..., Tensor],
     def push(*tangent: Tensor) -> Tensor:
         return torch.func.jvp(rows_fn, tuple(primals), tangent)[1]
 
-    with _forward_mode(problem):
+    with FORWARD_AD_LOCK, _forward_mode(problem):  # forward AD is process-wide: NOTE [threads]
         if tangents[0].shape[0] == 1:
             return push(*(t[0] for t in tangents)).unsqueeze(0)
         return torch.func.vmap(push)(*tangents)
@@ -279,8 +308,19 @@ def _rows_per_chunk(problem: Problem, num_rows: int) -> int:
 # act on (and that fails programs running with -W error). One tiny jvp at first use, with
 # just that warning ignored, does the import once.
 
-@functools.cache
+_forward_ad_ready = False
+
+
 def _prepare_forward_ad() -> None:
+    global _forward_ad_ready
+    with FORWARD_AD_LOCK:  # once, and never beside another thread's warning filters
+        if _forward_ad_ready:
+            return
+        _first_jvp()
+        _forward_ad_ready = True
+
+
+def _first_jvp() -> None:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"`?torch\.jit\.script`? is deprecated",
                                 category=DeprecationWarning)
@@ -296,8 +336,8 @@ def _prepare_forward_ad() -> None:
 # to its next candidate. The one exception is attention: the fused
 # scaled_dot_product_attention kernels (flash, memory-efficient, cuDNN) have no forward AD,
 # but its math implementation does and computes the same function. The forward-mode pass
-# therefore runs with only the math kernel enabled (torch.nn.attention.sdpa_kernel, a
-# process-wide setting restored on exit); the reverse-mode pass keeps the user's kernels.
+# therefore runs with only the math kernel enabled (a process-wide setting, restored when the
+# last thread using it leaves: NOTE [threads]); the reverse-mode pass keeps the user's kernels.
 
 _ALTERNATIVES = ("jacobian", "graph")
 
@@ -306,7 +346,7 @@ _ALTERNATIVES = ("jacobian", "graph")
 def _forward_mode(problem: Problem) -> Iterator[None]:
     """Run forward-mode AD with attention's math kernel; explain ops that lack forward AD."""
     try:
-        with sdpa_kernel(SDPBackend.MATH):
+        with math_attention():
             yield
     except (NotImplementedError, RuntimeError) as err:
         missing = _torch_compat.missing_forward_ad(err)

@@ -8,11 +8,16 @@ Every function takes the Gramian positionally and its options as keywords, valid
 symmetric, finite, non-negative diagonal: one host synchronisation in all) and returns weights
 with the Gramian's dtype and device, not differentiable with respect to the Gramian. The
 quadratic programs of :func:`upgrad`, :func:`dualproj` and :func:`mgda` are solved exactly (to
-float64 round-off) by batched tensor code on that device, with an active-set method that
-synchronises with the host once or twice per iteration to decide convergence (a few iterations,
-up to a few dozen on hard problems); :func:`imtl_g` and :func:`aligned_mtl` use
-``torch.linalg.pinv`` and ``torch.linalg.eigh``, which check for convergence failures (a
-synchronisation on CUDA).
+float64 round-off) by batched tensor code on that device: active-set methods whose face systems
+are solved by batched Cholesky factorisations for small ``m`` and, for :func:`upgrad` and
+:func:`dualproj` from ``m = 128`` (resp. 768), by batched conjugate gradients with every answer
+certified by its KKT residual (``ρ ≤ 1e-13``; NOTE [KKT certificate] in ``_kkt.py``). They
+synchronise with the host to decide convergence (once per few iterations). :func:`imtl_g` and
+:func:`aligned_mtl` use Cholesky factorisations or ``torch.linalg.eigh``, which check for
+convergence failures (a synchronisation on CUDA).
+
+In a training loop, a :class:`WarmStart` passed as ``state=`` to :func:`upgrad`,
+:func:`dualproj` or :func:`mgda` lets each call start from the previous call's solution.
 
 Example:
     >>> import torch
@@ -32,8 +37,10 @@ from ._mgda import mgda as mgda
 from ._pcgrad import pcgrad as pcgrad
 from ._sum import sum as sum
 from ._upgrad import upgrad as upgrad
+from ._warm_start import WarmStart as WarmStart
 
 __all__ = [
+    "WarmStart",
     "aligned_mtl",
     "dualproj",
     "imtl_g",

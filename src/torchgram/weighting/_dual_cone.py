@@ -5,10 +5,11 @@ Proposition 1 of Quinton & Rey (2024): for ``G = J Jᵀ`` and weights ``u``, the
 
     v = argmin_{v ≥ u} vᵀ G v.
 
-Writing ``v = u + x`` turns it into ``min_{x ≥ 0} ½ xᵀGx + (G u)ᵀx``, the non-negative QP of
-:mod:`._qp`. As in torchjd, ``G`` is first normalised by its trace (the squared Frobenius norm of
-``J``; a trace below ``norm_eps`` gives the zero matrix) and regularised by ``reg_eps · I``, which
-makes the QP strictly convex, hence its solution unique, even when ``J`` is rank-deficient.
+Writing ``v = u + x`` turns it into ``min_{x ≥ 0} ½ xᵀGx + (G u)ᵀx``, the non-negative QP
+solved by :mod:`._nonneg` (NOTE [choosing the non-negative QP solver]). As in torchjd, ``G``
+is first normalised by its trace (the squared Frobenius norm of ``J``; a trace below
+``norm_eps`` gives the zero matrix) and regularised by ``reg_eps · I``, which makes the QP
+strictly convex, hence its solution unique, even when ``J`` is rank-deficient.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from ._qp import solve_nonneg_qp
+from ._nonneg import solve_nonneg
 from ._validation import check_gramian, check_non_negative
+from ._warm_start import WarmStart, check_state
 
 
 def normalize_and_regularize(G: Tensor, norm_eps: float, reg_eps: float) -> Tensor:
@@ -40,32 +42,44 @@ def normalize_and_regularize(G: Tensor, norm_eps: float, reg_eps: float) -> Tens
     return (normalized + reg_eps * eye).to(torch.float64)
 
 
-def project_weights(U: Tensor, H: Tensor) -> Tensor:
+def project_weights(U: Tensor, H: Tensor, state: WarmStart | None = None,
+                    name: str = "") -> Tensor:
     """Solves ``min_{v ≥ u} vᵀ H v`` for each row ``u ≥ 0`` of ``U`` (shape ``[k, m]``).
 
     Args:
         U: Float64 tensor of shape ``[k, m]``.
         H: Normalised and regularised float64 Gramian of shape ``[m, m]`` (positive-definite).
+        state: Where the previous call of the weighting ``name`` left its solution ``v - u``
+            (used as the starting point if it fits), and where this call leaves its own.
+        name: The weighting, to tell its solutions apart in ``state``.
 
     Returns:
         The minimisers ``v``, shape ``[k, m]``, float64, with ``v ≥ u``.
     """
-    return U + solve_nonneg_qp(H, U @ H)
+    q = U @ H
+    x0 = None if state is None else state.load(name, q)
+    solution = solve_nonneg(H, q, x0)
+    if state is not None:
+        state.store(name, solution.x, solution.solver, solution.iterations)
+    return U + solution.x
 
 
 def projected_preferences(G: Tensor, name: str, norm_eps: float, reg_eps: float,
-                          preferences: Callable[[int, Tensor], Tensor]) -> Tensor:
+                          preferences: Callable[[int, Tensor], Tensor],
+                          state: WarmStart | None = None) -> Tensor:
     """Validate ``G``, then project ``Jᵀu`` onto the dual cone for each preference row ``u``.
 
     ``preferences(m, H)`` returns the ``[k, m]`` weights ``U`` to project (float64, on ``H``'s
     device); the result is the ``[k, m]`` float64 minimisers of :func:`project_weights`, or an
-    empty ``[0, 0]`` tensor for ``m = 0``. ``name`` is the weighting's name, for messages.
+    empty ``[0, 0]`` tensor for ``m = 0``. ``name`` is the weighting's name, for messages;
+    ``state`` the caller's warm start, if any.
     """
     G = check_gramian(G, name)
     check_non_negative(norm_eps, "norm_eps", name)
     check_non_negative(reg_eps, "reg_eps", name)
+    state = check_state(state, name)
     m = G.shape[0]
     if m == 0:
         return G.new_zeros(0, 0, dtype=torch.float64)
     H = normalize_and_regularize(G, norm_eps, reg_eps)
-    return project_weights(preferences(m, H), H)
+    return project_weights(preferences(m, H), H, state, name)

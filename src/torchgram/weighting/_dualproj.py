@@ -6,9 +6,17 @@ import torch
 from torch import Tensor
 
 from ._dual_cone import projected_preferences
+from ._warm_start import WarmStart
 
 
-def dualproj(G: Tensor, /, *, norm_eps: float = 1e-4, reg_eps: float = 1e-4) -> Tensor:
+def dualproj(
+    G: Tensor,
+    /,
+    *,
+    norm_eps: float = 1e-4,
+    reg_eps: float = 1e-4,
+    state: WarmStart | None = None,
+) -> Tensor:
     r"""Weights of DualProj: the mean gradient projected onto the dual cone of the rows of ``J``.
 
     The projection of the averaged gradient onto ``{x : J x ≥ 0}`` is Equation 11 of "Gradient
@@ -23,20 +31,23 @@ def dualproj(G: Tensor, /, *, norm_eps: float = 1e-4, reg_eps: float = 1e-4) -> 
 
     This is the UPGrad quadratic program (see :func:`upgrad`) with the single right-hand side
     ``1 / m``; normalisation, regularisation and defaults follow torchjd's ``DualProjWeighting``.
-    Solved in float64 by the batched active-set method of ``_qp.py``.
+    Solved in float64, to the same certified accuracy as :func:`upgrad` (by the direct active-set
+    solver below 768 losses, by the conjugate-gradient one from there on).
 
     Args:
         G: The Gramian ``J Jᵀ`` of shape ``[m, m]``, symmetric positive semi-definite.
         norm_eps: If ``trace(G) < norm_eps``, ``G`` is treated as zero (the weights are then
             ``1 / m``).
         reg_eps: Ridge added to the diagonal of the trace-normalised Gramian (see :func:`upgrad`).
+        state: A :class:`WarmStart` that a training loop passes to every call (see
+            :func:`upgrad`). The result does not depend on it.
 
     Returns:
         The weights ``w ≥ 1 / m``, shape ``[m]``, with ``G``'s dtype and device. They are not
         differentiable with respect to ``G``.
 
     Raises:
-        TypeError: If ``G`` is not a real floating-point tensor.
+        TypeError: If ``G`` is not a real floating-point tensor, or ``state`` not a WarmStart.
         ValueError: If ``G`` is not a finite, square, symmetric matrix, or an eps is negative.
 
     Example:
@@ -58,5 +69,6 @@ def dualproj(G: Tensor, /, *, norm_eps: float = 1e-4, reg_eps: float = 1e-4) -> 
     V = projected_preferences(
         G, "dualproj", norm_eps, reg_eps,
         lambda m, H: torch.full((1, m), 1.0 / m, dtype=H.dtype, device=H.device),
+        state,
     )
     return V.squeeze(0).to(G.dtype) if V.numel() else G.new_zeros(0)

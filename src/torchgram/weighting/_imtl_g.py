@@ -24,11 +24,14 @@ def imtl_g(G: Tensor, /, *, eps: float = 1e-12) -> Tensor:
 
     where ``G⁺`` is the Moore–Penrose pseudo-inverse. As in torchjd's ``IMTLGWeighting`` (which
     calls ``torch.linalg.pinv`` with its default cut-off), singular values of ``G`` below
-    ``m · eps(G.dtype) · σ_max`` are treated as zero. The pseudo-inverse is computed in float64,
-    with that cut-off taken from ``G``'s own dtype so that float32 round-off in ``G`` is not
-    mistaken for information; for a float64 ``G`` this is exactly torchjd's computation, and for
-    a float32 one it is more accurate (torchjd inverts in float32, with errors up to
-    ``cond(G) · 6e-8``).
+    ``m · eps(G.dtype) · σ_max`` are treated as zero. When no eigenvalue of ``G`` comes near
+    that cut-off the pseudo-inverse is the inverse, applied by Cholesky factorisations
+    (``O(m³ / 3)``, a few tens of milliseconds for ``m = 1024`` on one CPU thread); otherwise it
+    is formed from an eigendecomposition (about ten times slower). The pseudo-inverse is
+    computed in float64, with that cut-off taken from ``G``'s own dtype so that float32
+    round-off in ``G`` is not mistaken for information; for a float64 ``G`` this is torchjd's
+    computation (up to round-off: torchjd uses the SVD), and for a float32 one it is more
+    accurate (torchjd inverts in float32, with errors up to ``cond(G) · 6e-8``).
 
     Args:
         G: The Gramian ``J Jᵀ`` of shape ``[m, m]``, symmetric positive semi-definite.
@@ -51,7 +54,7 @@ def imtl_g(G: Tensor, /, *, eps: float = 1e-12) -> Tensor:
         >>> w
         tensor([0.5858, 0.4142], dtype=torch.float64)
         >>> (J @ (J.T @ w)) / J.norm(dim=1)  # Equal projections on the unit gradients.
-        tensor([1.0000, 1.0000], dtype=torch.float64)
+        tensor([1., 1.], dtype=torch.float64)
     """
     G = check_gramian(G, "imtl_g")
     check_non_negative(eps, "eps", "imtl_g")
@@ -59,8 +62,33 @@ def imtl_g(G: Tensor, /, *, eps: float = 1e-12) -> Tensor:
     if m == 0:
         return G.new_zeros(0)
     G64 = G.to(torch.float64)  # float64: the pseudo-inverse amplifies round-off by cond(G).
-    pseudo_inverse = torch.linalg.pinv(G64, rtol=m * torch.finfo(G.dtype).eps)
-    v = pseudo_inverse @ G64.diagonal().clamp(min=0.0).sqrt()
+    norms = G64.diagonal().clamp(min=0.0).sqrt()
+    rtol = m * torch.finfo(G.dtype).eps
+    v = _solve_if_well_conditioned(G64, norms, rtol)
+    if v is None:
+        # Symmetric: the pseudo-inverse from an eigendecomposition (several times faster than the
+        # SVD, with the same cut-off: G's singular values are the |eigenvalues|).
+        v = torch.linalg.pinv(G64, rtol=rtol, hermitian=True) @ norms
     total = v.sum()
     weights = torch.where(total.abs() < eps, torch.zeros_like(v), v / total)
     return weights.to(G.dtype)
+
+
+def _solve_if_well_conditioned(G: Tensor, b: Tensor, rtol: float) -> Tensor | None:
+    """``G⁻¹ b`` by Cholesky if no eigenvalue of ``G`` is near the pinv cut-off, else ``None``.
+
+    ``torch.linalg.pinv`` drops the eigenvalues below ``rtol · λ_max``; if ``G - 2 rtol tr(G) I``
+    is positive-definite (its Cholesky factorisation succeeds), every eigenvalue is above twice
+    that cut-off (``λ_max ≤ tr(G)``), up to the round-off of the factorisation, so ``G⁺ = G⁻¹``
+    and two Cholesky factorisations (one for this test) replace an eigendecomposition, about ten
+    times slower. One host synchronisation (the test's outcome).
+    """
+    shift = 2.0 * rtol * G.diagonal().sum()
+    _, info = torch.linalg.cholesky_ex(G - shift * torch.eye(G.shape[0], dtype=G.dtype,
+                                                             device=G.device))
+    if bool(info != 0):  # Host synchronisation.
+        return None
+    factor, info = torch.linalg.cholesky_ex(G)
+    if bool(info != 0):  # Host synchronisation (does not happen: G is above the shifted one).
+        return None
+    return torch.cholesky_solve(b.unsqueeze(-1), factor).squeeze(-1)

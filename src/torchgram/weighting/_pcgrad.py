@@ -24,8 +24,8 @@ def pcgrad(G: Tensor, /, *, generator: torch.Generator | None = None) -> Tensor:
     rows, with ``⟨g_i^PC, g_j⟩ = (G c_i)_j`` and ``|g_j|² = G_jj``, so the whole algorithm runs on
     ``G``: ``w = Σ_i c_i``. As in torchjd's ``PCGradWeighting``, the row itself is skipped and the
     projected rows are summed (not averaged). The ``m`` rows are processed together, as batched
-    tensor code (``m`` steps, ``O(m³)`` in total) in float64 on ``G``'s device, each with its own
-    random order.
+    tensor code (``m`` steps of ``O(m)`` work per row, and one ``[m, m] × [m, m]`` GEMM every 64
+    steps: ``O(m³)`` in total) in float64 on ``G``'s device, each with its own random order.
 
     Args:
         G: The Gramian ``J Jᵀ`` of shape ``[m, m]``, symmetric positive semi-definite.
@@ -63,18 +63,48 @@ def pcgrad(G: Tensor, /, *, generator: torch.Generator | None = None) -> Tensor:
     return _pcgrad_with_orders(G, orders)
 
 
+# Steps of the visiting orders handled between two updates of all inner products (NOTE [blocked
+# PCGrad]): each block costs one [m, m] × [m, m] GEMM, each step a few operations on [m, block].
+_BLOCK = 64
+
+
 def _pcgrad_with_orders(G: Tensor, orders: Tensor) -> Tensor:
-    """PCGrad weights for given visiting orders; ``orders[i]`` is a permutation of ``range(m)``."""
+    """PCGrad weights for given visiting orders; ``orders[i]`` is a permutation of ``range(m)``.
+
+    NOTE [blocked PCGrad]
+    Row ``i`` keeps ``g_i^PC = Jᵀc_i`` through its coefficients ``c_i`` and the inner products
+    ``y_i = G c_i`` with every row (``⟨g_i^PC, g_j⟩ = y_ij``). Step ``t`` of row ``i`` visits
+    ``j = orders[i, t]`` and, on a conflict, changes the single coefficient ``c_ij`` by
+    ``-δ = -y_ij / G_jj``, hence ``y_i`` by ``-δ G_j`` (``O(m)`` per row and step: ``O(m³)`` in all,
+    in ``m`` sequential steps). The steps are taken in blocks of ``_BLOCK``: within a block, row
+    ``i`` only needs its inner products with the rows ``J_i`` it visits there, ``y_ij`` at the
+    block's start less the changes of the block's earlier steps (``Σ_u δ_u G[j, j_u]``, from
+    ``G[J_i, J_i]``, gathered once per block as an ``[m, block, block]`` tensor), and at the
+    block's end one GEMM brings every ``y_i`` up to date (``y -= Δ G``, ``Δ`` the block's changes
+    of the coefficients). The same arithmetic as the step-by-step algorithm, up to the order of
+    the float64 additions.
+    """
     G64 = G.to(torch.float64)  # float64: the projections are chained m - 1 times.
     m = G64.shape[0]
     rows = torch.arange(m, device=G.device)
-    coefficients = torch.eye(m, dtype=G64.dtype, device=G.device)  # Row i: c_i.
     squared_norms = G64.diagonal()
     safe_norms = torch.where(squared_norms > 0, squared_norms, 1.0)
-    for step in range(m):
-        j = orders[:, step]
-        inner = (G64[j] * coefficients).sum(dim=1)  # ⟨g_i^PC, g_j⟩ = (G c_i)_j.
-        conflict = (j != rows) & (inner < 0)
-        shift = torch.where(conflict, inner / safe_norms[j], 0.0)
-        coefficients[rows, j] -= shift
-    return coefficients.sum(dim=0).to(G.dtype)
+    inner = G64.clone()  # Row i: y_i = G c_i, with c_i = e_i to start with.
+    weights = torch.ones(m, dtype=G64.dtype, device=G.device)  # Σ_i c_i.
+    for start in range(0, m, _BLOCK):
+        block = orders[:, start:start + _BLOCK]  # [m, b]: the rows each row visits in the block.
+        # Row i: G restricted to the rows it visits in the block, [m, b, b].
+        block_gramians = torch.take(G64, block.unsqueeze(-1) * m + block.unsqueeze(-2))
+        start_inner = inner.gather(1, block)  # ⟨g_i^PC, g_j⟩ at the block's start, [m, b].
+        is_self = block == rows.unsqueeze(-1)
+        norms = safe_norms[block]
+        changes = torch.zeros_like(start_inner)
+        for step in range(block.shape[1]):
+            # ⟨g_i^PC, g_j⟩ now: at the block's start, less the block's earlier changes.
+            current = start_inner[:, step] - (block_gramians[:, step] * changes).sum(dim=-1)
+            conflict = (current < 0) & ~is_self[:, step]
+            changes[:, step] = torch.where(conflict, current / norms[:, step], 0.0)
+        delta_c = torch.zeros_like(inner).scatter_(1, block, changes)  # c_i -= Δ_i.
+        inner -= delta_c @ G64
+        weights -= delta_c.sum(dim=0)
+    return weights.to(G.dtype)

@@ -43,11 +43,18 @@ def test_user_tensors_are_not_the_walked_leaves_and_stay_untouched() -> None:
 
     params = {"w": model.weight, "b": model.bias, "v": frozen}
     x = torch.randn(4, 3, dtype=DOUBLE)
-    G = tg.gramian(f, backend="graph")(params, x)
+    with torch.no_grad():  # no graph wanted through G: f runs once, on fresh leaves
+        G = tg.gramian(f, backend="graph")(params, x)
     assert len(seen) == 3  # f ran once, on the walked leaves
     assert all(t.requires_grad and t.grad_fn is None for t in seen)
     assert not any(t is p for t in seen for p in params.values())
     assert_matches(G, dense_gramian(f, (params, x)).gramian)
+    assert model.weight.grad is None and model.bias.grad is None
+    assert not frozen.requires_grad and frozen.grad is None
+    seen.clear()
+    G = tg.gramian(f, backend="graph")(params, x)  # G carries the graph: NOTE [composition]
+    assert G.requires_grad and not any(t is p for t in seen for p in params.values())
+    assert_matches(G.detach(), dense_gramian(f, (params, x)).gramian)
     assert model.weight.grad is None and model.bias.grad is None
     assert not frozen.requires_grad and frozen.grad is None
 

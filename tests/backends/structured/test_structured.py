@@ -128,6 +128,9 @@ def test_user_tensors_are_left_alone():
 
     for batch_dim in (None, 0):
         G = tg.gramian(f, backend="structured", batch_dim=batch_dim)(params, x)
+        assert G.requires_grad  # create-graph: NOTE [composition]
+        with torch.no_grad():
+            G = tg.gramian(f, backend="structured", batch_dim=batch_dim)(params, x)
         assert not G.requires_grad
     for name, p in params.items():
         assert p.requires_grad and p.grad is None and p.is_leaf

@@ -20,12 +20,18 @@ Options:
   row-Jacobians (``m`` times the size of the activations between two layers), set by the
   graph, not by grouping leaves; reduce it with fewer rows, or with ``chunk_size`` in
   diagonal mode.
+
+Composition (NOTE [composition]): with eager leaves or inputs that require grad, ``f`` runs on
+aliases of the user's leaves (views, so the graph reaches them) and the walk calls the nodes
+under grad mode, like a backward with ``create_graph=True``: ``G`` carries the graph. Inside
+``torch.func`` transforms the backend declares it cannot run (it walks an eager graph).
 """
 
 from __future__ import annotations
 
 import torch
 
+from torchgram._core.composition import graph_leaf, require_no_transforms
 from torchgram._core.problem import Problem
 from torchgram._core.pytree import detach_tree
 from torchgram._core.result import BackendResult, RunReport
@@ -37,16 +43,21 @@ from torchgram.backends.graph.gramian import graph_gramian
 @register("graph")
 def graph_backend(problem: Problem) -> BackendResult:
     """Evaluate ``f`` once with leaves that require grad, then walk the graph it recorded."""
-    report = RunReport("graph", "walk of one full-batch forward")
+    require_no_transforms(problem, "graph")
+    create_graph = problem.composition.create_graph
+    report = RunReport("graph", "walk of one full-batch forward"
+                       + (", create-graph" if create_graph else ""))
     blocks = LeafBlocks.for_problem(problem)
     if problem.evaluation is not None:  # the probe ran f with autograd: NOTE [probing]
         leaves, rows, aux = (problem.evaluation.leaves, problem.evaluation.rows,
                              problem.evaluation.aux)
     else:
-        leaves = tuple(leaf.detach().requires_grad_() for leaf in problem.leaves)
+        leaves = tuple(graph_leaf(leaf) for leaf in problem.leaves)
         with torch.enable_grad():
             rows, aux = problem.rows(leaves)
     if rows.requires_grad:  # otherwise f does not depend on the leaves: G = 0
         graph_gramian(problem.api, [rows], leaves, blocks, chunk_size=problem.chunk_size,
-                      diagonal=problem.diagonal, report=report)
-    return BackendResult(blocks.blocks(), report, aux=detach_tree(aux), rows=rows.detach())
+                      diagonal=problem.diagonal, report=report, create_graph=create_graph)
+    return BackendResult(blocks.blocks(), report, aux=aux if create_graph else detach_tree(aux),
+                         rows=rows.detach())
+

@@ -56,7 +56,8 @@ def input_edge(tensor: Tensor) -> Edge:
 
 def graph_gramian(api: str, outputs: Sequence[Tensor], inputs: Sequence[Tensor],
                   blocks: LeafBlocks, *, chunk_size: int | None, diagonal: bool,
-                  plan: WalkPlan | None = None, report: RunReport | None = None) -> WalkPlan:
+                  plan: WalkPlan | None = None, report: RunReport | None = None,
+                  create_graph: bool = False) -> WalkPlan:
     """Add ``J_i J_iᵀ`` (or its diagonal) of every input ``i`` to ``blocks`` (leaf ``i``).
 
     Rows are the outputs' entries, in order, each flattened row-major. Every output must
@@ -72,6 +73,8 @@ def graph_gramian(api: str, outputs: Sequence[Tensor], inputs: Sequence[Tensor],
         diagonal: Add ``[m]`` squared row norms instead of ``[m, m]`` blocks.
         plan: A plan already made for these outputs and inputs.
         report: Receives the peak size of the frontier.
+        create_graph: Call the nodes under grad mode, as a backward with
+            ``create_graph=True`` does: the blocks carry the autograd graph.
 
     Returns:
         The plan, for a caller that releases the graph afterwards.
@@ -99,7 +102,7 @@ def graph_gramian(api: str, outputs: Sequence[Tensor], inputs: Sequence[Tensor],
                 blocks.add(index, _gram(flat, diagonal, start, num_rows))
 
         try:
-            with torch.no_grad():
+            with torch.set_grad_enabled(create_graph):
                 peak = plan.run(_seeds(outputs, start, stop), on_target, caller)
             if report is not None:
                 report.peak_frontier = max(report.peak_frontier, peak)

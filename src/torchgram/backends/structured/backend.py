@@ -43,8 +43,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from torchgram._core.composition import require_no_transforms
 from torchgram._core.errors import NotPerSample
 from torchgram._core.problem import Problem
+from torchgram._core.progress import Progress
 from torchgram._core.result import BackendResult, Pullback, RowOrder, RunReport
 from torchgram._core.sink import LeafBlocks, backend_index
 from torchgram.backends._registry import register
@@ -73,6 +75,7 @@ def run_structured(problem: Problem, plan: StructuredPlan | None = None, *,
     ``forward``: for dense rows, a tapped forward already run (by ``auto``'s planning).
     ``force`` is passed to :func:`plan_problem` (tests use it to exercise every way).
     """
+    require_no_transforms(problem, "structured")
     with torch.enable_grad():
         if problem.batch is None:
             return _dense(problem, plan, forward, force)
@@ -119,16 +122,21 @@ def _contract(problem: Problem, forward: Forward, plan: StructuredPlan, rows: Te
                        leaf_ways=tuple(leaf.way for leaf in plan.leaves))
     contraction = Contraction(plan.leaves, run_uses(plan.leaves, forward.recording),
                               [leaf.numel() for leaf in problem.leaves], samples,
-                              rows_per_sample, problem.diagonal, keep=problem.want_pullback)
+                              rows_per_sample, problem.diagonal, keep=problem.want_pullback,
+                              dtype=problem.compute_dtype)
     contraction.set_acts(forward.acts)
     per_pass = rows_per_pass(problem, forward)
-    for start, stop, tap_cots, carrier_grads in backward_chunks(
-            forward, per_pass, vectorize=not problem.loops_only):
-        report.row_chunks.append((stop - start, sum(
-            t.numel() * t.element_size() for t in [*tap_cots, *carrier_grads.values()]
-            if t is not None)))
-        contraction.add_rows(start, stop, tap_cots, carrier_grads)
-        del tap_cots, carrier_grads
+    with Progress(problem.options.progress, -(-rows_per_sample // per_pass),
+                  "structured row chunks") as bar:
+        for start, stop, tap_cots, carrier_grads in backward_chunks(
+                forward, per_pass, vectorize=not problem.loops_only,
+                create_graph=problem.composition.create_graph):
+            report.row_chunks.append((stop - start, sum(
+                t.numel() * t.element_size() for t in [*tap_cots, *carrier_grads.values()]
+                if t is not None)))
+            contraction.add_rows(start, stop, tap_cots, carrier_grads)
+            del tap_cots, carrier_grads
+            bar.update()
     blocks = LeafBlocks.for_problem(problem)
     for leaf, block in contraction.blocks(problem.compute_dtype):
         blocks.add(leaf, to_row_major(block, problem.diagonal))

@@ -392,12 +392,17 @@ class Contraction:
         rows: ``R``.
         diagonal: Whether only the diagonal is wanted.
         max_pair_elements: Bound on one ghost pair block before row-chunking.
+        keep: Keep the factors for :meth:`pullback`.
+        dtype: The dtype factors and Jacobians are contracted in (``None``: their own); the
+            widest of the leaves' and the output's, so mixed-dtype leaves stay exact.
     """
 
     def __init__(self, plans: Sequence[LeafPlan], uses: dict[int, tuple[UseRecord, ...]],
                  numels: Sequence[int], samples: int, rows: int, diagonal: bool,
-                 max_pair_elements: int = DEFAULT_PAIR_ELEMENTS, keep: bool = False) -> None:
+                 max_pair_elements: int = DEFAULT_PAIR_ELEMENTS, keep: bool = False,
+                 dtype: torch.dtype | None = None) -> None:
         self.plans = plans
+        self.dtype = dtype
         self.uses = uses
         self.keep = keep
         self._kept: dict[int, list[tuple[UseRecord, UseFactors] | Tensor]] = {}
@@ -423,6 +428,8 @@ class Contraction:
         if factor is None:
             assert use.act is not None
             tensor = use.layout.act_factor(self._acts[use.act], 1)
+            if not use.shape.act_is_index:
+                tensor = self._cast(tensor)
             factor = Factor(tensor, "index" if use.shape.act_is_index else "act")
             self._act_factors[key] = factor
         return factor
@@ -432,7 +439,10 @@ class Contraction:
         if raw is None:
             return None
         act_raw = self._acts[use.act] if use.act is not None else None
-        return use.layout.cot_factor(raw, 2, act_raw)
+        return self._cast(use.layout.cot_factor(raw, 2, act_raw))
+
+    def _cast(self, tensor: Tensor) -> Tensor:
+        return tensor if self.dtype is None else tensor.to(self.dtype)
 
     def _factors(self, key: tuple[int, int], use: UseRecord, cot: Tensor,
                  complete: bool = False) -> UseFactors:
@@ -466,7 +476,7 @@ class Contraction:
             part: Tensor | None = carrier_grads.pop(plan.leaf, None)
             uses = self.uses.get(plan.leaf, ())
             if part is not None:  # [c, B, *leaf.shape]: in the leaf's layout if others add to it
-                part = part.reshape(*part.shape[:2], -1) if uses else flat_rows(part)
+                part = self._cast(part.reshape(*part.shape[:2], -1) if uses else flat_rows(part))
             complete = start == 0 and stop == self.rows
             if complete and part is None and len(uses) == 1 and uses[0].role == "bias":
                 cot = self._cot_tensor(uses[0], tap_cots)
@@ -484,11 +494,13 @@ class Contraction:
                 if raw is None:
                     continue
                 act_raw = self._acts[use.act] if use.act is not None else None
-                jac = use.layout.materialize(act_raw, raw, use.role == "bias")
+                if act_raw is not None and act_raw.is_floating_point():
+                    act_raw = self._cast(act_raw)
+                jac = use.layout.materialize(act_raw, self._cast(raw), use.role == "bias")
                 if jac is not None:  # straight from the raw tensors
                     part = jac if part is None else part + jac
                     continue
-                cot = use.layout.cot_factor(raw, 2, act_raw)
+                cot = self._cast(use.layout.cot_factor(raw, 2, act_raw))
                 items.append((use, self._factors((plan.leaf, k), use, cot)))
             for use, factors in together(items):  # NOTE [uses taken together]
                 jac = materialize_use(use, factors, numel)

@@ -44,11 +44,12 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from torchgram._core.composition import graph_leaf
 from torchgram._core.problem import Problem
 from torchgram._core.result import NO_AUX
 from torchgram._core.signature import LruCache, call_signature
+from torchgram._core.threads import math_attention
 from torchgram.backends.structured.trace import (
     NotBatched,
     Recording,
@@ -230,9 +231,9 @@ def batched_forward(problem: Problem, traced: Recording) -> Forward | None:
     assert batch is not None
     samples = batch.size
     leaves = problem.leaves
-    carriers = tuple(leaf.detach().requires_grad_() for leaf in leaves)
+    carriers = tuple(graph_leaf(leaf) for leaf in leaves)
     mode = TapMode(carriers, leaves, taps="lazy", carriers=(), expected=traced.taps,
-                   samples=samples)
+                   samples=samples, keep_graph=problem.composition.create_graph)
     try:
         with mode:
             rows, aux = problem.rows(carriers)
@@ -308,7 +309,7 @@ def per_sample_forward(problem: Problem, traced: Recording,
     fallback = sorted(fallback)
     tapped = [i for i in range(len(leaves)) if i not in set(fallback)]
     tap_specs = traced.taps
-    base = [leaf.detach().requires_grad_() for leaf in leaves]
+    base = [graph_leaf(leaf) for leaf in leaves]
     recordings: list[Recording] = []
 
     def run(taps: Sequence[Tensor], carriers: Sequence[Tensor],
@@ -317,7 +318,7 @@ def per_sample_forward(problem: Problem, traced: Recording,
         for leaf, carrier in zip(fallback, carriers, strict=True):
             run_leaves[leaf] = carrier
         mode = TapMode(run_leaves, leaves, tapped=tapped, taps=list(taps), expected=tap_specs,
-                       carriers=fallback)
+                       carriers=fallback, keep_graph=problem.composition.create_graph)
         with mode:
             rows = problem.sample_rows(tuple(run_leaves), sample)
         mode.finish()
@@ -329,7 +330,7 @@ def per_sample_forward(problem: Problem, traced: Recording,
         outputs, acts_per_sample, taps_all, carriers_all = [], [], [], []
         for b in range(size):
             taps = [zero_tap(spec.shape, spec.dtype, device) for spec in tap_specs]
-            carriers = [leaves[i].detach().requires_grad_() for i in fallback]
+            carriers = [graph_leaf(leaves[i]) for i in fallback]
             sample = batch.narrow(b, 1)
             rows, acts = run(taps, carriers, sample)
             outputs.append(rows)
@@ -343,8 +344,7 @@ def per_sample_forward(problem: Problem, traced: Recording,
                        taps_all, carriers_all, fallback)
 
     taps = [zero_tap((size, *spec.shape), spec.dtype, device) for spec in tap_specs]
-    carriers = [leaves[i].detach().expand(size, *leaves[i].shape).requires_grad_()
-                for i in fallback]
+    carriers = [graph_leaf(leaves[i], copies=size) for i in fallback]
 
     def one_sample(taps: tuple[Tensor, ...], carriers: tuple[Tensor, ...],
                    *inputs: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
@@ -353,7 +353,7 @@ def per_sample_forward(problem: Problem, traced: Recording,
         return rows, tuple(acts)
 
     # Attention's math kernel: the fused ones have no batching rule (NOTE above).
-    with sdpa_kernel(SDPBackend.MATH):
+    with math_attention():
         rows, batched_acts = torch.func.vmap(one_sample, in_dims=(0, 0, *batch.dims))(
             tuple(taps), tuple(carriers), *batch.tensors)
     acts = list(batched_acts)
@@ -365,8 +365,8 @@ def per_sample_forward(problem: Problem, traced: Recording,
 def dense_forward(problem: Problem) -> Forward:
     """The tapped forward on the full inputs, taps made on the fly (dense rows)."""
     leaves = problem.leaves
-    carriers = [leaf.detach().requires_grad_() for leaf in leaves]
-    mode = TapMode(carriers, leaves, taps="lazy")
+    carriers = [graph_leaf(leaf) for leaf in leaves]
+    mode = TapMode(carriers, leaves, taps="lazy", keep_graph=problem.composition.create_graph)
     with mode:
         rows, aux = problem.rows(tuple(carriers))
     used = sorted(mode.recording.unrecognised)
@@ -415,19 +415,20 @@ def _direction_cotangents(forward: Forward, start: int, stop: int) -> Tensor:
     return cot
 
 
-def backward_chunks(forward: Forward, per_pass: int, *,
-                    vectorize: bool) -> Iterator[GradChunk]:
+def backward_chunks(forward: Forward, per_pass: int, *, vectorize: bool,
+                    create_graph: bool = False) -> Iterator[GradChunk]:
     """``(start, stop, tap cotangents [c, B, *y], carrier grads [c, B, *θ])`` per row chunk.
 
-    A tap the output does not depend on gets ``None``.
+    A tap the output does not depend on gets ``None``. ``create_graph``: the backwards are
+    differentiable (NOTE [composition]).
     """
     if forward.kind == "loop":
-        yield from _looped_chunks(forward)
+        yield from _looped_chunks(forward, create_graph)
         return
     rows = forward.outputs[0]
-    if not rows.requires_grad:
-        return
     inputs: Any = [*forward.taps[0], *forward.carriers[0]]  # tensors and gradient edges
+    if not rows.requires_grad or not inputs:  # f uses no leaf (its inputs may require grad)
+        return
     num_taps = len(forward.taps[0])
     total = forward.rows_per_sample
     samples = forward.samples
@@ -439,9 +440,8 @@ def backward_chunks(forward: Forward, per_pass: int, *,
         else:
             cot = _direction_cotangents(forward, start, stop)
         batched = vectorize and count > 1
-        raw = torch.autograd.grad(
-            rows, inputs, cot if batched else cot[0], retain_graph=stop < total,
-            allow_unused=True, is_grads_batched=batched)
+        raw = _grads(rows, inputs, cot, batched=batched, retain_graph=stop < total,
+                     create_graph=create_graph)
         grads: list[Tensor | None] = [None if g is None else (g if batched else g.unsqueeze(0))
                                       for g in raw]
         del raw
@@ -461,7 +461,34 @@ def backward_chunks(forward: Forward, per_pass: int, *,
         yield start, stop, tap_cots, carrier_grads
 
 
-def _looped_chunks(forward: Forward) -> Iterator[GradChunk]:
+def _grads(rows: Tensor, inputs: list[Tensor], cot: Tensor, *, batched: bool,
+           retain_graph: bool, create_graph: bool) -> tuple[Tensor | None, ...]:
+    """``autograd.grad`` of ``rows`` for the cotangents ``cot`` (``[c, *rows]``).
+
+    ``c = 1`` unless ``batched``; batched results have a leading ``c`` dim.
+
+    With ``create_graph`` a batched backward that fails (a double-backward formula without a
+    batching rule: layer and group norm in torch 2.13) is redone one cotangent at a time.
+    """
+    if not create_graph:
+        return torch.autograd.grad(rows, inputs, cot if batched else cot[0],
+                                   retain_graph=retain_graph, allow_unused=True,
+                                   is_grads_batched=batched)
+    if batched:
+        try:
+            return torch.autograd.grad(rows, inputs, cot, retain_graph=True, create_graph=True,
+                                       allow_unused=True, is_grads_batched=True)
+        except RuntimeError:
+            per_row = [torch.autograd.grad(rows, inputs, c, retain_graph=True, create_graph=True,
+                                           allow_unused=True) for c in cot]
+            return tuple(None if all(g[i] is None for g in per_row) else torch.stack(
+                [torch.zeros_like(inputs[i]) if g[i] is None else g[i] for g in per_row])
+                for i in range(len(inputs)))
+    return torch.autograd.grad(rows, inputs, cot[0], retain_graph=True, create_graph=True,
+                               allow_unused=True)
+
+
+def _looped_chunks(forward: Forward, create_graph: bool) -> Iterator[GradChunk]:
     """One row at a time, one sample at a time, without vmap (``chunk_size=1``)."""
     total = forward.rows_per_sample
     num_taps = len(forward.taps[0])
@@ -473,7 +500,8 @@ def _looped_chunks(forward: Forward) -> Iterator[GradChunk]:
                 per_sample.append([None] * len(inputs))
                 continue
             grads = torch.autograd.grad(rows.reshape(-1)[k], inputs,
-                                        retain_graph=k + 1 < total, allow_unused=True)
+                                        retain_graph=create_graph or k + 1 < total,
+                                        create_graph=create_graph, allow_unused=True)
             per_sample.append(list(grads))
         stacked: list[Tensor | None] = []
         for i, column in enumerate(zip(*per_sample, strict=True)):

@@ -4,7 +4,9 @@ Three ways, each with its check (NOTE [structured passes] for the ways themselve
 
 * **batched** (every leaf covered by a rule): ``f`` on the whole batch, taps read per
   sample. Checked: no call makes samples interact (the run's ``coupling``), and, unless
-  ``f`` draws random numbers, the first and last samples run alone give the batch's outputs.
+  ``f`` draws random numbers, the first and last samples run apart from the others give the
+  batch's outputs (as a batch of their own, one evaluation, when the batch has more than
+  two samples; each alone otherwise).
 * **vmap**, or a **loop** where ``vmap`` cannot batch ``f`` (leaves on the fallback):
   ``f`` one sample at a time. Checked like the jacobian backend's per-sample way: one
   evaluation of the whole batch first (no random draw, no interacting call), then every
@@ -63,7 +65,10 @@ def _forward(problem: Problem, traced: Recording) -> Forward:
     """The batched way if possible, else one sample at a time; all-fallback if it diverges."""
     fallback = sorted(traced.unrecognised)
     tapped = [i for i in range(len(problem.leaves)) if i not in set(fallback)]
-    expected = restrict(traced, tapped)
+    key = ("restricted", tuple(tapped))
+    expected = traced.plans.get(key)
+    if expected is None:  # the trace's plans cache holds it for the next calls
+        expected = traced.plans[key] = restrict(traced, tapped)
     try:
         if not fallback and traced.merged_order is not False:
             forward = batched_forward(problem, expected)
@@ -97,6 +102,8 @@ def _check_batched(problem: Problem, forward: Forward, traced: Recording) -> boo
     """
     if forward.recording.coupling:
         raise NotPerSample(f"f calls {forward.recording.coupling[0]}: its samples interact")
+    if forward.merged_acts and traced.merged_order is False:
+        return False
     batch = problem.batch
     assert batch is not None
     if batch.size == 1:

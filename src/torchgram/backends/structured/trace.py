@@ -13,7 +13,8 @@ wrapped tensors — or a transposed view of it made under the mode (``W.T``, ``W
   added to its output, and its other operand (the activation) is recorded. The cotangent
   reaching ``z`` in a backward pass is the ``∂out/∂y`` the factors need (NOTE [factors]).
 * A composite function with a rewrite (``rules.REWRITES``, e.g. self-attention) runs as its
-  rewrite, with the mode active, so the calls inside it are seen.
+  rewrite, which enters the mode around the calls the rules must see (all of them but the
+  parameter-free cell ops of a recurrent net).
 * Any other call involving a leaf that returns a floating tensor is an *unrecognised* use:
   it runs unchanged on the tensor ``f`` received, so gradients reach that tensor (the
   leaf's "carrier"), and the leaf needs the fallback for those uses.
@@ -35,6 +36,7 @@ forward record the graph.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections import Counter
@@ -51,6 +53,7 @@ from torch.overrides import TorchFunctionMode
 
 from torchgram._core import _torch_compat
 from torchgram._core.census import coupling_op
+from torchgram._core.composition import tapped_evaluation
 from torchgram._core.pytree import leaves_of
 from torchgram.backends._embedding import embedding_with_conventions
 from torchgram.backends.structured.rules import rewrite_for, rule_for
@@ -289,6 +292,11 @@ class TapMode(TorchFunctionMode):
         expected: For a replay, the trace's tap records (checked call by call).
         carriers: For a replay, the leaves whose tensors carry gradients (an unrecognised use
             of another leaf means the run left the trace).
+        samples: For a batched run, ``B``: outputs shared by the samples are tapped where
+            they meet the batch (NOTE [shared taps]).
+        keep_acts: Record the activations in a trace too (the check of merged sample dims).
+        keep_graph: Record the activations with their autograd graph (a differentiable
+            ``G``, NOTE [composition]) instead of detached.
 
     Example:
         >>> import torch
@@ -305,8 +313,9 @@ class TapMode(TorchFunctionMode):
                  taps: Literal["trace", "lazy"] | Sequence[Tensor] = "trace",
                  expected: Sequence[TapRecord] | None = None,
                  carriers: Collection[int] | None = None, samples: int | None = None,
-                 keep_acts: bool = False) -> None:
+                 keep_acts: bool = False, keep_graph: bool = False) -> None:
         super().__init__()
+        self._keep_graph = keep_graph
         self._refs: dict[int, LeafRef] = {}
         self._pins: list[Tensor] = list(leaves)  # keep ids valid for the whole run
         for index, leaf in enumerate(leaves):
@@ -324,6 +333,19 @@ class TapMode(TorchFunctionMode):
         self._keep_acts = keep_acts or taps != "trace"
         self._pending: dict[int, tuple[int, Tensor]] = {}
         self.not_batched: str | None = None
+        self._contexts: list[contextlib.ExitStack] = []
+
+    def __enter__(self) -> TapMode:
+        contexts = contextlib.ExitStack()
+        contexts.enter_context(tapped_evaluation())  # nested calls refuse: NOTE [composition]
+        self._contexts.append(contexts)
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            self._contexts.pop().__exit__(*exc)
 
     # -- bookkeeping ------------------------------------------------------------------------
 
@@ -548,7 +570,8 @@ class TapMode(TorchFunctionMode):
                     act_index = acts[id(operand.act)] = self._next_act
                     self._next_act += 1
                     if self._keep_acts:
-                        self.acts.append(operand.act.detach())
+                        self.acts.append(operand.act if self._keep_graph
+                                         else operand.act.detach())
             self.recording.uses.append(UseRecord(
                 leaf=ref.index, role=role, rule=match.rule, layout=layout,
                 act_first=layout.act_first != ref.transposed, tap=tap_index, act=act_index,

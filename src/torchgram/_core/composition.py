@@ -1,0 +1,186 @@
+"""How one call composes with what surrounds it: ``torch.func`` transforms, eager autograd.
+
+# NOTE [composition]
+``torchgram.gramian`` is a function transform, and its users compose it the way they compose
+``jacrev`` and ``vmap``. :func:`detect_composition` looks at the call, before dispatch, and
+records in the problem (:class:`Composition`) which of three situations it is in:
+
+* **inside torch.func transforms** (``grad``, ``vjp``, ``jacrev``, ``jacfwd``, ``jvp``, ``vmap``,
+  ``hessian``, or a backend of an enclosing torchgram call): functorch's interpreter stack is
+  not empty. Leaves, inputs and tensors ``f`` captures may be wrapped tensors of those levels,
+  and ``G`` must be a function of them that the outer levels can differentiate and batch.
+  So the leaves are **not detached**, ``G`` is built from ``torch.func`` products only, and no
+  wrapped value is written in place into a fresh buffer (``vmap`` refuses that): blocks are
+  concatenated and summed out of place. The ``jacobian`` and ``ntvp`` backends do this; the
+  ``structured`` and ``graph`` backends run ``f`` with eager autograd (``requires_grad_``,
+  ``autograd.grad``, a ``TorchFunctionMode``), which functorch levels do not see, so they raise
+  :class:`~torchgram._core.errors.BackendCannotRun` naming those two, and ``auto`` picks one
+  of them.
+* **eager create-graph**: grad mode is on and a differentiated leaf or an input tensor
+  (positional or keyword) requires grad: ``G`` carries the autograd graph, as
+  ``torch.autograd.grad(..., create_graph=True)`` would, so that ``loss + λ·reg(G)`` trains.
+  Leaves are not detached; ``jacobian`` and ``ntvp`` (``torch.func`` composes with eager
+  autograd as its outermost level), ``structured`` (its backwards with ``create_graph=True``,
+  activations and tapped weights kept in the graph) and ``graph`` (its node calls under grad
+  mode) all serve it.
+* **neither** (the common case): leaves are detached, backends write in place, and nothing
+  extra is paid.
+
+In the first two situations every evaluation of ``f`` runs with ops whose derivatives are
+right at any order, batched or not (:func:`differentiable_evaluation`: attention's math
+kernel, NOTE [decomposed norms]). Inside ``vmap`` the per-sample check of ``batch_dim``
+(NOTE [per-sample]) is data-dependent and cannot run, so backends compute the rows of the
+whole batch there: the same matrix, checked or not.
+
+Tensors ``f`` captures from its closure are not inspected in eager mode (they are, in
+effect, under ``torch.func`` transforms): to differentiate ``G`` eagerly with respect to
+them, pass them as arguments.
+
+**Nesting** (``f`` itself calls a torchgram transform) needs nothing more: an enclosing
+``jacobian`` or ``ntvp`` call runs ``f`` under ``torch.func`` transforms, an enclosing
+``graph`` call with leaves that require grad, and the inner call composes accordingly. The
+one exception is an enclosing ``structured`` call: its taps see the torch functions ``f``
+calls, not the backward passes a nested call runs on the same leaves, so its per-leaf
+structure would miss those uses. A call made while a structured trace or forward runs
+(:func:`tapped_evaluation`) therefore raises ``BackendCannotRun`` for the enclosing
+structured backend, and ``auto`` moves on to its next candidate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import optree
+import torch
+from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from torchgram._core import _torch_compat
+from torchgram._core.errors import BackendCannotRun
+from torchgram._core.norms import DecomposedNorms
+
+if TYPE_CHECKING:
+    from torchgram._core.problem import Problem
+
+COMPOSING_BACKENDS = ("jacobian", "ntvp")
+"""The backends that run under ``torch.func`` transforms (NOTE [composition])."""
+
+
+@dataclass(frozen=True)
+class Composition:
+    """What surrounds one call (NOTE [composition]).
+
+    Attributes:
+        transforms: The ``torch.func`` transforms active around the call, outermost first
+            (``"grad"``, ``"jvp"``, ``"vmap"``); empty outside any.
+        create_graph: Grad mode is on and a differentiated leaf or an input requires grad:
+            ``G`` must carry the eager autograd graph.
+
+    Example:
+        >>> Composition().differentiable
+        False
+        >>> Composition(("grad", "vmap")).describe()
+        'inside torch.func transforms (grad, vmap)'
+    """
+
+    transforms: tuple[str, ...] = ()
+    create_graph: bool = False
+
+    @property
+    def differentiable(self) -> bool:
+        """Whether ``G`` must be a differentiable (and batchable) function of the call."""
+        return bool(self.transforms) or self.create_graph
+
+    def evaluation(self) -> contextlib.AbstractContextManager[None]:
+        """The context every evaluation of ``f`` runs in (:func:`differentiable_evaluation`)."""
+        return differentiable_evaluation() if self.differentiable else contextlib.nullcontext()
+
+    def describe(self) -> str:
+        """The situation in words, for messages and reports."""
+        if self.transforms:
+            return f"inside torch.func transforms ({', '.join(self.transforms)})"
+        if self.create_graph:
+            return "eager autograd with inputs that require grad (create-graph)"
+        return "plain (no transform, nothing requires grad)"
+
+
+def detect_composition(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Composition:
+    """The :class:`Composition` of a call with these arguments, in the current context."""
+    transforms = _torch_compat.functorch_transforms()
+    leaves: list[Any] = optree.tree_leaves((args, dict(kwargs)))  # type: ignore[arg-type]
+    create_graph = torch.is_grad_enabled() and any(
+        isinstance(leaf, Tensor) and leaf.requires_grad for leaf in leaves)
+    return Composition(transforms, create_graph)
+
+
+def require_no_transforms(problem: Problem, backend: str) -> None:
+    """Raise :class:`BackendCannotRun` when the call runs inside ``torch.func`` transforms."""
+    composition = problem.composition
+    if composition.transforms:
+        raise BackendCannotRun(
+            problem.api, backend, "a call outside torch.func transforms (this backend runs f "
+            "with eager autograd, which the transforms' levels do not see)",
+            f"a call {composition.describe()}", COMPOSING_BACKENDS,
+            "Those build G from torch.func products, which compose with grad, jvp, vmap and "
+            "nested calls.")
+
+
+def graph_leaf(leaf: Tensor, copies: int | None = None) -> Tensor:
+    """A fresh tensor with ``leaf``'s values that requires grad, for a backend's own graph.
+
+    Autograd gives the gradient with respect to it; when ``leaf`` requires grad itself (eager
+    create-graph, NOTE [composition]) it is a view of ``leaf``, so that the backend's graph
+    also reaches the user's leaf, otherwise a detached alias. ``copies``: ``copies`` stacked
+    copies ``[copies, *leaf.shape]`` (per-sample carriers), as an expanded view.
+
+    Example:
+        >>> w = torch.ones(2, requires_grad=True)
+        >>> graph_leaf(w).grad_fn is not None, graph_leaf(w.detach()).is_leaf
+        (True, True)
+        >>> graph_leaf(w, copies=3).shape
+        torch.Size([3, 2])
+    """
+    if leaf.requires_grad:
+        return leaf.view_as(leaf) if copies is None else leaf.expand(copies, *leaf.shape)
+    alias = leaf.detach()
+    if copies is not None:
+        alias = alias.expand(copies, *leaf.shape)
+    return alias.requires_grad_()
+
+
+_TAPPED: ContextVar[bool] = ContextVar("torchgram_tapped_evaluation", default=False)
+
+
+@contextlib.contextmanager
+def tapped_evaluation() -> Iterator[None]:
+    """Mark the evaluation of ``f`` under the structured backend's taps (NOTE [composition])."""
+    token = _TAPPED.set(True)
+    try:
+        yield
+    finally:
+        _TAPPED.reset(token)
+
+
+def refuse_inside_taps(api: str) -> None:
+    """Raise :class:`BackendCannotRun` for the enclosing structured call, if there is one."""
+    if _TAPPED.get():
+        raise BackendCannotRun(
+            api, "structured", "f without torchgram calls inside (the taps see the torch "
+            "functions f calls, not the backward passes a nested call runs on the same "
+            "leaves)", "a nested torchgram call in f", (*COMPOSING_BACKENDS, "graph"), "")
+
+
+@contextlib.contextmanager
+def differentiable_evaluation() -> Iterator[None]:
+    """Evaluate ``f`` with ops whose derivatives are right at any order, batched or not.
+
+    The fused ``scaled_dot_product_attention`` kernels have no double backward: its math
+    implementation, the same function, runs instead (a process-wide setting, restored on
+    exit). Layer, batch and instance norm run decomposed (NOTE [decomposed norms]).
+    """
+    with sdpa_kernel(SDPBackend.MATH), DecomposedNorms():
+        yield

@@ -1,0 +1,98 @@
+"""Process-wide state torchgram touches, and how concurrent calls stay correct.
+
+# NOTE [threads]
+Calls may run concurrently from several threads (a data-loading thread, a notebook with
+background work, a serving process). Most of what a call uses is per thread or per call in
+torch: grad mode, the ``TorchFunctionMode`` stack (the structured backend's taps), the
+``torch.func`` transform stack (``vmap``, ``vjp``, ``jacrev``), autograd graphs, and every
+problem, plan and result torchgram builds. What is shared by the whole process, and how:
+
+* **forward-mode AD** (``ntvp``): torch's dual levels form one process-wide list and
+  ``torch.func.jvp`` counts its nesting in a module global, so two threads in forward mode
+  at once exit each other's levels (zero tangents -- a wrong Gramian -- or "Trying to
+  access a forward AD level with an invalid index"). Every forward-mode pass of torchgram
+  holds :data:`FORWARD_AD_LOCK`: concurrent ``ntvp`` calls are **serialised** in their
+  forward-mode pushes (their vjps, Gram products and everything else run concurrently).
+  Forward-mode AD run by other code in another thread at the same time is not protected.
+* **the attention kernel switches** (``torch.nn.attention.sdpa_kernel``): process-wide
+  flags, saved and restored by each context; interleaved in two threads they end in the
+  wrong state. :func:`math_attention` counts its users: the first sets the math kernel,
+  the last restores the flags as they were before the first (other threads' attention runs
+  with the math kernel meanwhile: same values, possibly slower).
+* **modules** (``torchgram.functionalize``): ``torch.func.functional_call`` swaps the
+  module's attributes for the call's tensors while it runs, so calls of one module from two
+  threads would see each other's tensors and could leave the module holding a transform's
+  tensors. Those calls hold :data:`MODULE_LOCK` (one for all modules, as modules nest): the
+  **forward passes** of functionalized modules are **serialised**; their backward passes
+  are not (the graph holds its own tensors). Do not call the module itself from another
+  thread while a functionalized call of it runs (it holds the call's tensors then).
+* **caches** (probes, traces: NOTE [call signatures]): :class:`~torchgram._core.signature.
+  LruCache` is locked; a cached trace's plan cache is a dict whose single operations are
+  atomic, and two threads planning the same trace at once build equal plans.
+* **the one-time forward-mode set-up** (NOTE [first forward-AD call]) runs under
+  :data:`FORWARD_AD_LOCK`, so the warning filter it sets is never interleaved.
+* **random numbers** (NOTE [one draw]): the default generators are process-wide, and a
+  call restores its starting state before each evaluation of ``f``: two calls doing so at
+  once would give each other's evaluations other draws (a Gramian of no single function).
+  An evaluation that may draw holds :data:`RNG_LOCK` from that restore to its end, so the
+  **evaluations of functions that draw are serialised**; once a full evaluation has shown
+  that ``f`` draws nothing, the call no longer touches the generators nor takes the lock
+  (it does not rewind other threads' generators either). Other code drawing from the
+  default generators in another thread meanwhile is not protected: pass it its own
+  ``torch.Generator``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+FORWARD_AD_LOCK = threading.RLock()
+"""Held by every forward-mode AD pass of torchgram (reentrant: nested calls are fine)."""
+
+RNG_LOCK = threading.RLock()
+"""Held from restoring a call's random state to the end of an evaluation that may draw."""
+
+MODULE_LOCK = threading.RLock()
+"""Held while a function made by ``torchgram.functionalize`` runs its module."""
+
+_attention_lock = threading.Lock()
+_attention_users = 0
+_attention_context: contextlib.AbstractContextManager[object] | None = None
+
+
+@contextlib.contextmanager
+def math_attention() -> Iterator[None]:
+    """Run the body with only the math kernel of scaled dot-product attention enabled.
+
+    Safe from several threads at once (NOTE [threads]): the flags are set by the first
+    thread in and restored by the last thread out.
+
+    Example:
+        >>> import torch
+        >>> with math_attention():
+        ...     torch.backends.cuda.flash_sdp_enabled()
+        False
+        >>> torch.backends.cuda.flash_sdp_enabled()
+        True
+    """
+    global _attention_users, _attention_context
+    with _attention_lock:
+        if _attention_users == 0:
+            entering: contextlib.AbstractContextManager[object] = sdpa_kernel(SDPBackend.MATH)
+            entering.__enter__()
+            _attention_context = entering
+        _attention_users += 1
+    try:
+        yield
+    finally:
+        with _attention_lock:
+            _attention_users -= 1
+            if _attention_users == 0:
+                leaving = _attention_context
+                _attention_context = None
+                assert leaving is not None
+                leaving.__exit__(None, None, None)

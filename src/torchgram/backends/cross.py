@@ -1,0 +1,264 @@
+"""Kernels between two input sets on the jacobian, ntvp, graph and auto backends.
+
+NOTE [cross kernels] says what a :class:`~torchgram._core.cross.CrossProblem` asks for; the
+structured backend's way is NOTE [structured cross kernels]. Here:
+
+* **jacobian**: per group of leaves (``memory_budget``: ``(m1 + m2) × width`` entries per
+  group), the per-row Jacobian block of each side, ``J1 [R1, B1, w]`` and ``J2``, then
+  :func:`~torchgram._core.cross.spec_gram` (traced rows are contracted pair by pair, never
+  all against all). Without a budget ``J1`` is computed once for every right side.
+* **ntvp**: ``G12[:, i] = J1 (J2ᵀ e_i)``: the vjps of a chunk of side-2 rows (per sample
+  with ``batch_dim``) pushed forward through ``f`` on side 1, never a Jacobian; then the
+  spec's pairs of the ``[m1, m2]`` block. A self block is the backend's own Gramian.
+* **graph**: walks the autograd graph of *one* forward, so it computes self blocks (its
+  Gramian, reduced) and declares it cannot run a block between two input sets.
+* **auto**: the candidates ``auto`` ranks for the left side's Gramian, in that order, moving
+  on when one declares it cannot run.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from torchgram._core import functional
+from torchgram._core.cross import (
+    CrossProblem,
+    CrossResult,
+    row_shape,
+    sample_rows_view,
+    spec_gram,
+    spec_reduce,
+)
+from torchgram._core.errors import BackendCannotRun, NotPerSample, OutputChanged
+from torchgram._core.per_sample import batch_rows, check_samples
+from torchgram._core.problem import Problem
+from torchgram._core.result import RunReport
+from torchgram._core.sink import assemble
+from torchgram.backends import jacobian as jacobian_module
+from torchgram.backends import ntvp as ntvp_module
+from torchgram.backends._embedding import EmbeddingConventions
+from torchgram.backends._grouping import LeafGroup, group_leaves, rows_per_chunk
+from torchgram.backends._registry import get_backend, get_cross_backend, register_cross
+
+# -- jacobian ------------------------------------------------------------------------------
+
+
+def _group_jacobian(problem: Problem, group: LeafGroup, report: RunReport,
+                    loop: bool) -> Tensor:
+    """The group's per-row Jacobian ``[R, B, width]`` of one side (per sample if it holds)."""
+    if problem.batch is not None:
+        try:
+            batch_outputs, _ = batch_rows(problem)
+            _, writer = jacobian_module._per_sample_group(problem, group, report, loop,
+                                                          batch_outputs)
+            return sample_rows_view(writer.block, problem, "sample_major")
+        except NotPerSample as why:
+            note = (f"per-sample evaluation does not hold ({why.reason}): rows of the whole "
+                    "batch instead")
+            if note not in report.notes:
+                report.notes.append(note)
+    _, _, writer = jacobian_module._dense_group(problem, group, report, loop)
+    return sample_rows_view(writer.block, problem, "output")
+
+
+def _with_loops(problem: CrossProblem, run: object) -> CrossResult:
+    """``run(loop)`` vectorized, redone with loops if ``vmap`` fails (NOTE [vmap or loop])."""
+    assert callable(run)
+    loop = problem.left.loops_only or any(r is not None and r.loops_only for r in problem.rights)
+    if loop:
+        result: CrossResult = run(True)
+        return result
+    try:
+        result = run(False)
+    except (BackendCannotRun, OutputChanged, NotPerSample):
+        raise
+    except Exception as error:  # noqa: BLE001 -- any vmap failure: loop instead
+        result = run(True)
+        result.report.notes.append(f"vmap failed ({type(error).__name__}); redone with loops")
+    return result
+
+
+@register_cross("jacobian")
+def jacobian_cross(problem: CrossProblem) -> CrossResult:
+    """Kernel blocks from per-row Jacobian blocks of both sides (module docstring)."""
+    return _with_loops(problem, lambda loop: _jacobian_cross(problem, loop))
+
+
+def _jacobian_cross(problem: CrossProblem, loop: bool) -> CrossResult:
+    left, spec = problem.left, problem.spec
+    report = RunReport("jacobian", "per-row Jacobian blocks of each side, "
+                       f"{'loops' if loop else 'vmap'}")
+    rows = left.num_rows + max((r.num_rows for r in problem.rights if r is not None), default=0)
+    groups = group_leaves([leaf.numel() for leaf in left.leaves], rows, left.itemsize,
+                          left.memory_budget)
+    dtype = left.compute_dtype
+    shape1 = row_shape(left)
+    blocks: list[Tensor | None] = [None] * len(problem.rights)
+
+    def add(index: int, block: Tensor) -> None:
+        current = blocks[index]
+        blocks[index] = block if current is None else current + block
+
+    one_group = len(groups) <= 1
+    for group in groups:
+        jac1 = _group_jacobian(left, group, report, loop).to(dtype)
+        for index, right in enumerate(problem.rights):
+            if right is None:
+                add(index, spec_gram(jac1, None, spec, shape1))
+            else:
+                jac2 = _group_jacobian(right, group, report, loop).to(dtype)
+                add(index, spec_gram(jac1, jac2, spec, shape1, row_shape(right)))
+                del jac2
+            if one_group:
+                problem.done()
+        del jac1
+    if not one_group:
+        for _ in problem.rights:
+            problem.done()
+    device = left.output.device
+    return CrossResult(tuple(
+        torch.zeros(problem.block_shape(i), dtype=dtype, device=device) if block is None
+        else block for i, block in enumerate(blocks)), report)
+
+
+# -- ntvp ------------------------------------------------------------------------------------
+
+
+def _full_self_block(problem: Problem, name: str) -> tuple[Tensor, RunReport]:
+    """A backend's Gramian of one side as ``[R, B, R, B]`` (from the sink's output order)."""
+    result = get_backend(name)(problem)
+    blocks = assemble(problem, result)
+    gram = blocks[0] if len(blocks) == 1 else torch.stack(blocks).sum(0)
+    return _pairs(gram, problem, problem), result.report
+
+
+def _pairs(gram: Tensor, left: Problem, right: Problem) -> Tensor:
+    """An ``[m1, m2]`` block (output orders) as ``[R1, B1, R2, B2]``."""
+    m1, m2 = gram.shape
+    rows = sample_rows_view(gram, left, "output")  # [R1, B1, m2]
+    r1, b1 = rows.shape[:2]
+    columns = sample_rows_view(rows.reshape(r1 * b1, m2).T, right, "output")  # [R2, B2, R1 B1]
+    r2, b2 = columns.shape[:2]
+    return columns.reshape(r2, b2, r1, b1).permute(2, 3, 0, 1)
+
+
+@register_cross("ntvp")
+def ntvp_cross(problem: CrossProblem) -> CrossResult:
+    """Kernel blocks as ``J1 (J2ᵀ e_i)``, side 2's vjps pushed through side 1 (module docstring)."""
+    ntvp_module._prepare_forward_ad()
+    with EmbeddingConventions():
+        return _with_loops(problem, lambda loop: _ntvp_cross(problem, loop))
+
+
+def _ntvp_cross(problem: CrossProblem, loop: bool) -> CrossResult:
+    left, spec = problem.left, problem.spec
+    report = RunReport("ntvp", "side 2's vjps pushed through side 1, "
+                       f"{'loops' if loop else 'vmap'}")
+    dtype = left.compute_dtype
+    shape1 = row_shape(left)
+    blocks = []
+    for right in problem.rights:
+        if right is None:
+            gram, self_report = _full_self_block(left, "ntvp")
+            report.notes.extend(self_report.notes)
+            blocks.append(spec_reduce(gram.to(dtype), spec, shape1))
+        else:
+            gram = _ntvp_block(left, right, report, loop).to(dtype)  # [m1, m2]
+            blocks.append(spec_reduce(_pairs(gram, left, right), spec, shape1,
+                                      row_shape(right)))
+        problem.done()
+    return CrossResult(tuple(blocks), report)
+
+
+def _ntvp_block(left: Problem, right: Problem, report: RunReport, loop: bool) -> Tensor:
+    """``[m1, m2]``: column ``i`` is ``J1 (J2ᵀ e_i)`` (both in output order)."""
+    m1, m2 = left.num_rows, right.num_rows
+    block = torch.zeros(m2, m1, dtype=left.compute_dtype, device=left.output.device)
+    width = sum(leaf.numel() for leaf in right.leaves)
+    chunk = 1 if loop else rows_per_chunk(right.chunk_size, m2, width, right.itemsize,
+                                          right.memory_budget)
+
+    def push(tangents: tuple[Tensor, ...]) -> Tensor:
+        report.row_chunks.append((tangents[0].shape[0], sum(
+            t.numel() * t.element_size() for t in tangents)))
+        return ntvp_module._push_forward(left, lambda *ls: left.rows(ls)[0], left.leaves,
+                                         tangents)
+
+    if right.batch is not None:
+        try:
+            batch_outputs, _ = batch_rows(right)
+            index = right.sample_major_index
+            for first, count, k0, k1 in ntvp_module._sample_chunks(
+                    right.samples, right.rows_per_sample, chunk):
+                vjps, outputs = ntvp_module._sample_vjps(right, right.batch.narrow(first, count),
+                                                         k0, k1, loop)
+                check_samples(right, outputs, torch.arange(first, first + count), batch_outputs)
+                block[index[first:first + count, k0:k1].reshape(-1)] = push(vjps).to(block.dtype)
+            return block.T
+        except NotPerSample as why:
+            report.notes.append(f"per-sample evaluation does not hold ({why.reason}): rows of "
+                                "the whole batch instead")
+    rows, vjp_fn = functional.vjp(lambda *ls: right.rows(ls)[0], *right.leaves)
+    for start in range(0, m2, chunk):
+        stop = min(start + chunk, m2)
+        tangents = jacobian_module.row_vjps(vjp_fn, rows, start, stop)
+        block[start:stop] = push(tangents).to(block.dtype)
+    return block.T
+
+
+# -- graph -----------------------------------------------------------------------------------
+
+
+@register_cross("graph")
+def graph_cross(problem: CrossProblem) -> CrossResult:
+    """Self blocks from the graph backend's Gramian; a block between two input sets: cannot."""
+    if any(right is not None for right in problem.rights):
+        raise BackendCannotRun(
+            problem.left.api, "graph", "one input set (it walks the autograd graph of one "
+            "forward)", "a kernel between two input sets (x2)",
+            ("structured", "jacobian", "ntvp"), "")
+    left = problem.left
+    gram, report = _full_self_block(left, "graph")
+    blocks = []
+    for _ in problem.rights:
+        blocks.append(spec_reduce(gram.to(left.compute_dtype), problem.spec, row_shape(left)))
+        problem.done()
+    return CrossResult(tuple(blocks), report)
+
+
+# -- auto ------------------------------------------------------------------------------------
+
+
+def _auto_order(problem: Problem) -> tuple[str, ...]:
+    """``plan_auto(problem).order``, kept with the structured plan it derives from."""
+    from torchgram.backends.auto import LAST_RESORT, estimate_backends, ranked
+    from torchgram.backends.structured import plan_problem
+
+    plan = plan_problem(problem)
+    key = ("auto order", plan.sizes, problem.chunk_size, problem.memory_budget,
+           problem.batch is None, tuple(leaf.numel() for leaf in problem.leaves))
+    order = plan.recording.plans.get(key)
+    if order is None:
+        order = plan.recording.plans[key] = (*ranked(estimate_backends(problem, plan)),
+                                             LAST_RESORT)
+    assert isinstance(order, tuple)
+    return order
+
+
+@register_cross("auto")
+def auto_cross(problem: CrossProblem) -> CrossResult:
+    """``auto``'s candidates for the left side's Gramian, in order, until one can."""
+    order = _auto_order(problem.left)
+    attempts: list[tuple[str, str]] = []
+    for name in order:
+        try:
+            result = get_cross_backend(name)(problem)
+        except BackendCannotRun as error:
+            attempts.append((name, error.reason))
+            if name == order[-1]:
+                raise
+            continue
+        result.report.attempts[:0] = attempts
+        return result
+    raise AssertionError("unreachable: the last candidate either returns or raises")

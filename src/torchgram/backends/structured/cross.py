@@ -1,0 +1,644 @@
+"""The structured backend's kernels between two input sets (NOTE [cross kernels]).
+
+# NOTE [structured cross kernels]
+Each side (``x1``, and ``x2`` unless it is ``x1``) runs the backend's usual passes once: a
+tapped forward (per-sample when it holds, NOTE [per-sample]) and the backwards of every row
+direction. What the side keeps is a :class:`Side`: for every leaf either its **factors**
+(ghost: activations ``[B, T, G, a]`` and cotangents ``[R, B, T, G, c]`` per use) or its
+**per-row Jacobian** ``[R, B, P]`` (materialize, fallback: the same pieces the self Gramian
+builds). Then, for a leaf with factors on both sides, the ghost form between the sides::
+
+    ⟨J_u(x1)[r, b], J_v(x2)[s, c]⟩ = Σ_{t, w, g} ⟨act_u[b, t, g], act_v[c, w, g]⟩ ·
+                                                ⟨cot_u[r, b, t, g], cot_v[s, c, w, g]⟩
+
+over every ordered pair of uses ``(u, v)`` (cross terms of tied weights included), and
+``spec_gram(J1, J2)`` otherwise. The pair spec is applied **inside** the cotangent Gram:
+rows ``r = (f, d, τ)`` meet rows ``s = (f', d, τ)`` only, summed over the traced ``τ``
+(``K`` times fewer products for a traced logit axis), and a diagonal batch axis pairs ``b``
+with ``c = b`` only. A linear layer's bias shares its weight's cotangent Gram (``T = 1``:
+the bias block *is* that Gram), so weight and bias cost one product.
+
+Both sides use the left side's ways; a side whose per-sample passes do not hold (its rows
+come from the whole batch) materializes every leaf, and a ghost leaf meeting such a side is
+materialized from its factors for that pair. Ghost needs every use of the leaf in the same
+orientation (activation first or cotangent first) with dense activations, or all index
+activations (embeddings); any other leaf is materialized (always exact).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from torchgram._core.cross import (
+    CrossProblem,
+    CrossResult,
+    PairSpec,
+    group_rows,
+    mirror,
+    row_shape,
+    sample_rows_view,
+    spec_gram,
+)
+from torchgram._core.errors import NotPerSample
+from torchgram._core.problem import Problem
+from torchgram._core.result import RunReport
+from torchgram.backends._registry import register_cross
+from torchgram.backends.structured.contraction import Factor, UseFactors, materialize_use
+from torchgram.backends.structured.cost import LeafPlan
+from torchgram.backends.structured.passes import (
+    Forward,
+    backward_chunks,
+    batched_forward,
+    dense_forward,
+    forget_trace,
+    per_sample_view,
+    restrict,
+    rows_per_pass,
+    trace,
+)
+from torchgram.backends.structured.per_sample import _check_batched, per_sample_forward_checked
+from torchgram.backends.structured.plan import StructuredPlan, plan_problem, run_uses
+from torchgram.backends.structured.trace import Recording, TraceMismatch, UseRecord
+
+MAX_PAIR_ELEMENTS = 2**25
+"""Entries of one ghost pair's cotangent Gram before it is split over side-1 samples."""
+
+
+@dataclass
+class Side:
+    """One evaluation's pieces for cross contractions (NOTE [structured cross kernels]).
+
+    Attributes:
+        problem: The side's problem.
+        ways: Per leaf: ``"ghost"`` (factors kept), ``"materialize"`` (per-row Jacobian
+            kept) or ``"unused"``.
+        samples: ``B`` (1 when the rows are those of the whole batch).
+        row_shape: The shape of a sample's rows (``R`` entries).
+        factors: Ghost leaves: per use, its record and factors (cotangents of every row).
+        jacobians: Materialized leaves: ``[R, B, P]``.
+        bias_taps: Materialized leaves whose Jacobian is one tap's cotangent (a bias without
+            positions): the key of that tap, so that its Gram is shared with the weight's.
+        kind: How the forward ran (``"batched"``, ``"vmap"``, ``"loop"``, ``"dense"``).
+        notes: Anything worth reporting.
+    """
+
+    problem: Problem
+    ways: dict[int, str]
+    samples: int
+    row_shape: tuple[int, ...]
+    factors: dict[int, list[tuple[UseRecord, UseFactors]]] = field(default_factory=dict)
+    jacobians: dict[int, Tensor] = field(default_factory=dict)
+    bias_taps: dict[int, Any] = field(default_factory=dict)
+    kind: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    def jacobian(self, leaf: int) -> Tensor | None:
+        """Leaf ``leaf``'s per-row Jacobian ``[R, B, P]`` (materialized from factors if needed)."""
+        jac = self.jacobians.get(leaf)
+        if jac is not None or leaf not in self.factors:
+            return jac
+        numel = self.problem.leaves[leaf].numel()
+        total: Tensor | None = None
+        for use, factors in self.factors[leaf]:
+            part = materialize(use, factors, numel)
+            total = part if total is None else total + part
+        return total
+
+
+MAX_ROW_LOOP = 64
+"""Rows up to which a use with positions is materialized row by row (no expanded copies)."""
+
+
+def materialize(use: UseRecord, factors: UseFactors, numel: int) -> Tensor:
+    """A use's per-row Jacobian ``[R, B, numel]`` in the leaf's layout.
+
+    For a dense use with positions (a convolution, a linear layer on a sequence) and one
+    group, row by row: ``J[r, b] = cot[r, b]ᵀ act[b]`` is one matrix product per sample,
+    batched over the samples, without the ``R``-fold copy of the activations a broadcasting
+    product would make; everything else as ``contraction.materialize_use``.
+    """
+    first, second = factors.first, factors.second
+    if (use.role == "bias" or use.shape.elementwise or first.kind == "index"
+            or second.kind == "index"):
+        return materialize_use(use, factors, numel)
+    cot, act, cot_first = ((first, second, True) if first.kind == "cot"
+                           else (second, first, False))
+    rows, samples, positions, groups, width = cot.tensor.shape
+    if groups != 1 or positions == 1 or rows > MAX_ROW_LOOP or act.tensor.dim() != 4:
+        return materialize_use(use, factors, numel)
+    acts = act.tensor.reshape(samples, positions, -1)  # [B, T, a]
+    out = cot.tensor.new_empty(rows, samples, numel)
+    for r in range(rows):
+        cots = cot.tensor[r].reshape(samples, positions, width)  # [B, T, c]
+        if cot_first:
+            torch.bmm(cots.transpose(1, 2), acts, out=out[r].view(samples, width, -1))
+        else:
+            torch.bmm(acts.transpose(1, 2), cots, out=out[r].view(samples, -1, width))
+    return out
+
+
+def cross_ways(plan: StructuredPlan) -> dict[int, str]:
+    """The way of every leaf in a cross kernel, from a self-Gramian plan."""
+    ways = {}
+    for leaf in plan.leaves:
+        if leaf.way == "unused":
+            ways[leaf.leaf] = "unused"
+        elif leaf.way in ("ghost", "sparse") and _ghost_pairs_ok(leaf):
+            ways[leaf.leaf] = "ghost"
+        else:
+            ways[leaf.leaf] = "materialize"
+    return ways
+
+
+def _ghost_pairs_ok(plan: LeafPlan) -> bool:
+    uses = plan.uses
+    if not uses or any(use.role != "weight" or use.shape.elementwise for use in uses):
+        return False
+    orientation = {(use.act_first, use.shape.act_is_index) for use in uses}
+    return len(orientation) == 1
+
+
+def _batched(problem: Problem) -> tuple[Forward, StructuredPlan] | None:
+    """The per-sample forward on the whole batch, unchecked (NOTE [derivative check]).
+
+    ``None`` when the batched way does not apply (a leaf on the fallback, tapped calls
+    whose shapes do not show the samples, a run that left its trace).
+    """
+    traced = trace(problem)
+    if traced.coupling:
+        raise NotPerSample(f"f calls {traced.coupling[0]}: its samples interact")
+    if traced.unrecognised:
+        return None
+    tapped = tuple(range(len(problem.leaves)))
+    key = ("restricted", tapped)
+    expected = traced.plans.get(key)
+    if expected is None:
+        expected = traced.plans[key] = restrict(traced, tapped)
+    try:
+        forward = batched_forward(problem, expected)
+    except TraceMismatch:
+        forget_trace(problem)
+        return None
+    if forward is None:
+        return None
+    if forward.recording.coupling:
+        raise NotPerSample(f"f calls {forward.recording.coupling[0]}: its samples interact")
+    return forward, plan_problem(problem, traced)
+
+
+VALUE_CHECK_FIXED = 1.5e7
+"""Cost of evaluating ``f`` once more (the value check), in multiply-adds (Python and
+dispatch; the same units as NOTE [auto cost model])."""
+BACKWARD_PER_DIRECTION = 0.5
+"""A backward direction's cost as a fraction of the forward's (activations' gradients only)."""
+
+
+def derivative_check_cheaper(forward_flops: float, samples: int) -> bool:
+    """Whether two more backward directions cost less than one more evaluation of ``f``.
+
+    Example:
+        >>> derivative_check_cheaper(1e7, 16), derivative_check_cheaper(3e8, 512)
+        (True, False)
+    """
+    derivative = 2 * BACKWARD_PER_DIRECTION * forward_flops
+    value = VALUE_CHECK_FIXED + 2 * forward_flops / max(1, samples)
+    return samples > 1 and derivative < value
+
+
+# NOTE [derivative check]
+# The batched way reads sample b's factors from the rows of sample b of every tap, which is
+# exact if and only if no output row of sample b has a non-zero cotangent on another
+# sample's rows of a tap: then J(out[b]) = Σ_taps cot[b] ⊗ act[b], however the activations
+# were computed from the inputs (even if the inputs were mixed before the first tap). So
+# instead of evaluating f again on samples run apart (what tg.gramian's batched way does),
+# kernels check exactly that, in the same backward: two more directions, all rows of the
+# first sample and all rows of the last, whose cotangents must be exactly zero on every
+# other sample's rows of every tap (an interaction through the graph makes them non-zero).
+# A failed check means the rows of the whole batch (NOTE [per-sample]). Two directions
+# cost about a forward of the batch, so for large batches (where one more evaluation of
+# f on two samples is cheaper) the value check of tg.gramian's batched way runs instead:
+# derivative_check_cheaper compares the two from the plan's forward cost.
+
+
+def _checked_chunks(problem: Problem, forward: Forward, recording: Recording,
+                    per_pass: int) -> Iterator[tuple[int, int, list[Tensor | None]]]:
+    """Batched backwards with the derivative check in the first (NOTE [derivative check])."""
+    rows = forward.outputs[0]
+    if not rows.requires_grad:
+        return
+    taps: Any = forward.taps[0]  # tensors and gradient edges (NOTE [tap edges])
+    total, samples = forward.rows_per_sample, forward.samples
+    checks = (0, samples - 1) if samples > 1 else ()
+    for start in range(0, total, per_pass):
+        stop = min(start + per_pass, total)
+        extra = checks if start == 0 else ()
+        cot, others = _directions(problem, recording, rows, start, stop, extra)
+        count = cot.shape[0]
+        batched = count > 1
+        raw = torch.autograd.grad(rows, taps, cot if batched else cot[0],
+                                  retain_graph=stop < total, allow_unused=True,
+                                  is_grads_batched=batched)
+        grads = [None if g is None else
+                 per_sample_view(g if batched else g.unsqueeze(0), dim, 1, samples)
+                 for g, dim in zip(raw, forward.tap_dims, strict=True)]
+        del raw
+        if others is not None:
+            first = stop - start
+            leaks = [g[first:].reshape(len(extra), samples, -1).ne(0).any(-1)
+                     for g in grads if g is not None]
+            if leaks and bool((torch.stack(leaks) & others).any()):
+                raise NotPerSample("an output row of one sample has a derivative on another "
+                                   "sample's activations: the samples interact")
+        yield start, stop, [None if g is None else g[:stop - start] for g in grads]
+
+
+def _directions(problem: Problem, recording: Recording, rows: Tensor, start: int, stop: int,
+                checks: tuple[int, ...]) -> tuple[Tensor, Tensor | None]:
+    """The cotangents of rows ``start:stop`` and of the check directions, and the check mask.
+
+    The same for every call of a signature: kept with its trace.
+    """
+    key = ("cross directions", rows.shape, rows.dtype, rows.device, start, stop, checks)
+    cached = recording.plans.get(key)
+    if cached is None:
+        index = problem.sample_major_index  # [B, K]: output rows of each sample
+        count = stop - start + len(checks)
+        cot = rows.new_zeros(count, rows.numel())
+        span = torch.arange(stop - start, device=rows.device)
+        cot[span[:, None], index[:, start:stop].T] = 1
+        for j, sample in enumerate(checks):
+            cot[stop - start + j, index[sample]] = 1
+        others = None
+        if checks:
+            others = torch.ones(len(checks), problem.samples, dtype=torch.bool,
+                                device=rows.device)
+            others[torch.arange(len(checks)), torch.tensor(checks)] = False
+        cached = recording.plans[key] = (cot.reshape(count, *rows.shape), others)
+    return cached
+
+
+def _plan_side(problem: Problem, ways: dict[int, str] | None, *, whole_batch: bool
+               ) -> tuple[Forward, dict[int, str], StructuredPlan, bool]:
+    """The side's forward, its ways and plan, and whether it runs the derivative check."""
+    if whole_batch:
+        forward = dense_forward(problem)
+        plan = plan_problem(problem, forward.recording, force="materialize", dense=True)
+        return forward, {p.leaf: ("unused" if p.way == "unused" else "materialize")
+                         for p in plan.leaves}, plan, False
+    if problem.batch is None:
+        forward = dense_forward(problem)
+        plan = plan_problem(problem, forward.recording, dense=True)
+        return forward, ways or cross_ways(plan), plan, False
+    batched = None if problem.loops_only else _batched(problem)
+    if batched is not None:
+        forward, plan = batched
+        derivative = derivative_check_cheaper(plan.forward_flops, forward.samples)
+        # samples run apart (NOTE [per-sample]); merged sample dims always: their order is
+        # checked there (NOTE [checking the batched pass]), and the batched way dropped if wrong
+        if (not derivative or forward.merged_acts) and \
+                not _check_batched(problem, forward, plan.recording):
+            batched = None
+    if batched is not None:
+        return forward, ways or cross_ways(plan), plan, derivative
+    forward, plan = per_sample_forward_checked(problem, None, None)
+    return forward, ways or cross_ways(plan), plan, False
+
+
+def compute_side(problem: Problem, ways: dict[int, str] | None = None) -> Side:
+    """Run ``problem``'s passes once and keep its factors / Jacobians (NOTE above).
+
+    ``ways``: those of the other side (so that both keep the same pieces); ``None``: this
+    side's own plan. Where the per-sample passes do not hold, the side's rows are those of
+    the whole batch, every leaf materialized (NOTE [per-sample]).
+    """
+    with torch.enable_grad():
+        if problem.batch is not None:
+            try:
+                return _compute_side(problem, ways, whole_batch=False)
+            except NotPerSample as why:
+                side = _compute_side(problem, ways, whole_batch=True)
+                side.notes.append(f"per-sample passes do not hold ({why.reason}): rows of "
+                                  "the whole batch")
+                return side
+        return _compute_side(problem, ways, whole_batch=False)
+
+
+def _compute_side(problem: Problem, ways: dict[int, str] | None, *, whole_batch: bool) -> Side:
+    """:func:`compute_side` one way (the rows of the whole batch with ``whole_batch``)."""
+    forward, ways, plan, derivative_check = _plan_side(problem, ways, whole_batch=whole_batch)
+    samples, rows = forward.samples, forward.rows_per_sample
+    side = Side(problem, dict(ways), samples, row_shape(problem) if not whole_batch
+                else (rows,), kind=forward.kind)
+    uses = run_uses(plan.leaves, forward.recording)
+    acts = forward.acts
+    numels = [leaf.numel() for leaf in problem.leaves]
+    cot_pieces: dict[tuple[int, int], list[Tensor]] = {}
+    stores: dict[int, Tensor] = {}
+    per_pass = rows_per_pass(problem, forward)
+
+    def act_factor(use: UseRecord) -> Factor:
+        assert use.act is not None
+        return Factor(use.layout.act_factor(acts[use.act], 1),
+                      "index" if use.shape.act_is_index else "act")
+
+    def cot_tensor(use: UseRecord, tap_cots: Sequence[Tensor | None]) -> Tensor | None:
+        raw = tap_cots[use.tap]
+        if raw is None:
+            return None
+        return use.layout.cot_factor(raw, 2, acts[use.act] if use.act is not None else None)
+
+    def use_factors(use: UseRecord, cot: Tensor) -> UseFactors:
+        cot_factor = Factor(cot, "cot", (use.tap, id(use.layout)))
+        if use.role == "bias":
+            return UseFactors(cot_factor, cot_factor)
+        act = act_factor(use)
+        return UseFactors(act, cot_factor) if use.act_first else UseFactors(cot_factor, act)
+
+    planned = {p.leaf: p for p in plan.leaves}
+    chunks: Iterator[tuple[int, int, list[Tensor | None], dict[int, Tensor]]] = (
+        ((start, stop, cots, {}) for start, stop, cots
+         in _checked_chunks(problem, forward, plan.recording, per_pass)) if derivative_check
+        else backward_chunks(forward, per_pass, vectorize=not problem.loops_only))
+    for start, stop, tap_cots, carrier_grads in chunks:
+        for leaf, way in side.ways.items():
+            leaf_uses = uses.get(leaf, ())
+            if way == "unused":
+                continue
+            if way == "ghost":
+                for k, use in enumerate(leaf_uses):
+                    cot = cot_tensor(use, tap_cots)
+                    if cot is not None:
+                        cot_pieces.setdefault((leaf, k), []).append(cot)
+                continue
+            part: Tensor | None = carrier_grads.pop(leaf, None)
+            if part is not None:
+                part = part.reshape(*part.shape[:2], -1)
+            single = (len(leaf_uses) == 1 and leaf_uses[0].role == "bias"
+                      and planned[leaf].uses and planned[leaf].uses[0].shape.positions == 1
+                      and leaf_uses[0].shape.groups == 1)
+            if part is None and single and start == 0 and stop == rows:
+                cot = cot_tensor(leaf_uses[0], tap_cots)
+                if cot is not None:
+                    stores[leaf] = cot.reshape(rows, samples, -1)
+                    side.bias_taps[leaf] = (leaf_uses[0].tap, id(leaf_uses[0].layout))
+                continue
+            for use in leaf_uses:
+                cot = cot_tensor(use, tap_cots)
+                if cot is None:
+                    continue
+                jac = materialize(use, use_factors(use, cot), numels[leaf])
+                part = jac if part is None else part + jac
+            if part is None:
+                continue
+            if start == 0 and stop == rows:
+                stores[leaf] = part
+                continue
+            store = stores.get(leaf)
+            if store is None:
+                store = stores[leaf] = part.new_zeros(rows, samples, numels[leaf])
+            store[start:stop] += part
+        del tap_cots, carrier_grads
+    for leaf, way in side.ways.items():
+        if way != "ghost":
+            continue
+        kept = []
+        for k, use in enumerate(uses.get(leaf, ())):
+            pieces = cot_pieces.pop((leaf, k), [])
+            if pieces:
+                cot = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+                kept.append((use, use_factors(use, cot)))
+        if kept:
+            side.factors[leaf] = kept
+    for leaf, jac in stores.items():
+        if whole_batch:  # [m, 1, P] in output order -> [R, B, P]
+            jac = sample_rows_view(jac.reshape(jac.shape[0], -1), problem, "output")
+        side.jacobians[leaf] = jac
+    if whole_batch:
+        side.samples = problem.samples
+        side.row_shape = row_shape(problem)
+        side.bias_taps.clear()
+    return side
+
+
+# -- contractions ----------------------------------------------------------------------------
+
+def _cot_gram(x: Tensor, y: Tensor, spec: PairSpec, shape1: Sequence[int],
+              shape2: Sequence[int]) -> Tensor:
+    """Cotangents ``[R, B, 1, 1, c]`` of two sides: their kernel block (one position)."""
+    return spec_gram(x.reshape(x.shape[0], x.shape[1], -1),
+                     y.reshape(y.shape[0], y.shape[1], -1), spec, shape1, shape2)
+
+
+def _act_gram(x: Factor, y: Factor, mode: str, dtype: torch.dtype) -> Tensor:
+    """``⟨act_x[b, t, g], act_y[c, w, g]⟩`` of two sides' activations.
+
+    ``[B1, T1, G, B2, T2]`` for a free batch axis, ``[B, T1, G, T2]`` (same sample) otherwise.
+    """
+    same = mode != "free"
+    if x.kind == "index":  # [B, T] indices: equality (one group)
+        a, b = x.tensor, y.tensor
+        if same:
+            return (a[:, :, None] == b[:, None, :]).to(dtype).unsqueeze(2)
+        return (a[:, :, None, None] == b[None, None]).to(dtype).unsqueeze(2)
+    if same:
+        return torch.einsum("btgz,bwgz->btgw", x.tensor, y.tensor)
+    return torch.einsum("btgz,cwgz->btgcw", x.tensor, y.tensor)
+
+
+def _split(factors: UseFactors) -> tuple[Factor, Factor]:
+    """``(activation, cotangent)`` of a weight use."""
+    if factors.first.kind == "cot":
+        return factors.second, factors.first
+    return factors.first, factors.second
+
+
+def ghost_pair(u: UseFactors, v: UseFactors, spec: PairSpec, shape1: Sequence[int],
+               shape2: Sequence[int], dtype: torch.dtype,
+               cot_grams: dict[Any, Tensor] | None = None,
+               max_elements: int = MAX_PAIR_ELEMENTS) -> Tensor:
+    """``⟨J_u(x1), J_v(x2)⟩`` in the canonical layout, from the factors (NOTE above)."""
+    act_u, cot_u = _split(u)
+    act_v, cot_v = _split(v)
+    mode = spec.batch_mode
+    positions = cot_u.tensor.shape[2] * cot_u.tensor.shape[3]
+    positions_v = cot_v.tensor.shape[2] * cot_v.tensor.shape[3]
+    if positions == 1 and positions_v == 1 and act_u.kind == "act":
+        # the batch pairs (or the same sample, summed later for a traced batch)
+        pair_spec = spec if mode != "trace" else dataclasses.replace(
+            spec, modes=_diagonal_batch(spec))
+        key = (cot_u.key, cot_v.key, pair_spec.batch_mode)
+        gram = None if cot_grams is None else cot_grams.get(key)
+        if gram is None:
+            gram = _cot_gram(cot_u.tensor, cot_v.tensor, pair_spec, shape1, shape2)
+            if cot_grams is not None:
+                cot_grams[key] = gram
+        a_u = act_u.tensor.reshape(act_u.tensor.shape[0], -1)
+        a_v = act_v.tensor.reshape(act_v.tensor.shape[0], -1)
+        if mode == "free":  # [1, D, F1, B1, F2, B2]
+            return gram * (a_u @ a_v.T)[None, None, None, :, None, :]
+        acts = (a_u * a_v).sum(-1)[:, None, None, None, None, None]  # [B]
+        return gram * acts if mode == "diagonal" else (gram * acts).sum(0, keepdim=True)
+    return _ghost_general(act_u, cot_u, act_v, cot_v, spec, shape1, shape2, dtype, max_elements)
+
+
+def _diagonal_batch(spec: PairSpec) -> tuple[Any, ...]:
+    modes = list(spec.modes)
+    assert spec.batch_axis is not None
+    modes[spec.batch_axis] = "diagonal"
+    return tuple(modes)
+
+
+def _ghost_general(act_u: Factor, cot_u: Factor, act_v: Factor, cot_v: Factor, spec: PairSpec,
+                   shape1: Sequence[int], shape2: Sequence[int], dtype: torch.dtype,
+                   max_elements: int) -> Tensor:
+    """Ghost pair with positions or groups: chunked over side-1 samples."""
+    mode = spec.batch_mode
+    x = group_rows(cot_u.tensor, spec, shape1)  # [F1, D, X, B1, T1, G, c]
+    y = group_rows(cot_v.tensor, spec, shape2)  # [F2, D, X, B2, T2, G, c]
+    f1, d = x.shape[:2]
+    samples1, t1, groups = x.shape[3:6]
+    f2, samples2, t2 = y.shape[0], y.shape[3], y.shape[4]
+    per_sample = d * f1 * t1 * groups * f2 * t2 * (samples2 if mode == "free" else 1)
+    step = max(1, min(samples1, max_elements // max(1, per_sample)))
+    pieces = []
+    for b0 in range(0, samples1, step):
+        bs = slice(b0, min(b0 + step, samples1))
+        xu = x[:, :, :, bs]
+        au = Factor(act_u.tensor[bs], act_u.kind)
+        if mode == "free":
+            acts = _act_gram(au, act_v, mode, dtype)  # [b, t, g, c, w]
+            cots = torch.einsum("fdxbtgz,hdxcwgz->dfbtghcw", xu, y)
+            pieces.append(torch.einsum("dfbtghcw,btgcw->dfbhc", cots, acts))
+        else:
+            av = Factor(act_v.tensor[bs], act_v.kind)
+            acts = _act_gram(au, av, mode, dtype)  # [b, t, g, w]
+            cots = torch.einsum("fdxbtgz,hdxbwgz->bdftghw", xu, y[:, :, :, bs])
+            pieces.append(torch.einsum("bdftghw,btgw->bdfh", cots, acts))
+    if mode == "free":
+        return torch.cat(pieces, dim=2).unsqueeze(0)  # [1, D, F1, B1, F2, B2]
+    out = torch.cat(pieces, dim=0)[:, :, :, None, :, None]  # [B, D, F1, 1, F2, 1]
+    return out if mode == "diagonal" else out.sum(0, keepdim=True)
+
+
+def _one_position(factors: UseFactors) -> bool:
+    """A weight use without positions or groups and with a dense activation (an MLP layer)."""
+    act, cot = _split(factors)
+    return act.kind == "act" and cot.tensor.shape[2] == 1 and cot.tensor.shape[3] == 1
+
+
+@dataclass
+class _TapTerms:
+    """The one-position terms of a pair of taps: ``cot Gram ⊙ (Σ act Grams + biases)``."""
+
+    cot1: Tensor
+    cot2: Tensor
+    acts: Tensor | None = None
+    biases: int = 0
+
+
+def contract(left: Side, right: Side | None, spec: PairSpec, dtype: torch.dtype) -> Tensor:
+    """The kernel block between two sides (``None``: ``left`` with itself), canonical layout.
+
+    One-position uses (linear layers on vectors, their biases) are grouped by the pair of
+    taps they read their cotangents from: each pair costs one cotangent Gram, multiplied by
+    the sum of its weight uses' activation Grams plus one per bias (NOTE above).
+    """
+    symmetric = right is None
+    other = left if right is None else right
+    shape1, shape2 = left.row_shape, other.row_shape
+    mode = spec.batch_mode
+    taps: dict[Any, _TapTerms] = {}
+    blocks: list[Tensor] = []
+
+    def tap_terms(key: Any, cot1: Tensor, cot2: Tensor) -> _TapTerms:
+        terms = taps.get(key)
+        if terms is None:
+            terms = taps[key] = _TapTerms(cot1.reshape(cot1.shape[0], cot1.shape[1], -1),
+                                          cot2.reshape(cot2.shape[0], cot2.shape[1], -1))
+        return terms
+
+    for leaf, way in left.ways.items():
+        if way == "unused" or other.ways.get(leaf) == "unused":
+            continue
+        if leaf in left.factors and leaf in other.factors:
+            uses1, uses2 = left.factors[leaf], other.factors[leaf]
+            for i, (_, u) in enumerate(uses1):
+                for j, (_, v) in enumerate(uses2):
+                    if _one_position(u) and _one_position(v):
+                        act_u, cot_u = _split(u)
+                        act_v, cot_v = _split(v)
+                        terms = tap_terms((cot_u.key, cot_v.key), cot_u.tensor, cot_v.tensor)
+                        a_u = act_u.tensor.reshape(act_u.tensor.shape[0], -1)
+                        a_v = act_v.tensor.reshape(act_v.tensor.shape[0], -1)
+                        act = a_u @ a_v.T if mode == "free" else (a_u * a_v).sum(-1)
+                        terms.acts = act if terms.acts is None else terms.acts + act
+                        continue
+                    if symmetric and j < i:
+                        continue
+                    block = ghost_pair(u, v, spec, shape1, shape2, dtype)
+                    if symmetric and j > i:
+                        block = block + mirror(block)
+                    blocks.append(block)
+            continue
+        key1, key2 = left.bias_taps.get(leaf), other.bias_taps.get(leaf)
+        if key1 is not None and key2 is not None:
+            tap_terms((key1, key2), left.jacobians[leaf], other.jacobians[leaf]).biases += 1
+            continue
+        jac1 = left.jacobian(leaf)
+        jac2 = jac1 if symmetric else other.jacobian(leaf)
+        if jac1 is None or jac2 is None:
+            continue
+        blocks.append(spec_gram(jac1, None if symmetric else jac2, spec, shape1, shape2))
+    pair_spec = spec if mode != "trace" else dataclasses.replace(
+        spec, modes=_diagonal_batch(spec))
+    for terms in taps.values():
+        same = symmetric and terms.cot1 is terms.cot2
+        gram = spec_gram(terms.cot1, None if same else terms.cot2, pair_spec, shape1, shape2)
+        weight: Tensor | float = float(terms.biases)
+        if terms.acts is not None:
+            weight = terms.acts + terms.biases if terms.biases else terms.acts
+            weight = (weight[None, None, None, :, None, :] if mode == "free"
+                      else weight[:, None, None, None, None, None])
+        block = gram * weight
+        blocks.append(block.sum(0, keepdim=True) if mode == "trace" else block)
+    if not blocks:
+        raise _NoBlock
+    total = blocks[0].to(dtype)
+    for block in blocks[1:]:
+        total = total + block.to(dtype)
+    return total
+
+
+class _NoBlock(Exception):
+    """No leaf contributed (``f`` does not depend on its parameters): a zero block."""
+
+
+@register_cross("structured")
+def structured_cross(problem: CrossProblem) -> CrossResult:
+    """The structured backend's kernel blocks (NOTE [structured cross kernels])."""
+    spec = problem.spec
+    dtype = problem.left.compute_dtype
+    left = compute_side(problem.left)
+    report = RunReport("structured", left.kind, leaf_ways=tuple(
+        left.ways[i] for i in range(len(problem.left.leaves))))
+    report.notes.extend(left.notes)
+    blocks = []
+    for index, right_problem in enumerate(problem.rights):
+        right = None if right_problem is None else compute_side(right_problem, left.ways)
+        if right is not None:
+            report.notes.extend(note for note in right.notes if note not in report.notes)
+        try:
+            block = contract(left, right, spec, dtype)
+        except _NoBlock:
+            block = torch.zeros(problem.block_shape(index), dtype=dtype,
+                                device=problem.left.output.device)
+        blocks.append(block)
+        del right
+        problem.done()
+    return CrossResult(tuple(blocks), report)

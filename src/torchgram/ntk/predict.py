@@ -1,0 +1,360 @@
+"""Predictions from a kernel: neural-tangents' ``gradient_descent_mse``, and kernel regression.
+
+# NOTE [gradient_descent_mse]
+``nt.predict.gradient_descent_mse`` (``benchmarks/nt/SEMANTICS.md``; every formula here is
+tested against NT's own outputs in ``tests/data/nt_reference``): gradient flow on
+``L(f) = ‖f − y‖² / (2n)`` in function space, ``n = y_train.numel()`` (traced axes
+included), for the network linearized at its parameters::
+
+    df/dτ = −(1/n) Θ (f − y),        τ = learning_rate · t
+
+with ``Θ`` the kernel, read as ``Θ ⊗ I`` over ``trace_axes`` (the axes of ``y`` the kernel
+lacks), flattened to ``[rows, rows]``, and ``Θ_reg = Θ + diag_reg · s · I`` where
+``s = trace(Θ) / rows`` (``diag_reg`` is relative to the mean of the kernel's diagonal) or
+``s = 1`` with ``diag_reg_absolute_scale=True``. With ``Θ_reg = V diag(λ) Vᵀ``:
+
+* finite ``t`` (a scalar, or a tensor of any shape ``T``: outputs get ``T`` in front)::
+
+      f_train(t) = f0 + V expm1(−max(λ, 0) τ / n) Vᵀ (f0 − y)
+      f_test(t)  = g0 + K_test,train V [expm1(−max(λ, 0) τ / n) / |λ|] Vᵀ (f0 − y)
+
+  (NT divides by ``|λ|`` unguarded: an eigenvalue exactly 0 gives NaN on the test set, as
+  in NT — regularize a singular kernel);
+* ``t=None`` (infinite time, a Cholesky solve, no eigendecomposition): ``f_train = y``
+  exactly (``diag_reg`` does not enter), ``f_test = g0 + K_test,train Θ_reg⁻¹ (y − f0)``.
+
+``fx_train_0=None`` means ``f0 = 0`` and no train outputs; ``fx_test_0=None`` no test
+outputs. The result is ``f_train``, ``f_test``, or the pair ``(f_train, f_test)`` when both
+are asked for, in the kernel's dtype.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from torchgram._core.checks import fail
+
+_API = "torchgram.ntk.gradient_descent_mse"
+
+
+def _as_axes(api: str, trace_axes: Any, ndim: int) -> tuple[int, ...]:
+    axes = (trace_axes,) if isinstance(trace_axes, int) and not isinstance(trace_axes, bool) \
+        else trace_axes
+    if not isinstance(axes, tuple | list) or any(isinstance(a, bool) or not isinstance(a, int)
+                                                 for a in axes):
+        fail(api, "trace_axes to be an int or a tuple of ints (axes of y_train)",
+             repr(trace_axes), "E.g. trace_axes=(-1,) for a traced kernel [N, N], () for a "
+             "full one [N, N, K, K].", TypeError)
+    resolved = []
+    for axis in axes:
+        if not -ndim <= axis < ndim:
+            fail(api, f"trace_axes within [-{ndim}, {ndim}) for y_train of {ndim} "
+                 "dimension(s)", f"trace_axes={tuple(axes)!r}", "Name axes of y_train.")
+        resolved.append(axis % ndim)
+    return tuple(sorted(set(resolved)))
+
+
+def _check_tensor(api: str, name: str, value: Any) -> Tensor:
+    if not isinstance(value, Tensor) or not value.is_floating_point():
+        fail(api, f"{name} to be a floating tensor", f"{type(value).__name__}"
+             + (f" of dtype {value.dtype}" if isinstance(value, Tensor) else ""),
+             f"Pass {name} as a float tensor (e.g. from an ntk_fn).", TypeError)
+    return value
+
+
+class _Layout:
+    """How ``y``'s axes map to a kernel's rows (the non-traced axes) and channels."""
+
+    def __init__(self, api: str, y_shape: Sequence[int], trace: tuple[int, ...]) -> None:
+        self.ndim = len(y_shape)
+        self.trace = trace
+        self.rows_axes = tuple(a for a in range(self.ndim) if a not in trace)
+        self.order = self.rows_axes + trace
+        self.channel_shape = tuple(y_shape[a] for a in trace)
+        self.channels = math.prod(self.channel_shape)
+        self.api = api
+
+    def flat(self, y: Tensor) -> Tensor:
+        """``y [*shape]`` as ``[rows, channels]``."""
+        return y.permute(self.order).reshape(-1, self.channels)
+
+    def unflat(self, flat: Tensor, row_shape: Sequence[int], lead: Sequence[int] = ()) -> Tensor:
+        """``[*lead, rows, channels]`` back to ``[*lead, *shape]`` (``row_shape``: row axes)."""
+        out = flat.reshape(*lead, *row_shape, *self.channel_shape)
+        inverse = [0] * self.ndim
+        for position, axis in enumerate(self.order):
+            inverse[axis] = position
+        nlead = len(lead)
+        return out.permute(*range(nlead), *(nlead + p for p in inverse))
+
+    def kernel_2d(self, name: str, kernel: Tensor, rows_shape: Sequence[int] | None,
+                  cols_shape: Sequence[int]) -> Tensor:
+        """An interleaved kernel ``[a1, b1, a2, b2, ...]`` as ``[Π a, Π b]``."""
+        pairs = len(self.rows_axes)
+        if kernel.dim() != 2 * pairs:
+            expected = 2 * pairs
+            fail(self.api, f"{name} with {expected} dimensions (pairs of y_train's "
+                 f"{pairs} non-traced axes, trace_axes={self.trace})",
+                 f"a kernel of shape {tuple(kernel.shape)}",
+                 "Pass the trace_axes the kernel was computed with: trace_axes=() for a "
+                 "full kernel [N1, N2, K, K], (-1,) for a traced one [N1, N2].")
+        if tuple(kernel.shape[1::2]) != tuple(cols_shape) or (
+                rows_shape is not None and tuple(kernel.shape[0::2]) != tuple(rows_shape)):
+            fail(self.api, f"{name} pairing y_train's non-traced axes "
+                 f"{tuple(cols_shape)} (as its odd axes)",
+                 f"a kernel of shape {tuple(kernel.shape)}",
+                 "Use NT's layout: k_train_train = ntk_fn(x_train, None, params), "
+                 "k_test_train = ntk_fn(x_test, x_train, params).")
+        evens = tuple(range(0, kernel.dim(), 2))
+        odds = tuple(range(1, kernel.dim(), 2))
+        rows = math.prod(kernel.shape[0::2])
+        return kernel.permute(evens + odds).reshape(rows, -1)
+
+
+class GradientDescentMSE:
+    """``predict_fn(t=None, fx_train_0=0., fx_test_0=None, k_test_train=None)`` (NOTE above).
+
+    Made by :func:`gradient_descent_mse`. The eigendecomposition (finite ``t``) and the
+    Cholesky factor (``t=None``) of the regularized kernel are computed once, at first use.
+    ``repr`` (or a notebook) shows the settings and, once computed, the spectrum.
+    """
+
+    def __init__(self, k_train_train: Tensor, y_train: Tensor, learning_rate: float,
+                 diag_reg: float, diag_reg_absolute_scale: bool, trace_axes: Any,
+                 api: str = _API) -> None:
+        self.api = api
+        self.k_train_train = _check_tensor(api, "k_train_train", k_train_train)
+        y = _check_tensor(api, "y_train", y_train)
+        for name, value in (("learning_rate", learning_rate), ("diag_reg", diag_reg)):
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                fail(api, f"{name} to be a number", repr(value), f"Pass {name}=0.1, say.",
+                     TypeError)
+        if not isinstance(diag_reg_absolute_scale, bool):
+            fail(api, "diag_reg_absolute_scale to be True or False",
+                 repr(diag_reg_absolute_scale), "Pass a bool.", TypeError)
+        self.learning_rate = float(learning_rate)
+        self.diag_reg = float(diag_reg)
+        self.diag_reg_absolute_scale = diag_reg_absolute_scale
+        self.layout = _Layout(api, y.shape, _as_axes(api, trace_axes, y.dim()))
+        self.row_shape = tuple(y.shape[a] for a in self.layout.rows_axes)
+        dtype = k_train_train.dtype
+        kernel = self.layout.kernel_2d("k_train_train", k_train_train, self.row_shape,
+                                       self.row_shape)
+        rows = kernel.shape[0]
+        scale = 1.0 if diag_reg_absolute_scale else kernel.diagonal().sum() / rows
+        self.regularizer = self.diag_reg * scale
+        self.kernel = kernel + self.regularizer * torch.eye(rows, dtype=dtype,
+                                                            device=kernel.device)
+        self.y = y.to(dtype)
+        self.size = y.numel()
+        self._eigen: tuple[Tensor, Tensor] | None = None
+        self._solve: Any = None
+
+    # -- pieces, computed once -------------------------------------------------------------
+
+    def eigen(self) -> tuple[Tensor, Tensor]:
+        """``(λ, V)`` of the regularized kernel ``[rows, rows]`` (``eigh``)."""
+        if self._eigen is None:
+            self._eigen = torch.linalg.eigh(self.kernel)
+        return self._eigen
+
+    def solve(self, rhs: Tensor) -> Tensor:
+        """``Θ_reg⁻¹ rhs`` (Cholesky; an LU solve if the kernel is not positive definite)."""
+        if self._solve is None:
+            factor, info = torch.linalg.cholesky_ex(self.kernel)
+            if int(info) == 0:
+                self._solve = lambda b: torch.cholesky_solve(b, factor)
+            else:
+                lu = torch.linalg.lu_factor(self.kernel)
+                self._solve = lambda b: torch.linalg.lu_solve(*lu, b)
+        result: Tensor = self._solve(rhs)
+        return result
+
+    # -- display ---------------------------------------------------------------------------
+
+    def _rows(self) -> list[tuple[str, str]]:
+        rows = [("kernel", f"{list(self.k_train_train.shape)} → [{self.kernel.shape[0]}, "
+                 f"{self.kernel.shape[0]}]"),
+                ("y_train", str(list(self.y.shape))),
+                ("trace_axes", str(self.layout.trace)),
+                ("learning_rate", f"{self.learning_rate:g}"),
+                ("diag_reg", f"{self.diag_reg:g}" + ("" if self.diag_reg_absolute_scale
+                                                     else " × mean diagonal")
+                 + f" = {float(self.regularizer):.4g}")]
+        if self._eigen is not None:
+            evals = self._eigen[0]
+            rows.append(("eigenvalues", f"{float(evals.min()):.4g} … {float(evals.max()):.4g}"
+                         f" (slowest mode's time scale n/λ_min = "
+                         f"{self.size / max(float(evals.min()), 1e-300):.4g})"))
+        return rows
+
+    def __repr__(self) -> str:
+        rows = self._rows()
+        width = max(len(k) for k, _ in rows)
+        return "GradientDescentMSE\n" + "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
+
+    def _repr_html_(self) -> str:
+        body = "".join(f"<tr><th style='text-align:left'>{html.escape(k)}</th>"
+                       f"<td style='text-align:left'>{html.escape(v)}</td></tr>"
+                       for k, v in self._rows())
+        return ("<table><caption style='text-align:left'><b>GradientDescentMSE</b></caption>"
+                f"{body}</table>")
+
+    # -- predictions -----------------------------------------------------------------------
+
+    def __call__(self, t: Any = None, fx_train_0: Any = 0.0, fx_test_0: Any = None,
+                 k_test_train: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        """Train and/or test outputs at time(s) ``t`` (NOTE [gradient_descent_mse])."""
+        dtype, device = self.kernel.dtype, self.kernel.device
+        if fx_train_0 is None and fx_test_0 is None:
+            fail(self.api, "fx_train_0 or fx_test_0 (the outputs to predict)", "both None",
+                 "Pass fx_train_0 for train outputs, fx_test_0 (with k_test_train) for test "
+                 "outputs.")
+        f0 = None if fx_train_0 is None else torch.as_tensor(
+            fx_train_0, dtype=dtype, device=device).broadcast_to(self.y.shape)
+        test = None
+        if fx_test_0 is not None:
+            if k_test_train is None:
+                fail(self.api, "k_test_train with fx_test_0", "k_test_train=None",
+                     "Pass k_test_train = ntk_fn(x_test, x_train, params).")
+            kt = _check_tensor(self.api, "k_test_train", k_test_train).to(dtype)
+            test_rows = tuple(kt.shape[0::2])
+            test = (self.layout.kernel_2d("k_test_train", kt, None, self.row_shape),
+                    test_rows)
+            test_shape = [0] * self.layout.ndim
+            for axis, size in zip(self.layout.rows_axes, test_rows, strict=True):
+                test_shape[axis] = size
+            for axis, size in zip(self.layout.trace, self.layout.channel_shape, strict=True):
+                test_shape[axis] = size
+            g0 = torch.as_tensor(fx_test_0, dtype=dtype, device=device).broadcast_to(
+                tuple(test_shape))
+        y2d = self.layout.flat(self.y)
+        if t is None:
+            targets = self.y.clone()
+            if test is None:
+                return targets
+            rhs = y2d if f0 is None else y2d - self.layout.flat(f0)
+            limit = g0 + self.layout.unflat(test[0] @ self.solve(rhs), test[1])
+            return limit if f0 is None else (targets, limit)
+        tau = torch.as_tensor(t, dtype=dtype, device=device) * self.learning_rate
+        lead = tuple(tau.shape)
+        evals, evecs = self.eigen()
+        decay = torch.expm1(-evals.clamp(min=0)[None, :] * tau.reshape(-1, 1) / self.size)
+        residual = -y2d if f0 is None else self.layout.flat(f0) - y2d
+        coeff = evecs.T @ residual  # [rows, channels]
+        fx_train: Tensor | None = None
+        fx_test: Tensor | None = None
+        if f0 is not None:
+            dfx = torch.einsum("ji,ti,ic->tjc", evecs, decay, coeff)
+            fx_train = f0 + self.layout.unflat(dfx, self.row_shape, (-1,))
+            fx_train = fx_train.reshape(*lead, *self.y.shape)
+        if test is not None:
+            dfx = torch.einsum("sj,ji,ti,ic->tsc", test[0], evecs, decay / evals.abs()[None, :],
+                               coeff)
+            fx_test = g0 + self.layout.unflat(dfx, test[1], (-1,))
+            fx_test = fx_test.reshape(*lead, *g0.shape)
+        if fx_train is not None and fx_test is not None:
+            return fx_train, fx_test
+        result = fx_train if fx_test is None else fx_test
+        assert result is not None
+        return result
+
+
+def gradient_descent_mse(k_train_train: Tensor, y_train: Tensor, learning_rate: float = 1.0,
+                         diag_reg: float = 0.0, diag_reg_absolute_scale: bool = False,
+                         trace_axes: int | Sequence[int] = (-1,)) -> GradientDescentMSE:
+    """neural-tangents' ``nt.predict.gradient_descent_mse``: outputs of the linearized network.
+
+    Gradient flow on the mean squared error ``‖f − y‖² / (2n)`` in function space, with the
+    kernel ``k_train_train`` (NOTE [gradient_descent_mse] for the formulas).
+
+    Args:
+        k_train_train: The kernel on the training inputs in neural-tangents' layout, e.g.
+            ``ntk_fn(x_train, None, params)``: ``[N, N]`` (traced) or ``[N, N, K, K]``.
+        y_train: The targets ``[N, K]`` (any shape whose non-traced axes the kernel pairs).
+        learning_rate: Rescales time: ``τ = learning_rate · t``.
+        diag_reg: Added to the kernel's diagonal, relative to its mean diagonal (absolute
+            with ``diag_reg_absolute_scale``).
+        diag_reg_absolute_scale: Whether ``diag_reg`` is in absolute units.
+        trace_axes: The axes of ``y_train`` the kernel lacks (as given to the ``ntk_fn``):
+            ``(-1,)`` for an ``[N, N]`` kernel (NT's default), ``()`` for ``[N, N, K, K]``.
+
+    Returns:
+        ``predict_fn(t=None, fx_train_0=0.0, fx_test_0=None, k_test_train=None)``, a
+        :class:`GradientDescentMSE`: ``t`` is a time or a tensor of times (``None``:
+        infinity), ``fx_train_0`` / ``fx_test_0`` the outputs at ``t = 0`` on the train
+        and test inputs (``None``: not wanted), ``k_test_train`` the kernel
+        ``ntk_fn(x_test, x_train, params)``. It returns the train outputs, the test outputs,
+        or both as a pair, with ``t``'s shape in front.
+
+    Raises:
+        TypeError, ValueError: For kernels whose shape does not pair ``y_train``'s axes (a
+            message names the ``trace_axes`` to pass), bad numbers, or ``fx_test_0``
+            without ``k_test_train``.
+
+    Example:
+        >>> import torch, torchgram as tg
+        >>> k = torch.tensor([[2.0, 0.5], [0.5, 1.0]])
+        >>> y = torch.tensor([[1.0], [-1.0]])
+        >>> predict_fn = tg.ntk.gradient_descent_mse(k, y)
+        >>> predict_fn(t=None)          # infinite time: the train targets
+        tensor([[ 1.],
+                [-1.]])
+        >>> predict_fn(t=torch.tensor([0.0, 1e9])).shape   # [times, N, K]
+        torch.Size([2, 2, 1])
+    """
+    return GradientDescentMSE(k_train_train, y_train, learning_rate, diag_reg,
+                              diag_reg_absolute_scale, trace_axes)
+
+
+def kernel_regression(k_train_train: Tensor, k_test_train: Tensor, y_train: Tensor,
+                      ridge: float = 0.0) -> Tensor:
+    """Kernel (ridge) regression: ``K_test,train (K_train,train + ridge · I)⁻¹ y_train``.
+
+    The infinite-time test outputs of :func:`gradient_descent_mse` from zero initial
+    outputs, with ``ridge`` in absolute units (NT's ``gp_inference`` mean). The kernels are
+    in neural-tangents' layout; whether they are traced (``[N, N]`` for ``y_train [N, K]``)
+    or full (``[N, N, K, K]``) is read from their number of dimensions.
+
+    Args:
+        k_train_train: ``ntk_fn(x_train, None, params)``.
+        k_test_train: ``ntk_fn(x_test, x_train, params)``.
+        y_train: The targets, ``[N, ...]``.
+        ridge: Added to the diagonal of ``k_train_train`` (absolute units).
+
+    Returns:
+        The predictions on the test inputs, shaped like ``y_train`` with ``N_test`` samples.
+
+    Example:
+        >>> import torch, torchgram as tg
+        >>> k = torch.eye(3) * 2.0           # three independent training points
+        >>> y = torch.tensor([[1.0], [2.0], [3.0]])
+        >>> tg.ntk.kernel_regression(k, k[:2], y, ridge=2.0)   # each shrunk by 2 / (2 + 2)
+        tensor([[0.5000],
+                [1.0000]])
+    """
+    api = "torchgram.ntk.kernel_regression"
+    _check_tensor(api, "k_train_train", k_train_train)
+    y = _check_tensor(api, "y_train", y_train)
+    pairs = k_train_train.dim() // 2
+    if k_train_train.dim() % 2 or not 1 <= pairs <= y.dim():
+        fail(api, f"k_train_train with an even number of dimensions, at most 2 × y_train's "
+             f"({y.dim()})", f"a kernel of shape {tuple(k_train_train.shape)}",
+             "Pass a kernel in neural-tangents' layout: [N, N] or [N, N, K, K].")
+    trace = tuple(range(pairs, y.dim()))
+    predict = GradientDescentMSE(k_train_train, y, 1.0, ridge, True, trace, api=api)
+    test_rows = tuple(k_test_train.shape[0::2])
+    zeros = torch.zeros(*test_rows, *y.shape[pairs:], dtype=k_train_train.dtype,
+                        device=k_train_train.device)
+    result = predict(t=None, fx_train_0=None, fx_test_0=zeros, k_test_train=k_test_train)
+    assert isinstance(result, Tensor)
+    return result
+
+
+__all__ = ["GradientDescentMSE", "gradient_descent_mse", "kernel_regression"]

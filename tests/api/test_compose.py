@@ -1,0 +1,261 @@
+"""torchgram composes like a torch.func transform: every backend × situation vs the oracle.
+
+The reference for anything computed *through* a Gramian is ``torch.func`` applied to the
+dense oracle written as a function (``reference.dense_gramian_fn``). Each backend either
+gives the reference's answer or declares, with ``BackendCannotRun``, that it cannot and
+names the backends that can (``EXPECTED`` is the table the README shows); ``auto`` always
+answers.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import optree
+import pytest
+import torch
+from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import torchgram as tg
+from reference import dense_gramian_fn
+from torchgram._core.errors import BackendCannotRun
+from torchgram.backends.ntvp import _prepare_forward_ad
+from zoo import NAMES, build
+
+_prepare_forward_ad()  # torch's first forward-mode product warns (NOTE [first forward-AD call])
+
+DOUBLE = torch.float64
+BACKENDS = ["auto", "jacobian", "ntvp", "graph", "structured"]
+FUNCTORCH = {"grad-params", "grad-inputs", "jvp-params", "jacfwd-inputs", "vmap-ensemble",
+             "vmap-datasets", "grad-of-vmap", "hessian-inputs"}
+"""Situations inside torch.func transforms: only the backends that compose serve them."""
+SITUATIONS = sorted(FUNCTORCH) + ["eager-create-graph", "eager-inputs", "nested", "compile",
+                                  "mixed-dtypes"]
+DECLARED = {"graph": FUNCTORCH, "structured": FUNCTORCH | {"nested"}}
+"""What each backend declares it cannot do (BackendCannotRun naming jacobian and ntvp)."""
+KINDS = {"losses": 0, "ntk": 0, "dense": None}
+"""The function (per-sample losses ``[B]``, logits ``[B, 2]``) and its ``batch_dim``."""
+
+
+def _params(dtype: torch.dtype = DOUBLE, seed: int = 0) -> dict[str, Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    shapes = {"w1": (3, 4), "b1": (4,), "w2": (4, 2), "scale": (2,)}
+    return {k: torch.randn(*s, generator=generator, dtype=dtype) / 2 for k, s in shapes.items()}
+
+
+def _inputs(count: int = 5, seed: int = 1) -> Tensor:
+    return torch.randn(count, 3, generator=torch.Generator().manual_seed(seed), dtype=DOUBLE)
+
+
+def logits(p: dict[str, Tensor], x: Tensor) -> Tensor:
+    """A two-layer MLP; ``scale`` is used elementwise (the structured fallback)."""
+    h = torch.tanh(x.to(p["w1"].dtype) @ p["w1"] + p["b1"])
+    return (h.to(p["w2"].dtype) @ p["w2"]) * p["scale"]
+
+
+def losses(p: dict[str, Tensor], x: Tensor) -> Tensor:
+    return (logits(p, x) - 1).pow(2).sum(-1)
+
+
+FUNCTIONS = {"losses": losses, "ntk": logits, "dense": losses}
+
+
+def objective(G: Tensor) -> Tensor:
+    """A nonlinear function of the Gramian (its gradient depends on every entry)."""
+    return (G**2).sum() + G.sum()
+
+
+def assert_close(actual: Any, expected: Any, rtol: float = 1e-9) -> None:
+    """Pytrees of tensors agree, relative to the largest entry of each expected leaf."""
+    actual_leaves, expected_leaves = optree.tree_leaves(actual), optree.tree_leaves(expected)
+    assert len(actual_leaves) == len(expected_leaves)
+    for a, e in zip(actual_leaves, expected_leaves, strict=True):
+        assert a.shape == e.shape and a.dtype == e.dtype
+        scale = e.abs().max().clamp_min(1.0)
+        torch.testing.assert_close(a / scale, e / scale, rtol=rtol, atol=rtol)
+
+
+def _stacked(count: int = 3) -> dict[str, Tensor]:
+    ensemble = [_params(seed=s) for s in range(count)]
+    return {k: torch.stack([p[k] for p in ensemble]) for k in ensemble[0]}
+
+
+Maker = Callable[[Callable[..., Any]], Callable[..., Any]]
+
+
+def _run(situation: str, gramian: Maker, f: Callable[..., Tensor], dense: Maker) -> Any:
+    """The situation, computed with ``gramian(f)`` (torchgram's or the reference's).
+
+    ``dense`` makes the Gramian of a function without per-sample structure (nesting).
+    """
+    G = gramian(f)
+    params, x = _params(), _inputs()
+    if situation == "grad-params":
+        return torch.func.grad(lambda p: objective(G(p, x)))(params)
+    if situation == "grad-inputs":
+        return torch.func.grad(lambda x: objective(G(params, x)))(x)
+    if situation == "jvp-params":
+        tangent = _params(seed=7)
+        return torch.func.jvp(lambda p: objective(G(p, x)), (params,), (tangent,))
+    if situation == "jacfwd-inputs":
+        return torch.func.jacfwd(lambda x: G(params, x).sum(0))(x)
+    if situation == "vmap-ensemble":
+        return torch.func.vmap(G, in_dims=(0, None))(_stacked(), x)
+    if situation == "vmap-datasets":
+        datasets = torch.stack([_inputs(seed=s) for s in range(3)])
+        return torch.func.vmap(G, in_dims=(None, 0))(params, datasets)
+    if situation == "grad-of-vmap":
+        return torch.func.grad(
+            lambda p: objective(torch.func.vmap(G, in_dims=(0, None))(p, x)))(_stacked())
+    if situation == "hessian-inputs":
+        return torch.func.hessian(lambda x: G(params, x).diagonal().sum())(x[:3])
+    if situation in ("eager-create-graph", "eager-inputs"):
+        leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
+        x = x.clone().requires_grad_(situation == "eager-inputs")
+        wrt = [x] if situation == "eager-inputs" else list(leaves.values())
+        value = objective(G(leaves, x))
+        return value.detach(), torch.autograd.grad(value, wrt)
+    if situation == "nested":  # the Gramian of the inner Gramian's diagonal
+        return dense(lambda p, x: G(p, x).reshape(-1)[:4])(params, x)
+    if situation == "compile":  # G is a graph break; dynamo then reads a non-leaf's .grad
+        compiled = torch.compile(lambda p, x: objective(G(p, x)), backend="aot_eager")
+        leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is "
+                                    "not a leaf", category=UserWarning)
+            value = compiled(leaves, x)
+        return value.detach(), torch.autograd.grad(value, list(leaves.values()))
+    if situation == "mixed-dtypes":
+        mixed = {k: v.float() if k in ("w1", "scale") else v for k, v in params.items()}
+        return G(mixed, x)
+    raise AssertionError(situation)
+
+
+def _torchgram(backend: str, kind: str | None) -> Maker:
+    return lambda f: tg.gramian(f, backend=backend, batch_dim=None if kind is None else KINDS[kind])
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("situation", SITUATIONS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_composes_or_declares(backend: str, situation: str, kind: str) -> None:
+    torch.compiler.reset() if situation == "compile" else None
+    f = FUNCTIONS[kind]
+    if situation in DECLARED.get(backend, set()):
+        with pytest.raises(BackendCannotRun) as caught:
+            _run(situation, _torchgram(backend, kind), f, _torchgram(backend, None))
+        assert "jacobian" in caught.value.alternatives
+        assert "backend='jacobian'" in str(caught.value)
+        return
+    expected = _run(situation, dense_gramian_fn, f, dense_gramian_fn)
+    actual = _run(situation, _torchgram(backend, kind), f, _torchgram(backend, None))
+    assert_close(actual, expected, rtol=1e-5 if situation == "mixed-dtypes" else 1e-9)
+
+
+def _zoo_grid() -> list[Any]:
+    grid = []
+    for name in NAMES:
+        case = build(name)
+        for batch in ([None] if case.batch_dim is None else [None, case.batch_dim]):
+            for backend, chunk in (("structured", None), ("structured", 1), ("graph", None),
+                                   ("jacobian", None), ("ntvp", None)):
+                label = "dense" if batch is None else "per_sample"
+                grid.append(pytest.param(backend, name, batch, chunk,
+                                         id=f"{backend}-{name}-{label}-chunk{chunk}"))
+    return grid
+
+
+@pytest.mark.parametrize(("backend", "name", "batch_dim", "chunk_size"), _zoo_grid())
+def test_eager_create_graph_on_the_zoo(backend: str, name: str, batch_dim: int | None,
+                                       chunk_size: int | None) -> None:
+    """Eager create-graph on every zoo model: autograd through G vs torch.func on the oracle.
+
+    The oracle loops over rows (``chunk_size=1``): torch 2.13 gets the derivatives of batched
+    layer- and batch-norm backwards wrong (NOTE [decomposed norms]).
+    """
+    case = build(name)
+    flat, spec = optree.tree_flatten(case.params)
+    floating = [i for i, leaf in enumerate(flat)
+                if isinstance(leaf, Tensor) and leaf.is_floating_point()]
+
+    def with_leaves(values: list[Tensor]) -> Any:
+        rebuilt = list(flat)
+        for i, value in zip(floating, values, strict=True):
+            rebuilt[i] = value
+        return optree.tree_unflatten(spec, rebuilt)
+
+    def objective_of(gramian: Callable[..., Tensor]) -> Callable[[list[Tensor]], Tensor]:
+        return lambda values: objective(gramian(with_leaves(values), *case.inputs))
+
+    values = [flat[i] for i in floating]
+    with sdpa_kernel(SDPBackend.MATH):  # the fused attention kernels have no double backward
+        expected = torch.func.grad(objective_of(dense_gramian_fn(case.f, chunk_size=1)))(values)
+    leaves = [value.detach().clone().requires_grad_() for value in values]
+    G = tg.gramian(case.f, backend=backend, batch_dim=batch_dim, in_dims=case.in_dims,
+                   chunk_size=chunk_size)
+    grads = torch.autograd.grad(objective_of(G)(leaves), leaves, allow_unused=True)
+    assert_close([torch.zeros_like(e) if g is None else g
+                  for g, e in zip(grads, expected, strict=True)], expected)
+
+
+def _softmin_weighting(G: Tensor) -> Tensor:
+    """A weighting that depends on G smoothly (favours samples with small gradients)."""
+    return torch.softmax(-G.diagonal() / G.diagonal().mean(), dim=0)
+
+
+def _reference_update(p: dict[str, Tensor], x: Tensor) -> dict[str, Tensor]:
+    """``Jᵀ w`` with ``w = weighting(J Jᵀ)``, from the dense oracle."""
+    weights = _softmin_weighting(dense_gramian_fn(losses)(p, x))
+    _, vjp_fn = torch.func.vjp(lambda q: losses(q, x), p)
+    return vjp_fn(weights)[0]
+
+
+@pytest.mark.parametrize("situation", ["grad-params", "eager-create-graph", "vmap-ensemble"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_aggregated_grad_composes(backend: str, situation: str) -> None:
+    """A meta-objective of one Jacobian-descent step's update, differentiated or batched."""
+    aggregated = tg.aggregated_grad(losses, _softmin_weighting, backend=backend, batch_dim=0)
+
+    def run(update: Callable[..., Any]) -> Any:
+        params, x = _params(), _inputs()
+        if situation == "grad-params":
+            return torch.func.grad(lambda p: sum(u.square().sum()
+                                                 for u in update(p, x).values()))(params)
+        if situation == "vmap-ensemble":
+            return torch.func.vmap(update, in_dims=(0, None))(_stacked(), x)
+        leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
+        value = sum(u.square().sum() for u in update(leaves, x).values())
+        return torch.autograd.grad(value, list(leaves.values()))
+
+    def ours(p: dict[str, Tensor], x: Tensor) -> dict[str, Tensor]:
+        return aggregated(p, x)[0]
+
+    if situation != "eager-create-graph" and backend in DECLARED:
+        with pytest.raises(BackendCannotRun):
+            run(ours)
+        return
+    assert_close(run(ours), run(_reference_update))
+
+
+def test_explain_says_what_ran_and_refuses_inside_transforms() -> None:
+    params, x = _params(), _inputs()
+    leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
+    report = tg.explain(losses, batch_dim=0, run=True)(leaves, x)
+    assert report.ran is not None and report.gramian.requires_grad
+    with pytest.raises(RuntimeError, match="outside torch.func transforms"):
+        torch.func.grad(lambda p: tg.explain(losses, run=True)(p, x).gramian.sum())(params)
+
+
+def test_nothing_is_differentiable_without_a_reason() -> None:
+    """No transform, nothing requires grad (or grad mode off): the detached fast path."""
+    params, x = _params(), _inputs()
+    assert not tg.gramian(losses, batch_dim=0)(params, x).requires_grad
+    leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
+    with torch.no_grad():
+        assert not tg.gramian(losses, batch_dim=0)(leaves, x).requires_grad
+    G, aux = tg.gramian(lambda p, x: (losses(p, x), losses(p, x).mean()), batch_dim=0,
+                        has_aux=True)(leaves, x)
+    assert G.requires_grad and aux.requires_grad  # aux keeps its graph where G does

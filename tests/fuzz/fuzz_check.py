@@ -1,0 +1,214 @@
+"""The fuzzing property: the oracle's matrix, or a torchgram error; and nothing left behind.
+
+:func:`check` runs one backend on one :class:`~fuzz_arch.FuzzCase` and asserts that
+
+* it returns the dense float64 oracle's matrix (``reference.dense_gramian``), in the
+  documented shape, structure (``per_leaf``, ``has_aux``) and dtype, or raises an exception
+  whose message starts with ``torchgram.`` (a declared inability or a refused call);
+* with ``backend="auto"``, it answers whenever ``jacobian`` or ``graph`` does;
+* afterwards no mode or transform is active, grad mode and the attention-kernel switches are
+  as they were, and no argument, flag or module was changed (:class:`Snapshot`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import optree
+import torch
+from torch import Tensor, nn
+
+import torchgram as tg
+from fuzz_arch import Built, FuzzCase, build, rescaled
+from reference import Dense, dense_gramian
+
+REPEAT_SCALE = 1.5
+"""``case.repeat == "values"``: the second call's parameters, relative to the first's."""
+
+TOLERANCE = {torch.float64: 1e-8, torch.float32: 5e-4}
+"""Largest entry error allowed, relative to the largest entry of the oracle's matrix."""
+
+
+# -- global state ----------------------------------------------------------------------------
+
+
+def global_state() -> dict[str, Any]:
+    """The process state a call must leave as it found it (modes, transforms, switches)."""
+    return {
+        "torch function modes": torch._C._len_torch_function_stack(),
+        "functorch transforms": torch._C._functorch.peek_interpreter_stack() is not None,
+        "forward AD level": torch.autograd.forward_ad._current_level,
+        "grad mode": torch.is_grad_enabled(),
+        "sdpa kernels": (torch.backends.cuda.flash_sdp_enabled(),
+                         torch.backends.cuda.mem_efficient_sdp_enabled(),
+                         torch.backends.cuda.math_sdp_enabled(),
+                         torch.backends.cuda.cudnn_sdp_enabled()),
+    }
+
+
+CLEAN_STATE = {"torch function modes": 0, "functorch transforms": False, "forward AD level": -1}
+
+
+@dataclass
+class Snapshot:
+    """Every tensor a call could change (values, versions, flags) and the global state."""
+
+    tensors: list[tuple[Tensor, Tensor, bool, int]]
+    module: dict[str, tuple[Tensor, Tensor, bool]] | None
+    training: list[bool] | None
+    state: dict[str, Any]
+
+    @classmethod
+    def take(cls, args: Any, kwargs: Any, module: nn.Module | None) -> Snapshot:
+        tensors = [(t, t.detach().clone(), t.requires_grad, t._version)
+                   for t in optree.tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
+        state = None
+        training = None
+        if module is not None:
+            state = {name: (t, t.detach().clone(), t.requires_grad)
+                     for name, t in module.state_dict(keep_vars=True).items()}
+            training = [m.training for m in module.modules()]
+        return cls(tensors, state, training, global_state())
+
+    def assert_unchanged(self, module: nn.Module | None) -> None:
+        for tensor, value, requires_grad, version in self.tensors:
+            assert tensor.requires_grad == requires_grad, "an argument's requires_grad changed"
+            assert tensor._version == version, "an argument was changed in place"
+            assert torch.equal(tensor.detach(), value), "an argument's value changed"
+        if module is not None:
+            assert self.module is not None
+            current = module.state_dict(keep_vars=True)
+            assert current.keys() == self.module.keys(), "the module's tensors changed"
+            for name, (tensor, value, requires_grad) in self.module.items():
+                assert current[name] is tensor, f"module tensor {name} was replaced"
+                assert tensor.requires_grad == requires_grad, f"{name}: requires_grad changed"
+                assert torch.equal(tensor.detach(), value), f"{name}: value changed"
+            assert [m.training for m in module.modules()] == self.training
+            for name, parameter in module.named_parameters():
+                assert not torch._C._functorch.is_functorch_wrapped_tensor(parameter), name
+        state = global_state()
+        assert state == self.state, f"global state changed: {self.state} -> {state}"
+        for name, clean in CLEAN_STATE.items():
+            assert state[name] == clean, f"{name} left active: {state[name]}"
+
+
+# -- the property ----------------------------------------------------------------------------
+
+
+def oracle(case: FuzzCase, *, repeated: bool = False) -> Dense | None:
+    """The dense float64 oracle of the case, or ``None`` if it has no leaf to differentiate.
+
+    ``repeated``: of the case's second call (``case.repeat``).
+    """
+    torch.manual_seed(case.seed)  # random ops: the oracle and the call see the same draw
+    built = build(case, torch.float64)
+    if repeated and case.repeat == "values":
+        built = rescaled(built, REPEAT_SCALE)
+    if repeated and case.repeat == "skip_last":
+        built.switch["skip_last"] = True
+    g, args = built.oracle()
+    argnums = built.argnums
+    nums = (argnums,) if isinstance(argnums, int) else argnums
+    if not any(isinstance(leaf, Tensor) and leaf.is_floating_point()
+               for n in nums for leaf in optree.tree_leaves(args[n])):
+        return None
+    return dense_gramian(g, args, argnums)
+
+
+def run(built: Built, backend: str, *, no_grad: bool = False) -> Any:
+    """``tg.gramian(f, backend=backend, **options)(*args, **kwargs)`` (under ``no_grad``)."""
+    with torch.set_grad_enabled(not no_grad):
+        return tg.gramian(built.f, backend=backend, **built.options)(*built.args,
+                                                                     **built.kwargs)
+
+
+def assert_close(actual: Tensor, expected: Tensor, dtype: torch.dtype, what: str, *,
+                 precision: torch.dtype | None = None) -> None:
+    """Agreement relative to the largest entry of ``expected`` (the oracle, float64).
+
+    ``precision``: the dtype the computation ran in (default ``dtype``) sets the tolerance.
+    """
+    precision = precision or dtype
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    assert actual.dtype == dtype, f"{what}: dtype {actual.dtype}, expected {dtype}"
+    scale = max(expected.abs().max().item() if expected.numel() else 0.0, 1e-2)
+    error = (actual.double() - expected).abs().max().item() / scale if actual.numel() else 0.0
+    tolerance = TOLERANCE[precision]
+    assert math.isfinite(error) and error <= tolerance, \
+        f"{what}: relative error {error:.3g} > {tolerance:g}"
+
+
+def check(case: FuzzCase, backend: str) -> str:
+    """Run the property on ``case`` with ``backend``; say whether it answered or refused.
+
+    With ``case.repeat``, the same function object is called a second time, with other
+    parameter values or with a switch changed that the call signature cannot see (what the
+    probe and trace caches must notice, NOTE [call signatures]).
+    """
+    built = build(case)
+    outcome = _call(case, built, backend, oracle(case))
+    if case.repeat == "none":
+        return outcome
+    if case.repeat == "values":
+        built = rescaled(built, REPEAT_SCALE)
+    else:
+        built.switch["skip_last"] = True
+    second = _call(case, built, backend, oracle(case, repeated=True))
+    return outcome if outcome == second else f"{outcome}, then {second}"
+
+
+def _call(case: FuzzCase, built: Built, backend: str, expected: Dense | None) -> str:
+    torch.manual_seed(case.seed)  # random ops: the oracle and the call see the same draw
+    snapshot = Snapshot.take(built.args, built.kwargs, built.module)
+    try:
+        result = run(built, backend, no_grad=case.grad_mode == "no_grad")
+    except Exception as error:  # noqa: BLE001 -- the property is about which errors escape
+        snapshot.assert_unchanged(built.module)
+        if not str(error).startswith("torchgram."):
+            raise AssertionError(f"{backend}: a raw error escaped: {type(error).__name__}: "
+                                 f"{error}") from error
+        assert expected is not None or "floating-point tensor leaves" in str(error), error
+        if backend == "auto" and expected is not None:
+            _assert_nobody_answers(built, str(error))
+        return f"refused ({type(error).__name__}: {str(error)[:60]}...)"
+    snapshot.assert_unchanged(built.module)
+    assert expected is not None, "answered a call without any leaf to differentiate"
+    _compare(case, built, result, expected)
+    return "answered"
+
+
+def _assert_nobody_answers(built: Built, auto_error: str) -> None:
+    for other in ("jacobian", "graph"):
+        try:
+            run(built, other)
+        except Exception:  # noqa: BLE001, S112 -- refusing is what auto claimed
+            continue
+        raise AssertionError(f"auto refused ({auto_error}) but backend {other!r} answers")
+
+
+def _compare(case: FuzzCase, built: Built, result: Any, expected: Dense) -> None:
+    dtype = _output_dtype(case)
+    if case.has_aux:
+        assert isinstance(result, tuple) and len(result) == 2, "has_aux: expected (G, aux)"
+        result, aux = result
+        assert aux["tag"] == "aux"
+        assert isinstance(aux["hidden"], Tensor) and not aux["hidden"].requires_grad
+    if not case.per_leaf:
+        assert isinstance(result, Tensor), f"expected a tensor, got {type(result).__name__}"
+        assert_close(result, expected.shaped(diagonal=case.diagonal), dtype, "G",
+                     precision=getattr(torch, case.dtype))
+        return
+    if case.params_at == "split":
+        assert isinstance(result, tuple) and len(result) == 2, "per_leaf with argnums tuple"
+    blocks = [b for b in optree.tree_leaves(result) if b is not None]
+    assert len(blocks) == len(expected.blocks), \
+        f"per_leaf: {len(blocks)} blocks, expected {len(expected.blocks)}"
+    for i, (block, want) in enumerate(zip(blocks, expected.blocks, strict=True)):
+        assert_close(block, expected.shaped(want, diagonal=case.diagonal), dtype, f"block {i}",
+                     precision=getattr(torch, case.dtype))
+
+
+def _output_dtype(case: FuzzCase) -> torch.dtype:
+    return torch.float64 if case.mixed_dtypes else getattr(torch, case.dtype)

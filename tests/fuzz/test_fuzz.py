@@ -1,0 +1,26 @@
+"""Property-based fuzzing of every backend against the dense float64 oracle.
+
+Random architectures and calls (``fuzz_strategies.cases``) must give the oracle's matrix or a
+torchgram error, and leave nothing behind (``fuzz_check.check``). The ``fast`` profile (the
+default) runs a fixed set of examples per backend; ``TORCHGRAM_FUZZ_PROFILE=long`` runs
+thousands (see ``fuzz_strategies``). A failure hypothesis shrinks becomes a named test in
+``test_regressions.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fuzz_check import check
+from fuzz_strategies import cases, profile
+
+BACKENDS = ["jacobian", "ntvp", "graph", "structured", "auto"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@profile()
+@given(data=st.data())
+def test_oracle_or_torchgram_error(backend: str, data: st.DataObject) -> None:
+    check(data.draw(cases(backend), label="case"), backend)

@@ -1,0 +1,81 @@
+"""Every failure the fuzzer found and shrank, as a named test (``FINDINGS.md`` tells each story).
+
+Each test is the falsifying example hypothesis printed, pasted as it is (``FuzzCase`` reprs
+are Python), run on the backends it failed on and on the others, through the same property
+as the fuzzer (``fuzz_check.check``).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from fuzz_arch import (
+    Activation,
+    Attention,
+    Distance,
+    Features,
+    FusedRnn,
+    FuzzCase,
+    Head,
+    Linear,
+    RnnCell,
+)
+from fuzz_check import check
+
+BACKENDS = ["jacobian", "ntvp", "graph", "structured", "auto"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_lstm_cell_without_batching_rule_loops_on_structured_per_sample_path(
+        backend: str) -> None:
+    """``torch.lstm_cell`` has no batching rule: structured's per-sample vmap raised it raw."""
+    case = FuzzCase(
+        seed=967, batch=2, length=2, input=Features(width=4, flat=False),
+        layers=(RnnCell(hidden=2, kind="lstm", bias=False, frozen=False),
+                Attention(heads=1, form="mha", causal=False, bias=True, frozen=False)),
+        head=Head(kind="feat", classes=2), dtype="float64", batch_dim=0, output_dim=0,
+        input_dim=1, as_module=False, input_via="positional", mixed_dtypes=False,
+        layout="nested", consts_via="closure", params_at="first", extra_leaves=False,
+        has_aux=True, diagonal=True, per_leaf=True, chunk_size=None, memory_budget=None)
+    assert check(case, backend) == "answered"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("batch_dim", [None, 0])
+def test_cdist_whose_batched_backward_is_wrong_never_runs_under_vmap(
+        backend: str, batch_dim: int | None) -> None:
+    """``torch.cdist``'s batching rule: jacobian, graph and auto returned rel. error ~1."""
+    case = FuzzCase(
+        seed=3, batch=3, length=2, input=Features(width=3),
+        layers=(Linear(out=4), Activation("tanh"), Distance(anchors=3)),
+        head=Head(kind="feat"), dtype="float64", batch_dim=batch_dim, output_dim=0)
+    outcome = check(case, backend)
+    assert outcome == "answered" or backend == "ntvp"  # cdist has no forward-mode AD
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("batch_dim", [None, 0])
+def test_fused_lstm_under_no_grad(backend: str, batch_dim: int | None) -> None:
+    """torch.lstm's backward reads the global grad mode: jacobian and auto raised raw."""
+    case = FuzzCase(
+        seed=0, batch=2, length=1, input=Features(width=3),
+        layers=(FusedRnn(hidden=3, kind="lstm"), FusedRnn(hidden=1, kind="gru"),
+                Linear(out=2, bias=False, frozen=True)),
+        head=Head(kind="sq_mean"), dtype="float32", batch_dim=batch_dim, input_dim=2,
+        input_via="positional", params_at="last", requires_grad=True, noncontiguous=True,
+        grad_mode="no_grad")
+    outcome = check(case, backend)
+    assert outcome == "answered" or backend == "ntvp"  # torch.lstm has no forward-mode AD
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_output_without_leaves_but_inputs_that_require_grad(backend: str) -> None:
+    """The second call skips the only layer: rows require grad through x alone; structured
+    asked autograd for the gradients of no tensor and raised raw."""
+    case = FuzzCase(
+        seed=143, batch=4, length=2, input=Features(width=3),
+        layers=(RnnCell(hidden=4, kind="lstm", bias=False),), head=Head(kind="feat"),
+        dtype="float32", output_dim=-1, input_dim=-3, layout="list", extra_leaves=True,
+        diagonal=True, per_leaf=True, chunk_size=3, repeat="skip_last", head_extra="constant",
+        requires_grad=True, alias_tied=True)
+    assert check(case, backend) == "answered"

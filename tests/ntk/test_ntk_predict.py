@@ -1,0 +1,118 @@
+"""``torchgram.ntk.gradient_descent_mse`` and ``kernel_regression`` against neural-tangents.
+
+Every prediction stored in tests/data/nt_reference (float64): both trace settings, three
+settings of learning rate and regularization, finite times (a scalar, a vector), infinite
+time, train-only and zero initial outputs; kernel regression against NT's ``gp_inference``
+mean.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import torchgram as tg
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "nt_reference"
+META = json.loads(DATA.with_suffix(".json").read_text())
+with np.load(DATA.with_suffix(".npz")) as _data:
+    ARRAYS = {key: torch.from_numpy(_data[key]) for key in _data.files}
+GD = [e for e in META["predict"] if e["key"].startswith("predict.gd.")]
+GP = [e for e in META["predict"] if e["key"].startswith("predict.gp.")]
+
+
+def _value(reference: Any, like: tuple[int, ...] | None = None) -> Any:
+    if reference is None or isinstance(reference, float):
+        return reference
+    if reference == "zeros":
+        assert like is not None
+        return torch.zeros(like, dtype=torch.float64)
+    return ARRAYS[reference]
+
+
+@pytest.mark.parametrize("entry", GD, ids=[e["key"] for e in GD])
+def test_gradient_descent_mse_matches_neural_tangents(entry: dict[str, Any]) -> None:
+    predict_fn = tg.ntk.gradient_descent_mse(
+        ARRAYS[entry["k_train_train"]], ARRAYS[entry["y_train"]],
+        learning_rate=entry["learning_rate"], diag_reg=entry["diag_reg"],
+        diag_reg_absolute_scale=entry["diag_reg_absolute_scale"],
+        trace_axes=tuple(entry["trace_axes"]))
+    fx_test_0 = _value(entry["fx_test_0"], tuple(entry.get("test_shape", ()))[-2:] or None)
+    t = entry["t"]
+    out = predict_fn(t=ARRAYS[t] if isinstance(t, str) else t,
+                     fx_train_0=_value(entry["fx_train_0"]), fx_test_0=fx_test_0,
+                     k_test_train=None if fx_test_0 is None else ARRAYS[entry["k_test_train"]])
+    names = ["train", "test"] if fx_test_0 is not None else ["train"]
+    outs = out if isinstance(out, tuple) else (out,)
+    assert len(outs) == len(names)
+    for name, value in zip(names, outs, strict=True):
+        expected = ARRAYS[f"{entry['key']}.{name}"]
+        assert list(value.shape) == entry[f"{name}_shape"]
+        torch.testing.assert_close(value, expected, rtol=1e-10,
+                                   atol=1e-12 * max(1.0, expected.abs().max().item()))
+
+
+@pytest.mark.parametrize("entry", [e for e in GP if e["diag_reg"] == 0
+                                   or e["diag_reg_absolute_scale"]],
+                         ids=lambda e: e["key"])
+def test_kernel_regression_is_the_gp_mean(entry: dict[str, Any]) -> None:
+    trace = "trace_none" if not entry["trace_axes"] else "trace_m1"
+    mean = tg.ntk.kernel_regression(ARRAYS[f"mlp.ntk.{trace}.diag_none.x1x1"],
+                                    ARRAYS[f"predict.k_test_train.{trace}"],
+                                    ARRAYS["predict.y_train"], ridge=entry["diag_reg"])
+    torch.testing.assert_close(mean, ARRAYS[entry["key"] + ".mean"], rtol=1e-10, atol=1e-12)
+
+
+def test_infinite_time_is_the_limit_of_finite_times() -> None:
+    k, y = ARRAYS["mlp.ntk.trace_none.diag_none.x1x1"], ARRAYS["predict.y_train"]
+    kt, g0, f0 = ARRAYS["predict.k_test_train.trace_none"], ARRAYS["mlp.fx2"], ARRAYS["mlp.fx1"]
+    predict_fn = tg.ntk.gradient_descent_mse(k, y, diag_reg=1e-3, trace_axes=())
+    _, late = predict_fn(t=1e9, fx_train_0=f0, fx_test_0=g0, k_test_train=kt)
+    train, limit = predict_fn(t=None, fx_train_0=f0, fx_test_0=g0, k_test_train=kt)
+    torch.testing.assert_close(late, limit, rtol=1e-6, atol=1e-8)
+    assert torch.equal(train, y)
+
+
+def test_times_of_any_shape_lead_the_outputs() -> None:
+    k, y = ARRAYS["mlp.ntk.trace_m1.diag_none.x1x1"], ARRAYS["predict.y_train"]
+    predict_fn = tg.ntk.gradient_descent_mse(k, y)
+    t = torch.tensor([[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]], dtype=torch.float64)
+    out = predict_fn(t=t, fx_train_0=ARRAYS["mlp.fx1"])
+    assert out.shape == (2, 3, 3, 4)
+    torch.testing.assert_close(out[1, 2], predict_fn(t=5.0, fx_train_0=ARRAYS["mlp.fx1"]))
+    torch.testing.assert_close(out[0, 0], ARRAYS["mlp.fx1"])
+
+
+def test_bad_inputs_raise_with_the_fix() -> None:
+    k, y = ARRAYS["mlp.ntk.trace_none.diag_none.x1x1"], ARRAYS["predict.y_train"]
+    with pytest.raises(ValueError, match=r"trace_axes=\(\) for a full kernel"):
+        tg.ntk.gradient_descent_mse(k, y)  # a full [N, N, K, K] kernel needs trace_axes=()
+    predict_fn = tg.ntk.gradient_descent_mse(k, y, trace_axes=())
+    with pytest.raises(ValueError, match="k_test_train with fx_test_0"):
+        predict_fn(fx_test_0=ARRAYS["mlp.fx2"])
+    with pytest.raises(ValueError, match="fx_train_0 or fx_test_0"):
+        predict_fn(fx_train_0=None)
+    with pytest.raises(ValueError, match="pairing y_train's non-traced axes"):
+        predict_fn(fx_test_0=ARRAYS["mlp.fx2"], k_test_train=k[:2, :2])
+    with pytest.raises(TypeError, match="y_train to be a floating tensor"):
+        tg.ntk.gradient_descent_mse(k, y.long(), trace_axes=())
+    with pytest.raises(TypeError, match="learning_rate to be a number"):
+        tg.ntk.gradient_descent_mse(k, y, learning_rate="1", trace_axes=())
+    with pytest.raises(ValueError, match="even number of dimensions"):
+        tg.ntk.kernel_regression(k[0], k[0], y)
+
+
+def test_display() -> None:
+    predict_fn = tg.ntk.gradient_descent_mse(ARRAYS["mlp.ntk.trace_m1.diag_none.x1x1"],
+                                             ARRAYS["predict.y_train"], diag_reg=0.1)
+    text = repr(predict_fn)
+    assert "GradientDescentMSE" in text and "× mean diagonal" in text
+    assert "eigenvalues" not in text
+    predict_fn(t=1.0)
+    assert "eigenvalues" in repr(predict_fn)
+    assert predict_fn._repr_html_().startswith("<table>")
