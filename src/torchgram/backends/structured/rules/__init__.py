@@ -1,6 +1,7 @@
 """Structured rules: ops whose parameter Jacobians are sums of outer products (DESIGN.md §1).
 
-One module per family: ``linear`` (``F.linear``, matmuls), ``conv`` (``conv{1,2,3}d``),
+One module per family: ``linear`` (``F.linear``, matmuls, ``addmm``), ``bmm`` (``bmm`` and
+``baddbmm`` with a weight per group), ``conv`` (``conv{1,2,3}d``),
 ``embedding``, ``norm`` (layer / group / RMS / batch norm affine parameters), ``elementwise``
 (parameters multiplied, added or expanded with broadcasting); ``attention``, ``recurrent``
 and ``einsum`` rewrite self-attention, fused RNN / LSTM / GRU calls and two-operand
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 
 from torchgram.backends.structured.rules.attention import rewrite_multi_head_attention
 from torchgram.backends.structured.rules.base import Layout, Match, Operand, Rule, UseShape
+from torchgram.backends.structured.rules.bmm import BmmRule
 from torchgram.backends.structured.rules.conv import ConvRule
 from torchgram.backends.structured.rules.einsum import rewrite_einsum
 from torchgram.backends.structured.rules.elementwise import AddRule, ExpandRule, MulRule
@@ -38,9 +40,9 @@ from torchgram.backends.structured.rules.recurrent import (
     rewrite_rnn_tanh,
 )
 
-RULES: tuple[Rule, ...] = (LinearRule(), MatmulRule(), AddmmRule(), ConvRule(), EmbeddingRule(),
-                           LayerNormRule(), GroupNormRule(), RMSNormRule(), BatchNormRule(),
-                           MulRule(), AddRule(), ExpandRule())
+RULES: tuple[Rule, ...] = (LinearRule(), MatmulRule(), AddmmRule(), BmmRule(), ConvRule(),
+                           EmbeddingRule(), LayerNormRule(), GroupNormRule(), RMSNormRule(),
+                           BatchNormRule(), MulRule(), AddRule(), ExpandRule())
 _BY_FUNC: dict[Any, Rule] = {func: rule for rule in RULES for func in rule.funcs}
 Rewrite = Callable[[tuple[Any, ...], dict[str, Any], AbstractContextManager[Any] | None], Any]
 """``rewrite(args, kwargs, mode)``: the call re-expressed, entering ``mode`` (the tapping mode)
