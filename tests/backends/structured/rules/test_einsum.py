@@ -31,9 +31,14 @@ CASES = {  # name: (f, parameter shapes, input shape, the rules that see the wei
     "reused": (lambda p, x: torch.einsum("bd,de->be", torch.tanh(
         torch.einsum("bd,de->be", x, p["w"])), p["w"]).sum(1), {"w": (D, D)}, (B, D),
         ("matmul", "matmul")),
+    # a weight per group (per token here): a bmm of x as [t, b, d]
+    "grouped": (lambda p, x: torch.einsum("btd,tdk->btk", x, p["w"]).tanh().sum((1, 2)),
+                {"w": (T, D, K)}, (B, T, D), ("bmm",)),
+    "grouped_weight_first": (lambda p, x: torch.einsum("hdk,bdh->bkh", p["w"], x).tanh()
+                             .sum((1, 2)), {"w": (T, D, K)}, (B, D, T), ("bmm",)),
     # not rewritten: the weights keep the fallback, the matrix is still the oracle's
-    "batched_matmul": (lambda p, x: torch.einsum("btd,tdk->btk", x, p["w"]).tanh().sum((1, 2)),
-                       {"w": (T, D, K)}, (B, T, D), None),
+    "grouped_transposed": (lambda p, x: torch.einsum("btd,tkd->btk", x, p["w"]).tanh()
+                           .sum((1, 2)), {"w": (T, K, D)}, (B, T, D), None),
     "two_kept": (lambda p, x: torch.einsum("bd,dkl->bkl", x, p["w"]).tanh().sum((1, 2)),
                  {"w": (D, K, 2)}, (B, D), None),
 }
@@ -63,9 +68,19 @@ def test_einsum_forced_ways(way, check):
     check(f, args, force=way, batch_dim=0)
 
 
-@pytest.mark.parametrize("equation", ["bij,bjk->bik", "bi,bi->b", "ij,jk", "...d,dk->...k",
-                                      "bii,ik->bk", "bd,dk,kl->bl"])
+@pytest.mark.parametrize("equation", ["bij,bkj->bik", "bi,bi->b", "ij,jk", "...d,dk->...k",
+                                      "bii,ik->bk", "bd,dk,kl->bl", "bhij,bhjk->bhik"])
 def test_unsupported_equations_keep_the_call(equation):
     operands = [_randn(*(3,) * len(term.replace("...", "x")))
                 for term in equation.split("->")[0].split(",")]
     assert rewrite_einsum((equation, *operands), {}) is NotImplemented
+
+
+@pytest.mark.parametrize("equation", ["btd,dk->btk", "btd,kd->bkt", "dk,btd->kbt", "btd,d->bt",
+                                      "bhd,hdk->bhk", "hdk,bdh->bkh", "bij,bjk->bik"])
+def test_rewritten_values_are_einsum_s(equation):
+    sizes = dict(zip("bthdkij", (2, 3, 4, 5, 6, 3, 5), strict=True))
+    operands = [_randn(*(sizes[letter] for letter in term))
+                for term in equation.split("->")[0].split(",")]
+    actual = rewrite_einsum((equation, *operands), {})
+    torch.testing.assert_close(actual, torch.einsum(equation, *operands))

@@ -1,4 +1,4 @@
-"""``torch.einsum`` of two operands, one of them a 1-D or 2-D weight, rewritten into a matmul.
+"""``torch.einsum`` of two operands, one of them a weight, rewritten into a matmul or a ``bmm``.
 
 # NOTE [einsum rewrite]
 A ``TorchFunctionMode`` sees ``torch.einsum`` as one call, which no rule reads. When the
@@ -9,14 +9,17 @@ use of a leaf is still seen) into ops the linear rules know::
     "btd,dk->btk"  (W = [c, k]):  x' @ W             x' = x with c moved last
     "btd,kd->bkt"  (W = [k, c]):  F.linear(x', W)    then the output permuted
     "btd,d->bt"    (W = [c]):     x' @ W
+    "bhd,hdk->bhk" (W = [g, c, k]): torch.bmm(x'', W)  x'' = x as [g, n, c]
 
 where ``x'`` is ``x`` with the contracted index moved last (a view; no copy when it is last
-already), and the result is permuted into the equation's output order. The weight may be
-either operand (the second is tried first). Anything else (an ellipsis, an index repeated
-in an operand, an index shared by both operands and the output — a batched matmul —, one
-summed over in one operand only, more than two operands, a weight with two kept or two
-contracted indices) keeps the original call, and its parameters the fallback. Results are
-exact either way; the oracle tests compare both.
+already), ``x''`` has the group index first, the contracted one last and the others merged
+into ``n`` (the ``bmm`` rule's grouped weight), and the result is permuted into the
+equation's output order. The weight may be either operand (the second is tried first).
+Anything else (an ellipsis, an index repeated in an operand, several indices shared by both
+operands and the output, or one that is not a 3-D weight's first, one summed over in one
+operand only, more than two operands, a weight with two kept or two contracted indices)
+keeps the original call, and its parameters the fallback. Results are exact either way; the
+oracle tests compare both.
 """
 
 from __future__ import annotations
@@ -53,17 +56,18 @@ def _letters(equation: str) -> tuple[str, str, str] | None:
     if not all(s.isalpha() and len(set(s)) == len(s) for s in (a, b)) or \
             not (out.isalpha() or out == "") or len(set(out)) != len(out):
         return None
+    shared = set(a) & set(b) & set(out)  # a batch index: one at most (a weight per group)
     for letter in set(a) | set(b):
-        if (letter in a and letter in b) == (letter in out):  # batched, or summed alone
-            return None
-    if not set(out) <= set(a) | set(b):
+        if letter not in shared and (letter in a and letter in b) == (letter in out):
+            return None  # summed in one operand only
+    if len(shared) > 1 or not set(out) <= set(a) | set(b):
         return None
     return a, b, out
 
 
-def _plan(x: str, w: str, w_value: Tensor) -> tuple[str, str | None, bool] | None:
+def _plan(x: str, w: str, w_value: Tensor, out: str) -> tuple[str, str | None, bool] | None:
     """``(contracted, kept, contracted_first)`` when ``w`` is a 1-D or 2-D weight of ``x``."""
-    if w_value.dim() != len(w) or len(w) not in (1, 2):
+    if w_value.dim() != len(w) or len(w) not in (1, 2) or set(w) & set(x) & set(out):
         return None
     contracted = [letter for letter in w if letter in x]
     kept = [letter for letter in w if letter not in x]
@@ -84,7 +88,7 @@ def rewrite_einsum(args: tuple[Any, ...], kwargs: dict[str, Any],
         >>> y = rewrite_einsum(("btd,kd->bkt", x, w), {})
         >>> torch.allclose(y, torch.einsum("btd,kd->bkt", x, w), atol=1e-6)
         True
-        >>> rewrite_einsum(("bij,bjk->bik", x, torch.randn(2, 4, 3)), {})
+        >>> rewrite_einsum(("bij,bkj->bik", x, torch.randn(2, 5, 4)), {})
         NotImplemented
     """
     found = _operands(args, kwargs)
@@ -96,11 +100,35 @@ def rewrite_einsum(args: tuple[Any, ...], kwargs: dict[str, Any],
         return NotImplemented
     a, b, out = letters
     for x, x_value, w, w_value in ((a, a_value, b, b_value), (b, b_value, a, a_value)):
-        plan = _plan(x, w, w_value)
-        if plan is not None and x_value.dim() == len(x):
+        if x_value.dim() != len(x):
+            continue
+        plan = _plan(x, w, w_value, out)
+        if plan is not None:
             with mode or contextlib.nullcontext():
                 return _rewritten(x, x_value, w_value, plan, out)
+        if _grouped(x, w, w_value, out):
+            with mode or contextlib.nullcontext():
+                return _rewritten_grouped(x, x_value, w, w_value, out)
     return NotImplemented
+
+
+def _grouped(x: str, w: str, w_value: Tensor, out: str) -> bool:
+    """Whether ``w`` is ``[G, c, k]``: a batch index, one contracted with ``x``, one kept."""
+    return (w_value.dim() == len(w) == 3 and w[0] in x and w[0] in out
+            and w[1] in x and w[1] not in out and w[2] not in x and w[2] in out)
+
+
+def _rewritten_grouped(x: str, x_value: Tensor, w: str, w_value: Tensor, out: str) -> Tensor:
+    """``x`` as ``[G, n, c]`` (its other indices merged into ``n``) ``bmm`` ``W``."""
+    group, contracted, kept = w[0], w[1], w[2]
+    rest = [letter for letter in x if letter not in (group, contracted)]
+    order = [x.index(group), *(x.index(letter) for letter in rest), x.index(contracted)]
+    moved = x_value.permute(*order)
+    sizes = moved.shape[1:-1]
+    y = torch.bmm(moved.reshape(moved.shape[0], -1, moved.shape[-1]), w_value)
+    y = y.reshape(y.shape[0], *sizes, y.shape[-1])
+    letters = group + "".join(rest) + kept
+    return y.permute(*[letters.index(letter) for letter in out])
 
 
 def _rewritten(x: str, x_value: Tensor, w_value: Tensor, plan: tuple[str, str | None, bool],
