@@ -3,9 +3,9 @@
 # NOTE [known issue 9]
 Some combinations are wrong or refused today for reasons issue 9 (per-sample semantics on
 real models) is fixing in the backends: they are listed in :data:`KNOWN_ISSUE_9`, and the
-strategy does not generate them while they are listed. Each entry names one feature; when
-issue 9 fixes it, delete the entry and the fuzzer covers it again (the repro of each is in
-``tests/fuzz/FINDINGS.md``).
+strategy does not generate them while they are listed. Each entry names one feature; once
+fixed, delete the entry and the fuzzer covers it again (the repro of each is in
+``tests/fuzz/FINDINGS.md``). Nothing is listed today.
 
 Profiles (``TORCHGRAM_FUZZ_PROFILE``): ``fast`` (default; 20 derandomized examples per
 backend, the same on every run, part of the normal test run: about 20 s of CPU on two
@@ -50,16 +50,11 @@ from fuzz_arch import (
 ALL = frozenset({"jacobian", "ntvp", "graph", "structured", "auto"})
 
 KNOWN_ISSUE_9: dict[str, frozenset[str]] = {
-    # Since issue 9 landed, what is left (FINDINGS.md keeps the earlier entries and repros):
-    # with batch_dim, f that raises on a batch of one (batch norm in training mode with one
-    # value per channel in a sample) fails the probe with the raw error, on every backend
-    "fails_on_a_batch_of_one": ALL,
-    # a random op after an op whose output strides differ under torch.func's wrappers
-    # (F.dropout lays its mask out along the strides; batch_norm in eval mode): backends
-    # that run f inside torch.func transforms see another draw than a plain call
-    "random_ops_under_functorch": frozenset({"jacobian", "ntvp", "auto"}),
+    # Empty: the last two entries (f that raises on a batch of one; random ops whose draws
+    # differ under torch.func's wrappers) were fixed after the merge of issue 9 (FINDINGS.md,
+    # O1 and O2), and every feature is fuzzed on every backend again.
 }
-"""Feature -> the backends for which the strategy leaves it out until issue 9 lands (NOTE
+"""Feature -> the backends for which the strategy leaves it out while a fix is pending (NOTE
 [known issue 9]); ``auto`` is listed wherever it may pick an affected backend."""
 
 

@@ -8,7 +8,11 @@ as the fuzzer (``fuzz_check.check``).
 from __future__ import annotations
 
 import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812 -- torch's own spelling
+from torch import Tensor
 
+import torchgram as tg
 from fuzz_arch import (
     Activation,
     Attention,
@@ -21,6 +25,7 @@ from fuzz_arch import (
     RnnCell,
 )
 from fuzz_check import check
+from reference import dense_gramian
 
 BACKENDS = ["jacobian", "ntvp", "graph", "structured", "auto"]
 
@@ -79,3 +84,44 @@ def test_output_without_leaves_but_inputs_that_require_grad(backend: str) -> Non
         diagonal=True, per_leaf=True, chunk_size=3, repeat="skip_last", head_extra="constant",
         requires_grad=True, alias_tied=True)
     assert check(case, backend) == "answered"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_function_that_fails_on_a_batch_of_one(backend: str) -> None:
+    """O1: batch-norm in training mode with one value per channel in a sample raises on a
+    batch of one; the probe (one sample) let that raw error out on every backend. Now the
+    probe evaluates the batch and the backends use the rows of the whole batch."""
+    w = torch.randn(2, dtype=torch.float64)
+    x = torch.randn(3, 2, 1, dtype=torch.float64)
+
+    def f(w: Tensor, x: Tensor) -> Tensor:
+        return (F.batch_norm(x, None, None, training=True) * w[:, None]).pow(2).sum((1, 2))
+
+    expected = dense_gramian(f, (w, x)).gramian
+    got = tg.gramian(f, backend=backend, batch_dim=0)(w, x)
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dropout_whose_mask_depends_on_strides_under_torch_func(backend: str) -> None:
+    """O2: under torch.func's wrappers batch_norm's output has other strides than in a plain
+    call, and F.dropout lays its mask out along them: jacobian, ntvp and auto returned the
+    Gramian of another draw (relative error ~1). They now refuse random functions, and auto
+    goes on with a backend that evaluates f plainly."""
+    x = torch.randn(1, 2, 2, dtype=torch.float64)
+    p = {"s": torch.randn(2, dtype=torch.float64)}
+    mean, var = torch.zeros(2, dtype=torch.float64), torch.ones(2, dtype=torch.float64)
+
+    def g(p: dict[str, Tensor], x: Tensor) -> Tensor:
+        h = F.batch_norm(x.transpose(1, 2), mean, var).transpose(1, 2)
+        return (F.dropout(h, 0.5) * p["s"]).pow(2).mean((1, 2))
+
+    torch.manual_seed(0)
+    expected = dense_gramian(g, (p, x)).gramian
+    torch.manual_seed(0)
+    if backend in ("jacobian", "ntvp"):
+        with pytest.raises(tg.BackendCannotRun, match="draws random numbers"):
+            tg.gramian(g, backend=backend)(p, x)
+        return
+    got = tg.gramian(g, backend=backend)(p, x)
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)

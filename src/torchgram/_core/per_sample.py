@@ -75,6 +75,12 @@ def batch_rows(problem: Problem) -> tuple[Tensor, Any]:
     return rows, aux
 
 
+def fails_alone(error: Exception) -> NotPerSample:
+    """The :class:`NotPerSample` for ``f`` raising ``error`` on a batch of one (the batch ran)."""
+    return NotPerSample(f"f fails on a batch of one ({type(error).__name__}: "
+                        f"{str(error)[:100]})")
+
+
 def check_samples(problem: Problem, sample_rows: Tensor, samples: Tensor,
                   full_rows: Tensor) -> None:
     """Raise :class:`NotPerSample` unless samples run alone match the batch's outputs.

@@ -208,6 +208,17 @@ class Draw:
         """Whether a full evaluation of ``f`` drew random numbers (``None``: none ran yet)."""
         return None if self.end is None else not self.end.same_as(self.start)
 
+    def drew(self) -> bool:
+        """Whether ``f`` draws random numbers.
+
+        As a full evaluation showed; before any, whether the generators have left the call's
+        start (asked right after an evaluation of part of the batch, e.g. a trace).
+        """
+        if self.random is not None:
+            return self.random
+        now = RngState.capture(device for device, _ in self.start.accelerators)
+        return not now.same_as(self.start)
+
     def check_no_draw(self) -> None:
         """Raise :class:`NotPerSample` if the evaluation that just ran drew random numbers."""
         now = RngState.capture(device for device, _ in self.start.accelerators)
@@ -580,9 +591,34 @@ def _devices(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[torch.dev
 def _probe(api: str, f: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any],
            diff: DiffLeaves, batch: BatchSpec | None, has_aux: bool, draw: Draw, *,
            with_grad: bool) -> tuple[Probe, Evaluation | None]:
-    """Evaluate ``f`` once (NOTE [probing]): what it found, and the evaluation to reuse."""
-    if batch is not None:
-        args, kwargs = replace_input_leaves(args, kwargs, batch.positions, batch.narrow(0, 1))
+    """Evaluate ``f`` once (NOTE [probing]): what it found, and the evaluation to reuse.
+
+    With ``batch`` the probe evaluates one sample; if ``f`` fails on a batch of one
+    (batch-norm in training mode with one value per channel), it evaluates the whole batch
+    instead, and raises what that raises: the backends' per-sample ways then fail the same
+    way and use the rows of the whole batch (NOTE [per-sample]).
+    """
+    if batch is None:
+        return _evaluate_probe(api, f, args, kwargs, diff, None, has_aux, draw,
+                               with_grad=with_grad)
+    one_args, one_kwargs = replace_input_leaves(args, kwargs, batch.positions,
+                                                batch.narrow(0, 1))
+    try:
+        return _evaluate_probe(api, f, one_args, one_kwargs, diff, batch, has_aux, draw,
+                               with_grad=False)
+    except _FailsAlone:
+        return _evaluate_probe(api, f, args, kwargs, diff, batch, has_aux, draw,
+                               with_grad=False, whole_batch=True)
+
+
+class _FailsAlone(Exception):
+    """``f`` raised on a batch of one (the probe then evaluates the whole batch)."""
+
+
+def _evaluate_probe(api: str, f: Callable[..., Any], args: tuple[Any, ...],
+                    kwargs: Mapping[str, Any], diff: DiffLeaves, batch: BatchSpec | None,
+                    has_aux: bool, draw: Draw, *, with_grad: bool,
+                    whole_batch: bool = False) -> tuple[Probe, Evaluation | None]:
     copies = tuple(leaf.clone() for leaf in diff.leaves)  # f may write into its parameters
     versions = [_torch_compat.version(leaf) for leaf in copies]
     leaves = tuple(leaf.requires_grad_() for leaf in copies) if with_grad else copies
@@ -590,19 +626,29 @@ def _probe(api: str, f: Callable[..., Any], args: tuple[Any, ...], kwargs: Mappi
     with torch.set_grad_enabled(with_grad):
         # the next evaluation starts from the call's state
         with draw.evaluation(full=with_grad, restore_after=True), census:
-            result = f(*diff.rebuild_args(args, leaves), **kwargs)
+            try:
+                result = f(*diff.rebuild_args(args, leaves), **kwargs)
+            except Exception as error:
+                if batch is None or whole_batch:
+                    raise
+                raise _FailsAlone from error
         out, aux = split_aux(api, result, has_aux)
         mutated = any(_torch_compat.version(leaf) != before
                       for leaf, before in zip(copies, versions, strict=True))
-        probe = Probe(make_output_spec(api, out, batch), tuple(census.unbatched), mutated)
+        spec = make_output_spec(api, out, batch, whole_batch=whole_batch)
+        probe = Probe(spec, tuple(census.unbatched), mutated)
         if not with_grad:
             return probe, None
         rows = concat_rows(optree.tree_leaves(out), probe.spec.dtype)
         return probe, Evaluation(leaves, rows, aux)
 
 
-def make_output_spec(api: str, out: Any, batch: BatchSpec | None) -> OutputSpec:
-    """Validate ``f``'s output (one sample with ``batch``) and describe it for the batch."""
+def make_output_spec(api: str, out: Any, batch: BatchSpec | None, *,
+                     whole_batch: bool = False) -> OutputSpec:
+    """Validate ``f``'s output (one sample with ``batch``) and describe it for the batch.
+
+    ``whole_batch``: ``out`` is the output of the whole batch (``f`` fails on one sample).
+    """
     out_leaves, treespec = optree.tree_flatten(out)
     if not out_leaves:
         fail(api, "f to return a floating tensor or a pytree of them",
@@ -629,24 +675,26 @@ def make_output_spec(api: str, out: Any, batch: BatchSpec | None) -> OutputSpec:
     shapes = tuple(leaf.shape for leaf in out_leaves)
     batch_dims = None
     if batch is not None:
-        batch_dims = tuple(_output_batch_dim(api, shape, batch) for shape in shapes)
+        batch_dims = tuple(_output_batch_dim(api, shape, batch, 1 if not whole_batch
+                                             else batch.size) for shape in shapes)
         shapes = tuple(torch.Size((*shape[:dim], batch.size, *shape[dim + 1:]))
                        for shape, dim in zip(shapes, batch_dims, strict=True))
     return OutputSpec(treespec, shapes, dtypes, dtype, out_leaves[0].device, batch_dims)
 
 
-def _output_batch_dim(api: str, shape: torch.Size, batch: BatchSpec) -> int:
-    """The output dim indexing samples, checked on one sample's output (a batch of one)."""
+def _output_batch_dim(api: str, shape: torch.Size, batch: BatchSpec, samples: int = 1) -> int:
+    """The output dim indexing samples, checked on the output of ``samples`` samples."""
     ndim = len(shape)
     if not -ndim <= batch.batch_dim < ndim:
         fail(api, f"batch_dim within [-{ndim}, {ndim}) for an output of {ndim} dimension(s)",
              f"batch_dim={batch.batch_dim} (output shape of one sample {tuple(shape)})",
              "batch_dim names the output dimension that indexes samples.")
     dim = batch.batch_dim % ndim
-    if shape[dim] != 1:
+    if shape[dim] != samples:
         fail(api, f"output dim {dim} (batch_dim) to have size 1 for one sample (a batch of one) "
              f"-- for the whole batch, output dim {dim} (batch_dim) to have size {batch.size} --",
-             f"an output of shape {tuple(shape)} for one sample",
+             f"an output of shape {tuple(shape)} for "
+             + ("one sample" if samples == 1 else f"the batch of {samples}"),
              "Check batch_dim and in_dims: each output entry along batch_dim must depend "
              "on the matching sample of the batched inputs only.")
     return dim

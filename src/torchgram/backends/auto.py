@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from torchgram._core.composition import COMPOSING_BACKENDS
-from torchgram._core.errors import BackendCannotRun
+from torchgram._core.errors import BackendCannotRun, NotPerSample
 from torchgram._core.problem import Problem
 from torchgram._core.result import BackendResult
 from torchgram.backends._registry import get_backend, register
@@ -149,6 +149,9 @@ def pick(estimates: dict[str, Estimate]) -> str:
     return ranked(estimates)[0]
 
 
+REFUSE_DRAWS = ("jacobian", "ntvp")
+"""The candidates that refuse an ``f`` that draws random numbers (NOTE [draws under
+torch.func]): ``auto`` tries them after the others."""
 LAST_RESORT = "graph"
 """Tried after every estimated candidate declared it cannot run: it walks the autograd
 graph of one plain forward, which every differentiable function has."""
@@ -187,15 +190,25 @@ def plan_auto(problem: Problem) -> AutoPlan:
         keep_trace(problem, forward.recording)
         structured = plan_problem(problem, forward.recording)
     else:
-        structured = plan_problem(problem)
-        if problem.batch is not None and structured.recording.coupling:
-            # samples interact (NOTE [per-sample]): every backend takes the rows of the whole
-            # batch, so plan those, from the tapped forward the structured backend will reuse
+        try:
+            structured = plan_problem(problem)
+            # samples that interact, or a random f with a leaf that needs the per-sample
+            # fallback (NOTE [per-sample]): the rows of the whole batch, planned from the
+            # tapped forward the structured backend then reuses
+            recording = structured.recording
+            dense = problem.batch is not None and (
+                bool(recording.coupling) or (recording.draws and bool(recording.unrecognised)))
+        except NotPerSample:  # f fails on a batch of one: plan the whole batch's rows
+            dense = True
+        if dense:
             with torch.enable_grad():
                 forward = dense_forward(problem)
             structured = plan_problem(problem, forward.recording, dense=True)
     estimates = estimate_backends(problem, structured)
     order = ranked(estimates)
+    if problem.draw.random or structured.recording.draws:  # they would refuse f (NOTE [draws
+        order = (*(n for n in order if n not in REFUSE_DRAWS),  # under torch.func])
+                 *(n for n in order if n in REFUSE_DRAWS))
     return AutoPlan(structured, estimates, (*order, LAST_RESORT), forward)
 
 

@@ -28,11 +28,12 @@ from torch import Tensor
 
 from torchgram._core import functional
 from torchgram._core.errors import BackendCannotRun, NotPerSample, OutputChanged
-from torchgram._core.per_sample import batch_rows, check_samples
+from torchgram._core.per_sample import batch_rows, check_samples, fails_alone
 from torchgram._core.problem import Problem, TensorAux
 from torchgram._core.progress import Progress
 from torchgram._core.result import NO_AUX, BackendResult, Pullback, RowOrder, RunReport
 from torchgram._core.sink import LeafBlocks
+from torchgram.backends._draws_under_transforms import refuse_draws
 from torchgram.backends._grouping import LeafGroup, group_leaves, rows_per_chunk
 from torchgram.backends._registry import register
 from torchgram.backends._vmap_or_loop import vmap_or_loop
@@ -199,6 +200,7 @@ def _dense_group(problem: Problem, group: LeafGroup, report: RunReport, loop: bo
 
     primals = [problem.leaves[i] for i in leaf_ids]
     rows, vjp_fn, aux_tensors = functional.vjp_with_aux(rows_of_group, *primals)
+    refuse_draws(problem, "jacobian")  # NOTE [draws under torch.func]
     num_rows = rows.numel()
     chunk = 1 if loop else rows_per_chunk(problem.chunk_size, num_rows,
                                           _transient_width(problem, group), problem.itemsize,
@@ -268,8 +270,7 @@ def _per_sample_group(problem: Problem, group: LeafGroup, report: RunReport, loo
             except (BackendCannotRun, OutputChanged, NotPerSample):
                 raise
             except Exception as error:  # the batch ran: f fails on a batch of one
-                raise NotPerSample(f"f fails on a batch of one ({type(error).__name__}: "
-                                   f"{str(error)[:100]})") from error
+                raise fails_alone(error) from error
         else:
             jacobians, sample_outputs = _sample_vmap(sample_rows, primals, inputs, batch.dims,
                                                      inner_chunk)

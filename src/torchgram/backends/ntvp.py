@@ -43,11 +43,12 @@ from torch import Tensor
 
 from torchgram._core import _torch_compat, functional
 from torchgram._core.errors import BackendCannotRun, NotPerSample, OutputChanged
-from torchgram._core.per_sample import batch_rows, check_samples
+from torchgram._core.per_sample import batch_rows, check_samples, fails_alone
 from torchgram._core.problem import Problem, TensorAux
 from torchgram._core.progress import Progress
 from torchgram._core.result import BackendResult, RunReport
 from torchgram._core.threads import FORWARD_AD_LOCK, math_attention
+from torchgram.backends._draws_under_transforms import refuse_draws
 from torchgram.backends._embedding import EmbeddingConventions
 from torchgram.backends._grouping import rows_per_chunk
 from torchgram.backends._registry import register
@@ -104,6 +105,7 @@ def _dense_rows(problem: Problem, report: RunReport, loop: bool) -> BackendResul
         return rows, aux_parts.split(aux)
 
     rows, vjp_fn, aux_tensors = functional.vjp_with_aux(rows_fn, *problem.leaves)
+    refuse_draws(problem, "ntvp")  # NOTE [draws under torch.func]
     num_rows = rows.numel()
     columns = _Columns(problem, report)
     chunk = 1 if loop else _rows_per_chunk(problem, num_rows)
@@ -197,8 +199,7 @@ def _sample_vjps(problem: Problem, inputs: tuple[Tensor, ...], k_start: int, k_s
         except Exception as error:
             if not loop:
                 raise
-            raise NotPerSample(f"f fails on a batch of one ({type(error).__name__}: "
-                               f"{str(error)[:100]})") from error
+            raise fails_alone(error) from error
         return vjps, rows.unsqueeze(0)
 
     def unsqueezed(*sample: Tensor) -> tuple[Tangents, Tensor]:

@@ -46,6 +46,8 @@ from torch import Tensor
 from torch.autograd.graph import GradientEdge
 
 from torchgram._core.composition import graph_leaf
+from torchgram._core.errors import BackendCannotRun, NotPerSample, OutputChanged
+from torchgram._core.per_sample import fails_alone
 from torchgram._core.problem import Problem
 from torchgram._core.result import NO_AUX
 from torchgram._core.signature import LruCache, call_signature
@@ -108,8 +110,14 @@ def trace(problem: Problem) -> Recording:
             with mode:
                 rows = problem.rows(carriers)[0]
         else:
-            with mode:
-                rows = problem.sample_rows(carriers, batch.narrow(0, 1), check_draw=False)
+            try:
+                with mode:
+                    rows = problem.sample_rows(carriers, batch.narrow(0, 1), check_draw=False)
+                mode.recording.draws = problem.draw.drew()
+            except (BackendCannotRun, OutputChanged, NotPerSample):
+                raise
+            except Exception as error:  # the probe ran the batch: f fails on a batch of one
+                raise fails_alone(error) from error
     mode.recording.rows = rows.numel()
     keep_trace(problem, mode.recording)
     return mode.recording

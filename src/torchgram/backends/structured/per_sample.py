@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from torchgram._core.errors import BackendCannotRun, NotPerSample, OutputChanged
-from torchgram._core.per_sample import batch_rows, check_samples, tolerance
+from torchgram._core.per_sample import batch_rows, check_samples, fails_alone, tolerance
 from torchgram._core.problem import Problem, replace_input_leaves
 from torchgram.backends.structured.cost import Force
 from torchgram.backends.structured.passes import (
@@ -189,8 +189,7 @@ def _one_sample_at_a_time(problem: Problem, expected: Recording, fallback: list[
         except (BackendCannotRun, OutputChanged, NotPerSample, TraceMismatch):
             raise
         except Exception as error:  # the batch ran: f fails on a batch of one
-            raise NotPerSample(f"f fails on a batch of one ({type(error).__name__}: "
-                               f"{str(error)[:100]})") from error
+            raise fails_alone(error) from error
     rows = forward.detached_rows().reshape(forward.samples, -1)
     check_samples(problem, rows, torch.arange(forward.samples), batch_outputs)
     return forward

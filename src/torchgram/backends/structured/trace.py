@@ -142,6 +142,8 @@ class Recording:
     """Output rows of the evaluation (``K`` for one sample, ``m`` for the whole batch)."""
     coupling: list[str] = field(default_factory=list)
     """Calls that make samples interact (NOTE [per-sample]), named."""
+    draws: bool = False
+    """Whether the traced evaluation of one sample drew random numbers (dropout, ...)."""
     calls: int = 0
     """Torch function calls seen (a measure of ``f``'s per-call overhead)."""
     unbatchable: list[str] = field(default_factory=list)

@@ -1,0 +1,36 @@
+"""Backends that evaluate ``f`` inside ``torch.func`` transforms refuse functions that draw.
+
+# NOTE [draws under torch.func]
+The call's Gramian is that of ``f`` with the random numbers of one plain call (NOTE [one
+draw]): every evaluation restores the generators, so it draws the same numbers. That is not
+enough inside ``torch.func.vjp``/``jvp``: ``F.dropout`` lays its Bernoulli mask out along its
+input's strides, and under the transforms' wrappers an op's output can have other strides
+than in a plain call (``batch_norm`` in eval mode on a transposed input does), so the same
+numbers drop other entries and the backend differentiates another function, silently
+(relative error up to 1 and more; found by the fuzzer, ``tests/fuzz/FINDINGS.md``). No cheap
+check proves two masks equal, so the ``jacobian`` and ``ntvp`` backends refuse an ``f`` that
+drew random numbers on the whole batch (per sample it already is :class:`NotPerSample`), and
+``auto`` goes on with ``structured`` or ``graph``, which evaluate ``f`` plainly.
+"""
+
+from __future__ import annotations
+
+from torchgram._core.errors import BackendCannotRun
+from torchgram._core.problem import Problem
+
+PLAIN_BACKENDS = ("structured", "graph")
+"""The backends that evaluate ``f`` plainly (with autograd), in order of preference."""
+
+
+def refuse_draws(problem: Problem, backend: str) -> None:
+    """Raise :class:`BackendCannotRun` if an evaluation of ``f`` by ``backend`` drew.
+
+    Call it after the backend's first evaluation of the whole batch.
+    """
+    if problem.draw.random:
+        raise BackendCannotRun(
+            problem.api, backend, "a function that draws no random numbers (it evaluates f "
+            "inside torch.func transforms, whose wrappers can change the strides a random "
+            "op lays its draws out along: F.dropout would drop other entries than in a "
+            "plain call)", "an f that draws random numbers (dropout, ...)", PLAIN_BACKENDS,
+            "They evaluate f plainly, with the draws of one call.")
