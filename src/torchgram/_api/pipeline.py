@@ -134,6 +134,9 @@ def compute(options: Options, f: Callable[..., Any], args: tuple[Any, ...],
 def _run(problem: Problem) -> BackendResult:
     try:
         return get_backend(problem.options.backend)(problem)
+    except OutputChanged:  # the call starts afresh, from its own random state (NOTE [one draw])
+        problem.draw.rewind()
+        raise
     except BaseException:
         problem.draw.finish()
         raise

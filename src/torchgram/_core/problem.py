@@ -226,6 +226,13 @@ class Draw:
             raise NotPerSample("f draws random numbers (dropout, ...): one sample at a time it "
                                "would see other draws than the batch's", random=True)
 
+    def rewind(self) -> None:
+        """Put the generators back where the call started (it is started afresh)."""
+        if self.random is False:  # untouched by the call
+            return
+        with RNG_LOCK:
+            self.start.restore()
+
     def finish(self) -> None:
         """Leave the generators where one plain call of ``f`` would."""
         if self.random is False:  # untouched by the call: other threads may have drawn since

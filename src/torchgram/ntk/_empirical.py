@@ -244,6 +244,7 @@ class EmpiricalNTK:
             for side in (left, right, *tiles1, *tiles2):
                 if side is not None:
                     forget_probe(side)
+            left.draw.rewind()  # the call starts afresh, from its own random state
             raise
         assert canonical is not None
         kernel = to_nt_layout(canonical, spec, shape1, shape2).to(left.output.dtype)
