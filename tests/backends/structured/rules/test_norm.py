@@ -7,6 +7,9 @@ import torch
 import torch.nn.functional as F
 
 import torchgram as tg
+from helpers import flat_gramian, make_problem
+from reference import dense_gramian
+from torchgram.backends.structured import run_structured
 from torchgram.backends.structured.rules.norm import BatchNormRule, GroupNormRule, LayerNormRule
 
 B = 4
@@ -116,3 +119,24 @@ def test_batch_norm_in_training_mode_gives_the_coupled_gramian():
     assert report.ran is not None and report.ran.way == "dense"
     assert "fallback" not in report.ran.leaf_ways
     assert BatchNormRule().match(F.batch_norm, (x, None, None, torch.randn(3)), {}) is None
+
+
+@pytest.mark.parametrize("way", ["materialize", None])
+@pytest.mark.parametrize("batch_dim", [0, None], ids=["batch", "dense"])
+def test_batch_norm_in_eval_mode_with_mixed_dtype_leaves(way, batch_dim):
+    """float32 statistics and affine leaves, a float64 leaf after: contracted in float64."""
+    torch.manual_seed(0)
+    mean, var = torch.randn(3), torch.rand(3) + 0.5
+
+    def f(p, x):
+        y = F.batch_norm(x, mean, var, p["g"], p["b"], False, 0.1, 1e-5)
+        return (torch.tanh(y).double() * p["s"]).sum(-1)
+
+    params = {"g": torch.randn(3), "b": torch.randn(3),
+              "s": torch.randn(3, dtype=torch.float64)}
+    args = (params, torch.randn(5, 3))
+    problem = make_problem(f, args, batch_dim=batch_dim)
+    actual = flat_gramian(problem, run_structured(problem, force=way))
+    expected = dense_gramian(f, args).gramian
+    torch.testing.assert_close(actual, expected.to(actual.dtype), rtol=1e-5,
+                               atol=1e-5 * expected.abs().max().item())

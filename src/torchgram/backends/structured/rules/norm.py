@@ -143,8 +143,10 @@ class BatchNormLayout(GroupNormLayout):
         """``x̂`` of ``x: [N, C, *]`` (running or batch statistics, as the call used)."""
         if self.batch_stats:
             return F.batch_norm(x, None, None, None, None, True, 0.0, self.eps)
-        return F.batch_norm(x, self.running_mean, self.running_var, None, None, False, 0.0,
-                            self.eps)
+        # x may be in the contraction's dtype (wider than the call's: mixed-dtype leaves)
+        mean, var = (None if t is None else t.to(x.dtype)
+                     for t in (self.running_mean, self.running_var))
+        return F.batch_norm(x, mean, var, None, None, False, 0.0, self.eps)
 
 
 class LayerNormRule(Rule):
