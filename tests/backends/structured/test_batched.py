@@ -77,3 +77,43 @@ def test_several_candidate_dims_are_not_guessed():
     args = (params, torch.randn(B, B, D, dtype=torch.float64))
     assert _way(f, args) == "vmap"
     _check(f, args)
+
+
+def test_a_random_f_whose_samples_interact_after_a_tap_is_not_read_per_sample():
+    """Found by the fuzzer: dropout hid the interaction from the check of two samples."""
+    params = _params()
+
+    def f(p, x):
+        h = torch.tanh(F.linear(x, p["w"]))
+        h = h - h.mean(0)  # the samples interact after the tapped layer
+        return F.dropout(h, 0.5, training=True).pow(2).sum(-1)
+
+    x = torch.randn(B, D, dtype=torch.float64)
+    torch.manual_seed(1)
+    expected = dense_gramian(f, (params, x)).gramian
+    torch.manual_seed(1)
+    report = tg.explain(f, backend="structured", batch_dim=0, run=True)(params, x)
+    assert report.ran is not None and report.ran.way == "dense", report.ran
+    assert any("derivative" in note for note in report.ran.notes), report.ran.notes
+    torch.manual_seed(1)  # a call of its own: the draw of one plain call after this seed
+    actual = tg.gramian(f, backend="structured", batch_dim=0)(params, x)
+    scale = expected.abs().max()
+    torch.testing.assert_close(actual / scale, expected / scale, rtol=1e-10, atol=1e-10)
+
+
+def test_a_random_f_with_independent_samples_stays_batched():
+    params = _params()
+
+    def f(p, x):
+        return F.dropout(torch.tanh(F.linear(x - x.mean(0), p["w"])), 0.5).pow(2).sum(-1)
+
+    x = torch.randn(B, D, dtype=torch.float64)
+    torch.manual_seed(1)
+    expected = dense_gramian(f, (params, x)).gramian
+    torch.manual_seed(1)
+    report = tg.explain(f, backend="structured", batch_dim=0, run=True)(params, x)
+    assert report.ran is not None and report.ran.way == "batched", report.ran.notes
+    torch.manual_seed(1)  # a call of its own: the draw of one plain call after this seed
+    actual = tg.gramian(f, backend="structured", batch_dim=0)(params, x)
+    scale = expected.abs().max()
+    torch.testing.assert_close(actual / scale, expected / scale, rtol=1e-10, atol=1e-10)

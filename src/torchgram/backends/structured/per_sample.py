@@ -20,6 +20,7 @@ the whole batch (the exact coupled Gramian when samples interact).
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import optree
 import torch
@@ -97,8 +98,10 @@ def _check_batched(problem: Problem, forward: Forward, traced: Recording) -> boo
     together, sample after sample) must be what the sample gave there. That order is a
     property of the code, like the tapped calls of the trace, so it is checked on the first
     batched run of a trace (later runs replay the same calls and shapes); a trace whose
-    order does not hold is not used batched again. Skipped when ``f`` draws random numbers
-    (NOTE [per-sample]); merged dims are then not used until a run can check them.
+    order does not hold is not used batched again. When ``f`` draws random numbers the
+    samples cannot run apart with the batch's draws (NOTE [per-sample]): derivatives of the
+    same forward are checked instead (:func:`_check_derivatives`), and merged dims are not
+    used until a run without draws has checked their order.
     """
     if forward.recording.coupling:
         raise NotPerSample(f"f calls {forward.recording.coupling[0]}: its samples interact")
@@ -108,8 +111,11 @@ def _check_batched(problem: Problem, forward: Forward, traced: Recording) -> boo
     assert batch is not None
     if batch.size == 1:
         return True
-    if problem.draw.random:
-        return not forward.merged_acts or bool(traced.merged_order)
+    if problem.draw.random:  # samples cannot run apart with the batch's draws
+        if forward.merged_acts and not traced.merged_order:
+            return False
+        _check_derivatives(problem, forward)
+        return True
     samples = [0, batch.size - 1]
     rows, same = [], True
     verify = bool(forward.merged_acts) and traced.merged_order is None
@@ -123,6 +129,44 @@ def _check_batched(problem: Problem, forward: Forward, traced: Recording) -> boo
     if verify:
         traced.merged_order = same
     return same
+
+
+def _check_derivatives(problem: Problem, forward: Forward) -> None:
+    """Raise :class:`NotPerSample` if the first or last sample's rows reach another's taps.
+
+    For an ``f`` that draws, whose samples cannot run apart with the batch's draws: one more
+    backward of the same forward (the same draw), with random positive weights on the rows
+    of the first and of the last sample, must leave every tapped output of the other
+    samples without gradient. An output row that depends on another sample's tapped
+    activations (``x - x.mean(0)`` after a layer) has one there, and the batched pass's
+    per-sample factors would then miss its cross-sample terms (found by the fuzzer: a wrong
+    matrix). Interactions before every tap (centering the inputs) leave the per-sample
+    Gramian exact and pass.
+    """
+    rows, taps = forward.outputs[0], forward.taps[0]
+    samples = forward.samples
+    if not rows.requires_grad or not taps or samples < 2:
+        return
+    index = problem.sample_major_index  # [B, K]: each sample's rows in rows.reshape(-1)
+    generator = torch.Generator(device=rows.device).manual_seed(0)  # leaves the draws alone
+    checks = (0, samples - 1)
+    cot = rows.new_zeros(len(checks), rows.numel())
+    for j, sample in enumerate(checks):
+        cot[j, index[sample]] = 0.5 + torch.rand(
+            index.shape[1], generator=generator, device=rows.device).to(rows.dtype)
+    inputs: Any = list(taps)  # tensors and gradient edges
+    grads = torch.autograd.grad(rows, inputs, cot.reshape(len(checks), *rows.shape),
+                                retain_graph=True, allow_unused=True, is_grads_batched=True)
+    for grad, axis in zip(grads, forward.tap_dims, strict=True):
+        if grad is None:
+            continue
+        leaks = per_sample_view(grad, axis, 1, samples).reshape(len(checks), samples, -1)
+        leaks = leaks.ne(0).any(-1)
+        for j, sample in enumerate(checks):
+            leaks[j, sample] = False
+        if bool(leaks.any()):
+            raise NotPerSample("an output row of one sample has a derivative on another "
+                               "sample's activations: the samples interact")
 
 
 def _same_merged_acts(forward: Forward, acts: list[Tensor], subset: list[int]) -> bool:
