@@ -110,13 +110,26 @@ def _torchgram(backend: str) -> Callable[[Case], Call]:
 
 
 def _torchgram_imperative(case: Case) -> Call:
-    """``tg.autograd.gramian(outputs, inputs)`` on an eager forward (the graph backend's API)."""
+    """``tg.autograd.gramian(rows, params, batch_dim=...)`` on an eager forward: the walk."""
     gramian = getattr(tg.autograd, "gramian", None)
     if gramian is None:
         raise Unavailable(_imperative_skip(case))
     model, params = case.module, list(case.module.parameters())
-    options = {"diagonal": True} if case.diagonal else {}
+    options = {"diagonal": case.diagonal, "batch_dim": case.batch_dim}
     return lambda: gramian(case.rows(model, *case.inputs), params, **options)
+
+
+def _torchgram_recorded(case: Case) -> Call:
+    """The forward inside ``tg.autograd.record()``, then ``tg.autograd.gramian`` (issue 15)."""
+    model, params = case.module, list(case.module.parameters())
+    options = {"diagonal": case.diagonal, "batch_dim": case.batch_dim}
+
+    def call() -> Tensor:
+        with tg.autograd.record():
+            rows = case.rows(model, *case.inputs)
+        return tg.autograd.gramian(rows, params, **options)
+
+    return call
 
 
 def _imperative_skip(case: Case) -> str | None:
@@ -240,6 +253,11 @@ def _opacus(case: Case) -> Call:
 
 AGGREGATED = "aggregated"
 WEIGHTING = "weighting"
+# Eager code (issue 15): the imperative API on a plain forward, walked or recorded.
+EAGER_WALK = "torchgram autograd.gramian"
+EAGER_RECORDED = "torchgram autograd.gramian + record"
+EAGER_STEP_RECORDED = "torchgram autograd.backward + record"
+EAGER_STEP_WALK = "torchgram autograd.backward"
 # The cases of the aggregated section: per-sample losses, and task losses.
 AGGREGATED_CASES = ("mlp", "cnn", "transformer", "multitask", "tied-lm")
 
@@ -366,6 +384,30 @@ def _torchjd_backward(case: Case) -> Call:
     return _with_lap(call, upgrad)
 
 
+def _eager_backward(recorded: bool) -> Callable[[Case], Call]:
+    """``tg.autograd.backward(rows, params, upgrad, batch_dim=...)`` on an eager forward
+    (inside ``tg.autograd.record()`` when ``recorded``); the update read from ``.grad``."""
+
+    def prepare(case: Case) -> Call:
+        model, upgrad = case.module, _TimedWeighting()
+        named = dict(model.named_parameters())
+        params = list(named.values())
+
+        def call() -> Tensor:
+            _zero_grads(params)
+            if recorded:
+                with tg.autograd.record():
+                    rows = case.rows(model, *case.inputs)
+            else:
+                rows = case.rows(model, *case.inputs)
+            tg.autograd.backward(rows, params, upgrad, batch_dim=case.batch_dim)
+            return _flat_update({name: p.grad for name, p in named.items()}, case)
+
+        return _with_lap(call, upgrad)
+
+    return prepare
+
+
 _AGGREGATED = (
     Method("weighting only: torchgram upgrad", WEIGHTING, _weighting_torchgram, _aggregated_skip),
     Method("weighting only: torchjd UPGradWeighting", WEIGHTING, _weighting_torchjd,
@@ -374,6 +416,8 @@ _AGGREGATED = (
     Method("torchgram gramian + vjp", AGGREGATED, _gramian_then_vjp, _aggregated_skip),
     Method("torchjd Engine + backward(w)", AGGREGATED, _torchjd_backward,
            _aggregated_torchjd_skip),
+    Method(EAGER_STEP_RECORDED, AGGREGATED, _eager_backward(True), _aggregated_skip),
+    Method(EAGER_STEP_WALK, AGGREGATED, _eager_backward(False), _aggregated_skip),
 )
 # The weighting-only row of the weighting that the aggregated methods call.
 WEIGHTING_ROW = _AGGREGATED[0].name
@@ -399,8 +443,8 @@ def all_methods() -> list[Method]:
     methods = [Method(FLOOR, "floor", _backward)]
     methods += [Method(f"torchgram[{name}]", "torchgram", _torchgram(name))
                 for name in available_backends()]
-    methods.append(Method("torchgram autograd.gramian", "torchgram", _torchgram_imperative,
-                          _imperative_skip))
+    methods.append(Method(EAGER_WALK, "torchgram", _torchgram_imperative, _imperative_skip))
+    methods.append(Method(EAGER_RECORDED, "torchgram", _torchgram_recorded, _imperative_skip))
     return methods + list(_FIXED)
 
 

@@ -18,7 +18,14 @@ from typing import Any, ClassVar
 import torch
 
 from benchmarks.measure import Record
-from benchmarks.peers import FLOOR, WEIGHTING, WEIGHTING_ROW
+from benchmarks.peers import (
+    EAGER_RECORDED,
+    EAGER_STEP_RECORDED,
+    EAGER_WALK,
+    FLOOR,
+    WEIGHTING,
+    WEIGHTING_ROW,
+)
 
 # The answer every other one is compared with: the first of these that produced one.
 # torch.func's naive jacrev is the most direct definition of G = J Jᵀ, so it comes first.
@@ -296,6 +303,14 @@ def aggregated_case_table(report: AggregateReport) -> list[str]:
     return [*lines, ""]
 
 
+EAGER_INTRO = (
+    "The imperative API on a plain eager forward of the module: `tg.autograd.gramian(rows, "
+    "params, batch_dim=0)` on the graph as built (`torchgram autograd.gramian`, the "
+    "sample-sparse walk) and with the forward inside `tg.autograd.record()` (`+ record`); one "
+    "Jacobian-descent step is `tg.autograd.backward(rows, params, upgrad, batch_dim=0)` "
+    "(section below), against torchjd's `Engine.compute_gramian` + `losses.backward(w)`.")
+
+
 def summary_table(reports: Sequence[CaseReport]) -> list[str]:
     """One line per case: the floor, the best torchgram backend, the best peer."""
     lines = ["| case | m | P | backward (ms) | best torchgram | × backward | best peer | "
@@ -371,6 +386,54 @@ def targets_table(reports: Sequence[CaseReport]) -> list[str]:
     return [*lines, ""]
 
 
+# Targets of issue 15 (eager code), per case: the Gramian of the recorded forward against the
+# plain backward and against torchjd's Engine, the walk against torchjd, and the same for one
+# Jacobian-descent step (times without the weighting's own).
+_EAGER_SPEEDUP = {"mlp": 30.0, "cnn": 3.0, "transformer": 2.0}
+
+
+def eager_rows(reports: Sequence[CaseReport],
+               aggregated: Sequence[AggregateReport]) -> list[tuple[str, str, bool | None]]:
+    """Issue 15's targets: ``(label, measured, met)``."""
+    cases = {r.name: r for r in reports}
+    steps = {r.name: r for r in aggregated}
+    rows: list[tuple[str, str, bool | None]] = []
+
+    def add(label: str, num: float | None, den: float | None, limit: float,
+            at_most: bool) -> None:
+        if num is None or den is None:
+            rows.append((label, "not measured", None))
+            return
+        value = num / den
+        rows.append((label, f"{value:.3g}×", value <= limit if at_most else value >= limit))
+
+    for name, speedup in _EAGER_SPEEDUP.items():
+        rep, step = cases.get(name), steps.get(name)
+        t = rep.time if rep is not None else (lambda method: None)
+        floor, jd = t(FLOOR), t("torchjd autogram")
+        add(f"`{name}`: recorded Gramian ≤ 1.5× backward", t(EAGER_RECORDED), floor, 1.5, True)
+        add(f"`{name}`: recorded Gramian ≥ {speedup:g}× faster than torchjd", jd,
+            t(EAGER_RECORDED), speedup, False)
+        add(f"`{name}`: walked Gramian at least as fast as torchjd", jd, t(EAGER_WALK), 1.0,
+            False)
+        w = step.without_weighting if step is not None else (lambda method: None)
+        add(f"`{name}`: recorded JD step ≤ 1.5× backward (without the weighting)",
+            w(EAGER_STEP_RECORDED), w(FLOOR), 1.5, True)
+        add(f"`{name}`: recorded JD step ≥ {speedup:g}× faster than torchjd (without the "
+            "weighting)", w("torchjd Engine + backward(w)"), w(EAGER_STEP_RECORDED), speedup,
+            False)
+    return rows
+
+
+def eager_table(reports: Sequence[CaseReport],
+                aggregated: Sequence[AggregateReport]) -> list[str]:
+    """Issue 15's targets, measured in this run."""
+    lines = ["| target | measured | met |", "|---|--:|:-:|"]
+    for label, value, met in eager_rows(reports, aggregated):
+        lines.append(f"| {label} | {value} | {'—' if met is None else ('yes' if met else 'NO')} |")
+    return [*lines, ""]
+
+
 def _load_warning(env: dict[str, Any]) -> list[str]:
     """A warning when other work was running: the run's threads did not have the CPUs."""
     try:
@@ -409,6 +472,7 @@ def markdown(reports: Sequence[CaseReport], env: dict[str, Any], plot_name: str 
         lines += [f"![time relative to a plain backward]({plot_name})", ""]
     lines += ["## Summary", "", *summary_table(reports),
               "## Targets (issue 4, on `torchgram[auto]`)", "", *targets_table(reports),
+              "## Eager code (issue 15)", "", EAGER_INTRO, "", *eager_table(reports, aggregated),
               "## Cases", ""]
     for rep in reports:
         lines += case_table(rep)

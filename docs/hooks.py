@@ -35,6 +35,7 @@ REPOSITORY_FILES = (
     "benchmarks/results/weighting.md",
     "benchmarks/results/compose.md",
     "benchmarks/results/ntk.md",
+    "benchmarks/results/eager.md",
     "benchmarks/nt/SEMANTICS.md",
     "benchmarks/results/real_models.md",
     "benchmarks/results/scaling.md",

@@ -115,7 +115,7 @@ def test_every_aggregated_method_runs_and_agrees(
         assert len(r.times_s) == 1
     assert rep.reference == "torchgram gramian + vjp"
     updates = [r for r in rep.records if r.kind == peers.AGGREGATED]
-    assert len(updates) == 3
+    assert len(updates) == 5  # aggregated_grad, gramian + vjp, torchjd, autograd.backward (2)
     num_params = cases.build(name, cases.QUICK).num_params
     for r in updates:
         assert r.result is not None and r.result.shape == (num_params,)
@@ -218,3 +218,20 @@ def test_unknown_case_is_rejected_with_the_valid_names() -> None:
         cases.build("nope")
     with pytest.raises(SystemExit, match="expected cases among"):
         run.run(["--quick", "--cases", "mlp,nope"])
+
+
+def test_eager_benchmark_interleaves_and_checks_answers(tmp_path: Path) -> None:
+    from benchmarks import eager
+
+    threads = torch.get_num_threads()
+    results = eager.main(["--quick", "--threads", "1", "--cases", "mlp", "--out",
+                          str(tmp_path)])
+    assert torch.get_num_threads() == threads
+    for section, names in (("gramian", eager.GRAMIAN_METHODS), ("step", eager.STEP_METHODS)):
+        result = results["mlp"][section]
+        assert set(result["times"]) == set(names)
+        assert all(len(times) == 2 for times in result["times"].values())  # two rounds
+        assert all(error <= report.TOLERANCE for error in result["errors"].values()), result
+    text = (tmp_path / "eager.md").read_text()
+    assert "| `mlp`: recorded Gramian ≤ 1.5× backward |" in text
+    assert json.loads((tmp_path / "eager.json").read_text())["cases"]["mlp"]["title"]

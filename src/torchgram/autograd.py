@@ -9,7 +9,13 @@ Example:
 """
 
 from torchgram._api.autograd import gramian as gramian
+from torchgram._api.autograd_explain import EagerExplanation as EagerExplanation
+from torchgram._api.autograd_explain import InputReport as InputReport
+from torchgram._api.autograd_explain import explain as explain
 from torchgram._api.weighted_backward import BackwardInfo as BackwardInfo
 from torchgram._api.weighted_backward import backward as backward
+from torchgram.backends.eager.record import Recording as Recording
+from torchgram.backends.eager.record import record as record
 
-__all__ = ["BackwardInfo", "backward", "gramian"]
+__all__ = ["BackwardInfo", "EagerExplanation", "InputReport", "Recording", "backward",
+           "explain", "gramian", "record"]

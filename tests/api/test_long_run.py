@@ -97,6 +97,9 @@ def test_thousand_calls_leave_memory_caches_modes_and_module_as_they_were() -> N
     assert failures >= len(range(0, CALLS, 4 * RAISING_EVERY)) and answers + failures == CALLS
     assert baseline is not None
     tensors, resident = _live_tensors(), _resident_mib()
+    print(f"{CALLS} calls ({answers} answered, {failures} raised on purpose); after the "
+          f"warm-up: live tensors {baseline[0]} -> {tensors}, resident memory "
+          f"{baseline[1] or 0:.1f} -> {resident or 0:.1f} MiB")  # shown by pytest -s
     assert tensors <= baseline[0] + 10, f"live tensors grew from {baseline[0]} to {tensors}"
     if resident is not None and baseline[1] is not None:
         assert resident - baseline[1] < MAX_GROWTH_MIB, \

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fuzz_check import check
+from fuzz_check import check, check_eager
 from fuzz_strategies import cases, profile
 
 BACKENDS = ["jacobian", "ntvp", "graph", "structured", "auto"]
@@ -24,3 +24,11 @@ BACKENDS = ["jacobian", "ntvp", "graph", "structured", "auto"]
 @given(data=st.data())
 def test_oracle_or_torchgram_error(backend: str, data: st.DataObject) -> None:
     check(data.draw(cases(backend), label="case"), backend)
+
+
+@pytest.mark.parametrize("recorded", [True, False], ids=["record", "walk"])
+@profile()
+@given(data=st.data())
+def test_eager_oracle_or_torchgram_error(recorded: bool, data: st.DataObject) -> None:
+    """``tg.autograd.gramian`` on the graph of an eager call (issue 15), recorded and walked."""
+    check_eager(data.draw(cases("graph"), label="case"), recorded)

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from torchgram._core import checks
+from torchgram._core.result import RunReport
 from torchgram._core.sink import LeafBlocks
-from torchgram.backends.graph import graph_gramian, plan_graph, release_graph
+from torchgram.backends.eager.record import paused
+
+if TYPE_CHECKING:
+    from torchgram.backends.eager.gramian import EagerResult
 
 _API = "torchgram.autograd.gramian"
 
@@ -19,6 +24,7 @@ def gramian(
     outputs: Tensor | Iterable[Tensor],
     inputs: Tensor | Iterable[Tensor],
     *,
+    batch_dim: int | None = None,
     chunk_size: int | None = None,
     retain_graph: bool = True,
     diagonal: bool = False,
@@ -35,8 +41,21 @@ def gramian(
     its Jacobian is complete, and every Jacobian is freed once consumed, so the memory is
     that of the live frontier, not of the whole ``[m, P]`` Jacobian.
 
-    Nothing of the graph is changed: no hook runs, no ``.grad`` is written, and with the
-    default ``retain_graph=True`` the graph can be used afterwards (e.g. ``backward``).
+    **Fast: record the forward.** When the outputs were computed inside
+    ``with tg.autograd.record():`` (:func:`torchgram.autograd.record`), the parameters used
+    by the layers the structured rules recognise (linear, matmul, conv, embedding,
+    layer/group norm, self-attention) get their blocks from the cotangents at those layers'
+    outputs and the recorded activations, like ``tg.gramian``'s structured backend: with
+    ``batch_dim``, one backward serves every sample. Other inputs are walked.
+
+    Nothing of the graph is changed and no ``.grad`` is written; with the default
+    ``retain_graph=True`` the graph can be used afterwards (e.g. ``backward``). The walk runs
+    no hook; a recorded call's pass is one ``torch.autograd.grad`` when the graph has no hook
+    torchgram can see (NOTE [eager taps]). torchgram cannot see the hooks added to the
+    recorded graph *after* the ``record()`` block (``Tensor.register_hook``, ``retain_grad``,
+    ``grad_fn.register_hook``): like in any ``torch.autograd.grad``, they run during those
+    passes, and a tensor that retains its grad receives one. Add them inside the block (the
+    pass is then walked, running none) or do not record.
 
     Args:
         outputs: A tensor, or a sequence of tensors, that require grad. Rows are their
@@ -44,6 +63,12 @@ def gramian(
         inputs: A tensor, or an iterable of tensors (``model.parameters()`` works), that
             require grad: leaves or intermediate (non-leaf) tensors of the graph. An input
             that the outputs do not depend on contributes a zero block.
+        batch_dim: The outputs' dimension that indexes independent samples: entry ``b``
+            along it depends only on sample ``b`` of the data, as for per-sample losses
+            (``batch_dim=0`` for losses of shape ``[B]``). Each pass then serves every
+            sample; the result is the same matrix. Samples that interact (batch-norm in
+            training mode, ...) are detected where torchgram can see it, and the rows of the
+            whole batch are used instead (the exact Gramian of the code as run).
         chunk_size: Rows per vectorized node call (``None``: all rows at once; ``1``: a plain
             loop). With ``diagonal=True`` the whole walk runs once per chunk of rows, which
             also bounds the memory of the frontier to ``chunk_size`` rows.
@@ -55,7 +80,9 @@ def gramian(
         per_input: Return one block ``J_i J_iᵀ`` per input, as a tuple (their sum is ``G``).
 
     Returns:
-        ``G``, with the outputs' dtype (promoted across them) and device. For a tensor
+        ``G``, with the outputs' dtype (promoted across them) and device: under
+        ``torch.autocast``, float32 losses give a float32 ``G`` whose entries carry the round-off
+        of the lower-precision activations and cotangents the forward saved. For a tensor
         ``outputs`` of shape ``S``, ``G`` has shape ``S + S`` (``S`` with ``diagonal=True``);
         for a sequence of tensors, ``[m, m]`` (``[m]``) over their ``m`` entries. With
         ``per_input=True``, a tuple of such tensors, one per input. A complex input counts
@@ -82,79 +109,150 @@ def gramian(
         >>> weights = torch.ones(6) / 6  # e.g. from a Gramian-based weighting of G
         >>> losses.backward(weights)  # the graph is still usable
     """
-    checks.check_positive_int(_API, "chunk_size", chunk_size,
-                               "chunk_size counts rows per vectorized node call, e.g. 32.")
+    with paused():  # called inside a record() block: our own calls are not recorded
+        call = prepare(_API, outputs, inputs, batch_dim=batch_dim, chunk_size=chunk_size,
+                       retain_graph=retain_graph, diagonal=diagonal, per_input=per_input)
+        return call.run().value
+
+
+@dataclass
+class Call:
+    """One validated imperative call (shared by ``gramian``, ``backward`` and ``explain``)."""
+
+    api: str
+    outputs: list[Tensor]
+    inputs: list[Tensor]
+    as_tensor: bool
+    batch_dim: int | None
+    chunk_size: int | None
+    retain_graph: bool
+    diagonal: bool
+    per_input: bool
+
+    @property
+    def num_rows(self) -> int:
+        """``m``."""
+        return sum(out.numel() for out in self.outputs)
+
+    def run(self, *, want_pullback: bool = False) -> Outcome:
+        """Compute the Gramian (NOTE [imperative Gramian])."""
+        from torchgram.backends.eager.gramian import EagerResult, eager_gramian
+        from torchgram.backends.graph import plan_graph, release_graph
+
+        output_list, input_list = self.outputs, self.inputs
+        num_rows = self.num_rows
+        dtype = output_list[0].dtype
+        for out in output_list[1:]:
+            dtype = torch.promote_types(dtype, out.dtype)
+        widest = dtype
+        for tensor in input_list:
+            widest = torch.promote_types(widest, tensor.real.dtype if tensor.is_complex()
+                                         else tensor.dtype)
+        blocks = LeafBlocks(len(input_list), per_leaf=self.per_input, diagonal=self.diagonal,
+                            dtype=widest)
+        if num_rows:
+            result = eager_gramian(self.api, output_list, input_list, blocks,
+                                   batch_dim=self.batch_dim, chunk_size=self.chunk_size,
+                                   diagonal=self.diagonal, retain_graph=self.retain_graph,
+                                   want_pullback=want_pullback)
+        else:
+            result = EagerResult(RunReport("autograd", "no rows"))
+            if not self.retain_graph:
+                release_graph(output_list, plan_graph(output_list, input_list))
+        shape = output_list[0].shape if self.as_tensor else (num_rows,)
+        diagonal = self.diagonal
+        device = output_list[0].device
+        results = [
+            (torch.zeros((num_rows,) if diagonal else (num_rows, num_rows), dtype=dtype,
+                         device=device) if block is None
+             else block.to(dtype=dtype, device=device))
+            .reshape(shape if diagonal else (*shape, *shape))
+            for block in blocks.blocks()
+        ]
+        return Outcome(tuple(results) if self.per_input else results[0], result)
+
+
+@dataclass
+class Outcome:
+    """A call's Gramian(s) and what the engine reported."""
+
+    value: Tensor | tuple[Tensor, ...]
+    result: EagerResult
+
+
+def prepare(api: str, outputs: Any, inputs: Any, *, batch_dim: Any, chunk_size: Any,
+            retain_graph: Any, diagonal: Any, per_input: Any) -> Call:
+    """Validate an imperative call's arguments (errors name ``api``)."""
+    checks.check_positive_int(api, "chunk_size", chunk_size,
+                              "chunk_size counts rows per vectorized node call, e.g. 32.")
     for name, flag in (("retain_graph", retain_graph), ("diagonal", diagonal),
                        ("per_input", per_input)):
-        checks.check_bool(_API, name, flag)
-    output_list = _tensors("outputs", outputs)
-    input_list = _tensors("inputs", inputs)
-    _check_outputs(output_list)
-    _check_inputs(input_list)
-
-    num_rows = sum(out.numel() for out in output_list)
-    dtype = output_list[0].dtype
-    for out in output_list[1:]:
-        dtype = torch.promote_types(dtype, out.dtype)
-    widest = dtype
-    for tensor in input_list:
-        widest = torch.promote_types(widest, tensor.real.dtype if tensor.is_complex()
-                                     else tensor.dtype)
-    blocks = LeafBlocks(len(input_list), per_leaf=per_input, diagonal=diagonal, dtype=widest)
-    plan = plan_graph(output_list, input_list)
-    if num_rows:
-        graph_gramian(_API, output_list, input_list, blocks, chunk_size=chunk_size,
-                      diagonal=diagonal, plan=plan)
-    if not retain_graph:
-        release_graph(output_list, plan)
-    shape = output_list[0].shape if isinstance(outputs, Tensor) else (num_rows,)
-    device = output_list[0].device
-    results = [
-        (torch.zeros((num_rows,) if diagonal else (num_rows, num_rows), dtype=dtype,
-                     device=device) if block is None else block.to(dtype=dtype, device=device))
-        .reshape(shape if diagonal else (*shape, *shape))
-        for block in blocks.blocks()
-    ]
-    return tuple(results) if per_input else results[0]
+        checks.check_bool(api, name, flag)
+    checks.check_batch_dim(api, batch_dim)
+    output_list = _tensors(api, "outputs", outputs)
+    input_list = _tensors(api, "inputs", inputs)
+    _check_outputs(api, output_list)
+    _check_inputs(api, input_list)
+    if batch_dim is not None:
+        _check_batch(api, output_list, batch_dim)
+    return Call(api, output_list, input_list, isinstance(outputs, Tensor), batch_dim,
+                chunk_size, retain_graph, diagonal, per_input)
 
 
-def _tensors(name: str, value: Any) -> list[Tensor]:
+def _check_batch(api: str, outputs: list[Tensor], batch_dim: int) -> None:
+    sizes = []
+    for index, out in enumerate(outputs):
+        if not -out.dim() <= batch_dim < out.dim():
+            checks.fail(api, f"batch_dim within the dims of every output (-{out.dim()} to "
+                        f"{out.dim() - 1} for outputs[{index}])",
+                        f"batch_dim={batch_dim} for outputs[{index}] of shape "
+                        f"{tuple(out.shape)}",
+                        "Pass the dimension of the outputs that indexes the samples, e.g. "
+                        "batch_dim=0 for per-sample losses of shape [B].")
+        sizes.append(out.shape[batch_dim])
+    if len(set(sizes)) > 1:
+        checks.fail(api, "the same number of samples along batch_dim in every output",
+                    f"sizes {sizes} along dim {batch_dim}",
+                    "Pass outputs that all hold the same samples, or batch_dim=None.")
+
+
+def _tensors(api: str, name: str, value: Any) -> list[Tensor]:
     """``value`` as a non-empty list of tensors, or a message saying what was wrong."""
     if isinstance(value, Tensor):
         return [value]
     fix = (f"Pass a tensor or a list of tensors, e.g. {name}=list(model.parameters())."
            if name == "inputs" else f"Pass a tensor or a list of tensors as {name}.")
     if isinstance(value, str | bytes | Mapping) or not isinstance(value, Iterable):
-        checks.fail(_API, f"{name} to be a tensor or a sequence of tensors",
+        checks.fail(api, f"{name} to be a tensor or a sequence of tensors",
                     f"{type(value).__name__} {value!r:.60}", fix, TypeError)
     tensors = list(value)
     if not tensors:
-        checks.fail(_API, f"at least one tensor in {name}", "an empty sequence", fix)
+        checks.fail(api, f"at least one tensor in {name}", "an empty sequence", fix)
     for index, tensor in enumerate(tensors):
         if not isinstance(tensor, Tensor):
-            checks.fail(_API, f"{name} to be a tensor or a sequence of tensors",
+            checks.fail(api, f"{name} to be a tensor or a sequence of tensors",
                         f"{name}[{index}] of type {type(tensor).__name__}", fix, TypeError)
     return tensors
 
 
-def _check_outputs(outputs: list[Tensor]) -> None:
+def _check_outputs(api: str, outputs: list[Tensor]) -> None:
     for index, out in enumerate(outputs):
         where = f"outputs[{index}] of shape {tuple(out.shape)}"
         if out.is_complex():
-            checks.fail(_API, "real floating outputs", f"{where} with dtype {out.dtype}",
+            checks.fail(api, "real floating outputs", f"{where} with dtype {out.dtype}",
                         "The Gramian of a complex output is not defined here: pass "
                         "torch.view_as_real(out) to treat real and imaginary parts as rows.",
                         TypeError)
         if not out.requires_grad:
-            checks.fail(_API, "outputs that require grad", f"{where} with requires_grad=False",
+            checks.fail(api, "outputs that require grad", f"{where} with requires_grad=False",
                         "Compute the outputs from tensors that require grad, outside "
                         "torch.no_grad(), and do not pass detached tensors.")
 
 
-def _check_inputs(inputs: list[Tensor]) -> None:
+def _check_inputs(api: str, inputs: list[Tensor]) -> None:
     for index, tensor in enumerate(inputs):
         if not tensor.requires_grad:
-            checks.fail(_API, "inputs that require grad",
+            checks.fail(api, "inputs that require grad",
                         f"inputs[{index}] of shape {tuple(tensor.shape)} with "
                         "requires_grad=False",
                         "Its Jacobian is not recorded in the graph. Drop it, e.g. "

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-from torchgram._api.autograd import gramian
+from torchgram._api.autograd import prepare
 from torchgram._api.step_times import StepTimes, Stopwatch
 from torchgram._api.weights import call_weighting, check_weighting
 from torchgram._core import checks
+from torchgram._core.result import RunReport
+from torchgram.backends.eager.record import paused
 
 _API = "torchgram.autograd.backward"
 
@@ -21,6 +23,7 @@ def backward(
     inputs: Tensor | Iterable[Tensor],
     weighting: Callable[[Tensor], Tensor],
     *,
+    batch_dim: int | None = None,
     chunk_size: int | None = None,
     retain_graph: bool = False,
     with_info: bool = False,
@@ -37,6 +40,10 @@ def backward(
         outputs: A tensor or a sequence of tensors (e.g. per-sample or per-task losses).
         inputs: The tensors whose ``.grad`` is set, e.g. ``list(model.parameters())``.
         weighting: A function ``G [m, m] -> w [m]``, e.g. :func:`torchgram.weighting.upgrad`.
+        batch_dim: The outputs' dimension that indexes independent samples, as for
+            :func:`torchgram.autograd.gramian`. With a recorded forward
+            (:func:`torchgram.autograd.record`) covering every input, ``Jᵀ w`` comes from
+            the recorded factors instead of a second backward (NOTE [Jᵀw from the recording]).
         chunk_size: Rows per vectorized node call of the Gramian's graph walk.
         retain_graph: Keep the graph after the backward pass (as in ``torch.autograd``).
         with_info: Also return a :class:`BackwardInfo`: the Gramian and where the step's
@@ -59,26 +66,68 @@ def backward(
         >>> info.gramian.shape, info.times.total > 0
         (torch.Size([3, 3]), True)
     """
+    with paused():  # inside a record() block, these calls are not the user's
+        return _backward(outputs, inputs, weighting, batch_dim, chunk_size, retain_graph,
+                         with_info)
+
+
+def _backward(outputs: Any, inputs: Any, weighting: Callable[[Tensor], Tensor],
+              batch_dim: int | None, chunk_size: int | None, retain_graph: bool,
+              with_info: bool) -> Tensor | tuple[Tensor, BackwardInfo]:
     check_weighting(_API, weighting)
-    checks.check_bool(_API, "retain_graph", retain_graph)
     checks.check_bool(_API, "with_info", with_info)
-    input_list = [inputs] if isinstance(inputs, Tensor) else list(inputs)
-    output_list = [outputs] if isinstance(outputs, Tensor) else list(outputs)
-    watch = Stopwatch(output_list[0].device if output_list else torch.device("cpu"))
-    matrix = gramian(outputs, input_list, chunk_size=chunk_size, retain_graph=True)
-    num_rows = sum(out.numel() for out in output_list)
+    call = prepare(_API, outputs, inputs, batch_dim=batch_dim, chunk_size=chunk_size,
+                   retain_graph=retain_graph, diagonal=False, per_input=False)
+    output_list, input_list = call.outputs, call.inputs
+    watch = Stopwatch(output_list[0].device)
+    outcome = call.run(want_pullback=True)
+    matrix = outcome.value
     assert isinstance(matrix, Tensor)  # per_input=False: one block
+    num_rows = call.num_rows
     gramian_time = watch.lap()
     weights = call_weighting(_API, weighting, matrix.reshape(num_rows, num_rows))
     weighting_time = watch.lap()
-    pieces = weights.split([out.numel() for out in output_list])
-    cotangents = [piece.reshape(out.shape).to(out.dtype)
-                  for piece, out in zip(pieces, output_list, strict=True)]
-    torch.autograd.backward(output_list, cotangents, inputs=input_list,
-                            retain_graph=retain_graph)
+    pullback = outcome.result.pullback
+    if pullback is not None and outcome.result.engine and all(t.is_leaf for t in input_list):
+        _accumulate(input_list, pullback(weights))  # NOTE [Jᵀw from the recording]
+    else:
+        pieces = weights.split([out.numel() for out in output_list])
+        cotangents = [piece.reshape(out.shape).to(out.dtype)
+                      for piece, out in zip(pieces, output_list, strict=True)]
+        torch.autograd.backward(output_list, cotangents, inputs=input_list,
+                                retain_graph=retain_graph)
     times = StepTimes(gramian_time, weighting_time, watch.lap())
-    shaped = weights.reshape(output_list[0].shape) if isinstance(outputs, Tensor) else weights
-    return (shaped, BackwardInfo(matrix, times)) if with_info else shaped
+    shaped = weights.reshape(output_list[0].shape) if call.as_tensor else weights
+    info = BackwardInfo(matrix, times, outcome.result.report)
+    return (shaped, info) if with_info else shaped
+
+
+# NOTE [Jᵀw from the recording]
+# With a recording whose calls cover every input (and no hook in the graph that torchgram
+# can see, NOTE [eager taps]), the Gramian's pass already holds every sample's factors, so
+# Jᵀw = Σ_b w_b J_b is one contraction per recorded call (the size of a weight-gradient
+# product) instead of a second backward through the whole graph. It is accumulated into
+# .grad by autograd itself, `torch.autograd.backward(inputs, grads)` on the leaves: hooks on
+# the leaves (Tensor.register_hook, register_post_accumulate_grad_hook, the gradient hooks of
+# DistributedDataParallel) run as in any backward, and .grad accumulates exactly as
+# torch.autograd.backward(outputs, w, inputs=inputs) would. Hooks on intermediate tensors
+# added after the record() block are not run (torchgram cannot see them); with hooks it can
+# see, the second backward is run as written.
+
+
+def _accumulate(inputs: list[Tensor], grads: dict[int, Tensor]) -> None:
+    """Accumulate ``grads[i]`` (flat) into ``inputs[i].grad`` through autograd."""
+    done: set[int] = set()
+    tensors, values = [], []
+    for index, grad in grads.items():
+        tensor = inputs[index]
+        if id(tensor) in done:
+            continue
+        done.add(id(tensor))
+        tensors.append(tensor)
+        values.append(grad.reshape(tensor.shape).to(tensor.dtype))
+    if tensors:
+        torch.autograd.backward(tensors, values)
 
 
 class BackwardInfo(NamedTuple):
@@ -87,7 +136,10 @@ class BackwardInfo(NamedTuple):
     Attributes:
         gramian: ``G = J Jᵀ``, shaped as :func:`torchgram.autograd.gramian` returns it.
         times: Where the step's time went: the Gramian, the weighting, ``Jᵀ w``.
+        report: How the Gramian was computed (per input: recorded and contracted, or
+            walked; nodes called per row; notes).
     """
 
     gramian: Tensor
     times: StepTimes
+    report: RunReport | None = None

@@ -6,11 +6,13 @@ test instead of producing a wrong Gramian. Nothing else in the package touches t
 internals directly.
 
 * autograd nodes (the graph backend walks an existing graph): a node's input metadata
-  (``node._input_metadata``), its creation order (``node._sequence_nr()``), calling a C++
-  node directly (``node(*grads)``), the Python node of a custom ``autograd.Function``
-  (``BackwardCFunction``, its ``apply`` and ``needs_input_grad``), a leaf's
+  (``node._input_metadata``), what a node saved (``node._saved_<name>``), its creation
+  order (``node._sequence_nr()``), calling a C++ node directly (``node(*grads)``), the
+  Python node of a custom ``autograd.Function`` (``BackwardCFunction``, its ``apply`` and
+  ``needs_input_grad``), a leaf's
   ``AccumulateGrad`` ``variable``, the reentrant checkpoint's Function
-  (``torch.utils.checkpoint.CheckpointFunction``);
+  (``torch.utils.checkpoint.CheckpointFunction``), the Function through which module
+  backward hooks run (``torch.nn.modules._functions.BackwardHookFunction``);
 * error messages torch raises that mean something precise: an op or a custom Function
   without forward-mode AD, a graph freed by an earlier backward;
 * ``Tensor.T`` / ``Tensor.mT`` as seen by a ``TorchFunctionMode`` (the getter's descriptor as
@@ -28,6 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.autograd.function import BackwardCFunction
+from torch.nn.modules._functions import BackwardHookFunction
 from torch.utils.checkpoint import CheckpointFunction
 
 Node = Any
@@ -102,9 +105,68 @@ def is_reentrant_checkpoint(node: Node) -> bool:
     return custom_function_class(node) is CheckpointFunction
 
 
+def is_module_hook_node(node: Node) -> bool:
+    """Whether ``node`` runs module backward hooks (``register_full_backward_hook`` & co)."""
+    return custom_function_class(node) is BackwardHookFunction
+
+
 def is_leaf_accumulator(node: Node) -> bool:
     """Whether ``node`` is a leaf's ``AccumulateGrad`` (the only nodes with a ``variable``)."""
     return not node.next_functions and getattr(node, "variable", None) is not None
+
+
+def saved(node: Node, name: str) -> Any:
+    """What a built-in node saved under ``name`` (``node._saved_<name>``), unpacked.
+
+    Example:
+        >>> x = torch.randn(2, 3, requires_grad=True)
+        >>> node = (x @ torch.randn(3, 4)).grad_fn  # MmBackward0
+        >>> saved(node, "self") is None, tuple(saved(node, "mat2").shape)
+        (True, (3, 4))
+    """
+    return getattr(node, f"_saved_{name}")
+
+
+_SCALAR_SAVED: dict[type, tuple[str, ...]] = {}
+
+
+def saved_arguments(node: Node) -> tuple[Any, ...]:
+    """The non-tensor arguments a built-in node saved (``dim``, ``training``, ``eps``, ...).
+
+    Tensors a node saves have a ``_raw_saved_<name>`` twin; the other ``_saved_<name>``
+    attributes are the op's plain arguments, read without unpacking any tensor. They tell
+    apart nodes of one type and shapes that compute differently (``batch_norm`` in training
+    mode or not, a mean over another dim).
+
+    Example:
+        >>> x = torch.randn(4, 3, requires_grad=True)
+        >>> saved_arguments(x.mean(0).grad_fn)[:2]
+        (('dim', (0,)), ('keepdim', False))
+    """
+    names = _SCALAR_SAVED.get(type(node))
+    if names is None:
+        attributes = dir(node)
+        names = _SCALAR_SAVED[type(node)] = tuple(
+            name[len("_saved_"):] for name in attributes
+            if name.startswith("_saved_") and f"_raw{name}" not in attributes)
+    values = []
+    for name in names:
+        value = getattr(node, f"_saved_{name}")
+        if isinstance(value, list):
+            value = tuple(value)
+        if isinstance(value, Tensor):
+            continue
+        try:
+            hash(value)
+        except TypeError:
+            value = repr(value)
+        values.append((name, value))
+    return tuple(values)
+
+
+def leaf_of(node: Node) -> Tensor:
+    """The leaf tensor of an ``AccumulateGrad`` node (see :func:`is_leaf_accumulator`)."""
+    return node.variable
 
 
 def version(tensor: Tensor) -> int:

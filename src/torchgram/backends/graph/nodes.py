@@ -165,6 +165,9 @@ def _vmapped(node: Node, grads: list[Tensor | None],
 
 def _looped(node: Node, grads: list[Tensor | None], edges: Sequence[Edge | None],
             count: int) -> list[Tensor | None]:
+    if count == 1:  # one row: no copy
+        outs = apply_node(node, [None if g is None else g[0] for g in grads], edges)
+        return [None if out is None else out.unsqueeze(0) for out in outs]
     per_row = [apply_node(node, [None if g is None else g[r] for g in grads], edges)
                for r in range(count)]
     stacked: list[Tensor | None] = []

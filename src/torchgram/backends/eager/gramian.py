@@ -1,0 +1,571 @@
+"""The imperative Gramian: recorded layers contracted like the structured backend, the rest walked.
+
+# NOTE [imperative Gramian]
+``tg.autograd.gramian(outputs, inputs, batch_dim=...)`` splits the inputs in two:
+
+* **tapped** inputs: leaves whose every use in the graph is a call the live recording
+  recognised (NOTE [eager recording]). Their blocks come from the cotangents at those calls'
+  outputs (NOTE [eager taps]) and the recorded activations, contracted by the structured
+  backend's :class:`~torchgram.backends.structured.contraction.Contraction` (ghost,
+  materialized or sparse embedding blocks, cross terms of reused leaves; NOTE [structured
+  cost model]). With ``batch_dim`` each cotangent pass serves every sample (one per row
+  direction: a single backward for per-sample losses), read per sample through each
+  output's sample layout (NOTE [sample layouts]);
+* every other input (no recording, a use the recording did not see or no rule covers, a
+  non-leaf tensor, a layer whose samples cannot be located): the graph walk, restricted to
+  those inputs (``torchgram.backends.graph``; with ``batch_dim``, the sample-sparse walk).
+
+Samples that interact (a call the recording knows to mix them, or a probe showing it) make
+``batch_dim`` untrue: then every row of the whole batch is a row of the passes (``B = 1``,
+``K = m``), which is the exact coupled Gramian, and the report says so.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from torchgram._core import _torch_compat
+from torchgram._core.checks import fail
+from torchgram._core.result import RunReport
+from torchgram._core.sink import LeafBlocks
+from torchgram.backends.eager.graph_index import GraphIndex, index_graph
+from torchgram.backends.eager.passes import engine_cotangents, walk_cotangents
+from torchgram.backends.eager.record import EagerTap, EagerUse, Recording, current_recording
+from torchgram.backends.eager.rows import Rows
+from torchgram.backends.eager.samples import (
+    LAYOUT_CACHE,
+    SampleLayout,
+    allowed_dims,
+    candidates,
+    choose,
+    numel,
+    probe_samples,
+)
+from torchgram.backends.graph.gramian import graph_gramian, input_edge
+from torchgram.backends.graph.nodes import Edge, NodeCaller
+from torchgram.backends.graph.release import release_graph
+from torchgram.backends.graph.sparse import SparseWalk, _Slot, compact_block
+from torchgram.backends.structured.contraction import Contraction, flat_rows, to_row_major
+from torchgram.backends.structured.cost import Sizes, plan_leaves
+from torchgram.backends.structured.trace import Recording as UseTable
+from torchgram.backends.structured.trace import TapRecord, UseRecord
+
+Pullback = Callable[[Tensor], dict[int, Tensor]]
+"""Weights ``[m]`` (outputs' order) ↦ ``Jᵀ w`` of each tapped input (by input index)."""
+
+
+@dataclass
+class EagerResult:
+    """What :func:`eager_gramian` did besides filling the blocks.
+
+    Attributes:
+        report: What ran (ways per input, notes, nodes called per row).
+        pullback: ``w ↦ Jᵀ w`` from the recorded factors, when every input was tapped and
+            the factors were kept (``want_pullback``).
+        graph_freed: Whether the passes already freed the graph (``retain_graph=False``).
+        engine: Whether the tapped inputs' cotangents came from an engine pass (no hook in
+            the graph that torchgram could see, NOTE [eager taps]).
+    """
+
+    report: RunReport
+    pullback: Pullback | None = None
+    graph_freed: bool = False
+    engine: bool = False
+
+
+@dataclass
+class _Tapped:
+    """The inputs the recording covers, and how their taps are read."""
+
+    inputs: list[int] = field(default_factory=list)  # input indices (unique tensors)
+    uses: dict[int, list[EagerUse]] = field(default_factory=dict)  # by input index
+    slots: dict[int, Edge] = field(default_factory=dict)  # tap index -> slot
+
+
+def eager_gramian(api: str, outputs: Sequence[Tensor], inputs: Sequence[Tensor],
+                  blocks: LeafBlocks, *, batch_dim: int | None, chunk_size: int | None,
+                  diagonal: bool, retain_graph: bool,
+                  want_pullback: bool = False) -> EagerResult:
+    """Add every input's block (output order) to ``blocks`` (NOTE [imperative Gramian])."""
+    rows = Rows.of(outputs, batch_dim)
+    report = RunReport("autograd", "graph walk")
+    ways = ["walk"] * len(inputs)
+    recording = current_recording()
+    first_of: dict[int, int] = {}
+    for i, tensor in enumerate(inputs):
+        first_of.setdefault(id(tensor), i)
+    walked = [i for i, tensor in enumerate(inputs) if first_of[id(tensor)] == i]
+    final, duplicates = blocks, len(walked) < len(inputs)
+    if duplicates:  # one block per tensor, then each counted as often as it is passed
+        blocks = LeafBlocks(len(inputs), per_leaf=True, diagonal=diagonal, dtype=final.dtype)
+    result = EagerResult(report)
+    if recording is not None:
+        graph = index_graph(outputs)
+        if graph.reentrant:
+            _fail_reentrant(api)
+        tapped = _select(api, recording, graph, inputs, walked, report)
+        if tapped.inputs:
+            others = [i for i in walked if i not in set(tapped.inputs)]
+            result = _contract(api, recording, graph, tapped, rows, inputs, blocks, ways,
+                               chunk_size=chunk_size, diagonal=diagonal,
+                               retain_graph=retain_graph or bool(others),
+                               want_pullback=want_pullback and not others, report=report)
+            walked = [i for i in walked if i not in set(tapped.inputs)]  # some may be back
+    if walked:
+        _walk(api, rows, inputs, walked, blocks, chunk_size=chunk_size, diagonal=diagonal,
+              report=report)
+    for i, tensor in enumerate(inputs):
+        ways[i] = ways[first_of[id(tensor)]]
+    if duplicates:  # a tensor passed twice gets its block twice
+        per_tensor = blocks.blocks()
+        for i, tensor in enumerate(inputs):
+            block = per_tensor[first_of[id(tensor)]]
+            if block is not None:
+                final.add(i, block)
+    report.leaf_ways = tuple(ways)
+    if want_pullback and result.pullback is None:
+        return result  # the caller's backward pass frees the graph
+    if not retain_graph and not result.graph_freed:
+        from torchgram.backends.graph.gramian import plan_graph
+
+        release_graph(list(outputs), plan_graph(outputs, inputs))
+    return result
+
+
+def _fail_reentrant(api: str) -> None:
+    fail(api, "a graph without reentrant checkpoints",
+         "a torch.utils.checkpoint(..., use_reentrant=True) region, whose parameters are "
+         "hidden from the graph", "Use torch.utils.checkpoint(..., use_reentrant=False), "
+         "which this walk supports.")
+
+
+def _walked(report: RunReport, index: int, why: str) -> None:
+    """Note that input ``index`` is walked, and why."""
+    report.notes.append(f"inputs[{index}]: walked ({why})")
+
+
+def walk_reasons(report: RunReport) -> dict[int, str]:
+    """Why each walked input of a report was walked, by input index."""
+    reasons = {}
+    for note in report.notes:
+        found = _WALKED.match(note)
+        if found:
+            reasons[int(found.group(1))] = found.group(2)
+    return reasons
+
+
+_WALKED = re.compile(r"inputs\[(\d+)\]: walked \((.*)\)$")
+
+
+def _select(api: str, recording: Recording, graph: GraphIndex, inputs: Sequence[Tensor],
+            candidates_: Sequence[int], report: RunReport) -> _Tapped:
+    """The inputs whose every use in the graph the recording tapped (NOTE [eager recording])."""
+    tapped = _Tapped()
+    stale = recording.stale_acts()
+    for i in candidates_:
+        tensor = inputs[i]
+        if not tensor.is_leaf:
+            continue
+        leaf = recording.leaf_index(tensor)
+        if leaf is None:
+            continue
+        if leaf in recording.unrecognised:
+            _walked(report, i, "used outside the rules in "
+                    + ", ".join(recording.unrecognised[leaf]))
+            continue
+        in_graph = graph.holders(tensor)
+        uses = [use for use in recording.uses if use.leaf == leaf and use.holders & in_graph]
+        seen = set().union(*(use.holders for use in uses)) if uses else set()
+        if not in_graph <= seen:
+            _walked(report, i, "the graph uses it where the recording did not see it")
+            continue
+        slots = {}
+        for use in uses:
+            tap = recording.taps[use.tap]
+            node = graph.node(tap.seq, tap.node_name)
+            if node is None:
+                break
+            slots[use.tap] = (node, tap.output_nr)
+        else:
+            if any(use.act in stale for use in uses if use.act is not None):
+                fail(api, "the activations of the recorded calls unchanged until the Gramian",
+                     f"an input of a recorded {recording.taps[uses[0].tap].rule} call "
+                     f"(multiplied by inputs[{i}]) changed in place after the call",
+                     "Do not modify it in place (autograd's own backward needs it too), "
+                     "e.g. use out-of-place ops such as torch.relu instead of relu_.")
+            tapped.inputs.append(i)
+            tapped.uses[i] = uses
+            tapped.slots.update(slots)
+            continue
+        _walked(report, i, "a recorded call is not found in the graph")
+    return tapped
+
+
+def _walk(api: str, rows: Rows, inputs: Sequence[Tensor], walked: Sequence[int],
+          blocks: LeafBlocks, *, chunk_size: int | None, diagonal: bool,
+          report: RunReport) -> None:
+    """The walk's blocks of the inputs ``walked`` (output order)."""
+    if rows.samples > 1:
+        sparse_gramian(api, rows, inputs, walked, blocks, chunk_size=chunk_size,
+                       diagonal=diagonal, report=report)
+        return
+    sub = LeafBlocks(len(walked), per_leaf=blocks.per_leaf, diagonal=diagonal,
+                     dtype=blocks.dtype)
+    graph_gramian(api, list(rows.outputs), [inputs[i] for i in walked], sub,
+                  chunk_size=chunk_size, diagonal=diagonal, report=report)
+    for k, block in enumerate(sub.blocks()):
+        if block is not None:
+            blocks.add(walked[k] if blocks.per_leaf else 0, block)
+
+
+def sparse_gramian(api: str, rows: Rows, inputs: Sequence[Tensor], walked: Sequence[int],
+                   blocks: LeafBlocks, *, chunk_size: int | None, diagonal: bool,
+                   report: RunReport) -> None:
+    """The sample-sparse walk's blocks of the inputs ``walked`` (NOTE [sample-sparse walk])."""
+    by_edge: dict[Edge, list[int]] = {}
+    for i in walked:
+        by_edge.setdefault(input_edge(inputs[i]), []).append(i)
+    caller = NodeCaller(chunk_size)
+    walk = SparseWalk(rows, list(by_edge), caller)
+    for node in walk.plan.children:
+        if _torch_compat.is_reentrant_checkpoint(node):
+            _fail_reentrant(api)
+    samples, total = rows.samples, rows.per_sample
+    step = total if not diagonal or chunk_size is None else max(1, chunk_size // samples)
+    dtype = blocks.dtype
+    for start in range(0, total, step):
+        stop = min(start + step, total)
+
+        def on_target(edge: Edge, slot: _Slot | None, start: int = start,
+                      stop: int = stop) -> None:
+            if slot is None:
+                return
+            count = stop - start
+            if slot.layout is not None:
+                rows_ = slot.rows[:count]
+                rows_ = rows_.to(dtype) if dtype is not None else rows_
+                block = compact_block(rows_, slot.layout, samples, diagonal)
+            else:
+                flat = flat_rows(slot.rows.unsqueeze(0))[0]  # columns in memory order
+                if flat.is_complex():
+                    flat = torch.view_as_real(flat).reshape(flat.shape[0], -1)
+                flat = flat.to(dtype) if dtype is not None else flat
+                block = flat.square().sum(1) if diagonal else flat @ flat.T
+            if diagonal:
+                full = block.new_zeros(rows.num_rows)
+                full[start * samples:stop * samples] = block
+                block = full
+            block = rows.to_output_order(block, diagonal)
+            for i in by_edge[edge]:
+                blocks.add(i if blocks.per_leaf else 0, block)
+
+        try:
+            with torch.no_grad():
+                walk.run(start, stop, on_target)
+        except RuntimeError as error:
+            if not _torch_compat.is_freed_graph_error(error):
+                raise
+            fail(api, "a graph whose saved tensors are still alive",
+                 "a graph already freed by an earlier backward pass or autograd.grad call",
+                 "Pass retain_graph=True to that earlier call, or compute the Gramian first "
+                 "and then call backward.", RuntimeError)
+    report.looped_nodes = dict(caller.vmap_failures)
+    result = walk.result
+    report.way = "sample-sparse walk" if report.way == "graph walk" else report.way
+    for name, count in result.expanded_nodes.items():
+        report.notes.append(f"walk: {name} called on every sample's rows ({count}×)")
+    for name, count in result.ruled_nodes.items():
+        report.notes.append(f"walk: {name} split per sample from its saved tensors "
+                            f"({count}×)")
+    if result.probed:
+        report.notes.append("walk: probed samples to locate them in the graph (cached for "
+                            "this graph's signature)")
+
+
+# -- the tapped inputs --------------------------------------------------------------------------
+
+
+@dataclass
+class _Layouts:
+    """The per-sample layout of every tap (``None`` per tap: dense rows)."""
+
+    samples: int
+    per_sample: int
+    of_tap: dict[int, SampleLayout | None]
+    dense: bool
+    failed: dict[int, str] = field(default_factory=dict)  # tap -> why it has no layout
+
+
+def _contract(api: str, recording: Recording, graph: GraphIndex, tapped: _Tapped, rows: Rows,
+              inputs: Sequence[Tensor], blocks: LeafBlocks, ways: list[str], *,
+              chunk_size: int | None, diagonal: bool, retain_graph: bool,
+              want_pullback: bool, report: RunReport) -> EagerResult:
+    """Blocks of the tapped inputs from one pass per row direction (NOTE [imperative Gramian])."""
+    del api
+    engine = not (recording.hooks or graph.module_hooks)
+    caller = NodeCaller(chunk_size)
+    taps = sorted(tapped.slots)
+
+    def cotangents(seeds: list[Tensor], slots: list[Edge], free: bool) -> list[Tensor | None]:
+        if engine:
+            return engine_cotangents(rows.outputs, slots, seeds, retain_graph=not free,
+                                     vectorize=chunk_size != 1)
+        return walk_cotangents(rows.outputs, slots, seeds, caller)
+
+    layouts = _layouts(recording, tapped, taps, rows, cotangents, report)
+    if layouts.failed:  # inputs whose taps have no layout go to the walk
+        for i in list(tapped.inputs):
+            bad = [use.tap for use in tapped.uses[i] if use.tap in layouts.failed]
+            if bad:
+                tapped.inputs.remove(i)
+                _walked(report, i, layouts.failed[bad[0]])
+        taps = sorted({use.tap for i in tapped.inputs for use in tapped.uses[i]})
+        retain_graph, want_pullback = True, False  # the walk comes next
+        if not tapped.inputs:
+            return EagerResult(report, engine=engine)
+    samples, per_sample = layouts.samples, layouts.per_sample
+    if layouts.dense and rows.samples > 1:
+        report.notes.append("rows of the whole batch: the samples interact ("
+                            + (recording.coupling[0] if recording.coupling else
+                               "a probe's cotangent spreads over other samples") + ")")
+    dtype = blocks.dtype or rows.outputs[0].dtype
+    local = {tap: k for k, tap in enumerate(taps)}
+    acts_used = sorted({use.act for i in tapped.inputs for use in tapped.uses[i]
+                        if use.act is not None})
+    act_local = {act: k for k, act in enumerate(acts_used)}
+    table = UseTable()
+    for tap in taps:
+        spec = recording.taps[tap]
+        table.taps.append(TapRecord(_per_sample(spec.shape, layouts.of_tap[tap], samples),
+                                    spec.dtype, spec.rule))
+    leaf_uses: dict[int, tuple[UseRecord, ...]] = {}
+    for k, i in enumerate(tapped.inputs):
+        records = []
+        for use in tapped.uses[i]:
+            spec = recording.taps[use.tap]
+            layout = layouts.of_tap[use.tap]
+            act_shape = None if use.act is None else _per_sample(
+                tuple(recording.acts[use.act].shape), layout, samples)
+            records.append(UseRecord(
+                leaf=k, role=use.role, rule=spec.rule, layout=use.layout,
+                act_first=use.act_first, tap=local[use.tap],
+                act=None if use.act is None else act_local[use.act],
+                shape=use.layout.shape(numel(_per_sample(spec.shape, layout, samples))),
+                act_shape=act_shape))
+        leaf_uses[k] = tuple(records)
+        table.uses.extend(records)
+    numels = [inputs[i].numel() for i in tapped.inputs]
+    plans = plan_leaves(numels, table, Sizes(samples, per_sample, diagonal,
+                                             torch.empty((), dtype=dtype).element_size()),
+                        tap_fallback_uses=False, memory_budget=None)
+    for k, i in enumerate(tapped.inputs):
+        ways[i] = plans[k].way
+    per_pass = per_sample if chunk_size is None else max(1, min(per_sample,
+                                                                chunk_size // samples))
+    fast = {plan.leaf for plan in plans if per_pass == per_sample == 1
+            and _FastLeaf.applies(plan.way, leaf_uses[plan.leaf])}
+    contraction = Contraction([plan for plan in plans if plan.leaf not in fast], leaf_uses,
+                              numels, samples, per_sample, diagonal, keep=want_pullback)
+    acts = [_sample_view(recording.acts[act], _act_layout(tapped, recording, act, layouts),
+                         0, samples, dtype) for act in acts_used]
+    contraction.set_acts(acts)
+    fast_leaves: dict[int, _FastLeaf] = {}
+    slots = [tapped.slots[tap] for tap in taps]
+    freed = False
+    for start in range(0, per_sample, per_pass):
+        stop = min(start + per_pass, per_sample)
+        seeds = (rows.direction_seeds(start, stop) if not layouts.dense
+                 else _basis_seeds(rows, start, stop))
+        free = not retain_graph and stop == per_sample and engine \
+            and (not want_pullback or per_pass == per_sample)
+        raw = cotangents(seeds, slots, free)
+        freed = freed or free
+        cots = [None if cot is None else
+                _sample_view(cot, layouts.of_tap[tap], 1, samples, dtype)
+                for cot, tap in zip(raw, taps, strict=True)]
+        del raw
+        report.row_chunks.append((stop - start, sum(c.numel() * c.element_size()
+                                                    for c in cots if c is not None)))
+        for k in fast:
+            (only,) = leaf_uses[k]
+            assert only.act is not None
+            fast_leaves[k] = _FastLeaf(only, acts[only.act], cots[only.tap])
+        contraction.add_rows(start, stop, cots, {})
+        del cots
+    rm_rows = _RowMajor(rows, layouts)
+    pieces = [(k, leaf.gram(diagonal)) for k, leaf in fast_leaves.items()
+              if leaf.valid] + list(contraction.blocks(dtype))
+    for k, block in pieces:
+        flat = rm_rows.to_output_order(to_row_major(block, diagonal), diagonal)
+        blocks.add(tapped.inputs[k] if blocks.per_leaf else 0, flat)
+    report.way = ("recorded taps" + (" (engine pass)" if engine else " (walked pass)")
+                  + (", rows of the whole batch" if layouts.dense and rows.samples > 1 else ""))
+    pullback = None
+    if want_pullback and contraction.complete:
+        pullback = _pullback(contraction, fast_leaves, rm_rows, tapped.inputs)
+    return EagerResult(report, pullback, freed, engine)
+
+
+class _FastLeaf:
+    """A leaf materialized from one weight use, one row per sample, one group.
+
+    The structured contraction forms the per-sample Jacobians in the leaf's layout; their
+    Gram does not depend on the order of the columns, and on CPU the batched product
+    ``actᵀ · cot`` (``[B, a, c]``) is markedly faster than ``cotᵀ · act`` for a linear
+    layer's shapes, so this leaf is contracted here in that orientation.
+    """
+
+    def __init__(self, use: UseRecord, act_raw: Tensor, cot_raw: Tensor | None) -> None:
+        self.valid = cot_raw is not None
+        self.act_first = use.act_first
+        if cot_raw is None:
+            return
+        act = use.layout.act_factor(act_raw, 1)  # [B, T, 1, a]
+        cot = use.layout.cot_factor(cot_raw, 2, act_raw)[0]  # [B, T, 1, c]
+        self.act = act.reshape(act.shape[0], -1, act.shape[-1])
+        self.cot = cot.reshape(cot.shape[0], -1, cot.shape[-1])
+
+    @staticmethod
+    def applies(way: str, uses: tuple[UseRecord, ...]) -> bool:
+        """Whether a leaf planned ``way`` with these uses is one."""
+        if way != "materialize" or len(uses) != 1:
+            return False
+        shape = uses[0].shape
+        return uses[0].role == "weight" and not shape.act_is_index and not shape.elementwise \
+            and shape.groups == 1
+
+    def gram(self, diagonal: bool) -> Tensor:
+        """The block ``[1, B, 1, B]`` (``[1, B]``)."""
+        jacobian = torch.bmm(self.act.transpose(1, 2), self.cot)
+        flat = jacobian.reshape(jacobian.shape[0], -1)
+        block = flat.square().sum(-1) if diagonal else flat @ flat.T
+        return block.reshape(1, -1) if diagonal else block.reshape(1, flat.shape[0], 1, -1)
+
+    def pullback(self, weights: Tensor) -> Tensor:
+        """``Σ_b w_b J_b`` in the leaf's layout, flattened (``weights: [1, B]``)."""
+        weighted = self.cot * weights.reshape(-1, 1, 1).to(self.cot.dtype)
+        grad = self.act.flatten(0, 1).T @ weighted.flatten(0, 1)  # [a, c]
+        return (grad if self.act_first else grad.T).reshape(-1)
+
+
+def _per_sample(shape: tuple[int, ...], layout: SampleLayout | None,
+                samples: int) -> tuple[int, ...]:
+    return shape if layout is None else layout.per_sample_shape(shape, samples)
+
+
+def _sample_view(tensor: Tensor, layout: SampleLayout | None, lead: int, samples: int,
+                 dtype: torch.dtype) -> Tensor:
+    """``[*lead, B, *per-sample]`` (``B = 1`` without a layout), floating values in ``dtype``."""
+    if tensor.is_floating_point() and tensor.dtype != dtype:
+        tensor = tensor.to(dtype)
+    if layout is None:
+        return tensor.unsqueeze(lead)
+    return layout.view(tensor, lead, samples)
+
+
+def _act_layout(tapped: _Tapped, recording: Recording, act: int,
+                layouts: _Layouts) -> SampleLayout | None:
+    """The layout of an activation: that of the tap of a call that multiplies it."""
+    for uses in tapped.uses.values():
+        for use in uses:
+            if use.act == act:
+                return layouts.of_tap[use.tap]
+    return None
+
+
+def _basis_seeds(rows: Rows, start: int, stop: int) -> list[Tensor]:
+    """Dense rows ``start:stop`` in the outputs' order: one basis vector each."""
+    first = rows.outputs[0]
+    flat = first.new_zeros(stop - start, rows.num_rows)
+    flat[torch.arange(stop - start), torch.arange(start, stop)] = 1
+    pieces = flat.split([out.numel() for out in rows.outputs], dim=1)
+    return [piece.reshape(stop - start, *out.shape)
+            for piece, out in zip(pieces, rows.outputs, strict=True)]
+
+
+class _RowMajor:
+    """The contraction's rows ``(r, b)`` in the outputs' order."""
+
+    def __init__(self, rows: Rows, layouts: _Layouts) -> None:
+        self.rows = rows
+        self.dense = layouts.dense
+
+    def to_output_order(self, block: Tensor, diagonal: bool) -> Tensor:
+        return block if self.dense else self.rows.to_output_order(block, diagonal)
+
+    def weights(self, weights: Tensor) -> Tensor:
+        """``[m]`` in the outputs' order as the contraction's ``[R, B]``."""
+        if self.dense:
+            return weights.reshape(-1, 1)
+        return self.rows.to_row_major(weights)
+
+
+def _pullback(contraction: Contraction, fast: dict[int, _FastLeaf], rm_rows: _RowMajor,
+              inputs: list[int]) -> Pullback:
+    def pullback(weights: Tensor) -> dict[int, Tensor]:
+        shaped = rm_rows.weights(weights)
+        grads = contraction.pullback(shaped)
+        out = {inputs[k]: grad for k, grad in enumerate(grads) if grad is not None}
+        for k, leaf in fast.items():
+            if leaf.valid:
+                out[inputs[k]] = leaf.pullback(shaped)
+        return out
+
+    return pullback
+
+
+# -- sample layouts -----------------------------------------------------------------------------
+
+
+def _layouts(recording: Recording, tapped: _Tapped, taps: list[int], rows: Rows,
+             cotangents: Callable[[list[Tensor], list[Edge], bool], list[Tensor | None]],
+             report: RunReport) -> _Layouts:
+    """Each tap's sample layout: from the shapes, the cache, or a probe (NOTE [sample layouts])."""
+    dense = _Layouts(1, rows.num_rows, dict.fromkeys(taps), dense=True)
+    if rows.samples == 1 or recording.coupling:
+        return dense
+    samples = rows.samples
+    uses_of: dict[int, list[EagerUse]] = {}
+    for uses in tapped.uses.values():
+        for use in uses:
+            uses_of.setdefault(use.tap, []).append(use)
+    options: dict[int, list[SampleLayout]] = {}
+    for tap in taps:
+        spec = recording.taps[tap]
+        acts = [recording.acts[use.act] for use in uses_of[tap] if use.act is not None]
+        act_shape = tuple(acts[0].shape) if acts else None
+        options[tap] = candidates(spec.shape, samples,
+                                  allowed_dims(uses_of[tap][0].layout, spec.shape, act_shape))
+    key = (recording.signature, rows.batch_dim, tuple(out.shape for out in rows.outputs),
+           tuple((recording.taps[tap].shape, recording.taps[tap].rule, tuple(options[tap]))
+                 for tap in taps))
+    choices = LAYOUT_CACHE.get(key)
+    if choices is None:
+        probed = probe_samples(samples)
+        slots = [tapped.slots[tap] for tap in taps]
+        probes = cotangents(rows.probe_seeds(probed), slots, False)
+        choices = tuple(choose(options[tap], [(s, None if probe is None else probe[j])
+                                              for j, s in enumerate(probed)], samples)
+                        for tap, probe in zip(taps, probes, strict=True))
+        LAYOUT_CACHE.put(key, choices)
+        report.notes.append(f"probed samples {list(probed)} to locate the samples in "
+                            f"{len(taps)} recorded call(s) (cached for this signature)")
+    if any(choice.layout is None and "spreads" in choice.reason for choice in choices):
+        return dense
+    failed = {tap: f"{recording.taps[tap].rule} output {recording.taps[tap].shape}: "
+                   f"{choice.reason}"
+              for tap, choice in zip(taps, choices, strict=True) if choice.layout is None}
+    return _Layouts(samples, rows.per_sample,
+                    {tap: choice.layout for tap, choice in zip(taps, choices, strict=True)},
+                    dense=False, failed=failed)
+
+
+def describe_tap(tap: EagerTap) -> str:
+    """A short description of a tap, for reports."""
+    return f"{tap.rule} → {tuple(tap.shape)}"
+

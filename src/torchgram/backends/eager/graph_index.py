@@ -1,0 +1,83 @@
+"""One pass over an eager graph: its nodes by sequence number, the edges into its leaves.
+
+The imperative Gramian walks the graph below the outputs once, before any differentiation,
+to find the nodes a recording tapped (NOTE [eager recording]: by sequence number), every
+node holding an edge into a leaf's ``AccumulateGrad`` (to check that the recording saw every
+use of a leaf), and what makes the fast pass impossible: module backward hooks (their
+``BackwardHookFunction`` nodes) and reentrant checkpoints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from torch import Tensor
+from torch.autograd.graph import get_gradient_edge
+
+from torchgram._core import _torch_compat
+from torchgram._core._torch_compat import Node
+
+
+@dataclass
+class GraphIndex:
+    """The graph below some outputs (see module docstring).
+
+    Attributes:
+        by_seq: Every node but the leaves' accumulators, by sequence number (a number seen
+            twice, possible across threads, is dropped).
+        into: For each leaf (by ``id`` of the tensor), the nodes with an edge into its
+            ``AccumulateGrad``.
+        module_hooks: Whether a module backward hook sits in the graph.
+        reentrant: Whether a reentrant checkpoint sits in the graph.
+        size: Number of nodes.
+    """
+
+    by_seq: dict[int, Node] = field(default_factory=dict)
+    into: dict[int, list[Node]] = field(default_factory=dict)
+    module_hooks: bool = False
+    reentrant: bool = False
+    size: int = 0
+
+    def node(self, seq: int, name: str) -> Node | None:
+        """The node with sequence number ``seq`` and name ``name``, if it is in the graph."""
+        node = self.by_seq.get(seq)
+        return node if node is not None and node.name() == name else None
+
+    def holders(self, leaf: Tensor) -> set[int]:
+        """Sequence numbers of the nodes with an edge into ``leaf``'s accumulator."""
+        return {_torch_compat.creation_order(node) for node in self.into.get(id(leaf), ())}
+
+
+def index_graph(outputs: Sequence[Tensor]) -> GraphIndex:
+    """Index the graph below ``outputs`` (each requiring grad), iteratively."""
+    index = GraphIndex()
+    duplicated: set[int] = set()
+    stack = [get_gradient_edge(out).node for out in outputs]
+    seen: set[Node] = set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if _torch_compat.is_leaf_accumulator(node):
+            continue
+        seq = _torch_compat.creation_order(node)
+        if seq in index.by_seq and index.by_seq[seq] is not node:
+            duplicated.add(seq)
+        index.by_seq[seq] = node
+        if _torch_compat.is_reentrant_checkpoint(node):
+            index.reentrant = True
+        if _torch_compat.is_module_hook_node(node):
+            index.module_hooks = True
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            if _torch_compat.is_leaf_accumulator(child):
+                index.into.setdefault(id(_torch_compat.leaf_of(child)), []).append(node)
+            if child not in seen:
+                stack.append(child)
+    for seq in duplicated:
+        del index.by_seq[seq]
+    index.size = len(seen)
+    return index

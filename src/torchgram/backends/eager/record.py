@@ -1,0 +1,412 @@
+"""``torchgram.autograd.record``: seeing the structured layers of an eager forward as it runs.
+
+# NOTE [eager recording]
+``with tg.autograd.record(): losses = loss_fn(model(x), y)`` runs the user's forward under a
+``TorchFunctionMode`` (:class:`RecordMode`) that changes nothing it computes: every call runs
+as written, on the user's tensors. It notes, for every call a structured rule recognises
+(``rules.RULES``: linear, matmul, conv, embedding, layer/group norm; self-attention through
+its rewrite, NOTE [attention rewrite]) whose weight or bias **is** a tensor that requires grad
+and is a leaf (an ``nn.Parameter``, discovered as it is used):
+
+* the call's output ``y``: not the tensor, but where its cotangent arrives in the graph, its
+  node's sequence number (``Node._sequence_nr()``, unique per thread) and ``output_nr``; the
+  Gramian's pass finds that node again by walking the graph from the outputs and asks
+  autograd for ``∂out/∂y`` there (a ``GradientEdge``), so no zero "tap" is added and the
+  graph is exactly the one the user would have built;
+* the activation (the other operand), detached: a view sharing its storage, whose version
+  counter says whether it was later changed in place;
+* the nodes of the call that hold the edges to the leaf (``AddmmBackward0`` for a bias,
+  ``TBackward0`` for a linear weight, ...), by sequence number: the Gramian checks that every
+  edge into the leaf's ``AccumulateGrad`` in the graph comes from such a node, so a use the
+  recording did not see (before the ``with`` block, inside a custom ``autograd.Function``, in
+  an op no rule covers) can never be missed: that leaf goes to the graph walk instead.
+
+Any other call that involves a leaf and returns a floating tensor is an *unrecognised* use
+(the leaf is then walked); calls that make samples interact (batch-norm in training mode, ...)
+are noted, as are ``Tensor.register_hook`` / ``retain_grad`` calls (NOTE [eager taps]).
+
+**Lifetimes.** Nothing is written on the user's modules or tensors, and no hook is installed.
+The recording is referenced from the ``metadata`` dict of the tapped nodes (and weakly from
+a per-thread slot), so it lives exactly as long as the recorded graph: dropping the outputs
+frees it. The activations it holds are released earlier when they cannot be used any more:
+when the next ``record()`` starts on the same thread (one live recording per thread: so a
+training loop never holds two steps' activations), after a ``tg.autograd.gramian`` /
+``tg.autograd.backward`` call with ``retain_graph=False``, or on :meth:`Recording.close`.
+An expired recording is simply not used: the Gramian is then computed by the graph walk.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+from torchgram._core import _torch_compat
+from torchgram._core.census import coupling_op
+from torchgram._core.pytree import leaves_of
+from torchgram.backends.structured.rules import rewrite_for, rule_for
+from torchgram.backends.structured.rules.base import Layout, Match
+from torchgram.backends.structured.trace import LeafRef, _is_transpose, describe
+
+METADATA_KEY = "torchgram.record"
+"""Key of the recording in the ``metadata`` dict of the nodes it tapped."""
+
+_HOLDER_SEARCH = 64
+"""Most nodes searched inside one recognised call for the edges into its leaves."""
+
+_HOOK_METHODS = frozenset({torch.Tensor.register_hook, torch.Tensor.retain_grad})
+
+
+@dataclass(frozen=True)
+class EagerTap:
+    """Where one recognised call's output cotangent arrives, and that output's description.
+
+    Attributes:
+        seq: The sequence number of the output's node (found again in the graph by it).
+        node_name: That node's name (checked when it is found again).
+        output_nr: The output's slot at that node.
+        shape: The output's shape (the whole batch).
+        dtype: The output's dtype.
+        rule: The rule that recognised the call.
+    """
+
+    seq: int
+    node_name: str
+    output_nr: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    rule: str
+
+
+@dataclass(frozen=True)
+class EagerUse:
+    """One recognised use of a recorded leaf.
+
+    Attributes:
+        leaf: The leaf's index in the recording.
+        role: ``"weight"`` or ``"bias"``.
+        layout: The rule's factor layout (NOTE [factors]).
+        act_first: Whether the activation is the first factor in the leaf's own layout.
+        tap: Index of the call's :class:`EagerTap`.
+        act: Index of the activation among the recorded activations (weights only).
+        holders: Sequence numbers of the call's nodes with an edge into the leaf.
+    """
+
+    leaf: int
+    role: Literal["weight", "bias"]
+    layout: Layout
+    act_first: bool
+    tap: int
+    act: int | None
+    holders: frozenset[int] = frozenset()
+
+
+@dataclass(eq=False)
+class Recording:
+    """What one ``record()`` block saw (NOTE [eager recording]).
+
+    Attributes:
+        leaves: The leaves (tensors that require grad) used by recorded calls, by index.
+        taps: One per recognised call that built a graph.
+        uses: The recognised uses of the leaves, in call order.
+        acts: The activations of the weight uses (detached views), by index.
+        act_versions: Their version counters when recorded.
+        holders: Per leaf, the sequence numbers of the nodes of recognised calls that hold
+            an edge into the leaf's ``AccumulateGrad``.
+        unrecognised: Per leaf, the calls that used it outside every rule.
+        coupling: Calls that make samples interact (NOTE [per-sample]).
+        hooks: Hook registrations seen (``Tensor.register_hook``, ``retain_grad``).
+        calls: Number of torch calls seen.
+        signature: A hash of the names and plain arguments (dims, flags) of every call
+            seen, in order (with the taps' shapes, the key of the cached sample layouts,
+            NOTE [sample layouts]).
+        expired: Set when the activations were released (the recording is not used then).
+    """
+
+    leaves: list[Tensor] = field(default_factory=list)
+    taps: list[EagerTap] = field(default_factory=list)
+    uses: list[EagerUse] = field(default_factory=list)
+    acts: list[Tensor] = field(default_factory=list)
+    act_versions: list[int] = field(default_factory=list)
+    holders: dict[int, set[int]] = field(default_factory=dict)
+    unrecognised: dict[int, list[str]] = field(default_factory=dict)
+    coupling: list[str] = field(default_factory=list)
+    hooks: list[str] = field(default_factory=list)
+    calls: int = 0
+    signature: int = 0
+    expired: bool = False
+
+    def leaf_index(self, tensor: Tensor) -> int | None:
+        """The index of ``tensor`` (by identity) among the recorded leaves."""
+        for index, leaf in enumerate(self.leaves):
+            if leaf is tensor:
+                return index
+        return None
+
+    def close(self) -> None:
+        """Release the activations; the recording is not used by later calls."""
+        self.expired = True
+        self.acts = []
+
+    def stale_acts(self) -> set[int]:
+        """Indices of activations changed in place since they were recorded."""
+        return {i for i, (act, version) in enumerate(zip(self.acts, self.act_versions,
+                                                         strict=True))
+                if _torch_compat.version(act) != version}
+
+    def _note(self, table: dict[int, list[str]], leaf: int, name: str) -> None:
+        names = table.setdefault(leaf, [])
+        if name not in names:
+            names.append(name)
+
+
+class _ThreadState(threading.local):
+    latest: weakref.ReferenceType[Recording] | None = None
+    depth: int = 0
+    paused: int = 0  # > 0 while torchgram itself computes (its calls are not the user's)
+
+
+_STATE = _ThreadState()
+
+
+@contextmanager
+def paused() -> Iterator[None]:
+    """Within this block, the modes of ``record()`` blocks pass every call through unseen."""
+    _STATE.paused += 1
+    try:
+        yield
+    finally:
+        _STATE.paused -= 1
+
+
+def current_recording() -> Recording | None:
+    """The live recording of this thread, if any (NOTE [eager recording])."""
+    ref = _STATE.latest
+    recording = None if ref is None else ref()
+    return None if recording is None or recording.expired else recording
+
+
+class RecordMode(TorchFunctionMode):
+    """The mode of a ``record()`` block: runs every call unchanged and records the taps."""
+
+    def __init__(self, recording: Recording) -> None:
+        super().__init__()
+        self.recording = recording
+        self._refs: dict[int, LeafRef] = {}
+        self._pins: list[Tensor] = []  # transposed views: keep their ids valid
+
+    def _found(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[Tensor,
+                                                                                   LeafRef]]:
+        found = []
+        for value in leaves_of((args, kwargs)):
+            if not isinstance(value, Tensor):
+                continue
+            ref = self._refs.get(id(value))
+            if ref is None and value.is_leaf and value.requires_grad \
+                    and value.is_floating_point():
+                ref = self._refs[id(value)] = LeafRef(len(self.recording.leaves))
+                self.recording.leaves.append(value)
+            if ref is not None:
+                found.append((value, ref))
+        return found
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        if _STATE.paused:
+            return func(*args, **kwargs)
+        recording = self.recording
+        recording.calls += 1
+        recording.signature = hash((recording.signature, getattr(func, "__name__", None),
+                                    _plain_arguments(args, kwargs)))
+        why = coupling_op(func, args, kwargs)
+        if why is not None and why not in recording.coupling:
+            recording.coupling.append(why)
+        try:
+            if func in _HOOK_METHODS:
+                recording.hooks.append(describe(func))
+        except TypeError:  # unhashable callables
+            pass
+        found = self._found(args, kwargs)
+        if not found:
+            return func(*args, **kwargs)
+        if len(found) == 1 and args and args[0] is found[0][0] and args[0].dim() == 2 \
+                and _is_transpose(func, args, kwargs):
+            result = func(*args, **kwargs)
+            ref = found[0][1]
+            self._refs[id(result)] = LeafRef(ref.index, not ref.transposed)
+            self._pins.append(result)
+            return result
+        rewrite = rewrite_for(func)
+        if rewrite is not None:
+            with self:  # the rewrite's own calls go through the mode (NOTE [attention rewrite])
+                result = rewrite(args, kwargs)
+            if result is not NotImplemented:
+                return result
+        rule = rule_for(func)
+        match = rule.match(func, args, kwargs) if rule is not None else None
+        chosen = self._chosen(match) if match is not None else []
+        result = func(*args, **kwargs)
+        if chosen:
+            assert match is not None
+            tapped = self._record(match, chosen, found, result, args, kwargs)
+        else:
+            tapped = set()
+        if _has_float_tensor(result):
+            for leaf, ref in found:
+                if id(leaf) not in tapped:
+                    recording._note(recording.unrecognised, ref.index,
+                                    describe(func) if not chosen
+                                    else f"{match.rule if match else describe(func)} "
+                                         "(as an activation)")
+        return result
+
+    def _chosen(self, match: Match) -> list[tuple[int, LeafRef, Literal["weight", "bias"]]]:
+        chosen: list[tuple[int, LeafRef, Literal["weight", "bias"]]] = []
+        for i, operand in enumerate(match.operands):
+            ref = self._refs.get(id(operand.value)) if isinstance(operand.value, Tensor) \
+                else None
+            if ref is None:
+                continue
+            if operand.layout is not None:
+                chosen.append((i, ref, "weight"))
+            elif operand.bias_of is not None and not ref.transposed:
+                chosen.append((i, ref, "bias"))
+        return chosen
+
+    def _record(self, match: Match, chosen: list[tuple[int, LeafRef, Literal["weight", "bias"]]],
+                found: list[tuple[Tensor, LeafRef]], y: Any, args: tuple[Any, ...],
+                kwargs: dict[str, Any]) -> set[int]:
+        """Record the call's tap and uses; return the ids of the operands it accounts for."""
+        recording = self.recording
+        if not isinstance(y, Tensor) or y.grad_fn is None:
+            return {id(match.operands[i].value) for i, _, _ in chosen}  # no graph: no use
+        # an operand passed twice (as weight and as activation) is an unrecognised use
+        counts: dict[int, int] = {}
+        for leaf, _ in found:
+            counts[id(leaf)] = counts.get(id(leaf), 0) + 1
+        for i, _, _ in chosen:
+            counts[id(match.operands[i].value)] -= 1
+        if any(count > 0 for count in counts.values()):
+            return set()
+        holders = _holders(y, args, kwargs, self._refs)
+        if holders is None:
+            return set()
+        node: Any = y.grad_fn
+        tap = EagerTap(_torch_compat.creation_order(node), node.name(), y.output_nr,
+                       tuple(y.shape), y.dtype, match.rule)
+        tap_index = len(recording.taps)
+        recording.taps.append(tap)
+        node.metadata[METADATA_KEY] = recording
+        acts: dict[int, int] = {}
+        for i, ref, role in chosen:
+            operand = match.operands[i]
+            layout = operand.layout if role == "weight" else operand.bias_of
+            assert layout is not None
+            act_index = None
+            if role == "weight":
+                assert operand.act is not None
+                act_index = acts.get(id(operand.act))
+                if act_index is None:
+                    act_index = acts[id(operand.act)] = len(recording.acts)
+                    recording.acts.append(operand.act.detach())
+                    recording.act_versions.append(_torch_compat.version(operand.act))
+            recording.uses.append(EagerUse(
+                ref.index, role, layout, layout.act_first != ref.transposed, tap_index,
+                act_index, frozenset(seq for index, seq in holders if index == ref.index)))
+        for index, seq in holders:
+            recording.holders.setdefault(index, set()).add(seq)
+        return {id(match.operands[i].value) for i, _, _ in chosen}
+
+
+def _holders(y: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any],
+             refs: dict[int, LeafRef]) -> list[tuple[int, int]] | None:
+    """``(leaf, holder sequence number)`` for the edges into leaves made by one call.
+
+    Searches the nodes the call created, from its output's node down to the nodes of its
+    tensor arguments; ``None`` if that does not end within :data:`_HOLDER_SEARCH` nodes. A
+    transposed view of a leaf made under the mode (``W.T``) holds the leaf's edge for the
+    call.
+    """
+    stop: dict[Any, int | None] = {}  # the arguments' nodes; a transposed leaf's: its leaf
+    for value in leaves_of((args, kwargs)):
+        if isinstance(value, Tensor) and value.grad_fn is not None:
+            ref = refs.get(id(value))
+            stop[value.grad_fn] = None if ref is None else ref.index
+    found = []
+    stack: list[Any] = [y.grad_fn]
+    seen: set[Any] = set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if len(seen) > _HOLDER_SEARCH:
+            return None
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            if child in stop:
+                leaf = stop[child]
+                if leaf is not None:  # ``W.T`` made by the user: its node holds W's edge
+                    found.append((leaf, _torch_compat.creation_order(child)))
+                continue
+            if _torch_compat.is_leaf_accumulator(child):
+                ref = refs.get(id(_torch_compat.leaf_of(child)))
+                if ref is not None:
+                    found.append((ref.index, _torch_compat.creation_order(node)))
+                continue
+            stack.append(child)
+    return found
+
+
+_PLAIN = (int, float, bool, str, type(None))
+
+
+def _plain_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """A call's non-tensor arguments that hash (dims, flags): part of the signature."""
+    plain: list[Any] = []
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, _PLAIN):
+            plain.append(value)
+        elif isinstance(value, tuple | list) and all(isinstance(v, _PLAIN) for v in value):
+            plain.append(tuple(value))
+    return tuple(plain)
+
+
+def _has_float_tensor(result: Any) -> bool:
+    return any(isinstance(leaf, Tensor) and leaf.is_floating_point()
+               for leaf in leaves_of(result))
+
+
+@contextmanager
+def record() -> Iterator[Recording]:
+    """Record the structured layers of the forward run inside the block (NOTE above).
+
+    Yields the :class:`Recording` (``with tg.autograd.record() as rec``); it is found by
+    ``tg.autograd.gramian`` / ``backward`` without being passed. Starting a block releases
+    the activations of this thread's previous recording.
+
+    Nothing is installed on the user's modules or tensors: the recording lives in the
+    recorded graph and is freed with it. Hooks on the graph's tensors (``register_hook``,
+    ``retain_grad``) should be added inside the block: added after it, torchgram cannot see
+    them, and they run during the Gramian's backward pass (a retained grad is then written).
+    """
+    previous = current_recording()
+    if previous is not None and _STATE.depth == 0:
+        previous.close()
+    recording = Recording()
+    _STATE.latest = weakref.ref(recording)
+    _STATE.depth += 1
+    try:
+        with RecordMode(recording):
+            yield recording
+    finally:
+        _STATE.depth -= 1

@@ -1,0 +1,177 @@
+"""Where the samples are in a tensor of an eager graph, from its shape and a probe.
+
+# NOTE [sample layouts]
+With ``batch_dim``, output row ``(b, k)`` depends on sample ``b`` only, so its cotangent at
+any tensor that *carries the samples* lives on sample ``b``'s slice of it: one backward per
+row direction ``k`` (cotangent 1 at ``(b, k)`` for every ``b``) gives every sample's
+cotangent at once (NOTE [structured passes]). The functional path finds each tensor's
+sample dimension by comparing its shape with a trace of one sample; eager code cannot be
+re-run, so here a :class:`SampleLayout` is found from the shape alone and, when that is
+not enough, from a probe:
+
+* **candidates**: the dims where a rule allows samples (not a feature dim) whose size is
+  ``B``, and those of size ``n·B`` holding the samples outermost (``index // n``) or
+  innermost (``index % B``) — e.g. ``[B·T, d]`` or ``[T·B, d]`` after a reshape;
+* **probe**: a backward whose cotangent is 1 on every row of one sample ``s`` only: under the
+  promise, its cotangent at a tensor carrying the samples is exactly zero outside sample
+  ``s``'s slice, so a candidate for which it is not is wrong, and a tensor for which every
+  candidate fails does not carry the samples (it is shared by all samples, or they interact:
+  the exact answer is then the rows of the whole batch). Two samples are probed (the first
+  and the last), so that one whose cotangent happens to be zero rarely leaves a question.
+
+Probes cost one more backward, so their outcome is cached per signature of the recording
+(the calls, their shapes and ``B``), like the functional path caches its traces: a training
+loop pays it on its first step only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from torchgram._core.signature import LruCache
+from torchgram.backends.structured.rules.base import Layout
+from torchgram.backends.structured.rules.conv import ConvLayout
+from torchgram.backends.structured.rules.embedding import EmbeddingLayout
+from torchgram.backends.structured.rules.linear import (
+    LinearLayout,
+    MatmulLeftLayout,
+    MatmulRightLayout,
+)
+from torchgram.backends.structured.rules.norm import GroupNormLayout, LayerNormLayout
+
+
+@dataclass(frozen=True)
+class SampleLayout:
+    """Samples along ``dim``, whose ``outer · B · inner`` entries are indexed ``(o, b, i)``.
+
+    Example:
+        >>> import torch
+        >>> x = torch.arange(12).reshape(2, 6)        # dim 1 holds (3 positions, B=2)
+        >>> SampleLayout(1, outer=3, inner=1).view(x, 0, 2)[1]  # sample 1: odd columns
+        tensor([[ 1,  3,  5],
+                [ 7,  9, 11]])
+    """
+
+    dim: int
+    outer: int = 1
+    inner: int = 1
+
+    def view(self, tensor: Tensor, lead: int, samples: int) -> Tensor:
+        """``[*lead, *shape]`` as ``[*lead, B, *per-sample shape]`` (``dim``'s size over ``B``)."""
+        d = lead + self.dim
+        split = tensor.unflatten(d, (self.outer, samples, self.inner)).movedim(d + 1, lead)
+        return split.flatten(d + 1, d + 2)
+
+    def per_sample_shape(self, shape: Sequence[int], samples: int) -> tuple[int, ...]:
+        """The shape of one sample's slice (a size-1 dim stays where the samples were)."""
+        out = list(shape)
+        out[self.dim] //= samples
+        return tuple(out)
+
+
+def candidates(shape: Sequence[int], samples: int, dims: Sequence[int]) -> list[SampleLayout]:
+    """The layouts the shape allows, among ``dims`` (NOTE [sample layouts]).
+
+    Example:
+        >>> candidates((32, 48, 128), 32, [0, 1])
+        [SampleLayout(dim=0, outer=1, inner=1)]
+        >>> candidates((2048, 128), 32, [0])
+        [SampleLayout(dim=0, outer=1, inner=64), SampleLayout(dim=0, outer=64, inner=1)]
+    """
+    exact = [SampleLayout(d) for d in dims if shape[d] == samples]
+    found = []
+    for d in dims:
+        size = shape[d]
+        if size > samples and size % samples == 0:
+            found += [SampleLayout(d, 1, size // samples), SampleLayout(d, size // samples, 1)]
+    return exact + found
+
+
+def allowed_dims(layout: Layout, shape: Sequence[int],
+                 act_shape: Sequence[int] | None) -> list[int]:
+    """The dims of a recognised call's output that may hold its samples.
+
+    Feature dims never do (the last one of a linear layer's output, the channels of a
+    convolution, ...); the activation must have the same size there (``act_shape``).
+    """
+    ndim = len(shape)
+    if isinstance(layout, ConvLayout | GroupNormLayout):
+        dims = [0] if ndim == (layout.nd + 2 if isinstance(layout, ConvLayout) else ndim) \
+            and ndim >= 2 else []
+    elif isinstance(layout, MatmulLeftLayout):
+        dims = [] if layout.act_is_vector or layout.out_is_scalar_per_column \
+            else [d for d in range(ndim) if d != ndim - 2]
+    elif isinstance(layout, MatmulRightLayout) and act_shape is not None \
+            and len(act_shape) == ndim + 1:  # ``a @ w`` with a vector ``w``: no feature dim
+        dims = list(range(ndim))
+    elif isinstance(layout, LinearLayout | EmbeddingLayout):
+        dims = list(range(ndim - 1))
+    elif isinstance(layout, LayerNormLayout):
+        dims = list(range(ndim - len(layout.normalized_shape)))
+    else:
+        dims = []
+    if act_shape is not None:
+        if len(act_shape) < ndim - (1 if isinstance(layout, EmbeddingLayout) else 0):
+            return []
+        dims = [d for d in dims if d < len(act_shape) and act_shape[d] == shape[d]]
+    return dims
+
+
+def localized(probe: Tensor, layout: SampleLayout, sample: int, samples: int) -> bool:
+    """Whether ``probe`` (one sample's cotangent) is zero outside that sample's slice."""
+    per_sample = layout.view(probe, 0, samples)
+    return not bool(per_sample[:sample].any()) and not bool(per_sample[sample + 1:].any())
+
+
+class Choice:
+    """The outcome of choosing one tensor's layout (NOTE [sample layouts])."""
+
+    def __init__(self, layout: SampleLayout | None, reason: str = "") -> None:
+        self.layout = layout
+        self.reason = reason
+
+    def __repr__(self) -> str:
+        return f"Choice({self.layout}, {self.reason!r})"
+
+
+def choose(options: Sequence[SampleLayout], probes: Sequence[tuple[int, Tensor | None]],
+           samples: int) -> Choice:
+    """Pick the layout the probes allow: exactly one candidate must survive them all.
+
+    ``probes`` are ``(sample, cotangent)`` pairs (``None``: the probe did not reach the
+    tensor: its cotangent is zero). A choice with ``layout=None`` says why there is none.
+    """
+    if not options:
+        return Choice(None, "no dimension of its shape holds the samples")
+    informative = [(s, p) for s, p in probes if p is not None and bool(p.any())]
+    surviving = [layout for layout in options
+                 if all(localized(p, layout, s, samples) for s, p in informative)]
+    if not surviving:
+        return Choice(None, "its cotangent for one sample spreads over other samples: it is "
+                            "shared by the samples, or they interact")
+    if len(surviving) == 1 and (informative or len(options) == 1):
+        return Choice(surviving[0])
+    return Choice(None, "the shape and the probes leave its samples' dimension ambiguous")
+
+
+def probe_samples(samples: int) -> tuple[int, ...]:
+    """The samples probed: the first and the last."""
+    return (0,) if samples == 1 else (0, samples - 1)
+
+
+LAYOUT_CACHE = LruCache[tuple[Choice, ...]](maxsize=64)
+"""Chosen layouts by signature (NOTE [sample layouts])."""
+
+
+def signature(*parts: Hashable) -> Hashable:
+    """A cache key from hashable parts (shapes, names, sizes)."""
+    return tuple(parts)
+
+
+def numel(shape: Sequence[int]) -> int:
+    """Number of entries of a shape."""
+    return math.prod(shape)

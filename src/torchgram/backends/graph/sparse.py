@@ -1,0 +1,307 @@
+"""The graph walk with per-sample structure: sample-block-sparse row-Jacobians.
+
+# NOTE [sample-sparse walk]
+With ``batch_dim``, row ``(b, k)``'s cotangent at a tensor that carries the samples lives on
+sample ``b``'s slice of it (NOTE [sample layouts]). So the walk does not push the ``B·K``
+rows densely: at such a slot it keeps, per row direction ``k``, one **compact** tensor
+``Σ_b cot(b, k)`` (the rows of all samples at once, each on its own slice), and pushes
+``K`` rows through the nodes instead of ``B·K``: for per-sample losses, one. A slot whose
+tensor does not carry the samples (a parameter, its transpose, a table shared by all
+samples) gets the rows **expanded**, ``[K·B, *slot]``: they are formed where a node's edge
+leads from a compact slot to such a slot, by calling the node on every sample's masked
+cotangent (``node_rules`` does that for common layers from their saved tensors, in one
+batched product instead of ``B`` node calls), and everything below an expanded slot is
+expanded. A leaf's block is the Gram of its expanded rows; a non-leaf input that stays
+compact has a block-diagonal block (samples do not share entries).
+
+Where the samples are at each slot (which dimension, or none) is decided from the slot's
+shape and two probe rows pushed along (the rows of samples ``0`` and ``B - 1``), as in
+NOTE [sample layouts]: a slot whose candidates the probes leave ambiguous, or where one
+sample's cotangent spreads over the others (the samples interact there, e.g. batch-norm in
+training mode), is expanded, which is always exact. The decisions are cached per signature
+of the graph (its nodes' names and shapes, ``B``), and the probe rows are pushed only when
+there is no cached decision. The signature holds every node's type, input shapes and
+non-tensor saved arguments (``batch_norm``'s ``training``, a reduction's ``dim``): what
+decides whether samples interact, short of the values themselves (a permutation of the
+batch whose values change between calls with the same signature would not be seen).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+from torch.autograd.graph import get_gradient_edge
+
+from torchgram._core import _torch_compat
+from torchgram._core._torch_compat import Node
+from torchgram._core.result import RunReport
+from torchgram._core.signature import LruCache
+from torchgram.backends.eager.rows import Rows
+from torchgram.backends.eager.samples import SampleLayout, candidates, choose, probe_samples
+from torchgram.backends.graph.node_rules import expanded_by_rule
+from torchgram.backends.graph.nodes import Edge, NodeCaller, input_slots, node_name
+from torchgram.backends.graph.walk import WalkPlan, _priority
+
+_EXPANDED = "expanded"
+Decision = SampleLayout | str
+"""A slot's representation: compact with a sample layout, or :data:`_EXPANDED`."""
+
+_DECISIONS = LruCache[dict[tuple[int, int], Decision]](maxsize=32)
+
+
+@dataclass
+class _Slot:
+    """The rows at one input slot: compact ``[c + probes, *slot]`` or expanded ``[c·B, *slot]``."""
+
+    rows: Tensor
+    layout: SampleLayout | None  # None: expanded
+
+
+@dataclass
+class SparseResult:
+    """Row-major ``(k, b)`` row-Jacobian blocks per target slot are handed to ``on_target``."""
+
+    expanded_nodes: dict[str, int] = field(default_factory=dict)
+    ruled_nodes: dict[str, int] = field(default_factory=dict)
+    probed: bool = False
+
+
+OnTarget = Callable[[Edge, "_Slot | None"], None]
+
+
+class SparseWalk:
+    """One sample-sparse walk (NOTE [sample-sparse walk]) of ``rows``' outputs to ``targets``.
+
+    Args:
+        rows: The outputs and their per-sample structure (``B > 1``).
+        targets: Input slots whose rows are wanted.
+        caller: Calls nodes on row batches.
+    """
+
+    def __init__(self, rows: Rows, targets: Sequence[Edge], caller: NodeCaller) -> None:
+        assert rows.batch_dim is not None
+        self.rows = rows
+        self.samples = rows.samples
+        self.caller = caller
+        self.edges = [get_gradient_edge(out) for out in rows.outputs]
+        self.plan = WalkPlan([edge.node for edge in self.edges], targets)
+        leaves = [node for node in self.plan.needed if _torch_compat.is_leaf_accumulator(node)]
+        self.order = sorted((node for node in self.plan.needed
+                             if not _torch_compat.is_leaf_accumulator(node)),
+                            key=_torch_compat.creation_order)
+        self.position = {node: i for i, node in enumerate(self.order)}
+        self.key: Hashable = (rows.samples, rows.batch_dim, tuple(
+            (node_name(node), _shapes(node), _torch_compat.saved_arguments(node))
+            for node in self.order),
+            tuple(sorted(_shapes(node) for node in leaves)),
+            tuple(sorted(self.position.get(node, -1) for node in self.plan.targets)))
+        self.result = SparseResult()
+
+    def run(self, start: int, stop: int, on_target: OnTarget) -> None:
+        """Push row directions ``start:stop`` (and probes, if undecided) to the targets."""
+        cached = _DECISIONS.get(self.key)
+        decisions: dict[tuple[int, int], Decision] = {} if cached is None else dict(cached)
+        probing = cached is None
+        self.result.probed = self.result.probed or probing
+        count = stop - start
+        probes = probe_samples(self.samples) if probing else ()
+        seeds = self.rows.direction_seeds(start, stop)
+        extra = self.rows.probe_seeds(probes) if probes else None
+        frontier: dict[Node, list[_Slot | None]] = {}
+        batch_dim = self.rows.batch_dim
+        assert batch_dim is not None
+        for k, (output, out) in enumerate(zip(self.edges, self.rows.outputs, strict=True)):
+            rows = seeds[k] if extra is None else torch.cat([seeds[k], extra[k]])
+            layout = SampleLayout(batch_dim % out.dim())
+            self._accumulate(frontier, (output.node, output.output_nr), _Slot(rows, layout),
+                             count)
+        remaining = dict(self.plan.dependencies)
+        counter = itertools.count()
+        ready = [(_priority(node), next(counter), node) for node in self.plan.roots
+                 if node in self.plan.needed and remaining[node] == 0]
+        heapq.heapify(ready)
+        while ready:
+            node = heapq.heappop(ready)[2]
+            slots = frontier.pop(node, None)
+            for input_nr in self.plan.targets.get(node, ()):
+                on_target((node, input_nr), None if slots is None else slots[input_nr])
+            wanted = self.plan._wanted_edges(node)
+            if wanted and slots is not None and any(s is not None for s in slots):
+                edges = [e if e is not None and e[0] in self.plan.needed else None
+                         for e in self.plan.children[node]]
+                for target, slot in self._call(node, slots, edges, count, len(probes),
+                                               frontier, decisions):
+                    self._accumulate(frontier, target, slot, count)
+            for child, _ in wanted:
+                remaining[child] -= 1
+                if remaining[child] == 0:
+                    heapq.heappush(ready, (_priority(child), next(counter), child))
+        if probing:
+            _DECISIONS.put(self.key, decisions)
+
+    # -- one node ----------------------------------------------------------------------------
+
+    def _call(self, node: Node, slots: list[_Slot | None], edges: list[Edge | None],
+              count: int, num_probes: int, frontier: dict[Node, list[_Slot | None]],
+              decisions: dict[tuple[int, int], Decision]) -> list[tuple[Edge, _Slot]]:
+        """The node's rows on each wanted edge, compact or expanded (NOTE above)."""
+        if any(slot is not None and slot.layout is None for slot in slots):
+            expanded = [None if slot is None else self._expand(slot, count) for slot in slots]
+            outs = self.caller(node, expanded, edges)
+            return [(edge, _Slot(out, None)) for edge, out in zip(edges, outs, strict=True)
+                    if edge is not None and out is not None]
+        want: dict[int, Decision | None] = {}
+        for k, edge in enumerate(edges):
+            if edge is None:
+                continue
+            child, nr = edge
+            if _torch_compat.is_leaf_accumulator(child):
+                want[k] = _EXPANDED
+                continue
+            current = frontier.get(child, [None] * input_slots(child))[nr]
+            if current is not None:
+                want[k] = _EXPANDED if current.layout is None else current.layout
+                continue
+            want[k] = decisions.get((self.position.get(child, -1), nr))
+        compact_edges = [edge if k in want and want[k] != _EXPANDED else None
+                         for k, edge in enumerate(edges)]
+        expand_edges = [edge if want.get(k) == _EXPANDED else None
+                        for k, edge in enumerate(edges)]
+        results: list[tuple[Edge, _Slot]] = []
+        compact_outs: list[Tensor | None] = [None] * len(edges)
+        if any(e is not None for e in compact_edges):
+            compact_outs = self.caller(node, [None if s is None else s.rows for s in slots],
+                                       compact_edges)
+        for k, edge in enumerate(edges):
+            out = compact_outs[k]
+            if edge is None or out is None or compact_edges[k] is None:
+                continue
+            decision = want[k]
+            if decision is None:  # undecided: the shape and the probes decide (and verify)
+                decision = self._decide(edge, out, count, num_probes)
+                decisions[(self.position.get(edge[0], -1), edge[1])] = decision
+            elif num_probes and isinstance(decision, SampleLayout) and \
+                    choose([decision], self._probes(out, count, num_probes),
+                           self.samples).layout is None:
+                decision = _EXPANDED  # a later parent's rows are not localized there
+            if decision == _EXPANDED:
+                expand_edges[k] = edge
+                continue
+            assert isinstance(decision, SampleLayout)
+            results.append((edge, _Slot(out, decision)))
+        if any(e is not None for e in expand_edges):
+            results += [(edge, _Slot(out, None))
+                        for edge, out in zip(expand_edges,
+                                             self._expanded_call(node, slots, expand_edges,
+                                                                 count), strict=True)
+                        if edge is not None and out is not None]
+        return results
+
+    def _probes(self, out: Tensor, count: int,
+                num_probes: int) -> list[tuple[int, Tensor | None]]:
+        probed = probe_samples(self.samples)[:num_probes]
+        return [(sample, out[count + i]) for i, sample in enumerate(probed)]
+
+    def _decide(self, edge: Edge, out: Tensor, count: int, num_probes: int) -> Decision:
+        shape = out.shape[1:]
+        options = candidates(shape, self.samples, range(len(shape)))
+        if not num_probes:
+            return options[0] if len(options) == 1 else _EXPANDED
+        choice = choose(options, self._probes(out, count, num_probes), self.samples)
+        del edge
+        return _EXPANDED if choice.layout is None else choice.layout
+
+    def _expand(self, slot: _Slot, count: int) -> Tensor:
+        """``[c·B, *slot]`` rows: each direction's compact rows masked to each sample."""
+        if slot.layout is None:
+            return slot.rows
+        return expand(slot.rows[:count], slot.layout, self.samples)
+
+    def _expanded_call(self, node: Node, slots: list[_Slot | None],
+                       edges: list[Edge | None], count: int) -> list[Tensor | None]:
+        """The node's expanded rows on ``edges``: by a rule when one applies, else by mask."""
+        name = node_name(node)
+        compact = [None if s is None else (s.rows[:count], s.layout) for s in slots]
+        ruled = expanded_by_rule(node, compact, edges, self.samples)
+        if ruled is not None:
+            self.result.ruled_nodes[name] = self.result.ruled_nodes.get(name, 0) + 1
+            return ruled
+        self.result.expanded_nodes[name] = self.result.expanded_nodes.get(name, 0) + 1
+        expanded = [None if s is None else self._expand(s, count) for s in slots]
+        return self.caller(node, expanded, edges)
+
+    def _accumulate(self, frontier: dict[Node, list[_Slot | None]], edge: Edge, slot: _Slot,
+                    count: int) -> None:
+        node, nr = edge
+        buffer = frontier.get(node)
+        if buffer is None:
+            buffer = frontier[node] = [None] * input_slots(node)
+        current = buffer[nr]
+        if current is None:
+            buffer[nr] = slot
+            return
+        if current.layout is not None and slot.layout is not None:
+            if current.layout == slot.layout:
+                buffer[nr] = _Slot(current.rows + slot.rows, current.layout)
+                return
+        buffer[nr] = _Slot(self._expand(current, count) + self._expand(slot, count), None)
+
+
+def _shapes(node: Node) -> tuple[tuple[int, ...], ...]:
+    return tuple(meta.shape for meta in _torch_compat.slot_metadata(node))
+
+
+def expand(compact: Tensor, layout: SampleLayout, samples: int) -> Tensor:
+    """``[c·B, *slot]``: row ``(k, b)`` is ``compact[k]`` on sample ``b``'s slice, zero elsewhere.
+
+    Example:
+        >>> expand(torch.tensor([[1., 2., 3., 4.]]), SampleLayout(0, inner=2), 2)
+        tensor([[1., 2., 0., 0.],
+                [0., 0., 3., 4.]])
+    """
+    count = compact.shape[0]
+    shape = compact.shape[1:]
+    size = shape[layout.dim]
+    owner = torch.div(torch.arange(size, device=compact.device), layout.inner,
+                      rounding_mode="floor") % samples
+    mask = owner == torch.arange(samples, device=compact.device)[:, None]  # [B, size]
+    view = [samples] + [1] * len(shape)
+    view[1 + layout.dim] = size
+    masked = compact.unsqueeze(1) * mask.reshape(view).to(compact.dtype)
+    return masked.reshape(count * samples, *shape)
+
+
+def compact_block(rows: Tensor, layout: SampleLayout, samples: int,
+                  diagonal: bool) -> Tensor:
+    """The row-major Gram block of compact rows ``[c, *slot]`` (samples share no entry)."""
+    count = rows.shape[0]
+    per_sample = layout.view(rows, 1, samples).reshape(count, samples, -1)
+    if diagonal:
+        return per_sample.square().sum(-1).reshape(-1)
+    inner = torch.einsum("kbp,lbp->bkl", per_sample, per_sample)  # [B, c, c]
+    block = per_sample.new_zeros(count, samples, count, samples)
+    index = torch.arange(samples, device=rows.device)
+    block[:, index, :, index] = inner
+    return block.reshape(count * samples, count * samples)
+
+
+def slot_numel(shape: Sequence[int]) -> int:
+    """Entries of a slot."""
+    return math.prod(shape)
+
+
+__all__ = ["SparseResult", "SparseWalk", "compact_block", "expand"]
+
+
+def sparse_report(result: SparseResult, report: RunReport | None) -> None:
+    """Add what the walk did to ``report``."""
+    if report is None:
+        return
+    for name, count in result.expanded_nodes.items():
+        report.notes.append(f"{name}: called on every sample's rows ({count}×)")

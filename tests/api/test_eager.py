@@ -1,0 +1,487 @@
+"""Eager code with per-sample structure: ``tg.autograd.record`` and the sample-sparse walk.
+
+Every Gramian is compared with the dense float64 oracle (``reference.dense_gramian``) of the
+same computation written as a pure function, recorded and walked, under the conditions
+eager code has: module hooks, ``torch.utils.checkpoint``, DistributedDataParallel, CPU
+autocast, ``retain_graph`` both ways, non-leaf inputs, samples that interact.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import tempfile
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import optree
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+import torchgram as tg
+from reference import dense_gramian
+from torchgram.backends.eager.record import current_recording
+from zoo import NAMES, build
+
+DOUBLE = torch.float64
+
+
+def assert_close(actual: Tensor, expected: Tensor, tol: float = 1e-10) -> None:
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    actual, expected = actual.detach(), expected.detach()
+    scale = expected.abs().max().clamp_min(1e-30)
+    error = float((actual.to(expected.dtype) - expected).abs().max() / scale)
+    assert error <= tol, error
+
+
+def leaves_of(case: Any) -> tuple[Any, list[Tensor]]:
+    """The case's parameters as fresh leaves that require grad (pytree and list)."""
+    flat, spec = optree.tree_flatten(case.params)
+    leaves = []
+    for i, leaf in enumerate(flat):
+        if isinstance(leaf, Tensor) and leaf.is_floating_point():
+            flat[i] = leaf.detach().clone().requires_grad_()
+            leaves.append(flat[i])
+    return optree.tree_unflatten(spec, flat), leaves
+
+
+def forward(run: Callable[[], Any], recorded: bool) -> Any:
+    if recorded:
+        with tg.autograd.record():
+            return run()
+    return run()
+
+
+WAYS = [pytest.param(True, id="record"), pytest.param(False, id="walk")]
+
+
+@pytest.mark.parametrize("recorded", WAYS)
+@pytest.mark.parametrize("diagonal", [False, True], ids=["full", "diagonal"])
+@pytest.mark.parametrize("name", NAMES)
+def test_zoo_with_batch_dim_matches_oracle(name: str, diagonal: bool, recorded: bool) -> None:
+    case = build(name, DOUBLE)
+    expected = dense_gramian(case.f, case.args).gramian
+    expected = expected.diagonal() if diagonal else expected
+    for batch_dim in {case.batch_dim, None} | ({0} if name == "coupled_batch" else set()):
+        for _ in range(2):  # the second call uses the cached layouts
+            params, leaves = leaves_of(case)
+            out = forward(lambda p=params: case.f(p, *case.inputs), recorded)
+            G = tg.autograd.gramian(optree.tree_leaves(out), leaves, batch_dim=batch_dim,
+                                    diagonal=diagonal)
+            assert_close(G, expected)
+            assert all(leaf.grad is None for leaf in leaves)
+
+
+@pytest.mark.parametrize("recorded", WAYS)
+def test_per_input_blocks_and_chunks(recorded: bool) -> None:
+    case = build("mlp_logits", DOUBLE)  # [B, 3]: three rows per sample
+    dense = dense_gramian(case.f, case.args)
+    params, leaves = leaves_of(case)
+    out = forward(lambda: case.f(params, *case.inputs), recorded)
+    blocks = tg.autograd.gramian(out, leaves, batch_dim=0, per_input=True)
+    for block, expected in zip(blocks, dense.blocks, strict=True):
+        assert_close(block, dense.shaped(expected))
+    for chunk_size in (1, 5, 7):
+        for diagonal in (False, True):
+            G = tg.autograd.gramian(out, leaves, batch_dim=0, chunk_size=chunk_size,
+                                    diagonal=diagonal)
+            assert_close(G, dense.shaped(diagonal=diagonal))
+
+
+# -- the recording -------------------------------------------------------------------------
+
+
+def mlp(width: int = 6) -> tuple[nn.Module, Tensor, Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, width), nn.Tanh(), nn.Linear(width, 3)).to(DOUBLE)
+    return model, torch.randn(6, 5, dtype=DOUBLE), torch.randint(0, 3, (6,))
+
+
+def oracle_of(model: nn.Module, losses: Callable[[Any], Tensor]) -> Tensor:
+    fn, params = tg.functionalize(model)
+    return dense_gramian(lambda p: losses(lambda *a: fn(p, *a)), (params,)).shaped()
+
+
+def test_recording_leaves_nothing_behind_and_lives_with_the_graph() -> None:
+    model, x, y = mlp()
+    state = {name: (dict(m._forward_hooks), dict(m._backward_hooks), dict(m.__dict__))
+             for name, m in model.named_modules()}
+    with tg.autograd.record() as recording:
+        losses = F.cross_entropy(model(x), y, reduction="none")
+    assert [use.role for use in recording.uses] == ["weight", "bias", "weight", "bias"]
+    G = tg.autograd.gramian(losses, list(model.parameters()), batch_dim=0)
+    assert_close(G, oracle_of(model, lambda m: F.cross_entropy(m(x), y, reduction="none")))
+    for name, m in model.named_modules():
+        assert (dict(m._forward_hooks), dict(m._backward_hooks), dict(m.__dict__)) == \
+            state[name]
+    for p in model.parameters():
+        assert p.grad is None and p._backward_hooks is None and p.requires_grad
+    alive = weakref.ref(recording)
+    del recording
+    gc.collect()
+    assert alive() is not None  # held by the graph it tapped
+    del losses, G
+    gc.collect()
+    assert alive() is None  # and freed with it
+
+
+def test_next_recording_releases_the_previous_activations() -> None:
+    model, x, y = mlp()
+    with tg.autograd.record() as first:
+        old = F.cross_entropy(model(x), y, reduction="none")
+    assert first.acts and current_recording() is first
+    with tg.autograd.record() as second:
+        F.cross_entropy(model(x), y, reduction="none")
+    assert first.expired and not first.acts and current_recording() is second
+    # the old graph is still exact, through the walk
+    report = tg.autograd.explain(old, model.named_parameters(), batch_dim=0)
+    assert report.walked == ("0.weight", "0.bias", "2.weight", "2.bias")
+    assert_close(report.gramian, oracle_of(model, lambda m: F.cross_entropy(m(x), y,
+                                                                             reduction="none")))
+
+
+def test_uses_the_recording_did_not_see_are_walked() -> None:
+    model, x, y = mlp()
+    before = model[0](x)  # used before the block
+    with tg.autograd.record():
+        losses = F.cross_entropy(model[2](torch.tanh(model[0](x) + before)), y,
+                                 reduction="none") * model[2].bias.sum()
+    report = tg.autograd.explain(losses, model.named_parameters(), batch_dim=0)
+    ways = {item.name: (item.way, item.why) for item in report.inputs}
+    assert ways["0.weight"] == ("walk", "the graph uses it where the recording did not see it")
+    assert ways["2.bias"] == ("walk", "used outside the rules in Tensor.sum")
+    assert ways["2.weight"][0] == "ghost"
+
+    def f(m: Callable[..., Tensor]) -> Tensor:
+        raise NotImplementedError
+
+    fn, params = tg.functionalize(model)
+
+    def pure(p: dict[str, Tensor]) -> Tensor:
+        h = F.linear(x, p["0.weight"], p["0.bias"])
+        logits = F.linear(torch.tanh(h + h), p["2.weight"], p["2.bias"])
+        return F.cross_entropy(logits, y, reduction="none") * p["2.bias"].sum()
+
+    assert_close(report.gramian, dense_gramian(pure, (params,)).shaped())
+
+
+def test_activation_changed_in_place_is_a_clear_error() -> None:
+    model, x, y = mlp()
+    with tg.autograd.record():
+        h = model[0](x) * 1.0  # the product saves nothing
+        logits = model[2](h)
+        h.add_(0.0)  # bumps the version of the activation the second layer recorded
+        losses = F.cross_entropy(logits, y, reduction="none")
+    with pytest.raises(ValueError, match=r"^torchgram.autograd.gramian: expected the "
+                       r"activations of the recorded calls unchanged .* recorded linear call "
+                       r"\(multiplied by inputs\[2\]\) changed in place"):
+        tg.autograd.gramian(losses, list(model.parameters()), batch_dim=0)
+
+
+def test_gramian_inside_the_record_block() -> None:
+    model, x, y = mlp()
+    with tg.autograd.record() as recording:
+        losses = F.cross_entropy(model(x), y, reduction="none")
+        calls = recording.calls
+        G = tg.autograd.gramian(losses, list(model.parameters()), batch_dim=0)
+        assert recording.calls == calls  # torchgram's own calls are not recorded
+    assert_close(G, oracle_of(model, lambda m: F.cross_entropy(m(x), y, reduction="none")))
+
+
+# -- samples: where they are, and when they interact ----------------------------------------
+
+
+@pytest.mark.parametrize("recorded", WAYS)
+def test_batch_size_equal_to_feature_sizes(recorded: bool) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6)).to(DOUBLE)
+    x = torch.randn(6, 6, dtype=DOUBLE)  # B = 6 = every width
+    out = forward(lambda: model(x).pow(2).sum(1), recorded)
+    G = tg.autograd.gramian(out, list(model.parameters()), batch_dim=0)
+    assert_close(G, oracle_of(model, lambda m: m(x).pow(2).sum(1)))
+
+
+@pytest.mark.parametrize("recorded", WAYS)
+def test_samples_flattened_with_positions(recorded: bool) -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4).to(DOUBLE)
+    x = torch.randn(3, 5, 4, dtype=DOUBLE)  # [B, T, d] seen as [B·T, d] and [T·B, d]
+
+    def f(m: Callable[[Tensor], Tensor]) -> Tensor:
+        a = m(x.reshape(15, 4)).reshape(3, 5, 4)
+        b = m(x.transpose(0, 1).reshape(15, 4)).reshape(5, 3, 4).transpose(0, 1)
+        return (a * b).sum((1, 2))
+
+    out = forward(lambda: f(lin), recorded)
+    G = tg.autograd.gramian(out, list(lin.parameters()), batch_dim=0)
+    assert_close(G, oracle_of(lin, f))
+
+
+@pytest.mark.parametrize("recorded", WAYS)
+def test_interacting_samples_give_the_coupled_gramian(recorded: bool) -> None:
+    model, x, y = mlp()
+
+    def f(m: Callable[[Tensor], Tensor]) -> Tensor:  # x - x.mean(0): no census knows it
+        h = m(x)
+        return F.cross_entropy(h - h.mean(0), y, reduction="none")
+
+    expected = oracle_of(model, f)
+    for _ in range(2):
+        out = forward(lambda: f(model), recorded)
+        report = tg.autograd.explain(out, model.named_parameters(), batch_dim=0)
+        assert_close(report.gramian, expected)
+
+
+# -- the conditions of eager code ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("recorded", WAYS)
+def test_module_hooks_fire_once_in_the_users_backward(recorded: bool) -> None:
+    model, x, y = mlp()
+    expected = oracle_of(model, lambda m: F.cross_entropy(m(x), y, reduction="none"))
+    fired: list[str] = []
+    model[0].register_forward_hook(lambda *a: fired.append("forward"))
+    model[2].register_full_backward_hook(lambda *a: fired.append("backward"))
+    model[2].register_full_backward_pre_hook(lambda *a: fired.append("backward pre"))
+    model[0].weight.register_hook(lambda g: fired.append("leaf"))
+    out = forward(lambda: F.cross_entropy(model(x), y, reduction="none"), recorded)
+    assert fired == ["forward"]
+    report = tg.autograd.explain(out, model.named_parameters(), batch_dim=0)
+    assert fired == ["forward"]  # the Gramian ran no hook
+    if recorded:
+        assert report.ran.way == "recorded taps (walked pass)"
+    assert_close(report.gramian, expected)
+    out.backward(torch.ones(6, dtype=DOUBLE))
+    assert sorted(fired) == sorted(["forward", "backward pre", "backward", "leaf"])
+
+
+@pytest.mark.parametrize("recorded", WAYS)
+def test_tensor_hook_registered_in_the_block_does_not_run(recorded: bool) -> None:
+    model, x, y = mlp()
+    fired: list[Tensor] = []
+
+    def run() -> Tensor:
+        h = model[0](x)
+        h.register_hook(fired.append)
+        h.retain_grad()
+        return F.cross_entropy(model[2](torch.tanh(h)), y, reduction="none")
+
+    out = forward(run, recorded)
+    G = tg.autograd.gramian(out, list(model.parameters()), batch_dim=0)
+    assert fired == []
+    assert_close(G, oracle_of(model, lambda m: F.cross_entropy(m(x), y, reduction="none")))
+
+
+@pytest.mark.parametrize("recorded", WAYS)
+def test_non_reentrant_checkpoint_works_and_reentrant_is_refused(recorded: bool) -> None:
+    model, x, y = mlp()
+    expected = oracle_of(model, lambda m: F.cross_entropy(m(x), y, reduction="none"))
+    out = forward(lambda: F.cross_entropy(checkpoint(model, x, use_reentrant=False), y,
+                                          reduction="none"), recorded)
+    assert_close(tg.autograd.gramian(out, list(model.parameters()), batch_dim=0), expected)
+    out = forward(lambda: F.cross_entropy(checkpoint(model, x.clone().requires_grad_(),
+                                                     use_reentrant=True), y,
+                                          reduction="none"), recorded)
+    with pytest.raises(ValueError, match=r"^torchgram.autograd.gramian: expected a graph without "
+                       r"reentrant checkpoints, .* use_reentrant=False"):
+        tg.autograd.gramian(out, list(model.parameters()), batch_dim=0)
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("recorded", WAYS)
+@pytest.mark.parametrize("retain_graph", [True, False], ids=["retain", "free"])
+def test_retain_graph_both_ways(recorded: bool, retain_graph: bool) -> None:
+    model, x, y = mlp()
+    out = forward(lambda: F.cross_entropy(model(x), y, reduction="none"), recorded)
+    G = tg.autograd.gramian(out, list(model.parameters()), batch_dim=0,
+                            retain_graph=retain_graph)
+    assert_close(G, oracle_of(model, lambda m: F.cross_entropy(m(x), y, reduction="none")))
+    assert all(p.grad is None for p in model.parameters())
+    if retain_graph:
+        out.sum().backward()
+        assert all(p.grad is not None for p in model.parameters())
+    else:
+        with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+            out.sum().backward()
+
+
+@pytest.mark.parametrize("recorded", WAYS)
+def test_non_leaf_inputs(recorded: bool) -> None:
+    model, x, y = mlp()
+    hidden: list[Tensor] = []
+
+    def run() -> Tensor:
+        h = torch.tanh(model[0](x))
+        hidden.append(h)
+        return F.cross_entropy(model[2](h), y, reduction="none")
+
+    out = forward(run, recorded)
+    h_block, w_block = tg.autograd.gramian(out, [hidden[0], model[0].weight], batch_dim=0,
+                                           per_input=True)
+    fn, params = tg.functionalize(model[2])
+    assert_close(h_block, dense_gramian(
+        lambda h: F.cross_entropy(fn(params, h[0]), y, reduction="none"),
+        ([hidden[0].detach()],)).shaped())
+    w = model[0].weight.detach()
+    assert_close(w_block, dense_gramian(
+        lambda p: F.cross_entropy(model[2](torch.tanh(F.linear(x, p[0], model[0].bias))), y,
+                                  reduction="none"), ([w],)).shaped(), tol=1e-9)
+
+
+@pytest.mark.parametrize("recorded", WAYS)
+def test_autocast_bfloat16(recorded: bool) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+
+    def run() -> Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return F.cross_entropy(model(x), y, reduction="none")  # float32 losses
+
+    out = forward(run, recorded)
+    G = tg.autograd.gramian(out, list(model.parameters()), batch_dim=0)
+    assert G.dtype == torch.float32  # the outputs' dtype
+    walked = tg.autograd.gramian(out, list(model.parameters()))  # the same graph, walked
+    assert_close(G, walked, tol=3e-2)  # bfloat16 round-off of the recorded activations
+    full = oracle_of(model.double(), lambda m: F.cross_entropy(m(x.double()), y,
+                                                               reduction="none"))
+    model.float()
+    assert_close(G, full.float(), tol=5e-2)
+
+
+def test_distributed_data_parallel_single_process() -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    model, x, y = mlp()
+    reference = [p.detach().clone() for p in model.parameters()]
+    with tempfile.TemporaryDirectory() as folder:
+        store = dist.FileStore(os.path.join(folder, "store"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        try:
+            ddp = DistributedDataParallel(model)
+            params = list(ddp.parameters())
+            for recorded in (True, False, True):  # a step, and the next ones still work
+                for p, value in zip(params, reference, strict=True):
+                    p.data.copy_(value)
+                    p.grad = None
+                out = forward(lambda: F.cross_entropy(ddp(x), y, reduction="none"), recorded)
+                w, info = tg.autograd.backward(out, params, tg.weighting.upgrad, batch_dim=0,
+                                               with_info=True)
+                assert_close(info.gramian, oracle_of(model, lambda m: F.cross_entropy(
+                    m(x), y, reduction="none")))
+                grads = [p.grad.clone() for p in params]
+                for p in params:
+                    p.grad = None
+                F.cross_entropy(ddp(x), y, reduction="none").backward(w)  # plain DDP step
+                for g, p in zip(grads, params, strict=True):
+                    assert_close(g, p.grad)
+        finally:
+            dist.destroy_process_group()
+
+
+# -- tg.autograd.backward ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("recorded", WAYS)
+@pytest.mark.parametrize("retain_graph", [True, False], ids=["retain", "free"])
+def test_backward_accumulates_like_a_plain_backward(recorded: bool, retain_graph: bool) -> None:
+    model, x, y = mlp()
+    counts = {"leaf": 0, "accumulated": 0}
+    model[0].weight.register_hook(lambda g: counts.__setitem__("leaf", counts["leaf"] + 1))
+    model[0].weight.register_post_accumulate_grad_hook(
+        lambda p: counts.__setitem__("accumulated", counts["accumulated"] + 1))
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)  # accumulated into, as torch does
+    out = forward(lambda: F.cross_entropy(model(x), y, reduction="none"), recorded)
+    w, info = tg.autograd.backward(out, list(model.parameters()), tg.weighting.upgrad,
+                                   batch_dim=0, retain_graph=retain_graph, with_info=True)
+    assert counts == {"leaf": 1, "accumulated": 1}
+    assert info.report is not None and (info.report.way.startswith("recorded") == recorded)
+    expected = torch.autograd.grad(F.cross_entropy(model(x), y, reduction="none"),
+                                   list(model.parameters()), w)
+    for p, g in zip(model.parameters(), expected, strict=True):
+        assert_close(p.grad, g + 1)
+    if not retain_graph:
+        with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+            out.sum().backward()
+
+
+# -- reports --------------------------------------------------------------------------------
+
+
+class NumpySquare(torch.autograd.Function):
+    """Backward through numpy: vmap cannot batch it, so the walk loops over rows."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        ctx.save_for_backward(x)
+        return x**2
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        (x,) = ctx.saved_tensors
+        return torch.from_numpy(2 * x.numpy() * grad.numpy())
+
+
+def test_explain_reports_ways_and_nodes_called_per_row() -> None:
+    model, x, y = mlp()
+    with tg.autograd.record():
+        losses = F.cross_entropy(model[2](NumpySquare.apply(model[0](x))), y, reduction="none")
+    report = tg.autograd.explain(losses, model.named_parameters(), batch_dim=0)
+    assert [item.way for item in report.inputs] == ["ghost", "materialize", "ghost",
+                                                    "materialize"]
+    text = str(report)
+    assert text.startswith("torchgram.autograd.explain: 6 sample(s); recorded taps")
+    # two rows per sample: the walk pushes two rows, which vmap cannot batch through numpy
+    logits = model[2](NumpySquare.apply(model[0](x)))[:, :2]
+    walked = tg.autograd.explain(logits, model.named_parameters(), batch_dim=0)
+    assert walked.walked == ("0.weight", "0.bias", "2.weight", "2.bias")
+    assert walked.inputs[0].why == "the graph uses it where the recording did not see it"
+    assert walked.looped_nodes == {"NumpySquareBackward": 1}
+    assert "nodes called once per row (vmap could not batch them): NumpySquareBackward (1×)" \
+        in str(walked)
+    assert "walk: AddmmBackward0 split per sample from its saved tensors (2×)" in str(walked)
+    fn, params = tg.functionalize(model)
+
+    def pure(p: dict[str, Tensor]) -> Tensor:
+        return F.linear(F.linear(x, p["0.weight"], p["0.bias"]) ** 2, p["2.weight"],
+                        p["2.bias"])
+
+    assert_close(report.gramian, dense_gramian(lambda p: F.cross_entropy(
+        pure(p), y, reduction="none"), (params,)).shaped())
+    assert_close(walked.gramian, dense_gramian(lambda p: pure(p)[:, :2], (params,)).shaped())
+
+
+def test_bad_batch_dim_is_a_clear_error() -> None:
+    w = torch.randn(3, requires_grad=True)
+    out = torch.randn(4, 3) @ w
+    with pytest.raises(ValueError, match=r"^torchgram.autograd.gramian: expected batch_dim "
+                       r"within the dims of every output .* but got batch_dim=1"):
+        tg.autograd.gramian(out, w, batch_dim=1)
+    with pytest.raises(ValueError, match=r"same number of samples along batch_dim in every "
+                       r"output, but got sizes \[4, 2\]"):
+        tg.autograd.gramian([out, out[:2]], w, batch_dim=0)
+    with pytest.raises(TypeError, match=r"^torchgram.autograd.backward: .*batch_dim"):
+        tg.autograd.backward(out, w, tg.weighting.mean, batch_dim="0")  # type: ignore[arg-type]
+
+
+# -- the README's eager section runs ------------------------------------------------------------
+
+
+def test_readme_eager_section_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    section = readme.split("### Eager code: the torchjd-style training loop", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    scope: dict[str, Any] = {"torch": torch, "nn": nn, "tg": tg}
+    torch.manual_seed(0)
+    exec(compile(code, "README.md (eager code)", "exec"), scope)  # noqa: S102
+    model, x, y = scope["model"], scope["x"], scope["y"]
+    assert all(p.grad is not None for p in model.parameters())  # the loop's last step
+    assert_close(scope["G"], oracle_of(model, lambda m: scope["criterion"](m(x), y)), tol=1e-5)
+    assert "torchgram.autograd.explain: 16 sample(s); recorded" in capsys.readouterr().out
