@@ -259,7 +259,8 @@ def explain(
         structured = plan.structured
         names = leaf_names(problem.diff, args)
         ran, gramian = None, None
-        if run:
+        if run:  # the draw of one plain call, as tg.gramian from here would see it
+            problem.draw.rewind()
             computation = compute(options, f, args, kwargs)
             ran, gramian = computation.result.report, computation.value()
         leaves = tuple(_report(names[p.leaf], problem.leaves[p.leaf].shape, p)

@@ -95,8 +95,9 @@ def test_a_random_f_whose_samples_interact_after_a_tap_is_not_read_per_sample():
     report = tg.explain(f, backend="structured", batch_dim=0, run=True)(params, x)
     assert report.ran is not None and report.ran.way == "dense", report.ran
     assert any("derivative" in note for note in report.ran.notes), report.ran.notes
-    torch.manual_seed(1)  # a call of its own: the draw of one plain call after this seed
+    torch.manual_seed(1)
     actual = tg.gramian(f, backend="structured", batch_dim=0)(params, x)
+    assert torch.equal(report.gramian, actual)  # explain's run sees the same draw
     scale = expected.abs().max()
     torch.testing.assert_close(actual / scale, expected / scale, rtol=1e-10, atol=1e-10)
 
@@ -113,7 +114,8 @@ def test_a_random_f_with_independent_samples_stays_batched():
     torch.manual_seed(1)
     report = tg.explain(f, backend="structured", batch_dim=0, run=True)(params, x)
     assert report.ran is not None and report.ran.way == "batched", report.ran.notes
-    torch.manual_seed(1)  # a call of its own: the draw of one plain call after this seed
+    torch.manual_seed(1)
     actual = tg.gramian(f, backend="structured", batch_dim=0)(params, x)
+    assert torch.equal(report.gramian, actual)  # explain's run sees the same draw
     scale = expected.abs().max()
     torch.testing.assert_close(actual / scale, expected / scale, rtol=1e-10, atol=1e-10)
