@@ -38,6 +38,8 @@ REPOSITORY_FILES = (
     "benchmarks/results/eager.md",
     "benchmarks/nt/SEMANTICS.md",
     "benchmarks/results/distributed.md",
+    "benchmarks/results/real_models.md",
+    "benchmarks/results/scaling.md",
 )
 NOTES_PAGE = "design/notes.md"
 PACKAGE = Path("src") / "torchgram"

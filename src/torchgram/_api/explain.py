@@ -9,6 +9,7 @@ NOTE [auto cost model]). Nothing is differentiated: ``f`` is traced once (one sa
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import html
 from collections.abc import Callable, Sequence
@@ -38,7 +39,9 @@ class LeafReport:
     Attributes:
         name: The leaf's path in the differentiated argument(s), e.g. ``"0.weight"``.
         shape: Its shape.
-        way: ``"ghost"``, ``"materialize"``, ``"fallback"`` or ``"unused"``.
+        way: ``"ghost"``, ``"materialize"``, ``"sparse"``, ``"fallback"`` or ``"unused"``;
+            with ``run=True``, the way the structured backend really used (the reason then
+            says what was planned, when the run could not follow the plan).
         rules: The rule of each recognised use, in call order (``"linear"``, ``"conv2d"``...).
         unrecognised: The calls that use the leaf outside every rule (why it falls back).
         cost: Estimated multiply-adds of this leaf's share of the work.
@@ -62,7 +65,8 @@ class Explanation:
 
     Attributes:
         leaves: One :class:`LeafReport` per differentiated leaf (``optree`` order).
-        backend: The backend the call would use (``auto``'s choice when ``backend="auto"``).
+        backend: The backend the call would use (``auto``'s choice when ``backend="auto"``);
+            with ``run=True``, the one that answered.
         auto_choice: What ``auto`` would choose.
         estimates: ``auto``'s estimate for each candidate backend.
         samples: ``B`` (1 without ``batch_dim``).
@@ -98,7 +102,7 @@ class Explanation:
     def _rows(self) -> list[tuple[str, ...]]:
         rows: list[tuple[str, ...]] = []
         for leaf in self.leaves:
-            uses = ", ".join(leaf.rules) if leaf.rules else "-"
+            uses = _uses(leaf.rules) if leaf.rules else "-"
             if leaf.unrecognised:
                 uses = (uses + "; " if leaf.rules else "") + "other: " + ", ".join(
                     leaf.unrecognised)
@@ -222,13 +226,13 @@ def explain(
         >>> import torch, torchgram as tg
         >>> def f(p, x):
         ...     h = torch.nn.functional.linear(x, p["w"], p["b"])
-        ...     return (torch.tanh(h) * p["scale"]).sum(-1)
+        ...     return (torch.tanh(h) * p["scale"].cos()).sum(-1)
         >>> p = {"w": torch.randn(8, 4), "b": torch.randn(8), "scale": torch.randn(8)}
         >>> report = tg.explain(f, batch_dim=0)(p, torch.randn(32, 4))
         >>> [(leaf.name, leaf.way) for leaf in report.leaves]
         [('b', 'materialize'), ('scale', 'fallback'), ('w', 'ghost')]
         >>> report.fallback, report.by_name("scale").unrecognised
-        (('scale',), ('Tensor.mul',))
+        (('scale',), ('Tensor.cos',))
     """
     options = Options.validate(
         _API, f, argnums, has_aux=has_aux, backend=backend, chunk_size=chunk_size,
@@ -255,13 +259,19 @@ def explain(
         structured = plan.structured
         names = leaf_names(problem.diff, args)
         ran, gramian = None, None
-        if run:
+        if run:  # the draw of one plain call, as tg.gramian from here would see it
+            problem.draw.rewind()
             computation = compute(options, f, args, kwargs)
             ran, gramian = computation.result.report, computation.value()
+        leaves = tuple(_report(names[p.leaf], problem.leaves[p.leaf].shape, p)
+                       for p in structured.leaves)
+        backend = plan.choice if options.backend == "auto" else options.backend
+        if ran is not None:  # what really ran, where the plan could not be followed
+            backend = ran.backend
+            leaves = _as_run(leaves, ran)
         return Explanation(
-            leaves=tuple(_report(names[p.leaf], problem.leaves[p.leaf].shape, p)
-                         for p in structured.leaves),
-            backend=plan.choice if options.backend == "auto" else options.backend,
+            leaves=leaves,
+            backend=backend,
             auto_choice=plan.choice, estimates=plan.estimates, samples=structured.sizes.samples,
             rows_per_sample=structured.sizes.rows, forward_flops=structured.forward_flops,
             ran=ran, gramian=gramian,
@@ -291,6 +301,32 @@ def leaf_names(diff: DiffLeaves, args: tuple[Any, ...]) -> list[str]:
             parts.insert(0, f"arg{diff.argnums[k]}")
         names.append(".".join(parts) or "<argument>")
     return names
+
+
+def _as_run(leaves: tuple[LeafReport, ...], ran: RunReport) -> tuple[LeafReport, ...]:
+    """The leaves with the ways the structured backend really used, where they differ."""
+    if ran.backend != "structured" or len(ran.leaf_ways) != len(leaves):
+        return leaves
+    why = "; ".join(ran.notes) or "the run did not replay the trace"
+    return tuple(leaf if leaf.way == way else dataclasses.replace(
+        leaf, way=way, reason=f"planned {leaf.way}, ran {way}: {why}")
+        for leaf, way in zip(leaves, ran.leaf_ways, strict=True))
+
+
+def _uses(rules: tuple[str, ...]) -> str:
+    """Rule names in call order, a run of the same one as ``name ×n``.
+
+    Example:
+        >>> _uses(("embedding", "linear", "linear", "linear"))
+        'embedding, linear ×3'
+    """
+    parts: list[tuple[str, int]] = []
+    for rule in rules:
+        if parts and parts[-1][0] == rule:
+            parts[-1] = (rule, parts[-1][1] + 1)
+        else:
+            parts.append((rule, 1))
+    return ", ".join(rule if count == 1 else f"{rule} ×{count}" for rule, count in parts)
 
 
 def _report(name: str, shape: tuple[int, ...], plan: LeafPlan) -> LeafReport:

@@ -208,6 +208,17 @@ class Draw:
         """Whether a full evaluation of ``f`` drew random numbers (``None``: none ran yet)."""
         return None if self.end is None else not self.end.same_as(self.start)
 
+    def drew(self) -> bool:
+        """Whether ``f`` draws random numbers.
+
+        As a full evaluation showed; before any, whether the generators have left the call's
+        start (asked right after an evaluation of part of the batch, e.g. a trace).
+        """
+        if self.random is not None:
+            return self.random
+        now = RngState.capture(device for device, _ in self.start.accelerators)
+        return not now.same_as(self.start)
+
     def check_no_draw(self) -> None:
         """Raise :class:`NotPerSample` if the evaluation that just ran drew random numbers."""
         now = RngState.capture(device for device, _ in self.start.accelerators)

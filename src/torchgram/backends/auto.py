@@ -13,6 +13,12 @@ and ``P`` parameters::
                  Gram = m²·P (m·P diagonal)
     ntvp:        F·(1 + 2·D) + 2·F·m + fixed costs          (jacobian's path if diagonal)
 
+Where ``f`` calls what ``vmap`` cannot batch (fused RNN kernels, seen by the trace), every
+per-sample ``vmap`` pass over ``f`` loops over the samples instead: the jacobian and ntvp
+backends, and the structured one when a leaf needs the fallback, then add
+``B · calls · 3 · LOOP_PER_CALL`` (``calls`` torch calls per evaluation of ``f``, each
+dispatched once per sample in the forward, the backward and the vjp set-up).
+
 A structured backward only reaches the activations (``F``), the jacobian and ntvp ones also
 every weight gradient (``2F``); ``4·m·P`` is writing the per-row gradients, ``blocks`` the
 number of leaf groups ``memory_budget`` forces on the jacobian backend (each reruns the
@@ -56,6 +62,9 @@ JACOBIAN_FIXED = {"dense": 2e7, "per_sample": 3.5e7}
 """Fixed cost of a jacobian call (``vmap``/``jacrev`` set-up)."""
 NTVP_FIXED = 5e7
 """Fixed cost of an ntvp call (forward-mode set-up)."""
+LOOP_PER_CALL = 1.5e5
+"""Cost of one torch call of ``f`` evaluated for one sample in a loop (dispatch, autograd),
+in multiply-adds (about 10 µs on a CPU)."""
 WRITE_COST = 4.0
 """Cost of writing one per-row gradient entry, relative to one multiply-add."""
 
@@ -82,7 +91,7 @@ def estimate_backends(problem: Problem, plan: StructuredPlan) -> dict[str, Estim
     sizes = plan.sizes
     samples, rows = sizes.samples, sizes.rows
     m = samples * rows
-    per_sample = problem.batch is not None
+    per_sample = problem.batch is not None and not plan.dense
     directions = rows if per_sample else m
     numel = sum(leaf.numel() for leaf in problem.leaves)
     forward = max(plan.forward_flops, float(numel * samples))
@@ -93,7 +102,11 @@ def estimate_backends(problem: Problem, plan: StructuredPlan) -> dict[str, Estim
 
     uses = sum(len(p.uses) for p in plan.leaves)
     vmap = per_sample and any(p.way == "fallback" for p in plan.leaves)
-    vmap_extra = STRUCTURED_VMAP + VMAP_OVERHEAD["structured"] * forward if vmap else 0.0
+    recording = plan.recording
+    loop = (3 * samples * recording.calls * LOOP_PER_CALL
+            if per_sample and recording.unbatchable else 0.0)
+    vmap_extra = (STRUCTURED_VMAP + VMAP_OVERHEAD["structured"] * forward + loop
+                  if vmap else 0.0)
     structured_time = (forward * (1 + directions) + plan.contraction_cost + STRUCTURED_FIXED
                        + STRUCTURED_PER_USE * uses + vmap_extra)
     structured_memory = sum(p.memory for p in plan.leaves)
@@ -106,7 +119,7 @@ def estimate_backends(problem: Problem, plan: StructuredPlan) -> dict[str, Estim
     if per_sample:
         one_pass += VMAP_OVERHEAD["jacobian"] * forward
     jacobian_time = (one_pass + gram) * blocks + \
-        JACOBIAN_FIXED["per_sample" if per_sample else "dense"]
+        JACOBIAN_FIXED["per_sample" if per_sample else "dense"] + loop * blocks
     estimates["jacobian"] = Estimate("jacobian", jacobian_time,
                                      min(jacobian_memory, budget or jacobian_memory), True)
 
@@ -118,7 +131,7 @@ def estimate_backends(problem: Problem, plan: StructuredPlan) -> dict[str, Estim
             chunk = max(1, budget // max(1, numel * itemsize))
         chunk = min(chunk, m)
         ntvp_memory = float(chunk * numel * itemsize)
-        ntvp_time = forward * (1 + 2 * directions) + 2 * forward * m + NTVP_FIXED
+        ntvp_time = forward * (1 + 2 * directions) + 2 * forward * m + NTVP_FIXED + loop
         ntvp = Estimate("ntvp", ntvp_time, ntvp_memory, budget is None or ntvp_memory <= budget)
     estimates["ntvp"] = Estimate("ntvp", ntvp.time, ntvp.memory, ntvp.fits)
     return estimates
@@ -136,6 +149,9 @@ def pick(estimates: dict[str, Estimate]) -> str:
     return ranked(estimates)[0]
 
 
+REFUSE_DRAWS = ("jacobian", "ntvp")
+"""The candidates that refuse an ``f`` that draws random numbers (NOTE [draws under
+torch.func]): ``auto`` tries them after the others."""
 LAST_RESORT = "graph"
 """Tried after every estimated candidate declared it cannot run: it walks the autograd
 graph of one plain forward, which every differentiable function has."""
@@ -149,8 +165,9 @@ class AutoPlan:
         structured: The structured backend's plan (its trace is what the estimates use).
         estimates: Every candidate's estimate.
         order: The candidates in the order they are tried (NOTE [declared inability]).
-        forward: For dense rows planned from a fresh trace, the structured backend's tapped
-            forward, which the run reuses instead of running ``f`` again.
+        forward: For dense rows planned from a fresh trace (no ``batch_dim``, or samples
+            that interact), the structured backend's tapped forward, which the run reuses
+            instead of running ``f`` again.
     """
 
     structured: StructuredPlan
@@ -175,12 +192,23 @@ def plan_auto(problem: Problem) -> AutoPlan:
     else:
         try:
             structured = plan_problem(problem)
+            # samples that interact, or a random f with a leaf that needs the per-sample
+            # fallback (NOTE [per-sample]): the rows of the whole batch, planned from the
+            # tapped forward the structured backend then reuses
+            recording = structured.recording
+            dense = problem.batch is not None and (
+                bool(recording.coupling) or (recording.draws and bool(recording.unrecognised)))
         except NotPerSample:  # f fails on a batch of one: plan the whole batch's rows
+            dense = True
+        if dense:
             with torch.enable_grad():
                 forward = dense_forward(problem)
             structured = plan_problem(problem, forward.recording, dense=True)
     estimates = estimate_backends(problem, structured)
     order = ranked(estimates)
+    if problem.draw.random or structured.recording.draws:  # they would refuse f (NOTE [draws
+        order = (*(n for n in order if n not in REFUSE_DRAWS),  # under torch.func])
+                 *(n for n in order if n in REFUSE_DRAWS))
     return AutoPlan(structured, estimates, (*order, LAST_RESORT), forward)
 
 

@@ -163,15 +163,24 @@ def test_per_sample_forward_runs_batched_when_shapes_say_where_samples_are():
     assert _forward_kind(elementwise.f, elementwise.args) == "vmap"
     attention = build("attention")  # self-attention is rewritten into linear layers
     assert _forward_kind(attention.f, attention.args) == "batched"
-    params = {"w": torch.randn(3, 4, dtype=torch.float64)}
+    params = {"w": torch.randn(3, 4, dtype=torch.float64), "b": torch.randn(3, dtype=torch.float64)}
 
-    def flat_tokens(p, x):  # [B, T, 4] -> [B·T, 4]: samples are not one dim of the tap
-        return F.linear(x.reshape(-1, 4), p["w"]).reshape(x.shape[0], -1).sum(-1)
+    def flat_tokens(p, x):  # [B, T, 4] -> [B·T, 4]: each sample's tokens together
+        return torch.addmm(p["b"], x.reshape(-1, 4), p["w"].T).reshape(x.shape[0], -1).sum(-1)
 
     args = (params, torch.randn(5, 2, 4, dtype=torch.float64))
-    assert _forward_kind(flat_tokens, args) == "vmap"
+    assert _forward_kind(flat_tokens, args) == "batched"
     _close(tg.gramian(flat_tokens, backend="structured", batch_dim=0)(*args),
            dense_gramian(flat_tokens, args).gramian)
+
+    def interleaved(p, x):  # [B, T, 4] -> [T·B, 4]: the same shapes, samples interleaved
+        h = torch.addmm(p["b"], x.transpose(0, 1).reshape(-1, 4), p["w"].T)
+        return h.reshape(x.shape[1], x.shape[0], -1).transpose(0, 1).reshape(x.shape[0], -1)\
+            .sum(-1)
+
+    assert _forward_kind(interleaved, args) == "vmap"  # the check of merged dims finds it
+    _close(tg.gramian(interleaved, backend="structured", batch_dim=0)(*args),
+           dense_gramian(interleaved, args).gramian)
 
 
 def test_a_cached_trace_that_no_longer_fits_is_caught():

@@ -77,3 +77,35 @@ def test_the_cheaper_check_is_chosen_from_the_forward_cost() -> None:
     assert derivative_check_cheaper(1e6, 16)  # small batches: two more directions
     assert not derivative_check_cheaper(1e9, 512)  # large ones: one more evaluation
     assert not derivative_check_cheaper(1e6, 1)  # one sample: nothing to check
+
+
+def _conv1d_like(p: Any, x: torch.Tensor) -> torch.Tensor:
+    """GPT-2's ``Conv1D``: the tokens of every sample merged into one dim, then ``addmm``."""
+    b, t, d = x.shape
+    y = torch.addmm(p["b"], x.reshape(-1, d), p["w"]).reshape(b, t, -1)
+    return torch.tanh(y).sum((1, 2))
+
+
+def _interleaved(p: Any, x: torch.Tensor) -> torch.Tensor:
+    """Samples merged token-major (interleaved): the batched way must not read it per sample."""
+    b, t, d = x.shape
+    y = torch.addmm(p["b"], x.transpose(0, 1).reshape(-1, d), p["w"])
+    return torch.tanh(y.reshape(t, b, -1).transpose(0, 1)).sum((1, 2))
+
+
+@pytest.mark.parametrize("f", [_conv1d_like, _interleaved], ids=["merged", "interleaved"])
+def test_sides_with_merged_sample_dims_match_the_oracle(f: Any) -> None:
+    torch.manual_seed(0)
+    params = {"w": torch.randn(4, 3, dtype=torch.float64),
+              "b": torch.randn(3, dtype=torch.float64)}
+    x1, x2 = torch.randn(3, 5, 4, dtype=torch.float64), torch.randn(2, 5, 4, dtype=torch.float64)
+    left, right = _problem(f, params, x1, 0, 0), _problem(f, params, x2, 0, 0)
+    spec: PairSpec = make_spec("test", (), (), (3,), (2,), 0)
+    side1 = compute_side(left)
+    side2 = compute_side(right, side1.ways)
+    for second, other in ((None, None), (x2, side2)):
+        block = contract(side1, other, spec, torch.float64)
+        kernel = to_nt_layout(block, spec, (3,), (3,) if second is None else (2,))
+        expected = nt_layout(dense_cross_gramian(f, params, x1, second), ())
+        torch.testing.assert_close(kernel, expected, rtol=1e-10,
+                                   atol=1e-10 * expected.abs().max().item())

@@ -245,9 +245,8 @@ class RecordMode(TorchFunctionMode):
             self._pins.append(result)
             return result
         rewrite = rewrite_for(func)
-        if rewrite is not None:
-            with self:  # the rewrite's own calls go through the mode (NOTE [attention rewrite])
-                result = rewrite(args, kwargs)
+        if rewrite is not None:  # it enters the mode where the rules must see its calls
+            result = rewrite(args, kwargs, self)  # (NOTE [attention rewrite])
             if result is not NotImplemented:
                 return result
         rule = rule_for(func)

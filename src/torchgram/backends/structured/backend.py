@@ -79,6 +79,16 @@ def run_structured(problem: Problem, plan: StructuredPlan | None = None, *,
     with torch.enable_grad():
         if problem.batch is None:
             return _dense(problem, plan, forward, force)
+        if plan is not None and plan.dense and forward is not None and force is None:
+            # auto planned the rows of the whole batch: samples interact, or f fails alone
+            result = _dense(problem, plan, forward, force)
+            coupling = plan.recording.coupling
+            why = (f"f calls {coupling[0]}: its samples interact" if coupling
+                   else "f draws random numbers (dropout, ...) and a leaf needs the per-sample "
+                   "fallback" if problem.draw.random else "f fails on a batch of one")
+            result.report.notes.append(f"per-sample passes do not hold ({why}): rows of the "
+                                       "whole batch instead")
+            return result
         try:
             forward, plan = per_sample_forward_checked(problem, plan, force)
         except NotPerSample as why:  # NOTE [per-sample]: the same matrix from the whole batch

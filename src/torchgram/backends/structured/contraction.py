@@ -184,6 +184,58 @@ def _pair_chunked(u: UseFactors, v: UseFactors, rows: int, samples: int, positio
     return torch.cat(pieces_b, dim=1)
 
 
+# NOTE [uses taken together]
+# A leaf used several times has J = Σ_u Σ_t first_u[t] ⊗ second_u[t]: uses whose factors have
+# the same kinds, orientation and widths are one use over all their positions, so their
+# factors are concatenated along the positions before any contraction. The result is the same
+# (the cross terms between the uses are the cross terms between positions), with one matrix
+# product instead of one per use (materialize) or per pair of uses (ghost): e.g. the ``T``
+# per-step uses of a recurrent weight (NOTE [recurrent rewrite]), or a layer applied twice.
+
+_POSITION_DIM = {"cot": 2, "act": 1, "index": 1}
+"""The positions dim of a factor: ``cot [R, B, T, G, c]``, ``act [B, T, G, a]``, ``index [B, T]``.
+"""
+
+
+def _signature(use: UseRecord, factors: UseFactors) -> tuple[Any, ...]:
+    def widths(factor: Factor) -> tuple[int, ...]:
+        return () if factor.kind == "index" else tuple(factor.tensor.shape[-2:])
+
+    return (use.role, use.act_first, use.shape.elementwise, use.shape.act_width,
+            getattr(use.layout, "premultiplied", False), factors.first.kind,
+            factors.second.kind, widths(factors.first), widths(factors.second))
+
+
+def together(items: Sequence[tuple[UseRecord, UseFactors]]) -> list[tuple[UseRecord, UseFactors]]:
+    """The uses of one leaf, those with the same factor shapes concatenated along positions.
+
+    NOTE [uses taken together]. Each item keeps its first use as the record of the group.
+    """
+    groups: dict[tuple[Any, ...], list[tuple[UseRecord, UseFactors]]] = {}
+    for use, factors in items:
+        groups.setdefault(_signature(use, factors), []).append((use, factors))
+    merged = []
+    for group in groups.values():
+        if len(group) == 1:
+            merged.append(group[0])
+            continue
+        use, first_factors = group[0]
+        premultiplied = bool(getattr(use.layout, "premultiplied", False))
+        first = _cat([f.first for _, f in group], premultiplied)
+        second = first if first_factors.second is first_factors.first else \
+            _cat([f.second for _, f in group], premultiplied)
+        merged.append((use, UseFactors(first, second)))
+    return merged
+
+
+def _cat(factors: list[Factor], premultiplied: bool) -> Factor:
+    """Factors of uses taken together, concatenated along their positions."""
+    if premultiplied and factors[0].kind == "act":  # ones: the act is in the cotangent
+        return factors[0]
+    kind = factors[0].kind
+    return Factor(torch.cat([f.tensor for f in factors], dim=_POSITION_DIM[kind]), kind)
+
+
 def materialize_use(use: UseRecord, factors: UseFactors, numel: int) -> Tensor:
     """The use's per-row Jacobian ``[R, B, numel]`` in the leaf's layout."""
     if use.role == "bias":
@@ -193,7 +245,8 @@ def materialize_use(use: UseRecord, factors: UseFactors, numel: int) -> Tensor:
     first, second = factors.first, factors.second
     if use.shape.elementwise:  # Σ_t act ⊙ cot, the activation shared by the rows
         act_factor, cot_factor = (first, second) if first.kind == "act" else (second, first)
-        summed = (cot_factor.tensor * act_factor.tensor).sum(dim=2)
+        summed = (cot_factor.tensor.sum(dim=2) if getattr(use.layout, "premultiplied", False)
+                  else (cot_factor.tensor * act_factor.tensor).sum(dim=2))
         return summed.reshape(*summed.shape[:2], numel)
     if first.kind == "index" or second.kind == "index":
         index, cot = ((first.tensor, second.tensor) if first.kind == "index"
@@ -425,19 +478,32 @@ class Contraction:
             if part is not None:  # [c, B, *leaf.shape]: in the leaf's layout if others add to it
                 part = self._cast(part.reshape(*part.shape[:2], -1) if uses else flat_rows(part))
             complete = start == 0 and stop == self.rows
-            if complete and part is None and len(uses) == 1 and uses[0].role == "bias" \
-                    and uses[0].shape.positions == 1 and uses[0].shape.groups == 1:
+            if complete and part is None and len(uses) == 1 and uses[0].role == "bias":
                 cot = self._cot_tensor(uses[0], tap_cots)
-                if cot is not None:  # a bias without positions: its Jacobian is the cotangent
+                if cot is None:
+                    continue
+                if cot.shape[2] * cot.shape[3] == 1:
+                    # a bias without positions (per sample): its Jacobian is the cotangent
                     factor = Factor(cot, "cot", (uses[0].tap, id(uses[0].layout)))
                     self._grams[plan.leaf] = single_position_cot_gram(
                         factor, factor, self.diagonal, self._cot_grams)
-                continue
-            for k, use in enumerate(uses):
-                cot = self._cot_tensor(use, tap_cots)
-                if cot is None:
                     continue
-                jac = materialize_use(use, self._factors((plan.leaf, k), use, cot), numel)
+            items = []
+            for k, use in enumerate(uses):
+                raw = tap_cots[use.tap]
+                if raw is None:
+                    continue
+                act_raw = self._acts[use.act] if use.act is not None else None
+                if act_raw is not None and act_raw.is_floating_point():
+                    act_raw = self._cast(act_raw)
+                jac = use.layout.materialize(act_raw, self._cast(raw), use.role == "bias")
+                if jac is not None:  # straight from the raw tensors
+                    part = jac if part is None else part + jac
+                    continue
+                cot = self._cast(use.layout.cot_factor(raw, 2, act_raw))
+                items.append((use, self._factors((plan.leaf, k), use, cot)))
+            for use, factors in together(items):  # NOTE [uses taken together]
+                jac = materialize_use(use, factors, numel)
                 part = jac if part is None else part + jac
             if part is None:
                 continue
@@ -511,14 +577,20 @@ class Contraction:
                                      self.diagonal)
 
     def _ghost_block(self, plan: LeafPlan, dtype: torch.dtype) -> Tensor | None:
-        factors: list[tuple[UseFactors, int]] = []
+        items = []
         for k, use in enumerate(self.uses.get(plan.leaf, ())):
             pieces = self._ghost_cots.pop((plan.leaf, k), [])
             if not pieces:
                 continue
             cot = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-            factors.append((self._factors((plan.leaf, k), use, cot, complete=True),
-                            use.shape.positions * use.shape.groups))
+            items.append((use, self._factors((plan.leaf, k), use, cot, complete=True)))
+        # per-sample positions × groups of each (merged) use, from its cotangent
+        # [R, B, T, G, c] (the run's use records count the positions of the whole batch in a
+        # batched pass)
+        factors: list[tuple[UseFactors, int]] = []
+        for _, merged in together(items):  # NOTE [uses taken together]
+            cot_factor = merged.first if merged.first.kind == "cot" else merged.second
+            factors.append((merged, cot_factor.tensor.shape[2] * cot_factor.tensor.shape[3]))
         return ghost_block(factors, self.rows, self.samples, self.diagonal, dtype,
                            self.max_pair_elements, self._cot_grams)
 

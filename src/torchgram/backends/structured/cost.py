@@ -38,9 +38,13 @@ the Gram ``(R·B)²·P``.
 rows only for its sample's tokens; summing the cotangents per (row, sample, token) gives
 ``n ≈ B·min(ΣT, V)`` entries, and only pairs of entries with the same token meet::
 
-    scatter R·B·ΣT·d,  pairs R²·Π·d  with  Π ≈ SKEW·n·(1 + n/V)   (R·n·d with diagonal=True)
+    scatter R·B·ΣT·d,  pairs W·R²·Π·d  with  Π ≈ SKEW·n·(1 + n/V)   (R·n·d with diagonal=True)
 
-(``Π`` is exact for uniform tokens, ``SKEW`` allows for frequent ones).
+(``Π`` is exact for uniform tokens, ``SKEW`` allows for frequent ones). Each pair gathers two
+rows and meets them outside any matrix product: ``W =`` :data:`SPARSE_PAIR_WEIGHT`, and the
+sorting and grouping cost :data:`SPARSE_FIXED` (both measured on a CPU against the
+materialized Gram: sparse wins for large vocabularies, loses for tables every sample uses
+whole, like position embeddings, where ``Π ≈ T·B²``).
 
 A ghost plan needs every use of the leaf to be a weight with the same factor widths and
 groups; otherwise (or with a bias use, or a fallback part) the leaf is materialized. With
@@ -59,8 +63,10 @@ ELEMENTWISE_WEIGHT = 4.0
 """Cost of one elementwise multiply-add relative to one inside a matrix product."""
 SKEW = 2.0
 """Allowance for frequent tokens in the sparse way's pair count."""
-SPARSE_FIXED = 2e5
-"""Fixed cost of the sparse way (sorting and grouping the entries)."""
+SPARSE_FIXED = 1.5e7
+"""Fixed cost of the sparse way (sorting and grouping the entries: about a millisecond)."""
+SPARSE_PAIR_WEIGHT = 32.0
+"""Cost of one entry of a pair of gathered rows relative to a multiply-add in a matrix product."""
 
 
 Way = Literal["ghost", "materialize", "sparse", "fallback", "unused"]
@@ -206,9 +212,11 @@ def sparse_cost(uses: Sequence[UseRecord], sizes: Sizes) -> tuple[float, float]:
     entries = b * min(positions, classes)
     scatter = r * b * positions * dim
     if sizes.diagonal:
-        return scatter + r * entries * dim + SPARSE_FIXED, float(r * entries * dim)
+        return (scatter + ELEMENTWISE_WEIGHT * r * entries * dim + SPARSE_FIXED,
+                float(r * entries * dim))
     pairs = SKEW * entries * (1 + entries / classes)
-    return scatter + r * r * pairs * dim + SPARSE_FIXED, float(r * entries * dim + r * r * pairs)
+    return (scatter + SPARSE_PAIR_WEIGHT * r * r * pairs * dim + SPARSE_FIXED,
+            float(r * entries * dim + r * r * pairs))
 
 
 def ghost_memory(uses: Sequence[UseRecord], sizes: Sizes) -> float:

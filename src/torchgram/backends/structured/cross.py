@@ -53,11 +53,11 @@ from torchgram.backends.structured.contraction import Factor, UseFactors, materi
 from torchgram.backends.structured.cost import LeafPlan
 from torchgram.backends.structured.passes import (
     Forward,
-    _per_sample_view,
     backward_chunks,
     batched_forward,
     dense_forward,
     forget_trace,
+    per_sample_view,
     restrict,
     rows_per_pass,
     trace,
@@ -232,7 +232,7 @@ def _checked_chunks(problem: Problem, forward: Forward, recording: Recording,
     rows = forward.outputs[0]
     if not rows.requires_grad:
         return
-    taps = forward.taps[0]
+    taps: Any = forward.taps[0]  # tensors and gradient edges (NOTE [tap edges])
     total, samples = forward.rows_per_sample, forward.samples
     checks = (0, samples - 1) if samples > 1 else ()
     for start in range(0, total, per_pass):
@@ -245,7 +245,7 @@ def _checked_chunks(problem: Problem, forward: Forward, recording: Recording,
                                   retain_graph=stop < total, allow_unused=True,
                                   is_grads_batched=batched)
         grads = [None if g is None else
-                 _per_sample_view(g if batched else g.unsqueeze(0), dim, 1, samples)
+                 per_sample_view(g if batched else g.unsqueeze(0), dim, 1, samples)
                  for g, dim in zip(raw, forward.tap_dims, strict=True)]
         del raw
         if others is not None:
@@ -299,8 +299,12 @@ def _plan_side(problem: Problem, ways: dict[int, str] | None, *, whole_batch: bo
     if batched is not None:
         forward, plan = batched
         derivative = derivative_check_cheaper(plan.forward_flops, forward.samples)
-        if not derivative:
-            _check_batched(problem, forward)  # samples run apart (NOTE [per-sample])
+        # samples run apart (NOTE [per-sample]); merged sample dims always: their order is
+        # checked there (NOTE [checking the batched pass]), and the batched way dropped if wrong
+        if (not derivative or forward.merged_acts) and \
+                not _check_batched(problem, forward, plan.recording):
+            batched = None
+    if batched is not None:
         return forward, ways or cross_ways(plan), plan, derivative
     forward, plan = per_sample_forward_checked(problem, None, None)
     return forward, ways or cross_ways(plan), plan, False

@@ -36,12 +36,14 @@ fallback, which is always right.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 from torch import Tensor
+from torch.autograd.graph import GradientEdge
 
 from torchgram._core.composition import graph_leaf
 from torchgram._core.errors import BackendCannotRun, NotPerSample, OutputChanged
@@ -50,7 +52,13 @@ from torchgram._core.problem import Problem
 from torchgram._core.result import NO_AUX
 from torchgram._core.signature import LruCache, call_signature
 from torchgram._core.threads import math_attention
-from torchgram.backends.structured.trace import Recording, TapMode, TraceMismatch, zero_tap
+from torchgram.backends.structured.trace import (
+    NotBatched,
+    Recording,
+    TapMode,
+    TraceMismatch,
+    zero_tap,
+)
 
 GradChunk = tuple[int, int, list[Tensor | None], dict[int, Tensor]]
 
@@ -105,6 +113,7 @@ def trace(problem: Problem) -> Recording:
             try:
                 with mode:
                     rows = problem.sample_rows(carriers, batch.narrow(0, 1), check_draw=False)
+                mode.recording.draws = problem.draw.drew()
             except (BackendCannotRun, OutputChanged, NotPerSample):
                 raise
             except Exception as error:  # the probe ran the batch: f fails on a batch of one
@@ -137,8 +146,10 @@ class Forward:
         carriers: The fallback leaves' tensors (per sample for ``loop``).
         carrier_leaves: The leaves with carriers, in order.
         aux: ``f``'s aux when the full batch was evaluated, else ``NO_AUX``.
-        tap_dims: ``batched`` only: each tap's sample dimension.
+        tap_dims: ``batched`` only: each tap's sample axis.
         order: ``batched`` only: ``order[b, k]`` is the output row of row ``k`` of sample ``b``.
+        merged_acts: ``batched`` only: the activations whose samples are merged in one dim,
+            and that dim (their order is checked against samples run without the others).
     """
 
     kind: ForwardKind
@@ -147,12 +158,13 @@ class Forward:
     rows_per_sample: int
     acts: list[Tensor]
     outputs: list[Tensor]
-    taps: list[list[Tensor]]
+    taps: list[list[Tensor | GradientEdge]]
     carriers: list[list[Tensor]]
     carrier_leaves: list[int]
     aux: Any = NO_AUX
-    tap_dims: list[int | None] = field(default_factory=list)
+    tap_dims: list[SampleAxis | None] = field(default_factory=list)
     order: Tensor | None = None
+    merged_acts: dict[int, int] = field(default_factory=dict)
 
     def detached_rows(self) -> Tensor:
         """The output rows, in the backend's ``[B, R]`` layout (``[m]`` when batched/dense)."""
@@ -165,31 +177,56 @@ class Forward:
 
 # -- the ways of running f -----------------------------------------------------------------
 
-def _per_sample_view(x: Tensor, dim: int | None, lead: int, samples: int) -> Tensor:
-    """``x`` with its sample dim ``dim`` (after ``lead`` dims) moved to ``lead``, size-1 kept.
+@dataclass(frozen=True)
+class SampleAxis:
+    """Where a batched tensor holds its samples.
 
-    ``dim=None``: ``x`` does not depend on the sample (``samples > 1``: shared, expanded) or
-    there is one sample.
+    Dim ``dim`` (one entry per sample), or, ``merged``, dim ``dim`` of size ``B·n`` holding the
+    ``n`` entries of each sample one sample after the other (``x.view(-1, d)`` of a
+    ``[B, T, d]`` tensor).
     """
-    if dim is None:
+
+    dim: int
+    merged: bool = False
+
+
+def per_sample_view(x: Tensor, axis: SampleAxis | None, lead: int, samples: int) -> Tensor:
+    """``x`` with its samples (``axis``, after ``lead`` dims) moved to dim ``lead``.
+
+    The other dims have the sizes of one sample's tensor: a split axis keeps a size-1 dim, a
+    merged one the sample's own entries. ``axis=None``: ``x`` does not depend on the sample
+    (``samples > 1``: shared, expanded) or there is one sample.
+    """
+    if axis is None:
         x = x.unsqueeze(lead)
         return x.expand(*x.shape[:lead], samples, *x.shape[lead + 1:])
-    return x.movedim(lead + dim, lead).unsqueeze(lead + 1 + dim)
+    if axis.merged:
+        return x.unflatten(lead + axis.dim, (samples, -1)).movedim(lead + axis.dim, lead)
+    return x.movedim(lead + axis.dim, lead).unsqueeze(lead + 1 + axis.dim)
 
 
-_NO_DIM = -1
+_NO_DIM = SampleAxis(-1)
 
 
 def _sample_dim(traced: Sequence[int], full: Sequence[int], samples: int, *,
-                shared_ok: bool) -> int | None:
-    """The dim of ``full`` that indexes samples (``None``: no such dim), or ``_NO_DIM``."""
+                shared_ok: bool) -> SampleAxis | None:
+    """The axis of ``full`` that indexes samples (``None``: no such axis), or ``_NO_DIM``.
+
+    A dim of size 1 in the trace (one sample) and ``B`` in the batch holds the samples; a dim
+    of size ``n > 1`` in the trace and ``B·n`` in the batch holds them merged, each sample's
+    entries together (to be checked: :func:`merged_acts`).
+    """
     if len(traced) != len(full):
         return _NO_DIM
     differ = [i for i, (t, f) in enumerate(zip(traced, full, strict=True)) if t != f]
     if not differ:
         return None if (samples == 1 or shared_ok) else _NO_DIM
-    if len(differ) == 1 and traced[differ[0]] == 1 and full[differ[0]] == samples:
-        return differ[0]
+    if len(differ) == 1:
+        t, f = traced[differ[0]], full[differ[0]]
+        if t == 1 and f == samples:
+            return SampleAxis(differ[0])
+        if t > 1 and f == samples * t:
+            return SampleAxis(differ[0], merged=True)
     return _NO_DIM
 
 
@@ -203,25 +240,52 @@ def batched_forward(problem: Problem, traced: Recording) -> Forward | None:
     samples = batch.size
     leaves = problem.leaves
     carriers = tuple(graph_leaf(leaf) for leaf in leaves)
-    mode = TapMode(carriers, leaves, taps="lazy", carriers=(),
-                   keep_graph=problem.composition.create_graph)
-    with mode:
-        rows, aux = problem.rows(carriers)
+    mode = TapMode(carriers, leaves, taps="lazy", carriers=(), expected=traced.taps,
+                   samples=samples, keep_graph=problem.composition.create_graph)
+    try:
+        with mode:
+            rows, aux = problem.rows(carriers)
+    except NotBatched:
+        return None
+    mode.finish()
+    if mode.not_batched is not None:
+        return None
     run = mode.recording
     check_replay(traced, run, samples)
     tap_dims = [_sample_dim(t.shape, r.shape, samples, shared_ok=False)
                 for t, r in zip(traced.taps, run.taps, strict=True)]
-    act_dims: dict[int, int | None] = {}
+    act_dims: dict[int, SampleAxis | None] = {}
     for t, r in zip(traced.uses, run.uses, strict=True):
         if r.act is not None and t.act_shape is not None and r.act_shape is not None:
             act_dims[r.act] = _sample_dim(t.act_shape, r.act_shape, samples, shared_ok=True)
     if _NO_DIM in tap_dims or _NO_DIM in act_dims.values() or len(act_dims) != len(mode.acts):
         return None
-    acts = [_per_sample_view(act, act_dims[i], 0, samples) for i, act in enumerate(mode.acts)]
+    if not _merged_taps_have_acts(run, tap_dims, act_dims):
+        return None
+    acts = [per_sample_view(act, act_dims[i], 0, samples) for i, act in enumerate(mode.acts)]
     per_sample = rows.numel() // samples
     return Forward("batched", run, samples, per_sample, acts, [rows], [mode.made_taps], [[]],
                    [], aux=aux, tap_dims=tap_dims,
-                   order=problem.sample_major_index if per_sample > 1 else None)
+                   order=problem.sample_major_index if per_sample > 1 else None,
+                   merged_acts={i: axis.dim for i, axis in act_dims.items()
+                                if axis is not None and axis.merged})
+
+
+def _merged_taps_have_acts(run: Recording, tap_dims: Sequence[SampleAxis | None],
+                           act_dims: dict[int, SampleAxis | None]) -> bool:
+    """Whether every tap with merged samples has a weight use whose activation is merged too.
+
+    The order of a merged axis (each sample's entries together, not interleaved) is checked
+    on the activations (:func:`merged_acts`); a tap's output rows follow its activation's.
+    """
+    for tap, axis in enumerate(tap_dims):
+        if axis is None or not axis.merged:
+            continue
+        acts = [use.act for use in run.uses if use.tap == tap and use.act is not None]
+        if not acts or any(act_dims[a] is None or not act_dims[a].merged  # type: ignore[union-attr]
+                           for a in acts):
+            return False
+    return True
 
 
 def restrict(traced: Recording, tapped: Sequence[int]) -> Recording:
@@ -279,7 +343,7 @@ def per_sample_forward(problem: Problem, traced: Recording,
             rows, acts = run(taps, carriers, sample)
             outputs.append(rows)
             acts_per_sample.append(acts)
-            taps_all.append(taps)
+            taps_all.append(list[Tensor | GradientEdge](taps))
             carriers_all.append(carriers)
         check_replay(traced, recordings[0], 1)
         acts = [torch.stack([acts_b[i] for acts_b in acts_per_sample])
@@ -302,8 +366,8 @@ def per_sample_forward(problem: Problem, traced: Recording,
             tuple(taps), tuple(carriers), *batch.tensors)
     acts = list(batched_acts)
     check_replay(traced, recordings[0], 1)
-    return Forward("vmap", recordings[0], size, rows.shape[1], list(acts), [rows], [taps],
-                   [carriers], fallback)
+    return Forward("vmap", recordings[0], size, rows.shape[1], list(acts), [rows],
+                   [list[Tensor | GradientEdge](taps)], [carriers], fallback)
 
 
 def dense_forward(problem: Problem) -> Forward:
@@ -334,7 +398,9 @@ def rows_per_pass(problem: Problem, forward: Forward) -> int:
         return max(1, min(rows, problem.chunk_size // max(1, forward.samples)))
     if problem.memory_budget is None:
         return max(rows, 1)
-    per_direction = sum(t.numel() for t in forward.taps[0]) + \
+    per_direction = sum(t.numel() if isinstance(t, Tensor)  # else a gradient edge
+                        else math.prod(forward.recording.taps[i].shape)
+                        for i, t in enumerate(forward.taps[0])) + \
         sum(c.numel() for c in forward.carriers[0])
     per_direction *= forward.samples if forward.kind == "loop" else 1
     return int(max(1, min(rows, problem.memory_budget // max(1, per_direction *
@@ -368,7 +434,7 @@ def backward_chunks(forward: Forward, per_pass: int, *, vectorize: bool,
         yield from _looped_chunks(forward, create_graph)
         return
     rows = forward.outputs[0]
-    inputs = [*forward.taps[0], *forward.carriers[0]]
+    inputs: Any = [*forward.taps[0], *forward.carriers[0]]  # tensors and gradient edges
     if not rows.requires_grad or not inputs:  # f uses no leaf (its inputs may require grad)
         return
     num_taps = len(forward.taps[0])
@@ -390,7 +456,7 @@ def backward_chunks(forward: Forward, per_pass: int, *, vectorize: bool,
         if forward.kind == "dense":  # no sample dim: B = 1
             grads = [None if g is None else g.unsqueeze(1) for g in grads]
         elif forward.kind == "batched":
-            grads = [None if g is None else _per_sample_view(g, dim, 1, samples)
+            grads = [None if g is None else per_sample_view(g, dim, 1, samples)
                      for g, dim in zip(grads, forward.tap_dims, strict=True)]
         tap_cots = grads[:num_taps]
         carrier_grads = {  # [c, B, *leaf.shape], in whatever layout the backward made
@@ -437,7 +503,7 @@ def _looped_chunks(forward: Forward, create_graph: bool) -> Iterator[GradChunk]:
     for k in range(total):
         per_sample: list[list[Tensor | None]] = []
         for b, rows in enumerate(forward.outputs):
-            inputs = [*forward.taps[b], *forward.carriers[b]]
+            inputs: Any = [*forward.taps[b], *forward.carriers[b]]  # zero taps: tensors
             if not rows.requires_grad or not inputs:
                 per_sample.append([None] * len(inputs))
                 continue
@@ -451,6 +517,7 @@ def _looped_chunks(forward: Forward, create_graph: bool) -> Iterator[GradChunk]:
                 stacked.append(None)
                 continue
             like = forward.taps[0][i] if i < num_taps else forward.carriers[0][i - num_taps]
+            assert isinstance(like, Tensor)
             stacked.append(torch.stack([torch.zeros_like(like) if g is None else g
                                         for g in column]).unsqueeze(0))
         carrier_grads = {

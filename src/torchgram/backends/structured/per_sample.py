@@ -6,7 +6,7 @@ Three ways, each with its check (NOTE [structured passes] for the ways themselve
   sample. Checked: no call makes samples interact (the run's ``coupling``), and, unless
   ``f`` draws random numbers, the first and last samples run apart from the others give the
   batch's outputs (as a batch of their own, one evaluation, when the batch has more than
-  two samples; the first alone otherwise).
+  two samples; each alone otherwise).
 * **vmap**, or a **loop** where ``vmap`` cannot batch ``f`` (leaves on the fallback):
   ``f`` one sample at a time. Checked like the jacobian backend's per-sample way: one
   evaluation of the whole batch first (no random draw, no interacting call), then every
@@ -19,24 +19,29 @@ the whole batch (the exact coupled Gramian when samples interact).
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any
+
 import optree
 import torch
 from torch import Tensor
 
 from torchgram._core.errors import BackendCannotRun, NotPerSample, OutputChanged
-from torchgram._core.per_sample import batch_rows, check_samples, fails_alone
+from torchgram._core.per_sample import batch_rows, check_samples, fails_alone, tolerance
 from torchgram._core.problem import Problem, replace_input_leaves
 from torchgram.backends.structured.cost import Force
 from torchgram.backends.structured.passes import (
     Forward,
+    SampleAxis,
     batched_forward,
     forget_trace,
     per_sample_forward,
+    per_sample_view,
     restrict,
     trace,
 )
 from torchgram.backends.structured.plan import StructuredPlan, plan_problem
-from torchgram.backends.structured.trace import Recording, TraceMismatch
+from torchgram.backends.structured.trace import Recording, TapMode, TraceMismatch
 
 
 def per_sample_forward_checked(problem: Problem, plan: StructuredPlan | None,
@@ -66,10 +71,9 @@ def _forward(problem: Problem, traced: Recording) -> Forward:
     if expected is None:  # the trace's plans cache holds it for the next calls
         expected = traced.plans[key] = restrict(traced, tapped)
     try:
-        if not fallback:
+        if not fallback and traced.merged_order is not False:
             forward = batched_forward(problem, expected)
-            if forward is not None:
-                _check_batched(problem, forward)
+            if forward is not None and _check_batched(problem, forward, traced):
                 return forward
         return _one_sample_at_a_time(problem, expected, fallback)
     except TraceMismatch:
@@ -78,44 +82,137 @@ def _forward(problem: Problem, traced: Recording) -> Forward:
                                      list(range(len(problem.leaves))))
 
 
-def _check_batched(problem: Problem, forward: Forward) -> None:
-    """The first and last samples run alone give the batch's outputs (unless ``f`` is random)."""
+def _check_batched(problem: Problem, forward: Forward, traced: Recording) -> bool:
+    """The first and last samples without the others give the batch's outputs.
+
+    Raises :class:`NotPerSample` when they do not; returns ``False`` when a dim that merges
+    the samples (``Forward.merged_acts``) does not hold each sample's entries together.
+
+    NOTE [checking the batched pass]: with ``B > 2`` the two samples run as one batch of two
+    (one evaluation of ``f``, the cost of about one sample: the weights are read once);
+    samples that interact then see another batch than the whole one and give other outputs,
+    in both directions (the first sample sees the last, the last the first). With ``B = 2``
+    each runs alone. Where samples are merged in one dim of a tapped activation
+    (``x.view(-1, d)`` before ``torch.addmm``, as GPT-2's ``Conv1D`` does), the same run
+    records its activations, and each sample's slice of the merged dim (its entries taken
+    together, sample after sample) must be what the sample gave there. That order is a
+    property of the code, like the tapped calls of the trace, so it is checked on the first
+    batched run of a trace (later runs replay the same calls and shapes); a trace whose
+    order does not hold is not used batched again. When ``f`` draws random numbers the
+    samples cannot run apart with the batch's draws (NOTE [per-sample]): derivatives of the
+    same forward are checked instead (:func:`_check_derivatives`), and merged dims are not
+    used until a run without draws has checked their order.
+    """
     if forward.recording.coupling:
         raise NotPerSample(f"f calls {forward.recording.coupling[0]}: its samples interact")
+    if forward.merged_acts and traced.merged_order is False:
+        return False
     batch = problem.batch
     assert batch is not None
-    if batch.size == 1 or problem.draw.random:
+    if batch.size == 1:
+        return True
+    if problem.draw.random:  # samples cannot run apart with the batch's draws
+        if forward.merged_acts and not traced.merged_order:
+            return False
+        _check_derivatives(problem, forward)
+        return True
+    samples = [0, batch.size - 1]
+    rows, same = [], True
+    verify = bool(forward.merged_acts) and traced.merged_order is None
+    for subset in ([[0], [1]] if batch.size == 2 else [samples]):
+        mode = TapMode(problem.leaves, problem.leaves, keep_acts=True) if verify else None
+        with torch.no_grad(), mode or contextlib.nullcontext():
+            rows.append(subset_rows(problem, subset))
+        if mode is not None:
+            same = same and _same_merged_acts(forward, mode.acts, subset)
+    check_samples(problem, torch.cat(rows), torch.tensor(samples), forward.outputs[0].detach())
+    if verify:
+        traced.merged_order = same
+    return same
+
+
+def _check_derivatives(problem: Problem, forward: Forward) -> None:
+    """Raise :class:`NotPerSample` if the first or last sample's rows reach another's taps.
+
+    For an ``f`` that draws, whose samples cannot run apart with the batch's draws: one more
+    backward of the same forward (the same draw), with random positive weights on the rows
+    of the first and of the last sample, must leave every tapped output of the other
+    samples without gradient. An output row that depends on another sample's tapped
+    activations (``x - x.mean(0)`` after a layer) has one there, and the batched pass's
+    per-sample factors would then miss its cross-sample terms (found by the fuzzer: a wrong
+    matrix). Interactions before every tap (centering the inputs) leave the per-sample
+    Gramian exact and pass.
+    """
+    rows, taps = forward.outputs[0], forward.taps[0]
+    samples = forward.samples
+    if not rows.requires_grad or not taps or samples < 2:
         return
-    if batch.size == 2:
-        samples = torch.tensor([0])
-        with torch.no_grad():
-            rows = problem.sample_rows(problem.leaves, batch.narrow(0, 1))[None]
-    else:
-        samples = torch.tensor([0, batch.size - 1])
-        rows = _subbatch_rows(problem, samples)
-    check_samples(problem, rows, samples, forward.outputs[0].detach())
+    index = problem.sample_major_index  # [B, K]: each sample's rows in rows.reshape(-1)
+    generator = torch.Generator(device=rows.device).manual_seed(0)  # leaves the draws alone
+    checks = (0, samples - 1)
+    cot = rows.new_zeros(len(checks), rows.numel())
+    for j, sample in enumerate(checks):
+        cot[j, index[sample]] = 0.5 + torch.rand(
+            index.shape[1], generator=generator, device=rows.device).to(rows.dtype)
+    inputs: Any = list(taps)  # tensors and gradient edges
+    grads = torch.autograd.grad(rows, inputs, cot.reshape(len(checks), *rows.shape),
+                                retain_graph=True, allow_unused=True, is_grads_batched=True)
+    for grad, axis in zip(grads, forward.tap_dims, strict=True):
+        if grad is None:
+            continue
+        leaks = per_sample_view(grad, axis, 1, samples).reshape(len(checks), samples, -1)
+        leaks = leaks.ne(0).any(-1)
+        for j, sample in enumerate(checks):
+            leaks[j, sample] = False
+        if bool(leaks.any()):
+            raise NotPerSample("an output row of one sample has a derivative on another "
+                               "sample's activations: the samples interact")
 
 
-def _subbatch_rows(problem: Problem, samples: Tensor) -> Tensor:
-    """``[count, K]``: the rows of ``f`` evaluated on the samples ``samples`` alone, as a batch."""
+def _same_merged_acts(forward: Forward, acts: list[Tensor], subset: list[int]) -> bool:
+    """Whether the merged activations of a run of ``subset`` are the batch's slices of them."""
+    for i, dim in forward.merged_acts.items():
+        if i >= len(acts):
+            return False
+        alone = per_sample_view(acts[i], SampleAxis(dim, merged=True), 0, len(subset))
+        batched = forward.acts[i][subset]
+        if alone.shape != batched.shape:
+            return False
+        if not alone.is_floating_point():
+            if not torch.equal(alone, batched):
+                return False
+            continue
+        scale = batched.abs().max()
+        if not bool(((alone - batched).abs() <= tolerance(batched.dtype) * (scale + batched.abs()))
+                    .all()):
+            return False
+    return True
+
+
+def subset_rows(problem: Problem, samples: list[int]) -> Tensor:
+    """``f`` on the batch restricted to ``samples`` (in that order): their rows ``[n, K]``.
+
+    Raises :class:`NotPerSample` when the output's structure is not the batch's with ``n``
+    samples (then ``f`` does not treat a smaller batch like the whole one).
+    """
     batch = problem.batch
     assert batch is not None
-    spec = problem.output
-    assert spec.batch_dims is not None
-    inputs = tuple(t.index_select(d, samples.to(t.device))
+    index = torch.tensor(samples, device=batch.tensors[0].device)
+    inputs = tuple(t.index_select(d, index.to(t.device))
                    for t, d in zip(batch.tensors, batch.dims, strict=True))
     args, kwargs = replace_input_leaves(problem.args, problem.kwargs, batch.positions, inputs)
-    with torch.no_grad():
-        out, _ = problem.call(problem.leaves, args, kwargs, full=False)
+    out, _ = problem.call(problem.leaves, args, kwargs, full=False)
     out_leaves, treespec = optree.tree_flatten(out)
-    count = samples.numel()
-    shapes = [torch.Size((*shape[:dim], count, *shape[dim + 1:]))
-              for shape, dim in zip(spec.shapes, spec.batch_dims, strict=True)]
+    spec, count, batch_dims = problem.output, len(samples), problem.output.batch_dims
+    assert batch_dims is not None
+    expected = [torch.Size((*shape[:d], count, *shape[d + 1:]))
+                for shape, d in zip(spec.shapes, batch_dims, strict=True)]
     if treespec != spec.treespec or [getattr(leaf, "shape", None) for leaf in out_leaves] \
-            != shapes:
-        raise OutputChanged("f returned an output of another structure on part of the batch")
-    return torch.cat([leaf.movedim(dim, 0).reshape(count, -1).to(spec.dtype)
-                      for leaf, dim in zip(out_leaves, spec.batch_dims, strict=True)], dim=1)
+            != expected:
+        raise NotPerSample(f"f on {count} of the samples returns an output of another "
+                           "structure than on the batch")
+    return torch.cat([leaf.movedim(d, 0).reshape(count, -1).to(spec.dtype)
+                      for leaf, d in zip(out_leaves, batch_dims, strict=True)], dim=1)
 
 
 def _one_sample_at_a_time(problem: Problem, expected: Recording, fallback: list[int]) -> Forward:

@@ -20,12 +20,15 @@ class StructuredPlan:
         sizes: Samples, rows per sample, diagonal, itemsize.
         leaves: One :class:`LeafPlan` per differentiated leaf.
         forward_flops: Rough multiply-adds of one forward of ``f`` on the whole batch.
+        dense: Whether the plan is for the rows of the whole batch (no ``batch_dim``, or
+            samples that interact: NOTE [per-sample]).
     """
 
     recording: Recording
     sizes: Sizes
     leaves: tuple[LeafPlan, ...]
     forward_flops: float
+    dense: bool = False
 
     @property
     def contraction_cost(self) -> float:
@@ -61,7 +64,7 @@ def plan_problem(problem: Problem, recording: Recording | None = None, *,
         leaves = plan_leaves(numels, recording, sizes, tap_fallback_uses=dense,
                              memory_budget=problem.memory_budget, force=force)
         plan = StructuredPlan(recording, sizes, tuple(leaves),
-                              _forward_flops(recording, samples))
+                              _forward_flops(recording, samples), dense)
         recording.plans[key] = plan
     return plan
 

@@ -13,7 +13,8 @@ wrapped tensors — or a transposed view of it made under the mode (``W.T``, ``W
   added to its output, and its other operand (the activation) is recorded. The cotangent
   reaching ``z`` in a backward pass is the ``∂out/∂y`` the factors need (NOTE [factors]).
 * A composite function with a rewrite (``rules.REWRITES``, e.g. self-attention) runs as its
-  rewrite, with the mode active, so the calls inside it are seen.
+  rewrite, which enters the mode around the calls the rules must see (all of them but the
+  parameter-free cell ops of a recurrent net).
 * Any other call involving a leaf that returns a floating tensor is an *unrecognised* use:
   it runs unchanged on the tensor ``f`` received, so gradients reach that tensor (the
   leaf's "carrier"), and the leaf needs the fallback for those uses.
@@ -21,11 +22,23 @@ wrapped tensors — or a transposed view of it made under the mode (``W.T``, ``W
 Three ways to run: ``trace`` (no taps; record what is used how), ``lazy`` taps (created on the
 fly; every leaf's tensor carries gradients for its unrecognised uses), and ``given`` taps
 (made beforehand from a trace, e.g. batched for ``vmap``; the run must replay the trace).
+
+# NOTE [tap edges]
+A lazy tap costs nothing when the tapped output ``y`` already has an autograd node (its
+activation requires gradients): the tap is then ``y``'s gradient edge
+(``torch.autograd.graph.get_gradient_edge``), and the backward asks for the gradient that
+reaches that edge, which is ``∂out/∂y`` for the ``y`` the op returned even when ``f``
+modifies ``y`` in place afterwards (``relu_``, ``+=``). Adding a zero tensor instead would
+copy every tapped output once more in the forward. An output without a node (the first
+layer's, whose input needs no gradient) gets a zero tap, which also makes the rest of the
+forward record the graph.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import math
 from collections import Counter
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
@@ -35,6 +48,7 @@ import optree
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.overrides import TorchFunctionMode
 
 from torchgram._core import _torch_compat
@@ -53,12 +67,21 @@ class TraceMismatch(RuntimeError):
     """A tapped run did not replay the trace it was prepared from."""
 
 
+class NotBatched(RuntimeError):
+    """A batched run cannot read per-sample pieces (NOTE [shared taps]); stop it."""
+
+
 @dataclass(frozen=True)
 class LeafRef:
-    """Leaf ``index``, or its transpose."""
+    """Leaf ``index``, its transpose, or a view of it with the entries in the same order.
+
+    ``view_shape`` is the shape of such a view (``p.view(1, 1, -1)``, ``p[None]``...), which
+    rules that only see the entries one by one (elementwise weights, biases) accept.
+    """
 
     index: int
     transposed: bool = False
+    view_shape: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -119,8 +142,18 @@ class Recording:
     """Output rows of the evaluation (``K`` for one sample, ``m`` for the whole batch)."""
     coupling: list[str] = field(default_factory=list)
     """Calls that make samples interact (NOTE [per-sample]), named."""
+    draws: bool = False
+    """Whether the traced evaluation of one sample drew random numbers (dropout, ...)."""
+    calls: int = 0
+    """Torch function calls seen (a measure of ``f``'s per-call overhead)."""
+    unbatchable: list[str] = field(default_factory=list)
+    """Calls ``vmap`` cannot batch (fused recurrent kernels): per-sample ``vmap`` passes over
+    ``f`` loop over the samples instead."""
     plans: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
     """Plans made from this recording, by the backend (a cache)."""
+    merged_order: bool | None = field(default=None, compare=False, repr=False)
+    """Whether the merged sample dims of a batched run of this trace hold each sample's
+    entries together (``None``: not checked yet; NOTE [checking the batched pass])."""
 
     def uses_of(self, leaf: int) -> list[UseRecord]:
         """The recognised uses of ``leaf``, in call order."""
@@ -151,6 +184,72 @@ def _is_transpose(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> b
     except TypeError:  # unhashable func
         return False
     return False
+
+
+_RESHAPE_METHODS = frozenset({torch.Tensor.view, torch.Tensor.reshape, torch.reshape,
+                              torch.Tensor.view_as, torch.Tensor.reshape_as,
+                              torch.Tensor.unsqueeze, torch.unsqueeze, torch.Tensor.squeeze,
+                              torch.squeeze, torch.Tensor.flatten, torch.flatten})
+
+
+def _keeps_order(func: Any, args: tuple[Any, ...], result: Any) -> bool:
+    """Whether ``result = func(*args)`` is ``args[0]`` reshaped, its entries in the same order."""
+    x = args[0]
+    if not isinstance(result, Tensor) or result.dtype != x.dtype or result.numel() != x.numel():
+        return False
+    try:
+        if func in _RESHAPE_METHODS:
+            return True
+        if func is torch.Tensor.__getitem__ and len(args) == 2:
+            index = args[1] if isinstance(args[1], tuple) else (args[1],)
+            return all(i is None or i is Ellipsis or i == slice(None) for i in index)
+    except TypeError:  # unhashable func
+        return False
+    return False
+
+
+_BROADCASTING = frozenset({
+    torch.add, torch.sub, torch.mul, torch.div, torch.Tensor.add, torch.Tensor.sub,
+    torch.Tensor.mul, torch.Tensor.div, torch.Tensor.__add__, torch.Tensor.__radd__,
+    torch.Tensor.__sub__, torch.Tensor.__rsub__, torch.Tensor.__mul__, torch.Tensor.__rmul__,
+    torch.Tensor.__truediv__, torch.Tensor.__rtruediv__, torch.Tensor.__iadd__,
+    torch.Tensor.__isub__, torch.Tensor.__imul__, torch.Tensor.__itruediv__,
+})
+_IN_PLACE = frozenset({torch.Tensor.__iadd__, torch.Tensor.__isub__, torch.Tensor.__imul__,
+                       torch.Tensor.__itruediv__})
+_EXPANDS = frozenset({torch.Tensor.expand, torch.Tensor.expand_as})
+
+
+_UNBATCHABLE = frozenset({torch.lstm, torch.gru, torch.rnn_tanh, torch.rnn_relu})
+
+
+def _unbatchable(func: Any) -> bool:
+    """Whether ``vmap`` cannot batch ``func`` (it then runs once per sample)."""
+    try:
+        return func in _UNBATCHABLE
+    except TypeError:  # unhashable func
+        return False
+
+
+def _leaves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """The leaves of ``(args, kwargs)`` (``optree`` beyond one level of lists and tuples).
+
+    Example:
+        >>> _leaves((1, [2, 3]), {"a": 4})
+        [1, 2, 3, 4]
+    """
+    leaves: list[Any] = []
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, list | tuple):
+            for item in value:
+                if isinstance(item, list | tuple | dict):
+                    return leaves_of((args, kwargs))
+                leaves.append(item)
+        elif isinstance(value, dict):
+            return leaves_of((args, kwargs))
+        else:
+            leaves.append(value)
+    return leaves
 
 
 def zero_tap(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -195,6 +294,9 @@ class TapMode(TorchFunctionMode):
         expected: For a replay, the trace's tap records (checked call by call).
         carriers: For a replay, the leaves whose tensors carry gradients (an unrecognised use
             of another leaf means the run left the trace).
+        samples: For a batched run, ``B``: outputs shared by the samples are tapped where
+            they meet the batch (NOTE [shared taps]).
+        keep_acts: Record the activations in a trace too (the check of merged sample dims).
         keep_graph: Record the activations with their autograd graph (a differentiable
             ``G``, NOTE [composition]) instead of detached.
 
@@ -212,7 +314,8 @@ class TapMode(TorchFunctionMode):
                  tapped: Collection[int] | None = None,
                  taps: Literal["trace", "lazy"] | Sequence[Tensor] = "trace",
                  expected: Sequence[TapRecord] | None = None,
-                 carriers: Collection[int] | None = None, keep_graph: bool = False) -> None:
+                 carriers: Collection[int] | None = None, samples: int | None = None,
+                 keep_acts: bool = False, keep_graph: bool = False) -> None:
         super().__init__()
         self._keep_graph = keep_graph
         self._refs: dict[int, LeafRef] = {}
@@ -227,7 +330,11 @@ class TapMode(TorchFunctionMode):
         self.recording = Recording()
         self.acts: list[Tensor] = []
         self._next_act = 0
-        self.made_taps: list[Tensor] = []
+        self.made_taps: list[Tensor | GradientEdge] = []
+        self._samples = samples
+        self._keep_acts = keep_acts or taps != "trace"
+        self._pending: dict[int, tuple[int, Tensor]] = {}
+        self.not_batched: str | None = None
         self._contexts: list[contextlib.ExitStack] = []
 
     def __enter__(self) -> TapMode:
@@ -253,6 +360,79 @@ class TapMode(TorchFunctionMode):
             if len(self.recording.taps) != len(self._taps):
                 raise TraceMismatch(f"the run tapped {len(self.recording.taps)} calls, the "
                                     f"trace {len(self._taps)}")
+        if self._pending and self.not_batched is None:
+            self.not_batched = "a tapped output shared by the samples never met the batch"
+
+    # -- NOTE [shared taps] -------------------------------------------------------------------
+    # In a batched run (``samples`` given), a tapped call whose output has the trace's shape
+    # does not depend on the sample: e.g. BERT's and GPT-2's position embeddings, looked up
+    # from ``position_ids`` of shape ``[1, T]`` and broadcast against the ``[B, T, d]`` token
+    # embeddings. Its cotangent is the sum over the samples, which is not the per-sample
+    # factor. Such an output gets no tap at first; where it meets the batch in a
+    # broadcasting op (``+``, ``-``, ``*``, ``/``, ``expand``) whose result has ``B`` in
+    # exactly one of its size-1 dims, it is expanded along that dim and tapped there, so the
+    # tap holds every sample's own cotangent. Ops that return it unchanged (``.to(device)``,
+    # dropout in eval mode) keep it pending; any other use, several candidate dims, an
+    # in-place op on it, or a run that ends with it pending, stops the batched run
+    # (:class:`NotBatched`), and the backend takes the per-sample ``vmap`` way instead.
+
+    def _is_shared(self, tap_index: int, y: Tensor) -> bool:
+        expected = self._expected
+        return (self._samples is not None and self._samples > 1 and expected is not None
+                and tap_index < len(expected) and tuple(y.shape) == expected[tap_index].shape)
+
+    def _give_up(self, why: str) -> NotBatched:
+        self.not_batched = self.not_batched or why
+        return NotBatched(why)
+
+    def _meet_batch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                    leaves: list[Any]) -> tuple[tuple[Any, ...], Any]:
+        """``args`` with pending shared outputs expanded and tapped, or a result to return."""
+        pending = [i for i, a in enumerate(args)
+                   if isinstance(a, Tensor) and id(a) in self._pending]
+        nested = sum(isinstance(a, Tensor) and id(a) in self._pending for a in leaves)
+        if not nested:
+            return args, NotImplemented
+        try:
+            known = func in _BROADCASTING or func in _EXPANDS
+        except TypeError:
+            known = False
+        if not known or nested != len(pending) or (func in _IN_PLACE and 0 in pending):
+            result = func(*args, **kwargs)
+            if len(pending) == 1 and result is args[pending[0]]:  # unchanged: still pending
+                return args, result
+            raise self._give_up(f"a tapped output shared by the samples is used by "
+                                f"{describe(func)} before it meets the batch")
+        tensors = [a for a in args if isinstance(a, Tensor)]
+        if func in _EXPANDS:
+            out = tuple(func(*args, **kwargs).shape)  # a view
+        else:
+            out = tuple(torch.broadcast_shapes(*(t.shape for t in tensors)))
+        assert self._samples is not None
+        new_args = list(args)
+        for i in pending:
+            y = args[i]
+            offset = len(out) - y.dim()
+            dims = [d for d in range(y.dim()) if y.shape[d] == 1 and offset >= 0
+                    and out[offset + d] == self._samples]
+            if len(dims) != 1:
+                raise self._give_up("a tapped output shared by the samples meets the batch "
+                                    f"in {describe(func)} along {len(dims)} candidate dims")
+            new_args[i] = self._expand_shared(y, dims[0])
+        return tuple(new_args), NotImplemented
+
+    def _expand_shared(self, y: Tensor, dim: int) -> Tensor:
+        tap_index, _ = self._pending.pop(id(y))
+        assert self._samples is not None
+        shape = (*y.shape[:dim], self._samples, *y.shape[dim + 1:])
+        tap = zero_tap(shape, y.dtype, y.device)
+        self.made_taps[tap_index] = tap
+        record = self.recording.taps[tap_index]
+        self.recording.taps[tap_index] = TapRecord(shape, record.dtype, record.rule)
+        numel = math.prod(shape)
+        self.recording.uses = [dataclasses.replace(use, shape=use.layout.shape(numel))
+                               if use.tap == tap_index else use for use in self.recording.uses]
+        return y.expand(shape) + tap
 
     def _note_unrecognised(self, refs: list[LeafRef], name: str, result: Any) -> None:
         flops = sum(leaf.numel() for leaf in optree.tree_leaves(result)
@@ -274,24 +454,42 @@ class TapMode(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
+        recording = self.recording
+        recording.calls += 1
         why = coupling_op(func, args, kwargs)
-        if why is not None and why not in self.recording.coupling:
-            self.recording.coupling.append(why)
-        found = [(leaf, ref) for leaf in leaves_of((args, kwargs))
-                 if (ref := self._ref(leaf)) is not None]
+        if why is not None and why not in recording.coupling:
+            recording.coupling.append(why)
+        if _unbatchable(func) and describe(func) not in recording.unbatchable:
+            recording.unbatchable.append(describe(func))
+        leaves = _leaves(args, kwargs)
+        if self._pending:  # NOTE [shared taps]
+            args, result = self._meet_batch(func, args, kwargs, leaves)
+            if result is not NotImplemented:
+                return result
+            leaves = _leaves(args, kwargs)
+        found = [(leaf, ref) for leaf in leaves if (ref := self._ref(leaf)) is not None]
         if not found:
             return func(*args, **kwargs)
-        if len(found) == 1 and args and args[0] is found[0][0] and args[0].dim() == 2 \
-                and _is_transpose(func, args, kwargs):
-            result = func(*args, **kwargs)
+        if len(found) == 1 and args and args[0] is found[0][0]:
             ref = found[0][1]
-            self._refs[id(result)] = LeafRef(ref.index, not ref.transposed)
-            self._pins.append(result)
-            return result
+            if args[0].dim() == 2 and ref.view_shape is None \
+                    and _is_transpose(func, args, kwargs):
+                result = func(*args, **kwargs)
+                self._refs[id(result)] = LeafRef(ref.index, not ref.transposed)
+                self._pins.append(result)
+                return result
+            if not ref.transposed and not kwargs and (
+                    func in _RESHAPE_METHODS or func is torch.Tensor.__getitem__):
+                result = func(*args, **kwargs)
+                if _keeps_order(func, args, result):
+                    self._refs[id(result)] = LeafRef(ref.index, view_shape=tuple(result.shape))
+                    self._pins.append(result)
+                    return result
+                self._note_unrecognised([ref], describe(func), result)
+                return result
         rewrite = rewrite_for(func)
-        if rewrite is not None:
-            with self:  # the rewrite's own calls go through the mode (NOTE [attention rewrite])
-                result = rewrite(args, kwargs)
+        if rewrite is not None:  # it enters the mode where the rules must see its calls
+            result = rewrite(args, kwargs, self)  # (NOTE [attention rewrite])
             if result is not NotImplemented:
                 return result
         rule = rule_for(func)
@@ -305,6 +503,8 @@ class TapMode(TorchFunctionMode):
             result = embedding_with_conventions(args, kwargs)
         if result is NotImplemented:
             result = func(*args, **kwargs)
+        if any(result is leaf for leaf, _ in found):  # p.to(p.dtype), p.contiguous(): no use
+            return result
         if _has_float_tensor(result):
             self._note_unrecognised([ref for _, ref in found], describe(func), result)
         return result
@@ -316,7 +516,10 @@ class TapMode(TorchFunctionMode):
             if ref is None or (self._tapped is not None and ref.index not in self._tapped):
                 continue
             if operand.layout is not None:
-                chosen.append((i, ref, "weight"))
+                # an elementwise use sees entries one by one: a reshaped view is the same
+                # use, a transpose is not; other rules need the leaf's own layout
+                if not ref.transposed if operand.layout.elementwise else ref.view_shape is None:
+                    chosen.append((i, ref, "weight"))
             elif operand.bias_of is not None and not ref.transposed:
                 chosen.append((i, ref, "bias"))
         return chosen
@@ -332,13 +535,20 @@ class TapMode(TorchFunctionMode):
         values = [operand.value for operand in match.operands]
         for i, ref, _ in chosen:
             plain = self._plain[ref.index]
-            values[i] = plain.T if ref.transposed else plain
+            values[i] = plain.T if ref.transposed else (
+                plain if ref.view_shape is None else plain.reshape(ref.view_shape))
         y = match.compute(*values)
         if others:
             self._note_unrecognised(others, f"{match.rule} (as an activation)", y)
         tap_index = len(self.recording.taps)
         record = TapRecord(tuple(y.shape), y.dtype, match.rule)
-        if self._taps == "lazy":
+        if self._taps == "lazy" and self._is_shared(tap_index, y):  # NOTE [shared taps]
+            self.made_taps.append(y)  # replaced by the tap where y meets the batch
+            self._pending[id(y)] = (tap_index, y)
+            self._pins.append(y)
+        elif self._taps == "lazy" and y.grad_fn is not None:  # NOTE [tap edges]
+            self.made_taps.append(get_gradient_edge(y))
+        elif self._taps == "lazy":
             tap = zero_tap(y.shape, y.dtype, y.device)
             self.made_taps.append(tap)
             y = y + tap
@@ -361,7 +571,7 @@ class TapMode(TorchFunctionMode):
                 if act_index is None:
                     act_index = acts[id(operand.act)] = self._next_act
                     self._next_act += 1
-                    if self._taps != "trace":
+                    if self._keep_acts:
                         self.acts.append(operand.act if self._keep_graph
                                          else operand.act.detach())
             self.recording.uses.append(UseRecord(

@@ -6,7 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torchgram.backends.structured.rules.linear import LinearLayout, MatmulLeftLayout, MatmulRule
+from torchgram.backends.structured.rules.linear import (
+    AddmmRule,
+    LinearLayout,
+    MatmulLeftLayout,
+    MatmulRule,
+)
 from torchgram.backends.structured.trace import TapMode
 
 B = 4
@@ -52,6 +57,16 @@ CASES = {
     "same_leaf_both_sides": (lambda p, x: x @ (p["w"] @ p["w"]), {"w": (5, 5)}, (B, 5)),
     "leaf_as_activation": (lambda p, x: F.linear(p["w"], p["w"]).sum() * x.sum(-1),
                            {"w": (4, 4)}, (B, 5)),
+    # GPT-2's Conv1D: the tokens of every sample merged into one dim, then addmm
+    "addmm_conv1d": (lambda p, x: torch.tanh(torch.addmm(p["b"], x.reshape(-1, 5), p["w"])
+                                             .reshape(x.shape[0], -1, 3)).sum((1, 2)),
+                     {"w": (5, 3), "b": (3,)}, (B, 6, 5)),
+    "addmm_left_weight": (lambda p, x: torch.tanh(torch.addmm(p["b"], p["w"], x.T)).sum(0),
+                          {"w": (3, 5), "b": (3, 1)}, (B, 5)),
+    "addmm_beta_method": (lambda p, x: x.addmm(x, p["w"], beta=0.5).sin().sum(-1),
+                          {"w": (5, 5)}, (B, 5)),
+    "addmm_bias_rows": (lambda p, x: torch.addmm(p["b"], x, p["w"]).cos().sum(-1),
+                        {"w": (5, 3), "b": (1, 3)}, (B, 5)),
 }
 
 
@@ -109,3 +124,16 @@ def test_matmul_rule_rejects_out_and_batched_weights():
     assert rule.match(torch.matmul, (a, b), {"out": _randn(2, 4)}) is None
     match = rule.match(torch.matmul, (_randn(2, 2, 3), _randn(2, 3, 4)), {})
     assert match is not None and all(op.layout is None for op in match.operands)
+
+
+def test_addmm_is_structured_and_batched(ways):
+    import torchgram as tg
+
+    f, shapes, x_shape = CASES["addmm_conv1d"]
+    params = {k: _randn(*s) for k, s in shapes.items()}
+    args = (params, _randn(*x_shape))
+    assert "fallback" not in ways(f, args, batch_dim=0)
+    ran = tg.explain(f, backend="structured", batch_dim=0, run=True)(*args).ran
+    assert ran is not None and ran.way == "batched"
+    assert AddmmRule().match(torch.addmm, (_randn(3), _randn(2, 4), _randn(4, 3)),
+                             {"alpha": 2.0}) is None

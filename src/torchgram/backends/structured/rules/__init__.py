@@ -1,31 +1,60 @@
 """Structured rules: ops whose parameter Jacobians are sums of outer products (DESIGN.md §1).
 
-One module per family: ``linear`` (``F.linear``, matmuls), ``conv`` (``conv{1,2,3}d``),
-``embedding``, ``norm`` (layer / group norm affine parameters), and ``attention``, which
-rewrites self-attention calls into ops these rules see. ``base`` says what a rule reports
-(NOTE [factors]); ``torchgram.backends.structured.trace`` runs a function under a
+One module per family: ``linear`` (``F.linear``, matmuls, ``addmm``), ``bmm`` (``bmm`` and
+``baddbmm`` with a weight per group), ``conv`` (``conv{1,2,3}d``),
+``embedding``, ``norm`` (layer / group / RMS / batch norm affine parameters), ``elementwise``
+(parameters multiplied, added or expanded with broadcasting); ``attention``, ``recurrent``
+and ``einsum`` rewrite self-attention, fused RNN / LSTM / GRU calls and two-operand
+``torch.einsum`` contractions with a weight into ops these rules see. ``base`` says what a
+rule reports (NOTE [factors]); ``torchgram.backends.structured.trace`` runs a function under a
 ``TorchFunctionMode`` that finds the calls the rules recognise and taps their outputs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 
 from torchgram.backends.structured.rules.attention import rewrite_multi_head_attention
 from torchgram.backends.structured.rules.base import Layout, Match, Operand, Rule, UseShape
+from torchgram.backends.structured.rules.bmm import BmmRule
 from torchgram.backends.structured.rules.conv import ConvRule
+from torchgram.backends.structured.rules.einsum import rewrite_einsum
+from torchgram.backends.structured.rules.elementwise import AddRule, ExpandRule, MulRule
 from torchgram.backends.structured.rules.embedding import EmbeddingRule
-from torchgram.backends.structured.rules.linear import LinearRule, MatmulRule
-from torchgram.backends.structured.rules.norm import GroupNormRule, LayerNormRule
+from torchgram.backends.structured.rules.linear import AddmmRule, LinearRule, MatmulRule
+from torchgram.backends.structured.rules.norm import (
+    BatchNormRule,
+    GroupNormRule,
+    LayerNormRule,
+    RMSNormRule,
+)
+from torchgram.backends.structured.rules.recurrent import (
+    rewrite_gru,
+    rewrite_lstm,
+    rewrite_rnn_relu,
+    rewrite_rnn_tanh,
+)
 
-RULES: tuple[Rule, ...] = (LinearRule(), MatmulRule(), ConvRule(), EmbeddingRule(),
-                           LayerNormRule(), GroupNormRule())
+RULES: tuple[Rule, ...] = (LinearRule(), MatmulRule(), AddmmRule(), BmmRule(), ConvRule(),
+                           EmbeddingRule(), LayerNormRule(), GroupNormRule(), RMSNormRule(),
+                           BatchNormRule(), MulRule(), AddRule(), ExpandRule())
 _BY_FUNC: dict[Any, Rule] = {func: rule for rule in RULES for func in rule.funcs}
-REWRITES: dict[Any, Callable[[tuple[Any, ...], dict[str, Any]], Any]] = {
+Rewrite = Callable[[tuple[Any, ...], dict[str, Any], AbstractContextManager[Any] | None], Any]
+"""``rewrite(args, kwargs, mode)``: the call re-expressed, entering ``mode`` (the tapping mode)
+around the calls the rules must see; ``NotImplemented`` when it does not apply."""
+
+REWRITES: dict[Any, Rewrite] = {
     F.multi_head_attention_forward: rewrite_multi_head_attention,
+    torch.lstm: rewrite_lstm,
+    torch.gru: rewrite_gru,
+    torch.rnn_tanh: rewrite_rnn_tanh,
+    torch.rnn_relu: rewrite_rnn_relu,
+    torch.einsum: rewrite_einsum,
 }
 """Composite functions re-expressed (under the mode) in ops the rules see, when possible."""
 
@@ -46,7 +75,7 @@ def rule_for(func: Any) -> Rule | None:
         return None
 
 
-def rewrite_for(func: Any) -> Callable[[tuple[Any, ...], dict[str, Any]], Any] | None:
+def rewrite_for(func: Any) -> Rewrite | None:
     """The rewrite of the composite function ``func``, if any (NOTE [attention rewrite])."""
     try:
         return REWRITES.get(func)

@@ -20,8 +20,10 @@ tests compare both paths against ``torch.func.jacrev`` of the original module.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -51,8 +53,11 @@ def _supported(a: dict[str, Any]) -> bool:
     return isinstance(out_weight, Tensor) and tuple(out_weight.shape) == (embed, embed)
 
 
-def rewrite_multi_head_attention(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def rewrite_multi_head_attention(args: tuple[Any, ...], kwargs: dict[str, Any],
+                                 mode: AbstractContextManager[Any] | None = None) -> Any:
     """``F.multi_head_attention_forward(*args, **kwargs)`` rewritten, or ``NotImplemented``.
+
+    The whole rewrite runs in ``mode`` (the tapping mode, when given).
 
     Example:
         >>> import torch
@@ -73,6 +78,11 @@ def rewrite_multi_head_attention(args: tuple[Any, ...], kwargs: dict[str, Any]) 
     a = bound.arguments
     if not _supported(a):
         return NotImplemented
+    with mode or contextlib.nullcontext():
+        return _rewritten(a)
+
+
+def _rewritten(a: dict[str, Any]) -> tuple[Tensor, Tensor | None]:
     query = a["query"]
     batched = query.dim() == 3
     x = query if batched else query.unsqueeze(1)

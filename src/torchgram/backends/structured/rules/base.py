@@ -96,6 +96,18 @@ class Layout:
         """
         raise NotImplementedError
 
+    def materialize(self, act_raw: Tensor | None, cot_raw: Tensor, bias: bool) -> Tensor | None:
+        """The per-row Jacobian ``[c, B, numel]`` of a use straight from the raw tensors.
+
+        ``cot_raw`` is the cotangent ``[c, B, *y]`` of the op's output, ``act_raw`` the
+        activation ``[B, *x]`` (``None`` for a bias). ``bias``: the use sums the cotangent
+        (a bias) instead of pairing it with the activation. ``None`` (the default): go
+        through the factors (NOTE [factors]); layouts override it where a fused kernel or a
+        plain reduction is cheaper than forming the factors.
+        """
+        del act_raw, cot_raw, bias
+        return None
+
     def shape(self, out_numel: int) -> UseShape:
         """The use's sizes, given the number of entries of the op's output (one sample)."""
         positions = out_numel // max(1, self.groups * self.cot_width)

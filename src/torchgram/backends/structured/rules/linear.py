@@ -152,3 +152,45 @@ class MatmulRule(Rule):
             return torch.matmul(a_value, b_value)
 
         return Match(self.name, operands, compute)
+
+
+class AddmmRule(Rule):
+    """``torch.addmm(input, mat1, mat2)`` = ``beta·input + mat1 @ mat2`` (GPT-2's ``Conv1D``).
+
+    ``mat2`` a parameter is a matmul weight on the right (activation first), ``mat1`` one on
+    the left; ``input`` is a bias broadcast to the ``[n, p]`` output (``beta`` scales it).
+    ``alpha`` must be 1.
+    """
+
+    name = "addmm"
+    funcs = frozenset({torch.addmm, torch.Tensor.addmm})
+
+    def match(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Match | None:
+        """Recognise ``addmm`` of 2-D operands with ``alpha=1`` (no ``out=``)."""
+        if set(kwargs) - {"beta", "alpha", "input", "mat1", "mat2"} or len(args) > 3:
+            return None
+        bias, a, b = (_arg(args, kwargs, i, name) for i, name in enumerate(("input", "mat1",
+                                                                              "mat2")))
+        beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
+        if alpha != 1 or not isinstance(beta, int | float) or isinstance(beta, bool):
+            return None
+        if not all(isinstance(t, Tensor) for t in (bias, a, b)) or a.dim() != 2 or b.dim() != 2:
+            return None
+        from torchgram.backends.structured.rules.elementwise import BroadcastLayout
+
+        out = (a.shape[0], b.shape[1])
+        try:
+            torch.broadcast_shapes(tuple(bias.shape), out)
+        except RuntimeError:
+            return None
+        operands = (Operand(bias, None, bias_of=BroadcastLayout(out, tuple(bias.shape),
+                                                                act_ndim=None,
+                                                                scale=float(beta))),
+                    Operand(a, MatmulLeftLayout(p=a.shape[0], q=a.shape[1], act_is_vector=False),
+                            act=b),
+                    Operand(b, MatmulRightLayout(q=b.shape[0], p=b.shape[1]), act=a))
+
+        def compute(bias_value: Tensor, a_value: Tensor, b_value: Tensor) -> Tensor:
+            return torch.addmm(bias_value, a_value, b_value, beta=beta, alpha=alpha)
+
+        return Match(self.name, operands, compute)

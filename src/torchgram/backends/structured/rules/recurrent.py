@@ -1,0 +1,183 @@
+"""Seeing inside fused recurrent layers: ``nn.LSTM``, ``nn.GRU``, ``nn.RNN`` as their cells.
+
+# NOTE [recurrent rewrite]
+``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN`` call one fused kernel (``torch.lstm``, ``torch.gru``,
+``torch.rnn_tanh``, ``torch.rnn_relu``) with every weight of every layer and direction; a
+``TorchFunctionMode`` sees that call, not the ops inside it, so all those weights would need
+the fallback (and ``vmap`` cannot batch the kernel: the per-sample pass would loop). While
+the mode is active the call is *rewritten* into the cells' documented equations, written
+with ``F.linear`` so the rules see the weights, per layer and direction::
+
+    xs = linear(x, W_ih, b_ih)                       all steps at once: [T, B, G·H]
+    for t (reversed for the second direction):       G gates per step
+        gates_t = xs[t] + linear(h, W_hh, b_hh)
+        LSTM:  i, f, g, o = σ, σ, tanh, σ of gates_t;  c = f ⊙ c + i ⊙ g;  h = o ⊙ tanh(c)
+               (h = linear(h, W_hr) with proj_size)
+        GRU:   r, z = σ(x_r + h_r), σ(x_z + h_z);  n = tanh(x_n + r ⊙ h_n);  h = (1 - z) ⊙ n + z ⊙ h
+        RNN:   h = tanh(gates_t) or relu(gates_t)
+
+The recurrent weight ``W_hh`` is then used once per step (``T`` uses of one position each);
+the Gram contractions take such uses together, as one use of ``T`` positions
+(NOTE [uses taken together]). Only the ``F.linear`` calls run in the tapping mode; the
+cells' elementwise ops, which use no parameter, run without it (they are most of the calls).
+Only the unpacked form with no active inter-layer dropout is rewritten (the fused kernel
+draws its dropout masks differently from ``F.dropout``); a ``PackedSequence`` or dropout in
+training mode keeps the fused call, and its weights the fallback. Results are exact either
+way; the oracle tests compare both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+State = tuple[Tensor, ...]
+Linear = Callable[[Tensor, Tensor, Tensor | None], Tensor]
+Cell = Callable[[Linear, Tensor, State, Sequence[Tensor | None]], State]
+
+
+def _lstm_cell(linear: Linear, xs_t: Tensor, state: State,
+               weights: Sequence[Tensor | None]) -> State:
+    w_hh, b_hh, w_hr = weights
+    h, c = state
+    assert w_hh is not None
+    gates = xs_t + linear(h, w_hh, b_hh)
+    i, f, g, o = gates.chunk(4, dim=-1)
+    c = torch.addcmul(torch.sigmoid(f) * c, torch.sigmoid(i), torch.tanh(g))
+    h = torch.sigmoid(o) * torch.tanh(c)
+    return (h if w_hr is None else linear(h, w_hr, None)), c
+
+
+def _gru_cell(linear: Linear, xs_t: Tensor, state: State,
+              weights: Sequence[Tensor | None]) -> State:
+    w_hh, b_hh, _ = weights
+    (h,) = state
+    assert w_hh is not None
+    x_r, x_z, x_n = xs_t.chunk(3, dim=-1)
+    h_r, h_z, h_n = linear(h, w_hh, b_hh).chunk(3, dim=-1)
+    r = torch.sigmoid(x_r + h_r)
+    z = torch.sigmoid(x_z + h_z)
+    n = torch.tanh(torch.addcmul(x_n, r, h_n))
+    return (torch.lerp(n, h, z),)  # (1 - z) ⊙ n + z ⊙ h
+
+
+def _rnn_cell(nonlinearity: Callable[[Tensor], Tensor]) -> Cell:
+    def cell(linear: Linear, xs_t: Tensor, state: State,
+             weights: Sequence[Tensor | None]) -> State:
+        w_hh, b_hh, _ = weights
+        assert w_hh is not None
+        return (nonlinearity(xs_t + linear(state[0], w_hh, b_hh)),)
+
+    return cell
+
+
+def _run(cell: Cell, x: Tensor, initial: Sequence[State], params: Sequence[Tensor],
+         has_biases: bool, num_layers: int, bidirectional: bool, batch_first: bool,
+         per_direction: int, mode: AbstractContextManager[Any] | None) -> tuple[Tensor,
+                                                                                list[State]]:
+    """The layers and directions of a recurrent net, step by step; output and final states.
+
+    The projections run in ``mode`` (the tapping mode, when given), the rest without it.
+    """
+
+    def linear(h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        with mode or contextlib.nullcontext():
+            return F.linear(h, weight, bias)
+
+    if batch_first:
+        x = x.transpose(0, 1)
+    steps = x.shape[0]
+    directions = 2 if bidirectional else 1
+    finals: list[State] = []
+    for layer in range(num_layers):
+        outputs = []
+        for direction in range(directions):
+            index = layer * directions + direction
+            w = list(params[index * per_direction:(index + 1) * per_direction])
+            w_ih, w_hh = w[0], w[1]
+            b_ih, b_hh = (w[2], w[3]) if has_biases else (None, None)
+            w_hr = w[-1] if per_direction in (3, 5) else None
+            xs = linear(x, w_ih, b_ih)
+            state = initial[index]
+            out: list[Tensor | None] = [None] * steps
+            for t in (range(steps) if direction == 0 else reversed(range(steps))):
+                state = cell(linear, xs[t], state, (w_hh, b_hh, w_hr))
+                out[t] = state[0]
+            outputs.append(torch.stack(out))  # type: ignore[arg-type]
+            finals.append(state)
+        x = outputs[0] if directions == 1 else torch.cat(outputs, dim=-1)
+    return (x.transpose(0, 1) if batch_first else x), finals
+
+
+def _unpacked(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a fused call is the unpacked form ``(input, hx, params, has_biases, ...)``."""
+    return (not kwargs and len(args) == 9 and isinstance(args[0], Tensor) and args[0].dim() == 3
+            and isinstance(args[2], list | tuple) and isinstance(args[4], int)
+            and isinstance(args[3], bool))
+
+
+def _per_direction(params: Sequence[Tensor], has_biases: bool, layers: int,
+                   directions: int) -> int | None:
+    per, rest = divmod(len(params), layers * directions)
+    return per if rest == 0 and per in ((4, 5) if has_biases else (2, 3)) else None
+
+
+def rewrite_lstm(args: tuple[Any, ...], kwargs: dict[str, Any],
+                 mode: AbstractContextManager[Any] | None = None) -> Any:
+    """``torch.lstm(input, (h0, c0), params, ...)`` step by step, or ``NotImplemented``.
+
+    Example:
+        >>> import torch
+        >>> lstm = torch.nn.LSTM(3, 4, num_layers=2, bidirectional=True, batch_first=True)
+        >>> x = torch.randn(2, 5, 3)
+        >>> expected, (h, c) = lstm(x)
+        >>> zeros = torch.zeros(4, 2, 4)
+        >>> out, h_n, c_n = rewrite_lstm((x, (zeros, zeros), lstm._flat_weights, True, 2, 0.0,
+        ...                               False, True, True), {})
+        >>> all(torch.allclose(a, b, atol=1e-6) for a, b in ((out, expected), (h_n, h), (c_n, c)))
+        True
+    """
+    if not _unpacked(args, kwargs):
+        return NotImplemented
+    x, hx, params, has_biases, layers, dropout, train, bidirectional, batch_first = args
+    directions = 2 if bidirectional else 1
+    per = _per_direction(params, has_biases, layers, directions)
+    if per is None or (train and dropout > 0) or len(hx) != 2:
+        return NotImplemented
+    h0, c0 = hx
+    initial = [(h0[i], c0[i]) for i in range(layers * directions)]
+    out, finals = _run(_lstm_cell, x, initial, params, has_biases, layers, bidirectional,
+                       batch_first, per, mode)
+    return out, torch.stack([s[0] for s in finals]), torch.stack([s[1] for s in finals])
+
+
+def _rewrite_single_state(cell: Cell) -> Callable[..., Any]:
+    def rewrite(args: tuple[Any, ...], kwargs: dict[str, Any],
+                mode: AbstractContextManager[Any] | None = None) -> Any:
+        if not _unpacked(args, kwargs) or not isinstance(args[1], Tensor):
+            return NotImplemented
+        x, h0, params, has_biases, layers, dropout, train, bidirectional, batch_first = args
+        directions = 2 if bidirectional else 1
+        per = _per_direction(params, has_biases, layers, directions)
+        if per is None or per in (3, 5) or (train and dropout > 0):
+            return NotImplemented
+        initial = [(h0[i],) for i in range(layers * directions)]
+        out, finals = _run(cell, x, initial, params, has_biases, layers, bidirectional,
+                           batch_first, per, mode)
+        return out, torch.stack([s[0] for s in finals])
+
+    return rewrite
+
+
+rewrite_gru = _rewrite_single_state(_gru_cell)
+"""``torch.gru(input, h0, params, ...)`` step by step, or ``NotImplemented``."""
+rewrite_rnn_tanh = _rewrite_single_state(_rnn_cell(torch.tanh))
+"""``torch.rnn_tanh(input, h0, params, ...)`` step by step, or ``NotImplemented``."""
+rewrite_rnn_relu = _rewrite_single_state(_rnn_cell(torch.relu))
+"""``torch.rnn_relu(input, h0, params, ...)`` step by step, or ``NotImplemented``."""

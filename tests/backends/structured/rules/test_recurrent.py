@@ -1,0 +1,85 @@
+"""Fused ``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN``: rewritten into cells, or kept fused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import torchgram as tg
+from torchgram.backends.structured.rules.recurrent import rewrite_gru, rewrite_lstm
+
+B, T, F_IN, H = 3, 4, 3, 5
+
+
+def _model(kind, **options):
+    torch.manual_seed(0)
+    rnn = {"lstm": nn.LSTM, "gru": nn.GRU, "rnn": nn.RNN}[kind](F_IN, H, **options).double()
+    fn, params = tg.functionalize(rnn)
+    batch_first = options.get("batch_first", False)
+
+    def f(p, x):
+        out, state = fn(p, x)
+        h_n = state[0] if isinstance(state, tuple) else state
+        last = out[:, -1] if batch_first else out[-1]
+        return torch.tanh(last).sum(-1) + h_n.pow(2).sum((0, 2))
+
+    x = torch.randn((B, T, F_IN) if batch_first else (T, B, F_IN), dtype=torch.float64)
+    in_dims = 0 if batch_first else 1
+    return f, params, x, in_dims
+
+
+CONFIGS = {
+    "lstm": ("lstm", {}),
+    "lstm_batch_first_2_layers": ("lstm", {"batch_first": True, "num_layers": 2}),
+    "lstm_bidirectional_no_bias": ("lstm", {"bidirectional": True, "bias": False}),
+    "lstm_proj": ("lstm", {"proj_size": 2, "batch_first": True}),
+    "gru_bidirectional_2_layers": ("gru", {"bidirectional": True, "num_layers": 2,
+                                           "batch_first": True}),
+    "rnn_tanh": ("rnn", {}),
+    "rnn_relu_bidirectional": ("rnn", {"nonlinearity": "relu", "bidirectional": True}),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("way", ["ghost", "materialize", None], ids=["ghost", "mat", "auto"])
+@pytest.mark.parametrize("batch_dim", [None, 0], ids=["dense", "batch"])
+def test_recurrent_matches_oracle(check, name, way, batch_dim):
+    kind, options = CONFIGS[name]
+    f, params, x, in_dims = _model(kind, **options)
+    if batch_dim is None:
+        check(f, (params, x), force=way, batch_dim=None)
+    else:
+        check(f, (params, x), force=way, batch_dim=0, in_dims=in_dims)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_recurrent_weights_are_structured_and_batched(name):
+    kind, options = CONFIGS[name]
+    f, params, x, in_dims = _model(kind, **options)
+    report = tg.explain(f, backend="structured", batch_dim=0, in_dims=in_dims,
+                        run=True)(params, x)
+    assert report.fallback == ()
+    assert report.ran is not None and report.ran.way == "batched"
+    assert "fallback" not in report.ran.leaf_ways
+
+
+def test_dropout_in_training_mode_and_packed_sequences_keep_the_fused_call(check):
+    f, params, x, in_dims = _model("lstm", num_layers=2, dropout=0.5)
+    assert tg.explain(f, backend="structured")(params, x).fallback  # train mode: dropout 0.5
+    zeros = torch.zeros(1, B, H, dtype=torch.float64)
+    flat = [torch.randn(4 * H, F_IN), torch.randn(4 * H, H)]
+    assert rewrite_lstm((x, (zeros, zeros), flat, False, 1, 0.5, True, False, False), {}) \
+        is NotImplemented
+    assert rewrite_gru((x, torch.tensor([2, 1]), zeros, flat, False, 1, 0.0, False, False),
+                       {}) is NotImplemented
+    rnn = nn.GRU(F_IN, H).double()
+    fn, params = tg.functionalize(rnn)
+    lengths = torch.tensor([T] * B)
+
+    def packed(p, x):
+        sequence = nn.utils.rnn.pack_padded_sequence(x, lengths, enforce_sorted=False)
+        return fn(p, sequence)[1].sum((0, 2))
+
+    report = tg.explain(packed, backend="structured")(params, x)
+    assert len(report.fallback) == len(params)

@@ -1,0 +1,121 @@
+"""The batched per-sample pass: inputs and buffers shared by the samples (NOTE [shared taps])."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torchgram as tg
+from reference import dense_gramian
+
+B, T, V, D = 4, 5, 7, 3
+
+
+def _way(f, args, **options):
+    report = tg.explain(f, backend="structured", batch_dim=0, run=True, **options)(*args)
+    assert report.ran is not None
+    return report.ran.way
+
+
+def _check(f, args):
+    expected = dense_gramian(f, args).gramian
+    actual = tg.gramian(f, backend="structured", batch_dim=0)(*args)
+    scale = expected.abs().max()
+    torch.testing.assert_close(actual / scale, expected / scale, rtol=1e-10, atol=1e-10)
+
+
+def _params():
+    torch.manual_seed(0)
+    return {"tok": torch.randn(V, D, dtype=torch.float64),
+            "pos": torch.randn(T, D, dtype=torch.float64),
+            "w": torch.randn(D, D, dtype=torch.float64)}
+
+
+POSITION_IDS = torch.arange(T)[None]  # a [1, T] buffer, as BERT and GPT-2 keep it
+
+
+def _encode(p, ids, pos):
+    return torch.tanh(F.linear(F.embedding(ids, p["tok"]) + pos, p["w"])).sum((1, 2))
+
+
+CASES = {
+    # the position embedding [1, T, D] meets the [B, T, D] tokens in `+`: tapped there
+    "bert_like": (lambda p, ids: _encode(p, ids, F.embedding(POSITION_IDS, p["pos"])),
+                  "batched"),
+    # returned unchanged first (as GPT-2's `.to(device)` and dropout in eval mode do)
+    "unchanged_first": (lambda p, ids: _encode(p, ids, F.dropout(
+        F.embedding(POSITION_IDS, p["pos"]).to(ids.device), 0.1, training=False)), "batched"),
+    # used by another op before meeting the batch: the per-sample vmap pass instead
+    "indexed_first": (lambda p, ids: _encode(p, ids, F.embedding(POSITION_IDS, p["pos"])[0]),
+                      "vmap"),
+    "scaled_first": (lambda p, ids: _encode(p, ids, 2 * F.embedding(POSITION_IDS, p["pos"])),
+                     "vmap"),
+    # never meets the batch along a dim of its own: a regulariser added to every loss
+    "shared_regulariser": (lambda p, ids: F.embedding(ids, p["tok"]).sum((1, 2))
+                           + F.linear(p["pos"], p["w"]).pow(2).sum(), "vmap"),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_shared_outputs_are_tapped_where_they_meet_the_batch(name):
+    f, way = CASES[name]
+    ids = torch.randint(0, V, (B, T))
+    args = (_params(), ids)
+    assert _way(f, args) == way
+    _check(f, args)
+
+
+def test_several_candidate_dims_are_not_guessed():
+    params = _params()
+
+    query = torch.ones(1, 1, D, dtype=torch.float64)
+
+    def f(p, x):  # [1, 1, D] against [B, B, D]: dims 0 and 1 could both be the samples
+        return torch.tanh(x + F.linear(query, p["w"])).sum((1, 2))
+
+    args = (params, torch.randn(B, B, D, dtype=torch.float64))
+    assert _way(f, args) == "vmap"
+    _check(f, args)
+
+
+def test_a_random_f_whose_samples_interact_after_a_tap_is_not_read_per_sample():
+    """Found by the fuzzer: dropout hid the interaction from the check of two samples."""
+    params = _params()
+
+    def f(p, x):
+        h = torch.tanh(F.linear(x, p["w"]))
+        h = h - h.mean(0)  # the samples interact after the tapped layer
+        return F.dropout(h, 0.5, training=True).pow(2).sum(-1)
+
+    x = torch.randn(B, D, dtype=torch.float64)
+    torch.manual_seed(1)
+    expected = dense_gramian(f, (params, x)).gramian
+    torch.manual_seed(1)
+    report = tg.explain(f, backend="structured", batch_dim=0, run=True)(params, x)
+    assert report.ran is not None and report.ran.way == "dense", report.ran
+    assert any("derivative" in note for note in report.ran.notes), report.ran.notes
+    torch.manual_seed(1)
+    actual = tg.gramian(f, backend="structured", batch_dim=0)(params, x)
+    assert torch.equal(report.gramian, actual)  # explain's run sees the same draw
+    scale = expected.abs().max()
+    torch.testing.assert_close(actual / scale, expected / scale, rtol=1e-10, atol=1e-10)
+
+
+def test_a_random_f_with_independent_samples_stays_batched():
+    params = _params()
+
+    def f(p, x):
+        return F.dropout(torch.tanh(F.linear(x - x.mean(0), p["w"])), 0.5).pow(2).sum(-1)
+
+    x = torch.randn(B, D, dtype=torch.float64)
+    torch.manual_seed(1)
+    expected = dense_gramian(f, (params, x)).gramian
+    torch.manual_seed(1)
+    report = tg.explain(f, backend="structured", batch_dim=0, run=True)(params, x)
+    assert report.ran is not None and report.ran.way == "batched", report.ran.notes
+    torch.manual_seed(1)
+    actual = tg.gramian(f, backend="structured", batch_dim=0)(params, x)
+    assert torch.equal(report.gramian, actual)  # explain's run sees the same draw
+    scale = expected.abs().max()
+    torch.testing.assert_close(actual / scale, expected / scale, rtol=1e-10, atol=1e-10)
