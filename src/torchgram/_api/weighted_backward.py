@@ -127,7 +127,18 @@ def _accumulate(inputs: list[Tensor], grads: dict[int, Tensor]) -> None:
         tensors.append(tensor)
         values.append(grad.reshape(tensor.shape).to(tensor.dtype))
     if tensors:
-        torch.autograd.backward(tensors, values)
+        with torch.enable_grad():  # NOTE [handing Jᵀw to autograd]
+            aliases = [tensor.view_as(tensor) for tensor in tensors]
+        torch.autograd.backward(aliases, values)
+
+
+# NOTE [handing Jᵀw to autograd]
+# `torch.autograd.backward(leaves, grads)` runs the leaves' AccumulateGrad nodes, hooks and
+# all, but the grads it is handed are still referenced by the caller, so AccumulateGrad copies
+# each into a fresh `.grad` (on CPU, fresh pages: ~as long as forming Jᵀw itself on the MLP).
+# Through an alias (`leaf.view_as(leaf)`, a ViewBackward node) the gradient reaching
+# AccumulateGrad is the view node's own output, which nothing else holds: it becomes `.grad`
+# as in any backward (accumulated into an existing `.grad` as usual). Same hooks, same values.
 
 
 class BackwardInfo(NamedTuple):
