@@ -106,8 +106,10 @@ def _backward(outputs: Any, inputs: Any, weighting: Callable[[Tensor], Tensor],
 # With a recording whose calls cover every input (and no hook in the graph that torchgram
 # can see, NOTE [eager taps]), the Gramian's pass already holds every sample's factors, so
 # Jᵀw = Σ_b w_b J_b is one contraction per recorded call (the size of a weight-gradient
-# product) instead of a second backward through the whole graph. It is accumulated into
-# .grad by autograd itself, `torch.autograd.backward(inputs, grads)` on the leaves: hooks on
+# product; a matrix-vector product for a leaf whose per-sample Jacobians were kept, NOTE [Jᵀw
+# from kept Jacobians]) instead of a second backward through the whole graph. It is
+# accumulated into .grad by autograd itself, `torch.autograd.backward` on the leaves (through
+# an alias of each, NOTE [handing Jᵀw to autograd]): hooks on
 # the leaves (Tensor.register_hook, register_post_accumulate_grad_hook, the gradient hooks of
 # DistributedDataParallel) run as in any backward, and .grad accumulates exactly as
 # torch.autograd.backward(outputs, w, inputs=inputs) would. Hooks on intermediate tensors
