@@ -242,8 +242,10 @@ def flat_rows(jacobian: Tensor) -> Tensor:
 # (it reads R·B·P numbers once) instead of the contraction of the factors again (a bias's
 # cotangents summed over their T positions, a layer's product over B·T of activations and
 # weighted cotangents: on a conv layer that is ~T times the work). They are kept only when
-# no larger than the factors they stand for, so keeping them never costs more memory than
-# keeping the factors would: where they are larger, the factors are kept as before.
+# no larger than the factors they stand for (activation and cotangent), and the factors are
+# then let go: the memory kept for Jᵀw does not grow, except by an activation that something
+# else (the recording, the graph) holds anyway. Where they are larger (wide linear layers at
+# many positions), the factors are kept as before and contracted again.
 
 
 def keeps_jacobian(jacobian: Tensor, factors: Sequence[Tensor]) -> bool:
