@@ -412,6 +412,35 @@ def test_backward_accumulates_like_a_plain_backward(recorded: bool, retain_graph
             out.sum().backward()
 
 
+@pytest.mark.parametrize("recorded", WAYS)
+@pytest.mark.parametrize("name", NAMES)
+def test_zoo_backward_is_the_weighted_gradient(name: str, recorded: bool) -> None:
+    """``Jᵀw`` (from the recorded factors or kept Jacobians, or a second backward) written to
+    ``.grad`` from ``None``: the gradient of ``Σ w_i out_i``, one fresh tensor per leaf."""
+    case = build(name, DOUBLE)
+    params, leaves = leaves_of(case)
+    out = forward(lambda: case.f(params, *case.inputs), recorded)
+    rows = optree.tree_leaves(out)
+    w = tg.autograd.backward(rows, leaves, tg.weighting.upgrad, batch_dim=case.batch_dim,
+                             retain_graph=True)
+    pieces = w.reshape(-1).split([row.numel() for row in rows])
+    expected = torch.autograd.grad(rows, leaves, [piece.reshape(row.shape) for piece, row
+                                                  in zip(pieces, rows, strict=True)],
+                                   allow_unused=True)
+    storages = set()
+    # relative to the largest entry of the whole gradient: a leaf whose gradient is zero up to
+    # round-off (a bias before batch-norm in training mode) has no scale of its own
+    scale = max(float(grad.abs().max()) for grad in expected if grad is not None)
+    for leaf, grad in zip(leaves, expected, strict=True):
+        if grad is None:
+            assert leaf.grad is None or not leaf.grad.any()
+            continue
+        assert leaf.grad is not None and leaf.grad.shape == leaf.shape
+        assert float((leaf.grad - grad).abs().max()) <= 1e-10 * scale
+        storages.add(leaf.grad.untyped_storage().data_ptr())
+    assert len(storages) == sum(grad is not None for grad in expected)
+
+
 # -- reports --------------------------------------------------------------------------------
 
 

@@ -106,8 +106,10 @@ def _backward(outputs: Any, inputs: Any, weighting: Callable[[Tensor], Tensor],
 # With a recording whose calls cover every input (and no hook in the graph that torchgram
 # can see, NOTE [eager taps]), the Gramian's pass already holds every sample's factors, so
 # Jᵀw = Σ_b w_b J_b is one contraction per recorded call (the size of a weight-gradient
-# product) instead of a second backward through the whole graph. It is accumulated into
-# .grad by autograd itself, `torch.autograd.backward(inputs, grads)` on the leaves: hooks on
+# product; a matrix-vector product for a leaf whose per-sample Jacobians were kept, NOTE [Jᵀw
+# from kept Jacobians]) instead of a second backward through the whole graph. It is
+# accumulated into .grad by autograd itself, `torch.autograd.backward` on the leaves (through
+# an alias of each, NOTE [handing Jᵀw to autograd]): hooks on
 # the leaves (Tensor.register_hook, register_post_accumulate_grad_hook, the gradient hooks of
 # DistributedDataParallel) run as in any backward, and .grad accumulates exactly as
 # torch.autograd.backward(outputs, w, inputs=inputs) would. Hooks on intermediate tensors
@@ -127,7 +129,18 @@ def _accumulate(inputs: list[Tensor], grads: dict[int, Tensor]) -> None:
         tensors.append(tensor)
         values.append(grad.reshape(tensor.shape).to(tensor.dtype))
     if tensors:
-        torch.autograd.backward(tensors, values)
+        with torch.enable_grad():  # NOTE [handing Jᵀw to autograd]
+            aliases = [tensor.view_as(tensor) for tensor in tensors]
+        torch.autograd.backward(aliases, values)
+
+
+# NOTE [handing Jᵀw to autograd]
+# `torch.autograd.backward(leaves, grads)` runs the leaves' AccumulateGrad nodes, hooks and
+# all, but the grads it is handed are still referenced by the caller, so AccumulateGrad copies
+# each into a fresh `.grad` (on CPU, fresh pages: ~as long as forming Jᵀw itself on the MLP).
+# Through an alias (`leaf.view_as(leaf)`, a ViewBackward node) the gradient reaching
+# AccumulateGrad is the view node's own output, which nothing else holds: it becomes `.grad`
+# as in any backward (accumulated into an existing `.grad` as usual). Same hooks, same values.
 
 
 class BackwardInfo(NamedTuple):

@@ -50,7 +50,12 @@ from torchgram.backends.graph.gramian import graph_gramian, input_edge
 from torchgram.backends.graph.nodes import Edge, NodeCaller
 from torchgram.backends.graph.release import release_graph
 from torchgram.backends.graph.sparse import SparseWalk, _Slot, compact_block
-from torchgram.backends.structured.contraction import Contraction, flat_rows, to_row_major
+from torchgram.backends.structured.contraction import (
+    Contraction,
+    flat_rows,
+    keeps_jacobian,
+    to_row_major,
+)
 from torchgram.backends.structured.cost import Sizes, plan_leaves
 from torchgram.backends.structured.trace import Recording as UseTable
 from torchgram.backends.structured.trace import TapRecord, UseRecord
@@ -394,7 +399,7 @@ def _contract(api: str, recording: Recording, graph: GraphIndex, tapped: _Tapped
         for k in fast:
             (only,) = leaf_uses[k]
             assert only.act is not None
-            fast_leaves[k] = _FastLeaf(only, acts[only.act], cots[only.tap])
+            fast_leaves[k] = _FastLeaf(only, acts[only.act], cots[only.tap], want_pullback)
         contraction.add_rows(start, stop, cots, {})
         del cots
     rm_rows = _RowMajor(rows, layouts)
@@ -420,9 +425,12 @@ class _FastLeaf:
     layer's shapes, so this leaf is contracted here in that orientation.
     """
 
-    def __init__(self, use: UseRecord, act_raw: Tensor, cot_raw: Tensor | None) -> None:
+    def __init__(self, use: UseRecord, act_raw: Tensor, cot_raw: Tensor | None,
+                 keep: bool = False) -> None:
         self.valid = cot_raw is not None
         self.act_first = use.act_first
+        self.keep = keep
+        self.jacobian: Tensor | None = None
         if cot_raw is None:
             return
         act = use.layout.act_factor(act_raw, 1)  # [B, T, 1, a]
@@ -443,11 +451,19 @@ class _FastLeaf:
         """The block ``[1, B, 1, B]`` (``[1, B]``)."""
         jacobian = torch.bmm(self.act.transpose(1, 2), self.cot)
         flat = jacobian.reshape(jacobian.shape[0], -1)
+        if self.keep and keeps_jacobian(flat, (self.act, self.cot)):
+            self.jacobian = flat  # NOTE [Jᵀw from kept Jacobians]: instead of the factors
+            self.sizes = (self.act.shape[-1], self.cot.shape[-1])
+            self.act = self.cot = flat.new_empty(0)
         block = flat.square().sum(-1) if diagonal else flat @ flat.T
         return block.reshape(1, -1) if diagonal else block.reshape(1, flat.shape[0], 1, -1)
 
     def pullback(self, weights: Tensor) -> Tensor:
         """``Σ_b w_b J_b`` in the leaf's layout, flattened (``weights: [1, B]``)."""
+        if self.jacobian is not None:  # [B, a·c] ([a, c] per sample)
+            jacobian = self.jacobian
+            grad = (weights.reshape(-1).to(jacobian.dtype) @ jacobian).reshape(self.sizes)
+            return (grad if self.act_first else grad.T).reshape(-1)
         weighted = self.cot * weights.reshape(-1, 1, 1).to(self.cot.dtype)
         grad = self.act.flatten(0, 1).T @ weighted.flatten(0, 1)  # [a, c]
         return (grad if self.act_first else grad.T).reshape(-1)

@@ -289,6 +289,29 @@ def flat_rows(jacobian: Tensor) -> Tensor:
     return jacobian.permute(0, 1, *rest).reshape(*jacobian.shape[:2], -1)
 
 
+# NOTE [Jᵀw from kept Jacobians]
+# A materialized leaf's per-row Jacobians [R, B, P] are formed for its Gram block anyway. For
+# Jᵀw = Σ_{r,b} w[r, b] J[r, b], keeping them makes the pullback one matrix-vector product
+# (it reads R·B·P numbers once) instead of the contraction of the factors again (a bias's
+# cotangents summed over their T positions, a layer's product over B·T of activations and
+# weighted cotangents: on a conv layer that is ~T times the work). They are kept only when
+# no larger than the factors they stand for (activation and cotangent), and the factors are
+# then let go: the memory kept for Jᵀw does not grow, except by an activation that something
+# else (the recording, the graph) holds anyway. Where they are larger (wide linear layers at
+# many positions), the factors are kept as before and contracted again.
+
+
+def keeps_jacobian(jacobian: Tensor, factors: Sequence[Tensor]) -> bool:
+    """Whether a leaf keeps ``jacobian`` for ``Jᵀw`` (NOTE [Jᵀw from kept Jacobians])."""
+    return jacobian.numel() <= sum(factor.numel() for factor in factors)
+
+
+def weighted_rows(weights: Tensor, jacobian: Tensor) -> Tensor:
+    """``Σ_{r,b} w[r, b] J[r, b]`` for ``weights [R, B]`` and ``jacobian [R, B, *rest]``, flat."""
+    rows = weights.shape[0] * weights.shape[1]
+    return weights.reshape(rows).to(jacobian.dtype) @ jacobian.reshape(rows, -1)
+
+
 def gram_of_rows(jacobian: Tensor, diagonal: bool) -> Tensor:
     """The Gram block ``[R, B, R, B]`` (or ``[R, B]``) of per-row Jacobians ``[R, B, P]``."""
     if diagonal:
@@ -507,6 +530,8 @@ class Contraction:
                 part = jac if part is None else part + jac
             if part is None:
                 continue
+            if self.keep and complete and uses:  # (a carrier alone is kept as it is)
+                self._keep_jacobian(plan.leaf, part)
             store = self._jacobians.get(plan.leaf)
             if store is None and start == 0 and stop == self.rows:  # all rows at once:
                 self._grams[plan.leaf] = gram_of_rows(part, self.diagonal)  # Gram and free
@@ -531,6 +556,18 @@ class Contraction:
                 if cot is not None:
                     kept.append((use, self._factors((plan.leaf, k), use, cot)))
 
+    def _keep_jacobian(self, leaf: int, jacobian: Tensor) -> None:
+        """Keep a leaf's whole Jacobian instead of its factors, if not larger."""
+        kept = self._kept.get(leaf)
+        if not kept:
+            return
+        factors: list[Tensor] = []
+        for item in kept:
+            factors.extend([item] if isinstance(item, Tensor)
+                           else [item[1].first.tensor, item[1].second.tensor])
+        if keeps_jacobian(jacobian, factors):  # NOTE [Jᵀw from kept Jacobians]
+            self._kept[leaf] = [jacobian]
+
     def pullback(self, weights: Tensor) -> list[Tensor | None]:
         """``Jᵀ w`` per leaf (flattened; ``None`` where zero), for ``weights [R, B]``.
 
@@ -539,10 +576,8 @@ class Contraction:
         grads: list[Tensor | None] = [None] * len(self.numels)
         for leaf, kept in self._kept.items():
             for item in kept:
-                if isinstance(item, Tensor):  # a carrier's gradients [R, B, *leaf.shape]
-                    w = weights.to(item.dtype)
-                    piece = (item * w.reshape(*w.shape, *([1] * (item.dim() - 2)))).sum((0, 1))
-                    piece = piece.reshape(-1)
+                if isinstance(item, Tensor):  # Jacobians [R, B, *leaf.shape] (a carrier's)
+                    piece = weighted_rows(weights, item)
                 else:
                     piece = pullback_use(item[0], item[1], weights, self.numels[leaf])
                 current = grads[leaf]
