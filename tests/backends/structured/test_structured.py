@@ -242,3 +242,26 @@ def test_works_when_called_under_no_grad(name):
         for batch_dim in (None, case.batch_dim):
             _close(tg.gramian(case.f, backend="structured", batch_dim=batch_dim)(*case.args),
                    expected)
+
+
+def test_a_stale_cached_trace_is_traced_afresh_not_run_on_the_fallback():
+    """A trace cached under the same key but made by another function (ids are reused once
+    their objects are collected, or a switch the key cannot see): the run traces afresh and
+    takes the batched pass, as a fresh trace plans it, instead of the all-fallback way."""
+    state = {"deeper": False}
+    params = {"w": torch.randn(4, 4, dtype=torch.float64),
+              "v": torch.randn(2, 4, dtype=torch.float64)}
+
+    def f(p, x):
+        h = torch.tanh(F.linear(x, p["w"]))
+        if state["deeper"]:  # w used twice
+            h = torch.tanh(F.linear(h, p["w"]))
+        return F.linear(h, p["v"]).sum(-1)
+
+    x = torch.randn(5, 4, dtype=torch.float64)
+    tg.gramian(f, backend="structured", batch_dim=0)(params, x)
+    state["deeper"] = True  # same code, same shapes: the cached trace is another function's
+    report = tg.explain(f, backend="structured", batch_dim=0, run=True)(params, x)
+    assert report.ran is not None and "fallback" not in report.ran.leaf_ways
+    _close(tg.gramian(f, backend="structured", batch_dim=0)(params, x),
+           dense_gramian(f, (params, x)).gramian)

@@ -50,7 +50,9 @@ def per_sample_forward_checked(problem: Problem, plan: StructuredPlan | None,
     traced = plan.recording if plan is not None else trace(problem)
     if traced.coupling:
         raise NotPerSample(f"f calls {traced.coupling[0]}: its samples interact")
-    forward = _forward(problem, traced)
+    forward, used = _forward(problem, traced)
+    if used is not traced:  # traced afresh (the cached trace was stale): plan from it
+        traced, plan = used, None
     if forward.recording.coupling:
         raise NotPerSample(f"f calls {forward.recording.coupling[0]}: its samples interact")
     if len(forward.carrier_leaves) > len(traced.unrecognised):  # the run diverged
@@ -62,8 +64,14 @@ def per_sample_forward_checked(problem: Problem, plan: StructuredPlan | None,
     return forward, plan
 
 
-def _forward(problem: Problem, traced: Recording) -> Forward:
-    """The batched way if possible, else one sample at a time; all-fallback if it diverges."""
+def _forward(problem: Problem, traced: Recording, *,
+             retrace: bool = True) -> tuple[Forward, Recording]:
+    """The batched way if possible, else one sample at a time; all-fallback if it diverges.
+
+    Returns the forward and the trace it followed: a cached trace the run does not replay
+    may be another function's (NOTE [call signatures]: a key holds ids, which the garbage
+    collector reuses), so ``f`` is traced afresh once before the all-fallback way.
+    """
     fallback = sorted(traced.unrecognised)
     tapped = [i for i in range(len(problem.leaves)) if i not in set(fallback)]
     key = ("restricted", tuple(tapped))
@@ -74,12 +82,14 @@ def _forward(problem: Problem, traced: Recording) -> Forward:
         if not fallback and traced.merged_order is not False:
             forward = batched_forward(problem, expected)
             if forward is not None and _check_batched(problem, forward, traced):
-                return forward
-        return _one_sample_at_a_time(problem, expected, fallback)
+                return forward, traced
+        return _one_sample_at_a_time(problem, expected, fallback), traced
     except TraceMismatch:
         forget_trace(problem)  # the next call traces afresh
+        if retrace:
+            return _forward(problem, trace(problem), retrace=False)
         return _one_sample_at_a_time(problem, restrict(traced, []),
-                                     list(range(len(problem.leaves))))
+                                     list(range(len(problem.leaves)))), traced
 
 
 def _check_batched(problem: Problem, forward: Forward, traced: Recording) -> bool:
