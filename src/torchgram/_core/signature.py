@@ -20,6 +20,7 @@ is dropped and recomputed, so a cache hit can cost time but never correctness.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any, Generic, TypeVar
@@ -101,6 +102,7 @@ class LruCache(Generic[Value]):
         self.maxsize = maxsize
         self._entries: OrderedDict[Hashable, Value] = OrderedDict()
         self._lock = threading.Lock()
+        _CACHES.add(self)
 
     def get(self, key: Hashable | None) -> Value | None:
         """The value under ``key`` (marked as recently used), or ``None``."""
@@ -132,3 +134,23 @@ class LruCache(Generic[Value]):
     def __len__(self) -> int:
         with self._lock:
             return len(self._entries)
+
+    def clear(self) -> None:
+        """Forget every entry."""
+        with self._lock:
+            self._entries.clear()
+
+
+_CACHES: weakref.WeakSet[LruCache[Any]] = weakref.WeakSet()
+
+
+def clear_caches() -> None:
+    """Forget every cached probe, trace and decision (NOTE [call signatures]).
+
+    Entries are checked on use, so this changes no result; it gives the next calls the cold
+    start of a fresh process (tests that compare predictions with runs use it: a key holds
+    ids, which Python reuses once their objects are collected, so a later function can hit an
+    earlier one's entry and be re-planned only when it runs).
+    """
+    for cache in list(_CACHES):
+        cache.clear()
