@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import Protocol, TypeVar
 
 from torchgram._core.cross import CrossProblem, CrossResult
+from torchgram._core.errors import BackendCannotRun
 from torchgram._core.options import BACKEND_NAMES
 from torchgram._core.problem import Problem
 from torchgram._core.result import BackendResult
@@ -82,3 +83,27 @@ def get_cross_backend(name: str) -> CrossBackend:
     """The cross-kernel implementation of backend ``name`` (NOTE [cross kernels])."""
     _load()
     return _CROSS[name]
+
+
+Result = TypeVar("Result", BackendResult, CrossResult)
+
+
+def first_that_runs(order: Sequence[str], run: Callable[[str], Result],
+                    attempts: list[tuple[str, str]] | None = None) -> Result:
+    """``run(name)`` for the names of ``order`` until one does not declare it cannot run.
+
+    The declined names and their reasons (after ``attempts``, declined earlier) go first in
+    the result's ``report.attempts``; the last name's inability reaches the caller.
+    """
+    attempts = [] if attempts is None else attempts
+    for name in order:
+        try:
+            result = run(name)
+        except BackendCannotRun as error:
+            attempts.append((name, error.reason))
+            if name == order[-1]:
+                raise
+            continue
+        result.report.attempts[:0] = attempts
+        return result
+    raise AssertionError("unreachable: the last candidate either returns or raises")

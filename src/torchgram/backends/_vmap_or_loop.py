@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from torchgram._core.errors import BackendCannotRun, NotPerSample, OutputChanged
+from torchgram._core.problem import Problem
 from torchgram._core.result import BackendResult
 
 
@@ -33,4 +34,23 @@ def vmap_or_loop(run: Callable[[bool], BackendResult], *, loop: bool) -> Backend
         first_line = text.splitlines()[0][:120] if text else ""
         result.report.notes.append(f"vmap failed ({type(error).__name__}: {first_line}); "
                                    "redone with loops")
+        return result
+
+
+def per_sample_or_batch(problem: Problem,
+                        run: Callable[[bool, bool], BackendResult]) -> BackendResult:
+    """``run(loop, per_sample)`` under :func:`vmap_or_loop`, per sample where it holds.
+
+    Per sample with ``batch_dim``; the rows of the whole batch without it, or where the
+    per-sample way does not hold (NOTE [per-sample]: the same matrix).
+    """
+    loop = problem.loops_only
+    if problem.batch is None:
+        return vmap_or_loop(lambda loop: run(loop, False), loop=loop)
+    try:
+        return vmap_or_loop(lambda loop: run(loop, True), loop=loop)
+    except NotPerSample as why:
+        result = vmap_or_loop(lambda loop: run(loop, False), loop=loop)
+        result.report.notes.append(f"per-sample evaluation does not hold ({why.reason}): "
+                                   "rows of the whole batch instead")
         return result

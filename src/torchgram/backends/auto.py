@@ -45,7 +45,7 @@ from torchgram._core.composition import COMPOSING_BACKENDS
 from torchgram._core.errors import BackendCannotRun, NotPerSample
 from torchgram._core.problem import Problem
 from torchgram._core.result import BackendResult
-from torchgram.backends._registry import get_backend, register
+from torchgram.backends._registry import first_that_runs, get_backend, register
 from torchgram.backends.structured import StructuredPlan, plan_problem, run_structured
 from torchgram.backends.structured.passes import Forward, cached_trace, dense_forward, keep_trace
 
@@ -244,18 +244,9 @@ def auto_backend(problem: Problem) -> BackendResult:
 
 def _first_that_runs(problem: Problem, order: tuple[str, ...], plan: AutoPlan | None,
                      attempts: list[tuple[str, str]] | None = None) -> BackendResult:
-    attempts = [] if attempts is None else attempts
-    for name in order:
-        try:
-            if name == "structured" and plan is not None:
-                result = run_structured(problem, plan.structured, forward=plan.forward)
-            else:
-                result = get_backend(name)(problem)
-        except BackendCannotRun as error:
-            attempts.append((name, error.reason))
-            if name == order[-1]:
-                raise
-            continue
-        result.report.attempts[:0] = attempts
-        return result
-    raise AssertionError("unreachable: the last candidate either returns or raises")
+    def run(name: str) -> BackendResult:
+        if name == "structured" and plan is not None:
+            return run_structured(problem, plan.structured, forward=plan.forward)
+        return get_backend(name)(problem)
+
+    return first_that_runs(order, run, attempts)

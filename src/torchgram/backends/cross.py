@@ -39,7 +39,12 @@ from torchgram.backends import jacobian as jacobian_module
 from torchgram.backends import ntvp as ntvp_module
 from torchgram.backends._embedding import EmbeddingConventions
 from torchgram.backends._grouping import LeafGroup, group_leaves, rows_per_chunk
-from torchgram.backends._registry import get_backend, get_cross_backend, register_cross
+from torchgram.backends._registry import (
+    first_that_runs,
+    get_backend,
+    get_cross_backend,
+    register_cross,
+)
 
 # -- jacobian ------------------------------------------------------------------------------
 
@@ -249,16 +254,5 @@ def _auto_order(problem: Problem) -> tuple[str, ...]:
 @register_cross("auto")
 def auto_cross(problem: CrossProblem) -> CrossResult:
     """``auto``'s candidates for the left side's Gramian, in order, until one can."""
-    order = _auto_order(problem.left)
-    attempts: list[tuple[str, str]] = []
-    for name in order:
-        try:
-            result = get_cross_backend(name)(problem)
-        except BackendCannotRun as error:
-            attempts.append((name, error.reason))
-            if name == order[-1]:
-                raise
-            continue
-        result.report.attempts[:0] = attempts
-        return result
-    raise AssertionError("unreachable: the last candidate either returns or raises")
+    return first_that_runs(_auto_order(problem.left),
+                           lambda name: get_cross_backend(name)(problem))

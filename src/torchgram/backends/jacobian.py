@@ -36,22 +36,14 @@ from torchgram._core.sink import LeafBlocks
 from torchgram.backends._draws_under_transforms import refuse_draws
 from torchgram.backends._grouping import LeafGroup, group_leaves, rows_per_chunk
 from torchgram.backends._registry import register
-from torchgram.backends._vmap_or_loop import vmap_or_loop
+from torchgram.backends._vmap_or_loop import per_sample_or_batch
 
 
 @register("jacobian")
 def jacobian_backend(problem: Problem) -> BackendResult:
     """Compute the Gramian blocks of ``problem`` from explicit Jacobian blocks."""
-    loop = problem.loops_only
-    if problem.batch is None:
-        return vmap_or_loop(lambda loop: _run(problem, loop, per_sample=False), loop=loop)
-    try:
-        return vmap_or_loop(lambda loop: _run(problem, loop, per_sample=True), loop=loop)
-    except NotPerSample as why:  # NOTE [per-sample]: the same matrix from the whole batch
-        result = vmap_or_loop(lambda loop: _run(problem, loop, per_sample=False), loop=loop)
-        result.report.notes.append(f"per-sample evaluation does not hold ({why.reason}): "
-                                   "rows of the whole batch instead")
-        return result
+    return per_sample_or_batch(
+        problem, lambda loop, per_sample: _run(problem, loop, per_sample=per_sample))
 
 
 def _run(problem: Problem, loop: bool, *, per_sample: bool) -> BackendResult:

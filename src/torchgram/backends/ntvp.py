@@ -52,7 +52,7 @@ from torchgram.backends._draws_under_transforms import refuse_draws
 from torchgram.backends._embedding import EmbeddingConventions
 from torchgram.backends._grouping import rows_per_chunk
 from torchgram.backends._registry import register
-from torchgram.backends._vmap_or_loop import vmap_or_loop
+from torchgram.backends._vmap_or_loop import per_sample_or_batch
 from torchgram.backends.jacobian import jacobian_backend, replace_leaves, row_vjps
 
 Tangents = tuple[Tensor, ...]
@@ -74,17 +74,9 @@ def ntvp_backend(problem: Problem) -> BackendResult:
         result.report.notes.append("diagonal: the jacobian backend's vjps (no forward mode)")
         return result
     _prepare_forward_ad()
-    loop = problem.loops_only
     with EmbeddingConventions():  # NOTE [embedding conventions]
-        if problem.batch is None:
-            return vmap_or_loop(lambda loop: _run(problem, loop, per_sample=False), loop=loop)
-        try:
-            return vmap_or_loop(lambda loop: _run(problem, loop, per_sample=True), loop=loop)
-        except NotPerSample as why:  # NOTE [per-sample]: the same matrix from the whole batch
-            result = vmap_or_loop(lambda loop: _run(problem, loop, per_sample=False), loop=loop)
-            result.report.notes.append(f"per-sample evaluation does not hold ({why.reason}): "
-                                       "rows of the whole batch instead")
-            return result
+        return per_sample_or_batch(
+            problem, lambda loop, per_sample: _run(problem, loop, per_sample=per_sample))
 
 
 def _run(problem: Problem, loop: bool, *, per_sample: bool) -> BackendResult:
