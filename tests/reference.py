@@ -48,9 +48,10 @@ class Dense:
         return block.reshape(shape if diagonal else (*shape, *shape))
 
 
-def dense_gramian(f: Callable[..., Any], args: Sequence[Any],
-                  argnums: int | tuple[int, ...] = 0) -> Dense:
-    """Dense reference Gramian of ``f(*args)`` w.r.t. the float leaves at ``argnums``."""
+def _float_leaves(args: Sequence[Any], argnums: int | tuple[int, ...]
+                  ) -> tuple[list[Tensor], Callable[[Sequence[Tensor]], list[Any]]]:
+    """The floating tensor leaves of ``args`` at ``argnums``, and ``rebuild(values)``: the
+    arguments with those leaves replaced by ``values`` (in the same order)."""
     nums = (argnums,) if isinstance(argnums, int) else argnums
     nums = tuple(n % len(args) for n in nums)
     flat = {n: optree.tree_flatten(args[n]) for n in nums}
@@ -66,7 +67,14 @@ def dense_gramian(f: Callable[..., Any], args: Sequence[Any],
             rebuilt[n] = optree.tree_unflatten(flat[n][1], per_arg[n])
         return rebuilt
 
-    leaves = [flat[n][0][j].detach().requires_grad_() for n, j in positions]
+    return [flat[n][0][j] for n, j in positions], rebuild
+
+
+def dense_gramian(f: Callable[..., Any], args: Sequence[Any],
+                  argnums: int | tuple[int, ...] = 0) -> Dense:
+    """Dense reference Gramian of ``f(*args)`` w.r.t. the float leaves at ``argnums``."""
+    originals, rebuild = _float_leaves(args, argnums)
+    leaves = [leaf.detach().requires_grad_() for leaf in originals]
     with torch.enable_grad():  # one plain evaluation: with random ops, the draw it sees
         out = f(*rebuild(leaves))
         rows = torch.cat([leaf.reshape(-1) for leaf in optree.tree_leaves(out)])
@@ -99,27 +107,12 @@ def dense_gramian_fn(f: Callable[..., Any], argnums: int | tuple[int, ...] = 0, 
     batch-norm backwards are wrong in torch 2.13).
     """
     def gramian(*args: Any) -> Tensor:
-        nums = (argnums,) if isinstance(argnums, int) else argnums
-        nums = tuple(n % len(args) for n in nums)
-        flat = {n: optree.tree_flatten(args[n]) for n in nums}
-        positions = [(n, j) for n in nums for j, leaf in enumerate(flat[n][0])
-                     if isinstance(leaf, Tensor) and leaf.is_floating_point()]
-
-        def rebuild(values: Sequence[Tensor]) -> list[Any]:
-            per_arg = {n: list(flat[n][0]) for n in nums}
-            for (n, j), value in zip(positions, values, strict=True):
-                per_arg[n][j] = value
-            rebuilt = list(args)
-            for n in nums:
-                rebuilt[n] = optree.tree_unflatten(flat[n][1], per_arg[n])
-            return rebuilt
+        leaves, rebuild = _float_leaves(args, argnums)
 
         def flat_output(*values: Tensor) -> tuple[Tensor, Any]:
             out = f(*rebuild(values))
-            leaves = optree.tree_leaves(out)
-            return torch.cat([leaf.reshape(-1) for leaf in leaves]), out
+            return torch.cat([leaf.reshape(-1) for leaf in optree.tree_leaves(out)]), out
 
-        leaves = [flat[n][0][j] for n, j in positions]
         per_leaf, out = torch.func.jacrev(flat_output, argnums=tuple(range(len(leaves))),
                                           has_aux=True, chunk_size=chunk_size)(*leaves)
         num_rows = per_leaf[0].shape[0]
