@@ -46,7 +46,7 @@ from torchgram.backends.eager.samples import (
     numel,
     probe_samples,
 )
-from torchgram.backends.graph.gramian import graph_gramian, input_edge
+from torchgram.backends.graph.gramian import freed_graph_is_clear, graph_gramian, input_edge
 from torchgram.backends.graph.nodes import Edge, NodeCaller
 from torchgram.backends.graph.release import release_graph
 from torchgram.backends.graph.sparse import SparseWalk, _Slot, compact_block
@@ -269,16 +269,8 @@ def sparse_gramian(api: str, rows: Rows, inputs: Sequence[Tensor], walked: Seque
             for i in by_edge[edge]:
                 blocks.add(i if blocks.per_leaf else 0, block)
 
-        try:
-            with torch.no_grad():
-                walk.run(start, stop, on_target)
-        except RuntimeError as error:
-            if not _torch_compat.is_freed_graph_error(error):
-                raise
-            fail(api, "a graph whose saved tensors are still alive",
-                 "a graph already freed by an earlier backward pass or autograd.grad call",
-                 "Pass retain_graph=True to that earlier call, or compute the Gramian first "
-                 "and then call backward.", RuntimeError)
+        with freed_graph_is_clear(api), torch.no_grad():
+            walk.run(start, stop, on_target)
     report.looped_nodes = dict(caller.vmap_failures)
     result = walk.result
     report.way = "sample-sparse walk" if report.way == "graph walk" else report.way

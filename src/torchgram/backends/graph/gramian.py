@@ -24,7 +24,8 @@ propagated (and summed at joins); the square is taken last.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -101,20 +102,26 @@ def graph_gramian(api: str, outputs: Sequence[Tensor], inputs: Sequence[Tensor],
             for index in by_edge[edge]:
                 blocks.add(index, _gram(flat, diagonal, start, num_rows))
 
-        try:
-            with torch.set_grad_enabled(create_graph):
-                peak = plan.run(_seeds(outputs, start, stop), on_target, caller)
-            if report is not None:
-                report.peak_frontier = max(report.peak_frontier, peak)
-                report.looped_nodes = dict(caller.vmap_failures)
-        except RuntimeError as error:
-            if not _torch_compat.is_freed_graph_error(error):
-                raise
-            fail(api, "a graph whose saved tensors are still alive",
-                 "a graph already freed by an earlier backward pass or autograd.grad call",
-                 "Pass retain_graph=True to that earlier call, or compute the Gramian first "
-                 "and then call backward.", RuntimeError)
+        with freed_graph_is_clear(api), torch.set_grad_enabled(create_graph):
+            peak = plan.run(_seeds(outputs, start, stop), on_target, caller)
+        if report is not None:
+            report.peak_frontier = max(report.peak_frontier, peak)
+            report.looped_nodes = dict(caller.vmap_failures)
     return plan
+
+
+@contextlib.contextmanager
+def freed_graph_is_clear(api: str) -> Iterator[None]:
+    """A walk over a graph an earlier backward freed raises a clear error, not torch's."""
+    try:
+        yield
+    except RuntimeError as error:
+        if not _torch_compat.is_freed_graph_error(error):
+            raise
+        fail(api, "a graph whose saved tensors are still alive",
+             "a graph already freed by an earlier backward pass or autograd.grad call",
+             "Pass retain_graph=True to that earlier call, or compute the Gramian first "
+             "and then call backward.", RuntimeError)
 
 
 def graph_jacobians(api: str, outputs: Sequence[Tensor], inputs: Sequence[Tensor], *,
@@ -143,16 +150,8 @@ def graph_jacobians(api: str, outputs: Sequence[Tensor], inputs: Sequence[Tensor
             found[index] = flat
 
     if num_rows:
-        try:
-            with torch.no_grad():
-                plan.run(_seeds(outputs, 0, num_rows), on_target, NodeCaller(chunk_size))
-        except RuntimeError as error:
-            if not _torch_compat.is_freed_graph_error(error):
-                raise
-            fail(api, "a graph whose saved tensors are still alive",
-                 "a graph already freed by an earlier backward pass or autograd.grad call",
-                 "Pass retain_graph=True to that earlier call, or compute the Gramian first "
-                 "and then call backward.", RuntimeError)
+        with freed_graph_is_clear(api), torch.no_grad():
+            plan.run(_seeds(outputs, 0, num_rows), on_target, NodeCaller(chunk_size))
     return found
 
 
