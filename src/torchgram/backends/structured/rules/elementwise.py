@@ -114,6 +114,18 @@ def _shape(value: Any) -> tuple[int, ...] | None:
     return tuple(value.shape) if isinstance(value, Tensor) and value.is_floating_point() else None
 
 
+def _broadcast_pair(a: Any, b: Any
+                    ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None:
+    """The shapes of two floating tensors of one dtype and their broadcast shape, or ``None``."""
+    shape_a, shape_b = _shape(a), _shape(b)
+    if shape_a is None or shape_b is None or a.dtype != b.dtype:
+        return None
+    try:
+        return shape_a, shape_b, tuple(torch.broadcast_shapes(shape_a, shape_b))
+    except RuntimeError:
+        return None
+
+
 class MulRule(Rule):
     """``x * p`` (either operand may be the parameter; both tensors)."""
 
@@ -125,13 +137,10 @@ class MulRule(Rule):
         if kwargs or len(args) != 2:
             return None
         a, b = args
-        shape_a, shape_b = _shape(a), _shape(b)
-        if shape_a is None or shape_b is None or a.dtype != b.dtype:
+        shapes = _broadcast_pair(a, b)
+        if shapes is None:
             return None
-        try:
-            out = tuple(torch.broadcast_shapes(shape_a, shape_b))
-        except RuntimeError:
-            return None
+        shape_a, shape_b, out = shapes
         operands = (Operand(a, BroadcastLayout(out, shape_a, act_ndim=len(shape_b)), act=b),
                     Operand(b, BroadcastLayout(out, shape_b, act_ndim=len(shape_a)), act=a))
 
@@ -155,13 +164,10 @@ class AddRule(Rule):
         if not isinstance(alpha, int | float) or isinstance(alpha, bool):
             return None
         a, b = args
-        shape_a, shape_b = _shape(a), _shape(b)
-        if shape_a is None or shape_b is None or a.dtype != b.dtype:
+        shapes = _broadcast_pair(a, b)
+        if shapes is None:
             return None
-        try:
-            out = tuple(torch.broadcast_shapes(shape_a, shape_b))
-        except RuntimeError:
-            return None
+        shape_a, shape_b, out = shapes
         if func in _ADD:
             scales = (1.0, float(alpha))
         elif func in _SUB:
