@@ -21,6 +21,10 @@ from torchgram._core.problem import Problem
 PLAIN_BACKENDS = ("structured", "graph")
 """The backends that evaluate ``f`` plainly (with autograd), in order of preference."""
 
+REFUSING_BACKENDS = ("jacobian", "ntvp")
+"""The backends that evaluate ``f`` inside ``torch.func`` transforms: they refuse a random
+``f`` (``auto`` tries them last for one)."""
+
 
 def refuse_draws(problem: Problem, backend: str) -> None:
     """Raise :class:`BackendCannotRun` if an evaluation of ``f`` by ``backend`` drew.

@@ -45,6 +45,7 @@ from torchgram._core.composition import COMPOSING_BACKENDS
 from torchgram._core.errors import BackendCannotRun, NotPerSample
 from torchgram._core.problem import Problem
 from torchgram._core.result import BackendResult
+from torchgram.backends._draws_under_transforms import REFUSING_BACKENDS
 from torchgram.backends._registry import first_that_runs, get_backend, register
 from torchgram.backends.structured import StructuredPlan, plan_problem, run_structured
 from torchgram.backends.structured.passes import Forward, cached_trace, dense_forward, keep_trace
@@ -149,9 +150,6 @@ def pick(estimates: dict[str, Estimate]) -> str:
     return ranked(estimates)[0]
 
 
-REFUSE_DRAWS = ("jacobian", "ntvp")
-"""The candidates that refuse an ``f`` that draws random numbers (NOTE [draws under
-torch.func]): ``auto`` tries them after the others."""
 LAST_RESORT = "graph"
 """Tried after every estimated candidate declared it cannot run: it walks the autograd
 graph of one plain forward, which every differentiable function has."""
@@ -207,8 +205,8 @@ def plan_auto(problem: Problem) -> AutoPlan:
     estimates = estimate_backends(problem, structured)
     order = ranked(estimates)
     if problem.draw.random or structured.recording.draws:  # they would refuse f (NOTE [draws
-        order = (*(n for n in order if n not in REFUSE_DRAWS),  # under torch.func])
-                 *(n for n in order if n in REFUSE_DRAWS))
+        order = (*(n for n in order if n not in REFUSING_BACKENDS),  # under torch.func])
+                 *(n for n in order if n in REFUSING_BACKENDS))
     return AutoPlan(structured, estimates, (*order, LAST_RESORT), forward)
 
 
