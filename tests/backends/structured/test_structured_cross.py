@@ -15,10 +15,12 @@ import optree
 import pytest
 import torch
 
-from reference import dense_cross_gramian, nt_layout
+import torchgram as tg
+from reference import dense_cross_gramian, dense_cross_kernel, nt_layout
 from torchgram._core.cross import PairSpec
 from torchgram._core.options import Options
 from torchgram._core.problem import build_problem
+from torchgram.backends.structured import cross as structured_cross
 from torchgram.backends.structured.cross import (
     _ghost_pairs_ok,
     compute_side,
@@ -109,3 +111,78 @@ def test_sides_with_merged_sample_dims_match_the_oracle(f: Any) -> None:
         expected = nt_layout(dense_cross_gramian(f, params, x1, second), ())
         torch.testing.assert_close(kernel, expected, rtol=1e-10,
                                    atol=1e-10 * expected.abs().max().item())
+
+
+STREAMED_AXES = {"full": ((), ()), "traced": ((-1,), ()), "diagonal rows": ((), (-1,)),
+                 "diagonal batch": ((), (0,))}
+
+
+
+
+def _streamable(name: str) -> bool:
+    """Samples along dim 0 of inputs and output, and a sample's rows along one axis."""
+    case = build(name)
+    if case.batch_dim != 0 or case.in_dims not in (0, None):
+        return False
+    out = case.f(case.params, *case.inputs)
+    return isinstance(out, torch.Tensor) and out.dim() == 2 and out.shape[1] > 1
+
+
+STREAMABLE = [name for name in CASES if _streamable(name)]
+
+
+@pytest.mark.parametrize("axes", list(STREAMED_AXES), ids=list(STREAMED_AXES))
+@pytest.mark.parametrize("name", STREAMABLE)
+def test_streamed_right_sides_match_the_oracle(name: str, axes: str,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """x2's backwards one direction at a time, each contracted at once (NOTE [streamed ...])."""
+    case = build(name)
+
+    def f(params: Any, xs: tuple[Any, ...]) -> torch.Tensor:
+        return case.f(params, *xs)
+
+    def take(start: int, stop: int) -> Any:
+        return optree.tree_map(lambda t: t[start:stop] if isinstance(t, torch.Tensor) else t,
+                               case.inputs)
+
+    x1, x2 = take(0, 3), take(0 if axes == "diagonal batch" else 3, 3 if axes ==
+                                "diagonal batch" else 5)
+    trace_axes, diagonal_axes = STREAMED_AXES[axes]
+    rows = f(case.params, x1).shape[1:]
+    chunks = []
+    take_rows = structured_cross._take_rows
+    monkeypatch.setattr(structured_cross, "STREAM_PASS_BYTES", 1)  # one direction per pass
+    monkeypatch.setattr(structured_cross, "_take_rows",
+                        lambda *a: chunks.append(a[1:]) or take_rows(*a))
+    chunked_blocks = []
+    contract_block = structured_cross.contract
+    monkeypatch.setattr(structured_cross, "contract",
+                        lambda *a: chunked_blocks.append(a[1].row_shape) or contract_block(*a))
+    ntk_fn = tg.ntk.empirical_ntk_fn(f, trace_axes=trace_axes, diagonal_axes=diagonal_axes,
+                                     backend="structured")
+    kernel = ntk_fn(x1, x2, case.params)
+    expected = dense_cross_kernel(f, case.params, x1, x2, trace_axes, diagonal_axes)
+    torch.testing.assert_close(kernel, expected.to(kernel.dtype), rtol=1e-10,
+                               atol=1e-10 * expected.abs().max().item())
+    assert len(chunked_blocks) == rows[0]  # one contraction per direction: streamed
+    rows_free = axes in ("full", "diagonal batch")  # x1 keeps all its rows for each chunk
+    assert chunks == ([] if rows_free else [(k, k + 1) for k in range(rows[0])])
+
+
+def test_a_streamed_side_whose_samples_interact_gets_the_whole_batch_rows(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Interacting samples of x2 are found before any chunk is contracted: no streaming."""
+    torch.manual_seed(0)
+    weight = torch.randn(3, 4, dtype=torch.float64)
+
+    def f(params: Any, x: torch.Tensor) -> torch.Tensor:
+        h = x @ params["w"]
+        return torch.tanh(h - h.mean(0))  # every sample's output sees the batch mean
+
+    monkeypatch.setattr(structured_cross, "STREAM_PASS_BYTES", 1)
+    x1, x2 = torch.randn(3, 3, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
+    for trace_axes in ((), (-1,)):
+        ntk_fn = tg.ntk.empirical_ntk_fn(f, trace_axes=trace_axes, backend="structured")
+        kernel = ntk_fn(x1, x2, {"w": weight})
+        expected = dense_cross_kernel(f, {"w": weight}, x1, x2, trace_axes)
+        torch.testing.assert_close(kernel, expected, rtol=1e-10, atol=1e-12)
