@@ -672,9 +672,9 @@ class _NoBlock(Exception):
 # dropped: rows of a free axis fill their columns of the block, traced or diagonal rows meet
 # the same rows of x1 (summed, or in their slot). Nothing of x2 is kept but one chunk (the
 # larger side is the streamed one: with x1 the larger, the sides swap and the block is
-# mirrored). On
-# the benchmark's MLP (16 × 512 inputs, traced logits), 16 MB chunks were about 6% faster
-# than one backward, and smaller ones slower (each chunk costs a contraction's Python).
+# mirrored). On the benchmark's MLP (16 × 512 inputs, traced logits), 16 MB chunks were
+# about 6% faster than one backward, smaller ones slower (a chunk costs a contraction's
+# Python); the peak memory of x2's pieces drops from all its rows to one chunk.
 STREAM_PASS_BYTES = 2**24
 """Bytes of tap cotangents per backward of a streamed side (NOTE [streamed cross kernels])."""
 
