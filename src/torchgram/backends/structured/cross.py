@@ -382,10 +382,16 @@ def _chunk_parts(side: Side, forward: Forward, plan: StructuredPlan,
     numels = [leaf.numel() for leaf in problem.leaves]
     planned = {p.leaf: p for p in plan.leaves}
 
+    act_factors: dict[tuple[int, int], Factor] = {}  # the same objects in every chunk
+
     def act_factor(use: UseRecord) -> Factor:
         assert use.act is not None
-        return Factor(use.layout.act_factor(acts[use.act], 1),
-                      "index" if use.shape.act_is_index else "act")
+        key = (use.act, id(use.layout))
+        factor = act_factors.get(key)
+        if factor is None:
+            factor = act_factors[key] = Factor(use.layout.act_factor(acts[use.act], 1),
+                                               "index" if use.shape.act_is_index else "act")
+        return factor
 
     def cot_tensor(use: UseRecord, tap_cots: Sequence[Tensor | None]) -> Tensor | None:
         raw = tap_cots[use.tap]
@@ -584,12 +590,15 @@ class _TapTerms:
     biases: int = 0
 
 
-def contract(left: Side, right: Side | None, spec: PairSpec, dtype: torch.dtype) -> Tensor:
+def contract(left: Side, right: Side | None, spec: PairSpec, dtype: torch.dtype,
+             act_grams: dict[tuple[int, int], Tensor] | None = None) -> Tensor:
     """The kernel block between two sides (``None``: ``left`` with itself), canonical layout.
 
     One-position uses (linear layers on vectors, their biases) are grouped by the pair of
     taps they read their cotangents from: each pair costs one cotangent Gram, multiplied by
     the sum of its weight uses' activation Grams plus one per bias (NOTE above).
+    ``act_grams`` keeps those activation Grams between calls on the same activations (the
+    chunks of a streamed side).
     """
     symmetric = right is None
     other = left if right is None else right
@@ -616,9 +625,14 @@ def contract(left: Side, right: Side | None, spec: PairSpec, dtype: torch.dtype)
                         act_u, cot_u = _split(u)
                         act_v, cot_v = _split(v)
                         terms = tap_terms((cot_u.key, cot_v.key), cot_u.tensor, cot_v.tensor)
-                        a_u = act_u.tensor.reshape(act_u.tensor.shape[0], -1)
-                        a_v = act_v.tensor.reshape(act_v.tensor.shape[0], -1)
-                        act = a_u @ a_v.T if mode == "free" else (a_u * a_v).sum(-1)
+                        pair = (id(act_u.tensor), id(act_v.tensor))
+                        act = None if act_grams is None else act_grams.get(pair)
+                        if act is None:
+                            a_u = act_u.tensor.reshape(act_u.tensor.shape[0], -1)
+                            a_v = act_v.tensor.reshape(act_v.tensor.shape[0], -1)
+                            act = a_u @ a_v.T if mode == "free" else (a_u * a_v).sum(-1)
+                            if act_grams is not None:
+                                act_grams[pair] = act
                         terms.acts = act if terms.acts is None else terms.acts + act
                         continue
                     if symmetric and j < i:
@@ -695,10 +709,11 @@ def _streamed_block(left: Side, right_problem: Problem, spec: PairSpec, dtype: t
                                      pass_bytes=STREAM_PASS_BYTES)
             mode = spec.row_modes[0]
             block = torch.zeros(shape, dtype=dtype, device=right_problem.output.device)
+            act_grams: dict[tuple[int, int], Tensor] = {}
             for start, stop, part in chunks:
                 rows = left if mode == "free" else _take_rows(left, start, stop)
                 try:
-                    piece = contract(rows, part, spec, dtype)
+                    piece = contract(rows, part, spec, dtype, act_grams)
                 except _NoBlock:
                     continue
                 if mode == "free":
