@@ -58,7 +58,7 @@ class Case:
 
     def f(self, params: dict[str, Tensor], *inputs: Tensor) -> Tensor:
         """The pure function ``f(params, *inputs) -> rows`` given to torchgram and torch.func."""
-        return self.rows(lambda *args: self._fn(params, *args), *inputs)
+        return self.rows(lambda *args, **kwargs: self._fn(params, *args, **kwargs), *inputs)
 
     @property
     def num_params(self) -> int:

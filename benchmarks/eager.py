@@ -11,6 +11,11 @@ On the ``mlp``, ``cnn`` and ``transformer`` cases it times, on the same eager mo
   reference, ``tg.aggregated_grad``; every method calls torchgram's ``upgrad``, whose own
   seconds are taken out of each call's time.
 
+``--cases`` also takes the real models of ``benchmarks/real_cases.py`` (``--cases real``: all
+of them: GPT-2, LLaMA and BERT with attention masks, ViT, ResNet-18, MobileNetV3, LSTM, GRU),
+their per-sample losses computed eagerly from the module. A method that fails on a model is
+reported with its error instead of a time.
+
 # NOTE [interleaved timing]
 ``benchmarks/run.py`` measures each method in its own process, one after the other: on a
 machine shared with other work, the load moves between those measurements and a ratio of two
@@ -44,7 +49,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 import torch  # noqa: E402
 
 import torchgram  # noqa: E402
-from benchmarks import cases, peers, report  # noqa: E402
+from benchmarks import cases, peers, real_cases, report  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CASES = ("mlp", "cnn", "transformer")
@@ -63,7 +68,9 @@ AT_MOST_BACKWARD = 1.5
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, 2 rounds (smoke)")
-    parser.add_argument("--cases", default=",".join(CASES), help=f"subset of {CASES}")
+    parser.add_argument("--cases", default=",".join(CASES),
+                        help=f"subset of {CASES} and of the real models "
+                             f"{real_cases.NAMES} ('real': all of those)")
     parser.add_argument("--rounds", type=int, default=9, help="timed rounds per section (9)")
     parser.add_argument("--budget", type=float, default=60.0,
                         help="seconds of timed rounds per section at most (60)")
@@ -77,7 +84,8 @@ def _method(name: str) -> peers.Method:
     return peers.get(name)
 
 
-def _prepare(case: cases.Case, names: Sequence[str]) -> dict[str, Callable[[], Any]]:
+def _prepare(case: cases.Case, names: Sequence[str],
+             failures: dict[str, str]) -> dict[str, Callable[[], Any]]:
     calls = {}
     for name in names:
         method = _method(name)
@@ -89,7 +97,27 @@ def _prepare(case: cases.Case, names: Sequence[str]) -> dict[str, Callable[[], A
             calls[name] = method.prepare(case)
         except peers.Unavailable as why:
             print(f"  {name}: skipped ({why})")
+        except Exception as error:  # a peer that cannot run this model: reported
+            failures[name] = _error_text(error)
     return calls
+
+
+def _error_text(error: BaseException) -> str:
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:160]
+
+
+def real_case(name: str, quick: bool) -> cases.Case:
+    """A real model as a benchmark case: keyword inputs (masks) become positional ones."""
+    real = real_cases.build(name, real_cases.QUICK if quick else real_cases.FULL)
+    keywords = tuple(real.kw_inputs)
+    count = len(real.inputs)
+
+    def rows(model: Callable[..., Any], *inputs: torch.Tensor) -> torch.Tensor:
+        return real.rows(model, *inputs[:count], **dict(zip(keywords, inputs[count:],
+                                                            strict=True)))
+
+    return cases.Case(real.name, real.title, real.module,
+                      (*real.inputs, *real.kw_inputs.values()), rows)
 
 
 def _answer(name: str, result: Any, case: cases.Case, step: bool) -> Any:
@@ -111,11 +139,16 @@ def _timed(call: Callable[[], Any]) -> tuple[float, Any]:
 def section(case: cases.Case, names: Sequence[str], reference: str, step: bool,
             rounds: int, budget: float) -> dict[str, Any]:
     """Interleaved timings of ``names`` on ``case`` (NOTE [interleaved timing])."""
-    calls = _prepare(case, names)
+    failures: dict[str, str] = {}
+    calls = _prepare(case, names, failures)
     answers: dict[str, Any] = {}
-    for name, call in calls.items():  # two warm-up calls each; the second one is checked
-        _timed(call)
-        answers[name] = _answer(name, _timed(call)[1], case, step)
+    for name, call in list(calls.items()):  # two warm-up calls each; the second is checked
+        try:
+            _timed(call)
+            answers[name] = _answer(name, _timed(call)[1], case, step)
+        except Exception as error:  # a peer that cannot run this model: reported
+            failures[name] = _error_text(error)
+            del calls[name]
     ref = answers.get(reference)
     errors = {}
     for name, answer in answers.items():
@@ -131,7 +164,7 @@ def section(case: cases.Case, names: Sequence[str], reference: str, step: bool,
             times[name].append(_timed(calls[name])[0])
         if done >= 2 and time.perf_counter() - start > budget:
             break
-    return {"times": times, "errors": errors}
+    return {"times": times, "errors": errors, "failures": failures}
 
 
 def _median(values: Sequence[float]) -> float | None:
@@ -157,24 +190,28 @@ def targets(results: dict[str, dict[str, Any]]) -> list[tuple[str, float | None,
         rows.append((label, value, met))
 
     for name, per in results.items():
-        speedup = SPEEDUP.get(name, 1.0)
+        speedup = SPEEDUP.get(name)  # the real models have the backward targets only
         gram, step = per["gramian"], per["step"]
         add(f"`{name}`: recorded Gramian ≤ {AT_MOST_BACKWARD:g}× backward",
             _ratio(gram, peers.EAGER_RECORDED, peers.FLOOR), AT_MOST_BACKWARD, True)
-        add(f"`{name}`: recorded Gramian ≥ {speedup:g}× faster than torchjd's Engine",
-            _ratio(gram, TORCHJD, peers.EAGER_RECORDED), speedup, False)
-        add(f"`{name}`: walked Gramian at least as fast as torchjd's Engine",
-            _ratio(gram, TORCHJD, peers.EAGER_WALK), 1.0, False)
+        if speedup is not None:
+            add(f"`{name}`: recorded Gramian ≥ {speedup:g}× faster than torchjd's Engine",
+                _ratio(gram, TORCHJD, peers.EAGER_RECORDED), speedup, False)
+            add(f"`{name}`: walked Gramian at least as fast as torchjd's Engine",
+                _ratio(gram, TORCHJD, peers.EAGER_WALK), 1.0, False)
         add(f"`{name}`: recorded JD step ≤ {AT_MOST_BACKWARD:g}× backward",
             _ratio(step, peers.EAGER_STEP_RECORDED, peers.FLOOR), AT_MOST_BACKWARD, True)
-        add(f"`{name}`: recorded JD step ≥ {speedup:g}× faster than torchjd's Engine",
-            _ratio(step, TORCHJD_STEP, peers.EAGER_STEP_RECORDED), speedup, False)
+        if speedup is not None:
+            add(f"`{name}`: recorded JD step ≥ {speedup:g}× faster than torchjd's Engine",
+                _ratio(step, TORCHJD_STEP, peers.EAGER_STEP_RECORDED), speedup, False)
     return rows
 
 
 def _table(result: dict[str, Any], torchjd: str) -> list[str]:
     lines = ["| method | time (ms) | × backward | torchjd ÷ this | rel. err | rounds |",
              "|---|--:|--:|--:|--:|--:|"]
+    for name, why in result.get("failures", {}).items():
+        lines.append(f"| {name} | error: {why.replace('|', '/')} | — | — | — | 0 |")
     for name, values in result["times"].items():
         t = _median(values)
         floor = _ratio(result, name, peers.FLOOR)
@@ -239,8 +276,11 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     start = time.perf_counter()
     results: dict[str, dict[str, Any]] = {}
     try:
+        if "real" in names:
+            names = [n for n in names if n != "real"] + list(real_cases.NAMES)
         for name in names:
-            case = cases.build(name, sizes)
+            case = (real_case(name, args.quick) if name in real_cases.NAMES
+                    else cases.build(name, sizes))
             print(f"== {name}: {case.title}", flush=True)
             gram = section(case, GRAMIAN_METHODS, REFERENCE, False, rounds, args.budget)
             step = section(case, STEP_METHODS, STEP_REFERENCE, True, rounds, args.budget)
