@@ -94,7 +94,10 @@ def solve_nonneg(H: Tensor, q: Tensor, x0: Tensor | None = None) -> NonnegSoluti
         if bool(certified.all()):  # Host synchronisation.
             return NonnegSolution(x * scale, "cg", iterations)
         left = (~certified).nonzero().squeeze(-1)
-        free = x > 0  # The others go on from their last iterates.
+        # The others go on from their last iterates, or from zero where that is closer.
+        start, free = _better_start(H, q[left], x[left] * scale)
+        x = x.index_copy(0, left, start / scale)
+        free = torch.zeros_like(x, dtype=torch.bool).index_copy_(0, left, free)
     solution = torch.zeros_like(q) if x is None else x * scale
     if cg:
         y, certified, more = solve_nonneg_qp_cg(

@@ -26,7 +26,9 @@ gathering and scattering its state). Here all problems live in one batch and mov
   largest KKT violation has not halved in ``_STALLED_ROUNDS`` rounds (PDAS cycling, or float32
   CG unable to make progress on an ill-conditioned face): those, and whatever is left after
   ``max_iterations``, are handed back uncertified with their last iterate, for the caller to
-  finish with the solvers of ``_cg_qp.py`` and ``_qp.py``.
+  finish with the solvers of ``_cg_qp.py`` and ``_qp.py``. So are all problems when, before any
+  is certified, ``_CHURN_ROUNDS`` rounds in a row end at their first check (faces that keep
+  changing: PDAS cycling on rank-deficient or ill-conditioned Gramians).
 * ``σ`` (the magnitudes summed into ``s``) takes one more GEMM; it changes little from round to
   round, so it is recomputed only when the residual it gives is within ``_RECOMPUTE_SIGMA`` of
   ``tol``, and a problem is certified only with ``σ`` computed at its returned point.
@@ -56,6 +58,10 @@ _ROUND_ITERATIONS = 30
 # A problem whose largest KKT violation has not halved in this many rounds in a row is handed
 # back.
 _STALLED_ROUNDS = 3
+# Before any problem is certified, this many rounds in a row ending at their first check hand
+# every problem back: the faces keep changing (PDAS cycling on hard problems; random Gramians
+# take two or three such rounds).
+_CHURN_ROUNDS = 4
 # The magnitudes σ are recomputed once the residual they give is within this factor of tol.
 _RECOMPUTE_SIGMA = 100.0
 
@@ -111,7 +117,8 @@ def solve_nonneg_qp_sync(
     # The magnitudes summed into s (NOTE [KKT certificate]), and whether they are those at x.
     sigma = q_abs if x0 is None else torch.addmm(q_abs, x.to(work_dtype), H_abs)
     stale = False
-    iterations = 0
+    iterations = churn = 0
+    any_certified = False
     while True:
         s = torch.addmm(q, x, H)  # Float64: the certificate and the round's residual.
         violation = violations(x, s)
@@ -128,9 +135,10 @@ def solve_nonneg_qp_sync(
         stalls = torch.where(largest <= 0.5 * best, 0, stalls + 1)
         best = torch.minimum(best, largest)
         leaving = solved | (stalls >= _STALLED_ROUNDS)
-        if iterations >= max_iterations:
+        if iterations >= max_iterations or churn >= _CHURN_ROUNDS:
             leaving = torch.ones_like(leaving)
-        n_leaving = int(leaving.sum())  # Host synchronisation, once per round.
+        n_leaving, n_solved = torch.stack([leaving.sum(), solved.sum()]).tolist()  # Host sync.
+        any_certified |= n_solved > 0
         if n_leaving:
             solution.index_copy_(0, rows[leaving], x[leaving])
             certified.index_copy_(0, rows[leaving], solved[leaving])
@@ -143,6 +151,7 @@ def solve_nonneg_qp_sync(
         free = (x > 0) | (s < -tol * sigma.to(H.dtype))
         step, count = _cg_round(H_work, x, s, free, sigma, tol, max_iterations - iterations)
         iterations += count
+        churn = churn + 1 if count <= _CHECK_EVERY and not any_certified else 0
         x = x.add_(step).clamp_(min=0.0)
         stale = True
 
