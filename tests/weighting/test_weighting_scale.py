@@ -39,12 +39,14 @@ def force_solver(monkeypatch: pytest.MonkeyPatch, solver: str) -> None:
     """Makes ``_nonneg.solve_nonneg`` use ``solver`` whatever the size.
 
     ``"direct"``: the direct solver alone; ``"cg"``: the CG solver of ``_cg_qp.py`` (then the
-    direct one for what it leaves); ``"sync"``: the synchronous CG rounds first (batches only).
+    direct one for what it leaves); ``"sync"``: the synchronous CG rounds first (batches only,
+    whatever the Gramian's effective rank).
     """
     threshold = 10**9 if solver == "direct" else 1
     monkeypatch.setattr(_nonneg, "_CG_FROM", threshold)
     monkeypatch.setattr(_nonneg, "_CG_FROM_SINGLE", threshold)
     monkeypatch.setattr(_nonneg, "_SYNC_FROM", 1 if solver == "sync" else 10**9)
+    monkeypatch.setattr(_nonneg, "_SYNC_MIN_RANK", 0.0)
 
 
 # ---------------------------------------------------------------- UPGrad at scale

@@ -60,8 +60,10 @@ SYNC_CASES = [(128, structure) for structure in
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
 @pytest.mark.parametrize(("m", "structure"), SYNC_CASES,
                          ids=[f"m={m}-{structure}" for m, structure in SYNC_CASES])
-def test_upgrad_through_the_sync_rounds_is_certified(m: int, structure: str,
-                                                      dtype: torch.dtype) -> None:
+def test_upgrad_through_the_sync_rounds_is_certified(monkeypatch: pytest.MonkeyPatch, m: int,
+                                                      structure: str, dtype: torch.dtype) -> None:
+    # Forced: by default only Gramians of a high effective rank go through them.
+    force_solver(monkeypatch, "sync")
     G = gramian(m, structure, seed=m + 17).to(dtype)
     H = normalize_and_regularize(G, 1e-4, 1e-4)
     solution = _nonneg.solve_nonneg(H, H)
@@ -89,9 +91,9 @@ def test_sync_rounds_hand_back_what_they_do_not_certify(monkeypatch: pytest.Monk
     # solve_nonneg finishes them by the other solvers: the direct solver's answer.
     monkeypatch.setattr(_nonneg, "solve_nonneg_qp_sync",
                         functools.partial(_sync_cg.solve_nonneg_qp_sync, max_iterations=6))
+    force_solver(monkeypatch, "sync")
     for cg_from in (1, 10**9):  # The CG solver, then the direct one; or the direct one at once.
         monkeypatch.setattr(_nonneg, "_CG_FROM", cg_from)
-        monkeypatch.setattr(_nonneg, "_SYNC_FROM", 1)
         solution = _nonneg.solve_nonneg(H, H)
         assert solution.solver == "cg"
         assert_close(solution.x, solve_nonneg_qp(H, H), rtol=1e-10, atol=1e-12)
@@ -131,6 +133,19 @@ def test_warm_started_sync_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
     nearby = G + 1e-3 * gramian(140, "full-rank", seed=11)
     warm = weighting.upgrad(nearby, state=state)
     assert_close(warm, weighting.upgrad(nearby), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize(("structure", "expected"), [
+    ("full-rank", True), ("rank-1", False), ("half-rank", False), ("ill-conditioned", False)])
+def test_only_spread_out_gramians_go_through_the_sync_rounds(structure: str,
+                                                            expected: bool) -> None:
+    G = gramian(100, structure, seed=13)
+    H = normalize_and_regularize(G, 1e-4, 1e-4)
+    assert _nonneg._spread_out(H) is expected
+    assert _nonneg._spread_out(torch.eye(5, dtype=torch.float64))
+    state = weighting.WarmStart()
+    weighting.upgrad(G, state=state)
+    assert state.solver == ("cg" if expected else "direct")
 
 
 def test_violations_match_their_definition() -> None:
