@@ -14,8 +14,9 @@ where the per-call overhead of tensor operations dominates both, and for a singl
 like ``m``. For a batch of problems (UPGrad) from 64 variables on, and a Gramian of high
 effective rank (``tr(H)² / ‖H‖_F² ≥ m / 2``, as for random ones), a leaner first pass comes
 before both: the synchronous CG rounds of ``_sync_cg.py`` (NOTE [synchronous CG rounds]), the
-same method with all problems moving in step, 1.1 (m = 64) to 1.9 (m = 96) times faster than the
-direct solver and 1.2 to 1.5 times faster than the CG solver on random Gramians. On Gramians of
+same method with all problems moving in step, 1.1 to 1.9 times faster than the direct solver
+(m = 64 to 96) and 1.2 to 1.9 times faster than the CG solver (m = 128 to 1024) on random
+Gramians. On Gramians of
 low effective rank (rank-deficient, ill-conditioned, per-sample training Gramians) their faces
 are ill-conditioned and the rounds certify nothing, so they are skipped. What they do not
 certify goes on by the solvers above, as before.

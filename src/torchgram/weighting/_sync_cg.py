@@ -35,9 +35,11 @@ gathering and scattering its state). Here all problems live in one batch and mov
 
 So a round costs one float64 GEMM (two near the end) and about twenty elementwise operations
 on the whole batch, and a CG iteration one float32 GEMM and about ten. For UPGrad on random
-Gramians: about 42 to 51 iterations in 5 or 6 rounds for m = 128 to 1024 (the solver of
-``_cg_qp.py``: 54 to 60). On rank-deficient and ill-conditioned Gramians it hands most problems
-back after 20 to 64 iterations, which costs 5 to 15 % more than that solver alone.
+Gramians: 42 to 51 iterations in 5 to 7 rounds for m = 64 to 1024 (the solver of ``_cg_qp.py``:
+54 to 60), 1.2 to 1.9 times faster than it. On Gramians of low effective rank (rank-deficient,
+ill-conditioned, per-sample training Gramians) the faces are ill-conditioned and the rounds
+certify nothing: they churn and hand everything back after 12 iterations, and
+``_nonneg.solve_nonneg`` does not call them there (NOTE [choosing the non-negative QP solver]).
 """
 
 from __future__ import annotations
