@@ -154,3 +154,24 @@ def test_violations_match_their_definition() -> None:
     s = torch.randn(5, 40, generator=generator, dtype=torch.float64)
     expected = torch.where(x > 0, s.abs(), (-s).clamp(min=0.0))
     assert torch.equal(violations(x, s), expected)
+
+
+@pytest.mark.parametrize("reg_eps", [0.0, 1e-4], ids=["reg=0", "reg=1e-4"])
+@pytest.mark.parametrize("m", [70, 130], ids=lambda m: f"m={m}")
+def test_sync_rounds_with_a_zero_row_and_duplicates(m: int, reg_eps: float) -> None:
+    # Rank-deficient by two, still of high effective rank: the rounds run (not forced), with a
+    # singular H when reg_eps = 0; every projection is certified all the same.
+    generator = torch.Generator().manual_seed(m)
+    A = torch.randn(m, 3 * m, generator=generator, dtype=torch.float64)
+    A[5] = 0.0
+    A[7] = A[9]
+    G = A @ A.T
+    H = normalize_and_regularize(G, 1e-4, reg_eps)
+    assert _nonneg._spread_out(H)
+    state = weighting.WarmStart()
+    w = weighting.upgrad(G, reg_eps=reg_eps, state=state)
+    assert state.solver == "cg" and state._solution is not None
+    assert torch.isfinite(w).all()
+    assert kkt_residual(H, H, state._solution).max() <= KKT_TOL
+    if reg_eps > 0:  # Unique: the direct solver's answer.
+        assert_close(state._solution, solve_nonneg_qp(H, H), rtol=1e-9, atol=1e-11)
