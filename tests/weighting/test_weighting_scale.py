@@ -36,10 +36,17 @@ def gramian(m: int, structure: str, seed: int = 0) -> Tensor:
 
 
 def force_solver(monkeypatch: pytest.MonkeyPatch, solver: str) -> None:
-    """Makes ``_nonneg.solve_nonneg`` use ``solver`` ("direct" or "cg") whatever the size."""
-    threshold = 1 if solver == "cg" else 10**9
+    """Makes ``_nonneg.solve_nonneg`` use ``solver`` whatever the size.
+
+    ``"direct"``: the direct solver alone; ``"cg"``: the CG solver of ``_cg_qp.py`` (then the
+    direct one for what it leaves); ``"sync"``: the synchronous CG rounds first (batches only,
+    whatever the Gramian's effective rank).
+    """
+    threshold = 10**9 if solver == "direct" else 1
     monkeypatch.setattr(_nonneg, "_CG_FROM", threshold)
     monkeypatch.setattr(_nonneg, "_CG_FROM_SINGLE", threshold)
+    monkeypatch.setattr(_nonneg, "_SYNC_FROM", 1 if solver == "sync" else 10**9)
+    monkeypatch.setattr(_nonneg, "_SYNC_MIN_RANK", 0.0)
 
 
 # ---------------------------------------------------------------- UPGrad at scale
@@ -74,11 +81,13 @@ def test_upgrad_is_certified_at_scale(m: int, structure: str) -> None:
 
 
 @pytest.mark.parametrize("structure", ["full-rank", "half-rank", "ill-conditioned", "conflicting"])
-def test_cg_and_direct_solvers_agree(monkeypatch: pytest.MonkeyPatch, structure: str) -> None:
+@pytest.mark.parametrize("solver", ["cg", "sync"])
+def test_cg_and_direct_solvers_agree(monkeypatch: pytest.MonkeyPatch, structure: str,
+                                     solver: str) -> None:
     G = gramian(128, structure, seed=1)
     force_solver(monkeypatch, "direct")
     direct = weighting.upgrad(G)
-    force_solver(monkeypatch, "cg")
+    force_solver(monkeypatch, solver)
     assert_close(weighting.upgrad(G), direct, rtol=1e-10, atol=1e-12)
 
 
