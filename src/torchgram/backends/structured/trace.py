@@ -130,6 +130,23 @@ class UseRecord:
             mine.positions * samples == theirs.positions
 
 
+@dataclass(frozen=True)
+class StepTap:
+    """One tap for a call made once per step (NOTE [step taps]).
+
+    Attributes:
+        index: The tap's index.
+        values: The call's operands, tapped leaves replaced by their plain copies.
+        steps: Step ``t``'s slice of the tap, to add to its output (``None`` in a trace).
+        numel: Entries of the tapped outputs of all steps together.
+    """
+
+    index: int
+    values: tuple[Any, ...]
+    steps: tuple[Tensor, ...] | None
+    numel: int
+
+
 @dataclass
 class Recording:
     """What a run of ``f`` under :class:`TapMode` found."""
@@ -376,10 +393,10 @@ class TapMode(TorchFunctionMode):
     # in-place op on it, or a run that ends with it pending, stops the batched run
     # (:class:`NotBatched`), and the backend takes the per-sample ``vmap`` way instead.
 
-    def _is_shared(self, tap_index: int, y: Tensor) -> bool:
+    def _is_shared(self, tap_index: int, shape: Sequence[int]) -> bool:
         expected = self._expected
         return (self._samples is not None and self._samples > 1 and expected is not None
-                and tap_index < len(expected) and tuple(y.shape) == expected[tap_index].shape)
+                and tap_index < len(expected) and tuple(shape) == expected[tap_index].shape)
 
     def _give_up(self, why: str) -> NotBatched:
         self.not_batched = self.not_batched or why
@@ -542,7 +559,7 @@ class TapMode(TorchFunctionMode):
             self._note_unrecognised(others, f"{match.rule} (as an activation)", y)
         tap_index = len(self.recording.taps)
         record = TapRecord(tuple(y.shape), y.dtype, match.rule)
-        if self._taps == "lazy" and self._is_shared(tap_index, y):  # NOTE [shared taps]
+        if self._taps == "lazy" and self._is_shared(tap_index, y.shape):  # NOTE [shared taps]
             self.made_taps.append(y)  # replaced by the tap where y meets the batch
             self._pending[id(y)] = (tap_index, y)
             self._pins.append(y)
@@ -559,6 +576,11 @@ class TapMode(TorchFunctionMode):
                                     f"{tuple(y.shape)}) differs from the trace")
             y = y + self._taps[tap_index]
         self.recording.taps.append(record)
+        self._record_uses(match, chosen, tap_index, y.numel())
+        return y
+
+    def _record_uses(self, match: Match, chosen: list[tuple[int, LeafRef, Role]],
+                     tap_index: int, out_numel: int) -> None:
         acts: dict[int, int] = {}
         for i, ref, role in chosen:
             operand = match.operands[i]
@@ -577,8 +599,57 @@ class TapMode(TorchFunctionMode):
             self.recording.uses.append(UseRecord(
                 leaf=ref.index, role=role, rule=match.rule, layout=layout,
                 act_first=layout.act_first != ref.transposed, tap=tap_index, act=act_index,
-                shape=layout.shape(y.numel()),
+                shape=layout.shape(out_numel),
                 act_shape=None if operand.act is None or role != "weight"
                 else tuple(operand.act.shape),
             ))
-        return y
+
+    # -- NOTE [step taps] ---------------------------------------------------------------------
+    # A recurrent net applies ``W_hh`` once per step (NOTE [recurrent rewrite]). Tapping each
+    # step's call makes ``T`` taps, ``T`` uses and ``T`` trips through this mode; instead the
+    # rewrite asks for one tap of shape ``[T, *y_step]`` (:meth:`tap_steps`), computes the
+    # steps itself with the plain copies it returns, adds the tap's slice ``t`` to step
+    # ``t``'s output, and at the end records the uses once with the stacked activations of
+    # all steps (:meth:`record_steps`): one use of ``T`` times the positions, the same
+    # factors the per-step taps give once taken together (NOTE [uses taken together]).
+
+    def tap_steps(self, match: Match, steps: int, step_shape: Sequence[int],
+                  dtype: torch.dtype, device: torch.device) -> StepTap | None:
+        """One tap for ``steps`` calls like ``match`` (NOTE [step taps]), or ``None``.
+
+        ``None`` when an operand is a leaf the mode does not tap here, when no operand is a
+        tapped leaf, or when the output could be shared by the samples (NOTE [shared
+        taps]): the caller then makes the calls one by one under the mode.
+        """
+        chosen = self._recognised(match)
+        picked = {i for i, _, _ in chosen}
+        if not chosen or any(self._ref(operand.value) is not None and i not in picked
+                             for i, operand in enumerate(match.operands)) or any(
+                self._ref(operand.act) is not None for operand in match.operands):
+            return None
+        shape = (steps, *step_shape)
+        tap_index = len(self.recording.taps)
+        if self._taps == "lazy" and self._is_shared(tap_index, shape):
+            return None
+        record = TapRecord(shape, dtype, match.rule)
+        tap: Tensor | None = None
+        if self._taps == "lazy":
+            tap = zero_tap(shape, dtype, device)
+            self.made_taps.append(tap)
+        elif not isinstance(self._taps, str):
+            expected = self._expected
+            if tap_index >= len(self._taps) or expected is None or expected[tap_index] != record:
+                raise TraceMismatch(f"tapped steps {tap_index} ({match.rule}, output {shape}) "
+                                    "differ from the trace")
+            tap = self._taps[tap_index]
+        self.recording.taps.append(record)
+        values = [operand.value for operand in match.operands]
+        for i, ref, _ in chosen:
+            plain = self._plain[ref.index]
+            values[i] = plain.T if ref.transposed else plain
+        return StepTap(tap_index, tuple(values), None if tap is None else tap.unbind(0),
+                       math.prod(shape))
+
+    def record_steps(self, step_tap: StepTap, match: Match) -> None:
+        """Record the uses of a :meth:`tap_steps` tap; ``match`` has every step's activation."""
+        self._record_uses(match, self._recognised(match), step_tap.index, step_tap.numel)

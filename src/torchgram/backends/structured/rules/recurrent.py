@@ -16,10 +16,14 @@ with ``F.linear`` so the rules see the weights, per layer and direction::
         GRU:   r, z = σ(x_r + h_r), σ(x_z + h_z);  n = tanh(x_n + r ⊙ h_n);  h = (1 - z) ⊙ n + z ⊙ h
         RNN:   h = tanh(gates_t) or relu(gates_t)
 
-The recurrent weight ``W_hh`` is then used once per step (``T`` uses of one position each);
-the Gram contractions take such uses together, as one use of ``T`` positions
-(NOTE [uses taken together]). Only the ``F.linear`` calls run in the tapping mode; the
-cells' elementwise ops, which use no parameter, run without it (they are most of the calls).
+The recurrent weight ``W_hh`` is used once per step; it gets one tap for all the steps
+(NOTE [step taps]), so it is one use of ``T`` positions, the activation the stacked inputs
+``h`` of the steps. Where the mode cannot tap it that way (the weight needs the fallback),
+each step's call is tapped on its own and the contractions take the uses together (NOTE [uses
+taken together]). Only the input projections run in the tapping mode; the cells' elementwise
+ops, which use no parameter, run without it (they are most of the calls). ``xs`` is
+unbound once into its steps: indexing it per step would make every step's backward write a
+full-size zero gradient of ``xs`` (``T²`` work).
 Only the unpacked form with no active inter-layer dropout is rewritten (the fused kernel
 draws its dropout masks differently from ``F.dropout``); a ``PackedSequence`` or dropout in
 training mode keeps the fused call, and its weights the fallback. Results are exact either
@@ -39,28 +43,26 @@ from torch import Tensor
 
 State = tuple[Tensor, ...]
 Linear = Callable[[Tensor, Tensor, Tensor | None], Tensor]
-Cell = Callable[[Linear, Tensor, State, Sequence[Tensor | None]], State]
+Cell = Callable[[Linear, Tensor, Tensor, State, Tensor | None], State]
+"""``cell(linear, xs_t, hh_t, state, w_hr)``: the next state from the step's input projection
+``xs_t`` and recurrent projection ``hh_t = linear(h, W_hh, b_hh)``."""
 
 
-def _lstm_cell(linear: Linear, xs_t: Tensor, state: State,
-               weights: Sequence[Tensor | None]) -> State:
-    w_hh, b_hh, w_hr = weights
-    h, c = state
-    assert w_hh is not None
-    gates = xs_t + linear(h, w_hh, b_hh)
-    i, f, g, o = gates.chunk(4, dim=-1)
+def _lstm_cell(linear: Linear, xs_t: Tensor, hh_t: Tensor, state: State,
+               w_hr: Tensor | None) -> State:
+    _, c = state
+    i, f, g, o = (xs_t + hh_t).chunk(4, dim=-1)
     c = torch.addcmul(torch.sigmoid(f) * c, torch.sigmoid(i), torch.tanh(g))
     h = torch.sigmoid(o) * torch.tanh(c)
     return (h if w_hr is None else linear(h, w_hr, None)), c
 
 
-def _gru_cell(linear: Linear, xs_t: Tensor, state: State,
-              weights: Sequence[Tensor | None]) -> State:
-    w_hh, b_hh, _ = weights
+def _gru_cell(linear: Linear, xs_t: Tensor, hh_t: Tensor, state: State,
+              w_hr: Tensor | None) -> State:
+    del linear, w_hr
     (h,) = state
-    assert w_hh is not None
     x_r, x_z, x_n = xs_t.chunk(3, dim=-1)
-    h_r, h_z, h_n = linear(h, w_hh, b_hh).chunk(3, dim=-1)
+    h_r, h_z, h_n = hh_t.chunk(3, dim=-1)
     r = torch.sigmoid(x_r + h_r)
     z = torch.sigmoid(x_z + h_z)
     n = torch.tanh(torch.addcmul(x_n, r, h_n))
@@ -68,13 +70,47 @@ def _gru_cell(linear: Linear, xs_t: Tensor, state: State,
 
 
 def _rnn_cell(nonlinearity: Callable[[Tensor], Tensor]) -> Cell:
-    def cell(linear: Linear, xs_t: Tensor, state: State,
-             weights: Sequence[Tensor | None]) -> State:
-        w_hh, b_hh, _ = weights
-        assert w_hh is not None
-        return (nonlinearity(xs_t + linear(state[0], w_hh, b_hh)),)
+    def cell(linear: Linear, xs_t: Tensor, hh_t: Tensor, state: State,
+             w_hr: Tensor | None) -> State:
+        del linear, w_hr
+        return (nonlinearity(xs_t + hh_t),)
 
     return cell
+
+
+class _Recurrence:
+    """``linear(h, W_hh, b_hh)`` of every step, tapped once for all steps.
+
+    Through one step tap when the mode can (NOTE [step taps]), else one tapped call per step.
+    """
+
+    def __init__(self, linear: Linear, mode: Any, weight: Tensor, bias: Tensor | None,
+                 steps: int, h0: Tensor) -> None:
+        self._linear, self._mode, self._weight, self._bias = linear, mode, weight, bias
+        self._step_tap = None
+        self._inputs: list[Tensor | None] = [None] * steps
+        if hasattr(mode, "tap_steps") and h0.dtype == weight.dtype:
+            self._step_tap = mode.tap_steps(self._match(h0), steps,
+                                            (*h0.shape[:-1], weight.shape[0]), h0.dtype,
+                                            h0.device)
+
+    def _match(self, h: Tensor) -> Any:
+        from torchgram.backends.structured.rules.linear import LinearRule
+
+        return LinearRule().match(F.linear, (h, self._weight, self._bias), {})
+
+    def __call__(self, t: int, h: Tensor) -> Tensor:
+        step_tap = self._step_tap
+        if step_tap is None:
+            return self._linear(h, self._weight, self._bias)
+        self._inputs[t] = h
+        y = F.linear(h, *step_tap.values)
+        return y if step_tap.steps is None else y + step_tap.steps[t]
+
+    def finish(self) -> None:
+        """Record the uses of the step tap, with every step's input."""
+        if self._step_tap is not None:
+            self._mode.record_steps(self._step_tap, self._match(torch.stack(self._inputs)))
 
 
 def _run(cell: Cell, x: Tensor, initial: Sequence[State], params: Sequence[Tensor],
@@ -103,12 +139,14 @@ def _run(cell: Cell, x: Tensor, initial: Sequence[State], params: Sequence[Tenso
             w_ih, w_hh = w[0], w[1]
             b_ih, b_hh = (w[2], w[3]) if has_biases else (None, None)
             w_hr = w[-1] if per_direction in (3, 5) else None
-            xs = linear(x, w_ih, b_ih)
+            xs = linear(x, w_ih, b_ih).unbind(0)  # one backward node for all steps, not T
             state = initial[index]
+            recurrence = _Recurrence(linear, mode, w_hh, b_hh, steps, state[0])
             out: list[Tensor | None] = [None] * steps
             for t in (range(steps) if direction == 0 else reversed(range(steps))):
-                state = cell(linear, xs[t], state, (w_hh, b_hh, w_hr))
+                state = cell(linear, xs[t], recurrence(t, state[0]), state, w_hr)
                 out[t] = state[0]
+            recurrence.finish()
             outputs.append(torch.stack(out))  # type: ignore[arg-type]
             finals.append(state)
         x = outputs[0] if directions == 1 else torch.cat(outputs, dim=-1)
