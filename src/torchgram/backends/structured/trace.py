@@ -137,14 +137,13 @@ class StepTap:
     Attributes:
         index: The tap's index.
         values: The call's operands, tapped leaves replaced by their plain copies.
-        steps: Step ``t``'s slice of the tap, to add to its output (``None`` in a trace).
-        numel: Entries of the tapped outputs of all steps together.
+        steps: Step ``t``'s slice of the tap, to add to its output (``None`` in a trace or
+            for a shared tap).
     """
 
     index: int
     values: tuple[Any, ...]
     steps: tuple[Tensor, ...] | None
-    numel: int
 
 
 @dataclass
@@ -614,9 +613,12 @@ class TapMode(TorchFunctionMode):
     # factors the per-step taps give once taken together (NOTE [uses taken together]).
 
     def tap_steps(self, match: Match, steps: int, step_shape: Sequence[int],
-                  dtype: torch.dtype, device: torch.device) -> StepTap | None:
+                  dtype: torch.dtype, device: torch.device, *,
+                  share: int | None = None) -> StepTap | None:
         """One tap for ``steps`` calls like ``match`` (NOTE [step taps]), or ``None``.
 
+        ``share``: an earlier tap of the same shape whose cotangent is these calls' (their
+        outputs are only ever added to it); the uses join it and no tap is made.
         ``None`` when an operand is a leaf the mode does not tap here, when no operand is a
         tapped leaf, or when the output could be shared by the samples (NOTE [shared
         taps]): the caller then makes the calls one by one under the mode.
@@ -628,6 +630,14 @@ class TapMode(TorchFunctionMode):
                 self._ref(operand.act) is not None for operand in match.operands):
             return None
         shape = (steps, *step_shape)
+        values = [operand.value for operand in match.operands]
+        for i, ref, _ in chosen:
+            plain = self._plain[ref.index]
+            values[i] = plain.T if ref.transposed else plain
+        if share is not None:
+            if self.recording.taps[share].shape != shape:
+                return None
+            return StepTap(share, tuple(values), None)
         tap_index = len(self.recording.taps)
         if self._taps == "lazy" and self._is_shared(tap_index, shape):
             return None
@@ -643,13 +653,9 @@ class TapMode(TorchFunctionMode):
                                     "differ from the trace")
             tap = self._taps[tap_index]
         self.recording.taps.append(record)
-        values = [operand.value for operand in match.operands]
-        for i, ref, _ in chosen:
-            plain = self._plain[ref.index]
-            values[i] = plain.T if ref.transposed else plain
-        return StepTap(tap_index, tuple(values), None if tap is None else tap.unbind(0),
-                       math.prod(shape))
+        return StepTap(tap_index, tuple(values), None if tap is None else tap.unbind(0))
 
     def record_steps(self, step_tap: StepTap, match: Match) -> None:
         """Record the uses of a :meth:`tap_steps` tap; ``match`` has every step's activation."""
-        self._record_uses(match, self._recognised(match), step_tap.index, step_tap.numel)
+        numel = math.prod(self.recording.taps[step_tap.index].shape)
+        self._record_uses(match, self._recognised(match), step_tap.index, numel)

@@ -132,3 +132,12 @@ def test_recurrent_step_taps_with_loops_only(check):
         return f(p, x) + torch.sin(p["bias_ih_l0"]).sum()
 
     check(g, (params, x), force=None, batch_dim=0, in_dims=in_dims, chunk_size=1)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "rnn"])
+def test_recurrent_without_an_input_projection_tap_matches_oracle(check, kind):
+    # no tap on xs (W_ih on the fallback, no bias): W_hh gets a step tap of its own
+    g, params, x, in_dims = _with_extra_use(kind, {"bias": False}, "weight_ih_l0")
+    for way in WAYS:
+        check(g, (params, x), force=way, batch_dim=0, in_dims=in_dims)
+        check(g, (params, x), force=way, batch_dim=None)

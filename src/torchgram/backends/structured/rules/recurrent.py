@@ -43,24 +43,28 @@ from torch import Tensor
 
 State = tuple[Tensor, ...]
 Linear = Callable[[Tensor, Tensor, Tensor | None], Tensor]
-Cell = Callable[[Linear, Tensor, Tensor, State, Tensor | None], State]
+Cell = Callable[[Linear, Tensor, Tensor | None, State, Tensor | None], State]
 """``cell(linear, xs_t, hh_t, state, w_hr)``: the next state from the step's input projection
-``xs_t`` and recurrent projection ``hh_t = linear(h, W_hh, b_hh)``."""
+``xs_t`` and recurrent projection ``hh_t = linear(h, W_hh, b_hh)``. For the cells that only
+add them (LSTM, RNN: :data:`_ADDITIVE`) ``hh_t`` may be ``None``: ``xs_t`` is then the sum."""
 
 
-def _lstm_cell(linear: Linear, xs_t: Tensor, hh_t: Tensor, state: State,
+def _lstm_cell(linear: Linear, xs_t: Tensor, hh_t: Tensor | None, state: State,
                w_hr: Tensor | None) -> State:
     _, c = state
-    i, f, g, o = (xs_t + hh_t).chunk(4, dim=-1)
-    c = torch.addcmul(torch.sigmoid(f) * c, torch.sigmoid(i), torch.tanh(g))
-    h = torch.sigmoid(o) * torch.tanh(c)
+    gates = xs_t if hh_t is None else xs_t + hh_t
+    i, f, _, o = torch.sigmoid(gates).chunk(4, dim=-1)  # one call for the three σ gates
+    g = torch.tanh(gates.narrow(-1, 2 * c.shape[-1], c.shape[-1]))
+    c = torch.addcmul(f * c, i, g)
+    h = o * torch.tanh(c)
     return (h if w_hr is None else linear(h, w_hr, None)), c
 
 
-def _gru_cell(linear: Linear, xs_t: Tensor, hh_t: Tensor, state: State,
+def _gru_cell(linear: Linear, xs_t: Tensor, hh_t: Tensor | None, state: State,
               w_hr: Tensor | None) -> State:
     del linear, w_hr
     (h,) = state
+    assert hh_t is not None
     x_r, x_z, x_n = xs_t.chunk(3, dim=-1)
     h_r, h_z, h_n = hh_t.chunk(3, dim=-1)
     r = torch.sigmoid(x_r + h_r)
@@ -70,10 +74,10 @@ def _gru_cell(linear: Linear, xs_t: Tensor, hh_t: Tensor, state: State,
 
 
 def _rnn_cell(nonlinearity: Callable[[Tensor], Tensor]) -> Cell:
-    def cell(linear: Linear, xs_t: Tensor, hh_t: Tensor, state: State,
+    def cell(linear: Linear, xs_t: Tensor, hh_t: Tensor | None, state: State,
              w_hr: Tensor | None) -> State:
         del linear, w_hr
-        return (nonlinearity(xs_t + hh_t),)
+        return (nonlinearity(xs_t if hh_t is None else xs_t + hh_t),)
 
     return cell
 
@@ -82,35 +86,49 @@ class _Recurrence:
     """``linear(h, W_hh, b_hh)`` of every step, tapped once for all steps.
 
     Through one step tap when the mode can (NOTE [step taps]), else one tapped call per step.
+    For an additive cell whose input projection ``xs`` has a tap (``xs_tap``), the recurrent
+    projection's cotangent is ``xs``'s (both are added into the gates): its uses join that
+    tap, and :meth:`step` returns the gates ``xs[t] + b_hh + h W_hhᵀ`` from one ``addmm``.
     """
 
     def __init__(self, linear: Linear, mode: Any, weight: Tensor, bias: Tensor | None,
-                 steps: int, h0: Tensor) -> None:
+                 xs: Tensor, h0: Tensor, xs_tap: int | None) -> None:
         self._linear, self._mode, self._weight, self._bias = linear, mode, weight, bias
+        steps = xs.shape[0]
         self._step_tap = None
-        self._inputs: list[Tensor | None] = [None] * steps
+        self._inputs: list[Tensor] = []
         if hasattr(mode, "tap_steps") and h0.dtype == weight.dtype:
             self._step_tap = mode.tap_steps(self._match(h0), steps,
                                             (*h0.shape[:-1], weight.shape[0]), h0.dtype,
-                                            h0.device)
+                                            h0.device, share=xs_tap)
+        self.gates: tuple[Tensor, ...] | None = None
+        if self._step_tap is not None and xs_tap is not None:
+            plain_weight, *plain_bias = self._step_tap.values
+            self._weight_t = plain_weight.t()
+            self.gates = (xs + plain_bias[0] if plain_bias else xs).unbind(0)
+        self.xs = xs.unbind(0)  # one backward node for all steps: NOTE [recurrent rewrite]
 
     def _match(self, h: Tensor) -> Any:
         from torchgram.backends.structured.rules.linear import LinearRule
 
         return LinearRule().match(F.linear, (h, self._weight, self._bias), {})
 
-    def __call__(self, t: int, h: Tensor) -> Tensor:
+    def step(self, t: int, h: Tensor) -> tuple[Tensor, Tensor | None]:
+        """``(xs_t, hh_t)`` of step ``t``, or ``(gates_t, None)`` (see the class docstring)."""
         step_tap = self._step_tap
         if step_tap is None:
-            return self._linear(h, self._weight, self._bias)
-        self._inputs[t] = h
+            return self.xs[t], self._linear(h, self._weight, self._bias)
+        self._inputs.append(h)
+        if self.gates is not None:
+            return torch.addmm(self.gates[t], h, self._weight_t), None
         y = F.linear(h, *step_tap.values)
-        return y if step_tap.steps is None else y + step_tap.steps[t]
+        return self.xs[t], y if step_tap.steps is None else y + step_tap.steps[t]
 
-    def finish(self) -> None:
-        """Record the uses of the step tap, with every step's input."""
+    def finish(self, reverse: bool) -> None:
+        """Record the uses of the step tap, with every step's input (in step order)."""
         if self._step_tap is not None:
-            self._mode.record_steps(self._step_tap, self._match(torch.stack(self._inputs)))
+            inputs = self._inputs[::-1] if reverse else self._inputs
+            self._mode.record_steps(self._step_tap, self._match(torch.stack(inputs)))
 
 
 def _run(cell: Cell, x: Tensor, initial: Sequence[State], params: Sequence[Tensor],
@@ -121,6 +139,7 @@ def _run(cell: Cell, x: Tensor, initial: Sequence[State], params: Sequence[Tenso
 
     The projections run in ``mode`` (the tapping mode, when given), the rest without it.
     """
+    taps = getattr(getattr(mode, "recording", None), "taps", None)
 
     def linear(h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         with mode or contextlib.nullcontext():
@@ -139,15 +158,18 @@ def _run(cell: Cell, x: Tensor, initial: Sequence[State], params: Sequence[Tenso
             w_ih, w_hh = w[0], w[1]
             b_ih, b_hh = (w[2], w[3]) if has_biases else (None, None)
             w_hr = w[-1] if per_direction in (3, 5) else None
-            xs = linear(x, w_ih, b_ih).unbind(0)  # one backward node for all steps, not T
+            before = None if taps is None else len(taps)
+            xs = linear(x, w_ih, b_ih)
+            xs_tap = before if cell in _ADDITIVE and taps is not None \
+                and len(taps) == (before or 0) + 1 else None
             state = initial[index]
-            recurrence = _Recurrence(linear, mode, w_hh, b_hh, steps, state[0])
-            out: list[Tensor | None] = [None] * steps
+            recurrence = _Recurrence(linear, mode, w_hh, b_hh, xs, state[0], xs_tap)
+            out: list[Tensor] = [x] * steps  # placeholders, all replaced
             for t in (range(steps) if direction == 0 else reversed(range(steps))):
-                state = cell(linear, xs[t], recurrence(t, state[0]), state, w_hr)
+                state = cell(linear, *recurrence.step(t, state[0]), state, w_hr)
                 out[t] = state[0]
-            recurrence.finish()
-            outputs.append(torch.stack(out))  # type: ignore[arg-type]
+            recurrence.finish(reverse=direction == 1)
+            outputs.append(torch.stack(out))
             finals.append(state)
         x = outputs[0] if directions == 1 else torch.cat(outputs, dim=-1)
     return (x.transpose(0, 1) if batch_first else x), finals
@@ -213,9 +235,13 @@ def _rewrite_single_state(cell: Cell) -> Callable[..., Any]:
     return rewrite
 
 
+_rnn_tanh_cell, _rnn_relu_cell = _rnn_cell(torch.tanh), _rnn_cell(torch.relu)
+_ADDITIVE = frozenset({_lstm_cell, _rnn_tanh_cell, _rnn_relu_cell})
+"""The cells whose gates are ``xs_t + hh_t`` (both projections share one cotangent)."""
+
 rewrite_gru = _rewrite_single_state(_gru_cell)
 """``torch.gru(input, h0, params, ...)`` step by step, or ``NotImplemented``."""
-rewrite_rnn_tanh = _rewrite_single_state(_rnn_cell(torch.tanh))
+rewrite_rnn_tanh = _rewrite_single_state(_rnn_tanh_cell)
 """``torch.rnn_tanh(input, h0, params, ...)`` step by step, or ``NotImplemented``."""
-rewrite_rnn_relu = _rewrite_single_state(_rnn_cell(torch.relu))
+rewrite_rnn_relu = _rewrite_single_state(_rnn_relu_cell)
 """``torch.rnn_relu(input, h0, params, ...)`` step by step, or ``NotImplemented``."""
