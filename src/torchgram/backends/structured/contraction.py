@@ -190,7 +190,8 @@ def _pair_chunked(u: UseFactors, v: UseFactors, rows: int, samples: int, positio
 # factors are concatenated along the positions before any contraction. The result is the same
 # (the cross terms between the uses are the cross terms between positions), with one matrix
 # product instead of one per use (materialize) or per pair of uses (ghost): e.g. the ``T``
-# per-step uses of a recurrent weight (NOTE [recurrent rewrite]), or a layer applied twice.
+# per-step uses of a recurrent weight whose bias needs the fallback (else it has one use:
+# NOTE [step taps]), or a layer applied twice.
 
 _POSITION_DIM = {"cot": 2, "act": 1, "index": 1}
 """The positions dim of a factor: ``cot [R, B, T, G, c]``, ``act [B, T, G, a]``, ``index [B, T]``.

@@ -611,6 +611,9 @@ class TapMode(TorchFunctionMode):
     # ``t``'s output, and at the end records the uses once with the stacked activations of
     # all steps (:meth:`record_steps`): one use of ``T`` times the positions, the same
     # factors the per-step taps give once taken together (NOTE [uses taken together]).
+    # Where the steps' outputs are only added to the slices of an earlier tapped output
+    # (an LSTM's gates are ``xs[t] + h W_hhᵀ + b_hh``, ``xs`` the tapped input projection),
+    # that tap's cotangent is already theirs: the uses join it (``share``), no tap is made.
 
     def tap_steps(self, match: Match, steps: int, step_shape: Sequence[int],
                   dtype: torch.dtype, device: torch.device, *,
