@@ -252,8 +252,33 @@ def _apart(matrices: Tensor) -> Tensor:
     return matrices.contiguous() if interleaved else matrices
 
 
-def materialize_use(use: UseRecord, factors: UseFactors, numel: int) -> Tensor:
-    """The use's per-row Jacobian ``[R, B, numel]`` in the leaf's layout."""
+def materialize_use(use: UseRecord, factors: UseFactors, numel: int,
+                    into: Tensor | None = None, may_write: bool = False) -> Tensor:
+    """The use's per-row Jacobian ``[R, B, numel]`` in the leaf's layout.
+
+    ``into``: the Jacobian ``[R, B, numel]`` of the leaf's other uses, added to this one's
+    (NOTE [Jacobians of several uses]); ``may_write``: whether ``into`` may be written to.
+    """
+    jac = _materialize_use(use, factors, numel, into if may_write else None)
+    if into is None or jac is into:
+        return jac
+    if jac.shape != into.shape or jac.dtype != torch.promote_types(jac.dtype, into.dtype):
+        return jac + into
+    return jac.add_(into)  # jac is a new tensor: no third one
+
+
+# NOTE [Jacobians of several uses]
+# A materialized leaf with several uses (GPT-2's tied token embedding: a lookup and the output
+# projection) sums their per-row Jacobians, each as large as the leaf times the rows. A sum
+# ``part + jac`` would write a third such tensor (fresh memory: page faults on CPU, measured
+# several ms for GPT-2's [16, 128000]); instead each new Jacobian takes the sum in place, and a
+# lookup, contracted last, adds its rows straight into the Jacobian of the other uses (no
+# zero-filled table of its own) when that one is a tensor the contraction made itself.
+
+
+def _materialize_use(use: UseRecord, factors: UseFactors, numel: int,
+                     into: Tensor | None) -> Tensor:
+    """:func:`materialize_use`; a lookup adds its rows into ``into`` when given (returned)."""
     if use.role == "bias":
         cot = factors.first.tensor if factors.first.kind == "cot" else factors.second.tensor
         summed = cot.sum(dim=2)
@@ -271,8 +296,13 @@ def materialize_use(use: UseRecord, factors: UseFactors, numel: int) -> Tensor:
         classes = use.shape.act_width
         dim = cot.shape[-1]
         offsets = index + classes * torch.arange(samples, device=index.device)[:, None]
+        values = cot.reshape(rows, samples * positions, dim)
+        if into is not None and first.kind == "index" and into.is_contiguous() \
+                and into.shape == (rows, samples, numel) and into.dtype == cot.dtype:
+            into.view(rows, samples * classes, dim).index_add_(1, offsets.reshape(-1), values)
+            return into
         jac = cot.new_zeros(rows, samples * classes, dim)
-        jac.index_add_(1, offsets.reshape(-1), cot.reshape(rows, samples * positions, dim))
+        jac.index_add_(1, offsets.reshape(-1), values)
         jac = jac.reshape(rows, samples, classes, dim)
         if first.kind != "index":  # a transposed embedding table
             jac = jac.transpose(-1, -2)
@@ -293,6 +323,10 @@ def materialize_use(use: UseRecord, factors: UseFactors, numel: int) -> Tensor:
         right = right.unsqueeze(0)
     jac = torch.matmul(left, right)
     return jac.reshape(*jac.shape[:2], numel)
+
+
+def _is_lookup(item: tuple[UseRecord, UseFactors]) -> bool:
+    return "index" in (item[1].first.kind, item[1].second.kind)
 
 
 def flat_rows(jacobian: Tensor) -> Tensor:
@@ -513,6 +547,7 @@ class Contraction:
                 continue
             numel = self.numels[plan.leaf]
             part: Tensor | None = carrier_grads.pop(plan.leaf, None)
+            owned = False  # whether part is a tensor made here (not the carrier's gradient)
             uses = self.uses.get(plan.leaf, ())
             if part is not None:  # [c, B, *leaf.shape]: in the leaf's layout if others add to it
                 part = self._cast(part.reshape(*part.shape[:2], -1) if uses else flat_rows(part))
@@ -537,13 +572,14 @@ class Contraction:
                     act_raw = self._cast(act_raw)
                 jac = use.layout.materialize(act_raw, self._cast(raw), use.role == "bias")
                 if jac is not None:  # straight from the raw tensors
-                    part = jac if part is None else part + jac
+                    part, owned = (jac, False) if part is None else (part + jac, True)
                     continue
                 cot = self._cast(use.layout.cot_factor(raw, 2, act_raw))
                 items.append((use, self._factors((plan.leaf, k), use, cot)))
-            for use, factors in together(items):  # NOTE [uses taken together]
-                jac = materialize_use(use, factors, numel)
-                part = jac if part is None else part + jac
+            # lookups last, to add into the others' Jacobian: NOTE [Jacobians of several uses]
+            for use, factors in sorted(together(items), key=_is_lookup):
+                part = materialize_use(use, factors, numel, into=part, may_write=owned)
+                owned = True
             if part is None:
                 continue
             if self.keep and complete and uses:  # (a carrier alone is kept as it is)
