@@ -606,7 +606,7 @@ class TapMode(TorchFunctionMode):
     # -- NOTE [step taps] ---------------------------------------------------------------------
     # A recurrent net applies ``W_hh`` once per step (NOTE [recurrent rewrite]). Tapping each
     # step's call makes ``T`` taps, ``T`` uses and ``T`` trips through this mode; instead the
-    # rewrite asks for one tap of shape ``[T, *y_step]`` (:meth:`tap_steps`), computes the
+    # rewrite asks for one tap of all the steps' outputs (:meth:`tap_steps`), computes the
     # steps itself with the plain copies it returns, adds the tap's slice ``t`` to step
     # ``t``'s output, and at the end records the uses once with the stacked activations of
     # all steps (:meth:`record_steps`): one use of ``T`` times the positions, the same
@@ -616,12 +616,14 @@ class TapMode(TorchFunctionMode):
     # that tap's cotangent is already theirs: the uses join it (``share``), no tap is made.
 
     def tap_steps(self, match: Match, steps: int, step_shape: Sequence[int],
-                  dtype: torch.dtype, device: torch.device, *,
+                  dtype: torch.dtype, device: torch.device, *, dim: int = 0,
                   share: int | None = None) -> StepTap | None:
         """One tap for ``steps`` calls like ``match`` (NOTE [step taps]), or ``None``.
 
-        ``share``: an earlier tap of the same shape whose cotangent is these calls' (their
-        outputs are only ever added to it); the uses join it and no tap is made.
+        The steps are along ``dim`` of the tap (and of the activations given to
+        :meth:`record_steps`). ``share``: an earlier tap of the same shape whose cotangent is
+        these calls' (their outputs are only ever added to it); the uses join it and no tap
+        is made.
         ``None`` when an operand is a leaf the mode does not tap here, when no operand is a
         tapped leaf, or when the output could be shared by the samples (NOTE [shared
         taps]): the caller then makes the calls one by one under the mode.
@@ -632,7 +634,7 @@ class TapMode(TorchFunctionMode):
                              for i, operand in enumerate(match.operands)) or any(
                 self._ref(operand.act) is not None for operand in match.operands):
             return None
-        shape = (steps, *step_shape)
+        shape = (*step_shape[:dim], steps, *step_shape[dim:])
         values = [operand.value for operand in match.operands]
         for i, ref, _ in chosen:
             plain = self._plain[ref.index]
@@ -656,7 +658,7 @@ class TapMode(TorchFunctionMode):
                                     "differ from the trace")
             tap = self._taps[tap_index]
         self.recording.taps.append(record)
-        return StepTap(tap_index, tuple(values), None if tap is None else tap.unbind(0))
+        return StepTap(tap_index, tuple(values), None if tap is None else tap.unbind(dim))
 
     def record_steps(self, step_tap: StepTap, match: Match) -> None:
         """Record the uses of a :meth:`tap_steps` tap; ``match`` has every step's activation."""

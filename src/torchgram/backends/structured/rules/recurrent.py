@@ -8,7 +8,7 @@ the fallback (and ``vmap`` cannot batch the kernel: the per-sample pass would lo
 the mode is active the call is *rewritten* into the cells' documented equations, written
 with ``F.linear`` so the rules see the weights, per layer and direction::
 
-    xs = linear(x, W_ih, b_ih)                       all steps at once: [T, B, G·H]
+    xs = linear(x, W_ih, b_ih)                       all steps at once: [T, B, G·H] ([B, T, G·H])
     for t (reversed for the second direction):       G gates per step
         gates_t = xs[t] + linear(h, W_hh, b_hh)
         LSTM:  i, f, g, o = σ, σ, tanh, σ of gates_t;  c = f ⊙ c + i ⊙ g;  h = o ⊙ tanh(c)
@@ -23,7 +23,9 @@ each step's call is tapped on its own and the contractions take the uses togethe
 taken together]). Only the input projections run in the tapping mode; the cells' elementwise
 ops, which use no parameter, run without it (they are most of the calls). ``xs`` is
 unbound once into its steps: indexing it per step would make every step's backward write a
-full-size zero gradient of ``xs`` (``T²`` work).
+full-size zero gradient of ``xs`` (``T²`` work). A ``batch_first`` input keeps its layout
+(steps along dim 1, outputs stacked there): a transposed ``x`` would make the projection and
+its backward batched products over the steps instead of one matrix product.
 Only the unpacked form with no active inter-layer dropout is rewritten (the fused kernel
 draws its dropout masks differently from ``F.dropout``); a ``PackedSequence`` or dropout in
 training mode keeps the fused call, and its weights the fallback. Results are exact either
@@ -92,21 +94,22 @@ class _Recurrence:
     """
 
     def __init__(self, linear: Linear, mode: Any, weight: Tensor, bias: Tensor | None,
-                 xs: Tensor, h0: Tensor, xs_tap: int | None) -> None:
+                 xs: Tensor, dim: int, h0: Tensor, xs_tap: int | None) -> None:
         self._linear, self._mode, self._weight, self._bias = linear, mode, weight, bias
-        steps = xs.shape[0]
+        self._dim = dim  # the steps' dim of xs, of the step tap and of the activations
         self._step_tap = None
         self._inputs: list[Tensor] = []
         if hasattr(mode, "tap_steps") and h0.dtype == weight.dtype:
-            self._step_tap = mode.tap_steps(self._match(h0), steps,
+            self._step_tap = mode.tap_steps(self._match(h0), xs.shape[dim],
                                             (*h0.shape[:-1], weight.shape[0]), h0.dtype,
-                                            h0.device, share=xs_tap)
+                                            h0.device, dim=dim, share=xs_tap)
         self.gates: tuple[Tensor, ...] | None = None
         if self._step_tap is not None and xs_tap is not None:
             plain_weight, *plain_bias = self._step_tap.values
             self._weight_t = plain_weight.t()
-            self.gates = (xs + plain_bias[0] if plain_bias else xs).unbind(0)
-        self.xs = xs.unbind(0)  # one backward node for all steps: NOTE [recurrent rewrite]
+            self.gates = (xs + plain_bias[0] if plain_bias else xs).unbind(dim)
+        else:  # one backward node for all steps: NOTE [recurrent rewrite]
+            self.xs = xs.unbind(dim)
 
     def _match(self, h: Tensor) -> Any:
         from torchgram.backends.structured.rules.linear import LinearRule
@@ -128,7 +131,8 @@ class _Recurrence:
         """Record the uses of the step tap, with every step's input (in step order)."""
         if self._step_tap is not None:
             inputs = self._inputs[::-1] if reverse else self._inputs
-            self._mode.record_steps(self._step_tap, self._match(torch.stack(inputs)))
+            self._mode.record_steps(self._step_tap,
+                                    self._match(torch.stack(inputs, dim=self._dim)))
 
 
 def _run(cell: Cell, x: Tensor, initial: Sequence[State], params: Sequence[Tensor],
@@ -145,9 +149,8 @@ def _run(cell: Cell, x: Tensor, initial: Sequence[State], params: Sequence[Tenso
         with mode or contextlib.nullcontext():
             return F.linear(h, weight, bias)
 
-    if batch_first:
-        x = x.transpose(0, 1)
-    steps = x.shape[0]
+    dim = 1 if batch_first else 0  # the steps' dim, kept: no transposed copies
+    steps = x.shape[dim]
     directions = 2 if bidirectional else 1
     finals: list[State] = []
     for layer in range(num_layers):
@@ -163,16 +166,16 @@ def _run(cell: Cell, x: Tensor, initial: Sequence[State], params: Sequence[Tenso
             xs_tap = before if cell in _ADDITIVE and taps is not None \
                 and len(taps) == (before or 0) + 1 else None
             state = initial[index]
-            recurrence = _Recurrence(linear, mode, w_hh, b_hh, xs, state[0], xs_tap)
+            recurrence = _Recurrence(linear, mode, w_hh, b_hh, xs, dim, state[0], xs_tap)
             out: list[Tensor] = [x] * steps  # placeholders, all replaced
             for t in (range(steps) if direction == 0 else reversed(range(steps))):
                 state = cell(linear, *recurrence.step(t, state[0]), state, w_hr)
                 out[t] = state[0]
             recurrence.finish(reverse=direction == 1)
-            outputs.append(torch.stack(out))
+            outputs.append(torch.stack(out, dim=dim))
             finals.append(state)
         x = outputs[0] if directions == 1 else torch.cat(outputs, dim=-1)
-    return (x.transpose(0, 1) if batch_first else x), finals
+    return x, finals
 
 
 def _unpacked(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
