@@ -190,7 +190,8 @@ def _pair_chunked(u: UseFactors, v: UseFactors, rows: int, samples: int, positio
 # factors are concatenated along the positions before any contraction. The result is the same
 # (the cross terms between the uses are the cross terms between positions), with one matrix
 # product instead of one per use (materialize) or per pair of uses (ghost): e.g. the ``T``
-# per-step uses of a recurrent weight (NOTE [recurrent rewrite]), or a layer applied twice.
+# per-step uses of a recurrent weight whose bias needs the fallback (else it has one use:
+# NOTE [step taps]), or a layer applied twice.
 
 _POSITION_DIM = {"cot": 2, "act": 1, "index": 1}
 """The positions dim of a factor: ``cot [R, B, T, G, c]``, ``act [B, T, G, a]``, ``index [B, T]``.
@@ -236,8 +237,48 @@ def _cat(factors: list[Factor], premultiplied: bool) -> Factor:
     return Factor(torch.cat([f.tensor for f in factors], dim=_POSITION_DIM[kind]), kind)
 
 
-def materialize_use(use: UseRecord, factors: UseFactors, numel: int) -> Tensor:
-    """The use's per-row Jacobian ``[R, B, numel]`` in the leaf's layout."""
+def _apart(matrices: Tensor) -> Tensor:
+    """``[B, m, n]`` with each sample's matrix in one block of memory (a copy if interleaved).
+
+    Factors read from a position-major tap (``[T, B, d]``: recurrent nets) interleave the
+    samples' rows; a batched product reading them in place was measured ~2.5× slower on CPU
+    (an LSTM's ``[16, 32, 512]`` cotangent) than a copy and the product. Transposed views
+    whose samples lie apart (convolutions: ``[B, d, T]`` read as ``[B, T, d]``) are read as
+    they are: copying those was slower.
+    """
+    batch_stride = matrices.stride(0)
+    interleaved = matrices.shape[0] > 1 and any(
+        matrices.shape[d] > 1 and batch_stride < matrices.stride(d) for d in (1, 2))
+    return matrices.contiguous() if interleaved else matrices
+
+
+def materialize_use(use: UseRecord, factors: UseFactors, numel: int,
+                    into: Tensor | None = None, may_write: bool = False) -> Tensor:
+    """The use's per-row Jacobian ``[R, B, numel]`` in the leaf's layout.
+
+    ``into``: the Jacobian ``[R, B, numel]`` of the leaf's other uses, added to this one's
+    (NOTE [Jacobians of several uses]); ``may_write``: whether ``into`` may be written to.
+    """
+    jac = _materialize_use(use, factors, numel, into if may_write else None)
+    if into is None or jac is into:
+        return jac
+    if jac.shape != into.shape or jac.dtype != torch.promote_types(jac.dtype, into.dtype):
+        return jac + into
+    return jac.add_(into)  # jac is a new tensor: no third one
+
+
+# NOTE [Jacobians of several uses]
+# A materialized leaf with several uses (GPT-2's tied token embedding: a lookup and the output
+# projection) sums their per-row Jacobians, each as large as the leaf times the rows. A sum
+# ``part + jac`` would write a third such tensor (fresh memory: page faults on CPU, measured
+# several ms for GPT-2's [16, 128000]); instead each new Jacobian takes the sum in place, and a
+# lookup, contracted last, adds its rows straight into the Jacobian of the other uses (no
+# zero-filled table of its own) when that one is a tensor the contraction made itself.
+
+
+def _materialize_use(use: UseRecord, factors: UseFactors, numel: int,
+                     into: Tensor | None) -> Tensor:
+    """:func:`materialize_use`; a lookup adds its rows into ``into`` when given (returned)."""
     if use.role == "bias":
         cot = factors.first.tensor if factors.first.kind == "cot" else factors.second.tensor
         summed = cot.sum(dim=2)
@@ -255,8 +296,13 @@ def materialize_use(use: UseRecord, factors: UseFactors, numel: int) -> Tensor:
         classes = use.shape.act_width
         dim = cot.shape[-1]
         offsets = index + classes * torch.arange(samples, device=index.device)[:, None]
+        values = cot.reshape(rows, samples * positions, dim)
+        if into is not None and first.kind == "index" and into.is_contiguous() \
+                and into.shape == (rows, samples, numel) and into.dtype == cot.dtype:
+            into.view(rows, samples * classes, dim).index_add_(1, offsets.reshape(-1), values)
+            return into
         jac = cot.new_zeros(rows, samples * classes, dim)
-        jac.index_add_(1, offsets.reshape(-1), cot.reshape(rows, samples * positions, dim))
+        jac.index_add_(1, offsets.reshape(-1), values)
         jac = jac.reshape(rows, samples, classes, dim)
         if first.kind != "index":  # a transposed embedding table
             jac = jac.transpose(-1, -2)
@@ -264,10 +310,10 @@ def materialize_use(use: UseRecord, factors: UseFactors, numel: int) -> Tensor:
     # [(R,) B, T, G, i] -> [(R,) B, G, i, T] and [(R,) B, G, T, j]: one (broadcast) matmul
     # writes the Jacobian contiguously in the leaf's layout [R, B, G, i, j]
     rows = max(f.tensor.shape[0] for f in (first, second) if f.kind == "cot")
-    if rows == 1 and first.tensor.shape[-2] == 1:  # one group: transposed views, no copies
+    if rows == 1 and first.tensor.shape[-2] == 1:  # one group: transposed views
         samples, positions = first.tensor.shape[-4], first.tensor.shape[-3]
-        left = first.tensor.reshape(samples, positions, -1).transpose(1, 2)
-        right = second.tensor.reshape(samples, positions, -1)
+        left = _apart(first.tensor.reshape(samples, positions, -1)).transpose(1, 2)
+        right = _apart(second.tensor.reshape(samples, positions, -1))
         return torch.bmm(left, right).reshape(1, samples, numel)
     left = first.tensor.movedim(-3, -1)
     right = second.tensor.movedim(-2, -3)
@@ -277,6 +323,10 @@ def materialize_use(use: UseRecord, factors: UseFactors, numel: int) -> Tensor:
         right = right.unsqueeze(0)
     jac = torch.matmul(left, right)
     return jac.reshape(*jac.shape[:2], numel)
+
+
+def _is_lookup(item: tuple[UseRecord, UseFactors]) -> bool:
+    return "index" in (item[1].first.kind, item[1].second.kind)
 
 
 def flat_rows(jacobian: Tensor) -> Tensor:
@@ -497,6 +547,7 @@ class Contraction:
                 continue
             numel = self.numels[plan.leaf]
             part: Tensor | None = carrier_grads.pop(plan.leaf, None)
+            owned = False  # whether part is a tensor made here (not the carrier's gradient)
             uses = self.uses.get(plan.leaf, ())
             if part is not None:  # [c, B, *leaf.shape]: in the leaf's layout if others add to it
                 part = self._cast(part.reshape(*part.shape[:2], -1) if uses else flat_rows(part))
@@ -521,13 +572,14 @@ class Contraction:
                     act_raw = self._cast(act_raw)
                 jac = use.layout.materialize(act_raw, self._cast(raw), use.role == "bias")
                 if jac is not None:  # straight from the raw tensors
-                    part = jac if part is None else part + jac
+                    part, owned = (jac, False) if part is None else (part + jac, True)
                     continue
                 cot = self._cast(use.layout.cot_factor(raw, 2, act_raw))
                 items.append((use, self._factors((plan.leaf, k), use, cot)))
-            for use, factors in together(items):  # NOTE [uses taken together]
-                jac = materialize_use(use, factors, numel)
-                part = jac if part is None else part + jac
+            # lookups last, to add into the others' Jacobian: NOTE [Jacobians of several uses]
+            for use, factors in sorted(together(items), key=_is_lookup):
+                part = materialize_use(use, factors, numel, into=part, may_write=owned)
+                owned = True
             if part is None:
                 continue
             if self.keep and complete and uses:  # (a carrier alone is kept as it is)

@@ -130,6 +130,22 @@ class UseRecord:
             mine.positions * samples == theirs.positions
 
 
+@dataclass(frozen=True)
+class StepTap:
+    """One tap for a call made once per step (NOTE [step taps]).
+
+    Attributes:
+        index: The tap's index.
+        values: The call's operands, tapped leaves replaced by their plain copies.
+        steps: Step ``t``'s slice of the tap, to add to its output (``None`` in a trace or
+            for a shared tap).
+    """
+
+    index: int
+    values: tuple[Any, ...]
+    steps: tuple[Tensor, ...] | None
+
+
 @dataclass
 class Recording:
     """What a run of ``f`` under :class:`TapMode` found."""
@@ -376,10 +392,10 @@ class TapMode(TorchFunctionMode):
     # in-place op on it, or a run that ends with it pending, stops the batched run
     # (:class:`NotBatched`), and the backend takes the per-sample ``vmap`` way instead.
 
-    def _is_shared(self, tap_index: int, y: Tensor) -> bool:
+    def _is_shared(self, tap_index: int, shape: Sequence[int]) -> bool:
         expected = self._expected
         return (self._samples is not None and self._samples > 1 and expected is not None
-                and tap_index < len(expected) and tuple(y.shape) == expected[tap_index].shape)
+                and tap_index < len(expected) and tuple(shape) == expected[tap_index].shape)
 
     def _give_up(self, why: str) -> NotBatched:
         self.not_batched = self.not_batched or why
@@ -542,7 +558,7 @@ class TapMode(TorchFunctionMode):
             self._note_unrecognised(others, f"{match.rule} (as an activation)", y)
         tap_index = len(self.recording.taps)
         record = TapRecord(tuple(y.shape), y.dtype, match.rule)
-        if self._taps == "lazy" and self._is_shared(tap_index, y):  # NOTE [shared taps]
+        if self._taps == "lazy" and self._is_shared(tap_index, y.shape):  # NOTE [shared taps]
             self.made_taps.append(y)  # replaced by the tap where y meets the batch
             self._pending[id(y)] = (tap_index, y)
             self._pins.append(y)
@@ -559,6 +575,11 @@ class TapMode(TorchFunctionMode):
                                     f"{tuple(y.shape)}) differs from the trace")
             y = y + self._taps[tap_index]
         self.recording.taps.append(record)
+        self._record_uses(match, chosen, tap_index, y.numel())
+        return y
+
+    def _record_uses(self, match: Match, chosen: list[tuple[int, LeafRef, Role]],
+                     tap_index: int, out_numel: int) -> None:
         acts: dict[int, int] = {}
         for i, ref, role in chosen:
             operand = match.operands[i]
@@ -577,8 +598,69 @@ class TapMode(TorchFunctionMode):
             self.recording.uses.append(UseRecord(
                 leaf=ref.index, role=role, rule=match.rule, layout=layout,
                 act_first=layout.act_first != ref.transposed, tap=tap_index, act=act_index,
-                shape=layout.shape(y.numel()),
+                shape=layout.shape(out_numel),
                 act_shape=None if operand.act is None or role != "weight"
                 else tuple(operand.act.shape),
             ))
-        return y
+
+    # -- NOTE [step taps] ---------------------------------------------------------------------
+    # A recurrent net applies ``W_hh`` once per step (NOTE [recurrent rewrite]). Tapping each
+    # step's call makes ``T`` taps, ``T`` uses and ``T`` trips through this mode; instead the
+    # rewrite asks for one tap of all the steps' outputs (:meth:`tap_steps`), computes the
+    # steps itself with the plain copies it returns, adds the tap's slice ``t`` to step
+    # ``t``'s output, and at the end records the uses once with the stacked activations of
+    # all steps (:meth:`record_steps`): one use of ``T`` times the positions, the same
+    # factors the per-step taps give once taken together (NOTE [uses taken together]).
+    # Where the steps' outputs are only added to the slices of an earlier tapped output
+    # (an LSTM's gates are ``xs[t] + h W_hhᵀ + b_hh``, ``xs`` the tapped input projection),
+    # that tap's cotangent is already theirs: the uses join it (``share``), no tap is made.
+
+    def tap_steps(self, match: Match, steps: int, step_shape: Sequence[int],
+                  dtype: torch.dtype, device: torch.device, *, dim: int = 0,
+                  share: int | None = None) -> StepTap | None:
+        """One tap for ``steps`` calls like ``match`` (NOTE [step taps]), or ``None``.
+
+        The steps are along ``dim`` of the tap (and of the activations given to
+        :meth:`record_steps`). ``share``: an earlier tap of the same shape whose cotangent is
+        these calls' (their outputs are only ever added to it); the uses join it and no tap
+        is made.
+        ``None`` when an operand is a leaf the mode does not tap here, when no operand is a
+        tapped leaf, or when the output could be shared by the samples (NOTE [shared
+        taps]): the caller then makes the calls one by one under the mode.
+        """
+        chosen = self._recognised(match)
+        picked = {i for i, _, _ in chosen}
+        if not chosen or any(self._ref(operand.value) is not None and i not in picked
+                             for i, operand in enumerate(match.operands)) or any(
+                self._ref(operand.act) is not None for operand in match.operands):
+            return None
+        shape = (*step_shape[:dim], steps, *step_shape[dim:])
+        values = [operand.value for operand in match.operands]
+        for i, ref, _ in chosen:
+            plain = self._plain[ref.index]
+            values[i] = plain.T if ref.transposed else plain
+        if share is not None:
+            if self.recording.taps[share].shape != shape:
+                return None
+            return StepTap(share, tuple(values), None)
+        tap_index = len(self.recording.taps)
+        if self._taps == "lazy" and self._is_shared(tap_index, shape):
+            return None
+        record = TapRecord(shape, dtype, match.rule)
+        tap: Tensor | None = None
+        if self._taps == "lazy":
+            tap = zero_tap(shape, dtype, device)
+            self.made_taps.append(tap)
+        elif not isinstance(self._taps, str):
+            expected = self._expected
+            if tap_index >= len(self._taps) or expected is None or expected[tap_index] != record:
+                raise TraceMismatch(f"tapped steps {tap_index} ({match.rule}, output {shape}) "
+                                    "differ from the trace")
+            tap = self._taps[tap_index]
+        self.recording.taps.append(record)
+        return StepTap(tap_index, tuple(values), None if tap is None else tap.unbind(dim))
+
+    def record_steps(self, step_tap: StepTap, match: Match) -> None:
+        """Record the uses of a :meth:`tap_steps` tap; ``match`` has every step's activation."""
+        numel = math.prod(self.recording.taps[step_tap.index].shape)
+        self._record_uses(match, self._recognised(match), step_tap.index, numel)

@@ -34,6 +34,13 @@ CASES = {
     .tanh().sum((1, 2)),
     "two_lookups": lambda p, i: (F.embedding(i, p["e"], padding_idx=2)
                                  * F.embedding(i.flip(1), p["e"])).sum((1, 2)),
+    # a lookup added into the Jacobian of the other uses (NOTE [Jacobians of several uses]),
+    # or kept apart from a use no rule sees (its gradient is not the contraction's to write)
+    "tied_head_and_unknown_use": lambda p, i: F.log_softmax(
+        F.linear(torch.tanh(F.embedding(i, p["e"], padding_idx=0)), p["e"]), -1)[..., 1].sum(1)
+    + torch.sin(p["e"]).sum() * i.double().mean(1),
+    "lookup_and_unknown_use": lambda p, i: torch.tanh(F.embedding(i, p["e"])).sum((1, 2))
+    * torch.cos(p["e"][i[:, 0]]).sum(1),
 }
 
 

@@ -9,6 +9,8 @@ from torch import nn
 import torchgram as tg
 from torchgram.backends.structured.rules.recurrent import rewrite_gru, rewrite_lstm
 
+WAYS = ["ghost", "materialize", None]
+
 B, T, F_IN, H = 3, 4, 3, 5
 
 
@@ -83,3 +85,59 @@ def test_dropout_in_training_mode_and_packed_sequences_keep_the_fused_call(check
 
     report = tg.explain(packed, backend="structured")(params, x)
     assert len(report.fallback) == len(params)
+
+
+# NOTE [step taps]: the recurrent weight is tapped once for all steps, one use of T positions,
+# in every way a run can take; a weight the mode does not tap is left to its carrier.
+
+@pytest.mark.parametrize("name", ["lstm_bidirectional_no_bias", "lstm_proj",
+                                  "gru_bidirectional_2_layers", "rnn_tanh"])
+def test_recurrent_weight_is_one_use_of_all_steps(name):
+    kind, options = CONFIGS[name]
+    f, params, x, in_dims = _model(kind, **options)
+    report = tg.explain(f, backend="structured", batch_dim=0, in_dims=in_dims)(params, x)
+    for leaf in report.leaves:
+        if "weight_hh" in leaf.name or "bias_hh" in leaf.name:
+            assert leaf.rules == ("linear",), (leaf.name, leaf.rules)
+
+
+def _with_extra_use(kind, options, which):
+    """The recurrent model with ``which`` (a parameter name) also used in an unknown op."""
+    f, params, x, in_dims = _model(kind, **options)
+
+    def g(p, x):
+        return f(p, x) + torch.sin(p[which]).sum()
+
+    return g, params, x, in_dims
+
+
+@pytest.mark.parametrize("which", ["weight_hh_l0", "weight_ih_l0", "bias_hh_l0"])
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("batch_dim", [None, 0], ids=["dense", "batch"])
+def test_recurrent_with_a_leaf_on_the_fallback_matches_oracle(check, kind, which, batch_dim):
+    # a fallback leaf sends the per-sample pass one sample at a time (pre-made taps);
+    # the recurrent weight on the fallback is tapped step by step, not through one tap
+    g, params, x, in_dims = _with_extra_use(kind, {"bidirectional": True}, which)
+    for way in WAYS:
+        if batch_dim is None:
+            check(g, (params, x), force=way, batch_dim=None)
+        else:
+            check(g, (params, x), force=way, batch_dim=0, in_dims=in_dims)
+
+
+def test_recurrent_step_taps_with_loops_only(check):
+    f, params, x, in_dims = _model("lstm", batch_first=True)
+
+    def g(p, x):
+        return f(p, x) + torch.sin(p["bias_ih_l0"]).sum()
+
+    check(g, (params, x), force=None, batch_dim=0, in_dims=in_dims, chunk_size=1)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "rnn"])
+def test_recurrent_without_an_input_projection_tap_matches_oracle(check, kind):
+    # no tap on xs (W_ih on the fallback, no bias): W_hh gets a step tap of its own
+    g, params, x, in_dims = _with_extra_use(kind, {"bias": False}, "weight_ih_l0")
+    for way in WAYS:
+        check(g, (params, x), force=way, batch_dim=0, in_dims=in_dims)
+        check(g, (params, x), force=way, batch_dim=None)

@@ -8,7 +8,7 @@ the fallback (and ``vmap`` cannot batch the kernel: the per-sample pass would lo
 the mode is active the call is *rewritten* into the cells' documented equations, written
 with ``F.linear`` so the rules see the weights, per layer and direction::
 
-    xs = linear(x, W_ih, b_ih)                       all steps at once: [T, B, G·H]
+    xs = linear(x, W_ih, b_ih)                       all steps at once: [T, B, G·H] ([B, T, G·H])
     for t (reversed for the second direction):       G gates per step
         gates_t = xs[t] + linear(h, W_hh, b_hh)
         LSTM:  i, f, g, o = σ, σ, tanh, σ of gates_t;  c = f ⊙ c + i ⊙ g;  h = o ⊙ tanh(c)
@@ -16,10 +16,16 @@ with ``F.linear`` so the rules see the weights, per layer and direction::
         GRU:   r, z = σ(x_r + h_r), σ(x_z + h_z);  n = tanh(x_n + r ⊙ h_n);  h = (1 - z) ⊙ n + z ⊙ h
         RNN:   h = tanh(gates_t) or relu(gates_t)
 
-The recurrent weight ``W_hh`` is then used once per step (``T`` uses of one position each);
-the Gram contractions take such uses together, as one use of ``T`` positions
-(NOTE [uses taken together]). Only the ``F.linear`` calls run in the tapping mode; the
-cells' elementwise ops, which use no parameter, run without it (they are most of the calls).
+The recurrent weight ``W_hh`` is used once per step; it gets one tap for all the steps
+(NOTE [step taps]), so it is one use of ``T`` positions, the activation the stacked inputs
+``h`` of the steps. Where the mode cannot tap it that way (the weight needs the fallback),
+each step's call is tapped on its own and the contractions take the uses together (NOTE [uses
+taken together]). Only the input projections run in the tapping mode; the cells' elementwise
+ops, which use no parameter, run without it (they are most of the calls). ``xs`` is
+unbound once into its steps: indexing it per step would make every step's backward write a
+full-size zero gradient of ``xs`` (``T²`` work). A ``batch_first`` input keeps its layout
+(steps along dim 1, outputs stacked there): a transposed ``x`` would make the projection and
+its backward batched products over the steps instead of one matrix product.
 Only the unpacked form with no active inter-layer dropout is rewritten (the fused kernel
 draws its dropout masks differently from ``F.dropout``); a ``PackedSequence`` or dropout in
 training mode keeps the fused call, and its weights the fallback. Results are exact either
@@ -39,28 +45,30 @@ from torch import Tensor
 
 State = tuple[Tensor, ...]
 Linear = Callable[[Tensor, Tensor, Tensor | None], Tensor]
-Cell = Callable[[Linear, Tensor, State, Sequence[Tensor | None]], State]
+Cell = Callable[[Linear, Tensor, Tensor | None, State, Tensor | None], State]
+"""``cell(linear, xs_t, hh_t, state, w_hr)``: the next state from the step's input projection
+``xs_t`` and recurrent projection ``hh_t = linear(h, W_hh, b_hh)``. For the cells that only
+add them (LSTM, RNN: :data:`_ADDITIVE`) ``hh_t`` may be ``None``: ``xs_t`` is then the sum."""
 
 
-def _lstm_cell(linear: Linear, xs_t: Tensor, state: State,
-               weights: Sequence[Tensor | None]) -> State:
-    w_hh, b_hh, w_hr = weights
-    h, c = state
-    assert w_hh is not None
-    gates = xs_t + linear(h, w_hh, b_hh)
-    i, f, g, o = gates.chunk(4, dim=-1)
-    c = torch.addcmul(torch.sigmoid(f) * c, torch.sigmoid(i), torch.tanh(g))
-    h = torch.sigmoid(o) * torch.tanh(c)
+def _lstm_cell(linear: Linear, xs_t: Tensor, hh_t: Tensor | None, state: State,
+               w_hr: Tensor | None) -> State:
+    _, c = state
+    gates = xs_t if hh_t is None else xs_t + hh_t
+    i, f, _, o = torch.sigmoid(gates).chunk(4, dim=-1)  # one call for the three σ gates
+    g = torch.tanh(gates.narrow(-1, 2 * c.shape[-1], c.shape[-1]))
+    c = torch.addcmul(f * c, i, g)
+    h = o * torch.tanh(c)
     return (h if w_hr is None else linear(h, w_hr, None)), c
 
 
-def _gru_cell(linear: Linear, xs_t: Tensor, state: State,
-              weights: Sequence[Tensor | None]) -> State:
-    w_hh, b_hh, _ = weights
+def _gru_cell(linear: Linear, xs_t: Tensor, hh_t: Tensor | None, state: State,
+              w_hr: Tensor | None) -> State:
+    del linear, w_hr
     (h,) = state
-    assert w_hh is not None
+    assert hh_t is not None
     x_r, x_z, x_n = xs_t.chunk(3, dim=-1)
-    h_r, h_z, h_n = linear(h, w_hh, b_hh).chunk(3, dim=-1)
+    h_r, h_z, h_n = hh_t.chunk(3, dim=-1)
     r = torch.sigmoid(x_r + h_r)
     z = torch.sigmoid(x_z + h_z)
     n = torch.tanh(torch.addcmul(x_n, r, h_n))
@@ -68,13 +76,63 @@ def _gru_cell(linear: Linear, xs_t: Tensor, state: State,
 
 
 def _rnn_cell(nonlinearity: Callable[[Tensor], Tensor]) -> Cell:
-    def cell(linear: Linear, xs_t: Tensor, state: State,
-             weights: Sequence[Tensor | None]) -> State:
-        w_hh, b_hh, _ = weights
-        assert w_hh is not None
-        return (nonlinearity(xs_t + linear(state[0], w_hh, b_hh)),)
+    def cell(linear: Linear, xs_t: Tensor, hh_t: Tensor | None, state: State,
+             w_hr: Tensor | None) -> State:
+        del linear, w_hr
+        return (nonlinearity(xs_t if hh_t is None else xs_t + hh_t),)
 
     return cell
+
+
+class _Recurrence:
+    """``linear(h, W_hh, b_hh)`` of every step, tapped once for all steps.
+
+    Through one step tap when the mode can (NOTE [step taps]), else one tapped call per step.
+    For an additive cell whose input projection ``xs`` has a tap (``xs_tap``), the recurrent
+    projection's cotangent is ``xs``'s (both are added into the gates): its uses join that
+    tap, and :meth:`step` returns the gates ``xs[t] + b_hh + h W_hhᵀ`` from one ``addmm``.
+    """
+
+    def __init__(self, linear: Linear, mode: Any, weight: Tensor, bias: Tensor | None,
+                 xs: Tensor, dim: int, h0: Tensor, xs_tap: int | None) -> None:
+        self._linear, self._mode, self._weight, self._bias = linear, mode, weight, bias
+        self._dim = dim  # the steps' dim of xs, of the step tap and of the activations
+        self._step_tap = None
+        self._inputs: list[Tensor] = []
+        if hasattr(mode, "tap_steps") and h0.dtype == weight.dtype:
+            self._step_tap = mode.tap_steps(self._match(h0), xs.shape[dim],
+                                            (*h0.shape[:-1], weight.shape[0]), h0.dtype,
+                                            h0.device, dim=dim, share=xs_tap)
+        self.gates: tuple[Tensor, ...] | None = None
+        if self._step_tap is not None and xs_tap is not None:
+            plain_weight, *plain_bias = self._step_tap.values
+            self._weight_t = plain_weight.t()
+            self.gates = (xs + plain_bias[0] if plain_bias else xs).unbind(dim)
+        else:  # one backward node for all steps: NOTE [recurrent rewrite]
+            self.xs = xs.unbind(dim)
+
+    def _match(self, h: Tensor) -> Any:
+        from torchgram.backends.structured.rules.linear import LinearRule
+
+        return LinearRule().match(F.linear, (h, self._weight, self._bias), {})
+
+    def step(self, t: int, h: Tensor) -> tuple[Tensor, Tensor | None]:
+        """``(xs_t, hh_t)`` of step ``t``, or ``(gates_t, None)`` (see the class docstring)."""
+        step_tap = self._step_tap
+        if step_tap is None:
+            return self.xs[t], self._linear(h, self._weight, self._bias)
+        self._inputs.append(h)
+        if self.gates is not None:
+            return torch.addmm(self.gates[t], h, self._weight_t), None
+        y = F.linear(h, *step_tap.values)
+        return self.xs[t], y if step_tap.steps is None else y + step_tap.steps[t]
+
+    def finish(self, reverse: bool) -> None:
+        """Record the uses of the step tap, with every step's input (in step order)."""
+        if self._step_tap is not None:
+            inputs = self._inputs[::-1] if reverse else self._inputs
+            self._mode.record_steps(self._step_tap,
+                                    self._match(torch.stack(inputs, dim=self._dim)))
 
 
 def _run(cell: Cell, x: Tensor, initial: Sequence[State], params: Sequence[Tensor],
@@ -85,14 +143,14 @@ def _run(cell: Cell, x: Tensor, initial: Sequence[State], params: Sequence[Tenso
 
     The projections run in ``mode`` (the tapping mode, when given), the rest without it.
     """
+    taps = getattr(getattr(mode, "recording", None), "taps", None)
 
     def linear(h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         with mode or contextlib.nullcontext():
             return F.linear(h, weight, bias)
 
-    if batch_first:
-        x = x.transpose(0, 1)
-    steps = x.shape[0]
+    dim = 1 if batch_first else 0  # the steps' dim, kept: no transposed copies
+    steps = x.shape[dim]
     directions = 2 if bidirectional else 1
     finals: list[State] = []
     for layer in range(num_layers):
@@ -103,16 +161,21 @@ def _run(cell: Cell, x: Tensor, initial: Sequence[State], params: Sequence[Tenso
             w_ih, w_hh = w[0], w[1]
             b_ih, b_hh = (w[2], w[3]) if has_biases else (None, None)
             w_hr = w[-1] if per_direction in (3, 5) else None
+            before = None if taps is None else len(taps)
             xs = linear(x, w_ih, b_ih)
+            xs_tap = before if cell in _ADDITIVE and taps is not None \
+                and len(taps) == (before or 0) + 1 else None
             state = initial[index]
-            out: list[Tensor | None] = [None] * steps
+            recurrence = _Recurrence(linear, mode, w_hh, b_hh, xs, dim, state[0], xs_tap)
+            out: list[Tensor] = [x] * steps  # placeholders, all replaced
             for t in (range(steps) if direction == 0 else reversed(range(steps))):
-                state = cell(linear, xs[t], state, (w_hh, b_hh, w_hr))
+                state = cell(linear, *recurrence.step(t, state[0]), state, w_hr)
                 out[t] = state[0]
-            outputs.append(torch.stack(out))  # type: ignore[arg-type]
+            recurrence.finish(reverse=direction == 1)
+            outputs.append(torch.stack(out, dim=dim))
             finals.append(state)
         x = outputs[0] if directions == 1 else torch.cat(outputs, dim=-1)
-    return (x.transpose(0, 1) if batch_first else x), finals
+    return x, finals
 
 
 def _unpacked(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -175,9 +238,13 @@ def _rewrite_single_state(cell: Cell) -> Callable[..., Any]:
     return rewrite
 
 
+_rnn_tanh_cell, _rnn_relu_cell = _rnn_cell(torch.tanh), _rnn_cell(torch.relu)
+_ADDITIVE = frozenset({_lstm_cell, _rnn_tanh_cell, _rnn_relu_cell})
+"""The cells whose gates are ``xs_t + hh_t`` (both projections share one cotangent)."""
+
 rewrite_gru = _rewrite_single_state(_gru_cell)
 """``torch.gru(input, h0, params, ...)`` step by step, or ``NotImplemented``."""
-rewrite_rnn_tanh = _rewrite_single_state(_rnn_cell(torch.tanh))
+rewrite_rnn_tanh = _rewrite_single_state(_rnn_tanh_cell)
 """``torch.rnn_tanh(input, h0, params, ...)`` step by step, or ``NotImplemented``."""
-rewrite_rnn_relu = _rewrite_single_state(_rnn_cell(torch.relu))
+rewrite_rnn_relu = _rewrite_single_state(_rnn_relu_cell)
 """``torch.rnn_relu(input, h0, params, ...)`` step by step, or ``NotImplemented``."""
