@@ -376,7 +376,9 @@ def sparse_embedding_gram(indices: Sequence[Tensor], cots: Sequence[Tensor], cla
     right = group_start[group[left]] + (torch.arange(left.numel(), device=device)
                                         - first_pair[left])
     left, right = order[left], order[right]
-    dots = torch.einsum("rpd,spd->prs", summed[:, left], summed[:, right])
+    # index_select, not advanced indexing: on CPU it gathers several rows' pairs faster
+    dots = torch.einsum("rpd,spd->prs", summed.index_select(1, left),
+                        summed.index_select(1, right))
     out = values.new_zeros(samples, samples, rows, rows)
     out.index_put_((key_sample[left], key_sample[right]), dots, accumulate=True)
     return out.permute(2, 0, 3, 1)
