@@ -462,8 +462,9 @@ class _FastLeaf:
             act = act * w.to(act.dtype)
         else:
             cot = cot * w.to(cot.dtype)
-        grad = act.flatten(0, 1).T @ cot.flatten(0, 1)  # [a, c]
-        return (grad if self.act_first else grad.T).reshape(-1)
+        act, cot = act.flatten(0, 1), cot.flatten(0, 1)
+        # in the leaf's own layout: no transposed copy of the product
+        return (act.T @ cot if self.act_first else cot.T @ act).reshape(-1)
 
 
 def _per_sample(shape: tuple[int, ...], layout: SampleLayout | None,
