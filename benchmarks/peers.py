@@ -24,7 +24,7 @@ import importlib.util
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +57,8 @@ EXPECTED_BACKENDS = ("auto", "jacobian", "ntvp", "structured", "graph")
 
 def flat_result(result: Any, case: Case, *, vector: bool = False) -> Tensor:
     """The result as ``[m, m]`` (``[m]`` for a diagonal case; as is when ``vector``), detached."""
+    if isinstance(result, Update):
+        result = result.flat()
     result = torch.as_tensor(result).detach()
     if vector:
         return result.reshape(-1)
@@ -291,10 +293,27 @@ def _with_lap(call: Call, weighting: _TimedWeighting) -> Call:
     return call
 
 
-def _flat_update(grads: dict[str, Tensor | None], case: Case) -> Tensor:
-    """The update as one vector, leaves in ``case.params`` order (zeros for a missing grad)."""
-    return torch.cat([(torch.zeros_like(p) if grads[name] is None else grads[name]).reshape(-1)
-                      for name, p in case.params.items()])
+class Update(NamedTuple):
+    """A step's update per parameter name, made one vector only when it is compared.
+
+    A step's timed call returns this; :func:`flat_result` (outside the timed region) joins it
+    into one vector, so that the step is not charged with a copy of every gradient that the
+    plain backward it is measured against does not make.
+    """
+
+    grads: dict[str, Tensor | None]
+    case: Case
+
+    def flat(self) -> Tensor:
+        """The update as one vector, leaves in ``case.params`` order (zeros for a missing grad)."""
+        return torch.cat([(torch.zeros_like(p) if self.grads[name] is None
+                           else self.grads[name]).reshape(-1)
+                          for name, p in self.case.params.items()])
+
+
+def _flat_update(grads: dict[str, Tensor | None], case: Case) -> Update:
+    """The update, joined into one vector when compared (:class:`Update`)."""
+    return Update(grads, case)
 
 
 def _aggregated_skip(case: Case) -> str | None:
@@ -339,7 +358,7 @@ def _aggregated_grad(case: Case) -> Call:
     upgrad = _TimedWeighting()
     step = tg.aggregated_grad(case.f, upgrad, batch_dim=case.batch_dim)
 
-    def call() -> Tensor:
+    def call() -> Update:
         update, _ = step(case.params, *case.inputs)
         return _flat_update(update, case)
 
@@ -354,7 +373,7 @@ def _gramian_then_vjp(case: Case) -> Call:
     def losses(params: dict[str, Tensor]) -> Tensor:
         return case.f(params, *case.inputs)
 
-    def call() -> Tensor:
+    def call() -> Update:
         w = upgrad(transform(case.params, *case.inputs).reshape(m, m))
         out, vjp_fn = torch.func.vjp(losses, case.params)
         (update,) = vjp_fn(w.reshape(out.shape))
@@ -375,7 +394,7 @@ def _torchjd_backward(case: Case) -> Call:
     engine, upgrad = Engine(model, batch_dim=case.batch_dim), _TimedWeighting()
     named = dict(model.named_parameters())
 
-    def call() -> Tensor:
+    def call() -> Update:
         _zero_grads(named.values())
         losses = case.rows(model, *case.inputs)
         losses.backward(upgrad(engine.compute_gramian(losses)))
@@ -393,7 +412,7 @@ def _eager_backward(recorded: bool) -> Callable[[Case], Call]:
         named = dict(model.named_parameters())
         params = list(named.values())
 
-        def call() -> Tensor:
+        def call() -> Update:
             _zero_grads(params)
             if recorded:
                 with tg.autograd.record():

@@ -412,6 +412,58 @@ def test_backward_accumulates_like_a_plain_backward(recorded: bool, retain_graph
             out.sum().backward()
 
 
+class _Positions(nn.Module):
+    """Wide layers over eight positions, whose factors are smaller than their per-sample
+    Jacobians (so ``Jᵀw`` contracts the factors): a grouped conv, a linear, a head of one or
+    several rows per sample."""
+
+    def __init__(self, rows: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(8, 64, 3, padding=1, groups=2)
+        self.wide = nn.Linear(64, 48)
+        self.head = nn.Linear(48, rows)
+
+    def forward(self, x: Tensor) -> Tensor:  # x [B, 8, T]
+        h = torch.tanh(self.conv(x)).transpose(1, 2)  # [B, T, 64]
+        return self.head(torch.tanh(self.wide(h))).sum(1).squeeze(-1)  # [B] or [B, rows]
+
+
+@pytest.mark.parametrize("rows", [1, 3], ids=["one-row", "three-rows"])
+def test_backward_from_factors_at_several_positions(rows: int,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Jᵀw`` contracted from the kept factors (a linear and a grouped conv at several
+    positions; one row per sample: the materialized leaf's own product, several: the
+    contraction's) is the weighted gradient."""
+    from torchgram.backends.eager import gramian as eager
+    from torchgram.backends.structured import contraction
+
+    calls: list[str] = []
+    use_pullback, leaf_pullback = contraction.pullback_use, eager._FastLeaf.pullback
+
+    def spy_use(use: Any, *args: Any) -> Tensor:
+        calls.append(f"{use.role} {use.shape.groups}")
+        return use_pullback(use, *args)
+
+    def spy_leaf(leaf: Any, weights: Tensor) -> Tensor:
+        calls.append("leaf" if leaf.jacobian is None else "leaf jacobian")
+        return leaf_pullback(leaf, weights)
+
+    monkeypatch.setattr(contraction, "pullback_use", spy_use)
+    monkeypatch.setattr(eager._FastLeaf, "pullback", spy_leaf)
+    torch.manual_seed(0)
+    model = _Positions(rows).double()
+    x = torch.randn(16, 8, 8, dtype=DOUBLE)
+    params = list(model.parameters())
+    with tg.autograd.record():
+        out = model(x)
+    w = tg.autograd.backward(out, params, tg.weighting.upgrad, batch_dim=0, retain_graph=True)
+    # the factors' paths ran: the leaf's own product, or the contraction's (grouped too)
+    assert {"leaf" if rows == 1 else "weight 1", "weight 2"} <= set(calls), calls
+    expected = torch.autograd.grad(out, params, w.reshape(out.shape))
+    for p, g in zip(params, expected, strict=True):
+        assert_close(p.grad, g)
+
+
 @pytest.mark.parametrize("recorded", WAYS)
 @pytest.mark.parametrize("name", NAMES)
 def test_zoo_backward_is_the_weighted_gradient(name: str, recorded: bool) -> None:

@@ -456,9 +456,15 @@ class _FastLeaf:
             jacobian = self.jacobian
             grad = (weights.reshape(-1).to(jacobian.dtype) @ jacobian).reshape(self.sizes)
             return (grad if self.act_first else grad.T).reshape(-1)
-        weighted = self.cot * weights.reshape(-1, 1, 1).to(self.cot.dtype)
-        grad = self.act.flatten(0, 1).T @ weighted.flatten(0, 1)  # [a, c]
-        return (grad if self.act_first else grad.T).reshape(-1)
+        act, cot = self.act, self.cot  # the narrower factor takes the weights
+        w = weights.reshape(-1, 1, 1)
+        if act.shape[-1] < cot.shape[-1]:
+            act = act * w.to(act.dtype)
+        else:
+            cot = cot * w.to(cot.dtype)
+        act, cot = act.flatten(0, 1), cot.flatten(0, 1)
+        # in the leaf's own layout: no transposed copy of the product
+        return (act.T @ cot if self.act_first else cot.T @ act).reshape(-1)
 
 
 def _per_sample(shape: tuple[int, ...], layout: SampleLayout | None,

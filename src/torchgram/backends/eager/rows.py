@@ -87,6 +87,8 @@ class Rows:
 
     def to_row_major(self, weights: Tensor) -> Tensor:
         """Weights ``[m]`` in the outputs' order, as ``[K, B]`` in row-major order."""
+        if self.row_major_is_output_order:
+            return weights.reshape(self.per_sample, self.samples)
         return weights[self.row_major].reshape(self.per_sample, self.samples)
 
     def _split(self, flat: Tensor) -> list[Tensor]:
@@ -96,6 +98,8 @@ class Rows:
 
     def direction_seeds(self, start: int, stop: int) -> list[Tensor]:
         """Per output ``[c, *shape]``: for each ``k`` in ``start:stop``, 1 at every ``(b, k)``."""
+        if self.per_sample == 1:  # one row per sample (per-sample losses): every entry
+            return [out.new_ones((1, *out.shape)) for out in self.outputs]
         first = self.outputs[0]
         flat = first.new_zeros(stop - start, self.num_rows)
         rows = torch.arange(stop - start, device=first.device)[:, None]
