@@ -9,9 +9,11 @@ sample dimension by comparing its shape with a trace of one sample; eager code c
 re-run, so here a :class:`SampleLayout` is found from the shape alone and, when that is
 not enough, from a probe:
 
-* **candidates**: the dims where a rule allows samples (not a feature dim) whose size is
-  ``B``, and those of size ``n·B`` holding the samples outermost (``index // n``) or
-  innermost (``index % B``) — e.g. ``[B·T, d]`` or ``[T·B, d]`` after a reshape;
+* **candidates**: the dims where a rule allows samples (not a feature dim; for a parameter
+  broadcast by ``x ⊙ p``, ``x + p`` or ``p.expand``, the dims it is broadcast along) whose
+  size is ``B``, and those of size ``n·B`` holding the samples outermost (``index // n``)
+  or innermost (``index % B``) — e.g. ``[B·T, d]`` or ``[T·B, d]`` after a reshape (GPT-2's
+  ``Conv1D``: ``addmm`` on ``x.view(-1, d)``);
 * **probe**: a backward whose cotangent is 1 on every row of one sample ``s`` only: under the
   promise, its cotangent at a tensor carrying the samples is exactly zero outside sample
   ``s``'s slice, so a candidate for which it is not is wrong, and a tensor for which every
@@ -35,6 +37,7 @@ from torch import Tensor
 from torchgram._core.signature import LruCache
 from torchgram.backends.structured.rules.base import Layout
 from torchgram.backends.structured.rules.conv import ConvLayout
+from torchgram.backends.structured.rules.elementwise import BroadcastLayout
 from torchgram.backends.structured.rules.embedding import EmbeddingLayout
 from torchgram.backends.structured.rules.linear import (
     LinearLayout,
@@ -112,6 +115,10 @@ def allowed_dims(layout: Layout, shape: Sequence[int],
         dims = list(range(ndim - 1))
     elif isinstance(layout, LayerNormLayout):
         dims = list(range(ndim - len(layout.normalized_shape)))
+    elif isinstance(layout, BroadcastLayout):  # ``x ⊙ p``, ``x + p``, ``p.expand``: the
+        dims = [d for d in range(ndim) if d not in layout.width_dims]  # dims p is broadcast on
+        if act_shape is not None and len(act_shape) != ndim:  # ``x`` broadcast too: the
+            return []  # per-sample product would need its own alignment
     else:
         dims = []
     if act_shape is not None:
