@@ -21,6 +21,11 @@ and is a leaf (an ``nn.Parameter``, discovered as it is used):
   recording did not see (before the ``with`` block, inside a custom ``autograd.Function``, in
   an op no rule covers) can never be missed: that leaf goes to the graph walk instead.
 
+A recognised call's output that is later broadcast against other tensors by ``+`` / ``-``
+/ ``expand`` is noted there too (an :class:`EagerMeeting`): a position embedding looked up
+with ``[1, T]`` ids meets the batch where it is added to the ``[B, T, d]`` token embeddings
+(NOTE [eager shared taps]).
+
 Any other call that involves a leaf and returns a floating tensor is an *unrecognised* use
 (the leaf is then walked); calls that make samples interact (batch-norm in training mode, ...)
 are noted, as are ``Tensor.register_hook`` / ``retain_grad`` calls (NOTE [eager taps]).
@@ -108,6 +113,31 @@ class EagerUse:
     holders: frozenset[int] = frozenset()
 
 
+@dataclass(frozen=True)
+class EagerMeeting:
+    """A recorded call's output ``y``, broadcast in ``z = y ± x`` or ``y.expand(...)``.
+
+    NOTE [eager shared taps]: ``∂z/∂y`` is ``scale`` entry by entry, summed over the dims
+    along which ``y`` is broadcast.
+
+    Attributes:
+        tap: The call's tap (whose output is ``y``).
+        seq: The sequence number of ``z``'s node.
+        node_name: That node's name.
+        output_nr: ``z``'s slot at that node.
+        shape: ``z``'s shape.
+        scale: ``∂z/∂y`` entry by entry (``1`` for ``+`` and ``expand``, ``-α`` for
+            ``x - α y``, ...).
+    """
+
+    tap: int
+    seq: int
+    node_name: str
+    output_nr: int
+    shape: tuple[int, ...]
+    scale: float
+
+
 @dataclass(eq=False)
 class Recording:
     """What one ``record()`` block saw (NOTE [eager recording]).
@@ -123,6 +153,7 @@ class Recording:
         unrecognised: Per leaf, the calls that used it outside every rule.
         coupling: Calls that make samples interact (NOTE [per-sample]).
         hooks: Hook registrations seen (``Tensor.register_hook``, ``retain_grad``).
+        meetings: Where recorded outputs were broadcast against other tensors.
         calls: Number of torch calls seen.
         signature: A hash of the names and plain arguments (dims, flags) of every call
             seen, in order (with the taps' shapes, the key of the cached sample layouts,
@@ -139,6 +170,7 @@ class Recording:
     unrecognised: dict[int, list[str]] = field(default_factory=dict)
     coupling: list[str] = field(default_factory=list)
     hooks: list[str] = field(default_factory=list)
+    meetings: list[EagerMeeting] = field(default_factory=list)
     calls: int = 0
     signature: int = 0
     expired: bool = False
@@ -201,6 +233,7 @@ class RecordMode(TorchFunctionMode):
         self.recording = recording
         self._refs: dict[int, LeafRef] = {}
         self._pins: list[Tensor] = []  # transposed views: keep their ids valid
+        self._outputs: dict[int, tuple[weakref.ReferenceType[Tensor], int]] = {}  # taps' y
 
     def _found(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[Tensor,
                                                                                    LeafRef]]:
@@ -236,7 +269,10 @@ class RecordMode(TorchFunctionMode):
             pass
         found = self._found(args, kwargs)
         if not found:
-            return func(*args, **kwargs)
+            result = func(*args, **kwargs)
+            if self._outputs:
+                self._meet(func, args, kwargs, result)
+            return result
         if len(found) == 1 and args and args[0] is found[0][0] and args[0].dim() == 2 \
                 and _is_transpose(func, args, kwargs):
             result = func(*args, **kwargs)
@@ -304,6 +340,7 @@ class RecordMode(TorchFunctionMode):
         tap_index = len(recording.taps)
         recording.taps.append(tap)
         node.metadata[METADATA_KEY] = recording
+        self._outputs[id(y)] = (weakref.ref(y), tap_index)
         acts: dict[int, int] = {}
         for i, ref, role in chosen:
             operand = match.operands[i]
@@ -323,6 +360,48 @@ class RecordMode(TorchFunctionMode):
         for index, seq in holders:
             recording.holders.setdefault(index, set()).add(seq)
         return {id(match.operands[i].value) for i, _, _ in chosen}
+
+
+    def _meet(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+              z: Any) -> None:
+        """Note where a recorded output is broadcast by ``+``, ``-`` or ``expand`` into ``z``."""
+        try:
+            kind = _MEETS.get(func)
+        except TypeError:  # unhashable callables
+            return
+        if kind is None or not isinstance(z, Tensor) or set(kwargs) - {"alpha"}:
+            return
+        node: Any = z.grad_fn
+        if node is None:
+            return
+        alpha = kwargs.get("alpha", 1)
+        if not isinstance(alpha, int | float) or isinstance(alpha, bool):
+            return
+        for position, value in enumerate(args[:1] if kind == "expand" else args[:2]):
+            if not isinstance(value, Tensor) or value.numel() >= z.numel():
+                continue
+            entry = self._outputs.get(id(value))
+            if entry is None or entry[0]() is not value:
+                continue
+            scale = {("add", 0): 1.0, ("add", 1): float(alpha), ("sub", 0): 1.0,
+                     ("sub", 1): -float(alpha), ("rsub", 0): -float(alpha), ("rsub", 1): 1.0,
+                     ("expand", 0): 1.0}[kind, position]
+            node.metadata[METADATA_KEY] = self.recording
+            self.recording.meetings.append(EagerMeeting(
+                entry[1], _torch_compat.creation_order(node), node.name(), z.output_nr,
+                tuple(z.shape), scale))
+
+
+_MEETS: dict[Any, str] = {
+    **dict.fromkeys((torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__,
+                     torch.Tensor.add_, torch.Tensor.__iadd__), "add"),
+    **dict.fromkeys((torch.sub, torch.subtract, torch.Tensor.sub, torch.Tensor.subtract,
+                     torch.Tensor.__sub__, torch.Tensor.sub_, torch.Tensor.__isub__), "sub"),
+    **dict.fromkeys((torch.rsub, torch.Tensor.__rsub__), "rsub"),
+    **dict.fromkeys((torch.Tensor.expand, torch.Tensor.expand_as, torch.broadcast_to,
+                     torch.Tensor.broadcast_to), "expand"),
+}
+"""The ops where a recorded output meets the batch (NOTE [eager shared taps]), by kind."""
 
 
 def _holders(y: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any],
