@@ -181,3 +181,19 @@ def test_a_training_loop_probes_its_first_step_only() -> None:
     assert "probed samples" in notes[0]
     assert "probed samples" not in notes[1]
     assert "shared by the samples" in notes[1]
+
+
+@pytest.mark.parametrize("name", ["shared-add", "shared-linear-expand", "broadcast-params"])
+def test_backward_is_the_weighted_gradient(name: str) -> None:
+    """``tg.autograd.backward`` from the shared and broadcast taps' factors: ``Σ w_i ∇out_i``."""
+    model = PER_SAMPLE[name]
+    leaves = {k: v.clone().requires_grad_() for k, v in used(model).items()}
+    with tg.autograd.record():
+        out = model({**params(), **leaves})
+    w, info = tg.autograd.backward(out, list(leaves.values()), tg.weighting.upgrad,
+                                   batch_dim=0, retain_graph=True, with_info=True)
+    assert info.report is not None and info.report.way == "recorded taps (engine pass)"
+    expected = torch.autograd.grad(out, list(leaves.values()), w)
+    for leaf, grad in zip(leaves.values(), expected, strict=True):
+        assert leaf.grad is not None
+        assert_close(leaf.grad, grad)
