@@ -238,9 +238,7 @@ class RecordMode(TorchFunctionMode):
     def _found(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[Tensor,
                                                                                    LeafRef]]:
         found = []
-        for value in leaves_of((args, kwargs)):
-            if not isinstance(value, Tensor):
-                continue
+        for value in _tensors_of(args, kwargs):
             ref = self._refs.get(id(value))
             if ref is None and value.is_leaf and value.requires_grad \
                     and value.is_floating_point():
@@ -414,8 +412,8 @@ def _holders(y: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any],
     call.
     """
     stop: dict[Any, int | None] = {}  # the arguments' nodes; a transposed leaf's: its leaf
-    for value in leaves_of((args, kwargs)):
-        if isinstance(value, Tensor) and value.grad_fn is not None:
+    for value in _tensors_of(args, kwargs):
+        if value.grad_fn is not None:
             ref = refs.get(id(value))
             stop[value.grad_fn] = None if ref is None else ref.index
     found = []
@@ -446,6 +444,34 @@ def _holders(y: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any],
 
 
 _PLAIN = (int, float, bool, str, type(None))
+_NO_TENSOR = (int, float, bool, complex, str, type(None), slice, type(Ellipsis), torch.dtype,
+              torch.device, torch.layout, torch.memory_format, torch.Size)
+"""Arguments that are pytree leaves and not tensors (``torch.Size`` holds ints only)."""
+
+
+def _tensors_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Tensor]:
+    """The tensor leaves of a call's arguments, in ``leaves_of((args, kwargs))`` order.
+
+    Most calls take tensors, plain values and flat lists of them: those are read directly
+    (the recorded forward runs this on every call); anything else is flattened as a pytree.
+    """
+    found: list[Tensor] = []
+    for value in (*args, *(kwargs[key] for key in sorted(kwargs))) if kwargs else args:
+        if isinstance(value, Tensor):
+            found.append(value)
+        elif type(value) is list or type(value) is tuple:
+            for item in value:
+                if isinstance(item, Tensor):
+                    found.append(item)
+                elif not isinstance(item, _NO_TENSOR):
+                    return _tensor_leaves(args, kwargs)
+        elif not isinstance(value, _NO_TENSOR):
+            return _tensor_leaves(args, kwargs)
+    return found
+
+
+def _tensor_leaves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Tensor]:
+    return [value for value in leaves_of((args, kwargs)) if isinstance(value, Tensor)]
 
 
 def _plain_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
@@ -460,6 +486,8 @@ def _plain_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any
 
 
 def _has_float_tensor(result: Any) -> bool:
+    if isinstance(result, Tensor):
+        return result.is_floating_point()
     return any(isinstance(leaf, Tensor) and leaf.is_floating_point()
                for leaf in leaves_of(result))
 
