@@ -10,6 +10,7 @@ output is used twice, the exact fallback it names.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -125,7 +126,9 @@ def run(model: Model) -> tuple[tg.autograd.EagerExplanation, Tensor]:
     return tg.autograd.explain(out, leaves, batch_dim=0), expected
 
 
-def assert_close(actual: Tensor, expected: Tensor, tol: float = 1e-10) -> None:
+def assert_close(actual: Tensor | tuple[Tensor, ...], expected: Tensor,
+                 tol: float = 1e-10) -> None:
+    assert isinstance(actual, Tensor)
     scale = expected.abs().max().clamp_min(1e-30)
     error = float((actual.detach() - expected).abs().max() / scale)
     assert error <= tol, error
@@ -197,3 +200,25 @@ def test_backward_is_the_weighted_gradient(name: str) -> None:
     for leaf, grad in zip(leaves.values(), expected, strict=True):
         assert leaf.grad is not None
         assert_close(leaf.grad, grad)
+
+
+@pytest.mark.parametrize("options", [{"chunk_size": 1}, {"diagonal": True}, {"hook": True}],
+                         ids=["chunk1", "diagonal", "walked-pass"])
+def test_shared_taps_in_every_pass(options: dict[str, Any]) -> None:
+    """One row direction a pass, the diagonal, and the walked pass (a hook in the block)."""
+    model = shared_merged
+    plain = used(model)
+    expected = dense_gramian(lambda q: model({**params(), **q}), (plain,)).shaped()
+    leaves = {k: v.clone().requires_grad_() for k, v in plain.items()}
+    with tg.autograd.record():
+        out = model({**params(), **leaves})
+        if options.get("hook"):
+            out.register_hook(lambda grad: grad)
+    diagonal = bool(options.get("diagonal"))
+    report = tg.autograd.explain(out, leaves, batch_dim=0, diagonal=diagonal,
+                                 chunk_size=options.get("chunk_size"))
+    assert_close(report.gramian, expected.diagonal() if diagonal else expected)
+    assert report.walked == ()
+    assert any("shared by the samples" in note for note in report.ran.notes)
+    assert report.ran.way == "recorded taps (" + ("walked" if options.get("hook")
+                                                   else "engine") + " pass)"
