@@ -81,6 +81,14 @@ def shared_linear_expand(p: dict[str, Tensor]) -> Tensor:  # a learned query, ex
     return torch.tanh(h).pow(2).sum((1, 2))
 
 
+def shared_mul(p: dict[str, Tensor]) -> Tensor:  # position-wise scales
+    return head(F.embedding(IDS, p["tok"]) * F.embedding(POSITIONS, p["pos"]), p)
+
+
+def shared_rmul_over_positions(p: dict[str, Tensor]) -> Tensor:  # y [1, 1, D] ⊙ x [B, T, D]
+    return head(F.linear(QUERY, p["w"], p["b"]).__rmul__(F.embedding(IDS, p["tok"])), p)
+
+
 def shared_merged(p: dict[str, Tensor]) -> Tensor:  # GPT-2's Conv1D: rows [B·T, D]
     h = F.embedding(IDS, p["tok"]) + F.embedding(POSITIONS, p["pos"])
     flat = torch.addmm(p["b"], h.view(-1, D), p["w"])
@@ -105,6 +113,7 @@ PER_SAMPLE: dict[str, Model] = {
     "shared-sub-alpha": shared_sub_alpha, "shared-rsub": shared_rsub,
     "shared-inplace": shared_inplace, "shared-fewer-dims": shared_fewer_dims,
     "shared-linear-expand": shared_linear_expand, "shared-merged": shared_merged,
+    "shared-mul": shared_mul, "shared-rmul-over-positions": shared_rmul_over_positions,
     "broadcast-params": broadcast_params, "broadcast-merged": broadcast_merged,
 }
 
@@ -186,7 +195,8 @@ def test_a_training_loop_probes_its_first_step_only() -> None:
     assert "shared by the samples" in notes[1]
 
 
-@pytest.mark.parametrize("name", ["shared-add", "shared-linear-expand", "broadcast-params"])
+@pytest.mark.parametrize("name", ["shared-add", "shared-linear-expand", "shared-mul",
+                                  "broadcast-params"])
 def test_backward_is_the_weighted_gradient(name: str) -> None:
     """``tg.autograd.backward`` from the shared and broadcast taps' factors: ``Σ w_i ∇out_i``."""
     model = PER_SAMPLE[name]

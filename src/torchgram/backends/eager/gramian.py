@@ -305,6 +305,7 @@ class _Layouts:
     of_tap: dict[int, SampleLayout | SharedSamples | None]
     dense: bool
     failed: dict[int, str] = field(default_factory=dict)  # tap -> why it has no layout
+    factors: dict[int, Tensor] = field(default_factory=dict)  # tap -> x of z = x ⊙ y
 
 
 def _contract(api: str, recording: Recording, graph: GraphIndex, tapped: _Tapped, rows: Rows,
@@ -392,7 +393,8 @@ def _contract(api: str, recording: Recording, graph: GraphIndex, tapped: _Tapped
         raw = cotangents(seeds, slots, free)
         freed = freed or free
         cots = [None if cot is None else
-                _sample_view(cot, layouts.of_tap[tap], 1, samples, dtype)
+                _sample_view(_times_factor(cot, layouts, tap), layouts.of_tap[tap], 1,
+                             samples, dtype)
                 for cot, tap in zip(raw, taps, strict=True)]
         del raw
         report.row_chunks.append((stop - start, sum(c.numel() * c.element_size()
@@ -485,6 +487,12 @@ def _sample_view(tensor: Tensor, layout: SampleLayout | SharedSamples | None, le
     return layout.view(tensor, lead, samples)
 
 
+def _times_factor(cot: Tensor, layouts: _Layouts, tap: int) -> Tensor:
+    """A shared tap's cotangents at ``z = x ⊙ y`` times ``x`` (NOTE [eager shared taps])."""
+    factor = layouts.factors.get(tap)
+    return cot if factor is None else cot * factor
+
+
 def _act_view(act: Tensor, layout: SampleLayout | SharedSamples | None, samples: int,
               dtype: torch.dtype) -> Tensor:
     """An activation as ``[B, *per-sample]`` (a shared call's: the same for every sample)."""
@@ -573,8 +581,10 @@ def _layouts(recording: Recording, graph: GraphIndex, tapped: _Tapped, taps: lis
         act_shape = tuple(acts[0].shape) if acts else None
         options[tap] = candidates(spec.shape, samples,
                                   allowed_dims(uses_of[tap][0].layout, spec.shape, act_shape))
-    meetings = sole_meetings(recording, graph, rows.outputs, {tap: tapped.slots[tap]
-                                                              for tap in taps})
+    stale = recording.stale_acts()
+    meetings = {tap: met for tap, met in sole_meetings(
+        recording, graph, rows.outputs, {tap: tapped.slots[tap] for tap in taps}).items()
+        if met[0].factor not in stale}  # a factor changed in place: no meeting
     met_options = {tap: meeting_options(meeting, recording.taps[tap].shape, samples)
                    for tap, (meeting, _) in meetings.items()}
     met = sorted(met_options)
@@ -604,7 +614,7 @@ def _layouts(recording: Recording, graph: GraphIndex, tapped: _Tapped, taps: lis
     if any(choice.layout is None and "spreads" in choice.reason for choice in choices):
         return dense
     of_tap: dict[int, SampleLayout | SharedSamples | None] = {}
-    failed = {}
+    failed, factors = {}, {}
     for tap, choice in zip(taps, choices, strict=True):
         spec = recording.taps[tap]
         of_tap[tap] = choice.shared or choice.layout
@@ -613,15 +623,19 @@ def _layouts(recording: Recording, graph: GraphIndex, tapped: _Tapped, taps: lis
         elif choice.shared is not None:
             meeting, slot = meetings[tap]
             tapped.slots[tap] = slot
+            if meeting.factor is not None:
+                factors[tap] = recording.acts[meeting.factor]
             report.notes.append(f"{describe_tap(spec)}: shared by the samples, read per sample "
                                 f"where it meets the batch ({meeting.node_name} → "
                                 f"{tuple(meeting.shape)})")
-    return _Layouts(samples, rows.per_sample, of_tap, dense=False, failed=failed)
+    return _Layouts(samples, rows.per_sample, of_tap, dense=False, failed=failed,
+                    factors=factors)
 
 
 def _meeting_key(meeting: EagerMeeting) -> tuple[object, ...]:
     """A meeting as part of a cache key: what it is, not when it was made (no ``seq``)."""
-    return meeting.tap, meeting.node_name, meeting.output_nr, meeting.shape, meeting.scale
+    return (meeting.tap, meeting.node_name, meeting.output_nr, meeting.shape, meeting.scale,
+            meeting.factor is None)
 
 
 def _shared(recording: Recording, tap: int, own: Choice, at_meeting: Choice | None,

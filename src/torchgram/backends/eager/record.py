@@ -22,7 +22,7 @@ and is a leaf (an ``nn.Parameter``, discovered as it is used):
   an op no rule covers) can never be missed: that leaf goes to the graph walk instead.
 
 A recognised call's output that is later broadcast against other tensors by ``+`` / ``-``
-/ ``expand`` is noted there too (an :class:`EagerMeeting`): a position embedding looked up
+/ ``*`` / ``expand`` is noted there too (an :class:`EagerMeeting`): a position embedding looked up
 with ``[1, T]`` ids meets the batch where it is added to the ``[B, T, d]`` token embeddings
 (NOTE [eager shared taps]).
 
@@ -115,10 +115,10 @@ class EagerUse:
 
 @dataclass(frozen=True)
 class EagerMeeting:
-    """A recorded call's output ``y``, broadcast in ``z = y ± x`` or ``y.expand(...)``.
+    """A recorded call's output ``y``, broadcast in ``z = y ± x``, ``x ⊙ y`` or ``y.expand(...)``.
 
-    NOTE [eager shared taps]: ``∂z/∂y`` is ``scale`` entry by entry, summed over the dims
-    along which ``y`` is broadcast.
+    NOTE [eager shared taps]: ``∂z/∂y`` is ``scale`` (times ``x`` for a product) entry by
+    entry, summed over the dims along which ``y`` is broadcast.
 
     Attributes:
         tap: The call's tap (whose output is ``y``).
@@ -126,8 +126,10 @@ class EagerMeeting:
         node_name: That node's name.
         output_nr: ``z``'s slot at that node.
         shape: ``z``'s shape.
-        scale: ``∂z/∂y`` entry by entry (``1`` for ``+`` and ``expand``, ``-α`` for
+        scale: ``∂z/∂y`` entry by entry (``1`` for ``+``, ``*`` and ``expand``, ``-α`` for
             ``x - α y``, ...).
+        factor: For ``z = x ⊙ y``, the index of ``x`` (of ``z``'s shape) among the recorded
+            activations.
     """
 
     tap: int
@@ -136,6 +138,7 @@ class EagerMeeting:
     output_nr: int
     shape: tuple[int, ...]
     scale: float
+    factor: int | None = None
 
 
 @dataclass(eq=False)
@@ -362,12 +365,13 @@ class RecordMode(TorchFunctionMode):
 
     def _meet(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
               z: Any) -> None:
-        """Note where a recorded output is broadcast by ``+``, ``-`` or ``expand`` into ``z``."""
+        """Note where a recorded output is broadcast by ``+``, ``-``, ``*`` or ``expand``."""
         try:
             kind = _MEETS.get(func)
         except TypeError:  # unhashable callables
             return
-        if kind is None or not isinstance(z, Tensor) or set(kwargs) - {"alpha"}:
+        if kind is None or not isinstance(z, Tensor) or set(kwargs) - {"alpha"} \
+                or (kind == "mul" and kwargs):
             return
         node: Any = z.grad_fn
         if node is None:
@@ -381,13 +385,22 @@ class RecordMode(TorchFunctionMode):
             entry = self._outputs.get(id(value))
             if entry is None or entry[0]() is not value:
                 continue
+            factor = None
+            if kind == "mul":  # ∂z/∂y = x: kept, as the activations are
+                other = args[1 - position] if len(args) == 2 else None
+                if not isinstance(other, Tensor) or not other.is_floating_point() \
+                        or tuple(other.shape) != tuple(z.shape):
+                    continue
+                factor = len(self.recording.acts)
+                self.recording.acts.append(other.detach())
+                self.recording.act_versions.append(_torch_compat.version(other))
             scale = {("add", 0): 1.0, ("add", 1): float(alpha), ("sub", 0): 1.0,
                      ("sub", 1): -float(alpha), ("rsub", 0): -float(alpha), ("rsub", 1): 1.0,
-                     ("expand", 0): 1.0}[kind, position]
+                     ("mul", 0): 1.0, ("mul", 1): 1.0, ("expand", 0): 1.0}[kind, position]
             node.metadata[METADATA_KEY] = self.recording
             self.recording.meetings.append(EagerMeeting(
                 entry[1], _torch_compat.creation_order(node), node.name(), z.output_nr,
-                tuple(z.shape), scale))
+                tuple(z.shape), scale, factor))
 
 
 _MEETS: dict[Any, str] = {
@@ -396,6 +409,9 @@ _MEETS: dict[Any, str] = {
     **dict.fromkeys((torch.sub, torch.subtract, torch.Tensor.sub, torch.Tensor.subtract,
                      torch.Tensor.__sub__, torch.Tensor.sub_, torch.Tensor.__isub__), "sub"),
     **dict.fromkeys((torch.rsub, torch.Tensor.__rsub__), "rsub"),
+    # not ``x *= y``: it overwrites ``x``, the factor of ``∂z/∂y``
+    **dict.fromkeys((torch.mul, torch.multiply, torch.Tensor.mul, torch.Tensor.multiply,
+                     torch.Tensor.__mul__, torch.Tensor.__rmul__), "mul"),
     **dict.fromkeys((torch.Tensor.expand, torch.Tensor.expand_as, torch.broadcast_to,
                      torch.Tensor.broadcast_to), "expand"),
 }

@@ -7,10 +7,11 @@ id buffers, are ``[1, T, d]``. A backward seeded for every sample sums their cot
 ``y``, which is not any sample's own. But such an output is *broadcast* into the batch
 where it meets it, ``z = x + y`` (``[B, T, d]``), and there every sample has its own slice:
 under the promise of ``batch_dim``, sample ``b``'s cotangent at ``z`` lives on its slice,
-so its cotangent at ``y`` is that slice times ``∂z/∂y`` (``scale``), summed over the dims
-along which ``y`` was broadcast (besides the samples' one). The recording notes every
-broadcast of a recorded output by ``+`` / ``-`` / ``expand`` (an
-:class:`~torchgram.backends.eager.record.EagerMeeting`); the Gramian uses one when
+so its cotangent at ``y`` is that slice times ``∂z/∂y`` (``scale``, and ``x`` for
+``z = x ⊙ y``), summed over the dims along which ``y`` was broadcast (besides the samples'
+one). The recording notes every broadcast of a recorded output by ``+`` / ``-`` / ``*`` /
+``expand`` (an :class:`~torchgram.backends.eager.record.EagerMeeting`, with ``x`` kept as
+the activations are: a version change drops the meeting); the Gramian uses one when
 
 * the output has no sample layout of its own (the probes say so, or its shape);
 * ``z``'s node is the **only** consumer of ``y`` in the graph (so the chain rule through
