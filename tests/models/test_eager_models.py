@@ -39,15 +39,20 @@ SUITES: dict[str, dict[str, Callable[[], ModelCase]]] = {
 }
 
 
-def eager_gramian(case: ModelCase, recorded: bool, batch_dim: int | None) -> Any:
-    """The case's function called eagerly on leaves that require grad, then its Gramian."""
+def eager_leaves(case: ModelCase) -> tuple[Any, list[Tensor]]:
+    """The case's parameters as fresh leaves that require grad (pytree, and in a list)."""
     flat, spec = optree.tree_flatten(case.params)
     leaves = []
     for i, leaf in enumerate(flat):
         if isinstance(leaf, Tensor) and leaf.is_floating_point():
             flat[i] = leaf.detach().clone().requires_grad_()
             leaves.append(flat[i])
-    params = optree.tree_unflatten(spec, flat)
+    return optree.tree_unflatten(spec, flat), leaves
+
+
+def eager_gramian(case: ModelCase, recorded: bool, batch_dim: int | None) -> Any:
+    """The case's function called eagerly on leaves that require grad, then its Gramian."""
+    params, leaves = eager_leaves(case)
     if case.seed is not None:
         torch.manual_seed(case.seed)
     if recorded:

@@ -2,7 +2,8 @@
 
 ``record`` runs a forward under a ``TorchFunctionMode`` that notes the calls the structured
 rules recognise (NOTE [eager recording]); ``graph_index`` finds them again in the graph;
-``samples`` locates the samples in their outputs (NOTE [sample layouts]); ``passes`` gets the
+``samples`` locates the samples in their outputs (NOTE [sample layouts]), ``shared`` where an
+output shared by the samples meets them (NOTE [eager shared taps]); ``passes`` gets the
 cotangents there (NOTE [eager taps]); ``gramian`` contracts them with the structured
 backend's machinery and walks the graph for everything else (NOTE [imperative Gramian]).
 """

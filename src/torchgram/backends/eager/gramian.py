@@ -35,17 +35,26 @@ from torchgram._core.result import RunReport
 from torchgram._core.sink import LeafBlocks
 from torchgram.backends.eager.graph_index import GraphIndex, index_graph
 from torchgram.backends.eager.passes import engine_cotangents, walk_cotangents
-from torchgram.backends.eager.record import EagerTap, EagerUse, Recording, current_recording
+from torchgram.backends.eager.record import (
+    EagerMeeting,
+    EagerTap,
+    EagerUse,
+    Recording,
+    current_recording,
+)
 from torchgram.backends.eager.rows import Rows
 from torchgram.backends.eager.samples import (
     LAYOUT_CACHE,
+    Choice,
     SampleLayout,
+    SharedSamples,
     allowed_dims,
     candidates,
     choose,
     numel,
     probe_samples,
 )
+from torchgram.backends.eager.shared import meeting_options, sole_meetings
 from torchgram.backends.graph.gramian import freed_graph_is_clear, graph_gramian, input_edge
 from torchgram.backends.graph.nodes import Edge, NodeCaller
 from torchgram.backends.graph.release import release_graph
@@ -293,9 +302,10 @@ class _Layouts:
 
     samples: int
     per_sample: int
-    of_tap: dict[int, SampleLayout | None]
+    of_tap: dict[int, SampleLayout | SharedSamples | None]
     dense: bool
     failed: dict[int, str] = field(default_factory=dict)  # tap -> why it has no layout
+    factors: dict[int, Tensor] = field(default_factory=dict)  # tap -> x of z = x ⊙ y
 
 
 def _contract(api: str, recording: Recording, graph: GraphIndex, tapped: _Tapped, rows: Rows,
@@ -314,7 +324,7 @@ def _contract(api: str, recording: Recording, graph: GraphIndex, tapped: _Tapped
                                      vectorize=chunk_size != 1)
         return walk_cotangents(rows.outputs, slots, seeds, caller)
 
-    layouts = _layouts(recording, tapped, taps, rows, cotangents, report)
+    layouts = _layouts(recording, graph, tapped, taps, rows, cotangents, report)
     if layouts.failed:  # inputs whose taps have no layout go to the walk
         for i in list(tapped.inputs):
             bad = [use.tap for use in tapped.uses[i] if use.tap in layouts.failed]
@@ -368,8 +378,8 @@ def _contract(api: str, recording: Recording, graph: GraphIndex, tapped: _Tapped
             and _FastLeaf.applies(plan.way, leaf_uses[plan.leaf])}
     contraction = Contraction([plan for plan in plans if plan.leaf not in fast], leaf_uses,
                               numels, samples, per_sample, diagonal, keep=want_pullback)
-    acts = [_sample_view(recording.acts[act], _act_layout(tapped, recording, act, layouts),
-                         0, samples, dtype) for act in acts_used]
+    acts = [_act_view(recording.acts[act], _act_layout(tapped, recording, act, layouts),
+                      samples, dtype) for act in acts_used]
     contraction.set_acts(acts)
     fast_leaves: dict[int, _FastLeaf] = {}
     slots = [tapped.slots[tap] for tap in taps]
@@ -383,7 +393,8 @@ def _contract(api: str, recording: Recording, graph: GraphIndex, tapped: _Tapped
         raw = cotangents(seeds, slots, free)
         freed = freed or free
         cots = [None if cot is None else
-                _sample_view(cot, layouts.of_tap[tap], 1, samples, dtype)
+                _sample_view(_times_factor(cot, layouts, tap), layouts.of_tap[tap], 1,
+                             samples, dtype)
                 for cot, tap in zip(raw, taps, strict=True)]
         del raw
         report.row_chunks.append((stop - start, sum(c.numel() * c.element_size()
@@ -467,13 +478,13 @@ class _FastLeaf:
         return (act.T @ cot if self.act_first else cot.T @ act).reshape(-1)
 
 
-def _per_sample(shape: tuple[int, ...], layout: SampleLayout | None,
+def _per_sample(shape: tuple[int, ...], layout: SampleLayout | SharedSamples | None,
                 samples: int) -> tuple[int, ...]:
     return shape if layout is None else layout.per_sample_shape(shape, samples)
 
 
-def _sample_view(tensor: Tensor, layout: SampleLayout | None, lead: int, samples: int,
-                 dtype: torch.dtype) -> Tensor:
+def _sample_view(tensor: Tensor, layout: SampleLayout | SharedSamples | None, lead: int,
+                 samples: int, dtype: torch.dtype) -> Tensor:
     """``[*lead, B, *per-sample]`` (``B = 1`` without a layout), floating values in ``dtype``."""
     if tensor.is_floating_point() and tensor.dtype != dtype:
         tensor = tensor.to(dtype)
@@ -482,8 +493,24 @@ def _sample_view(tensor: Tensor, layout: SampleLayout | None, lead: int, samples
     return layout.view(tensor, lead, samples)
 
 
+def _times_factor(cot: Tensor, layouts: _Layouts, tap: int) -> Tensor:
+    """A shared tap's cotangents at ``z = x ⊙ y`` times ``x`` (NOTE [eager shared taps])."""
+    factor = layouts.factors.get(tap)
+    return cot if factor is None else cot * factor
+
+
+def _act_view(act: Tensor, layout: SampleLayout | SharedSamples | None, samples: int,
+              dtype: torch.dtype) -> Tensor:
+    """An activation as ``[B, *per-sample]`` (a shared call's: the same for every sample)."""
+    if isinstance(layout, SharedSamples):
+        if act.is_floating_point() and act.dtype != dtype:
+            act = act.to(dtype)
+        return layout.act_view(act, samples)
+    return _sample_view(act, layout, 0, samples, dtype)
+
+
 def _act_layout(tapped: _Tapped, recording: Recording, act: int,
-                layouts: _Layouts) -> SampleLayout | None:
+                layouts: _Layouts) -> SampleLayout | SharedSamples | None:
     """The layout of an activation: that of the tap of a call that multiplies it."""
     for uses in tapped.uses.values():
         for use in uses:
@@ -536,10 +563,15 @@ def _pullback(contraction: Contraction, fast: dict[int, _FastLeaf], rm_rows: _Ro
 # -- sample layouts -----------------------------------------------------------------------------
 
 
-def _layouts(recording: Recording, tapped: _Tapped, taps: list[int], rows: Rows,
+def _layouts(recording: Recording, graph: GraphIndex, tapped: _Tapped, taps: list[int],
+             rows: Rows,
              cotangents: Callable[[list[Tensor], list[Edge], bool], list[Tensor | None]],
              report: RunReport) -> _Layouts:
-    """Each tap's sample layout: from the shapes, the cache, or a probe (NOTE [sample layouts])."""
+    """Each tap's sample layout: from the shapes, the cache, or a probe (NOTE [sample layouts]).
+
+    A tap without a layout of its own that meets the batch is read there (NOTE [eager shared
+    taps]): its slot in ``tapped`` becomes the meeting's.
+    """
     dense = _Layouts(1, rows.num_rows, dict.fromkeys(taps), dense=True)
     if rows.samples == 1 or recording.coupling:
         return dense
@@ -555,28 +587,73 @@ def _layouts(recording: Recording, tapped: _Tapped, taps: list[int], rows: Rows,
         act_shape = tuple(acts[0].shape) if acts else None
         options[tap] = candidates(spec.shape, samples,
                                   allowed_dims(uses_of[tap][0].layout, spec.shape, act_shape))
+    stale = recording.stale_acts()
+    meetings = {tap: met for tap, met in sole_meetings(
+        recording, graph, rows.outputs, {tap: tapped.slots[tap] for tap in taps}).items()
+        if met[0].factor not in stale}  # a factor changed in place: no meeting
+    met_options = {tap: meeting_options(meeting, recording.taps[tap].shape, samples)
+                   for tap, (meeting, _) in meetings.items()}
+    met = sorted(met_options)
     key = (recording.signature, rows.batch_dim, tuple(out.shape for out in rows.outputs),
            tuple((recording.taps[tap].shape, recording.taps[tap].rule, tuple(options[tap]))
-                 for tap in taps))
+                 for tap in taps),
+           tuple((tap, _meeting_key(meetings[tap][0]), tuple(met_options[tap]))
+                 for tap in met))
     choices = LAYOUT_CACHE.get(key)
     if choices is None:
         probed = probe_samples(samples)
-        slots = [tapped.slots[tap] for tap in taps]
+        slots = [tapped.slots[tap] for tap in taps] + [meetings[tap][1] for tap in met]
         probes = cotangents(rows.probe_seeds(probed), slots, False)
-        choices = tuple(choose(options[tap], [(s, None if probe is None else probe[j])
-                                              for j, s in enumerate(probed)], samples)
-                        for tap, probe in zip(taps, probes, strict=True))
+
+        def pick(layouts: list[SampleLayout], probe: Tensor | None) -> Choice:
+            return choose(layouts, [(s, None if probe is None else probe[j])
+                                    for j, s in enumerate(probed)], samples)
+
+        own = [pick(options[tap], probe) for tap, probe in zip(taps, probes, strict=False)]
+        at_meeting = {tap: pick(met_options[tap], probe)
+                      for tap, probe in zip(met, probes[len(taps):], strict=True)}
+        choices = tuple(_shared(recording, tap, own[k], at_meeting.get(tap), meetings)
+                        for k, tap in enumerate(taps))
         LAYOUT_CACHE.put(key, choices)
         report.notes.append(f"probed samples {list(probed)} to locate the samples in "
                             f"{len(taps)} recorded call(s) (cached for this signature)")
     if any(choice.layout is None and "spreads" in choice.reason for choice in choices):
         return dense
-    failed = {tap: f"{recording.taps[tap].rule} output {recording.taps[tap].shape}: "
-                   f"{choice.reason}"
-              for tap, choice in zip(taps, choices, strict=True) if choice.layout is None}
-    return _Layouts(samples, rows.per_sample,
-                    {tap: choice.layout for tap, choice in zip(taps, choices, strict=True)},
-                    dense=False, failed=failed)
+    of_tap: dict[int, SampleLayout | SharedSamples | None] = {}
+    failed, factors = {}, {}
+    for tap, choice in zip(taps, choices, strict=True):
+        spec = recording.taps[tap]
+        of_tap[tap] = choice.shared or choice.layout
+        if choice.layout is None:
+            failed[tap] = f"{spec.rule} output {spec.shape}: {choice.reason}"
+        elif choice.shared is not None:
+            meeting, slot = meetings[tap]
+            tapped.slots[tap] = slot
+            if meeting.factor is not None:
+                factors[tap] = recording.acts[meeting.factor]
+            report.notes.append(f"{describe_tap(spec)}: shared by the samples, read per sample "
+                                f"where it meets the batch ({meeting.node_name} → "
+                                f"{tuple(meeting.shape)})")
+    return _Layouts(samples, rows.per_sample, of_tap, dense=False, failed=failed,
+                    factors=factors)
+
+
+def _meeting_key(meeting: EagerMeeting) -> tuple[object, ...]:
+    """A meeting as part of a cache key: what it is, not when it was made (no ``seq``)."""
+    return (meeting.tap, meeting.node_name, meeting.output_nr, meeting.shape, meeting.scale,
+            meeting.factor is None)
+
+
+def _shared(recording: Recording, tap: int, own: Choice, at_meeting: Choice | None,
+            meetings: dict[int, tuple[EagerMeeting, Edge]]) -> Choice:
+    """A tap's own layout, else (it has none, and it meets the batch) the meeting's."""
+    if own.layout is not None or at_meeting is None:
+        return own
+    if at_meeting.layout is None:
+        return at_meeting
+    layout = at_meeting.layout
+    return Choice(layout, shared=SharedSamples(layout, recording.taps[tap].shape,
+                                               meetings[tap][0].scale))
 
 
 def describe_tap(tap: EagerTap) -> str:

@@ -21,6 +21,11 @@ and is a leaf (an ``nn.Parameter``, discovered as it is used):
   recording did not see (before the ``with`` block, inside a custom ``autograd.Function``, in
   an op no rule covers) can never be missed: that leaf goes to the graph walk instead.
 
+A recognised call's output that is later broadcast against other tensors by ``+`` / ``-``
+/ ``*`` / ``expand`` is noted there too (an :class:`EagerMeeting`): a position embedding looked up
+with ``[1, T]`` ids meets the batch where it is added to the ``[B, T, d]`` token embeddings
+(NOTE [eager shared taps]).
+
 Any other call that involves a leaf and returns a floating tensor is an *unrecognised* use
 (the leaf is then walked); calls that make samples interact (batch-norm in training mode, ...)
 are noted, as are ``Tensor.register_hook`` / ``retain_grad`` calls (NOTE [eager taps]).
@@ -108,6 +113,34 @@ class EagerUse:
     holders: frozenset[int] = frozenset()
 
 
+@dataclass(frozen=True)
+class EagerMeeting:
+    """A recorded call's output ``y``, broadcast in ``z = y ± x``, ``x ⊙ y`` or ``y.expand(...)``.
+
+    NOTE [eager shared taps]: ``∂z/∂y`` is ``scale`` (times ``x`` for a product) entry by
+    entry, summed over the dims along which ``y`` is broadcast.
+
+    Attributes:
+        tap: The call's tap (whose output is ``y``).
+        seq: The sequence number of ``z``'s node.
+        node_name: That node's name.
+        output_nr: ``z``'s slot at that node.
+        shape: ``z``'s shape.
+        scale: ``∂z/∂y`` entry by entry (``1`` for ``+``, ``*`` and ``expand``, ``-α`` for
+            ``x - α y``, ...).
+        factor: For ``z = x ⊙ y``, the index of ``x`` (of ``z``'s shape) among the recorded
+            activations.
+    """
+
+    tap: int
+    seq: int
+    node_name: str
+    output_nr: int
+    shape: tuple[int, ...]
+    scale: float
+    factor: int | None = None
+
+
 @dataclass(eq=False)
 class Recording:
     """What one ``record()`` block saw (NOTE [eager recording]).
@@ -123,6 +156,7 @@ class Recording:
         unrecognised: Per leaf, the calls that used it outside every rule.
         coupling: Calls that make samples interact (NOTE [per-sample]).
         hooks: Hook registrations seen (``Tensor.register_hook``, ``retain_grad``).
+        meetings: Where recorded outputs were broadcast against other tensors.
         calls: Number of torch calls seen.
         signature: A hash of the names and plain arguments (dims, flags) of every call
             seen, in order (with the taps' shapes, the key of the cached sample layouts,
@@ -139,6 +173,7 @@ class Recording:
     unrecognised: dict[int, list[str]] = field(default_factory=dict)
     coupling: list[str] = field(default_factory=list)
     hooks: list[str] = field(default_factory=list)
+    meetings: list[EagerMeeting] = field(default_factory=list)
     calls: int = 0
     signature: int = 0
     expired: bool = False
@@ -201,13 +236,12 @@ class RecordMode(TorchFunctionMode):
         self.recording = recording
         self._refs: dict[int, LeafRef] = {}
         self._pins: list[Tensor] = []  # transposed views: keep their ids valid
+        self._outputs: dict[int, tuple[weakref.ReferenceType[Tensor], int]] = {}  # taps' y
 
     def _found(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[Tensor,
                                                                                    LeafRef]]:
         found = []
-        for value in leaves_of((args, kwargs)):
-            if not isinstance(value, Tensor):
-                continue
+        for value in _tensors_of(args, kwargs):
             ref = self._refs.get(id(value))
             if ref is None and value.is_leaf and value.requires_grad \
                     and value.is_floating_point():
@@ -236,7 +270,10 @@ class RecordMode(TorchFunctionMode):
             pass
         found = self._found(args, kwargs)
         if not found:
-            return func(*args, **kwargs)
+            result = func(*args, **kwargs)
+            if self._outputs:
+                self._meet(func, args, kwargs, result)
+            return result
         if len(found) == 1 and args and args[0] is found[0][0] and args[0].dim() == 2 \
                 and _is_transpose(func, args, kwargs):
             result = func(*args, **kwargs)
@@ -304,6 +341,7 @@ class RecordMode(TorchFunctionMode):
         tap_index = len(recording.taps)
         recording.taps.append(tap)
         node.metadata[METADATA_KEY] = recording
+        self._outputs[id(y)] = (weakref.ref(y), tap_index)
         acts: dict[int, int] = {}
         for i, ref, role in chosen:
             operand = match.operands[i]
@@ -325,6 +363,61 @@ class RecordMode(TorchFunctionMode):
         return {id(match.operands[i].value) for i, _, _ in chosen}
 
 
+    def _meet(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+              z: Any) -> None:
+        """Note where a recorded output is broadcast by ``+``, ``-``, ``*`` or ``expand``."""
+        try:
+            kind = _MEETS.get(func)
+        except TypeError:  # unhashable callables
+            return
+        if kind is None or not isinstance(z, Tensor) or set(kwargs) - {"alpha"} \
+                or (kind == "mul" and kwargs):
+            return
+        node: Any = z.grad_fn
+        if node is None:
+            return
+        alpha = kwargs.get("alpha", 1)
+        if not isinstance(alpha, int | float) or isinstance(alpha, bool):
+            return
+        for position, value in enumerate(args[:1] if kind == "expand" else args[:2]):
+            if not isinstance(value, Tensor) or value.numel() >= z.numel():
+                continue
+            entry = self._outputs.get(id(value))
+            if entry is None or entry[0]() is not value:
+                continue
+            factor = None
+            if kind == "mul":  # ∂z/∂y = x: kept, as the activations are
+                other = args[1 - position] if len(args) == 2 else None
+                if not isinstance(other, Tensor) or not other.is_floating_point() \
+                        or tuple(other.shape) != tuple(z.shape):
+                    continue
+                factor = len(self.recording.acts)
+                self.recording.acts.append(other.detach())
+                self.recording.act_versions.append(_torch_compat.version(other))
+            scale = {("add", 0): 1.0, ("add", 1): float(alpha), ("sub", 0): 1.0,
+                     ("sub", 1): -float(alpha), ("rsub", 0): -float(alpha), ("rsub", 1): 1.0,
+                     ("mul", 0): 1.0, ("mul", 1): 1.0, ("expand", 0): 1.0}[kind, position]
+            node.metadata[METADATA_KEY] = self.recording
+            self.recording.meetings.append(EagerMeeting(
+                entry[1], _torch_compat.creation_order(node), node.name(), z.output_nr,
+                tuple(z.shape), scale, factor))
+
+
+_MEETS: dict[Any, str] = {
+    **dict.fromkeys((torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__,
+                     torch.Tensor.add_, torch.Tensor.__iadd__), "add"),
+    **dict.fromkeys((torch.sub, torch.subtract, torch.Tensor.sub, torch.Tensor.subtract,
+                     torch.Tensor.__sub__, torch.Tensor.sub_, torch.Tensor.__isub__), "sub"),
+    **dict.fromkeys((torch.rsub, torch.Tensor.__rsub__), "rsub"),
+    # not ``x *= y``: it overwrites ``x``, the factor of ``∂z/∂y``
+    **dict.fromkeys((torch.mul, torch.multiply, torch.Tensor.mul, torch.Tensor.multiply,
+                     torch.Tensor.__mul__, torch.Tensor.__rmul__), "mul"),
+    **dict.fromkeys((torch.Tensor.expand, torch.Tensor.expand_as, torch.broadcast_to,
+                     torch.Tensor.broadcast_to), "expand"),
+}
+"""The ops where a recorded output meets the batch (NOTE [eager shared taps]), by kind."""
+
+
 def _holders(y: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any],
              refs: dict[int, LeafRef]) -> list[tuple[int, int]] | None:
     """``(leaf, holder sequence number)`` for the edges into leaves made by one call.
@@ -335,8 +428,8 @@ def _holders(y: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any],
     call.
     """
     stop: dict[Any, int | None] = {}  # the arguments' nodes; a transposed leaf's: its leaf
-    for value in leaves_of((args, kwargs)):
-        if isinstance(value, Tensor) and value.grad_fn is not None:
+    for value in _tensors_of(args, kwargs):
+        if value.grad_fn is not None:
             ref = refs.get(id(value))
             stop[value.grad_fn] = None if ref is None else ref.index
     found = []
@@ -367,6 +460,34 @@ def _holders(y: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any],
 
 
 _PLAIN = (int, float, bool, str, type(None))
+_NO_TENSOR = (int, float, bool, complex, str, type(None), slice, type(Ellipsis), torch.dtype,
+              torch.device, torch.layout, torch.memory_format, torch.Size)
+"""Arguments that are pytree leaves and not tensors (``torch.Size`` holds ints only)."""
+
+
+def _tensors_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Tensor]:
+    """The tensor leaves of a call's arguments, in ``leaves_of((args, kwargs))`` order.
+
+    Most calls take tensors, plain values and flat lists of them: those are read directly
+    (the recorded forward runs this on every call); anything else is flattened as a pytree.
+    """
+    found: list[Tensor] = []
+    for value in (*args, *(kwargs[key] for key in sorted(kwargs))) if kwargs else args:
+        if isinstance(value, Tensor):
+            found.append(value)
+        elif type(value) is list or type(value) is tuple:
+            for item in value:
+                if isinstance(item, Tensor):
+                    found.append(item)
+                elif not isinstance(item, _NO_TENSOR):
+                    return _tensor_leaves(args, kwargs)
+        elif not isinstance(value, _NO_TENSOR):
+            return _tensor_leaves(args, kwargs)
+    return found
+
+
+def _tensor_leaves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Tensor]:
+    return [value for value in leaves_of((args, kwargs)) if isinstance(value, Tensor)]
 
 
 def _plain_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
@@ -381,6 +502,8 @@ def _plain_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any
 
 
 def _has_float_tensor(result: Any) -> bool:
+    if isinstance(result, Tensor):
+        return result.is_floating_point()
     return any(isinstance(leaf, Tensor) and leaf.is_floating_point()
                for leaf in leaves_of(result))
 

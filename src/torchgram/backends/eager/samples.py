@@ -9,15 +9,21 @@ sample dimension by comparing its shape with a trace of one sample; eager code c
 re-run, so here a :class:`SampleLayout` is found from the shape alone and, when that is
 not enough, from a probe:
 
-* **candidates**: the dims where a rule allows samples (not a feature dim) whose size is
-  ``B``, and those of size ``n·B`` holding the samples outermost (``index // n``) or
-  innermost (``index % B``) — e.g. ``[B·T, d]`` or ``[T·B, d]`` after a reshape;
+* **candidates**: the dims where a rule allows samples (not a feature dim; for a parameter
+  broadcast by ``x ⊙ p``, ``x + p`` or ``p.expand``, the dims it is broadcast along) whose
+  size is ``B``, and those of size ``n·B`` holding the samples outermost (``index // n``)
+  or innermost (``index % B``) — e.g. ``[B·T, d]`` or ``[T·B, d]`` after a reshape (GPT-2's
+  ``Conv1D``: ``addmm`` on ``x.view(-1, d)``);
 * **probe**: a backward whose cotangent is 1 on every row of one sample ``s`` only: under the
   promise, its cotangent at a tensor carrying the samples is exactly zero outside sample
   ``s``'s slice, so a candidate for which it is not is wrong, and a tensor for which every
   candidate fails does not carry the samples (it is shared by all samples, or they interact:
   the exact answer is then the rows of the whole batch). Two samples are probed (the first
   and the last), so that one whose cotangent happens to be zero rarely leaves a question.
+
+A recorded output shared by the samples (``[1, T, d]`` position embeddings) has no layout of
+its own; it is read per sample where it meets the batch (:class:`SharedSamples`, NOTE
+[eager shared taps]).
 
 Probes cost one more backward, so their outcome is cached per signature of the recording
 (the calls, their shapes and ``B``), like the functional path caches its traces: a training
@@ -35,6 +41,7 @@ from torch import Tensor
 from torchgram._core.signature import LruCache
 from torchgram.backends.structured.rules.base import Layout
 from torchgram.backends.structured.rules.conv import ConvLayout
+from torchgram.backends.structured.rules.elementwise import BroadcastLayout
 from torchgram.backends.structured.rules.embedding import EmbeddingLayout
 from torchgram.backends.structured.rules.linear import (
     LinearLayout,
@@ -71,6 +78,55 @@ class SampleLayout:
         out = list(shape)
         out[self.dim] //= samples
         return tuple(out)
+
+
+@dataclass(frozen=True)
+class SharedSamples:
+    """A shared output ``y`` read per sample from ``z``, where it meets the batch.
+
+    Stands for a :class:`SampleLayout` of the tap (same ``view`` and ``per_sample_shape``),
+    but ``view`` takes the cotangents at ``z`` (NOTE [eager shared taps]).
+
+    Attributes:
+        at: The samples' layout in ``z``.
+        shape: ``y``'s shape.
+        scale: ``∂z/∂y`` entry by entry.
+
+    Example:
+        >>> import torch
+        >>> shared = SharedSamples(SampleLayout(0), (1, 3), scale=2.0)
+        >>> cot_z = torch.arange(6.).reshape(1, 2, 3)   # one direction, B = 2 samples of [3]
+        >>> shared.view(cot_z, 1, 2)                     # each sample's cotangent at y
+        tensor([[[[ 0.,  2.,  4.]],
+        <BLANKLINE>
+                 [[ 6.,  8., 10.]]]])
+    """
+
+    at: SampleLayout
+    shape: tuple[int, ...]
+    scale: float = 1.0
+
+    def per_sample_shape(self, shape: Sequence[int], samples: int) -> tuple[int, ...]:
+        """``y``'s shape: every sample sees all of it."""
+        del shape, samples
+        return self.shape
+
+    def view(self, cot: Tensor, lead: int, samples: int) -> Tensor:
+        """``[*lead, *z.shape]`` cotangents at ``z`` as ``[*lead, B, *y.shape]`` at ``y``."""
+        per = self.at.view(cot, lead, samples)  # [*lead, B, *z per sample]
+        start = lead + 1
+        z_shape = per.shape[start:]
+        extra = len(z_shape) - len(self.shape)
+        dims = [start + i for i in range(extra)] + [
+            start + extra + i for i, size in enumerate(self.shape)
+            if size == 1 and z_shape[extra + i] != 1]
+        summed = per.sum(dims, keepdim=True) if dims else per
+        summed = summed.reshape(*per.shape[:start], *self.shape)
+        return summed * self.scale if self.scale != 1.0 else summed
+
+    def act_view(self, act: Tensor, samples: int) -> Tensor:
+        """A call's activation, the same for every sample: ``[B, *act.shape]``."""
+        return act.unsqueeze(0).expand(samples, *act.shape)
 
 
 def candidates(shape: Sequence[int], samples: int, dims: Sequence[int]) -> list[SampleLayout]:
@@ -112,6 +168,10 @@ def allowed_dims(layout: Layout, shape: Sequence[int],
         dims = list(range(ndim - 1))
     elif isinstance(layout, LayerNormLayout):
         dims = list(range(ndim - len(layout.normalized_shape)))
+    elif isinstance(layout, BroadcastLayout):  # ``x ⊙ p``, ``x + p``, ``p.expand``: the
+        dims = [d for d in range(ndim) if d not in layout.width_dims]  # dims p is broadcast on
+        if act_shape is not None and len(act_shape) != ndim:  # ``x`` broadcast too: the
+            return []  # per-sample product would need its own alignment
     else:
         dims = []
     if act_shape is not None:
@@ -128,14 +188,19 @@ def localized(probe: Tensor, layout: SampleLayout, sample: int, samples: int) ->
 
 
 class Choice:
-    """The outcome of choosing one tensor's layout (NOTE [sample layouts])."""
+    """The outcome of choosing one tensor's layout (NOTE [sample layouts]).
 
-    def __init__(self, layout: SampleLayout | None, reason: str = "") -> None:
+    ``shared``: the tap is read where it meets the batch, whose layout is ``layout``.
+    """
+
+    def __init__(self, layout: SampleLayout | None, reason: str = "",
+                 shared: SharedSamples | None = None) -> None:
         self.layout = layout
         self.reason = reason
+        self.shared = shared
 
     def __repr__(self) -> str:
-        return f"Choice({self.layout}, {self.reason!r})"
+        return f"Choice({self.shared or self.layout}, {self.reason!r})"
 
 
 def choose(options: Sequence[SampleLayout], probes: Sequence[tuple[int, Tensor | None]],

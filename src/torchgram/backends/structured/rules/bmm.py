@@ -82,12 +82,13 @@ class BmmRule(Rule):
         operands = [Operand(w, BmmLayout(groups, q, p, rule="baddbmm" if added else "bmm"),
                             act=x), Operand(x, None)]
         if added:
-            from torchgram.backends.structured.rules.elementwise import BroadcastLayout
+            from torchgram.backends.structured.rules.elementwise import (
+                BroadcastLayout,
+                broadcast_shape,
+            )
 
             bias = values[0]
-            try:
-                torch.broadcast_shapes(tuple(bias.shape), (groups, n, p))
-            except RuntimeError:
+            if broadcast_shape(tuple(bias.shape), (groups, n, p)) is None:
                 return None
             operands.insert(0, Operand(bias, None, bias_of=BroadcastLayout(
                 (groups, n, p), tuple(bias.shape), act_ndim=None, scale=float(beta))))

@@ -120,10 +120,31 @@ def _broadcast_pair(a: Any, b: Any
     shape_a, shape_b = _shape(a), _shape(b)
     if shape_a is None or shape_b is None or a.dtype != b.dtype:
         return None
-    try:
-        return shape_a, shape_b, tuple(torch.broadcast_shapes(shape_a, shape_b))
-    except RuntimeError:
-        return None
+    out = broadcast_shape(shape_a, shape_b)
+    return None if out is None else (shape_a, shape_b, out)
+
+
+def broadcast_shape(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...] | None:
+    """``torch.broadcast_shapes(a, b)`` for two shapes, or ``None`` where they do not broadcast.
+
+    Plain Python: ``torch.broadcast_shapes`` goes through ``torch._refs`` (tens of µs a call),
+    and the rules match every product and sum a recorded forward makes with a parameter.
+
+    Example:
+        >>> broadcast_shape((2, 1, 3), (4, 1)), broadcast_shape((2, 3), (4,))
+        ((2, 4, 3), None)
+    """
+    n = max(len(a), len(b))
+    a, b = (1,) * (n - len(a)) + a, (1,) * (n - len(b)) + b
+    out = []
+    for x, y in zip(a, b, strict=True):
+        if x == y or y == 1:
+            out.append(x)
+        elif x == 1:
+            out.append(y)
+        else:
+            return None
+    return tuple(out)
 
 
 class MulRule(Rule):

@@ -176,12 +176,13 @@ class AddmmRule(Rule):
             return None
         if not all(isinstance(t, Tensor) for t in (bias, a, b)) or a.dim() != 2 or b.dim() != 2:
             return None
-        from torchgram.backends.structured.rules.elementwise import BroadcastLayout
+        from torchgram.backends.structured.rules.elementwise import (
+            BroadcastLayout,
+            broadcast_shape,
+        )
 
         out = (a.shape[0], b.shape[1])
-        try:
-            torch.broadcast_shapes(tuple(bias.shape), out)
-        except RuntimeError:
+        if broadcast_shape(tuple(bias.shape), out) is None:
             return None
         operands = (Operand(bias, None, bias_of=BroadcastLayout(out, tuple(bias.shape),
                                                                 act_ndim=None,
