@@ -152,9 +152,13 @@ def test_cg_solver_hands_back_what_it_does_not_certify(monkeypatch: pytest.Monke
     assert_close(solution.x, solve_nonneg_qp(H, H), rtol=1e-10, atol=1e-12)
 
 
-def test_cg_solver_on_a_singular_matrix() -> None:
-    # reg_eps = 0 and a rank-2 J: the minimisers are not unique; whatever CG does not certify,
-    # solve_nonneg leaves to the direct solver, and the answer is optimal.
+@pytest.mark.parametrize("solver", ["default", "sync"])
+def test_cg_solvers_on_a_singular_matrix(solver: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # reg_eps = 0 and a rank-2 J: the minimisers are not unique; whatever CG (or the
+    # synchronous rounds, forced) does not certify, solve_nonneg leaves to the other solvers,
+    # and the answer is optimal.
+    if solver == "sync":
+        force_solver(monkeypatch, "sync")
     J = torch.randn(140, 2, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
     J = J @ torch.randn(2, 150, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
     H = J @ J.T / (J @ J.T).trace()

@@ -99,19 +99,6 @@ def test_sync_rounds_hand_back_what_they_do_not_certify(monkeypatch: pytest.Monk
         assert_close(solution.x, solve_nonneg_qp(H, H), rtol=1e-10, atol=1e-12)
 
 
-def test_sync_rounds_on_a_singular_matrix(monkeypatch: pytest.MonkeyPatch) -> None:
-    # reg_eps = 0 and a rank-2 J: whatever the rounds do not certify goes on to the other solvers.
-    force_solver(monkeypatch, "sync")
-    J = torch.randn(140, 2, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
-    J = J @ torch.randn(2, 150, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
-    H = J @ J.T / (J @ J.T).trace()
-    x = _nonneg.solve_nonneg(H, H).x
-    s = x @ H + H
-    assert torch.isfinite(x).all() and (x >= 0).all()
-    assert (s >= -1e-10).all()
-    assert (x * s).abs().max() < 1e-10
-
-
 @pytest.mark.parametrize("structure", ["full-rank", "half-rank"])
 def test_upgrad_through_the_sync_rounds_matches_torchjd(structure: str) -> None:
     G = gramian(128, structure, seed=9)
