@@ -92,10 +92,14 @@ def test_cg_and_direct_solvers_agree(monkeypatch: pytest.MonkeyPatch, structure:
 
 
 @pytest.mark.parametrize("structure", ["full-rank", "half-rank"])
-def test_upgrad_matches_torchjd_at_scale(structure: str) -> None:
-    G = gramian(128, structure, seed=2)
+@pytest.mark.parametrize("seed", [2, 9])
+def test_upgrad_matches_torchjd_at_scale(structure: str, seed: int) -> None:
+    # full rank: the synchronous rounds first (NOTE [synchronous CG rounds]); half rank: not
+    G = gramian(128, structure, seed=seed)
     reference = torchjd_weighting("upgrad")
-    assert_close(weighting.upgrad(G), reference(G), rtol=1e-9, atol=1e-10)
+    state = weighting.WarmStart()
+    assert_close(weighting.upgrad(G, state=state), reference(G), rtol=1e-9, atol=1e-10)
+    assert state.solver == "cg"
     G32 = G.float()
     assert_close(weighting.upgrad(G32), reference(G32), rtol=1e-5, atol=1e-5)
 

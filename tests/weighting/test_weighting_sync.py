@@ -10,7 +10,6 @@ import functools
 
 import pytest
 import torch
-from test_weighting import torchjd_weighting
 from test_weighting_qp import brute_force_nonneg_qp, random_psd
 from test_weighting_scale import force_solver, gramian
 from torch.testing import assert_close
@@ -97,17 +96,6 @@ def test_sync_rounds_hand_back_what_they_do_not_certify(monkeypatch: pytest.Monk
         solution = _nonneg.solve_nonneg(H, H)
         assert solution.solver == "cg"
         assert_close(solution.x, solve_nonneg_qp(H, H), rtol=1e-10, atol=1e-12)
-
-
-@pytest.mark.parametrize("structure", ["full-rank", "half-rank"])
-def test_upgrad_through_the_sync_rounds_matches_torchjd(structure: str) -> None:
-    G = gramian(128, structure, seed=9)
-    reference = torchjd_weighting("upgrad")
-    state = weighting.WarmStart()
-    assert_close(weighting.upgrad(G, state=state), reference(G), rtol=1e-9, atol=1e-10)
-    assert state.solver == "cg"
-    G32 = G.float()
-    assert_close(weighting.upgrad(G32), reference(G32), rtol=1e-5, atol=1e-5)
 
 
 def test_warm_started_sync_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
