@@ -27,6 +27,7 @@ from fuzz_arch import (
     Head,
     Linear,
     RnnCell,
+    Tokens,
 )
 from fuzz_check import check
 from reference import dense_gramian
@@ -161,5 +162,37 @@ def test_float32_dropout_against_an_oracle_of_the_same_dtype(backend: str) -> No
         head=Head(kind="sq_mean", classes=3), dtype="float32", output_dim=0, input_dim=1,
         layout="list", params_at="last", extra_leaves=True, has_aux=True, memory_budget=8,
         head_extra="expand", requires_grad=True, alias_tied=True, grad_mode="no_grad")
+    outcome = check(case, backend)
+    assert outcome == "answered" or backend in ("jacobian", "ntvp")  # they refuse dropout
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dropout_after_a_batch_first_recurrent_net(backend: str) -> None:
+    """Hunt 9: the recurrent rewrite had started stacking a ``batch_first`` net's outputs
+    batch-first (contiguous ``[B, T, H]``), where the fused kernel returns time-major storage
+    seen batch-first; a dropout after it lays its mask out along those strides, so structured
+    and auto differentiated another mask than the plain call (relative error 0.03 to 0.56).
+    The rewritten output has the fused kernel's strides again."""
+    case = FuzzCase(
+        seed=437, batch=2, length=3, input=Features(width=2, flat=False),
+        layers=(FusedRnn(hidden=3, kind="gru"), Dropout(p=0.5), FusedRnn(hidden=3, kind="gru"),
+                RnnCell(hidden=3, kind="gru", bias=False, frozen=True)),
+        head=Head(kind="seq", classes=3), dtype="float32", output_dim=1, input_dim=2,
+        layout="nested", params_at="last", diagonal=True, per_leaf=True, chunk_size=2,
+        memory_budget=512, repeat="skip_last", grad_mode="no_grad")
+    outcome = check(case, backend)
+    assert outcome == "answered" or backend in ("jacobian", "ntvp")  # they refuse dropout
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dropout_between_a_batch_first_gru_and_attention(backend: str) -> None:
+    """Hunt 9, the same cause on tokens: GRU, dropout, then attention (relative error 0.2)."""
+    case = FuzzCase(
+        seed=0, batch=3, length=3,
+        input=Tokens(vocab=3, width=4, padding_idx=0, scale_grad_by_freq=False, frozen=False),
+        layers=(FusedRnn(hidden=3, kind="gru"), Dropout(p=0.5),
+                Attention(heads=1, form="sdpa", causal=False, bias=False, frozen=True)),
+        head=Head(kind="ce", classes=3), dtype="float32", output_dim=0, input_dim=0,
+        as_module=True, mixed_dtypes=True, layout="flat", grad_mode="no_grad")
     outcome = check(case, backend)
     assert outcome == "answered" or backend in ("jacobian", "ntvp")  # they refuse dropout

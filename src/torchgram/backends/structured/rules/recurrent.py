@@ -25,7 +25,10 @@ ops, which use no parameter, run without it (they are most of the calls). ``xs``
 unbound once into its steps: indexing it per step would make every step's backward write a
 full-size zero gradient of ``xs`` (``T²`` work). A ``batch_first`` input keeps its layout
 (steps along dim 1, outputs stacked there): a transposed ``x`` would make the projection and
-its backward batched products over the steps instead of one matrix product.
+its backward batched products over the steps instead of one matrix product. The output is
+then given the fused kernel's strides (time-major storage, seen batch-first): a random op
+after it (``F.dropout``) lays its mask out along its input's strides, so other strides would
+drop other entries than in the call being differentiated (NOTE [draws under torch.func]).
 Only the unpacked form with no active inter-layer dropout is rewritten (the fused kernel
 draws its dropout masks differently from ``F.dropout``); a ``PackedSequence`` or dropout in
 training mode keeps the fused call, and its weights the fallback. Results are exact either
@@ -175,6 +178,8 @@ def _run(cell: Cell, x: Tensor, initial: Sequence[State], params: Sequence[Tenso
             outputs.append(torch.stack(out, dim=dim))
             finals.append(state)
         x = outputs[0] if directions == 1 else torch.cat(outputs, dim=-1)
+    if batch_first:  # the fused kernel's layout: time-major storage seen batch-first
+        x = x.transpose(0, 1).contiguous().transpose(0, 1)
     return x, finals
 
 
