@@ -50,6 +50,7 @@ import torch  # noqa: E402
 
 import torchgram  # noqa: E402
 from benchmarks import cases, peers, real_cases, report  # noqa: E402
+from benchmarks.measure import error_line  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CASES = ("mlp", "cnn", "transformer")
@@ -98,12 +99,8 @@ def _prepare(case: cases.Case, names: Sequence[str],
         except peers.Unavailable as why:
             print(f"  {name}: skipped ({why})")
         except Exception as error:  # a peer that cannot run this model: reported
-            failures[name] = _error_text(error)
+            failures[name] = error_line(error, limit=160)
     return calls
-
-
-def _error_text(error: BaseException) -> str:
-    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:160]
 
 
 def real_case(name: str, quick: bool) -> cases.Case:
@@ -147,7 +144,7 @@ def section(case: cases.Case, names: Sequence[str], reference: str, step: bool,
             _timed(call)
             answers[name] = _answer(name, _timed(call)[1], case, step)
         except Exception as error:  # a peer that cannot run this model: reported
-            failures[name] = _error_text(error)
+            failures[name] = error_line(error, limit=160)
             del calls[name]
     ref = answers.get(reference)
     errors = {}

@@ -187,6 +187,17 @@ def _timed(call: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - start, result
 
 
+def error_line(error: BaseException, limit: int = 200) -> str:
+    """``"Type: first line of the message"``, at most ``limit`` characters of the message.
+
+    Example:
+        >>> error_line(ValueError("bad shape\\nmore"), limit=5), error_line(KeyError())
+        ('ValueError: bad s', 'KeyError: ')
+    """
+    lines = str(error).splitlines()
+    return f"{type(error).__name__}: {lines[0][:limit] if lines else ''}"
+
+
 def set_threads(threads: int) -> None:
     """Fix torch's intra-op threads (and inter-op threads, when still possible)."""
     torch.set_num_threads(threads)
@@ -237,7 +248,7 @@ def measure(case_name: str, method_name: str, sizes: cases.Sizes, policy: Policy
             record.status, record.message = "skipped", str(why)
         except Exception as error:  # noqa: BLE001 — any failure is reported, not raised
             record.status = "error"
-            record.message = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+            record.message = error_line(error)
             record.warnings.append(traceback.format_exc(limit=-3))
     record.warnings.extend(sorted({f"{w.category.__name__}: {str(w.message)[:160]}"
                                    for w in caught}))

@@ -46,7 +46,7 @@ from torch import Tensor  # noqa: E402
 
 import torchgram as tg  # noqa: E402
 from benchmarks import real_cases  # noqa: E402
-from benchmarks.measure import peak_memory_of, set_threads  # noqa: E402
+from benchmarks.measure import error_line, peak_memory_of, set_threads  # noqa: E402
 from benchmarks.run import _commit, _cpu, _load  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -225,7 +225,7 @@ def measure_model(name: str, sizes: real_cases.Sizes, methods: list[str], rounds
             rec.status, rec.message = "skipped", str(why)
         except Exception as error:  # noqa: BLE001 -- reported, not raised
             rec.status = "error"
-            rec.message = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+            rec.message = error_line(error, limit=160)
     order = list(calls)
     start = time.perf_counter()
     for r in range(rounds):
