@@ -311,23 +311,28 @@ def _plan_side(problem: Problem, ways: dict[int, str] | None, *, whole_batch: bo
     return forward, ways or cross_ways(plan), plan, False
 
 
-def compute_side(problem: Problem, ways: dict[int, str] | None = None) -> Side:
+def compute_side(problem: Problem, ways: dict[int, str] | None = None, *,
+                 coupled: NotPerSample | None = None) -> Side:
     """Run ``problem``'s passes once and keep its factors / Jacobians (NOTE above).
 
     ``ways``: those of the other side (so that both keep the same pieces); ``None``: this
     side's own plan. Where the per-sample passes do not hold, the side's rows are those of
-    the whole batch, every leaf materialized (NOTE [per-sample]).
+    the whole batch, every leaf materialized (NOTE [per-sample]); ``coupled``: they were
+    already found not to hold (why), and are not tried again.
     """
     with torch.enable_grad():
-        if problem.batch is not None:
+        if problem.batch is None:
+            return _compute_side(problem, ways, whole_batch=False)
+        why = coupled
+        if why is None:
             try:
                 return _compute_side(problem, ways, whole_batch=False)
-            except NotPerSample as why:
-                side = _compute_side(problem, ways, whole_batch=True)
-                side.notes.append(f"per-sample passes do not hold ({why.reason}): rows of "
-                                  "the whole batch")
-                return side
-        return _compute_side(problem, ways, whole_batch=False)
+            except NotPerSample as error:
+                why = error
+        side = _compute_side(problem, ways, whole_batch=True)
+        side.notes.append(f"per-sample passes do not hold ({why.reason}): rows of the whole "
+                          "batch")
+        return side
 
 
 def _compute_side(problem: Problem, ways: dict[int, str] | None, *, whole_batch: bool) -> Side:
@@ -698,33 +703,31 @@ def _streamed_block(left: Side, right_problem: Problem, spec: PairSpec, dtype: t
     """The block between ``left`` and ``right_problem`` with the right side streamed.
 
     ``None`` where streaming does not apply (rows of more than one axis, no per-sample
-    structure, or samples that interact): the caller computes the side.
+    structure): the caller computes the side. Raises ``NotPerSample`` where the samples
+    interact (before any chunk is contracted).
     """
     if (right_problem.batch is None or right_problem.loops_only or len(left.row_shape) != 1
             or len(row_shape(right_problem)) != 1):
         return None
-    try:
-        with torch.enable_grad():
-            _, chunks = _side_chunks(right_problem, left.ways, whole_batch=False,
-                                     pass_bytes=STREAM_PASS_BYTES)
-            mode = spec.row_modes[0]
-            block = torch.zeros(shape, dtype=dtype, device=right_problem.output.device)
-            act_grams: dict[tuple[int, int], Tensor] = {}
-            for start, stop, part in chunks:
-                rows = left if mode == "free" else _take_rows(left, start, stop)
-                try:
-                    piece = contract(rows, part, spec, dtype, act_grams)
-                except _NoBlock:
-                    continue
-                if mode == "free":
-                    block[:, :, :, :, start:stop] = piece
-                elif mode == "diagonal":
-                    block[:, start:stop] = piece
-                else:
-                    block += piece
-                del part, piece
-    except NotPerSample:
-        return None
+    with torch.enable_grad():
+        _, chunks = _side_chunks(right_problem, left.ways, whole_batch=False,
+                                 pass_bytes=STREAM_PASS_BYTES)
+        mode = spec.row_modes[0]
+        block = torch.zeros(shape, dtype=dtype, device=right_problem.output.device)
+        act_grams: dict[tuple[int, int], Tensor] = {}
+        for start, stop, part in chunks:
+            rows = left if mode == "free" else _take_rows(left, start, stop)
+            try:
+                piece = contract(rows, part, spec, dtype, act_grams)
+            except _NoBlock:
+                continue
+            if mode == "free":
+                block[:, :, :, :, start:stop] = piece
+            elif mode == "diagonal":
+                block[:, start:stop] = piece
+            else:
+                block += piece
+            del part, piece
     return block
 
 
@@ -759,13 +762,19 @@ def structured_cross(problem: CrossProblem) -> CrossResult:
     report.notes.extend(left.notes)
     blocks = []
     for index, right_problem in enumerate(problem.rights):
-        streamed = None if right_problem is None else _streamed_block(
-            left, right_problem, spec, dtype, problem.block_shape(index))
+        streamed, coupled = None, None
+        if right_problem is not None:
+            try:
+                streamed = _streamed_block(left, right_problem, spec, dtype,
+                                           problem.block_shape(index))
+            except NotPerSample as why:  # the side's rows are the whole batch's
+                coupled = why
         if streamed is not None:
             blocks.append(streamed)
             problem.done()
             continue
-        right = None if right_problem is None else compute_side(right_problem, left.ways)
+        right = None if right_problem is None else compute_side(right_problem, left.ways,
+                                                                coupled=coupled)
         if right is not None:
             report.notes.extend(note for note in right.notes if note not in report.notes)
         try:
