@@ -171,3 +171,30 @@ def dense_cross_kernel(f: Callable[..., Any], params: Any, x1: Any, x2: Any | No
                        kwargs: dict[str, Any] | None = None) -> Tensor:
     """neural-tangents' kernel of ``f(params, x)``: :func:`nt_layout` of the dense cross Gramian."""
     return nt_layout(dense_cross_gramian(f, params, x1, x2, kwargs), trace_axes, diagonal_axes)
+
+
+def differentiable_cross_kernel(f: Callable[..., Any], params: Any, x1: Any, x2: Any | None,
+                                trace_axes: Sequence[int] = (),
+                                diagonal_axes: Sequence[int] = ()) -> Tensor:
+    """:func:`dense_cross_kernel` with nothing detached: eager autograd and ``torch.func``
+    transforms differentiate through it (the reference for gradients *of* kernels)."""
+    def flat_jacobian(x: Any) -> tuple[Tensor, tuple[int, ...]]:
+        leaves, spec = optree.tree_flatten(params)
+        floating = [i for i, leaf in enumerate(leaves)
+                    if isinstance(leaf, Tensor) and leaf.is_floating_point()]
+
+        def flat_output(*values: Tensor) -> Tensor:
+            full = list(leaves)
+            for i, value in zip(floating, values, strict=True):
+                full[i] = value
+            return f(optree.tree_unflatten(spec, full), x).reshape(-1)
+
+        out_shape = tuple(f(params, x).shape)
+        per_leaf = torch.func.jacrev(flat_output, argnums=tuple(range(len(floating))))(
+            *(leaves[i] for i in floating))
+        return torch.cat([jac.reshape(jac.shape[0], -1) for jac in per_leaf], 1), out_shape
+
+    first, shape1 = flat_jacobian(x1)
+    second, shape2 = (first, shape1) if x2 is None else flat_jacobian(x2)
+    gram = (first @ second.T).reshape(*shape1, *shape2)
+    return nt_layout(gram, trace_axes, diagonal_axes)

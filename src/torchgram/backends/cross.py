@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from torchgram._core import functional
+from torchgram._core.composition import COMPOSING_BACKENDS
 from torchgram._core.cross import (
     CrossProblem,
     CrossResult,
@@ -57,14 +58,14 @@ def _group_jacobian(problem: Problem, group: LeafGroup, report: RunReport,
             batch_outputs, _ = batch_rows(problem)
             _, writer = jacobian_module._per_sample_group(problem, group, report, loop,
                                                           batch_outputs)
-            return sample_rows_view(writer.block, problem, "sample_major")
+            return sample_rows_view(writer.rows_block(), problem, "sample_major")
         except NotPerSample as why:
             note = (f"per-sample evaluation does not hold ({why.reason}): rows of the whole "
                     "batch instead")
             if note not in report.notes:
                 report.notes.append(note)
     _, _, writer = jacobian_module._dense_group(problem, group, report, loop)
-    return sample_rows_view(writer.block, problem, "output")
+    return sample_rows_view(writer.rows_block(), problem, "output")
 
 
 def _with_loops(problem: CrossProblem, run: object) -> CrossResult:
@@ -177,18 +178,24 @@ def _ntvp_cross(problem: CrossProblem, loop: bool) -> CrossResult:
 
 
 def _ntvp_block(left: Problem, right: Problem, report: RunReport, loop: bool) -> Tensor:
-    """``[m1, m2]``: column ``i`` is ``J1 (J2ᵀ e_i)`` (both in output order)."""
-    m1, m2 = left.num_rows, right.num_rows
-    block = torch.zeros(m2, m1, dtype=left.compute_dtype, device=left.output.device)
+    """``[m1, m2]``: column ``i`` is ``J1 (J2ᵀ e_i)`` (both in output order).
+
+    The columns are computed in chunks and joined out of place (no writes into a buffer), so
+    the block is differentiable and batchable where the call is (NOTE [composition]).
+    """
+    m2 = right.num_rows
     width = sum(leaf.numel() for leaf in right.leaves)
     chunk = 1 if loop else rows_per_chunk(right.chunk_size, m2, width, right.itemsize,
                                           right.memory_budget)
+    dtype = left.compute_dtype
+    columns: list[Tensor] = []  # [count, m1] each
+    rows_of_columns: list[Tensor] = []  # the output rows of side 2 they belong to
 
     def push(tangents: tuple[Tensor, ...]) -> Tensor:
         report.row_chunks.append((tangents[0].shape[0], sum(
             t.numel() * t.element_size() for t in tangents)))
         return ntvp_module._push_forward(left, lambda *ls: left.rows(ls)[0], left.leaves,
-                                         tangents)
+                                         tangents).to(dtype)
 
     if right.batch is not None:
         try:
@@ -199,17 +206,19 @@ def _ntvp_block(left: Problem, right: Problem, report: RunReport, loop: bool) ->
                 vjps, outputs = ntvp_module._sample_vjps(right, right.batch.narrow(first, count),
                                                          k0, k1, loop)
                 check_samples(right, outputs, torch.arange(first, first + count), batch_outputs)
-                block[index[first:first + count, k0:k1].reshape(-1)] = push(vjps).to(block.dtype)
-            return block.T
+                rows_of_columns.append(index[first:first + count, k0:k1].reshape(-1))
+                columns.append(push(vjps))
+            order = torch.argsort(torch.cat(rows_of_columns))
+            return torch.cat(columns)[order].T
         except NotPerSample as why:
             report.notes.append(f"per-sample evaluation does not hold ({why.reason}): rows of "
                                 "the whole batch instead")
+            columns.clear()
     rows, vjp_fn = functional.vjp(lambda *ls: right.rows(ls)[0], *right.leaves)
     for start in range(0, m2, chunk):
         stop = min(start + chunk, m2)
-        tangents = jacobian_module.row_vjps(vjp_fn, rows, start, stop)
-        block[start:stop] = push(tangents).to(block.dtype)
-    return block.T
+        columns.append(push(jacobian_module.row_vjps(vjp_fn, rows, start, stop)))
+    return torch.cat(columns).T
 
 
 # -- graph -----------------------------------------------------------------------------------
@@ -237,10 +246,13 @@ def graph_cross(problem: CrossProblem) -> CrossResult:
 
 def _auto_order(problem: Problem) -> tuple[str, ...]:
     """``plan_auto(problem).order``, kept with the structured plan it derives from."""
-    from torchgram.backends.auto import LAST_RESORT, estimate_backends, ranked
+    from torchgram.backends.auto import LAST_RESORT, estimate_backends, plan_auto, ranked
     from torchgram.backends.structured import plan_problem
 
-    plan = plan_problem(problem)
+    try:
+        plan = plan_problem(problem)
+    except NotPerSample:  # f fails on a batch of one: planned on the whole batch's rows
+        return plan_auto(problem).order
     key = ("auto order", plan.sizes, problem.chunk_size, problem.memory_budget,
            problem.batch is None, tuple(leaf.numel() for leaf in problem.leaves))
     order = plan.recording.plans.get(key)
@@ -253,6 +265,11 @@ def _auto_order(problem: Problem) -> tuple[str, ...]:
 
 @register_cross("auto")
 def auto_cross(problem: CrossProblem) -> CrossResult:
-    """``auto``'s candidates for the left side's Gramian, in order, until one can."""
-    return first_that_runs(_auto_order(problem.left),
-                           lambda name: get_cross_backend(name)(problem))
+    """``auto``'s candidates for the left side's Gramian, in order, until one can.
+
+    Inside ``torch.func`` transforms nothing is traced (NOTE [composition]): the backends
+    that compose, in their order.
+    """
+    order = (COMPOSING_BACKENDS if problem.left.composition.transforms
+             else _auto_order(problem.left))
+    return first_that_runs(order, lambda name: get_cross_backend(name)(problem))

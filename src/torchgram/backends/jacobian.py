@@ -168,6 +168,12 @@ class _BlockWriter:
             blocks.add_jacobian([s.leaf for s in self.group.slices], self.block,
                                 [s.width for s in self.group.slices])
 
+    def rows_block(self) -> Tensor:
+        """The group's block ``[rows, width]`` as written (the kept chunks joined, if any)."""
+        if self.chunks is not None:
+            self._concatenate()
+        return self.block
+
     def _concatenate(self) -> None:
         """The kept row chunks as the block (or the diagonals), out of place."""
         assert self.chunks is not None

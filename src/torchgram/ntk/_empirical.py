@@ -28,8 +28,9 @@ from torch import Tensor
 from torchgram._core import checks
 from torchgram._core.checks import fail, function_name
 from torchgram._core.cross import CrossProblem, PairSpec, mirror, row_shape
-from torchgram._core.errors import OutputChanged
+from torchgram._core.errors import NotPerSample, OutputChanged
 from torchgram._core.options import Options
+from torchgram._core.per_sample import batch_rows, check_samples, fails_alone
 from torchgram._core.problem import Problem, build_problem, forget_probe, replace_input_leaves
 from torchgram._core.progress import Progress
 from torchgram._core.result import RunReport
@@ -88,6 +89,7 @@ class KernelRun:
         tile_size: Samples per tile (``None``: one tile per side).
         seconds: Wall time of the call.
         reports: The backends' reports (one per tile of ``x1``).
+        notes: What the call itself noted (e.g. why it did not tile).
     """
 
     shape: tuple[int, ...]
@@ -97,9 +99,11 @@ class KernelRun:
     tile_size: int | None
     seconds: float
     reports: list[RunReport] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     def _rows(self) -> list[tuple[str, str]]:
-        notes = sorted({note for report in self.reports for note in report.notes})
+        notes = [*self.notes,
+                 *sorted({note for report in self.reports for note in report.notes})]
         attempts = sorted({f"{name}: {why}" for report in self.reports
                            for name, why in report.attempts})
         ways = self.reports[0].leaf_ways if self.reports else ()
@@ -216,12 +220,17 @@ class EmpiricalNTK:
         batch_axis = None if left.output.batch_dims is None else left.output.batch_dims[0]
         spec = make_spec(_API, self.trace_axes, self.diagonal_axes, shape1, shape2, batch_axis)
         tile = _tile_size(left, right, spec)
-        tiles1 = _tiles(left, tile, fresh)
-        tiles2 = tiles1 if right is None else _tiles(right, tile, fresh)
+        tile_notes: list[str] = []
+        tiles1 = _tiles(left, tile, fresh, tile_notes)
+        tiles2 = tiles1 if right is None else _tiles(right, tile, fresh, tile_notes)
         plan = _pairing(len(tiles1), len(tiles2), self_kernel=right is None,
                         diagonal=spec.batch_mode != "free")
         single = len(tiles1) == 1 and len(tiles2) == 1
-        canonical = None if single else _canonical(left, right, spec)
+        # inside torch.func transforms, tiles are joined out of place: no writes of batched
+        # values into a fresh buffer (NOTE [composition])
+        joined: dict[tuple[int, int], Tensor] | None = (
+            {} if left.composition.transforms and not single else None)
+        canonical = None if single or joined is not None else _canonical(left, right, spec)
         reports, backends = [], []
         total = sum(len(rights) for _, rights in plan)
         try:
@@ -235,6 +244,9 @@ class EmpiricalNTK:
                     if result.report.backend not in backends:
                         backends.append(result.report.backend)
                     for j, block in zip(rights, result.blocks, strict=True):
+                        if joined is not None:
+                            joined[(i, i if j is None else j)] = block.to(left.compute_dtype)
+                            continue
                         if canonical is None:
                             canonical = block
                             continue
@@ -246,11 +258,14 @@ class EmpiricalNTK:
                     forget_probe(side)
             left.draw.rewind()  # the call starts afresh, from its own random state
             raise
+        if joined is not None:
+            canonical = _join_tiles(joined, spec, len(tiles1), len(tiles2),
+                                    self_kernel=right is None)
         assert canonical is not None
         kernel = to_nt_layout(canonical, spec, shape1, shape2).to(left.output.dtype)
         self.last_run = KernelRun(nt_shape(spec, shape1, shape2), tuple(backends),
                                   (len(tiles1), len(tiles2)), total, tile,
-                                  time.perf_counter() - start, reports)
+                                  time.perf_counter() - start, reports, tile_notes)
         return kernel
 
 
@@ -284,11 +299,14 @@ def _side_bytes_per_sample(problem: Problem) -> float:
     rows = problem.rows_per_sample
     numel = sum(leaf.numel() for leaf in problem.leaves)
     dense = float(rows * numel * problem.itemsize)
-    if problem.options.backend not in ("auto", "structured"):
-        return dense
+    if problem.options.backend not in ("auto", "structured") or problem.composition.transforms:
+        return dense  # inside torch.func transforms nothing is traced (NOTE [composition])
     from torchgram.backends.structured import plan_problem
 
-    plan = plan_problem(problem)
+    try:
+        plan = plan_problem(problem)
+    except NotPerSample:  # f fails on a batch of one (tracing runs one sample): no plan
+        return dense
     return max(1.0, sum(p.memory for p in plan.leaves) / max(1, problem.samples))
 
 
@@ -310,8 +328,15 @@ def _tile_size(left: Problem, right: Problem | None, spec: PairSpec) -> int | No
     return None if size >= samples else size
 
 
-def _tiles(problem: Problem, tile: int | None, fresh: bool) -> list[Problem]:
-    """The problem cut into tiles of ``tile`` samples (itself when one tile)."""
+def _tiles(problem: Problem, tile: int | None, fresh: bool,
+           notes: list[str]) -> list[Problem]:
+    """The problem cut into tiles of ``tile`` samples (itself when one tile).
+
+    A tile is ``f`` called on some of the samples, which computes the same rows as the whole
+    batch only where the samples do not interact: tiles are used only after their outputs
+    were found equal to the batch's (NOTE [per-sample]); otherwise (samples that interact,
+    random draws, ``f`` failing on a tile) the side is one tile, with a note in ``notes``.
+    """
     batch = problem.batch
     if tile is None or batch is None or batch.size <= tile:
         return [problem]
@@ -321,7 +346,29 @@ def _tiles(problem: Problem, tile: int | None, fresh: bool) -> list[Problem]:
         args, kwargs = replace_input_leaves(problem.args, problem.kwargs, batch.positions,
                                             batch.narrow(first, count))
         tiles.append(build_problem(problem.options, problem.f, args, kwargs, fresh=fresh))
+    try:
+        _check_tiles(problem, tiles)
+    except NotPerSample as why:
+        notes.append(f"one tile per side, over memory_budget: tiles of the batch would not "
+                     f"compute f as called ({why.reason})")
+        return [problem]
     return tiles
+
+
+def _check_tiles(problem: Problem, tiles: Sequence[Problem]) -> None:
+    """Raise :class:`NotPerSample` unless every tile's outputs are the batch's rows."""
+    full_rows, _ = batch_rows(problem)
+    first = 0
+    for tile in tiles:
+        try:
+            rows, _ = batch_rows(tile)
+        except (NotPerSample, OutputChanged):
+            raise
+        except Exception as error:  # noqa: BLE001 -- f fails on a tile (a batch of one ...)
+            raise fails_alone(error) from error
+        samples = torch.arange(first, first + tile.samples, device=full_rows.device)
+        check_samples(problem, rows[tile.sample_major_index], samples, full_rows)
+        first += tile.samples
 
 
 def _pairing(n1: int, n2: int, *, self_kernel: bool,
@@ -369,6 +416,35 @@ def _place(canonical: Tensor, block: Tensor, spec: PairSpec, tiles1: Sequence[Pr
     canonical[:, :, :, rows1, :, rows2] = block
     if self_kernel and i != j:
         canonical[:, :, :, rows2, :, rows1] = mirror(block)
+
+
+def _join_tiles(blocks: dict[tuple[int, int], Tensor], spec: PairSpec, n1: int, n2: int, *,
+                self_kernel: bool) -> Tensor:
+    """The canonical kernel from the blocks of tile pairs ``(i, j)``, out of place.
+
+    What :func:`_place` writes into a buffer, joined with ``cat`` and ``+`` instead (a self
+    kernel's missing pairs are the mirror images of the pairs computed).
+    """
+    mode = spec.batch_mode
+    if mode == "trace":
+        total = None
+        for block in blocks.values():
+            total = block if total is None else total + block
+        assert total is not None
+        return total
+    if mode == "diagonal":
+        return torch.cat([blocks[(i, i)] for i in range(n1)], dim=0)
+
+    def pair(i: int, j: int) -> Tensor:
+        block = blocks.get((i, j))
+        if block is None and self_kernel:
+            return mirror(blocks[(j, i)])
+        assert block is not None
+        return block
+
+    columns = n1 if self_kernel else n2
+    return torch.cat([torch.cat([pair(i, j) for j in range(columns)], dim=5)
+                      for i in range(n1)], dim=3)
 
 
 def empirical_ntk_fn(

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from torchgram._core.composition import require_no_transforms
 from torchgram._core.cross import (
     CrossProblem,
     CrossResult,
@@ -60,6 +61,7 @@ from torchgram.backends.structured.passes import (
     forget_trace,
     per_sample_view,
     restrict,
+    row_grads,
     rows_per_pass,
     trace,
 )
@@ -134,14 +136,28 @@ def materialize(use: UseRecord, factors: UseFactors, numel: int) -> Tensor:
     if groups != 1 or positions == 1 or rows > MAX_ROW_LOOP or act.tensor.dim() != 4:
         return materialize_use(use, factors, numel)
     acts = act.tensor.reshape(samples, positions, -1)  # [B, T, a]
+    if torch.is_grad_enabled() and (acts.requires_grad or cot.tensor.requires_grad):
+        # a differentiable kernel (NOTE [composition]): autograd refuses out= products
+        return torch.stack([_row_product(cot.tensor[r].reshape(samples, positions, width),
+                                         acts, cot_first).reshape(samples, numel)
+                            for r in range(rows)])
     out = cot.tensor.new_empty(rows, samples, numel)
     for r in range(rows):
         cots = cot.tensor[r].reshape(samples, positions, width)  # [B, T, c]
-        if cot_first:
-            torch.bmm(cots.transpose(1, 2), acts, out=out[r].view(samples, width, -1))
-        else:
-            torch.bmm(acts.transpose(1, 2), cots, out=out[r].view(samples, -1, width))
+        _row_product(cots, acts, cot_first, out=out[r].view(samples, numel))
     return out
+
+
+def _row_product(cots: Tensor, acts: Tensor, cot_first: bool, *,
+                 out: Tensor | None = None) -> Tensor:
+    """One row's per-sample ``cotᵀ act`` (``[B, c, a]``) or ``actᵀ cot`` (``[B, a, c]``)."""
+    if cot_first:
+        first, second = cots.transpose(1, 2), acts
+    else:
+        first, second = acts.transpose(1, 2), cots
+    if out is None:
+        return torch.bmm(first, second)
+    return torch.bmm(first, second, out=out.view(first.shape[0], first.shape[1], -1))
 
 
 def cross_ways(plan: StructuredPlan) -> dict[int, str]:
@@ -242,9 +258,8 @@ def _checked_chunks(problem: Problem, forward: Forward, recording: Recording,
         cot, others = _directions(problem, recording, rows, start, stop, extra)
         count = cot.shape[0]
         batched = count > 1
-        raw = torch.autograd.grad(rows, taps, cot if batched else cot[0],
-                                  retain_graph=stop < total, allow_unused=True,
-                                  is_grads_batched=batched)
+        raw = row_grads(rows, taps, cot, batched=batched, retain_graph=stop < total,
+                        create_graph=problem.composition.create_graph)
         grads = [None if g is None else
                  per_sample_view(g if batched else g.unsqueeze(0), dim, 1, samples)
                  for g, dim in zip(raw, forward.tap_dims, strict=True)]
@@ -367,7 +382,8 @@ def _side_chunks(problem: Problem, ways: dict[int, str] | None, *, whole_batch: 
     chunks: Iterator[tuple[int, int, list[Tensor | None], dict[int, Tensor]]] = (
         ((start, stop, cots, {}) for start, stop, cots
          in _checked_chunks(problem, forward, plan.recording, per_pass)) if derivative_check
-        else backward_chunks(forward, per_pass, vectorize=not problem.loops_only))
+        else backward_chunks(forward, per_pass, vectorize=not problem.loops_only,
+                             create_graph=problem.composition.create_graph))
     return side, _chunk_parts(side, forward, plan, chunks)
 
 
@@ -565,12 +581,12 @@ def _ghost_general(act_u: Factor, cot_u: Factor, act_v: Factor, cot_v: Factor, s
         xu = x[:, :, :, bs]
         au = Factor(act_u.tensor[bs], act_u.kind)
         if mode == "free":
-            acts = _act_gram(au, act_v, mode, dtype)  # [b, t, g, c, w]
+            acts = _act_gram(au, act_v, mode, x.dtype)  # [b, t, g, c, w]
             cots = torch.einsum("fdxbtgz,hdxcwgz->dfbtghcw", xu, y)
             pieces.append(torch.einsum("dfbtghcw,btgcw->dfbhc", cots, acts))
         else:
             av = Factor(act_v.tensor[bs], act_v.kind)
-            acts = _act_gram(au, av, mode, dtype)  # [b, t, g, w]
+            acts = _act_gram(au, av, mode, x.dtype)  # [b, t, g, w]
             cots = torch.einsum("fdxbtgz,hdxbwgz->bdftghw", xu, y[:, :, :, bs])
             pieces.append(torch.einsum("bdftghw,btgw->bdfh", cots, acts))
     if mode == "free":
@@ -754,6 +770,7 @@ def structured_cross(problem: CrossProblem) -> CrossResult:
         swapped = structured_cross(dataclasses.replace(problem, left=right_problem,
                                                        rights=(problem.left,)))
         return CrossResult((mirror(swapped.blocks[0]),), swapped.report)
+    require_no_transforms(problem.left, "structured")
     spec = problem.spec
     dtype = problem.left.compute_dtype
     left = compute_side(problem.left)

@@ -448,7 +448,7 @@ def backward_chunks(forward: Forward, per_pass: int, *, vectorize: bool,
         else:
             cot = _direction_cotangents(forward, start, stop)
         batched = vectorize and count > 1
-        raw = _grads(rows, inputs, cot, batched=batched, retain_graph=stop < total,
+        raw = row_grads(rows, inputs, cot, batched=batched, retain_graph=stop < total,
                      create_graph=create_graph)
         grads: list[Tensor | None] = [None if g is None else (g if batched else g.unsqueeze(0))
                                       for g in raw]
@@ -469,7 +469,7 @@ def backward_chunks(forward: Forward, per_pass: int, *, vectorize: bool,
         yield start, stop, tap_cots, carrier_grads
 
 
-def _grads(rows: Tensor, inputs: list[Tensor], cot: Tensor, *, batched: bool,
+def row_grads(rows: Tensor, inputs: Sequence[Any], cot: Tensor, *, batched: bool,
            retain_graph: bool, create_graph: bool) -> tuple[Tensor | None, ...]:
     """``autograd.grad`` of ``rows`` for the cotangents ``cot`` (``[c, *rows]``).
 
