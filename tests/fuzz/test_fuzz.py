@@ -10,6 +10,7 @@ thousands (see ``fuzz_strategies``). A failure hypothesis shrinks becomes a name
 from __future__ import annotations
 
 import pytest
+from fuzz_kernels import check_kernel, kernel_cases
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -32,3 +33,11 @@ def test_oracle_or_torchgram_error(backend: str, data: st.DataObject) -> None:
 def test_eager_oracle_or_torchgram_error(recorded: bool, data: st.DataObject) -> None:
     """``tg.autograd.gramian`` on the graph of an eager call (issue 15), recorded and walked."""
     check_eager(data.draw(cases("graph"), label="case"), recorded)
+
+
+@pytest.mark.parametrize("backend", ["auto", "structured", "jacobian", "ntvp"])
+@profile()
+@given(data=st.data())
+def test_kernel_oracle_or_torchgram_error(backend: str, data: st.DataObject) -> None:
+    """``tg.ntk.empirical_ntk_fn`` cross kernels (issue 11): the oracle's or a torchgram error."""
+    check_kernel(data.draw(kernel_cases(backend), label="kernel"), backend)

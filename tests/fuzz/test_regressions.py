@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812 -- torch's own spelling
+from fuzz_kernels import KernelCase, check_kernel
 from torch import Tensor
 
 import torchgram as tg
@@ -26,6 +27,7 @@ from fuzz_arch import (
     FuzzCase,
     Head,
     Linear,
+    Norm,
     RnnCell,
     Tokens,
 )
@@ -196,3 +198,94 @@ def test_dropout_between_a_batch_first_gru_and_attention(backend: str) -> None:
         as_module=True, mixed_dtypes=True, layout="flat", grad_mode="no_grad")
     outcome = check(case, backend)
     assert outcome == "answered" or backend in ("jacobian", "ntvp")  # they refuse dropout
+
+
+# -- kernels (tg.ntk.empirical_ntk_fn), kernel hunt 1 ------------------------------------------
+
+KERNEL_BACKENDS = ["auto", "structured", "jacobian", "ntvp"]
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_kernel_tiles_of_interacting_samples(backend: str) -> None:
+    """Kernel hunt 1: with ``memory_budget`` the kernel was computed in tiles of samples even
+    where the samples interact (``x - x.mean(0)``): each tile called ``f`` on some samples
+    only, another function (relative error 1). Tiles are now used only after their outputs
+    match the batch's; otherwise one tile, noted in ``last_run``."""
+    case = FuzzCase(
+        seed=54, batch=4, length=1,
+        input=Tokens(vocab=3, width=3, padding_idx=None, scale_grad_by_freq=False, frozen=True),
+        layers=(Norm(kind="layer", affine=True, groups=1, frozen=False),
+                Elementwise(kind="exp", frozen=True), Center(),
+                Norm(kind="batch_eval", affine=False, groups=1, frozen=False)),
+        head=Head(kind="feat", classes=3), dtype="float64", batch_dim=0, layout="list",
+        extra_leaves=True, alias_tied=True)
+    kernel = KernelCase(case, None, (), (), vmap_axes=0, memory_budget=200, chunk_size=1,
+                        stream_bytes=4096)
+    assert check_kernel(kernel, backend) == "answered"
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_kernel_tiles_with_token_counts(backend: str) -> None:
+    """Kernel hunt 1: an embedding with ``scale_grad_by_freq`` divides gradients by token
+    counts over the call's batch; tiles counted over a tile (jacobian: relative error 0.16)."""
+    case = FuzzCase(
+        seed=0, batch=3, length=3,
+        input=Tokens(vocab=4, width=1, padding_idx=3, scale_grad_by_freq=True, frozen=False),
+        layers=(Activation(kind="silu"), RnnCell(hidden=1, kind="rnn_tanh", bias=False),
+                Activation(kind="silu")),
+        head=Head(kind="sq_mean", classes=2), dtype="float64", batch_dim=0, as_module=True)
+    kernel = KernelCase(case, 3, (), (), vmap_axes=0, memory_budget=200, chunk_size=1,
+                        stream_bytes=2**24)
+    assert check_kernel(kernel, backend) == "answered"
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_kernel_tile_sizing_of_f_that_fails_on_one_sample(backend: str) -> None:
+    """Kernel hunt 1: sizing tiles traces ``f`` on one sample; batch-norm in training mode
+    fails there, and the internal ``NotPerSample`` escaped raw."""
+    case = FuzzCase(
+        seed=1507, batch=2, length=3, input=Features(width=3, flat=True),
+        layers=(Center(), FusedRnn(hidden=4, kind="lstm"),
+                Norm(kind="batch_train", affine=False, groups=1, frozen=True),
+                Elementwise(kind="exp", frozen=False)),
+        head=Head(kind="sq_mean", classes=2), dtype="float64", batch_dim=0, as_module=True,
+        noncontiguous=True)
+    kernel = KernelCase(case, 2, (), (), vmap_axes=0, memory_budget=20000, chunk_size=1,
+                        stream_bytes=2**24)
+    assert check_kernel(kernel, backend) == "answered"
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("vmap_axes", [0, None], ids=["vmap0", "novmap"])
+def test_kernel_of_leaves_that_require_grad(backend: str, vmap_axes: int | None) -> None:
+    """Kernel hunt 1: parameters and inputs that require grad (``tg.functionalize`` gives
+    such parameters) made the kernel a differentiable one, and its paths raised raw errors:
+    jacobian read a block it keeps in chunks then (``AttributeError``), structured wrote
+    per-sample products with ``out=`` (``bmm(): ... out=... don't support automatic
+    differentiation``)."""
+    case = FuzzCase(
+        seed=500, batch=2, length=3, input=Features(width=2, flat=False),
+        layers=(Norm(kind="layer", affine=True, groups=1, frozen=True),
+                Linear(out=1, bias=True, form="addmm")),
+        head=Head(kind="feat", classes=3), dtype="float64", batch_dim=0, layout="list",
+        requires_grad=True)
+    kernel = KernelCase(case, 1, (), (1,), vmap_axes=vmap_axes, memory_budget=None,
+                        chunk_size=3, stream_bytes=2**24)
+    assert check_kernel(kernel, backend) == "answered"
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_kernel_of_embedding_positions_with_a_float64_leaf(backend: str) -> None:
+    """Kernel hunt 1: an embedding's index activations were compared in the kernel's float64
+    while its float32 cotangents were not (``einsum``: expected scalar type Float but found
+    Double)."""
+    case = FuzzCase(
+        seed=1288, batch=2, length=2,
+        input=Tokens(vocab=4, width=2, padding_idx=3, scale_grad_by_freq=False, frozen=False),
+        layers=(Activation(kind="tanh"), Norm(kind="group", affine=True, groups=2),
+                RnnCell(hidden=1, kind="rnn_tanh", bias=True, frozen=True)),
+        head=Head(kind="seq", classes=3), dtype="float32", batch_dim=0, mixed_dtypes=True,
+        layout="nested", extra_leaves=True, alias_tied=True)
+    kernel = KernelCase(case, 1, (), (2,), vmap_axes=None, memory_budget=200, chunk_size=3,
+                        stream_bytes=4096)
+    assert check_kernel(kernel, backend) == "answered"
