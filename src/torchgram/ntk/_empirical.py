@@ -11,6 +11,14 @@ kernel per pair of samples and ``s`` an estimate of one sample's share of a side
 factors and per-row Jacobians: the structured plan's memory, or ``R·P`` entries for the
 Jacobian-based backends); the kernel being assembled is not counted. ``progress=True``
 shows one step per tile pair.
+
+A tile calls ``f`` on some of the samples, which is ``f`` as called only where samples do
+not interact. So before tiling a side, ``f`` runs once on the whole batch (a call of a
+coupling op, such as batch-norm with batch statistics or ``scale_grad_by_freq``, or a
+random draw ends it there) and once per tile, and every tile's outputs must be the batch's
+rows (NOTE [per-sample]); otherwise the side is one tile, over the budget, and
+``last_run`` says why. A kernel of leaves that require grad is differentiable (NOTE
+[composition]); inside ``torch.func`` transforms the tiles are joined out of place.
 """
 
 from __future__ import annotations
