@@ -289,3 +289,19 @@ def test_kernel_of_embedding_positions_with_a_float64_leaf(backend: str) -> None
     kernel = KernelCase(case, 1, (), (2,), vmap_axes=None, memory_budget=200, chunk_size=3,
                         stream_bytes=4096)
     assert check_kernel(kernel, backend) == "answered"
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_kernel_tiles_of_f_that_fails_on_a_tile(backend: str) -> None:
+    """Kernel hunt 2: building a tile probes ``f`` on its samples; batch-norm in training mode
+    raised there (a tile of one sample), raw. The side is one tile instead."""
+    case = FuzzCase(
+        seed=366, batch=3, length=1, input=Features(width=2, flat=True),
+        layers=(RnnCell(hidden=3, kind="gru", bias=False, frozen=True),
+                Norm(kind="batch_train", affine=True, groups=1, frozen=False),
+                Attention(heads=1, form="sdpa", causal=True, bias=False, frozen=True)),
+        head=Head(kind="token_ce", classes=2), dtype="float64", batch_dim=0, layout="nested",
+        alias_tied=True)
+    kernel = KernelCase(case, 5, (), (), vmap_axes=0, memory_budget=200, chunk_size=None,
+                        stream_bytes=512)
+    assert check_kernel(kernel, backend) == "answered"

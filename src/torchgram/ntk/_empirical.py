@@ -348,19 +348,30 @@ def _tiles(problem: Problem, tile: int | None, fresh: bool,
     batch = problem.batch
     if tile is None or batch is None or batch.size <= tile:
         return [problem]
-    tiles = []
-    for first in range(0, batch.size, tile):
-        count = min(tile, batch.size - first)
-        args, kwargs = replace_input_leaves(problem.args, problem.kwargs, batch.positions,
-                                            batch.narrow(first, count))
-        tiles.append(build_problem(problem.options, problem.f, args, kwargs, fresh=fresh))
     try:
+        tiles = []
+        for first in range(0, batch.size, tile):
+            count = min(tile, batch.size - first)
+            args, kwargs = replace_input_leaves(problem.args, problem.kwargs, batch.positions,
+                                                batch.narrow(first, count))
+            tiles.append(_tile_problem(problem, args, kwargs, fresh))
         _check_tiles(problem, tiles)
     except NotPerSample as why:
         notes.append(f"one tile per side, over memory_budget: tiles of the batch would not "
                      f"compute f as called ({why.reason})")
         return [problem]
     return tiles
+
+
+def _tile_problem(problem: Problem, args: tuple[Any, ...], kwargs: dict[str, Any],
+                  fresh: bool) -> Problem:
+    """The call on one tile's inputs (probing ``f`` there); ``NotPerSample`` if ``f`` fails."""
+    try:
+        return build_problem(problem.options, problem.f, args, kwargs, fresh=fresh)
+    except (NotPerSample, OutputChanged):
+        raise
+    except Exception as error:  # noqa: BLE001 -- f fails on a tile (batch-norm of one ...)
+        raise fails_alone(error) from error
 
 
 def _check_tiles(problem: Problem, tiles: Sequence[Problem]) -> None:
