@@ -37,6 +37,9 @@ class KernelCase:
 
     ``stream_bytes`` replaces ``STREAM_PASS_BYTES`` of the structured kernels for the call
     (small values stream the larger side a few row directions at a time).
+    ``labels_via="keyword"``: a classifier's labels go in as NT's keyword pair
+    ``labels=(labels1, labels2)``, batched by ``vmap_axes=(0, 0, {"labels": 0})`` (else in
+    ``x``'s tuple).
     """
 
     case: FuzzCase
@@ -47,6 +50,7 @@ class KernelCase:
     memory_budget: int | None
     chunk_size: int | None
     stream_bytes: int
+    labels_via: str = "x"
 
 
 def _as_kernel_case(case: FuzzCase, head_extra: str) -> FuzzCase:
@@ -82,7 +86,8 @@ def kernel_cases(draw: st.DrawFn, backend: str) -> KernelCase:
                       memory_budget=draw(st.sampled_from([None, None, 200, 2000, 20000])),
                       chunk_size=draw(st.sampled_from([None, None, 1, 2, 3])),
                       stream_bytes=draw(st.sampled_from([structured_cross.STREAM_PASS_BYTES,
-                                                         64, 512, 4096])))
+                                                         64, 512, 4096])),
+                      labels_via=draw(st.sampled_from(["x", "keyword"])))
 
 
 def _output(case: FuzzCase, batch: int, shift: int = 0) -> tuple[Any, Any, Tensor]:
@@ -119,15 +124,25 @@ def check_kernel(kernel: KernelCase, backend: str) -> str:
     f, (params, x1), _ = _output(case, case.batch)
     x2 = None if kernel.batch2 is None else _output(case, kernel.batch2, shift=1)[1][1]
     expected = dense_cross_kernel(f, params, x1, x2, kernel.trace_axes, kernel.diagonal_axes)
+    call_f, vmap_axes, inputs1, inputs2, kwargs = f, kernel.vmap_axes, x1, x2, {}
+    if kernel.labels_via == "keyword" and len(x1) == 2:  # (x, labels): labels as keyword
+        def call_f(params: Any, x: Any, *, labels: Tensor) -> Tensor:
+            return f(params, (*x, labels))
+
+        inputs1, labels1 = x1[:-1], x1[-1]
+        inputs2 = None if x2 is None else x2[:-1]
+        kwargs = {"labels": labels1 if x2 is None else (labels1, x2[-1])}
+        if vmap_axes is not None:
+            vmap_axes = (vmap_axes, vmap_axes, {"labels": 0})
     ntk_fn = tg.ntk.empirical_ntk_fn(
-        f, trace_axes=kernel.trace_axes, diagonal_axes=kernel.diagonal_axes,
-        vmap_axes=kernel.vmap_axes, backend=backend, chunk_size=kernel.chunk_size,
+        call_f, trace_axes=kernel.trace_axes, diagonal_axes=kernel.diagonal_axes,
+        vmap_axes=vmap_axes, backend=backend, chunk_size=kernel.chunk_size,
         memory_budget=kernel.memory_budget)
     snapshot = Snapshot.take((params, x1, x2), {}, None)
     default_stream = structured_cross.STREAM_PASS_BYTES
     structured_cross.STREAM_PASS_BYTES = kernel.stream_bytes
     try:
-        result = ntk_fn(x1, x2, params)
+        result = ntk_fn(inputs1, inputs2, params, **kwargs)
     except Exception as error:  # noqa: BLE001 -- the property is about which errors escape
         if not str(error).startswith("torchgram."):
             raise AssertionError(f"{backend}: a raw error escaped: {type(error).__name__}: "
