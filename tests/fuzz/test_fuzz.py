@@ -10,11 +10,12 @@ thousands (see ``fuzz_strategies``). A failure hypothesis shrinks becomes a name
 from __future__ import annotations
 
 import pytest
-from fuzz_kernels import check_kernel, kernel_cases
 from hypothesis import given
 from hypothesis import strategies as st
 
+from fuzz_aggregate import check_aggregated
 from fuzz_check import check, check_eager
+from fuzz_kernels import check_kernel, kernel_cases
 from fuzz_strategies import cases, profile
 
 BACKENDS = ["jacobian", "ntvp", "graph", "structured", "auto"]
@@ -41,3 +42,11 @@ def test_eager_oracle_or_torchgram_error(recorded: bool, data: st.DataObject) ->
 def test_kernel_oracle_or_torchgram_error(backend: str, data: st.DataObject) -> None:
     """``tg.ntk.empirical_ntk_fn`` cross kernels (issue 11): the oracle's or a torchgram error."""
     check_kernel(data.draw(kernel_cases(backend), label="kernel"), backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@profile()
+@given(data=st.data())
+def test_aggregated_update_oracle_or_torchgram_error(backend: str, data: st.DataObject) -> None:
+    """``tg.aggregated_grad``'s update ``Jᵀ w(G)`` (issue 16): the oracle's or a torchgram error."""
+    check_aggregated(data.draw(cases(backend), label="case"), backend)

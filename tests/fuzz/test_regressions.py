@@ -10,13 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812 -- torch's own spelling
-from fuzz_kernels import KernelCase, check_kernel
 from torch import Tensor
 
 import torchgram as tg
+from fuzz_aggregate import check_aggregated
 from fuzz_arch import (
     Activation,
     Attention,
+    Buffer,
     Center,
     Conv1d,
     Distance,
@@ -32,6 +33,7 @@ from fuzz_arch import (
     Tokens,
 )
 from fuzz_check import check
+from fuzz_kernels import KernelCase, check_kernel
 from reference import dense_gramian
 
 BACKENDS = ["jacobian", "ntvp", "graph", "structured", "auto"]
@@ -305,3 +307,24 @@ def test_kernel_tiles_of_f_that_fails_on_a_tile(backend: str) -> None:
     kernel = KernelCase(case, 5, (), (), vmap_axes=0, memory_budget=200, chunk_size=None,
                         stream_bytes=512)
     assert check_kernel(kernel, backend) == "answered"
+
+
+# -- Jacobian-descent updates (tg.aggregated_grad), update hunt 1 -----------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_update_through_a_fused_lstm_under_no_grad(backend: str) -> None:
+    """Update hunt 1: the update's ``vjp`` (where no backend kept ``Jᵀw`` cheap) ran its
+    backward under the caller's ``no_grad``, and the fused LSTM's backward then finds no
+    workspace (F6 again, raw ``RuntimeError``). It runs through ``functional.with_grad``."""
+    case = FuzzCase(
+        seed=111, batch=1, length=2, input=Features(width=1, flat=False),
+        layers=(Elementwise(kind="gram", frozen=False),
+                Linear(out=1, bias=False, form="einsum", frozen=True),
+                Buffer(shape="feature", op="mul", via="keyword"),
+                FusedRnn(hidden=3, kind="lstm")),
+        head=Head(kind="feat", classes=2), dtype="float32", batch_dim=-1, output_dim=-1,
+        input_dim=1, layout="nested", has_aux=True, chunk_size=2, memory_budget=512,
+        head_extra="constant", grad_mode="no_grad")
+    outcome = check_aggregated(case, backend)
+    assert outcome == "answered" or backend == "ntvp"  # no forward-mode derivative of lstm

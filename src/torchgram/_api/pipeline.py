@@ -74,7 +74,9 @@ class Computation:
         if kept is not None:
             return kept(to_backend_order(problem, self.result.row_order, weights))
         _, vjp_fn = functional.vjp(lambda *leaves: problem.rows(leaves)[0], *problem.leaves)
-        grads = vjp_fn(weights.to(problem.output.dtype))
+        cotangent = weights.to(problem.output.dtype)
+        grads = functional.with_grad(  # NOTE [backward under no_grad]
+            lambda: vjp_fn(cotangent))
         problem.draw.finish()
         return tuple(grad.to(leaf.dtype) for grad, leaf in zip(grads, problem.leaves,
                                                                strict=True))
