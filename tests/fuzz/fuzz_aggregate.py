@@ -2,10 +2,12 @@
 
 The same generated calls as the Gramian property (``fuzz_strategies.cases``, without the
 diagonal, which a weighting cannot use), through :func:`torchgram.aggregated_grad` with a
-weighting that depends on the Gramian (:func:`weighting`). The property: the update is the
-dense oracle's ``Jᵀ w`` with ``w`` the same weighting of the oracle's Gramian (per
+weighting that depends on the Gramian (:func:`weighting`), and eagerly through
+:func:`torchgram.autograd.backward` (the forward recorded or not). The property: the update
+is the dense oracle's ``Jᵀ w`` with ``w`` the same weighting of the oracle's Gramian (per
 differentiated floating leaf, in the arguments' leaf order), or a torchgram error, and the
-call leaves its arguments, module and grad flags as they were.
+call leaves its arguments, module and grad flags as they were (eagerly: only the leaves'
+``.grad`` is written).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from torch import Tensor
 import torchgram as tg
 from fuzz_arch import FuzzCase, build
 from fuzz_check import TOLERANCE, Snapshot, oracle
+from reference import Dense
 
 
 def weighting(gramian: Tensor) -> Tensor:
@@ -50,9 +53,15 @@ def check_aggregated(case: FuzzCase, backend: str) -> str:
         return f"refused ({type(error).__name__}: {str(error)[:60]}...)"
     snapshot.assert_unchanged(built.module)
     assert expected is not None, "answered a call without any leaf to differentiate"
+    leaves = [leaf for leaf in optree.tree_leaves(update) if isinstance(leaf, Tensor)]
+    _assert_update(case, leaves, expected)
+    return "answered"
+
+
+def _assert_update(case: FuzzCase, leaves: list[Tensor], expected: Dense) -> None:
+    """``leaves`` (the update per differentiated leaf, in order) against the oracle's ``Jᵀw``."""
     weights = weighting(expected.gramian)
     want = expected.jacobian.T @ weights.to(expected.jacobian.dtype)
-    leaves = [leaf for leaf in optree.tree_leaves(update) if isinstance(leaf, Tensor)]
     got = (torch.cat([leaf.detach().reshape(-1).double() for leaf in leaves]) if leaves
            else want.new_zeros(0))
     assert got.shape == want.shape, f"update of {got.numel()} entries, expected {want.numel()}"
@@ -62,4 +71,54 @@ def check_aggregated(case: FuzzCase, backend: str) -> str:
     tolerance = TOLERANCE[precision]
     assert math.isfinite(error) and error <= tolerance, \
         f"update: relative error {error:.3g} > {tolerance:g}"
+
+
+def check_eager_update(case: FuzzCase, recorded: bool) -> str:
+    """The property for ``tg.autograd.backward``: the case called eagerly on fresh leaves that
+    require grad (inside ``tg.autograd.record()`` when ``recorded``), then one step with the
+    case's ``batch_dim``; the leaves' ``.grad`` is the oracle's ``Jᵀ w``.
+
+    As for ``check_eager``, aliased leaves and calls under ``no_grad`` do not apply.
+    """
+    case = dataclasses.replace(case, diagonal=False, repeat="none")
+    expected = oracle(case)
+    if case.alias_tied or case.grad_mode == "no_grad" or expected is None:
+        return "not applicable"
+    built = build(case)
+    argnums = built.argnums
+    nums = {n % len(built.args) for n in ((argnums,) if isinstance(argnums, int) else argnums)}
+    fresh: dict[int, Tensor] = {}
+
+    def leaf_of(value: object) -> object:
+        if not (isinstance(value, Tensor) and value.is_floating_point()):
+            return value
+        if id(value) not in fresh:
+            fresh[id(value)] = value.detach().clone().requires_grad_()
+        return fresh[id(value)]
+
+    args = [optree.tree_map(leaf_of, arg) if i in nums else arg  # type: ignore[arg-type]
+            for i, arg in enumerate(built.args)]
+    snapshot = Snapshot.take(built.args, built.kwargs, built.module)
+    torch.manual_seed(case.seed)  # random ops: the oracle and the call see the same draw
+    try:
+        if recorded:
+            with tg.autograd.record():
+                out = built.f(*args, **built.kwargs)
+        else:
+            out = built.f(*args, **built.kwargs)
+        if built.options.get("has_aux", False):
+            out = out[0]
+        rows = out if isinstance(out, Tensor) else optree.tree_leaves(out)
+        leaves = list(fresh.values())
+        tg.autograd.backward(rows, leaves, weighting, batch_dim=case.batch_dim,
+                             chunk_size=case.chunk_size)
+    except Exception as error:  # noqa: BLE001 -- the property is about which errors escape
+        snapshot.assert_unchanged(built.module)
+        if not str(error).startswith("torchgram."):
+            raise AssertionError(f"eager update: a raw error escaped: "
+                                 f"{type(error).__name__}: {error}") from error
+        return f"refused ({type(error).__name__}: {str(error)[:60]}...)"
+    snapshot.assert_unchanged(built.module)
+    _assert_update(case, [torch.zeros_like(leaf) if leaf.grad is None else leaf.grad
+                          for leaf in leaves], expected)
     return "answered"

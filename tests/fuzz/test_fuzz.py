@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fuzz_aggregate import check_aggregated
+from fuzz_aggregate import check_aggregated, check_eager_update
 from fuzz_check import check, check_eager
 from fuzz_kernels import check_kernel, kernel_cases
 from fuzz_strategies import cases, profile
@@ -50,3 +50,11 @@ def test_kernel_oracle_or_torchgram_error(backend: str, data: st.DataObject) -> 
 def test_aggregated_update_oracle_or_torchgram_error(backend: str, data: st.DataObject) -> None:
     """``tg.aggregated_grad``'s update ``Jᵀ w(G)`` (issue 16): the oracle's or a torchgram error."""
     check_aggregated(data.draw(cases(backend), label="case"), backend)
+
+
+@pytest.mark.parametrize("recorded", [True, False], ids=["record", "walk"])
+@profile()
+@given(data=st.data())
+def test_eager_update_oracle_or_torchgram_error(recorded: bool, data: st.DataObject) -> None:
+    """``tg.autograd.backward``'s ``.grad`` (``Jᵀ w(G)``, issues 15 and 16), recorded and walked."""
+    check_eager_update(data.draw(cases("graph"), label="case"), recorded)
