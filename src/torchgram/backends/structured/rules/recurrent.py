@@ -127,8 +127,7 @@ class _Recurrence:
         self._inputs.append(h)
         if self.gates is not None:
             return torch.addmm(self.gates[t], h, self._weight_t), None
-        y = F.linear(h, *step_tap.values)
-        return self.xs[t], y if step_tap.steps is None else y + step_tap.steps[t]
+        return self.xs[t], self._mode.step_output(step_tap, t, F.linear(h, *step_tap.values))
 
     def finish(self, reverse: bool) -> None:
         """Record the uses of the step tap, with every step's input (in step order)."""
