@@ -255,3 +255,19 @@ def test_gather_steps_stacks_each_step_tap_and_fills_missing_steps() -> None:
     assert torch.equal(steps[:, :, 0], b) and torch.equal(steps[:, :, 2], c)
     assert not steps[:, :, 1].any()
     assert len(slot_edges(slots)) == 6
+
+
+def test_autocast_keeps_the_fused_call_and_is_exact() -> None:
+    torch.manual_seed(0)  # on CPU a fused GRU under autocast stays float32; the rewrite's
+    model = Classifier(nn.GRU(F_IN, H, batch_first=True))  # bfloat16 gates failed
+    x = torch.randn(B, T, F_IN)
+    with torch.autocast(x.device.type, dtype=torch.bfloat16):
+        plain = model(x)
+        with tg.autograd.record():
+            rows = model(x)
+    assert torch.equal(rows, plain)  # the forward the user's code runs
+    params = list(model.parameters())
+    G = tg.autograd.gramian(rows, params, batch_dim=0, retain_graph=True)
+    jacobian = torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(
+        rows[i], params, retain_graph=True)]) for i in range(B)])
+    assert_close(G, jacobian @ jacobian.T, tol=1e-3)  # the head runs in bfloat16

@@ -4,9 +4,10 @@
 ``with tg.autograd.record(): losses = loss_fn(model(x), y)`` runs the user's forward under a
 ``TorchFunctionMode`` (:class:`RecordMode`) that changes nothing it computes: every call runs
 as written, on the user's tensors. It notes, for every call a structured rule recognises
-(``rules.RULES``: linear, matmul, conv, embedding, layer/group norm; self-attention through
-its rewrite, NOTE [attention rewrite]) whose weight or bias **is** a tensor that requires grad
-and is a leaf (an ``nn.Parameter``, discovered as it is used):
+(``rules.RULES``: linear, matmul, conv, embedding, layer/group norm; self-attention and fused
+RNNs through their rewrites, NOTE [attention rewrite], NOTE [eager step taps]) whose weight
+or bias **is** a tensor that requires grad and is a leaf (an ``nn.Parameter``, discovered as
+it is used):
 
 * the call's output ``y``: not the tensor, but where its cotangent arrives in the graph, its
   node's sequence number (``Node._sequence_nr()``, unique per thread) and ``output_nr``; the
