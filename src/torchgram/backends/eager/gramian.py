@@ -55,6 +55,7 @@ from torchgram.backends.eager.samples import (
     probe_samples,
 )
 from torchgram.backends.eager.shared import meeting_options, sole_meetings
+from torchgram.backends.eager.steps import StepSlots, TapSlot, by_steps
 from torchgram.backends.graph.gramian import freed_graph_is_clear, graph_gramian, input_edge
 from torchgram.backends.graph.nodes import Edge, NodeCaller
 from torchgram.backends.graph.release import release_graph
@@ -98,7 +99,7 @@ class _Tapped:
 
     inputs: list[int] = field(default_factory=list)  # input indices (unique tensors)
     uses: dict[int, list[EagerUse]] = field(default_factory=dict)  # by input index
-    slots: dict[int, Edge] = field(default_factory=dict)  # tap index -> slot
+    slots: dict[int, TapSlot] = field(default_factory=dict)  # tap index -> slot(s)
 
 
 def eager_gramian(api: str, outputs: Sequence[Tensor], inputs: Sequence[Tensor],
@@ -200,11 +201,10 @@ def _select(api: str, recording: Recording, graph: GraphIndex, inputs: Sequence[
             continue
         slots = {}
         for use in uses:
-            tap = recording.taps[use.tap]
-            node = graph.node(tap.seq, tap.node_name)
-            if node is None:
+            slot = _slot(recording.taps[use.tap], graph)
+            if slot is None:
                 break
-            slots[use.tap] = (node, tap.output_nr)
+            slots[use.tap] = slot
         else:
             if any(use.act in stale for use in uses if use.act is not None):
                 fail(api, "the activations of the recorded calls unchanged until the Gramian",
@@ -218,6 +218,20 @@ def _select(api: str, recording: Recording, graph: GraphIndex, inputs: Sequence[
             continue
         _walked(report, i, "a recorded call is not found in the graph")
     return tapped
+
+
+def _slot(tap: EagerTap, graph: GraphIndex) -> TapSlot | None:
+    """Where ``tap``'s cotangent is read in ``graph`` (NOTE [eager step taps]), if it is there."""
+    if tap.steps is None:
+        node = graph.node(tap.seq, tap.node_name)
+        return None if node is None else (node, tap.output_nr)
+    edges = []
+    for seq, name, output_nr in tap.steps:
+        node = graph.node(seq, name)
+        if node is None:
+            return None
+        edges.append((node, output_nr))
+    return StepSlots(tuple(edges), tap.step_dim) if edges else None
 
 
 def _walk(api: str, rows: Rows, inputs: Sequence[Tensor], walked: Sequence[int],
@@ -318,6 +332,7 @@ def _contract(api: str, recording: Recording, graph: GraphIndex, tapped: _Tapped
     caller = NodeCaller(chunk_size)
     taps = sorted(tapped.slots)
 
+    @by_steps
     def cotangents(seeds: list[Tensor], slots: list[Edge], free: bool) -> list[Tensor | None]:
         if engine:
             return engine_cotangents(rows.outputs, slots, seeds, retain_graph=not free,
@@ -565,7 +580,7 @@ def _pullback(contraction: Contraction, fast: dict[int, _FastLeaf], rm_rows: _Ro
 
 def _layouts(recording: Recording, graph: GraphIndex, tapped: _Tapped, taps: list[int],
              rows: Rows,
-             cotangents: Callable[[list[Tensor], list[Edge], bool], list[Tensor | None]],
+             cotangents: Callable[[list[Tensor], list[TapSlot], bool], list[Tensor | None]],
              report: RunReport) -> _Layouts:
     """Each tap's sample layout: from the shapes, the cache, or a probe (NOTE [sample layouts]).
 
@@ -588,8 +603,10 @@ def _layouts(recording: Recording, graph: GraphIndex, tapped: _Tapped, taps: lis
         options[tap] = candidates(spec.shape, samples,
                                   allowed_dims(uses_of[tap][0].layout, spec.shape, act_shape))
     stale = recording.stale_acts()
+    single = {tap: slot for tap, slot in tapped.slots.items()
+              if tap in options and not isinstance(slot, StepSlots)}
     meetings = {tap: met for tap, met in sole_meetings(
-        recording, graph, rows.outputs, {tap: tapped.slots[tap] for tap in taps}).items()
+        recording, graph, rows.outputs, single).items()
         if met[0].factor not in stale}  # a factor changed in place: no meeting
     met_options = {tap: meeting_options(meeting, recording.taps[tap].shape, samples)
                    for tap, (meeting, _) in meetings.items()}

@@ -4,9 +4,10 @@
 ``with tg.autograd.record(): losses = loss_fn(model(x), y)`` runs the user's forward under a
 ``TorchFunctionMode`` (:class:`RecordMode`) that changes nothing it computes: every call runs
 as written, on the user's tensors. It notes, for every call a structured rule recognises
-(``rules.RULES``: linear, matmul, conv, embedding, layer/group norm; self-attention through
-its rewrite, NOTE [attention rewrite]) whose weight or bias **is** a tensor that requires grad
-and is a leaf (an ``nn.Parameter``, discovered as it is used):
+(``rules.RULES``: linear, matmul, conv, embedding, layer/group norm; self-attention and fused
+RNNs through their rewrites, NOTE [attention rewrite], NOTE [eager step taps]) whose weight
+or bias **is** a tensor that requires grad and is a leaf (an ``nn.Parameter``, discovered as
+it is used):
 
 * the call's output ``y``: not the tensor, but where its cotangent arrives in the graph, its
   node's sequence number (``Node._sequence_nr()``, unique per thread) and ``output_nr``; the
@@ -44,7 +45,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -58,7 +59,7 @@ from torchgram._core.census import coupling_op
 from torchgram._core.pytree import leaves_of
 from torchgram.backends.structured.rules import rewrite_for, rule_for
 from torchgram.backends.structured.rules.base import Layout, Match
-from torchgram.backends.structured.trace import LeafRef, _is_transpose, describe
+from torchgram.backends.structured.trace import LeafRef, StepTap, _is_transpose, describe
 
 METADATA_KEY = "torchgram.record"
 """Key of the recording in the ``metadata`` dict of the nodes it tapped."""
@@ -80,6 +81,11 @@ class EagerTap:
         shape: The output's shape (the whole batch).
         dtype: The output's dtype.
         rule: The rule that recognised the call.
+        steps: For the tap of a call made once per step (NOTE [eager step taps]): where
+            each step's output cotangent arrives, ``(seq, node_name, output_nr)`` in step
+            order (``seq`` and ``node_name`` above are step 0's); the tap is their stack
+            along ``step_dim``. Empty while the steps run (and if they did not finish).
+        step_dim: The steps' dim of the tap.
     """
 
     seq: int
@@ -88,6 +94,8 @@ class EagerTap:
     shape: tuple[int, ...]
     dtype: torch.dtype
     rule: str
+    steps: tuple[tuple[int, str, int], ...] | None = None
+    step_dim: int = 0
 
 
 @dataclass(frozen=True)
@@ -237,6 +245,8 @@ class RecordMode(TorchFunctionMode):
         self._refs: dict[int, LeafRef] = {}
         self._pins: list[Tensor] = []  # transposed views: keep their ids valid
         self._outputs: dict[int, tuple[weakref.ReferenceType[Tensor], int]] = {}  # taps' y
+        self._steps: dict[int, list[tuple[int, str, int] | None]] = {}  # step taps' slots
+        self._step_holders: dict[int, dict[int, int]] = {}  # by id of the StepTap: aliases
 
     def _found(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[Tensor,
                                                                                    LeafRef]]:
@@ -303,6 +313,87 @@ class RecordMode(TorchFunctionMode):
                                     else f"{match.rule if match else describe(func)} "
                                          "(as an activation)")
         return result
+
+    # -- NOTE [eager step taps]: the recurrent rewrite's protocol (NOTE [step taps]) -----------
+
+    def tap_steps(self, match: Match, steps: int, step_shape: Sequence[int],
+                  dtype: torch.dtype, device: torch.device, *, dim: int = 0,
+                  share: int | None = None) -> StepTap | None:
+        """One tap for ``steps`` calls like ``match`` (NOTE [eager step taps]), or ``None``.
+
+        ``share``: the tap of an earlier output of the whole tap's shape that the steps'
+        outputs are only ever added to (the uses join it). ``None`` (the rewrite then makes
+        the calls one by one under the mode) without autograd, when no operand is a leaf
+        or a leaf is an activation or a transposed view, or when ``share``'s shape differs.
+        """
+        del device
+        if not torch.is_grad_enabled():
+            return None
+        self._found(tuple(operand.value for operand in match.operands), {})
+        chosen = self._chosen(match)
+        picked = {i for i, _, _ in chosen}
+        if not chosen or any(ref.transposed for _, ref, _ in chosen) or any(
+                (self._refs.get(id(operand.value)) is not None and i not in picked)
+                or (isinstance(operand.act, Tensor) and operand.act.requires_grad
+                    and operand.act.is_leaf)
+                for i, operand in enumerate(match.operands)):
+            return None
+        shape = (*step_shape[:dim], steps, *step_shape[dim:])
+        if share is not None and (self.recording.taps[share].shape != shape
+                                  or self.recording.taps[share].steps is not None):
+            return None
+        values: list[Any] = [operand.value for operand in match.operands]
+        holders: dict[int, int] = {}
+        for i, ref, _ in chosen:  # an alias per leaf: its node alone holds the steps' edges
+            values[i] = values[i].view_as(values[i])
+            node: Any = values[i].grad_fn
+            node.metadata[METADATA_KEY] = self.recording
+            holders[ref.index] = _torch_compat.creation_order(node)
+        if share is None:
+            share = len(self.recording.taps)
+            self.recording.taps.append(EagerTap(-1, "", 0, shape, dtype, match.rule, steps=(),
+                                                step_dim=dim))
+            self._steps[share] = [None] * steps
+        step_tap = StepTap(share, tuple(values), None)
+        self._step_holders[id(step_tap)] = holders
+        return step_tap
+
+    def step_output(self, step_tap: StepTap, t: int, y: Tensor) -> Tensor:
+        """Note where step ``t``'s output ``y`` of a step tap is in the graph; return ``y``."""
+        slots = self._steps.get(step_tap.index)
+        node: Any = y.grad_fn
+        if slots is not None and node is not None:
+            node.metadata[METADATA_KEY] = self.recording
+            slots[t] = (_torch_compat.creation_order(node), node.name(), y.output_nr)
+        return y
+
+    def record_steps(self, step_tap: StepTap, match: Match) -> None:
+        """Record the uses of a step tap; ``match`` has every step's activation stacked."""
+        recording = self.recording
+        holders = self._step_holders.pop(id(step_tap))
+        slots = self._steps.pop(step_tap.index, None)
+        if slots is not None:
+            if any(slot is None for slot in slots):
+                return  # a step made no node: the tap stays without steps (walked)
+            first = slots[0]
+            assert first is not None
+            tap = recording.taps[step_tap.index]
+            recording.taps[step_tap.index] = EagerTap(
+                first[0], first[1], first[2], tap.shape, tap.dtype, tap.rule,
+                steps=tuple(slot for slot in slots if slot is not None),
+                step_dim=tap.step_dim)
+        act = next(operand.act for operand in match.operands if operand.act is not None)
+        act_index = len(recording.acts)
+        recording.acts.append(act.detach())
+        recording.act_versions.append(_torch_compat.version(act))
+        for i, ref, role in self._chosen(match):
+            operand = match.operands[i]
+            layout = operand.layout if role == "weight" else operand.bias_of
+            assert layout is not None
+            recording.uses.append(EagerUse(
+                ref.index, role, layout, layout.act_first != ref.transposed, step_tap.index,
+                act_index if role == "weight" else None, frozenset({holders[ref.index]})))
+            recording.holders.setdefault(ref.index, set()).add(holders[ref.index])
 
     def _chosen(self, match: Match) -> list[tuple[int, LeafRef, Literal["weight", "bias"]]]:
         chosen: list[tuple[int, LeafRef, Literal["weight", "bias"]]] = []

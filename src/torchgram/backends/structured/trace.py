@@ -607,10 +607,12 @@ class TapMode(TorchFunctionMode):
     # A recurrent net applies ``W_hh`` once per step (NOTE [recurrent rewrite]). Tapping each
     # step's call makes ``T`` taps, ``T`` uses and ``T`` trips through this mode; instead the
     # rewrite asks for one tap of all the steps' outputs (:meth:`tap_steps`), computes the
-    # steps itself with the plain copies it returns, adds the tap's slice ``t`` to step
-    # ``t``'s output, and at the end records the uses once with the stacked activations of
-    # all steps (:meth:`record_steps`): one use of ``T`` times the positions, the same
-    # factors the per-step taps give once taken together (NOTE [uses taken together]).
+    # steps itself with the plain copies it returns, hands step ``t``'s output to
+    # :meth:`step_output` (which adds the tap's slice ``t``), and at the end records the uses
+    # once with the stacked activations of all steps (:meth:`record_steps`): one use of ``T``
+    # times the positions, the same factors the per-step taps give once taken together (NOTE
+    # [uses taken together]). The eager recording answers the same three calls its own way
+    # (NOTE [eager step taps]).
     # Where the steps' outputs are only added to the slices of an earlier tapped output
     # (an LSTM's gates are ``xs[t] + h W_hhᵀ + b_hh``, ``xs`` the tapped input projection),
     # that tap's cotangent is already theirs: the uses join it (``share``), no tap is made.
@@ -659,6 +661,10 @@ class TapMode(TorchFunctionMode):
             tap = self._taps[tap_index]
         self.recording.taps.append(record)
         return StepTap(tap_index, tuple(values), None if tap is None else tap.unbind(dim))
+
+    def step_output(self, step_tap: StepTap, t: int, y: Tensor) -> Tensor:
+        """Step ``t``'s output ``y`` of a :meth:`tap_steps` tap, with its slice of the tap."""
+        return y if step_tap.steps is None else y + step_tap.steps[t]
 
     def record_steps(self, step_tap: StepTap, match: Match) -> None:
         """Record the uses of a :meth:`tap_steps` tap; ``match`` has every step's activation."""

@@ -29,10 +29,12 @@ its backward batched products over the steps instead of one matrix product. The 
 then given the fused kernel's strides (time-major storage, seen batch-first): a random op
 after it (``F.dropout``) lays its mask out along its input's strides, so other strides would
 drop other entries than in the call being differentiated (NOTE [draws under torch.func]).
-Only the unpacked form with no active inter-layer dropout is rewritten (the fused kernel
-draws its dropout masks differently from ``F.dropout``); a ``PackedSequence`` or dropout in
-training mode keeps the fused call, and its weights the fallback. Results are exact either
-way; the oracle tests compare both.
+Only the unpacked form with no active inter-layer dropout, outside autocast, is rewritten
+(the fused kernel draws its dropout masks differently from ``F.dropout``, and autocast casts
+its cells otherwise than the rewrite's ``F.linear``: on CPU a GRU's stay float32, where the
+rewrite's bfloat16 gates would not even meet its float32 state); a ``PackedSequence``,
+dropout in training mode or an autocast region keeps the fused call, and its weights the
+fallback. Results are exact either way; the oracle tests compare both.
 """
 
 from __future__ import annotations
@@ -127,8 +129,7 @@ class _Recurrence:
         self._inputs.append(h)
         if self.gates is not None:
             return torch.addmm(self.gates[t], h, self._weight_t), None
-        y = F.linear(h, *step_tap.values)
-        return self.xs[t], y if step_tap.steps is None else y + step_tap.steps[t]
+        return self.xs[t], self._mode.step_output(step_tap, t, F.linear(h, *step_tap.values))
 
     def finish(self, reverse: bool) -> None:
         """Record the uses of the step tap, with every step's input (in step order)."""
@@ -184,10 +185,11 @@ def _run(cell: Cell, x: Tensor, initial: Sequence[State], params: Sequence[Tenso
 
 
 def _unpacked(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether a fused call is the unpacked form ``(input, hx, params, has_biases, ...)``."""
+    """Whether a fused call is the unpacked form ``(input, hx, ...)``, outside autocast."""
     return (not kwargs and len(args) == 9 and isinstance(args[0], Tensor) and args[0].dim() == 3
             and isinstance(args[2], list | tuple) and isinstance(args[4], int)
-            and isinstance(args[3], bool))
+            and isinstance(args[3], bool)
+            and not torch.is_autocast_enabled(args[0].device.type))
 
 
 def _per_direction(params: Sequence[Tensor], has_biases: bool, layers: int,
