@@ -33,6 +33,9 @@ CASES = {
     "conv1d_depthwise": (F.conv1d, (4, 1, 3), (B, 4, 10), dict(groups=4, stride=3, dilation=2)),
     "conv3d_depthwise": (F.conv3d, (4, 1, 2, 3, 2), (B, 2, 5, 4, 3),
                          dict(groups=2, stride=2, padding=1)),
+    # many positions: the grouped weight-gradient kernel, or (1×1) patches that are the input
+    "conv2d_many_positions": (F.conv2d, (2, 8, 3, 3), (B, 8, 16, 16), dict(padding=1)),
+    "conv2d_pointwise_many_positions": (F.conv2d, (3, 8, 1, 1), (B, 8, 16, 16), {}),
     "conv1d": (F.conv1d, (3, 2, 3), (B, 2, 8), dict(stride=2, padding=2, dilation=2)),
     "conv1d_same": (F.conv1d, (3, 2, 4), (B, 2, 7), dict(padding="same")),
     "conv3d_groups": (F.conv3d, (4, 1, 2, 2, 2), (B, 2, 4, 4, 3), dict(groups=2, padding=1)),

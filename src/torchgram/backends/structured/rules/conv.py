@@ -134,8 +134,8 @@ class ConvLayout(Layout):
 
     def uses_grouped_kernel(self, positions: int) -> bool:
         """Whether :meth:`materialize` uses the grouped weight-gradient kernel (see there)."""
-        return not self.depthwise and (
-            self.groups > 1 or (positions >= 256 and self.c_in // self.groups >= 8))
+        return not self.depthwise and (self.groups > 1 or (
+            positions >= 256 and self.c_in // self.groups >= 8 and math.prod(self.kernel) > 1))
 
     def materialize(self, act_raw: Tensor | None, cot_raw: Tensor, bias: bool) -> Tensor | None:
         """Per-sample weight gradients as one grouped convolution's weight gradient.
@@ -146,9 +146,10 @@ class ConvLayout(Layout):
         weight gradients ``[B·C_out, C_in/G, *k]``, from the same kernel the plain backward
         uses, with no patches copied. It is chosen for grouped convolutions and for many
         output positions (``T ≥ 256``, ``C_in/G ≥ 8``), where measured faster than patches
-        and a batched matmul (the factor way, used otherwise); depthwise convolutions have a
-        faster way still (NOTE [per-sample depthwise gradients]). A bias sums its cotangent
-        over the positions.
+        and a batched matmul (the factor way, used otherwise), except for a ``1×1`` kernel
+        (its patches are the input itself; the kernel was measured 10-30% slower there);
+        depthwise convolutions have a faster way still (NOTE [per-sample depthwise
+        gradients]). A bias sums its cotangent over the positions.
         """
         nd = self.nd
         lead = cot_raw.shape[:2]
