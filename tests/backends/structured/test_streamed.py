@@ -27,6 +27,12 @@ def test_streamed_gram_is_the_gram_of_the_products(monkeypatch, budget, diagonal
                                    rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("diagonal", [False, True])
+def test_streamed_gram_of_no_rows_is_zero(diagonal):
+    gram = streamed_gram(torch.randn(3, 0, 2), torch.randn(3, 2, 4), diagonal, Workspace())
+    assert gram.shape == ((1, 3) if diagonal else (1, 3, 1, 3)) and not gram.any()
+
+
 def test_streamed_gram_is_differentiable(monkeypatch):
     monkeypatch.setattr(streamed, "STREAM_ELEMENTS", 2 * 4 * 6)
     torch.manual_seed(0)

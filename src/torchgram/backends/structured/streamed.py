@@ -78,5 +78,6 @@ def streamed_gram(left: Tensor, right: Tensor, diagonal: bool,
         else:
             piece = flat @ flat.T
         gram = piece if gram is None else gram + piece
-    assert gram is not None
+    if gram is None:  # no rows: a leaf without entries
+        gram = left.new_zeros((samples,) if diagonal else (samples, samples))
     return gram.reshape(1, samples) if diagonal else gram.reshape(1, samples, 1, samples)
