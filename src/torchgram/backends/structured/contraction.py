@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from torchgram.backends.structured.cost import LeafPlan
+from torchgram.backends.structured.streamed import Workspace, streamed_gram
 from torchgram.backends.structured.trace import UseRecord
 
 _U_LETTERS = {"cot": "rbtg", "act": "btg", "index": "bt"}
@@ -309,12 +310,10 @@ def _materialize_use(use: UseRecord, factors: UseFactors, numel: int,
         return jac.reshape(rows, samples, numel)
     # [(R,) B, T, G, i] -> [(R,) B, G, i, T] and [(R,) B, G, T, j]: one (broadcast) matmul
     # writes the Jacobian contiguously in the leaf's layout [R, B, G, i, j]
-    rows = max(f.tensor.shape[0] for f in (first, second) if f.kind == "cot")
-    if rows == 1 and first.tensor.shape[-2] == 1:  # one group: transposed views
-        samples, positions = first.tensor.shape[-4], first.tensor.shape[-3]
-        left = _apart(first.tensor.reshape(samples, positions, -1)).transpose(1, 2)
-        right = _apart(second.tensor.reshape(samples, positions, -1))
-        return torch.bmm(left, right).reshape(1, samples, numel)
+    operands = per_sample_operands(factors)
+    if operands is not None:
+        left, right = operands
+        return torch.bmm(left, right).reshape(1, left.shape[0], numel)
     left = first.tensor.movedim(-3, -1)
     right = second.tensor.movedim(-2, -3)
     if first.kind != "cot":
@@ -323,6 +322,25 @@ def _materialize_use(use: UseRecord, factors: UseFactors, numel: int,
         right = right.unsqueeze(0)
     jac = torch.matmul(left, right)
     return jac.reshape(*jac.shape[:2], numel)
+
+
+def per_sample_operands(factors: UseFactors) -> tuple[Tensor, Tensor] | None:
+    """``[B, i, T]`` and ``[B, T, j]`` with ``J[b] = left[b] @ right[b]``, or ``None``.
+
+    For dense factors with one row per sample and one group (``first [1, B, T, 1, i]`` or
+    ``[B, T, 1, i]``, the same for ``second``): transposed views, no copies except where
+    the samples are interleaved (:func:`_apart`).
+    """
+    first, second = factors.first, factors.second
+    if "index" in (first.kind, second.kind) or "cot" not in (first.kind, second.kind):
+        return None
+    rows = max(f.tensor.shape[0] for f in (first, second) if f.kind == "cot")
+    if rows != 1 or first.tensor.shape[-2] != 1:
+        return None
+    samples, positions = first.tensor.shape[-4], first.tensor.shape[-3]
+    left = _apart(first.tensor.reshape(samples, positions, -1)).transpose(1, 2)
+    right = _apart(second.tensor.reshape(samples, positions, -1))
+    return left, right
 
 
 def _is_lookup(item: tuple[UseRecord, UseFactors]) -> bool:
@@ -502,6 +520,7 @@ class Contraction:
         self._grams: dict[int, Tensor] = {}
         self._cot_grams: dict[Any, Tensor] = {}
         self._ghost_cots: dict[tuple[int, int], list[Tensor]] = {}
+        self._workspace = Workspace()
 
     def set_acts(self, acts: Sequence[Tensor]) -> None:
         """The recorded activations, each with a leading sample dim."""
@@ -587,8 +606,17 @@ class Contraction:
                     continue
                 cot = self._cast(use.layout.cot_factor(raw, 2, act_raw))
                 items.append((use, self._factors((plan.leaf, k), use, cot)))
+            merged = together(items)
+            if part is None and complete and not self.keep and len(merged) == 1:
+                use, factors = merged[0]
+                operands = (per_sample_operands(factors) if use.role == "weight"
+                            and not use.shape.elementwise else None)
+                if operands is not None:  # NOTE [streamed Gram]
+                    self._grams[plan.leaf] = streamed_gram(*operands, self.diagonal,
+                                                           self._workspace)
+                    continue
             # lookups last, to add into the others' Jacobian: NOTE [Jacobians of several uses]
-            for use, factors in sorted(together(items), key=_is_lookup):
+            for use, factors in sorted(merged, key=_is_lookup):
                 part = materialize_use(use, factors, numel, into=part, may_write=owned)
                 owned = True
             if part is None:

@@ -24,6 +24,18 @@ CASES = {
                                                                           dilation=(1, 2))),
     "conv2d_valid": (F.conv2d, (3, 2, 3, 3), (B, 2, 5, 5), dict(padding="valid")),
     "conv2d_depthwise": (F.conv2d, (4, 1, 3, 3), (B, 4, 5, 5), dict(groups=4, padding=1)),
+    # NOTE [per-sample depthwise gradients]: multipliers, strides that leave inputs unread,
+    # dilations, uneven padding, 1-D and 3-D
+    "conv2d_depthwise_multiplier": (F.conv2d, (6, 1, 3, 2), (B, 3, 8, 7),
+                                    dict(groups=3, stride=(2, 3), padding=(1, 0))),
+    "conv2d_depthwise_same_dilated": (F.conv2d, (4, 1, 2, 3), (B, 4, 6, 7),
+                                      dict(groups=4, padding="same", dilation=(2, 1))),
+    "conv1d_depthwise": (F.conv1d, (4, 1, 3), (B, 4, 10), dict(groups=4, stride=3, dilation=2)),
+    "conv3d_depthwise": (F.conv3d, (4, 1, 2, 3, 2), (B, 2, 5, 4, 3),
+                         dict(groups=2, stride=2, padding=1)),
+    # many positions: the grouped weight-gradient kernel, or (1×1) patches that are the input
+    "conv2d_many_positions": (F.conv2d, (2, 8, 3, 3), (B, 8, 16, 16), dict(padding=1)),
+    "conv2d_pointwise_many_positions": (F.conv2d, (3, 8, 1, 1), (B, 8, 16, 16), {}),
     "conv1d": (F.conv1d, (3, 2, 3), (B, 2, 8), dict(stride=2, padding=2, dilation=2)),
     "conv1d_same": (F.conv1d, (3, 2, 4), (B, 2, 7), dict(padding="same")),
     "conv3d_groups": (F.conv3d, (4, 1, 2, 2, 2), (B, 2, 4, 4, 3), dict(groups=2, padding=1)),
@@ -79,6 +91,24 @@ def test_ntk_of_grouped_conv(check):
     for way in WAYS:
         check(f, (params, x), force=way, batch_dim=0)
         check(f, (params, x), force=way, batch_dim=None)
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_depthwise_conv_with_rows_and_inner_batch(check, way):
+    """Several rows per sample, and several images per sample (summed per sample)."""
+    torch.manual_seed(0)
+    params = {"w": torch.randn(6, 1, 3, 3, dtype=torch.float64)}
+
+    def rows(p, x):  # [B, 6] outputs
+        return F.conv2d(x, p["w"], groups=3, stride=2, padding=1).tanh().mean((2, 3))
+
+    def images(p, x):  # x: [B, 2, 3, 5, 5], two images per sample
+        y = F.conv2d(x.flatten(0, 1), p["w"], groups=3, padding=1).tanh()
+        return y.reshape(x.shape[0], -1).sum(1)
+
+    check(rows, (params, torch.randn(B, 3, 5, 5, dtype=torch.float64)), force=way, batch_dim=0)
+    check(images, (params, torch.randn(B, 2, 3, 5, 5, dtype=torch.float64)), force=way,
+          batch_dim=0)
 
 
 @pytest.mark.filterwarnings(EVEN_SAME)
