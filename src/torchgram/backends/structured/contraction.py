@@ -391,7 +391,8 @@ def chunked_gram(factors: UseFactors, classes: int, diagonal: bool,
         if workspace is None:
             jac = torch.matmul(chunk, right)
         else:
-            shape = (*torch.broadcast_shapes(chunk.shape[:-2], right.shape[:-2]),
+            shape = (*(max(a, b) for a, b in zip(chunk.shape[:-2], right.shape[:-2],
+                                                  strict=True)),  # sizes are equal or 1
                      chunk.shape[-2], right.shape[-1])
             jac = torch.matmul(chunk, right, out=workspace.take(
                 shape, torch.promote_types(chunk.dtype, right.dtype), chunk.device))
