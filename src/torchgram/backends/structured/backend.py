@@ -60,6 +60,7 @@ from torchgram.backends.structured.passes import (
 )
 from torchgram.backends.structured.per_sample import per_sample_forward_checked
 from torchgram.backends.structured.plan import StructuredPlan, plan_problem, run_uses
+from torchgram.backends.structured.stream import can_stream, streamed_backward
 
 
 @register("structured")
@@ -126,20 +127,35 @@ def _contract(problem: Problem, forward: Forward, plan: StructuredPlan, rows: Te
     contraction = Contraction(plan.leaves, run_uses(plan.leaves, forward.recording),
                               [leaf.numel() for leaf in problem.leaves], samples,
                               rows_per_sample, problem.diagonal, keep=problem.want_pullback,
-                              dtype=problem.compute_dtype)
-    contraction.set_acts(forward.acts)
+                              dtype=problem.compute_dtype, consume=True)
+    contraction.set_acts(forward.take_acts())  # the contraction lets them go when done
     per_pass = rows_per_pass(problem, forward)
+    create_graph = problem.composition.create_graph
+    if contraction.consume and can_stream(forward, create_graph=create_graph):
+        contraction.start_stream(len(forward.taps[0]), forward.carrier_leaves)
+        carrier_grads = streamed_backward(forward, contraction.add_tap)  # NOTE [streamed taps]
+        report.row_chunks.append((rows_per_sample, contraction.streamed_bytes + sum(
+            t.numel() * t.element_size() for t in carrier_grads.values())))
+        contraction.finish_stream(carrier_grads)
+        return _result(problem, forward, contraction, report, rows, order)
     with Progress(problem.options.progress, -(-rows_per_sample // per_pass),
                   "structured row chunks") as bar:
         for start, stop, tap_cots, carrier_grads in backward_chunks(
                 forward, per_pass, vectorize=not problem.loops_only,
-                create_graph=problem.composition.create_graph):
+                create_graph=create_graph):
             report.row_chunks.append((stop - start, sum(
                 t.numel() * t.element_size() for t in [*tap_cots, *carrier_grads.values()]
                 if t is not None)))
             contraction.add_rows(start, stop, tap_cots, carrier_grads)
             del tap_cots, carrier_grads
             bar.update()
+    return _result(problem, forward, contraction, report, rows, order)
+
+
+def _result(problem: Problem, forward: Forward, contraction: Contraction, report: RunReport,
+            rows: Tensor, order: RowOrder) -> BackendResult:
+    """The contraction's blocks (and pullback) as the backend's result."""
+    samples, rows_per_sample = forward.samples, forward.rows_per_sample
     blocks = LeafBlocks.for_problem(problem)
     for leaf, block in contraction.blocks(problem.compute_dtype):
         blocks.add(leaf, to_row_major(block, problem.diagonal))

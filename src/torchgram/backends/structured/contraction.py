@@ -22,8 +22,9 @@ import torch
 from torch import Tensor
 
 from torchgram.backends.structured.cost import LeafPlan
-from torchgram.backends.structured.streamed import Workspace, streamed_gram
+from torchgram.backends.structured.lifetimes import Lifetimes
 from torchgram.backends.structured.trace import UseRecord
+from torchgram.backends.structured.workspace import Workspace
 
 _U_LETTERS = {"cot": "rbtg", "act": "btg", "index": "bt"}
 _V_LETTERS = {"cot": "scwg", "act": "cwg", "index": "cw"}
@@ -343,6 +344,116 @@ def per_sample_operands(factors: UseFactors) -> tuple[Tensor, Tensor] | None:
     return left, right
 
 
+# NOTE [Gram by column chunks]
+# A materialized leaf's per-row Jacobian J [R, B, P] is formed only for its Gram J Jᵀ, and a
+# Gram is a sum over columns: J Jᵀ = Σ_c J_c J_cᵀ for any split of the columns into chunks
+# J_c. Formed whole, J is the largest tensor of the pass on many models (a 512×128 layer's
+# [16, 65536] on BERT, a 3×3 convolution's [16, 147456] on ResNet-18: 4-9 MiB, where the
+# plain backward peaks at 10-20 MiB), and a fresh block of that size each time. For one use
+# (or uses taken together) J is one matrix product of the factors, first [.., i, T] @ second
+# [.., T, j]; slices of the i rows of the first give J's columns chunk by chunk, each
+# contracted and freed before the next is formed (a lookup's table: a slice of its columns
+# at a time). A chunk holds at most max(MIN_JACOBIAN_CHUNK_BYTES, the two factors' size)
+# bytes: the extra memory stays under what the pass holds for that use anyway (or a small
+# constant), and a chunk stays large enough for the products to run at full speed (the same
+# multiply-adds, a few more calls). The chunks are written into one workspace (NOTE
+# [workspace]): on a CPU the first touch of fresh memory (page faults) costs as much as the
+# product itself (ResNet-18's [16, 128, 16] @ [16, 16, 1152]: 6 ms into fresh memory, 1.5 ms
+# into memory used before), so reusing one buffer is also what makes the late convolutions
+# fast. A leaf with a carrier or with uses of several kinds, and factors kept for ``Jᵀw``,
+# still form the whole Jacobian.
+
+MIN_JACOBIAN_CHUNK_BYTES = 2**20
+"""The smallest bound on a chunk of a materialized Jacobian (NOTE [Gram by column chunks])."""
+
+
+def chunked_gram_applies(use: UseRecord, factors: UseFactors) -> bool:
+    """Whether :func:`chunked_gram` can contract this (merged) use: a product or a lookup."""
+    return use.role != "bias" and not use.shape.elementwise
+
+
+def chunked_gram(factors: UseFactors, classes: int, diagonal: bool,
+                 max_bytes: int | None = None, workspace: Workspace | None = None) -> Tensor:
+    """The Gram block ``[R, B, R, B]`` (``[R, B]``) of a use's per-row Jacobian, by chunks.
+
+    NOTE [Gram by column chunks]. ``classes``: a lookup's number of rows of its table (its
+    ``act_width``). ``max_bytes``: bound on one chunk of the Jacobian (``None``: see the
+    note). ``workspace``: where the chunks are written (NOTE [workspace]), unless the factors
+    require gradients. Where the whole Jacobian fits, this is
+    ``gram_of_rows(materialize_use(...))``.
+    """
+    first, second = factors.first, factors.second
+    if "index" in (first.kind, second.kind):
+        return _chunked_lookup_gram(factors, classes, diagonal, max_bytes, workspace)
+    itemsize = torch.promote_types(first.tensor.dtype, second.tensor.dtype).itemsize
+    bound = max_bytes if max_bytes is not None else max(
+        MIN_JACOBIAN_CHUNK_BYTES, (first.tensor.numel() + second.tensor.numel()) * itemsize)
+    rows = max(f.tensor.shape[0] for f in (first, second) if f.kind == "cot")
+    samples, groups = first.tensor.shape[-4], first.tensor.shape[-2]
+    operands = per_sample_operands(factors)
+    if operands is not None:  # transposed views, one batched product (as materialize_use)
+        left, right = operands
+    else:  # [(R,) B, G, i, T] @ [(R,) B, G, T, j], broadcast over the rows
+        left = first.tensor.movedim(-3, -1)
+        right = second.tensor.movedim(-2, -3)
+        if first.kind != "cot":
+            left = left.unsqueeze(0)
+        if second.kind != "cot":
+            right = right.unsqueeze(0)
+    width, per_row = left.shape[-2], rows * samples * groups * right.shape[-1] * itemsize
+    step = max(1, bound // max(1, per_row))
+    if left.requires_grad or right.requires_grad:
+        workspace = None
+    total: Tensor | None = None
+    for start in range(0, width, step):
+        chunk = left[..., start:start + step, :]
+        if workspace is None:
+            jac = torch.matmul(chunk, right)
+        else:
+            shape = (*(max(a, b) for a, b in zip(chunk.shape[:-2], right.shape[:-2],
+                                                  strict=True)),  # sizes are equal or 1
+                     chunk.shape[-2], right.shape[-1])
+            jac = torch.matmul(chunk, right, out=workspace.take(
+                shape, torch.promote_types(chunk.dtype, right.dtype), chunk.device))
+        gram = gram_of_rows(jac.reshape(rows, samples, -1), diagonal)
+        del jac
+        total = gram if total is None else total.add_(gram)
+    assert total is not None
+    return total
+
+
+def _chunked_lookup_gram(factors: UseFactors, classes: int, diagonal: bool,
+                         max_bytes: int | None, workspace: Workspace | None) -> Tensor:
+    """:func:`chunked_gram` of a lookup: its Jacobian's table rows, a slice of columns at a time.
+
+    The Gram does not depend on the order of the Jacobian's entries: a transposed table
+    (the index second) has the same one.
+    """
+    index, cot = ((factors.first.tensor, factors.second.tensor) if factors.first.kind == "index"
+                  else (factors.second.tensor, factors.first.tensor))
+    rows, samples, positions, dim = cot.shape[0], cot.shape[1], cot.shape[2], cot.shape[-1]
+    bound = max_bytes if max_bytes is not None else max(
+        MIN_JACOBIAN_CHUNK_BYTES, index.numel() * index.element_size()
+        + cot.numel() * cot.element_size())
+    step = max(1, bound // max(1, rows * samples * classes * cot.element_size()))
+    offsets = (index + classes * torch.arange(samples, device=index.device)[:, None]).reshape(-1)
+    values = cot.reshape(rows, samples * positions, dim)
+    if cot.requires_grad:
+        workspace = None
+    total: Tensor | None = None
+    for start in range(0, dim, step):
+        part = values[..., start:start + step]
+        shape = (rows, samples * classes, part.shape[-1])
+        jac = (cot.new_zeros(shape) if workspace is None
+               else workspace.zeros(shape, cot.dtype, cot.device))
+        jac.index_add_(1, offsets, part)
+        gram = gram_of_rows(jac.reshape(rows, samples, -1), diagonal)
+        del jac
+        total = gram if total is None else total.add_(gram)
+    assert total is not None
+    return total
+
+
 def _is_lookup(item: tuple[UseRecord, UseFactors]) -> bool:
     return "index" in (item[1].first.kind, item[1].second.kind)
 
@@ -497,16 +608,33 @@ class Contraction:
         keep: Keep the factors for :meth:`pullback`.
         dtype: The dtype factors and Jacobians are contracted in (``None``: their own); the
             widest of the leaves' and the output's, so mixed-dtype leaves stay exact.
+        consume: Contract each leaf as soon as all its rows are in and let go of the
+            activations (and, in a streamed pass, the cotangents) no other leaf reads
+            (NOTE [streamed taps]). Not with ``keep``; needs ``dtype``.
+        max_jacobian_bytes: Bound on the per-row Jacobian a materialized leaf forms at once
+            (NOTE [Gram by column chunks]); ``None``: :data:`MIN_JACOBIAN_CHUNK_BYTES` or the
+            size of the use's factors, whichever is larger.
     """
 
     def __init__(self, plans: Sequence[LeafPlan], uses: dict[int, tuple[UseRecord, ...]],
                  numels: Sequence[int], samples: int, rows: int, diagonal: bool,
                  max_pair_elements: int = DEFAULT_PAIR_ELEMENTS, keep: bool = False,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, consume: bool = False,
+                 max_jacobian_bytes: int | None = None) -> None:
         self.plans = plans
         self.dtype = dtype
         self.uses = uses
         self.keep = keep
+        self.consume = consume and not keep and dtype is not None
+        self.max_jacobian_bytes = max_jacobian_bytes
+        self.streamed_bytes = 0
+        """Bytes of the cotangents a streamed pass handed over (for the run's report)."""
+        self._plan_of = {plan.leaf: plan for plan in plans}
+        self._workspace = Workspace()
+        self._stream_cots: list[Tensor | None] = []
+        self._stream_lifetimes: Lifetimes | None = None
+        self._stream_waits: set[int] = set()
+        self._streamed: set[int] = set()
         self._kept: dict[int, list[tuple[UseRecord, UseFactors] | Tensor]] = {}
         self.complete = True
         self.numels = numels
@@ -514,34 +642,41 @@ class Contraction:
         self.rows = rows
         self.diagonal = diagonal
         self.max_pair_elements = max_pair_elements
-        self._acts: Sequence[Tensor] = ()
+        self._acts: list[Tensor | None] = []
         self._act_factors: dict[tuple[int, int], Factor] = {}
         self._jacobians: dict[int, Tensor] = {}
         self._grams: dict[int, Tensor] = {}
         self._cot_grams: dict[Any, Tensor] = {}
         self._ghost_cots: dict[tuple[int, int], list[Tensor]] = {}
-        self._workspace = Workspace()
 
     def set_acts(self, acts: Sequence[Tensor]) -> None:
-        """The recorded activations, each with a leading sample dim."""
-        self._acts = acts
+        """The recorded activations, each with a leading sample dim.
+
+        With ``consume``, the caller lets go of its own references for them to be freed.
+        """
+        self._acts = list(acts)
 
     def _act_factor(self, key: tuple[int, int], use: UseRecord) -> Factor:
         factor = self._act_factors.get(key)
         if factor is None:
             assert use.act is not None
-            tensor = use.layout.act_factor(self._acts[use.act], 1)
+            tensor = use.layout.act_factor(self._act(use.act), 1)
             if not use.shape.act_is_index:
                 tensor = self._cast(tensor)
             factor = Factor(tensor, "index" if use.shape.act_is_index else "act")
             self._act_factors[key] = factor
         return factor
 
+    def _act(self, index: int) -> Tensor:
+        act = self._acts[index]
+        assert act is not None, "an activation was let go before its last reader"
+        return act
+
     def _cot_tensor(self, use: UseRecord, tap_cots: Sequence[Tensor | None]) -> Tensor | None:
         raw = tap_cots[use.tap]
         if raw is None:
             return None
-        act_raw = self._acts[use.act] if use.act is not None else None
+        act_raw = self._act(use.act) if use.act is not None else None
         return self._cast(use.layout.cot_factor(raw, 2, act_raw))
 
     def _cast(self, tensor: Tensor) -> Tensor:
@@ -564,73 +699,138 @@ class Contraction:
         """
         if self.keep:
             self._keep(start, stop, tap_cots, carrier_grads)
+        complete = start == 0 and stop == self.rows
+        lifetimes = self._new_lifetimes() if self.consume and complete else None
         for plan in self.plans:
-            if plan.way in ("ghost", "sparse"):
-                for k, use in enumerate(self.uses.get(plan.leaf, ())):
-                    cot = self._cot_tensor(use, tap_cots)
-                    if cot is not None:
-                        self._ghost_cots.setdefault((plan.leaf, k), []).append(cot)
-                    else:
-                        self._ghost_cots.setdefault((plan.leaf, k), [])
+            self._add_leaf(plan, start, stop, tap_cots, carrier_grads)
+            if lifetimes is not None:
+                self._release(lifetimes, plan.leaf, None)
+
+    # -- NOTE [streamed taps]: the cotangents of all rows, one tap at a time --------------------
+
+    def start_stream(self, taps: int, carrier_leaves: Sequence[int]) -> None:
+        """Rows ``0:R`` come in one backward, tap by tap (:meth:`add_tap`), then carriers.
+
+        Needs ``consume``. ``carrier_leaves``: the leaves whose contraction also waits for
+        their carriers' gradients (:meth:`finish_stream`).
+        """
+        assert self.consume, "a streamed pass needs a consuming contraction"
+        self._stream_cots = [None] * taps
+        self._stream_lifetimes = self._new_lifetimes()
+        self._stream_waits = set(carrier_leaves)
+        self._streamed = set()
+
+    def add_tap(self, tap: int, cot: Tensor | None) -> None:
+        """Tap ``tap``'s cotangent ``[R, B, *y]`` (``None``: zero); contracts what it completes."""
+        lifetimes = self._stream_lifetimes
+        assert lifetimes is not None, "start_stream first"
+        self._stream_cots[tap] = cot
+        if cot is not None:
+            self.streamed_bytes += cot.numel() * cot.element_size()
+        for leaf in lifetimes.arrived(tap):
+            if leaf not in self._stream_waits:
+                self._stream_leaf(leaf, {})
+
+    def finish_stream(self, carrier_grads: dict[int, Tensor]) -> None:
+        """The backward is over: contract the leaves still waiting (carriers, unreached taps)."""
+        for plan in self.plans:
+            if plan.leaf not in self._streamed:
+                self._stream_leaf(plan.leaf, carrier_grads)
+        self._stream_cots, self._stream_lifetimes = [], None
+
+    def _stream_leaf(self, leaf: int, carrier_grads: dict[int, Tensor]) -> None:
+        lifetimes = self._stream_lifetimes
+        assert lifetimes is not None
+        self._add_leaf(self._plan_of[leaf], 0, self.rows, self._stream_cots, carrier_grads)
+        self._streamed.add(leaf)
+        self._release(lifetimes, leaf, self._stream_cots)
+
+    def _new_lifetimes(self) -> Lifetimes:
+        return Lifetimes(self.uses, [plan.leaf for plan in self.plans])
+
+    def _release(self, lifetimes: Lifetimes, leaf: int,
+                 tap_cots: list[Tensor | None] | None) -> None:
+        """Let go of what only ``leaf`` still read (``tap_cots``: cotangents this owns)."""
+        taps, acts = lifetimes.done(leaf)
+        if tap_cots is not None:
+            for tap in taps:
+                tap_cots[tap] = None
+        for act in acts:
+            self._acts[act] = None
+        for key in [key for key in self._act_factors if key[0] == leaf]:
+            del self._act_factors[key]
+
+    def _add_leaf(self, plan: LeafPlan, start: int, stop: int,
+                  tap_cots: Sequence[Tensor | None], carrier_grads: dict[int, Tensor]) -> None:
+        """Rows ``start:stop`` of one leaf (:meth:`add_rows`)."""
+        complete = start == 0 and stop == self.rows
+        if plan.way in ("ghost", "sparse"):
+            for k, use in enumerate(self.uses.get(plan.leaf, ())):
+                cot = self._cot_tensor(use, tap_cots)
+                pieces = self._ghost_cots.setdefault((plan.leaf, k), [])
+                if cot is not None:
+                    pieces.append(cot)
+            if self.consume and complete:  # the block now, and its factors go
+                assert self.dtype is not None
+                block = (self._ghost_block(plan, self.dtype) if plan.way == "ghost"
+                         else self._sparse_block(plan))
+                if block is not None:
+                    self._grams[plan.leaf] = block
+            return
+        if plan.way == "unused":
+            return
+        numel = self.numels[plan.leaf]
+        part: Tensor | None = carrier_grads.pop(plan.leaf, None)
+        owned = False  # whether part is a tensor made here (not the carrier's gradient)
+        uses = self.uses.get(plan.leaf, ())
+        if part is not None:  # [c, B, *leaf.shape]: in the leaf's layout if others add to it
+            part = self._cast(part.reshape(*part.shape[:2], -1) if uses else flat_rows(part))
+        if complete and part is None and len(uses) == 1 and uses[0].role == "bias":
+            cot = self._cot_tensor(uses[0], tap_cots)
+            if cot is None:
+                return
+            if cot.shape[2] * cot.shape[3] == 1:
+                # a bias without positions (per sample): its Jacobian is the cotangent
+                factor = Factor(cot, "cot", (uses[0].tap, id(uses[0].layout)))
+                self._grams[plan.leaf] = single_position_cot_gram(
+                    factor, factor, self.diagonal, self._cot_grams)
+                return
+        items = []
+        for k, use in enumerate(uses):
+            raw = tap_cots[use.tap]
+            if raw is None:
                 continue
-            if plan.way == "unused":
+            act_raw = self._act(use.act) if use.act is not None else None
+            if act_raw is not None and act_raw.is_floating_point():
+                act_raw = self._cast(act_raw)
+            jac = use.layout.materialize(act_raw, self._cast(raw), use.role == "bias")
+            if jac is not None:  # straight from the raw tensors
+                part, owned = (jac, False) if part is None else (part + jac, True)
                 continue
-            numel = self.numels[plan.leaf]
-            part: Tensor | None = carrier_grads.pop(plan.leaf, None)
-            owned = False  # whether part is a tensor made here (not the carrier's gradient)
-            uses = self.uses.get(plan.leaf, ())
-            if part is not None:  # [c, B, *leaf.shape]: in the leaf's layout if others add to it
-                part = self._cast(part.reshape(*part.shape[:2], -1) if uses else flat_rows(part))
-            complete = start == 0 and stop == self.rows
-            if complete and part is None and len(uses) == 1 and uses[0].role == "bias":
-                cot = self._cot_tensor(uses[0], tap_cots)
-                if cot is None:
-                    continue
-                if cot.shape[2] * cot.shape[3] == 1:
-                    # a bias without positions (per sample): its Jacobian is the cotangent
-                    factor = Factor(cot, "cot", (uses[0].tap, id(uses[0].layout)))
-                    self._grams[plan.leaf] = single_position_cot_gram(
-                        factor, factor, self.diagonal, self._cot_grams)
-                    continue
-            items = []
-            for k, use in enumerate(uses):
-                raw = tap_cots[use.tap]
-                if raw is None:
-                    continue
-                act_raw = self._acts[use.act] if use.act is not None else None
-                if act_raw is not None and act_raw.is_floating_point():
-                    act_raw = self._cast(act_raw)
-                jac = use.layout.materialize(act_raw, self._cast(raw), use.role == "bias")
-                if jac is not None:  # straight from the raw tensors
-                    part, owned = (jac, False) if part is None else (part + jac, True)
-                    continue
-                cot = self._cast(use.layout.cot_factor(raw, 2, act_raw))
-                items.append((use, self._factors((plan.leaf, k), use, cot)))
-            merged = together(items)
-            if part is None and complete and not self.keep and len(merged) == 1:
-                use, factors = merged[0]
-                operands = (per_sample_operands(factors) if use.role == "weight"
-                            and not use.shape.elementwise else None)
-                if operands is not None:  # NOTE [streamed Gram]
-                    self._grams[plan.leaf] = streamed_gram(*operands, self.diagonal,
-                                                           self._workspace)
-                    continue
-            # lookups last, to add into the others' Jacobian: NOTE [Jacobians of several uses]
-            for use, factors in sorted(merged, key=_is_lookup):
-                part = materialize_use(use, factors, numel, into=part, may_write=owned)
-                owned = True
-            if part is None:
-                continue
-            if self.keep and complete and uses:  # (a carrier alone is kept as it is)
-                self._keep_jacobian(plan.leaf, part)
-            store = self._jacobians.get(plan.leaf)
-            if store is None and start == 0 and stop == self.rows:  # all rows at once:
-                self._grams[plan.leaf] = gram_of_rows(part, self.diagonal)  # Gram and free
-                continue
-            if store is None:
-                store = self._jacobians[plan.leaf] = part.new_zeros(self.rows, self.samples,
-                                                                    numel)
-            store[start:stop] += part
+            cot = self._cast(use.layout.cot_factor(raw, 2, act_raw))
+            items.append((use, self._factors((plan.leaf, k), use, cot)))
+        merged = together(items)
+        if complete and part is None and not self.keep and len(merged) == 1 \
+                and chunked_gram_applies(*merged[0]):  # NOTE [Gram by column chunks]
+            use, factors = merged[0]
+            self._grams[plan.leaf] = chunked_gram(factors, use.shape.act_width, self.diagonal,
+                                                  self.max_jacobian_bytes, self._workspace)
+            return
+        # lookups last, to add into the others' Jacobian: NOTE [Jacobians of several uses]
+        for use, factors in sorted(merged, key=_is_lookup):
+            part = materialize_use(use, factors, numel, into=part, may_write=owned)
+            owned = True
+        if part is None:
+            return
+        if self.keep and complete and uses:  # (a carrier alone is kept as it is)
+            self._keep_jacobian(plan.leaf, part)
+        store = self._jacobians.get(plan.leaf)
+        if store is None and complete:  # all rows at once: Gram and free
+            self._grams[plan.leaf] = gram_of_rows(part, self.diagonal)
+            return
+        if store is None:
+            store = self._jacobians[plan.leaf] = part.new_zeros(self.rows, self.samples, numel)
+        store[start:stop] += part
 
     def _keep(self, start: int, stop: int, tap_cots: Sequence[Tensor | None],
               carrier_grads: dict[int, Tensor]) -> None:
@@ -678,12 +878,13 @@ class Contraction:
     def blocks(self, dtype: torch.dtype) -> Iterator[tuple[int, Tensor]]:
         """``(leaf, block)`` for every leaf with a non-zero contribution, freeing as it goes."""
         for plan in self.plans:
-            if plan.way == "ghost":
+            block: Tensor | None
+            if plan.leaf in self._grams:
+                block = self._grams.pop(plan.leaf)
+            elif plan.way == "ghost":
                 block = self._ghost_block(plan, dtype)
             elif plan.way == "sparse":
                 block = self._sparse_block(plan)
-            elif plan.leaf in self._grams:
-                block = self._grams.pop(plan.leaf)
             else:
                 jacobian = self._jacobians.pop(plan.leaf, None)
                 block = None if jacobian is None else gram_of_rows(jacobian, self.diagonal)

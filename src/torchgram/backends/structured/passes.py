@@ -166,6 +166,11 @@ class Forward:
     order: Tensor | None = None
     merged_acts: dict[int, int] = field(default_factory=dict)
 
+    def take_acts(self) -> list[Tensor]:
+        """The activations, handed over: the forward lets go of them (they can be freed)."""
+        acts, self.acts = self.acts, []
+        return acts
+
     def detached_rows(self) -> Tensor:
         """The output rows, in the backend's ``[B, R]`` layout (``[m]`` when batched/dense)."""
         if self.kind in ("batched", "dense"):
