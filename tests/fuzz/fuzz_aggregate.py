@@ -20,8 +20,8 @@ import torch
 from torch import Tensor
 
 import torchgram as tg
-from fuzz_arch import FuzzCase, build
-from fuzz_check import TOLERANCE, Snapshot, oracle
+from fuzz_arch import Built, FuzzCase, build
+from fuzz_check import TOLERANCE, Snapshot, eager_rows, fresh_leaves, oracle
 from reference import Dense
 
 
@@ -46,16 +46,21 @@ def check_aggregated(case: FuzzCase, backend: str) -> str:
             update, _ = tg.aggregated_grad(built.f, weighting, backend=backend, **options)(
                 *built.args, **built.kwargs)
     except Exception as error:  # noqa: BLE001 -- the property is about which errors escape
-        snapshot.assert_unchanged(built.module)
-        if not str(error).startswith("torchgram."):
-            raise AssertionError(f"{backend}: a raw error escaped: {type(error).__name__}: "
-                                 f"{error}") from error
-        return f"refused ({type(error).__name__}: {str(error)[:60]}...)"
+        return _refused(error, snapshot, built, backend)
     snapshot.assert_unchanged(built.module)
     assert expected is not None, "answered a call without any leaf to differentiate"
     leaves = [leaf for leaf in optree.tree_leaves(update) if isinstance(leaf, Tensor)]
     _assert_update(case, leaves, expected)
     return "answered"
+
+
+def _refused(error: Exception, snapshot: Snapshot, built: Built, what: str) -> str:
+    """The outcome of a call that raised: a torchgram error, with everything as it was."""
+    snapshot.assert_unchanged(built.module)
+    if not str(error).startswith("torchgram."):
+        raise AssertionError(f"{what}: a raw error escaped: {type(error).__name__}: "
+                             f"{error}") from error
+    return f"refused ({type(error).__name__}: {str(error)[:60]}...)"
 
 
 def _assert_update(case: FuzzCase, leaves: list[Tensor], expected: Dense) -> None:
@@ -85,39 +90,14 @@ def check_eager_update(case: FuzzCase, recorded: bool) -> str:
     if case.alias_tied or case.grad_mode == "no_grad" or expected is None:
         return "not applicable"
     built = build(case)
-    argnums = built.argnums
-    nums = {n % len(built.args) for n in ((argnums,) if isinstance(argnums, int) else argnums)}
-    fresh: dict[int, Tensor] = {}
-
-    def leaf_of(value: object) -> object:
-        if not (isinstance(value, Tensor) and value.is_floating_point()):
-            return value
-        if id(value) not in fresh:
-            fresh[id(value)] = value.detach().clone().requires_grad_()
-        return fresh[id(value)]
-
-    args = [optree.tree_map(leaf_of, arg) if i in nums else arg  # type: ignore[arg-type]
-            for i, arg in enumerate(built.args)]
+    args, leaves = fresh_leaves(built)
     snapshot = Snapshot.take(built.args, built.kwargs, built.module)
-    torch.manual_seed(case.seed)  # random ops: the oracle and the call see the same draw
     try:
-        if recorded:
-            with tg.autograd.record():
-                out = built.f(*args, **built.kwargs)
-        else:
-            out = built.f(*args, **built.kwargs)
-        if built.options.get("has_aux", False):
-            out = out[0]
-        rows = out if isinstance(out, Tensor) else optree.tree_leaves(out)
-        leaves = list(fresh.values())
+        rows = eager_rows(case, built, args, recorded)
         tg.autograd.backward(rows, leaves, weighting, batch_dim=case.batch_dim,
                              chunk_size=case.chunk_size)
     except Exception as error:  # noqa: BLE001 -- the property is about which errors escape
-        snapshot.assert_unchanged(built.module)
-        if not str(error).startswith("torchgram."):
-            raise AssertionError(f"eager update: a raw error escaped: "
-                                 f"{type(error).__name__}: {error}") from error
-        return f"refused ({type(error).__name__}: {str(error)[:60]}...)"
+        return _refused(error, snapshot, built, "eager update")
     snapshot.assert_unchanged(built.module)
     _assert_update(case, [torch.zeros_like(leaf) if leaf.grad is None else leaf.grad
                           for leaf in leaves], expected)

@@ -255,8 +255,9 @@ def check_eager(case: FuzzCase, recorded: bool) -> str:
     return ", ".join(outcomes)
 
 
-def _eager_gramian(case: FuzzCase, built: Built, recorded: bool,
-                   batch_dim: int | None) -> tuple[Tensor, list[Tensor]]:
+def fresh_leaves(built: Built) -> tuple[list[Any], list[Tensor]]:
+    """``built``'s arguments with fresh leaves that require grad at ``argnums`` (one per
+    distinct tensor), and those leaves: what an eager training step differentiates."""
     argnums = built.argnums
     nums = {n % len(built.args) for n in ((argnums,) if isinstance(argnums, int) else argnums)}
     fresh: dict[int, Tensor] = {}
@@ -270,6 +271,12 @@ def _eager_gramian(case: FuzzCase, built: Built, recorded: bool,
 
     args = [optree.tree_map(leaf_of, arg) if i in nums else arg
             for i, arg in enumerate(built.args)]
+    return args, list(fresh.values())
+
+
+def eager_rows(case: FuzzCase, built: Built, args: list[Any], recorded: bool) -> Any:
+    """The case's output rows from an eager call on ``args`` (inside ``tg.autograd.record()``
+    when ``recorded``): a tensor, or the list of a pytree's leaves; aux dropped."""
     torch.manual_seed(case.seed)  # random ops: the oracle and the call see the same draw
     if recorded:
         with tg.autograd.record():
@@ -278,8 +285,13 @@ def _eager_gramian(case: FuzzCase, built: Built, recorded: bool,
         out = built.f(*args, **built.kwargs)
     if built.options.get("has_aux", False):
         out = out[0]
-    rows = out if isinstance(out, Tensor) else optree.tree_leaves(out)
-    leaves = list(fresh.values())
+    return out if isinstance(out, Tensor) else optree.tree_leaves(out)
+
+
+def _eager_gramian(case: FuzzCase, built: Built, recorded: bool,
+                   batch_dim: int | None) -> tuple[Tensor, list[Tensor]]:
+    args, leaves = fresh_leaves(built)
+    rows = eager_rows(case, built, args, recorded)
     G = tg.autograd.gramian(rows, leaves, batch_dim=batch_dim, diagonal=case.diagonal,
                             chunk_size=case.chunk_size)
     assert isinstance(G, Tensor)

@@ -315,14 +315,23 @@ def _materialize_use(use: UseRecord, factors: UseFactors, numel: int,
     if operands is not None:
         left, right = operands
         return torch.bmm(left, right).reshape(1, left.shape[0], numel)
+    jac = torch.matmul(*broadcast_operands(factors))
+    return jac.reshape(*jac.shape[:2], numel)
+
+
+def broadcast_operands(factors: UseFactors) -> tuple[Tensor, Tensor]:
+    """``[(R,) B, G, i, T]`` and ``[(R,) B, G, T, j]``, whose broadcast product is the Jacobian.
+
+    The product is in the leaf's layout ``[R, B, G, i, j]``.
+    """
+    first, second = factors.first, factors.second
     left = first.tensor.movedim(-3, -1)
     right = second.tensor.movedim(-2, -3)
     if first.kind != "cot":
         left = left.unsqueeze(0)
     if second.kind != "cot":
         right = right.unsqueeze(0)
-    jac = torch.matmul(left, right)
-    return jac.reshape(*jac.shape[:2], numel)
+    return left, right
 
 
 def per_sample_operands(factors: UseFactors) -> tuple[Tensor, Tensor] | None:
@@ -390,16 +399,8 @@ def chunked_gram(factors: UseFactors, classes: int, diagonal: bool,
         MIN_JACOBIAN_CHUNK_BYTES, (first.tensor.numel() + second.tensor.numel()) * itemsize)
     rows = max(f.tensor.shape[0] for f in (first, second) if f.kind == "cot")
     samples, groups = first.tensor.shape[-4], first.tensor.shape[-2]
-    operands = per_sample_operands(factors)
-    if operands is not None:  # transposed views, one batched product (as materialize_use)
-        left, right = operands
-    else:  # [(R,) B, G, i, T] @ [(R,) B, G, T, j], broadcast over the rows
-        left = first.tensor.movedim(-3, -1)
-        right = second.tensor.movedim(-2, -3)
-        if first.kind != "cot":
-            left = left.unsqueeze(0)
-        if second.kind != "cot":
-            right = right.unsqueeze(0)
+    # transposed views and one batched product where it can (as materialize_use)
+    left, right = per_sample_operands(factors) or broadcast_operands(factors)
     width, per_row = left.shape[-2], rows * samples * groups * right.shape[-1] * itemsize
     step = max(1, bound // max(1, per_row))
     if left.requires_grad or right.requires_grad:
