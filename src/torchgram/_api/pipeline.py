@@ -15,7 +15,7 @@ from torch import Tensor
 
 from torchgram._core import _torch_compat, functional
 from torchgram._core.checks import fail
-from torchgram._core.composition import refuse_inside_taps
+from torchgram._core.composition import graph_leaf, refuse_inside_taps
 from torchgram._core.cross import CrossProblem, CrossResult
 from torchgram._core.errors import OutputChanged
 from torchgram._core.options import Options
@@ -73,13 +73,35 @@ class Computation:
         kept = self.result.pullback
         if kept is not None:
             return kept(to_backend_order(problem, self.result.row_order, weights))
-        _, vjp_fn = functional.vjp(lambda *leaves: problem.rows(leaves)[0], *problem.leaves)
         cotangent = weights.to(problem.output.dtype)
-        grads = functional.with_grad(  # NOTE [backward under no_grad]
-            lambda: vjp_fn(cotangent))
+        if problem.draw.random and not problem.composition.transforms:
+            grads = _plain_vjp(problem, cotangent)  # NOTE [draws under torch.func]
+        else:
+            _, vjp_fn = functional.vjp(lambda *leaves: problem.rows(leaves)[0],
+                                       *problem.leaves)
+            grads = functional.with_grad(  # NOTE [backward under no_grad]
+                lambda: vjp_fn(cotangent))
         problem.draw.finish()
         return tuple(grad.to(leaf.dtype) for grad, leaf in zip(grads, problem.leaves,
                                                                strict=True))
+
+
+def _plain_vjp(problem: Problem, cotangent: Tensor) -> tuple[Tensor, ...]:
+    """``Jᵀ cotangent`` by plain autograd through one evaluation of ``f``.
+
+    A random ``f``'s update must see the draws of the plain call (NOTE [draws under
+    torch.func]): ``torch.func.vjp``'s wrappers may give an op other strides, and dropout
+    would then drop other entries.
+    """
+    with torch.enable_grad():  # NOTE [backward under no_grad]
+        carriers = tuple(graph_leaf(leaf) for leaf in problem.leaves)
+        rows = problem.rows(carriers)[0]
+        if not rows.requires_grad:  # no row depends on a leaf
+            return tuple(torch.zeros_like(leaf) for leaf in problem.leaves)
+        create_graph = problem.composition.create_graph
+        grads = torch.autograd.grad(rows, carriers, cotangent, allow_unused=True,
+                                    materialize_grads=True, create_graph=create_graph)
+    return grads if create_graph else tuple(grad.detach() for grad in grads)
 
 
 # NOTE [torch.compile]

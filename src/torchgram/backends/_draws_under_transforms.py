@@ -10,7 +10,12 @@ numbers drop other entries and the backend differentiates another function, sile
 (relative error up to 1 and more; found by the fuzzer, ``tests/fuzz/FINDINGS.md``). No cheap
 check proves two masks equal, so the ``jacobian`` and ``ntvp`` backends refuse an ``f`` that
 drew random numbers on the whole batch (per sample it already is :class:`NotPerSample`), and
-``auto`` goes on with ``structured`` or ``graph``, which evaluate ``f`` plainly.
+``auto`` goes on with ``structured`` or ``graph``, which evaluate ``f`` plainly. For the same
+reason the update ``Jᵀ w`` of ``tg.aggregated_grad``, where the backend kept no cheap
+pullback, is a plain autograd backward through one evaluation of a random ``f``, not a
+``torch.func.vjp`` (update hunt 2: the graph backend's update was another mask's, relative
+error 0.49). The structured backend's own rewrites keep the plain call's layouts too (NOTE
+[rewritten layouts]).
 """
 
 from __future__ import annotations

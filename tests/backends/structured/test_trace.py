@@ -86,3 +86,28 @@ def test_backend_recovers_from_a_run_that_leaves_its_trace():
     expected = tg.gramian(lambda w, x: torch.tanh(x @ w.T).sum(-1), backend="jacobian")(w, x)
     actual = tg.gramian(moody, backend="structured", batch_dim=0)(w, x)
     torch.testing.assert_close(actual, expected)
+
+
+@pytest.mark.parametrize("equation", ["btd,od->bto", "btd,od->bot", "od,btd->bto"])
+@pytest.mark.parametrize("width", [1, 2], ids=["width1", "width2"])
+def test_rewritten_einsum_keeps_the_original_layout_when_asked(equation: str, width: int):
+    """NOTE [rewritten layouts]: einsum's own strides (a size-1 contracted index, a
+    transposed activation), which a dropout after it would lay its mask out along."""
+    x = torch.randn(1, 3, width).transpose(0, 1)
+    w = torch.randn(4, width)
+    operands = (x, w) if equation.startswith("b") else (w, x)
+    expected = torch.einsum(equation, *operands)
+    for original_layouts in (False, True):
+        with TapMode([w], [w], taps="lazy", original_layouts=original_layouts) as mode:
+            y = torch.einsum(equation, *operands)
+        assert mode.rewrote
+        torch.testing.assert_close(y, expected)
+        if original_layouts:
+            assert y.stride() == expected.stride()
+
+
+def test_a_call_without_rewrites_says_so():
+    w = torch.randn(3, 2)
+    with TapMode([w], [w], taps="lazy") as mode:
+        torch.tanh(torch.randn(4, 2) @ w.T)
+    assert not mode.rewrote

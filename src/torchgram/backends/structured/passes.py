@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -235,6 +235,23 @@ def _sample_dim(traced: Sequence[int], full: Sequence[int], samples: int, *,
     return _NO_DIM
 
 
+def _tapped_rows(problem: Problem, carriers: tuple[Tensor, ...],
+                 make_mode: Callable[[bool], TapMode]) -> tuple[TapMode, Tensor, Any]:
+    """``f``'s rows on the full inputs under ``make_mode(original_layouts)``, and the mode.
+
+    Run again with the original calls' layouts when the first run rewrote a call and ``f``
+    drew random numbers (NOTE [rewritten layouts]).
+    """
+    mode = make_mode(False)
+    with mode:
+        rows, aux = problem.rows(carriers)
+    if mode.rewrote and problem.draw.random:
+        mode = make_mode(True)
+        with mode:
+            rows, aux = problem.rows(carriers)
+    return mode, rows, aux
+
+
 def batched_forward(problem: Problem, traced: Recording) -> Forward | None:
     """The per-sample forward on the whole batch without ``vmap``, or ``None`` if it cannot be.
 
@@ -245,11 +262,14 @@ def batched_forward(problem: Problem, traced: Recording) -> Forward | None:
     samples = batch.size
     leaves = problem.leaves
     carriers = tuple(graph_leaf(leaf) for leaf in leaves)
-    mode = TapMode(carriers, leaves, taps="lazy", carriers=(), expected=traced.taps,
-                   samples=samples, keep_graph=problem.composition.create_graph)
+
+    def batched_mode(original_layouts: bool) -> TapMode:
+        return TapMode(carriers, leaves, taps="lazy", carriers=(), expected=traced.taps,
+                       samples=samples, keep_graph=problem.composition.create_graph,
+                       original_layouts=original_layouts)
+
     try:
-        with mode:
-            rows, aux = problem.rows(carriers)
+        mode, rows, aux = _tapped_rows(problem, carriers, batched_mode)
     except NotBatched:
         return None
     mode.finish()
@@ -379,9 +399,12 @@ def dense_forward(problem: Problem) -> Forward:
     """The tapped forward on the full inputs, taps made on the fly (dense rows)."""
     leaves = problem.leaves
     carriers = [graph_leaf(leaf) for leaf in leaves]
-    mode = TapMode(carriers, leaves, taps="lazy", keep_graph=problem.composition.create_graph)
-    with mode:
-        rows, aux = problem.rows(tuple(carriers))
+
+    def dense_mode(original_layouts: bool) -> TapMode:
+        return TapMode(carriers, leaves, taps="lazy", keep_graph=problem.composition.create_graph,
+                       original_layouts=original_layouts)
+
+    mode, rows, aux = _tapped_rows(problem, tuple(carriers), dense_mode)
     used = sorted(mode.recording.unrecognised)
     mode.recording.rows = rows.numel()
     return Forward("dense", mode.recording, 1, rows.numel(),

@@ -32,6 +32,22 @@ modifies ``y`` in place afterwards (``relu_``, ``+=``). Adding a zero tensor ins
 copy every tapped output once more in the forward. An output without a node (the first
 layer's, whose input needs no gradient) gets a zero tap, which also makes the rest of the
 forward record the graph.
+
+# NOTE [rewritten layouts]
+A rewrite computes the composite's values, not its memory layout: ``torch.einsum`` lays its
+output out by rules of its own (a size-1 contracted index, a transposed activation give
+strides no matmul reproduces), and self-attention's rewrite may differ likewise. Values do
+not depend on strides, but random draws do: ``F.dropout`` after the call fills a mask laid
+out along its input's strides, so other strides drop other entries, and the Gramian would be
+that of another function than ``f`` as called (the aggregated-update hunt found it: einsum
+after ``multi_head_attention_forward``, then dropout). Whether ``f`` draws is known only after
+a full evaluation, and running the original composite beside every rewrite would double its
+forward on every call. So a tapped run notes whether it rewrote a call (``rewrote``); when it
+did and ``f`` drew random numbers, the run is repeated from the call's random state with
+``original_layouts``: each rewrite's output is then given the strides of the original call's
+output (computed without gradients beside it), so every draw after it is the plain call's.
+A function that draws nothing, or rewrites nothing, runs once as before. The recurrent
+rewrite knows the fused kernel's layout and gives it always (NOTE [recurrent rewrite]).
 """
 
 from __future__ import annotations
@@ -298,6 +314,23 @@ def describe(func: Any) -> str:
     return name
 
 
+def _laid_out_like(value: Any, original: Any) -> Any:
+    """``value`` with ``original``'s memory order of entries (NOTE [rewritten layouts]).
+
+    Example:
+        >>> import torch
+        >>> original = torch.zeros(3, 2).T
+        >>> _laid_out_like(torch.ones(2, 3), original).stride()
+        (1, 2)
+    """
+    if not isinstance(value, Tensor) or not isinstance(original, Tensor) or \
+            value.stride() == original.stride():
+        return value
+    outer_first = sorted(range(original.dim()), key=original.stride, reverse=True)
+    back = sorted(range(original.dim()), key=outer_first.__getitem__)
+    return value.permute(outer_first).contiguous().permute(back)
+
+
 class TapMode(TorchFunctionMode):
     """Runs ``f`` recognising, tapping and recording the uses of parameter leaves.
 
@@ -315,6 +348,8 @@ class TapMode(TorchFunctionMode):
         keep_acts: Record the activations in a trace too (the check of merged sample dims).
         keep_graph: Record the activations with their autograd graph (a differentiable
             ``G``, NOTE [composition]) instead of detached.
+        original_layouts: Give each rewritten call's output the original call's strides
+            (NOTE [rewritten layouts]); ``rewrote`` says afterwards whether any call was.
 
     Example:
         >>> import torch
@@ -331,9 +366,12 @@ class TapMode(TorchFunctionMode):
                  taps: Literal["trace", "lazy"] | Sequence[Tensor] = "trace",
                  expected: Sequence[TapRecord] | None = None,
                  carriers: Collection[int] | None = None, samples: int | None = None,
-                 keep_acts: bool = False, keep_graph: bool = False) -> None:
+                 keep_acts: bool = False, keep_graph: bool = False,
+                 original_layouts: bool = False) -> None:
         super().__init__()
         self._keep_graph = keep_graph
+        self._original_layouts = original_layouts
+        self.rewrote = False
         self._refs: dict[int, LeafRef] = {}
         self._pins: list[Tensor] = list(leaves)  # keep ids valid for the whole run
         for index, leaf in enumerate(leaves):
@@ -507,6 +545,11 @@ class TapMode(TorchFunctionMode):
         if rewrite is not None:  # it enters the mode where the rules must see its calls
             result = rewrite(args, kwargs, self)  # (NOTE [attention rewrite])
             if result is not NotImplemented:
+                self.rewrote = True
+                if self._original_layouts:  # NOTE [rewritten layouts]
+                    with torch.no_grad():
+                        original = func(*args, **kwargs)
+                    result = optree.tree_map(_laid_out_like, result, original, none_is_leaf=True)
                 return result
         rule = rule_for(func)
         match = rule.match(func, args, kwargs) if rule is not None else None
