@@ -64,18 +64,35 @@ def _refused(error: Exception, snapshot: Snapshot, built: Built, what: str) -> s
 
 
 def _assert_update(case: FuzzCase, leaves: list[Tensor], expected: Dense) -> None:
-    """``leaves`` (the update per differentiated leaf, in order) against the oracle's ``Jᵀw``."""
+    """``leaves`` (the update per differentiated leaf, in order) against the oracle's ``Jᵀw``.
+
+    A float32 update may be as far off as the oracle's own float32 update (``jacrev`` in the
+    case's dtype): where ``J`` is zero or nearly so analytically and round-off is all a float32
+    evaluation gives (batch-norm in training mode over three values, update hunt 3), no
+    backend can do better, and the Gramian's squared entries hide it.
+    """
     weights = weighting(expected.gramian)
     want = expected.jacobian.T @ weights.to(expected.jacobian.dtype)
     got = (torch.cat([leaf.detach().reshape(-1).double() for leaf in leaves]) if leaves
            else want.new_zeros(0))
     assert got.shape == want.shape, f"update of {got.numel()} entries, expected {want.numel()}"
-    scale = max(want.abs().max().item() if want.numel() else 0.0, 1e-2)
-    error = (got - want).abs().max().item() / scale if want.numel() else 0.0
+    if not want.numel():
+        return
+    scale = max(want.abs().max().item(), 1e-2)
+    error = (got - want).abs().max().item()
     precision = torch.float32 if case.dtype == "float32" or case.mixed_dtypes else torch.float64
-    tolerance = TOLERANCE[precision]
-    assert math.isfinite(error) and error <= tolerance, \
-        f"update: relative error {error:.3g} > {tolerance:g}"
+    allowed = TOLERANCE[precision] * scale
+    if error > allowed and precision == torch.float32:
+        in_case_dtype = oracle(case, in_case_dtype=True)
+        assert in_case_dtype is not None
+        own = in_case_dtype.jacobian.double().T @ weighting(in_case_dtype.gramian.double())
+        allowed = max(allowed, OWN_ROUND_OFF * (own - want).abs().max().item())
+    assert math.isfinite(error) and error <= allowed, \
+        f"update: relative error {error / scale:.3g} > {allowed / scale:.3g}"
+
+
+OWN_ROUND_OFF = 10.0
+"""How many times the float32 oracle's own error a float32 update may be off by."""
 
 
 def check_eager_update(case: FuzzCase, recorded: bool) -> str:

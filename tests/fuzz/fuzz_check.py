@@ -97,17 +97,19 @@ class Snapshot:
 # -- the property ----------------------------------------------------------------------------
 
 
-def oracle(case: FuzzCase, *, repeated: bool = False) -> Dense | None:
+def oracle(case: FuzzCase, *, repeated: bool = False,
+           in_case_dtype: bool = False) -> Dense | None:
     """The dense float64 oracle of the case, or ``None`` if it has no leaf to differentiate.
 
-    ``repeated``: of the case's second call (``case.repeat``).
+    ``repeated``: of the case's second call (``case.repeat``); ``in_case_dtype``: the same
+    dense computation in the case's own dtype (how far off its round-off alone puts it).
     """
     torch.manual_seed(case.seed)  # random ops: the oracle and the call see the same draw
     # ... in the case's own dtype: a float32 and a float64 run of the same layers may lay the
     # same random numbers out differently (hunt 7: a float64 oracle of a float32 case with
     # dropout after a grouped conv was another draw; the backends matched the float32 call)
     random = any(isinstance(layer, Dropout) for layer in case.layers)
-    built = build(case, None if random else torch.float64)
+    built = build(case, None if random or in_case_dtype else torch.float64)
     if repeated and case.repeat == "values":
         built = rescaled(built, REPEAT_SCALE)
     if repeated and case.repeat == "skip_last":

@@ -207,7 +207,7 @@ def test_dropout_between_a_batch_first_gru_and_attention(backend: str) -> None:
 @pytest.mark.parametrize("what", ["gramian", "update"])
 def test_dropout_after_a_rewritten_einsum(backend: str, batch_dim: int | None,
                                           what: str) -> None:
-    """Update hunt 2: the einsum rewrite (a matmul) returns other strides than
+    """Update hunt 3: the einsum rewrite (a matmul) returns other strides than
     ``torch.einsum`` (here a size-1 contracted index after a transposed attention output),
     and the dropout after it drew its mask along them: structured and auto differentiated
     another mask than the plain call (relative error 0.95 in ``G``, 0.49 in the update) on

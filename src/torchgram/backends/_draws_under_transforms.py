@@ -13,7 +13,7 @@ drew random numbers on the whole batch (per sample it already is :class:`NotPerS
 ``auto`` goes on with ``structured`` or ``graph``, which evaluate ``f`` plainly. For the same
 reason the update ``Jᵀ w`` of ``tg.aggregated_grad``, where the backend kept no cheap
 pullback, is a plain autograd backward through one evaluation of a random ``f``, not a
-``torch.func.vjp`` (update hunt 2: the graph backend's update was another mask's, relative
+``torch.func.vjp`` (update hunt 3: the graph backend's update was another mask's, relative
 error 0.49). The structured backend's own rewrites keep the plain call's layouts too (NOTE
 [rewritten layouts]).
 """
