@@ -224,6 +224,23 @@ def test_dropout_after_a_rewritten_einsum(backend: str, batch_dim: int | None,
     assert outcome == "answered" or backend in ("jacobian", "ntvp")  # they refuse dropout
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_centering_whose_effect_on_the_checked_samples_is_a_coincidence(backend: str) -> None:
+    """Update hunt 3: ``x - x.mean(0)`` on a width-1 ``h`` (a broken ``batch_dim`` promise)
+    whose mean over samples 0 and 3 matched the batch's to 9e-5: within the former float32
+    tolerance of the samples' check (1e-4), so structured read per-sample gradients from the
+    batch and ``G`` was 2e-3 off. The tolerance is 1e-5 now (NOTE [per-sample])."""
+    case = FuzzCase(
+        seed=3, batch=4, length=1, input=Features(width=4, flat=False),
+        layers=(Linear(out=1, bias=False), Center(),
+                Linear(out=1, bias=False, form="matmul_t", frozen=True),
+                Linear(out=1, bias=False, form="matmul_t", frozen=True)),
+        head=Head(kind="ce", classes=2), dtype="float32", batch_dim=0, output_dim=0,
+        input_dim=0, input_via="keyword", consts_via="closure", requires_grad=True,
+        noncontiguous=True)
+    assert check(case, backend) == "answered"
+
+
 # -- kernels (tg.ntk.empirical_ntk_fn), kernel hunt 1 ------------------------------------------
 
 KERNEL_BACKENDS = ["auto", "structured", "jacobian", "ntvp"]

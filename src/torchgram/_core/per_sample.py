@@ -24,8 +24,13 @@ A backend whose per-sample way does not hold computes the **same matrix from the
 batch** (its rows without batch structure): for interacting samples that is the exact
 coupled Gramian of ``f`` as called (what ``batch_dim=None`` returns), never a wrong matrix.
 ``tg.explain(..., run=True)`` reports it. The comparison tolerates the round-off of running
-a batch of one instead of the batch (:func:`tolerance`); an interaction below that is below
-the Gramian's own round-off too.
+a batch of one instead of the batch (:func:`tolerance`: 1e-5 relative in float32, where the
+real models of the benchmarks differ by 5e-8 at most). It is a check of values, so an
+interaction whose effect on the checked outputs happens to fall within it passes while its
+effect on the Jacobian need not be small: ``x - x.mean(0)`` of a width-1 ``h`` whose mean over
+samples ``0`` and ``B - 1`` matched the batch's to 9e-5 passed at the former 1e-4 and gave
+``G`` 2e-3 off (update hunt 3). Such a ``batch_dim`` is the caller's broken promise; the check
+makes its acceptance a coincidence of measure about the tolerance, not a guarantee.
 """
 
 from __future__ import annotations
@@ -45,9 +50,10 @@ def tolerance(dtype: torch.dtype) -> float:
 
     Example:
         >>> tolerance(torch.float32), tolerance(torch.float64)
-        (0.0001, 1e-09)
+        (1e-05, 1e-09)
     """
-    return 1e-4 if torch.finfo(dtype).bits <= 32 else 1e-9
+    bits = torch.finfo(dtype).bits
+    return 1e-9 if bits > 32 else 1e-5 if bits == 32 else 1e-4  # 16 bits: as before
 
 
 def batch_rows(problem: Problem) -> tuple[Tensor, Any]:
