@@ -241,6 +241,41 @@ def test_centering_whose_effect_on_the_checked_samples_is_a_coincidence(backend:
     assert check(case, backend) == "answered"
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_group_norm_with_leaves_that_require_grad(backend: str) -> None:
+    """Update hunt 3's soak: leaves that require grad make ``G`` differentiable, and the
+    structured backend's batched differentiable backward (``is_grads_batched`` with
+    ``create_graph``) through ``F.group_norm`` is wrong in torch 2.13 without a word: the
+    embedding's block was 2.45 off (relative), the update 0.41. Those cotangents are taken
+    one at a time now."""
+    case = FuzzCase(
+        seed=31977, batch=3, length=3,
+        input=Tokens(vocab=6, width=3, padding_idx=5, scale_grad_by_freq=True, frozen=False),
+        layers=(Norm(kind="group", affine=True, groups=1),), head=Head(kind="ce", classes=3),
+        dtype="float32", output_dim=0, input_dim=-2, consts_via="keyword", params_at="split",
+        diagonal=True, per_leaf=True, chunk_size=5, requires_grad=True, noncontiguous=True,
+        alias_tied=True)
+    assert check(case, backend) == "answered"
+    assert check_aggregated(case, backend) == "answered"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_coupling_of_samples_that_are_the_same_where_they_meet(backend: str) -> None:
+    """Update hunt 3's soak: ``x - x.mean(0)`` under ``batch_dim=-1`` (a broken promise) on
+    embeddings of one token per sample, the padding id for all: every sample's ``h`` is the
+    same, so outputs alone and in the batch agree whatever the coupling, while the batch's
+    graph carries every sample's rows to every sample's taps (``G`` 112 off, relative). The
+    batched pass now checks derivatives on the first run of a trace."""
+    case = FuzzCase(
+        seed=7992, batch=4, length=1,
+        input=Tokens(vocab=3, width=3, padding_idx=2, scale_grad_by_freq=False, frozen=False),
+        layers=(Center(), Norm(kind="group", affine=True, groups=1), Center()),
+        head=Head(kind="token_ce", classes=3), dtype="float64", batch_dim=-1, output_dim=-1,
+        input_dim=0, layout="nested", consts_via="keyword", params_at="last",
+        extra_leaves=True, has_aux=True, per_leaf=True, chunk_size=5, repeat="skip_last")
+    assert check(case, backend) == "answered"
+
+
 # -- kernels (tg.ntk.empirical_ntk_fn), kernel hunt 1 ------------------------------------------
 
 KERNEL_BACKENDS = ["auto", "structured", "jacobian", "ntvp"]

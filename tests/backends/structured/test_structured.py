@@ -9,7 +9,7 @@ from torch import nn
 
 import torchgram as tg
 from helpers import flat_gramian, make_problem
-from reference import dense_gramian
+from reference import dense_gramian, dense_gramian_fn
 from torchgram._core.sink import to_backend_order
 from torchgram.backends.structured import plan_problem, run_structured
 from zoo import NAMES, build
@@ -265,3 +265,31 @@ def test_a_stale_cached_trace_is_traced_afresh_not_run_on_the_fallback():
     assert report.ran is not None and "fallback" not in report.ran.leaf_ways
     _close(tg.gramian(f, backend="structured", batch_dim=0)(params, x),
            dense_gramian(f, (params, x)).gramian)
+
+
+@pytest.mark.parametrize("affine", [False, True], ids=["plain", "affine"])
+def test_differentiable_gramian_through_group_norm(affine: bool):
+    """torch 2.13's batched double backward through ``F.group_norm`` is wrong without a word
+    (``is_grads_batched`` with ``create_graph``): leaves that require grad make ``G``
+    differentiable, and the embedding's rows came through it 3-5 off. They are taken one
+    cotangent at a time there; ``G`` and its gradient match the oracle's."""
+    torch.manual_seed(0)
+    params = {"table": torch.randn(6, 3, dtype=torch.float64),
+              "weight": 1 + 0.3 * torch.randn(3, dtype=torch.float64),
+              "head": torch.randn(2, 3, dtype=torch.float64)}
+    params = {name: value.requires_grad_() for name, value in params.items()
+              if affine or name != "weight"}
+    tokens = torch.randint(0, 6, (3, 4))
+
+    def f(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        h = F.embedding(x, p["table"]).transpose(1, 2)  # [B, C, T]
+        h = F.group_norm(h, 1, p["weight"] if affine else None)
+        return (h.transpose(1, 2) @ p["head"].T).sum(1).reshape(-1)  # [B * 2] rows
+
+    gram = tg.gramian(f, backend="structured")(params, tokens)
+    expected = dense_gramian_fn(f, chunk_size=1)(params, tokens)  # jacrev looped: exact
+    torch.testing.assert_close(gram, expected, rtol=1e-10, atol=1e-10)
+    grads = torch.autograd.grad(gram.square().sum(), list(params.values()))
+    expected_grads = torch.autograd.grad(expected.square().sum(), list(params.values()))
+    for grad, want in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(grad, want, rtol=1e-8, atol=1e-10)

@@ -503,25 +503,30 @@ def row_grads(rows: Tensor, inputs: Sequence[Any], cot: Tensor, *, batched: bool
 
     ``c = 1`` unless ``batched``; batched results have a leading ``c`` dim.
 
-    With ``create_graph`` a batched backward that fails (a double-backward formula without a
-    batching rule: layer and group norm in torch 2.13) is redone one cotangent at a time.
+    With ``create_graph`` the cotangents are taken one at a time, never batched: torch 2.13's
+    batched double-backward formulas are wrong without a word through ``F.group_norm``
+    (``is_grads_batched=True, create_graph=True`` gave per-row gradients 3-5 off, where the
+    same backward without ``create_graph`` or one cotangent at a time is exact; update hunt 3)
+    and fail outright through layer norm, so no batched differentiable backward is trusted.
     """
     if not create_graph:
         return torch.autograd.grad(rows, inputs, cot if batched else cot[0],
                                    retain_graph=retain_graph, allow_unused=True,
                                    is_grads_batched=batched)
     if batched:
-        try:
-            return torch.autograd.grad(rows, inputs, cot, retain_graph=True, create_graph=True,
-                                       allow_unused=True, is_grads_batched=True)
-        except RuntimeError:
-            per_row = [torch.autograd.grad(rows, inputs, c, retain_graph=True, create_graph=True,
-                                           allow_unused=True) for c in cot]
-            return tuple(None if all(g[i] is None for g in per_row) else torch.stack(
-                [torch.zeros_like(inputs[i]) if g[i] is None else g[i] for g in per_row])
-                for i in range(len(inputs)))
+        per_row = [torch.autograd.grad(rows, inputs, c, retain_graph=True, create_graph=True,
+                                       allow_unused=True) for c in cot]
+        return tuple(_stacked([g[i] for g in per_row]) for i in range(len(inputs)))
     return torch.autograd.grad(rows, inputs, cot[0], retain_graph=True, create_graph=True,
                                allow_unused=True)
+
+
+def _stacked(grads: Sequence[Tensor | None]) -> Tensor | None:
+    """The per-cotangent gradients of one input stacked (zeros where one is ``None``)."""
+    found = next((grad for grad in grads if grad is not None), None)
+    if found is None:
+        return None
+    return torch.stack([torch.zeros_like(found) if grad is None else grad for grad in grads])
 
 
 def _looped_chunks(forward: Forward, create_graph: bool) -> Iterator[GradChunk]:

@@ -111,7 +111,13 @@ def _check_batched(problem: Problem, forward: Forward, traced: Recording) -> boo
     order does not hold is not used batched again. When ``f`` draws random numbers the
     samples cannot run apart with the batch's draws (NOTE [per-sample]): derivatives of the
     same forward are checked instead (:func:`_check_derivatives`), and merged dims are not
-    used until a run without draws has checked their order.
+    used until a run without draws has checked their order. The derivatives are also checked
+    on the first batched run of every trace: outputs can agree whatever the coupling (samples
+    that are the same where they meet, e.g. every sample's one token the padding id, give the
+    same ``x - x.mean(0)`` alone and in the batch), while the batch's graph carries every
+    sample's rows to every sample's taps (update hunt 3: ``G`` 112 times off, relative). A
+    coupling is a property of the code, like the order of merged dims; the outputs are
+    compared on every call.
     """
     if forward.recording.coupling:
         raise NotPerSample(f"f calls {forward.recording.coupling[0]}: its samples interact")
@@ -138,6 +144,9 @@ def _check_batched(problem: Problem, forward: Forward, traced: Recording) -> boo
     check_samples(problem, torch.cat(rows), torch.tensor(samples), forward.outputs[0].detach())
     if verify:
         traced.merged_order = same
+    if same and not traced.derivatives_checked:  # once per trace: outputs can hide a coupling
+        _check_derivatives(problem, forward)
+        traced.derivatives_checked = True
     return same
 
 

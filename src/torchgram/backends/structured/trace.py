@@ -186,6 +186,9 @@ class Recording:
     merged_order: bool | None = field(default=None, compare=False, repr=False)
     """Whether the merged sample dims of a batched run of this trace hold each sample's
     entries together (``None``: not checked yet; NOTE [checking the batched pass])."""
+    derivatives_checked: bool = field(default=False, compare=False, repr=False)
+    """Whether a batched run of this trace has shown that no sample's rows reach another
+    sample's taps (NOTE [checking the batched pass])."""
 
     def uses_of(self, leaf: int) -> list[UseRecord]:
         """The recognised uses of ``leaf``, in call order."""
