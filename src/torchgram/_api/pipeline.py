@@ -93,15 +93,16 @@ def _plain_vjp(problem: Problem, cotangent: Tensor) -> tuple[Tensor, ...]:
     torch.func]): ``torch.func.vjp``'s wrappers may give an op other strides, and dropout
     would then drop other entries.
     """
-    with torch.enable_grad():  # NOTE [backward under no_grad]
+    def backward() -> tuple[Tensor, ...]:
         carriers = tuple(graph_leaf(leaf) for leaf in problem.leaves)
         rows = problem.rows(carriers)[0]
         if not rows.requires_grad:  # no row depends on a leaf
             return tuple(torch.zeros_like(leaf) for leaf in problem.leaves)
-        create_graph = problem.composition.create_graph
-        grads = torch.autograd.grad(rows, carriers, cotangent, allow_unused=True,
-                                    materialize_grads=True, create_graph=create_graph)
-    return grads if create_graph else tuple(grad.detach() for grad in grads)
+        return torch.autograd.grad(rows, carriers, cotangent, allow_unused=True,
+                                   materialize_grads=True,
+                                   create_graph=problem.composition.create_graph)
+
+    return functional.with_grad(backward)  # NOTE [backward under no_grad]
 
 
 # NOTE [torch.compile]

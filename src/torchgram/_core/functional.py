@@ -14,7 +14,7 @@ that nothing records a graph the caller turned off.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
 import optree
@@ -54,3 +54,21 @@ def with_grad(fn: Callable[[], Result]) -> Result:
     tree: Any = result
     return cast(Result, optree.tree_map(
         lambda leaf: leaf.detach() if isinstance(leaf, Tensor) else leaf, tree))
+
+
+def stack_grads(grads: Sequence[Tensor | None]) -> Tensor | None:
+    """``[c, *g]`` from one gradient per cotangent (``None``: zeros); ``None`` if all are.
+
+    Example:
+        >>> stack_grads([None, torch.ones(2)])
+        tensor([[0., 0.],
+                [1., 1.]])
+        >>> stack_grads([None, None]) is None
+        True
+    """
+    present = next((grad for grad in grads if grad is not None), None)
+    if present is None:
+        return None
+    if len(grads) == 1:
+        return present.unsqueeze(0)
+    return torch.stack([torch.zeros_like(present) if grad is None else grad for grad in grads])

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
+from torchgram._core.functional import stack_grads
 from torchgram.backends.graph.nodes import Edge, NodeCaller
 from torchgram.backends.graph.walk import WalkPlan
 
@@ -48,7 +49,7 @@ def engine_cotangents(outputs: Sequence[Tensor], slots: Sequence[Edge],
                                         retain_graph=retain_graph or i + 1 < count,
                                         allow_unused=True)
                     for i in range(count)]
-        return [_stack([grads[j] for grads in per_seed]) for j in range(len(edges))]
+        return [stack_grads([grads[j] for grads in per_seed]) for j in range(len(edges))]
     try:
         grads = torch.autograd.grad(list(outputs), edges, list(seeds), retain_graph=True,
                                     allow_unused=True, is_grads_batched=True)
@@ -74,12 +75,3 @@ def walk_cotangents(outputs: Sequence[Tensor], slots: Sequence[Edge], seeds: Seq
                  on_target, caller)
     return [found.get(slot) for slot in slots]
 
-
-def _stack(per_seed: Sequence[Tensor | None]) -> Tensor | None:
-    """``[c, *slot]`` from one cotangent (or ``None``: zeros) per seed; ``None`` if all are."""
-    present = next((g for g in per_seed if g is not None), None)
-    if present is None:
-        return None
-    if len(per_seed) == 1:
-        return present.unsqueeze(0)
-    return torch.stack([torch.zeros_like(present) if g is None else g for g in per_seed])

@@ -47,6 +47,7 @@ from torch.autograd.graph import GradientEdge
 
 from torchgram._core.composition import graph_leaf
 from torchgram._core.errors import BackendCannotRun, NotPerSample, OutputChanged
+from torchgram._core.functional import stack_grads
 from torchgram._core.per_sample import fails_alone
 from torchgram._core.problem import Problem
 from torchgram._core.result import NO_AUX
@@ -516,17 +517,9 @@ def row_grads(rows: Tensor, inputs: Sequence[Any], cot: Tensor, *, batched: bool
     if batched:
         per_row = [torch.autograd.grad(rows, inputs, c, retain_graph=True, create_graph=True,
                                        allow_unused=True) for c in cot]
-        return tuple(_stacked([g[i] for g in per_row]) for i in range(len(inputs)))
+        return tuple(stack_grads([g[i] for g in per_row]) for i in range(len(inputs)))
     return torch.autograd.grad(rows, inputs, cot[0], retain_graph=True, create_graph=True,
                                allow_unused=True)
-
-
-def _stacked(grads: Sequence[Tensor | None]) -> Tensor | None:
-    """The per-cotangent gradients of one input stacked (zeros where one is ``None``)."""
-    found = next((grad for grad in grads if grad is not None), None)
-    if found is None:
-        return None
-    return torch.stack([torch.zeros_like(found) if grad is None else grad for grad in grads])
 
 
 def _looped_chunks(forward: Forward, create_graph: bool) -> Iterator[GradChunk]:
@@ -545,14 +538,9 @@ def _looped_chunks(forward: Forward, create_graph: bool) -> Iterator[GradChunk]:
                                         create_graph=create_graph, allow_unused=True)
             per_sample.append(list(grads))
         stacked: list[Tensor | None] = []
-        for i, column in enumerate(zip(*per_sample, strict=True)):
-            if all(g is None for g in column):
-                stacked.append(None)
-                continue
-            like = forward.taps[0][i] if i < num_taps else forward.carriers[0][i - num_taps]
-            assert isinstance(like, Tensor)
-            stacked.append(torch.stack([torch.zeros_like(like) if g is None else g
-                                        for g in column]).unsqueeze(0))
+        for column in zip(*per_sample, strict=True):
+            grad = stack_grads(column)
+            stacked.append(None if grad is None else grad.unsqueeze(0))
         carrier_grads = {
             leaf: grad
             for leaf, grad in zip(forward.carrier_leaves, stacked[num_taps:], strict=True)
