@@ -108,6 +108,16 @@ class Layout:
         del act_raw, cot_raw, bias
         return None
 
+    def fused_jacobian(self, positions: int) -> bool:
+        """Whether :meth:`materialize` forms a weight use's Jacobian with a fused kernel.
+
+        At this many output positions, rather than returning ``None`` for the factors.
+        Callers that would otherwise contract the factors themselves (the eager recording's
+        single-use leaves) leave such uses to the contraction, which calls :meth:`materialize`.
+        """
+        del positions
+        return False
+
     def shape(self, out_numel: int) -> UseShape:
         """The use's sizes, given the number of entries of the op's output (one sample)."""
         positions = out_numel // max(1, self.groups * self.cot_width)

@@ -137,6 +137,10 @@ class ConvLayout(Layout):
         return not self.depthwise and (self.groups > 1 or (
             positions >= 256 and self.c_in // self.groups >= 8 and math.prod(self.kernel) > 1))
 
+    def fused_jacobian(self, positions: int) -> bool:
+        """Whether :meth:`materialize` forms the weight's Jacobian (see there)."""
+        return self.depthwise or self.uses_grouped_kernel(positions)
+
     def materialize(self, act_raw: Tensor | None, cot_raw: Tensor, bias: bool) -> Tensor | None:
         """Per-sample weight gradients as one grouped convolution's weight gradient.
 
