@@ -82,3 +82,88 @@ def test_unknown_parameter_name_and_non_mapping_are_rejected() -> None:
         fn({"wieght": torch.zeros(2, 2)}, torch.randn(1, 2))
     with pytest.raises(TypeError, match="expected a dict of parameters.*got Tensor"):
         fn(torch.zeros(2), torch.randn(1, 2))
+
+
+def _functional_call(model: nn.Module, params: dict[str, torch.Tensor],
+                     *args: torch.Tensor) -> torch.Tensor:
+    """The reference: ``torch.func.functional_call`` as ``fn`` documents it."""
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
+    return torch.func.functional_call(model, {**buffers, **params}, args, tie_weights=True,
+                                      strict=False)
+
+
+def _state(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [*model.named_parameters(remove_duplicate=False),
+            *model.named_buffers(remove_duplicate=False)]
+
+
+def test_tied_alias_and_shared_submodule_are_written_everywhere() -> None:
+    """NOTE [parameter slots]: a tied parameter given under its other name, and a submodule
+    reached by two paths, are replaced everywhere, and put back everywhere (torch 2.13's
+    functional_call leaves the shared submodule's bias changed here)."""
+    shared = nn.Linear(3, 3)
+    emb = nn.Embedding(5, 3)
+    head = nn.Linear(3, 5, bias=False)
+    head.weight = emb.weight
+    model = nn.Sequential(emb, shared, nn.Tanh(), shared, head)
+    fn, _ = tg.functionalize(model)
+    tokens = torch.tensor([[1, 2, 4]])
+    before = [(name, value.clone()) for name, value in _state(model)]
+    new = {"4.weight": torch.randn(5, 3), "3.bias": torch.randn(3)}
+    with torch.no_grad():
+        h = new["4.weight"][tokens]
+        for _ in range(2):  # shared, tanh, shared
+            h = torch.tanh(h) if _ else h
+            h = h @ shared.weight.T + new["3.bias"]
+        expected = h @ new["4.weight"].T
+    torch.testing.assert_close(fn(new, tokens), expected)
+    for (name, value), (_, old) in zip(_state(model), before, strict=True):
+        assert torch.equal(value, old), name
+
+
+def test_a_module_changed_after_functionalize_is_still_used_as_it_is() -> None:
+    """A parameter replaced, a submodule swapped or a buffer added since ``functionalize``:
+    each call follows the module as it is then (functional_call's way)."""
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 2))
+    fn, params = tg.functionalize(model)
+    x = torch.randn(4, 3)
+    model[2].weight = nn.Parameter(torch.randn(2, 3))  # replaced: fn's params still apply
+    torch.testing.assert_close(fn(params, x), _functional_call(model, params, x))
+    model[1] = nn.BatchNorm1d(3)  # swapped in, training mode: statistics on copies
+    torch.testing.assert_close(fn(params, x), _functional_call(model, params, x))
+    assert model[1].num_batches_tracked == 0
+    torch.testing.assert_close(model[1].running_mean, torch.zeros(3))
+    model[0].register_buffer("offset", torch.zeros(3))
+    torch.testing.assert_close(fn(params, x), _functional_call(model, params, x))
+    model[1].register_parameter("extra", nn.Parameter(torch.ones(3)))  # a name fn now takes
+    torch.testing.assert_close(fn({**params, "1.extra": torch.zeros(3)}, x),
+                               _functional_call(model, params, x))
+
+
+def test_two_values_for_one_tied_parameter_are_an_error() -> None:
+    emb = nn.Embedding(5, 3)
+    head = nn.Linear(3, 5, bias=False)
+    head.weight = emb.weight
+    fn, _ = tg.functionalize(nn.Sequential(emb, head))
+    with pytest.raises(ValueError, match="two for the tied names '0.weight' and '1.weight'"):
+        fn({"0.weight": torch.randn(5, 3), "1.weight": torch.randn(5, 3)},
+           torch.tensor([[1]]))
+
+
+def test_an_error_in_the_forward_leaves_the_module_as_it_was() -> None:
+    class Failing(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+            self.register_buffer("count", torch.zeros(()))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.count += 1
+            raise RuntimeError("inside the forward")
+
+    model = Failing()
+    fn, params = tg.functionalize(model)
+    weight, count = model.lin.weight, model.count
+    with pytest.raises(RuntimeError, match="inside the forward"):
+        fn({"lin.weight": torch.zeros(2, 2)}, torch.randn(1, 2))
+    assert model.lin.weight is weight and model.count is count and count == 0

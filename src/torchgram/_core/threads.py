@@ -19,8 +19,8 @@ problem, plan and result torchgram builds. What is shared by the whole process, 
   wrong state. :func:`math_attention` counts its users: the first sets the math kernel,
   the last restores the flags as they were before the first (other threads' attention runs
   with the math kernel meanwhile: same values, possibly slower).
-* **modules** (``torchgram.functionalize``): ``torch.func.functional_call`` swaps the
-  module's attributes for the call's tensors while it runs, so calls of one module from two
+* **modules** (``torchgram.functionalize``): a call swaps the module's parameters and
+  buffers for the call's tensors while it runs (NOTE [parameter slots]), so calls of one module from two
   threads would see each other's tensors and could leave the module holding a transform's
   tensors. Those calls hold :data:`MODULE_LOCK` (one for all modules, as modules nest): the
   **forward passes** of functionalized modules are **serialised**; their backward passes
