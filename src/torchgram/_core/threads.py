@@ -20,12 +20,13 @@ problem, plan and result torchgram builds. What is shared by the whole process, 
   the last restores the flags as they were before the first (other threads' attention runs
   with the math kernel meanwhile: same values, possibly slower).
 * **modules** (``torchgram.functionalize``): a call swaps the module's parameters and
-  buffers for the call's tensors while it runs (NOTE [parameter slots]), so calls of one module from two
-  threads would see each other's tensors and could leave the module holding a transform's
-  tensors. Those calls hold :data:`MODULE_LOCK` (one for all modules, as modules nest): the
-  **forward passes** of functionalized modules are **serialised**; their backward passes
-  are not (the graph holds its own tensors). Do not call the module itself from another
-  thread while a functionalized call of it runs (it holds the call's tensors then).
+  buffers for the call's tensors while it runs (NOTE [parameter slots]), so calls of one
+  module from two threads would see each other's tensors and could leave the module
+  holding a transform's tensors. Those calls hold :data:`MODULE_LOCK` (one for all
+  modules, as modules nest): the **forward passes** of functionalized modules are
+  **serialised**; their backward passes are not (the graph holds its own tensors). Do not
+  call the module itself from another thread while a functionalized call of it runs (it
+  holds the call's tensors then).
 * **caches** (probes, traces: NOTE [call signatures]): :class:`~torchgram._core.signature.
   LruCache` is locked; a cached trace's plan cache is a dict whose single operations are
   atomic, and two threads planning the same trace at once build equal plans.

@@ -25,6 +25,7 @@ class CrossBackend(Protocol):
     def __call__(self, problem: CrossProblem, /) -> CrossResult: ...
 
 
+_LOADED: set[str] = set()
 _BACKENDS: dict[str, Backend] = {}
 _CROSS: dict[str, CrossBackend] = {}
 # Modules that register backends; imported lazily so `import torchgram` stays light.
@@ -58,8 +59,10 @@ def register_cross(name: str) -> Callable[[CrossBackend], CrossBackend]:
 
 
 def _load() -> None:
-    for module in _MODULES:
-        importlib.import_module(module)
+    if len(_LOADED) < len(_MODULES):  # once: import_module costs ~5 µs even when imported
+        for module in _MODULES:
+            importlib.import_module(module)
+            _LOADED.add(module)
 
 
 def backend_names() -> tuple[str, ...]:
