@@ -156,8 +156,12 @@ def test_peak_memory_scales_with_chunk_size_not_rows(batch_dim: int | None) -> N
 
     run(1)  # warm up lazy initialisations outside the measurement
     slack = 8 * num_rows**2 * 4 + 64 * 1024  # result buffers, activations, bookkeeping
+    # per sample, the check of the samples' derivatives holds two gradients for a moment
+    # (NOTE [per-sample]): a constant, whatever the chunk size and the number of rows
+    check = 2 * row_bytes if batch_dim is not None else 0
     for chunk in (1, 2, 4):
-        assert _peak_bytes(lambda chunk=chunk: run(chunk)) <= 1.5 * chunk * row_bytes + slack
+        assert _peak_bytes(lambda chunk=chunk: run(chunk)) <= (1.5 * chunk * row_bytes + check
+                                                               + slack)
     # The measurement does see Jacobian-sized data when it exists: all rows at once hold m·P.
     assert _peak_bytes(lambda: run(num_rows)) >= num_rows * row_bytes
 

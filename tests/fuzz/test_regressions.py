@@ -30,6 +30,7 @@ from fuzz_arch import (
     Linear,
     Norm,
     RnnCell,
+    TiedOut,
     Tokens,
 )
 from fuzz_check import check
@@ -402,3 +403,42 @@ def test_update_through_a_fused_lstm_under_no_grad(backend: str) -> None:
         head_extra="constant", grad_mode="no_grad")
     outcome = check_aggregated(case, backend)
     assert outcome == "answered" or backend == "ntvp"  # no forward-mode derivative of lstm
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_centering_of_features_that_are_the_same_where_they_meet(backend: str) -> None:
+    """Kernel hunt 2 (found through kernel tiles): ``h = x·w`` is 1 for every sample, so
+    ``h - h.mean(0)`` is zero alone and in the batch, and the samples' outputs matched; its
+    derivative in ``w`` is ``x_b - mean(x)`` in the batch and zero alone, and jacobian and
+    ntvp, evaluating per sample, gave ``G`` 0.5 off (relative), as did ``auto`` where it
+    chose them. The per-sample ways now also compare derivatives (NOTE [per-sample])."""
+    x = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.5, 0.5], [2.0, -1.0]], dtype=torch.float64)
+    params = {"w": torch.ones(2, dtype=torch.float64),
+              "u": torch.linspace(-1.0, 1.0, 6, dtype=torch.float64).reshape(2, 3)}
+
+    def f(p: dict[str, torch.Tensor], xs: torch.Tensor) -> torch.Tensor:
+        h = xs @ p["w"]
+        return (h - h.mean(0))[:, None] + torch.tanh(xs @ p["u"])
+
+    expected = dense_gramian(lambda q: f(q, x), (params,)).shaped()
+    for chunk_size in (None, 1):
+        gram = tg.gramian(f, backend=backend, batch_dim=0, chunk_size=chunk_size)(params, x)
+        torch.testing.assert_close(gram, expected)
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_kernel_tiles_of_one_side_with_a_diagonal_batch_axis(backend: str) -> None:
+    """Kernel hunt 2: with ``memory_budget`` one side was cut into tiles and the other (whose
+    samples interact) was not; a diagonal batch axis pairs tile ``i`` with tile ``i``, and a
+    tile of two samples met a tile of one (a raw ``bmm`` size error). Both sides are one tile
+    then."""
+    case = FuzzCase(
+        seed=72, batch=2, length=3,
+        input=Tokens(vocab=5, width=4, padding_idx=0, scale_grad_by_freq=False, frozen=False),
+        layers=(TiedOut(), Center(), Center(), Center()), head=Head(kind="seq", classes=3),
+        dtype="float32", batch_dim=0, output_dim=0, input_dim=0, input_via="positional",
+        consts_via="closure", params_at="first", extra_leaves=True, head_extra="expand",
+        requires_grad=True, alias_tied=True)
+    kernel = KernelCase(case, 2, (-3, -1), (0, 2), vmap_axes=0, memory_budget=200,
+                        chunk_size=None, stream_bytes=64, labels_via="keyword")
+    assert check_kernel(kernel, backend) == "answered"

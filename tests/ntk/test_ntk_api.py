@@ -137,6 +137,26 @@ def test_tiles_give_the_same_kernel(trace: tuple[int, ...], diagonal: tuple[int,
                                                                 diagonal))
 
 
+@pytest.mark.parametrize("backend", ["auto", "jacobian", "ntvp", "structured"])
+def test_no_tiles_where_only_the_derivatives_show_the_samples_interact(backend: str) -> None:
+    """Kernel hunt 2: samples whose features are the same where they meet give the same
+    ``h - h.mean(0)`` (zero) alone and in the batch, so the tiles' outputs were the batch's;
+    the derivative in ``w`` is not (``x_b - mean(x)`` in the batch, zero alone), and kernels
+    from tiles of one sample were wrong. One tile per side now, as the batch computes it."""
+    x = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.5, 0.5]], dtype=torch.float64)  # x·w = 1 each
+    params = {"w": torch.ones(2, dtype=torch.float64), "u": torch.randn(2, 3).double()}
+
+    def f(p: dict[str, Tensor], xs: Tensor) -> Tensor:
+        h = xs @ p["w"]
+        return (h - h.mean(0))[:, None] + torch.tanh(xs @ p["u"])
+
+    expected = dense_cross_kernel(f, params, x, None)
+    ntk_fn = tg.ntk.empirical_ntk_fn(f, trace_axes=(), backend=backend, memory_budget=64)
+    torch.testing.assert_close(ntk_fn(x, None, params), expected)
+    assert ntk_fn.last_run is not None and ntk_fn.last_run.tiles == (1, 1)
+    assert "derivatives" in " ".join(ntk_fn.last_run.notes)
+
+
 def test_tiles_of_a_self_kernel_compute_each_pair_once() -> None:
     fn, params = mlp()
     ntk_fn = tg.ntk.empirical_ntk_fn(fn, memory_budget=4_000)

@@ -31,18 +31,30 @@ effect on the Jacobian need not be small: ``x - x.mean(0)`` of a width-1 ``h`` w
 samples ``0`` and ``B - 1`` matched the batch's to 9e-5 passed at the former 1e-4 and gave
 ``G`` 2e-3 off (update hunt 3). Such a ``batch_dim`` is the caller's broken promise; the check
 makes its acceptance a coincidence of measure about the tolerance, not a guarantee.
+
+Values can also agree exactly while the Jacobians do not: samples that are the same where
+they meet (``h = x·w`` equal for every sample, one token each with the same id) give the same
+``h - h.mean(0)`` alone and in the batch, while its derivative in ``w`` is ``x_b - mean(x)``
+in the batch and zero alone (kernel hunt 2: jacobian and ntvp 0.5 off, relative). So the
+evaluation of the whole batch that the per-sample ways compare with is also a **derivative
+check** (:func:`check_derivatives`): one vector-Jacobian product of the batch's rows, with
+random positive weights on the rows of the first and the last sample, must equal the same
+product of those samples run apart (as one batch of two, or each alone for ``B = 2``). The
+structured backend's batched pass has its own (NOTE [checking the batched pass]).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import optree
 import torch
 from torch import Tensor
 
+from torchgram._core import functional
 from torchgram._core.census import OpCensus
 from torchgram._core.errors import NotPerSample
-from torchgram._core.problem import Problem
+from torchgram._core.problem import Problem, replace_input_leaves
 
 
 def tolerance(dtype: torch.dtype) -> float:
@@ -78,7 +90,82 @@ def batch_rows(problem: Problem) -> tuple[Tensor, Any]:
                            "would see other draws than the batch's", random=True)
     if census.coupling:
         raise NotPerSample(f"f calls {census.coupling[0]}: its samples interact")
+    check_derivatives(problem)
     return rows, aux
+
+
+def check_derivatives(problem: Problem) -> None:
+    """Raise :class:`NotPerSample` unless samples run apart have the batch's derivatives.
+
+    The rows of the first and the last sample (NOTE [per-sample]), through
+    ``torch.func.vjp``, which composes with the transforms a call may run under (NOTE
+    [composition]); the weights come from a generator of their own (the draws of ``f`` are
+    left alone). Tolerance: :func:`tolerance`, relative to the largest entry of the products.
+    """
+    batch = problem.batch
+    if batch is not None and batch.size >= 2 and problem.leaves:
+        # grad mode on: some backward kernels read it (NOTE [backward under no_grad])
+        functional.with_grad(lambda: _compare_derivatives(problem, batch.size))
+
+
+def _compare_derivatives(problem: Problem, size: int) -> None:
+    """:func:`check_derivatives` for a batch of ``size >= 2`` samples."""
+    leaves = problem.leaves
+    rows, pull = functional.vjp(lambda *values: problem.rows(values)[0], *leaves)
+    index = problem.sample_major_index  # [B, K]: each sample's rows in the output order
+    samples = [0, size - 1]
+    generator = torch.Generator(device=rows.device).manual_seed(0)
+    weights = (0.5 + torch.rand(len(samples), index.shape[1], generator=generator,
+                                dtype=torch.float64, device=rows.device)).to(rows.dtype)
+    spread = torch.zeros(rows.numel(), dtype=rows.dtype, device=rows.device)
+    spread[index[samples].reshape(-1)] = weights.reshape(-1)
+    # the batch's products minus the samples' own, in place: at most two gradients held
+    difference = list(pull(spread.reshape(rows.shape)))
+    del pull, rows, spread
+    scale = [grad.detach().abs().amax() for grad in difference]
+    subsets = [[0], [1]] if size == 2 else [samples]
+    for subset in subsets:
+        chosen = [samples.index(sample) for sample in subset]
+        _, pull_subset = functional.vjp(
+            lambda *values, subset=subset: subset_rows(problem, subset, values), *leaves)
+        for k, grad in enumerate(pull_subset(weights[chosen])):
+            scale[k] = torch.maximum(scale[k], grad.detach().abs().amax())
+            difference[k] = difference[k] - grad
+        del pull_subset
+    rtol = tolerance(problem.output.dtype)
+    for gap, largest in zip(difference, scale, strict=True):
+        if not bool((gap.detach().abs() <= rtol * largest).all()):
+            raise NotPerSample(f"samples {samples} run apart have other derivatives than in "
+                               "the batch: the samples interact (e.g. x - x.mean(0))")
+
+
+def subset_rows(problem: Problem, samples: list[int],
+                leaves: tuple[Tensor, ...] | None = None) -> Tensor:
+    """``f`` on the batch restricted to ``samples`` (in that order): their rows ``[n, K]``.
+
+    ``leaves``: in place of the call's differentiated leaves. Raises :class:`NotPerSample`
+    when the output's structure is not the batch's with ``n`` samples (then ``f`` does not
+    treat a smaller batch like the whole one).
+    """
+    batch = problem.batch
+    assert batch is not None
+    index = torch.tensor(samples, device=batch.tensors[0].device)
+    inputs = tuple(t.index_select(d, index.to(t.device))
+                   for t, d in zip(batch.tensors, batch.dims, strict=True))
+    args, kwargs = replace_input_leaves(problem.args, problem.kwargs, batch.positions, inputs)
+    out, _ = problem.call(problem.leaves if leaves is None else leaves, args, kwargs,
+                          full=False)
+    out_leaves, treespec = optree.tree_flatten(out)
+    spec, count, batch_dims = problem.output, len(samples), problem.output.batch_dims
+    assert batch_dims is not None
+    expected = [torch.Size((*shape[:d], count, *shape[d + 1:]))
+                for shape, d in zip(spec.shapes, batch_dims, strict=True)]
+    if treespec != spec.treespec or [getattr(leaf, "shape", None) for leaf in out_leaves] \
+            != expected:
+        raise NotPerSample(f"f on {count} of the samples returns an output of another "
+                           "structure than on the batch")
+    return torch.cat([leaf.movedim(d, 0).reshape(count, -1).to(spec.dtype)
+                      for leaf, d in zip(out_leaves, batch_dims, strict=True)], dim=1)
 
 
 def fails_alone(error: Exception) -> NotPerSample:

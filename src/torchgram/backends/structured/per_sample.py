@@ -22,13 +22,18 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-import optree
 import torch
 from torch import Tensor
 
 from torchgram._core.errors import BackendCannotRun, NotPerSample, OutputChanged
-from torchgram._core.per_sample import batch_rows, check_samples, fails_alone, tolerance
-from torchgram._core.problem import Problem, replace_input_leaves
+from torchgram._core.per_sample import (
+    batch_rows,
+    check_samples,
+    fails_alone,
+    subset_rows,
+    tolerance,
+)
+from torchgram._core.problem import Problem
 from torchgram.backends.structured.cost import Force
 from torchgram.backends.structured.passes import (
     Forward,
@@ -206,32 +211,6 @@ def _same_merged_acts(forward: Forward, acts: list[Tensor], subset: list[int]) -
                     .all()):
             return False
     return True
-
-
-def subset_rows(problem: Problem, samples: list[int]) -> Tensor:
-    """``f`` on the batch restricted to ``samples`` (in that order): their rows ``[n, K]``.
-
-    Raises :class:`NotPerSample` when the output's structure is not the batch's with ``n``
-    samples (then ``f`` does not treat a smaller batch like the whole one).
-    """
-    batch = problem.batch
-    assert batch is not None
-    index = torch.tensor(samples, device=batch.tensors[0].device)
-    inputs = tuple(t.index_select(d, index.to(t.device))
-                   for t, d in zip(batch.tensors, batch.dims, strict=True))
-    args, kwargs = replace_input_leaves(problem.args, problem.kwargs, batch.positions, inputs)
-    out, _ = problem.call(problem.leaves, args, kwargs, full=False)
-    out_leaves, treespec = optree.tree_flatten(out)
-    spec, count, batch_dims = problem.output, len(samples), problem.output.batch_dims
-    assert batch_dims is not None
-    expected = [torch.Size((*shape[:d], count, *shape[d + 1:]))
-                for shape, d in zip(spec.shapes, batch_dims, strict=True)]
-    if treespec != spec.treespec or [getattr(leaf, "shape", None) for leaf in out_leaves] \
-            != expected:
-        raise NotPerSample(f"f on {count} of the samples returns an output of another "
-                           "structure than on the batch")
-    return torch.cat([leaf.movedim(d, 0).reshape(count, -1).to(spec.dtype)
-                      for leaf, d in zip(out_leaves, batch_dims, strict=True)], dim=1)
 
 
 def _one_sample_at_a_time(problem: Problem, expected: Recording, fallback: list[int]) -> Forward:
