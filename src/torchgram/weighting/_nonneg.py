@@ -37,6 +37,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from ._admm import admm_faces
 from ._cg_qp import solve_nonneg_qp_cg
 from ._qp import solve_nonneg_qp
 from ._sync_cg import solve_nonneg_qp_sync
@@ -48,8 +49,10 @@ _CG_FROM_SINGLE = 768
 # A batch of problems (UPGrad) from this many variables on first goes through the synchronous
 # CG rounds (NOTE [synchronous CG rounds] in _sync_cg.py) if H's effective rank is at least this
 # fraction of m (see _spread_out); what they leave goes on as above.
-_SYNC_FROM = 64
+_SYNC_FROM = 96
 _SYNC_MIN_RANK = 0.5
+_CG_FROM_CONCENTRATED = 512
+_ADMM_FROM = 8
 
 
 class NonnegSolution(NamedTuple):
@@ -87,8 +90,13 @@ def solve_nonneg(H: Tensor, q: Tensor, x0: Tensor | None = None) -> NonnegSoluti
     if x0 is not None:
         x0, free = _better_start(H, q, x0)
     sync = k > 1 and m >= _SYNC_FROM and _spread_out(H)
-    cg = m >= (_CG_FROM_SINGLE if k == 1 else _CG_FROM)
+    if k == 1:
+        cg = m >= _CG_FROM_SINGLE
+    else:
+        cg = m >= (_CG_FROM if sync else _CG_FROM_CONCENTRATED)
     if not (sync or cg):
+        if k > 1 and m >= _ADMM_FROM:
+            free = admm_faces(H, q, x0)
         return NonnegSolution(solve_nonneg_qp(H, q, free), "direct", 0)
     scale = H.diagonal().clamp(min=torch.finfo(H.dtype).tiny).pow(-1.0 / 3.0)
     H_scaled, q_scaled = H * scale.unsqueeze(-1) * scale, q * scale

@@ -185,13 +185,13 @@ def _pad_with_identity(matrix: Tensor) -> Tensor:
 
 
 def _gather_blocks(padded: Tensor, order: Tensor, valid: Tensor) -> Tensor:
-    """``matrix[order_b][:, order_b]`` for each row ``order_b`` of ``order`` (``[batch, p]``), its
-    rows and columns off ``valid`` (``[batch, p]``) made the identity's.
+    """``matrix[order_b][:, order_b]`` for each row ``order_b`` of ``order`` (``[batch, p]``).
 
-    ``padded`` is ``blockdiag(matrix, I)`` flattened (:func:`_pad_with_identity`): the slots off
-    ``valid`` read its identity block (slot ``j`` as index ``n + j``), so the padding costs no
-    mask operations on the ``[batch, p, p]`` blocks, and the gather is one ``index_select`` with
-    flat indices (2 to 2.5 times faster than ``index_select`` then ``gather``, then the masks, at
+    Its rows and columns off ``valid`` (``[batch, p]``) are made the identity's: ``padded`` is
+    ``blockdiag(matrix, I)`` flattened (:func:`_pad_with_identity`), and the slots off ``valid``
+    read its identity block (slot ``j`` as index ``n + j``). So the padding costs no mask
+    operations on the ``[batch, p, p]`` blocks, and the gather is one ``index_select`` with flat
+    indices (2 to 2.5 times faster than ``index_select`` then ``gather``, then the masks, at
     ``m = 64`` to 128 on one CPU thread).
     """
     batch, p = order.shape
