@@ -60,7 +60,7 @@ def test_guessed_faces_lead_to_the_brute_force_answers(m: int, rank: str) -> Non
     assert torch.equal(free[:m], expected[:m] > 0) or rank == "1"
 
 
-@pytest.mark.parametrize("m", [16, 40, 64, 128], ids=lambda m: f"m={m}")
+@pytest.mark.parametrize("m", [32, 40, 64, 128], ids=lambda m: f"m={m}")
 @pytest.mark.parametrize("name", FAMILIES)
 def test_upgrad_through_guessed_faces_is_exact(monkeypatch: pytest.MonkeyPatch, m: int,
                                                name: str) -> None:

@@ -27,8 +27,10 @@ problems are solved by active-set methods, batched over the problems, on ``H``'s
   Cholesky solve (about ``cond(H_FF) · 1e-16``).
 * Phase 1, up to ``_EXCHANGE_ITERATIONS`` primal-dual active-set steps (semismooth Newton,
   "block principal pivoting"): every variable with a wrong sign changes side. It starts from
-  ``x = 0`` (``F = {i : q_i < 0}``: for UPGrad, the rows in conflict with the projected one)
-  or from ``F`` = everything (simplex QP), and solves most problems in one to five iterations.
+  ``x = 0`` (``F = {i : q_i < 0}``: for UPGrad, the rows in conflict with the projected one),
+  from the caller's free sets (UPGrad: guessed by ADMM, NOTE [ADMM face identification] in
+  ``_admm.py``, then most problems are solved by the first iteration), or from ``F`` =
+  everything (simplex QP), and solves most problems in one to five iterations.
   But it is not monotone, and may cycle when ``H`` is far from an M-matrix.
 * Phase 2, up to ``_DESCENT_ITERATIONS`` iterations for the problems phase 1 left: a primal
   active-set method with block additions (Lawson–Hanson style) from phase 1's last face solution
