@@ -151,13 +151,25 @@ class _FaceSystems:
         self._tried = False
         self._padded: dict[str, Tensor] = {}
 
-    def padded(self, side: str) -> Tensor:
-        """``K`` (``side = "K"``) or ``K⁻¹`` (``"inverse"``) padded for :func:`_gather_blocks`."""
+    def blocks(self, side: str, order: Tensor, valid: Tensor) -> Tensor:
+        """The blocks of ``K`` (``side = "K"``) or ``K⁻¹`` (``"inverse"``) on ``order``.
+
+        ``matrix[order_b][:, order_b]`` for each row ``order_b`` of ``order`` (``[batch, p]``),
+        with the rows and columns off ``valid`` (``[batch, p]``) made the identity's. For a
+        large batch from ``K`` padded with the identity (:func:`_gather_blocks`, computed once
+        per side); for a small one (``batch p² < 4 m²``, e.g. DualProj's single problem), where
+        padding ``K`` would cost more than it saves, gathered from ``K`` and masked.
+        """
+        matrix = self.K if side == "K" else self.inverse()
+        assert matrix is not None
+        batch, p = order.shape
+        if side not in self._padded and batch * p * p < 4 * matrix.numel():
+            index = (order * matrix.shape[-1]).unsqueeze(-1) + order.unsqueeze(-2)
+            block = matrix.reshape(-1).index_select(0, index.view(-1)).view(batch, p, p)
+            return _identity_off(block, valid)
         if side not in self._padded:
-            matrix = self.K if side == "K" else self.inverse()
-            assert matrix is not None
             self._padded[side] = _pad_with_identity(matrix)
-        return self._padded[side]
+        return _gather_blocks(self._padded[side], order, valid)
 
     def inverse(self) -> Tensor | None:
         """``K⁻¹`` (computed once), or None if ``K`` is not safely positive-definite.
@@ -234,7 +246,7 @@ def _solve_on_face(systems: _FaceSystems, free: Tensor, rhs: Tensor) -> tuple[Te
         return _solve_by_complement(systems, inverse, free, rhs * free, p_fixed)
     order = torch.argsort((~free).view(torch.uint8), dim=-1, stable=True)[:, :p]  # Free first.
     valid = torch.arange(p, device=K.device) < count.unsqueeze(-1)
-    factor, info = torch.linalg.cholesky_ex(_gather_blocks(systems.padded("K"), order, valid))
+    factor, info = torch.linalg.cholesky_ex(systems.blocks("K", order, valid))
     y = _cholesky_solve(factor, rhs.gather(1, order) * valid)
     return torch.zeros_like(rhs).scatter(1, order, y), info == 0
 
@@ -256,8 +268,7 @@ def _solve_by_complement(systems: _FaceSystems, inverse: Tensor, free: Tensor, b
     """
     order = torch.argsort(free.view(torch.uint8), dim=-1, stable=True)[:, :p]  # Fixed first.
     valid = torch.arange(p, device=b.device) < (~free).sum(dim=-1, keepdim=True)
-    factor, info = torch.linalg.cholesky_ex(
-        _gather_blocks(systems.padded("inverse"), order, valid))
+    factor, info = torch.linalg.cholesky_ex(systems.blocks("inverse", order, valid))
 
     def solve(rhs: Tensor) -> Tensor:
         t = rhs @ inverse  # W rhs (W is symmetric).
