@@ -15,18 +15,20 @@ rounds: 4 (random Gramians) to 20 (rank-deficient ones) from ``x = 0``. So it st
 faces guessed by a few ADMM iterations with one shared inverse (NOTE [ADMM face
 identification] in ``_admm.py``), after which one round (rarely two or three, on a few
 problems) finishes; the answers are still its exact, sign-checked ones. Measured on one CPU
-thread (w17, alternating A/B with the previous paths): 3 to 6 times faster at m = 64 on
-rank-deficient, ill-conditioned and training Gramians, 2.5 to 5 times at m = 128 and 1.4 to
-2.2 times at m = 256, where the previous path was the CG solver (it needs hundreds of
-iterations on those ill-conditioned faces); about as fast on rank-1 Gramians (one round either
-way). With the guess, the direct solver stays the better one up to ``_CG_FROM_CONCENTRATED``
-variables on Gramians of low effective rank. On Gramians of high effective rank (``tr(H)² /
+thread (w17, alternating A/B with the previous paths, loaded machine): 2.7 to 7 times (a rerun:
+4 to 11) faster at m = 64 on rank-m/2, ill-conditioned and training Gramians, 1 to 1.6 times on
+random ones, but 0.6 to 0.8 times on rank-1 ones (one round either way: the guess is extra);
+2.5 to 5.5 times at m = 128 and 1.4 to 2.2 times at m = 256 on the Gramians of low effective
+rank (rank-1 included), where the previous path was the CG solver (it needs hundreds of
+iterations on those ill-conditioned faces). With the guess, the direct solver stays the better
+one up to ``_CG_FROM_CONCENTRATED`` variables on Gramians of low effective rank (at m = 512 the
+two were within 7 %, one run each). On Gramians of high effective rank (``tr(H)² /
 ‖H‖_F² ≥ m / 2``, as for random ones), from ``_SYNC_FROM`` variables on, the synchronous CG
 rounds of ``_sync_cg.py`` (NOTE [synchronous CG rounds]) come first (all problems moving in
 step, 1.2 to 1.9 times faster than the CG solver at m = 128 to 1024), then the CG solver from
 ``_CG_FROM`` on for what they leave, then the direct one (without a guess) for the rest. Below
 ``_SYNC_FROM`` the guess and the direct solver were as fast or faster on random Gramians too
-(m = 64: 1.1 to 1.3 times in four A/B runs; m = 96: within noise either way). On Gramians of
+(m = 64: 1.07 to 1.26 times in four A/B runs; m = 96: within noise either way). On Gramians of
 low effective rank the rounds' faces are ill-conditioned and they certify nothing, so they are
 skipped.
 
