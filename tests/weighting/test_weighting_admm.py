@@ -117,10 +117,21 @@ def test_bad_guesses_cost_rounds_not_accuracy(monkeypatch: pytest.MonkeyPatch,
 
 
 def test_a_failed_factorisation_guesses_nothing() -> None:
-    # Indefinite (not a Gramian): the shared inverse does not exist, every free set is empty.
+    # Indefinite (not a Gramian), or zero: the shared inverse does not exist, no free set.
     H = torch.tensor([[1.0, 0.0], [0.0, -1.0]], dtype=torch.float64)
     free = admm_faces(H, torch.tensor([[-1.0, 1.0]], dtype=torch.float64))
     assert free.shape == (1, 2) and not free.any()
+    assert not admm_faces(torch.zeros(3, 3, dtype=torch.float64),
+                          torch.zeros(2, 3, dtype=torch.float64)).any()
+
+
+@pytest.mark.parametrize("m", [40, 200], ids=lambda m: f"m={m}")
+def test_zero_gramians_through_guessed_faces(m: int) -> None:
+    # H = 0 (reg_eps = 0) or a multiple of the identity: uniform weights, as without the guess.
+    G = torch.zeros(m, m, dtype=torch.float64)
+    for kwargs in ({}, {"reg_eps": 0.0}, {"reg_eps": 0.0, "norm_eps": 0.0}):
+        assert_close(weighting.upgrad(G, **kwargs), torch.full((m,), 1.0 / m,
+                                                               dtype=torch.float64))
 
 
 @pytest.mark.parametrize("reg_eps", [0.0, 1e-4], ids=["reg=0", "reg=1e-4"])

@@ -88,10 +88,12 @@ def admm_faces(H: Tensor, q: Tensor, x0: Tensor | None = None,
     largest = eigenvalues[-1]
     rho = _RHO_FACTOR * (eigenvalues[0].clamp(min=_MIN_RHO * largest) * largest).sqrt()
     eye = torch.eye(m, dtype=H.dtype, device=H.device)
-    # Where the factorisation fails, M = 0: v stays zero, every free set empty (the direct
-    # solver's rounds from x = 0); no host synchronisation.
+    # Where the factorisation fails (H not positive-definite, e.g. zero with reg_eps = 0), M = 0:
+    # v stays zero, every free set empty (the direct solver's rounds from x = 0); without a host
+    # synchronisation (the identity stands in for the factor, cholesky_inverse raises on zeros).
     factor, info = torch.linalg.cholesky_ex(torch.addcmul(H_scaled, rho, eye))
-    M = torch.where(info == 0, torch.cholesky_inverse(factor), 0.0)
+    factorised = info == 0
+    M = torch.where(factorised, torch.cholesky_inverse(torch.where(factorised, factor, eye)), 0.0)
     work = torch.float32 if m >= _FLOAT32_FROM else H.dtype
     step = torch.addcmul(-0.5 * eye, rho, M).mul_(_RELAXATION).to(work)
     q_scaled = q * scale
