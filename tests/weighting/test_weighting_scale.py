@@ -45,6 +45,7 @@ def force_solver(monkeypatch: pytest.MonkeyPatch, solver: str) -> None:
     threshold = 10**9 if solver == "direct" else 1
     monkeypatch.setattr(_nonneg, "_CG_FROM", threshold)
     monkeypatch.setattr(_nonneg, "_CG_FROM_SINGLE", threshold)
+    monkeypatch.setattr(_nonneg, "_CG_FROM_CONCENTRATED", threshold)
     monkeypatch.setattr(_nonneg, "_SYNC_FROM", 1 if solver == "sync" else 10**9)
     monkeypatch.setattr(_nonneg, "_SYNC_MIN_RANK", 0.0)
 
@@ -64,7 +65,8 @@ def test_upgrad_is_certified_at_scale(m: int, structure: str) -> None:
     G = gramian(m, structure, seed=m)
     state = weighting.WarmStart()
     w = weighting.upgrad(G, state=state)
-    assert state.solver == "cg"
+    # Below 512, Gramians of low effective rank go to the direct solver (ADMM-guessed faces).
+    assert state.solver == ("cg" if structure == "full-rank" or m >= 512 else "direct")
     # The projections v_i = e_i + x_i, as the state keeps the x_i for the next call.
     H = normalize_and_regularize(G, 1e-4, 1e-4)
     eye = torch.eye(m, dtype=torch.float64)
@@ -94,12 +96,13 @@ def test_cg_and_direct_solvers_agree(monkeypatch: pytest.MonkeyPatch, structure:
 @pytest.mark.parametrize("structure", ["full-rank", "half-rank"])
 @pytest.mark.parametrize("seed", [2, 9])
 def test_upgrad_matches_torchjd_at_scale(structure: str, seed: int) -> None:
-    # full rank: the synchronous rounds first (NOTE [synchronous CG rounds]); half rank: not
+    # full rank: the synchronous rounds first (NOTE [synchronous CG rounds]); half rank: the
+    # direct solver from ADMM-guessed faces (NOTE [ADMM face identification])
     G = gramian(128, structure, seed=seed)
     reference = torchjd_weighting("upgrad")
     state = weighting.WarmStart()
     assert_close(weighting.upgrad(G, state=state), reference(G), rtol=1e-9, atol=1e-10)
-    assert state.solver == "cg"
+    assert state.solver == ("cg" if structure == "full-rank" else "direct")
     G32 = G.float()
     assert_close(weighting.upgrad(G32), reference(G32), rtol=1e-5, atol=1e-5)
 
@@ -151,6 +154,7 @@ def test_cg_solver_hands_back_what_it_does_not_certify(monkeypatch: pytest.Monke
     # solve_nonneg finishes them with the direct solver: the same answer as the direct solver's.
     monkeypatch.setattr(_nonneg, "solve_nonneg_qp_cg",
                         functools.partial(_cg_qp.solve_nonneg_qp_cg, max_iterations=6))
+    force_solver(monkeypatch, "cg")
     solution = _nonneg.solve_nonneg(H, H)
     assert solution.solver == "cg"
     assert_close(solution.x, solve_nonneg_qp(H, H), rtol=1e-10, atol=1e-12)

@@ -6,20 +6,31 @@ exact face solves, the CG one by its KKT certificate, NOTE [KKT certificate] in 
 they differ in cost. The direct solver (``_qp.py``) factorises a ``p × p`` face block per
 problem and active-set round, ``p`` about half of ``m`` for UPGrad: LAPACK, one small matrix
 at a time, ``O(k p³)`` per round. The CG solver (``_cg_qp.py``) costs one ``[k, m] × [m, m]``
-GEMM per iteration and needs tens to hundreds of iterations. Measured on one CPU thread, the
-direct solver is faster for ``m`` up to about 100 to 200 with ``k = m`` problems (UPGrad;
-100 for random Gramians, 200 for ill-conditioned ones, where CG needs hundreds of iterations),
-where the per-call overhead of tensor operations dominates both, and for a single problem
-(DualProj) up to several hundred variables; the CG solver from there on, by a factor growing
-like ``m``. For a batch of problems (UPGrad) from 64 variables on, and a Gramian of high
-effective rank (``tr(H)² / ‖H‖_F² ≥ m / 2``, as for random ones), a leaner first pass comes
-before both: the synchronous CG rounds of ``_sync_cg.py`` (NOTE [synchronous CG rounds]), the
-same method with all problems moving in step, 1.1 to 1.9 times faster than the direct solver
-(m = 64 to 96) and 1.2 to 1.9 times faster than the CG solver (m = 128 to 1024) on random
-Gramians. On Gramians of
-low effective rank (rank-deficient, ill-conditioned, per-sample training Gramians) their faces
-are ill-conditioned and the rounds certify nothing, so they are skipped. What they do not
-certify goes on by the solvers above, as before.
+GEMM per iteration and needs tens to hundreds of iterations. For a single problem (DualProj)
+the direct solver is faster up to several hundred variables (``_CG_FROM_SINGLE``), where the
+per-call overhead of tensor operations dominates both; the CG solver from there on.
+
+For a batch of problems (UPGrad, ``k = m``) what the direct solver costs is its number of
+rounds: 4 (random Gramians) to 20 (rank-deficient ones) from ``x = 0``. So it starts from the
+faces guessed by a few ADMM iterations with one shared inverse (NOTE [ADMM face
+identification] in ``_admm.py``), after which one round (rarely two or three, on a few
+problems) finishes; the answers are still its exact, sign-checked ones. Measured on one CPU
+thread (w17, alternating A/B with the previous paths, loaded machine): 2.7 to 7 times (a rerun:
+4 to 11) faster at m = 64 on rank-m/2, ill-conditioned and training Gramians, 1 to 1.6 times on
+random ones, but 0.6 to 0.8 times on rank-1 ones (one round either way: the guess is extra);
+2.5 to 5.5 times at m = 128 and 1.4 to 2.2 times at m = 256 on the Gramians of low effective
+rank (rank-1 included), where the previous path was the CG solver (it needs hundreds of
+iterations on those ill-conditioned faces). With the guess, the direct solver stays the better
+one up to ``_CG_FROM_CONCENTRATED`` variables on Gramians of low effective rank (at m = 512 the
+two were within 7 %, one run each). On Gramians of high effective rank (``tr(H)² /
+‖H‖_F² ≥ m / 2``, as for random ones), from ``_SYNC_FROM`` variables on, the synchronous CG
+rounds of ``_sync_cg.py`` (NOTE [synchronous CG rounds]) come first (all problems moving in
+step, 1.2 to 1.9 times faster than the CG solver at m = 128 to 1024), then the CG solver from
+``_CG_FROM`` on for what they leave, then the direct one (without a guess) for the rest. Below
+``_SYNC_FROM`` the guess and the direct solver were as fast or faster on random Gramians too
+(m = 64: 1.07 to 1.26 times in four A/B runs; m = 96: within noise either way). On Gramians of
+low effective rank the rounds' faces are ill-conditioned and they certify nothing, so they are
+skipped.
 
 The CG solvers run on a diagonally rescaled problem (``H → DHD``, ``q → Dq``, ``x → D⁻¹x``: the
 KKT residual does not change, NOTE [KKT certificate]) with ``D = diag(H)^{-1/3}``: a diagonal
@@ -37,19 +48,31 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from ._admm import admm_faces
 from ._cg_qp import solve_nonneg_qp_cg
 from ._qp import solve_nonneg_qp
 from ._sync_cg import solve_nonneg_qp_sync
 
-# The CG solver from this many variables on for a batch of problems (UPGrad: k = m) ...
-_CG_FROM = 128
-# ... and from this many for a single problem (DualProj).
-_CG_FROM_SINGLE = 768
 # A batch of problems (UPGrad) from this many variables on first goes through the synchronous
 # CG rounds (NOTE [synchronous CG rounds] in _sync_cg.py) if H's effective rank is at least this
-# fraction of m (see _spread_out); what they leave goes on as above.
-_SYNC_FROM = 64
+# fraction of m (see _spread_out); what they leave goes on as below.
+_SYNC_FROM = 96
 _SYNC_MIN_RANK = 0.5
+# The CG solver from this many variables on for a batch of problems (UPGrad: k = m) whose H has
+# a high effective rank (after the synchronous rounds) ...
+_CG_FROM = 128
+# ... for a batch whose H has not (below it: the direct solver from ADMM-guessed faces) ...
+_CG_FROM_CONCENTRATED = 512
+# ... and for a single problem (DualProj).
+_CG_FROM_SINGLE = 768
+# The direct solver starts a batch of problems from ADMM-guessed faces (NOTE [ADMM face
+# identification] in _admm.py) from this many variables on. At m = 16 the guess (0.3 ms, mostly
+# fixed costs) cost about what the rounds it saved did (A/B: 1.2 and 1.55 times faster on
+# ill-conditioned and rank-m/2 Gramians, 0.5 to 0.9 times on the other three); at m = 32 it
+# was 1.3 to 5.7 times faster but on rank-1 ones (0.6 times: one round either way). For a
+# single problem (DualProj) it cost more than the rounds it saved (0.3 to 0.7 times as fast,
+# but for rank-m/2 Gramians at m = 64), so it has none.
+_ADMM_FROM = 32
 
 
 class NonnegSolution(NamedTuple):
@@ -87,8 +110,13 @@ def solve_nonneg(H: Tensor, q: Tensor, x0: Tensor | None = None) -> NonnegSoluti
     if x0 is not None:
         x0, free = _better_start(H, q, x0)
     sync = k > 1 and m >= _SYNC_FROM and _spread_out(H)
-    cg = m >= (_CG_FROM_SINGLE if k == 1 else _CG_FROM)
+    if k == 1:
+        cg = m >= _CG_FROM_SINGLE
+    else:
+        cg = m >= (_CG_FROM if sync else _CG_FROM_CONCENTRATED)
     if not (sync or cg):
+        if k > 1 and m >= _ADMM_FROM:
+            free = admm_faces(H, q, x0)  # Warm: from x0 where _better_start kept it.
         return NonnegSolution(solve_nonneg_qp(H, q, free), "direct", 0)
     scale = H.diagonal().clamp(min=torch.finfo(H.dtype).tiny).pow(-1.0 / 3.0)
     H_scaled, q_scaled = H * scale.unsqueeze(-1) * scale, q * scale

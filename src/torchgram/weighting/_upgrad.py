@@ -36,12 +36,14 @@ def upgrad(
 
     The ``m`` quadratic programs are solved together, as batched tensor code on ``G``'s device,
     by primal-dual active-set steps whose face systems are solved by batched Cholesky
-    factorisations for ``m < 128`` and by batched conjugate gradients (one ``[m, m] × [m, m]``
-    GEMM per iteration, mostly in float32) from there on. Either way every answer is exact to
-    float64 round-off: each projection ``v_i`` is certified by its relative KKT residual
-    ``ρ ≤ 1e-13``, which bounds its error by ``ρ ‖σ_i‖₂ / reg_eps`` (NOTE [KKT certificate] in
-    ``torchgram/weighting/_kkt.py``; NOTE [choosing the non-negative QP solver] in
-    ``_nonneg.py``).
+    factorisations (from ``m = 32`` on, from faces guessed by a few ADMM iterations with one
+    shared inverse) for ``m < 96``, and for ``m < 512`` when ``G`` has a low effective rank
+    (rank-deficient, ill-conditioned, per-sample training Gramians); otherwise by batched
+    conjugate gradients (one ``[m, m] × [m, m]`` GEMM per iteration, mostly in float32). Either
+    way every answer is exact to float64 round-off: each projection ``v_i`` is certified by its
+    relative KKT residual ``ρ ≤ 1e-13``, which bounds its error by ``ρ ‖σ_i‖₂ / reg_eps`` (NOTE
+    [KKT certificate] in ``torchgram/weighting/_kkt.py``; NOTE [choosing the non-negative QP
+    solver] in ``_nonneg.py``).
 
     Args:
         G: The Gramian ``J Jᵀ`` of shape ``[m, m]``, symmetric positive semi-definite.
