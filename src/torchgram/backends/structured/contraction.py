@@ -259,12 +259,16 @@ def drop_dead_positions(factors: UseFactors) -> UseFactors:
         return factors
     if index.numel() == 0:
         index = index.new_zeros(1)
+    start, count = int(index[0]), index.numel()
+    contiguous = int(index[-1]) - start + 1 == count  # a view of them, no copy
 
     def take(factor: Factor) -> Factor:
         dim = _POSITION_DIM[factor.kind]
         if factor.tensor.shape[dim] != positions:  # broadcast along the positions (ones)
             return factor
-        return Factor(factor.tensor.index_select(dim, index), factor.kind, factor.key)
+        tensor = (factor.tensor.narrow(dim, start, count) if contiguous
+                  else factor.tensor.index_select(dim, index))
+        return Factor(tensor, factor.kind, factor.key)
 
     first = take(factors.first)
     second = first if factors.second is factors.first else take(factors.second)
