@@ -165,3 +165,16 @@ def test_drop_dead_positions_keeps_non_zero_nan_and_inf_positions():
     assert zero.first.tensor.shape[2] == zero.second.tensor.shape[1] == 1  # one zero position
     ones = Factor(torch.ones(3, 1, 1, 4), "act")  # broadcast along the positions: kept
     assert drop_dead_positions(UseFactors(ones, Factor(cot, "cot"))).first is ones
+
+
+def test_a_few_dead_positions_are_not_worth_a_hint():
+    """One dead position of six (a causal LM's last one): no hint, no check, nothing dropped."""
+    def all_but_last(p, x, gate):
+        h = torch.tanh(F.linear(x, p["w1"], p["b1"]))
+        z = torch.tanh(F.linear(h, p["w2"], p["b2"]))
+        return F.linear(z[:, :-1].sum(1), p["head"])
+
+    args = _args(torch.float64, gated=False)
+    assert _live(all_but_last, args) == {"w1": None, "head": None, "w2": None}
+    _close(tg.gramian(all_but_last, batch_dim=0)(*args).reshape(B * K, B * K),
+           dense_gramian(all_but_last, args).gramian, torch.float64)

@@ -164,9 +164,11 @@ def live_positions(uses: Sequence[UseRecord], rows: Tensor,
     generator = torch.Generator(device=rows.device).manual_seed(0)  # leaves the draws alone
     weights = (0.5 + torch.rand(rows.shape, generator=generator, device=rows.device)).to(
         rows.dtype)
-    with torch.no_grad():
+    try:
         grads = torch.autograd.grad(rows, [probe for _, probe in probes], weights,
                                     allow_unused=True)
+    except Exception:  # noqa: BLE001 -- a hint only: the pass itself reports what fails
+        return list(uses)
     reached = {tap: grad for (tap, _), grad in zip(probes, grads, strict=True)}
     live: dict[int, int] = {}
     for use in wanted:

@@ -123,6 +123,8 @@ class UseRecord:
         act: Index of the activation among the mode's recorded activations (weights only).
         shape: The use's sizes per evaluated batch.
         act_shape: The activation's shape (weights only).
+        live: The positions the traced rows reach, where at most half of them (NOTE [dead
+            positions]); ``None`` otherwise.
     """
 
     leaf: int
@@ -135,8 +137,6 @@ class UseRecord:
     shape: UseShape
     act_shape: tuple[int, ...] | None = None
     live: int | None = None
-    """Positions whose cotangent reached the output in the trace, where fewer than
-    ``shape.positions`` did (NOTE [dead positions]); ``None``: all of them, or not known."""
 
     def same_structure(self, other: UseRecord, samples: int = 1) -> bool:
         """Whether ``other`` is this use seen on ``samples`` times the batch (or the same)."""
