@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import torchgram as tg
 from helpers import flat_gramian, make_problem
-from reference import dense_gramian, dense_gramian_fn
+from reference import dense_cross_kernel, dense_gramian, dense_gramian_fn
 from torchgram.backends.structured import contraction, plan_problem, run_structured
 from torchgram.backends.structured.contraction import Factor, UseFactors, drop_dead_positions
 
@@ -178,3 +178,20 @@ def test_a_few_dead_positions_are_not_worth_a_hint():
     assert _live(all_but_last, args) == {"w1": None, "head": None, "w2": None}
     _close(tg.gramian(all_but_last, batch_dim=0)(*args).reshape(B * K, B * K),
            dense_gramian(all_but_last, args).gramian, torch.float64)
+
+
+def test_cross_kernels_cost_every_position_and_match_the_oracle():
+    """The cross kernels' sides keep every position: their plan counts them all."""
+    params, x, gate = _args(torch.float64, gated=True)
+
+    def f(p, xs):
+        return _first_position(p, *xs)
+
+    x1, x2 = (x[:2], gate[:2]), (x[2:], gate[2:])
+    kernel = tg.ntk.empirical_ntk_fn(f, trace_axes=(), backend="structured")(x1, x2, params)
+    expected = dense_cross_kernel(f, params, x1, x2)
+    torch.testing.assert_close(kernel, expected, rtol=1e-10, atol=1e-10)
+    problem = make_problem(f, (params, x2), batch_dim=0)
+    cross = plan_problem(problem, dead_positions=False)
+    assert all(use.live is None for p in cross.leaves for use in p.uses)
+    assert plan_problem(problem).leaves[sorted(params).index("w2")].uses[0].live == 3  # 0, 2, 4
