@@ -250,7 +250,7 @@ def _auto_order(problem: Problem) -> tuple[str, ...]:
     from torchgram.backends.structured import plan_problem
 
     try:
-        plan = plan_problem(problem)
+        plan = plan_problem(problem, dead_positions=False)  # NOTE [dead positions]
     except NotPerSample:  # f fails on a batch of one: planned on the whole batch's rows
         return plan_auto(problem).order
     key = ("auto order", plan.sizes, problem.chunk_size, problem.memory_budget,

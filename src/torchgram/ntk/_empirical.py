@@ -316,7 +316,7 @@ def _side_bytes_per_sample(problem: Problem) -> float:
     from torchgram.backends.structured import plan_problem
 
     try:
-        plan = plan_problem(problem)
+        plan = plan_problem(problem, dead_positions=False)  # NOTE [dead positions]
     except NotPerSample:  # f fails on a batch of one (tracing runs one sample): no plan
         return dense
     return max(1.0, sum(p.memory for p in plan.leaves) / max(1, problem.samples))

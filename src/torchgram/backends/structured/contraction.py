@@ -239,6 +239,42 @@ def _cat(factors: list[Factor], premultiplied: bool) -> Factor:
     return Factor(torch.cat([f.tensor for f in factors], dim=_POSITION_DIM[kind]), kind)
 
 
+def drop_dead_positions(factors: UseFactors) -> UseFactors:
+    """``factors`` without the positions where the cotangent is zero for every row and sample.
+
+    NOTE [dead positions]: exact, since such a position adds ``0 ⊗ act`` to every row's
+    Jacobian. One reduction of the cotangent and one host read; not where the cotangent
+    requires gradients (a differentiable ``G``: a zero value may have a non-zero derivative).
+    At least one position is kept (all zero: a zero block).
+    """
+    cot = factors.first if factors.first.kind == "cot" else factors.second
+    tensor = cot.tensor
+    positions = tensor.shape[2]
+    if cot.kind != "cot" or positions < 2 or tensor.requires_grad:
+        return factors
+    # NaN or inf entries are non-zero here: such positions stay
+    reached = tensor.amax(dim=(0, 1, 3, 4)).ne(0) | tensor.amin(dim=(0, 1, 3, 4)).ne(0)
+    index = reached.nonzero().reshape(-1)
+    if index.numel() == positions:
+        return factors
+    if index.numel() == 0:
+        index = index.new_zeros(1)
+    start, count = int(index[0]), index.numel()
+    contiguous = int(index[-1]) - start + 1 == count  # a view of them, no copy
+
+    def take(factor: Factor) -> Factor:
+        dim = _POSITION_DIM[factor.kind]
+        if factor.tensor.shape[dim] != positions:  # broadcast along the positions (ones)
+            return factor
+        tensor = (factor.tensor.narrow(dim, start, count) if contiguous
+                  else factor.tensor.index_select(dim, index))
+        return Factor(tensor, factor.kind, factor.key)
+
+    first = take(factors.first)
+    second = first if factors.second is factors.first else take(factors.second)
+    return UseFactors(first, second)
+
+
 def _apart(matrices: Tensor) -> Tensor:
     """``[B, m, n]`` with each sample's matrix in one block of memory (a copy if interleaved).
 
@@ -689,7 +725,13 @@ class Contraction:
         if use.role == "bias":
             return UseFactors(cot_factor, cot_factor)
         act = self._act_factor(key, use)
-        return UseFactors(act, cot_factor) if use.act_first else UseFactors(cot_factor, act)
+        factors = UseFactors(act, cot_factor) if use.act_first else UseFactors(cot_factor, act)
+        return drop_dead_positions(factors) if self._hinted(key) else factors
+
+    def _hinted(self, key: tuple[int, int]) -> bool:
+        """Whether the trace found positions of use ``key`` that the rows do not reach."""
+        plan = self._plan_of.get(key[0])
+        return plan is not None and key[1] < len(plan.uses) and plan.uses[key[1]].live is not None
 
     def add_rows(self, start: int, stop: int, tap_cots: Sequence[Tensor | None],
                  carrier_grads: dict[int, Tensor]) -> None:

@@ -29,6 +29,9 @@ private-transformers / fastDP, ``S²(D1 + D2) < D1·D2`` in curvlinops) with the
 and batch structure. The elementwise combine is memory-bound where the Gram products are
 matrix products, so it is weighted by :data:`ELEMENTWISE_WEIGHT`.
 
+``T_u`` counts only the positions the rows reach where the trace found others that they do
+not (NOTE [dead positions]): the contraction drops those.
+
 **Fallback** leaves (used outside any rule) get their per-row Jacobian from the same
 backward (the gradient of a per-sample copy of the leaf): ``R·B·(unrecognised op cost per
 sample)``, the op's cost taken as ``output entries × P / (leading dim of the leaf)``, plus
@@ -128,6 +131,14 @@ class LeafPlan:
         return 0.0 if self.way == "unused" else self.materialize_cost
 
 
+def positions(use: UseRecord) -> int:
+    """``T_u`` as the cost model counts it: the positions the rows reach.
+
+    All of them where the trace found none they do not reach (NOTE [dead positions]).
+    """
+    return use.shape.positions if use.live is None else max(1, use.live)
+
+
 def _widths(use: UseRecord) -> tuple[int, int]:
     shape = use.shape
     return ((shape.act_width, shape.cot_width) if use.act_first
@@ -163,7 +174,7 @@ def ghost_cost(uses: Sequence[UseRecord], sizes: Sizes) -> float:
     total = 0.0
     for u in uses:
         for v in uses:
-            pairs = b2 * u.shape.positions * v.shape.positions
+            pairs = b2 * positions(u) * positions(v)
             w1, w2 = _widths(u)
             ku, kv = _kinds(u), _kinds(v)
             g = u.shape.groups
@@ -183,7 +194,7 @@ def materialize_cost(uses: Sequence[UseRecord], numel: int, sizes: Sizes,
         if use.role == "bias" or use.shape.act_is_index or use.shape.elementwise:
             build += rows * use.shape.positions * use.shape.groups * use.shape.cot_width
         else:
-            build += rows * use.shape.positions * numel
+            build += rows * positions(use) * numel
     build += sizes.rows * sizes.samples * fallback_flops  # flops are per evaluated batch
     gram = rows * numel * (1 if sizes.diagonal else rows)
     return build + gram
@@ -221,8 +232,8 @@ def sparse_cost(uses: Sequence[UseRecord], sizes: Sizes) -> tuple[float, float]:
 
 def ghost_memory(uses: Sequence[UseRecord], sizes: Sizes) -> float:
     """Bytes of the factors a ghost plan keeps (cotangents for every row, activations)."""
-    per_row = sum(use.shape.positions * use.shape.groups * use.shape.cot_width for use in uses)
-    acts = sum(use.shape.positions * use.shape.groups * use.shape.act_width
+    per_row = sum(positions(use) * use.shape.groups * use.shape.cot_width for use in uses)
+    acts = sum(positions(use) * use.shape.groups * use.shape.act_width
                for use in uses if not use.shape.act_is_index)
     return float(sizes.samples * (sizes.rows * per_row + acts) * sizes.itemsize)
 
@@ -282,9 +293,20 @@ def plan_leaf(leaf: int, numel: int, recording: Recording, sizes: Sizes, *,
     if ghost <= mat or over_budget:
         why = (f"materialized Jacobian ({mat_memory:.3g} B) exceeds memory_budget"
                if over_budget and ghost > mat else f"ghost {ghost:.3g} <= materialize {mat:.3g}")
-        return LeafPlan(leaf, "ghost", all_uses, all_uses, (), ghost, mat, g_memory, why)
+        return LeafPlan(leaf, "ghost", all_uses, all_uses, (), ghost, mat, g_memory,
+                        why + _dead(all_uses))
     return LeafPlan(leaf, "materialize", all_uses, all_uses, (), ghost, mat, mat_memory,
-                    f"materialize {mat:.3g} < ghost {ghost:.3g}")
+                    f"materialize {mat:.3g} < ghost {ghost:.3g}" + _dead(all_uses))
+
+
+def _dead(uses: Sequence[UseRecord]) -> str:
+    """What a reason says of positions the rows do not reach (NOTE [dead positions])."""
+    live = [use for use in uses if use.live is not None]
+    if not live:
+        return ""
+    reached = sum(positions(use) for use in live)
+    return (f" ({reached} of {sum(use.shape.positions for use in live)} positions reach the "
+            "rows)")
 
 
 def plan_leaves(numels: Sequence[int], recording: Recording, sizes: Sizes, *,

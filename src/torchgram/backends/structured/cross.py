@@ -206,7 +206,7 @@ def _batched(problem: Problem) -> tuple[Forward, StructuredPlan] | None:
         return None
     if forward.recording.coupling:
         raise NotPerSample(f"f calls {forward.recording.coupling[0]}: its samples interact")
-    return forward, plan_problem(problem, traced)
+    return forward, plan_problem(problem, traced, dead_positions=False)
 
 
 VALUE_CHECK_FIXED = 1.5e7

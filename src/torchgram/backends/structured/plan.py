@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -43,13 +44,16 @@ def _forward_flops(recording: Recording, samples: int) -> float:
 
 
 def plan_problem(problem: Problem, recording: Recording | None = None, *,
-                 force: Force | None = None, dense: bool = False) -> StructuredPlan:
+                 force: Force | None = None, dense: bool = False,
+                 dead_positions: bool = True) -> StructuredPlan:
     """Trace ``f`` (one sample with ``batch_dim``) and plan every leaf, without computing G.
 
     Without ``batch_dim`` (or with ``dense``: the rows of the whole batch, NOTE
     [per-sample]) the recording is that of a run on the full inputs, and the plan is the
     one the backend makes after its own forward. ``force`` (``"ghost"``, ``"materialize"``
     or ``"sparse"``) overrides the cost model wherever that way is possible (for tests).
+    ``dead_positions=False``: cost every position, for a contraction that does not drop
+    the dead ones (NOTE [dead positions]; the cross kernels').
     """
     if recording is None:
         recording = trace(problem)
@@ -58,15 +62,25 @@ def plan_problem(problem: Problem, recording: Recording | None = None, *,
     rows = problem.num_rows if dense else problem.rows_per_sample
     sizes = Sizes(samples, rows, problem.diagonal, problem.itemsize)
     numels = tuple(leaf.numel() for leaf in problem.leaves)
-    key = (sizes, numels, dense, problem.memory_budget, force)
+    key = (sizes, numels, dense, problem.memory_budget, force, dead_positions)
     plan = recording.plans.get(key)
     if plan is None:
-        leaves = plan_leaves(numels, recording, sizes, tap_fallback_uses=dense,
+        planned = recording if dead_positions else _without_hints(recording)
+        leaves = plan_leaves(numels, planned, sizes, tap_fallback_uses=dense,
                              memory_budget=problem.memory_budget, force=force)
         plan = StructuredPlan(recording, sizes, tuple(leaves),
                               _forward_flops(recording, samples), dense)
         recording.plans[key] = plan
     return plan
+
+
+def _without_hints(recording: Recording) -> Recording:
+    """The uses of ``recording`` with every position counted (NOTE [dead positions])."""
+    if all(use.live is None for use in recording.uses):
+        return recording
+    return Recording(uses=[dataclasses.replace(use, live=None) for use in recording.uses],
+                     unrecognised=recording.unrecognised,
+                     unrecognised_flops=recording.unrecognised_flops)
 
 
 def run_uses(plans: Sequence[LeafPlan], run: Recording) -> dict[int, tuple[UseRecord, ...]]:

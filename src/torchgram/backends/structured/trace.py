@@ -123,6 +123,8 @@ class UseRecord:
         act: Index of the activation among the mode's recorded activations (weights only).
         shape: The use's sizes per evaluated batch.
         act_shape: The activation's shape (weights only).
+        live: The positions the traced rows reach, where at most half of them (NOTE [dead
+            positions]); ``None`` otherwise.
     """
 
     leaf: int
@@ -134,6 +136,7 @@ class UseRecord:
     act: int | None
     shape: UseShape
     act_shape: tuple[int, ...] | None = None
+    live: int | None = None
 
     def same_structure(self, other: UseRecord, samples: int = 1) -> bool:
         """Whether ``other`` is this use seen on ``samples`` times the batch (or the same)."""
@@ -353,6 +356,9 @@ class TapMode(TorchFunctionMode):
             ``G``, NOTE [composition]) instead of detached.
         original_layouts: Give each rewritten call's output the original call's strides
             (NOTE [rewritten layouts]); ``rewrote`` says afterwards whether any call was.
+        probe: In a trace, add a zero tap to every tapped call's output too (kept in
+            ``probes`` with its tap's index), so that a backward of the traced rows can show
+            which positions they reach (NOTE [dead positions]).
 
     Example:
         >>> import torch
@@ -370,9 +376,11 @@ class TapMode(TorchFunctionMode):
                  expected: Sequence[TapRecord] | None = None,
                  carriers: Collection[int] | None = None, samples: int | None = None,
                  keep_acts: bool = False, keep_graph: bool = False,
-                 original_layouts: bool = False) -> None:
+                 original_layouts: bool = False, probe: bool = False) -> None:
         super().__init__()
         self._keep_graph = keep_graph
+        self._probe = probe and taps == "trace"
+        self.probes: list[tuple[int, Tensor]] = []
         self._original_layouts = original_layouts
         self.rewrote = False
         self._refs: dict[int, LeafRef] = {}
@@ -620,6 +628,10 @@ class TapMode(TorchFunctionMode):
                 raise TraceMismatch(f"tapped call {tap_index} ({match.rule}, output "
                                     f"{tuple(y.shape)}) differs from the trace")
             y = y + self._taps[tap_index]
+        elif self._probe and y.is_floating_point():  # NOTE [dead positions]
+            probe = zero_tap(y.shape, y.dtype, y.device)
+            self.probes.append((tap_index, probe))
+            y = y + probe
         self.recording.taps.append(record)
         self._record_uses(match, chosen, tap_index, y.numel())
         return y
