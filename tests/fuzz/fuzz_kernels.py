@@ -22,7 +22,7 @@ from torch import Tensor
 
 import torchgram as tg
 import torchgram.backends.structured.cross as structured_cross
-from fuzz_arch import Buffer, Dropout, FuzzCase, Head, build
+from fuzz_arch import Buffer, Dropout, FuzzCase, Head, Linear, build
 from fuzz_check import Snapshot, assert_close
 from fuzz_strategies import cases
 from reference import dense_cross_kernel
@@ -57,9 +57,20 @@ def _as_kernel_case(case: FuzzCase, head_extra: str) -> FuzzCase:
     """``case`` called as ``f(params, x)``: one tensor output, samples on dim 0 of both.
 
     Dropout is left out: two calls of a kernel draw other masks than the oracle's two calls.
+    A linear layer that ties another's weight then points at that layer's new index (an
+    index into the layers with dropout crashed the fuzzer's own shape walk).
     """
-    layers = tuple(dataclasses.replace(layer, via="closure") if isinstance(layer, Buffer)
-                   else layer for layer in case.layers if not isinstance(layer, Dropout))
+    kept = [i for i, layer in enumerate(case.layers) if not isinstance(layer, Dropout)]
+    new_index = {old: new for new, old in enumerate(kept)}
+
+    def kernel_layer(layer: Any) -> Any:
+        if isinstance(layer, Buffer):
+            return dataclasses.replace(layer, via="closure")
+        if isinstance(layer, Linear) and layer.tie is not None:
+            return dataclasses.replace(layer, tie=new_index[layer.tie])
+        return layer
+
+    layers = tuple(kernel_layer(case.layers[i]) for i in kept)
     head = case.head if case.head.kind in KERNEL_HEADS else Head("feat")
     return dataclasses.replace(
         case, layers=layers, head=head, params_at="first", input_via="positional",

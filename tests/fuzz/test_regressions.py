@@ -34,7 +34,7 @@ from fuzz_arch import (
     Tokens,
 )
 from fuzz_check import check
-from fuzz_kernels import KernelCase, check_kernel
+from fuzz_kernels import KernelCase, _as_kernel_case, check_kernel
 from reference import dense_gramian
 
 BACKENDS = ["jacobian", "ntvp", "graph", "structured", "auto"]
@@ -442,3 +442,36 @@ def test_kernel_tiles_of_one_side_with_a_diagonal_batch_axis(backend: str) -> No
     kernel = KernelCase(case, 2, (-3, -1), (0, 2), vmap_axes=0, memory_budget=200,
                         chunk_size=None, stream_bytes=64, labels_via="keyword")
     assert check_kernel(kernel, backend) == "answered"
+
+
+def test_kernel_case_keeps_ties_when_dropout_is_left_out() -> None:
+    """Kernel hunt 2 (the fuzzer's own bug): a kernel case leaves dropout out, which moved the
+    layers after it, and a tied linear layer pointed at the wrong index (a ``KeyError`` in
+    the shape walk killed the hunt). The tie follows its layer now."""
+    case = FuzzCase(
+        seed=5, batch=3, length=2, input=Features(width=4, flat=False),
+        layers=(Dropout(), Linear(out=4), Activation(kind="tanh"), Linear(out=4, tie=1)),
+        head=Head(kind="feat", classes=2), dtype="float64", batch_dim=0)
+    kernel_case = _as_kernel_case(case, "none")
+    assert kernel_case.layers[-1] == Linear(out=4, tie=0)
+    kernel = KernelCase(kernel_case, None, (), (), vmap_axes=0, memory_budget=None,
+                        chunk_size=None, stream_bytes=4096)
+    assert check_kernel(kernel, "auto") == "answered"
+
+
+@pytest.mark.parametrize("backend", ["graph", "structured", "auto"])
+def test_dropout_after_a_decomposed_batch_norm(backend: str) -> None:
+    """Gramian hunt 4: leaves that require grad make ``G`` differentiable, and batch norm in
+    training mode then runs decomposed into plain ops (NOTE [decomposed norms]), whose output
+    kept its transposed input's strides where the fused kernel's is contiguous; the dropout
+    after it laid its mask out along them and drew another mask than ``f`` as called (``G``
+    0.99 off, relative). The decomposition's result now has the fused kernel's strides."""
+    case = FuzzCase(
+        seed=2, batch=4, length=3, input=Features(width=4, flat=False),
+        layers=(Norm(kind="batch_train", affine=False, groups=1, frozen=True),
+                Norm(kind="batch_train", affine=False, groups=1, frozen=True),
+                Dropout(p=0.5), Elementwise(kind="scale_shift", frozen=False)),
+        head=Head(kind="dict", classes=3), dtype="float32", batch_dim=-1, output_dim=-1,
+        input_dim=1, as_module=True, mixed_dtypes=True, params_at="last", repeat="skip_last",
+        requires_grad=True, noncontiguous=True)
+    assert check(case, backend) == "answered"

@@ -15,7 +15,9 @@ constants. ``layer_norm``, ``batch_norm`` in training mode and ``instance_norm``
 So while a differentiable ``G`` is computed, :class:`DecomposedNorms` (a
 ``TorchFunctionMode``) runs those three functions as the same arithmetic written with
 plain ops (mean, biased variance, ``rsqrt``), whose derivatives of every order, batched or
-not, are right. Values agree with the fused kernels to round-off. Running statistics (batch
+not, are right. Values agree with the fused kernels to round-off, and the result is laid out
+as the fused kernel's (run once more without gradients for its strides: a dropout after a
+batch norm of a transposed input drew another mask, update hunt 4). Running statistics (batch
 norm in training mode, instance norm with ``use_input_stats`` and running buffers) are
 updated in place exactly as the fused kernels do (momentum, unbiased variance), outside
 autograd. Eval-mode batch norm is an affine map of fixed statistics and runs unchanged.
@@ -32,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
+
+from torchgram._core.layouts import laid_out_like
 
 
 def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], index: int, name: str,
@@ -174,6 +178,26 @@ def _call_torch_instance_norm(args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
                          momentum, eps)
 
 
+def _layer_norm_layout(x: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor:
+    shape = _arg(args, kwargs, 1, "normalized_shape")
+    return F.layer_norm(x, (shape,) if isinstance(shape, int) else tuple(shape))
+
+
+def _batch_norm_layout(x: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor:
+    return F.batch_norm(x, None, None, training=True)  # no running statistics to update
+
+
+def _instance_norm_layout(x: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor:
+    return F.instance_norm(x)
+
+
+_LAYOUT_PROBES = {
+    F.layer_norm: _layer_norm_layout, torch.layer_norm: _layer_norm_layout,
+    F.batch_norm: _batch_norm_layout, torch.batch_norm: _batch_norm_layout,
+    F.instance_norm: _instance_norm_layout, torch.instance_norm: _instance_norm_layout,
+}
+"""The fused op without statistics to update or affine terms, for the strides it gives."""
+
 _DECOMPOSITIONS = {
     F.layer_norm: _call_layer_norm,
     torch.layer_norm: _call_layer_norm,
@@ -206,4 +230,11 @@ class DecomposedNorms(TorchFunctionMode):
             decomposition = None
         if decomposition is None:
             return func(*args, **kwargs)
-        return decomposition(args, kwargs)
+        result = decomposition(args, kwargs)
+        x = _arg(args, kwargs, 0, "input")
+        if isinstance(x, Tensor) and result.dim() > 1:
+            # the fused kernel's strides: a random op after it lays its draws out along them
+            with torch.no_grad():
+                original = _LAYOUT_PROBES[func](x.detach(), args, kwargs)
+            result = laid_out_like(result, original)
+        return result

@@ -70,6 +70,7 @@ from torch.overrides import TorchFunctionMode
 from torchgram._core import _torch_compat
 from torchgram._core.census import coupling_op
 from torchgram._core.composition import tapped_evaluation
+from torchgram._core.layouts import laid_out_like
 from torchgram._core.pytree import leaves_of
 from torchgram.backends._embedding import embedding_with_conventions
 from torchgram.backends.structured.rules import rewrite_for, rule_for
@@ -320,23 +321,6 @@ def describe(func: Any) -> str:
     return name
 
 
-def _laid_out_like(value: Any, original: Any) -> Any:
-    """``value`` with ``original``'s memory order of entries (NOTE [rewritten layouts]).
-
-    Example:
-        >>> import torch
-        >>> original = torch.zeros(3, 2).T
-        >>> _laid_out_like(torch.ones(2, 3), original).stride()
-        (1, 2)
-    """
-    if not isinstance(value, Tensor) or not isinstance(original, Tensor) or \
-            value.stride() == original.stride():
-        return value
-    outer_first = sorted(range(original.dim()), key=original.stride, reverse=True)
-    back = sorted(range(original.dim()), key=outer_first.__getitem__)
-    return value.permute(outer_first).contiguous().permute(back)
-
-
 class TapMode(TorchFunctionMode):
     """Runs ``f`` recognising, tapping and recording the uses of parameter leaves.
 
@@ -560,7 +544,7 @@ class TapMode(TorchFunctionMode):
                 if self._original_layouts:  # NOTE [rewritten layouts]
                     with torch.no_grad():
                         original = func(*args, **kwargs)
-                    result = optree.tree_map(_laid_out_like, result, original, none_is_leaf=True)
+                    result = optree.tree_map(laid_out_like, result, original, none_is_leaf=True)
                 return result
         rule = rule_for(func)
         match = rule.match(func, args, kwargs) if rule is not None else None
