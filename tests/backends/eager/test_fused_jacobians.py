@@ -52,3 +52,19 @@ def test_recorded_conv_matches_the_oracle(side: int, fused: bool, diagonal: bool
     for leaf, grad in zip(leaves.values(), wanted, strict=True):
         assert leaf.grad is not None
         torch.testing.assert_close(leaf.grad, grad, rtol=1e-10, atol=1e-12)
+
+
+def test_functional_update_keeps_the_fused_jacobian() -> None:
+    """``tg.aggregated_grad``: the fused kernel's Jacobian is kept for ``Jᵀw`` (its factors,
+    the patches, are never formed); the update is the weighted gradient."""
+    torch.manual_seed(1)
+    x = torch.randn(3, 8, 16, 16, dtype=DOUBLE)
+    p = {"conv": torch.randn(4, 8, 3, 3, dtype=DOUBLE) / 8, "bias": torch.randn(4, dtype=DOUBLE),
+         "head": torch.randn(2, 4 * 256, dtype=DOUBLE) / 16}
+    step, info = tg.aggregated_grad(lambda q, xs: conv_losses(q, xs, 1), tg.weighting.upgrad,
+                                    batch_dim=0)(p, x)
+    leaves = {k: v.clone().requires_grad_() for k, v in p.items()}
+    wanted = torch.autograd.grad(conv_losses(leaves, x, 1), list(leaves.values()),
+                                 info.weights)
+    for name, grad in zip(p, wanted, strict=True):
+        torch.testing.assert_close(step[name], grad, rtol=1e-10, atol=1e-12)

@@ -673,6 +673,7 @@ class Contraction:
         self._stream_waits: set[int] = set()
         self._streamed: set[int] = set()
         self._kept: dict[int, list[tuple[UseRecord, UseFactors] | Tensor]] = {}
+        self._kept_whole: set[int] = set()
         self.complete = True
         self.numels = numels
         self.samples = samples
@@ -887,12 +888,25 @@ class Contraction:
                 kept.append(carrier_grads[plan.leaf])
             for k, use in enumerate(self.uses.get(plan.leaf, ())):
                 cot = self._cot_tensor(use, tap_cots)
-                if cot is not None:
-                    kept.append((use, self._factors((plan.leaf, k), use, cot)))
+                if cot is None:
+                    continue
+                if plan.way == "materialize" and use.role == "weight" \
+                        and use.layout.fused_jacobian(use.shape.positions):
+                    # materialize forms its Jacobian without the factors (patches of a
+                    # convolution): that Jacobian is kept, the factors are never formed
+                    self._kept_whole.add(plan.leaf)
+                    continue
+                kept.append((use, self._factors((plan.leaf, k), use, cot)))
 
     def _keep_jacobian(self, leaf: int, jacobian: Tensor) -> None:
-        """Keep a leaf's whole Jacobian instead of its factors, if not larger."""
+        """Keep a leaf's whole Jacobian instead of its factors, if not larger.
+
+        Always where some of its factors were never formed (:meth:`_keep`).
+        """
         kept = self._kept.get(leaf)
+        if leaf in self._kept_whole:
+            self._kept[leaf] = [jacobian]
+            return
         if not kept:
             return
         factors: list[Tensor] = []
