@@ -890,10 +890,14 @@ class Contraction:
                 cot = self._cot_tensor(use, tap_cots)
                 if cot is None:
                     continue
+                shape = use.shape
                 if plan.way == "materialize" and use.role == "weight" \
-                        and use.layout.fused_jacobian(use.shape.positions):
-                    # materialize forms its Jacobian without the factors (patches of a
-                    # convolution): that Jacobian is kept, the factors are never formed
+                        and use.layout.fused_jacobian(shape.positions) \
+                        and shape.act_width * shape.cot_width \
+                        <= shape.positions * (shape.act_width + shape.cot_width):
+                    # materialize forms its Jacobian without the factors (a convolution's
+                    # patches), and it is no larger than they would be (NOTE [Jᵀw from kept
+                    # Jacobians]): that Jacobian is kept, the factors are never formed
                     self._kept_whole.add(plan.leaf)
                     continue
                 kept.append((use, self._factors((plan.leaf, k), use, cot)))
