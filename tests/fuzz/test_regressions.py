@@ -475,3 +475,20 @@ def test_dropout_after_a_decomposed_batch_norm(backend: str) -> None:
         input_dim=1, as_module=True, mixed_dtypes=True, params_at="last", repeat="skip_last",
         requires_grad=True, noncontiguous=True)
     assert check(case, backend) == "answered"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_eval_batch_norm_of_one_sample_with_leaves_that_require_grad(backend: str) -> None:
+    """Session 22's own regression, found by the post-fix hunt: the decomposed norms' layout
+    probe ran batch norm in training mode even for an eval-mode call, which the decomposition
+    leaves to the fused kernel, and one value per channel made it raise a raw ``ValueError``.
+    Only calls that were decomposed are probed now."""
+    case = FuzzCase(
+        seed=2, batch=1, length=1, input=Features(width=3, flat=False),
+        layers=(Conv1d(out=3, kernel=1, groups=3, bias=False),
+                Norm(kind="batch_eval", affine=False, groups=1),
+                RnnCell(hidden=1, kind="lstm", bias=True),
+                Conv1d(out=1, kernel=1, bias=False)),
+        head=Head(kind="sq_mean", classes=2), dtype="float32", batch_dim=None, output_dim=1,
+        input_dim=1, as_module=True, mixed_dtypes=True, requires_grad=True)
+    assert check(case, backend) == "answered"

@@ -232,9 +232,26 @@ class DecomposedNorms(TorchFunctionMode):
             return func(*args, **kwargs)
         result = decomposition(args, kwargs)
         x = _arg(args, kwargs, 0, "input")
-        if isinstance(x, Tensor) and result.dim() > 1:
+        if isinstance(x, Tensor) and result.dim() > 1 and _decomposed(func, args, kwargs):
             # the fused kernel's strides: a random op after it lays its draws out along them
             with torch.no_grad():
                 original = _LAYOUT_PROBES[func](x.detach(), args, kwargs)
             result = laid_out_like(result, original)
         return result
+
+
+def _decomposed(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether the decomposition wrote the call with plain ops.
+
+    Not where it runs the fused kernel itself: batch norm with running statistics in eval
+    mode, instance norm with running ones.
+    """
+    if func in (F.layer_norm, torch.layer_norm):
+        return True
+    if func in (F.batch_norm, torch.batch_norm):
+        stats = (1, 2) if func is F.batch_norm else (3, 4)
+        names = ("running_mean", "running_var")
+        fused = not _arg(args, kwargs, 5, "training", False) and all(
+            _arg(args, kwargs, i, name) is not None for i, name in zip(stats, names, strict=True))
+        return not fused
+    return bool(_arg(args, kwargs, 5, "use_input_stats", True))  # instance norm
