@@ -45,6 +45,7 @@ structured backend's batched pass has its own (NOTE [checking the batched pass])
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import optree
@@ -97,46 +98,67 @@ def batch_rows(problem: Problem) -> tuple[Tensor, Any]:
 def check_derivatives(problem: Problem) -> None:
     """Raise :class:`NotPerSample` unless samples run apart have the batch's derivatives.
 
-    The rows of the first and the last sample (NOTE [per-sample]), through
-    ``torch.func.vjp``, which composes with the transforms a call may run under (NOTE
-    [composition]); the weights come from a generator of their own (the draws of ``f`` are
-    left alone). Tolerance: :func:`tolerance`, relative to the largest entry of the products.
+    The rows of the first and the last sample (NOTE [per-sample]): run apart as one batch of
+    two (each alone for ``B = 2``), through :func:`compare_pullbacks`.
     """
     batch = problem.batch
-    if batch is not None and batch.size >= 2 and problem.leaves:
-        # grad mode on: some backward kernels read it (NOTE [backward under no_grad])
-        functional.with_grad(lambda: _compare_derivatives(problem, batch.size))
-
-
-def _compare_derivatives(problem: Problem, size: int) -> None:
-    """:func:`check_derivatives` for a batch of ``size >= 2`` samples."""
-    leaves = problem.leaves
-    rows, pull = functional.vjp(lambda *values: problem.rows(values)[0], *leaves)
+    if batch is None or batch.size < 2 or not problem.leaves:
+        return
     index = problem.sample_major_index  # [B, K]: each sample's rows in the output order
-    samples = [0, size - 1]
-    generator = torch.Generator(device=rows.device).manual_seed(0)
-    weights = (0.5 + torch.rand(len(samples), index.shape[1], generator=generator,
-                                dtype=torch.float64, device=rows.device)).to(rows.dtype)
-    spread = torch.zeros(rows.numel(), dtype=rows.dtype, device=rows.device)
+    samples = [0, batch.size - 1]
+    weights = positive_weights((len(samples), index.shape[1]), index.device,
+                               problem.output.dtype)
+    spread = torch.zeros(index.numel(), dtype=weights.dtype, device=weights.device)
     spread[index[samples].reshape(-1)] = weights.reshape(-1)
-    # the batch's products minus the samples' own, in place: at most two gradients held
-    difference = list(pull(spread.reshape(rows.shape)))
-    del pull, rows, spread
-    scale = [grad.detach().abs().amax() for grad in difference]
-    subsets = [[0], [1]] if size == 2 else [samples]
-    for subset in subsets:
-        chosen = [samples.index(sample) for sample in subset]
-        _, pull_subset = functional.vjp(
-            lambda *values, subset=subset: subset_rows(problem, subset, values), *leaves)
-        for k, grad in enumerate(pull_subset(weights[chosen])):
-            scale[k] = torch.maximum(scale[k], grad.detach().abs().amax())
-            difference[k] = difference[k] - grad
-        del pull_subset
-    rtol = tolerance(problem.output.dtype)
-    for gap, largest in zip(difference, scale, strict=True):
-        if not bool((gap.detach().abs() <= rtol * largest).all()):
-            raise NotPerSample(f"samples {samples} run apart have other derivatives than in "
-                               "the batch: the samples interact (e.g. x - x.mean(0))")
+    subsets = [[0], [1]] if batch.size == 2 else [samples]
+    compare_pullbacks(problem, spread, [
+        (lambda *values, subset=subset: subset_rows(problem, subset, values),
+         weights[[samples.index(sample) for sample in subset]])
+        for subset in subsets], f"samples {samples} run apart")
+
+
+def positive_weights(shape: tuple[int, ...], device: torch.device,
+                     dtype: torch.dtype) -> Tensor:
+    """Random weights in ``[0.5, 1.5)`` for :func:`compare_pullbacks`.
+
+    From a generator of their own: ``f``'s draws are left alone.
+    """
+    generator = torch.Generator(device=device).manual_seed(0)
+    return (0.5 + torch.rand(shape, generator=generator, dtype=torch.float64,
+                             device=device)).to(dtype)
+
+
+def compare_pullbacks(problem: Problem, weights: Tensor,
+                      parts: Sequence[tuple[Callable[..., Tensor], Tensor]], what: str) -> None:
+    """Raise :class:`NotPerSample` unless the batch's rows and the parts' have one derivative.
+
+    The vector-Jacobian product of the batch's rows ``[m]`` with ``weights [m]`` must equal
+    the sum over the parts of the product of each part's rows (``rows(*leaves)``) with its
+    weights, within :func:`tolerance` relative to the largest entry of the products.
+    ``torch.func.vjp`` composes with the transforms a call may run under (NOTE
+    [composition]), with grad mode on (NOTE [backward under no_grad]); at most two gradients
+    are held at once. ``what`` names the parts in the message.
+    """
+    leaves = problem.leaves
+
+    def compare() -> bool:
+        _, pull = functional.vjp(lambda *values: problem.rows(values)[0], *leaves)
+        difference = list(pull(weights))  # the batch's products less the parts' own
+        del pull
+        scale = [grad.detach().abs().amax() for grad in difference]
+        for rows, part_weights in parts:
+            _, pull_part = functional.vjp(rows, *leaves)
+            for k, grad in enumerate(pull_part(part_weights)):
+                scale[k] = torch.maximum(scale[k], grad.detach().abs().amax())
+                difference[k] = difference[k] - grad
+            del pull_part
+        rtol = tolerance(problem.output.dtype)
+        return all(bool((gap.detach().abs() <= rtol * largest).all())
+                   for gap, largest in zip(difference, scale, strict=True))
+
+    if not functional.with_grad(compare):
+        raise NotPerSample(f"{what} have other derivatives than in the batch: the samples "
+                           "interact (e.g. x - x.mean(0))")
 
 
 def subset_rows(problem: Problem, samples: list[int],

@@ -33,12 +33,18 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torchgram._core import checks, functional
+from torchgram._core import checks
 from torchgram._core.checks import fail, function_name
 from torchgram._core.cross import CrossProblem, PairSpec, mirror, row_shape
 from torchgram._core.errors import NotPerSample, OutputChanged
 from torchgram._core.options import Options
-from torchgram._core.per_sample import batch_rows, check_samples, fails_alone, tolerance
+from torchgram._core.per_sample import (
+    batch_rows,
+    check_samples,
+    compare_pullbacks,
+    fails_alone,
+    positive_weights,
+)
 from torchgram._core.problem import Problem, build_problem, forget_probe, replace_input_leaves
 from torchgram._core.progress import Progress
 from torchgram._core.result import RunReport
@@ -400,40 +406,23 @@ def _check_tile_derivatives(problem: Problem, tiles: Sequence[Problem]) -> None:
 
     Equal outputs do not prove that the samples do not interact: samples that are the same
     where they meet (one token each, the same id) give the same ``x - x.mean(0)`` alone and in
-    the batch, where its derivative in the parameters differs (kernel hunt 2). One vector-
-    Jacobian product of the whole batch's rows with random positive weights must equal the
-    sum of the tiles' with the same weights on the same rows. ``torch.func.vjp``: it composes
-    with the transforms a kernel may run under (NOTE [composition]).
+    the batch, where its derivative in the parameters differs (kernel hunt 2). The batch's
+    vector-Jacobian product with random positive weights must equal the sum of the tiles'
+    with the same weights on the same rows (:func:`compare_pullbacks`).
     """
-    leaves = tuple(problem.leaves)
-
-    def pullback(side: Problem) -> tuple[Tensor, Callable[[Tensor], tuple[Tensor, ...]]]:
-        rows, pull = functional.vjp(lambda *values: side.rows(tuple(values))[0], *leaves)
-        return rows, pull
-
-    full_rows, full_pull = pullback(problem)
-    generator = torch.Generator(device=full_rows.device).manual_seed(0)
-    weights = (0.5 + torch.rand(full_rows.shape, generator=generator, dtype=torch.float64,
-                                device=full_rows.device)).to(full_rows.dtype)
-    expected = full_pull(weights)
-    total = [torch.zeros_like(grad) for grad in expected]
-    scale = [grad.detach().abs().amax() for grad in expected]
+    index = problem.sample_major_index
+    weights = positive_weights((index.numel(),), index.device, problem.output.dtype)
+    parts = []
     first = 0
     for tile in tiles:
-        rows, pull = pullback(tile)
-        samples = torch.arange(first, first + tile.samples, device=full_rows.device)
-        tile_weights = torch.zeros(rows.shape, dtype=rows.dtype, device=rows.device)
+        samples = torch.arange(first, first + tile.samples, device=index.device)
+        tile_weights = torch.zeros(tile.sample_major_index.numel(), dtype=weights.dtype,
+                                   device=weights.device)
         tile_weights[tile.sample_major_index.reshape(-1)] = \
-            weights[problem.sample_major_index[samples].reshape(-1)]
-        for k, grad in enumerate(pull(tile_weights)):
-            total[k] = total[k] + grad
-            scale[k] = torch.maximum(scale[k], grad.detach().abs().amax())
+            weights[index[samples].reshape(-1)]
+        parts.append((lambda *values, tile=tile: tile.rows(values)[0], tile_weights))
         first += tile.samples
-    rtol = tolerance(problem.output.dtype)
-    for got, want, size in zip(total, expected, scale, strict=True):
-        if not bool(((got - want).detach().abs() <= rtol * size).all()):
-            raise NotPerSample("the tiles' outputs have other derivatives than the batch's: "
-                               "the samples interact")
+    compare_pullbacks(problem, weights, parts, "the tiles' outputs")
 
 
 def _pairing(n1: int, n2: int, *, self_kernel: bool,
