@@ -492,3 +492,20 @@ def test_eval_batch_norm_of_one_sample_with_leaves_that_require_grad(backend: st
         head=Head(kind="sq_mean", classes=2), dtype="float32", batch_dim=None, output_dim=1,
         input_dim=1, as_module=True, mixed_dtypes=True, requires_grad=True)
     assert check(case, backend) == "answered"
+
+
+@pytest.mark.parametrize("backend", ["graph", "structured", "auto"])
+def test_dropout_after_einsum_of_a_one_step_gru(backend: str) -> None:
+    """Session 22's hunt, fixed in session 23: the recurrent rewrite gave its output the fused
+    kernel's order of entries but not the strides of its size-1 dims (``.contiguous()`` keeps
+    those as they are), the einsum after it laid its own output out by them, and the dropout
+    after that drew another mask than ``f`` as called (``G`` 1.41 off, relative). The rewrite
+    now gives the kernel's strides exactly (``_core/layouts.with_strides``)."""
+    case = FuzzCase(
+        seed=4481, batch=3, length=3, input=Features(width=1, flat=True),
+        layers=(FusedRnn(hidden=1, kind="gru"), Linear(out=3, bias=False, form="einsum"),
+                Dropout(p=0.5), Distance(anchors=2, p=2.0, frozen=True)),
+        head=Head(kind="ce", classes=2), dtype="float32", batch_dim=None, output_dim=-1,
+        input_dim=0, input_via="keyword", layout="nested", params_at="last", diagonal=True,
+        chunk_size=2, repeat="values", head_extra="constant", alias_tied=True)
+    assert check(case, backend) == "answered"

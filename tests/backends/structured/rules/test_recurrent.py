@@ -7,7 +7,11 @@ import torch
 from torch import nn
 
 import torchgram as tg
-from torchgram.backends.structured.rules.recurrent import rewrite_gru, rewrite_lstm
+from torchgram.backends.structured.rules.recurrent import (
+    rewrite_gru,
+    rewrite_lstm,
+    rewrite_rnn_tanh,
+)
 
 WAYS = ["ghost", "materialize", None]
 
@@ -141,3 +145,26 @@ def test_recurrent_without_an_input_projection_tap_matches_oracle(check, kind):
     for way in WAYS:
         check(g, (params, x), force=way, batch_dim=0, in_dims=in_dims)
         check(g, (params, x), force=way, batch_dim=None)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn"])
+@pytest.mark.parametrize("batch_first", [False, True], ids=["time_major", "batch_first"])
+@pytest.mark.parametrize("sizes", [(1, 1, 1), (3, 1, 1), (1, 2, 1), (3, 2, 2)],
+                         ids=lambda sizes: "B{}_T{}_H{}".format(*sizes))
+def test_rewrite_gives_the_fused_kernels_strides(kind, batch_first, sizes):
+    """Size-1 dims included: ops after it lay their outputs out by them (NOTE [recurrent
+    rewrite], ``_core/layouts``)."""
+    batch, steps, hidden = sizes
+    torch.manual_seed(0)
+    rnn = {"lstm": nn.LSTM, "gru": nn.GRU, "rnn": nn.RNN}[kind](
+        2, hidden, bidirectional=True, batch_first=batch_first)
+    x = torch.randn((batch, steps, 2) if batch_first else (steps, batch, 2))
+    expected, _ = rnn(x)
+    zeros = torch.zeros(2, batch, hidden)
+    args = (x, zeros, rnn._flat_weights, True, 1, 0.0, False, True, batch_first)
+    if kind == "lstm":
+        out = rewrite_lstm((x, (zeros, zeros), *args[2:]), {})[0]
+    else:
+        out = (rewrite_gru if kind == "gru" else rewrite_rnn_tanh)(args, {})[0]
+    torch.testing.assert_close(out, expected)
+    assert out.stride() == expected.stride()

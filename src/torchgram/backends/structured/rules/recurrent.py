@@ -26,9 +26,11 @@ unbound once into its steps: indexing it per step would make every step's backwa
 full-size zero gradient of ``xs`` (``T²`` work). A ``batch_first`` input keeps its layout
 (steps along dim 1, outputs stacked there): a transposed ``x`` would make the projection and
 its backward batched products over the steps instead of one matrix product. The output is
-then given the fused kernel's strides (time-major storage, seen batch-first): a random op
-after it (``F.dropout``) lays its mask out along its input's strides, so other strides would
-drop other entries than in the call being differentiated (NOTE [draws under torch.func]).
+then given the fused kernel's strides exactly (time-major storage, seen batch-first; size-1
+dims included, ``_core/layouts``): a random op after it (``F.dropout``) lays its mask out
+along its input's strides, and ops between lay their outputs out by them (``torch.einsum``),
+so other strides would drop other entries than in the call being differentiated (NOTE
+[draws under torch.func]).
 Only the unpacked form with no active inter-layer dropout, outside autocast, is rewritten
 (the fused kernel draws its dropout masks differently from ``F.dropout``, and autocast casts
 its cells otherwise than the rewrite's ``F.linear``: on CPU a GRU's stay float32, where the
@@ -47,6 +49,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from torchgram._core.layouts import with_strides
 
 State = tuple[Tensor, ...]
 Linear = Callable[[Tensor, Tensor, Tensor | None], Tensor]
@@ -180,7 +184,8 @@ def _run(cell: Cell, x: Tensor, initial: Sequence[State], params: Sequence[Tenso
             finals.append(state)
         x = outputs[0] if directions == 1 else torch.cat(outputs, dim=-1)
     if batch_first:  # the fused kernel's layout: time-major storage seen batch-first
-        x = x.transpose(0, 1).contiguous().transpose(0, 1)
+        batch, width = x.shape[0], x.shape[2]
+        x = with_strides(x, (width, batch * width, 1))
     return x, finals
 
 
