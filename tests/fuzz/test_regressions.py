@@ -7,6 +7,8 @@ as the fuzzer (``fuzz_check.check``).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812 -- torch's own spelling
@@ -34,7 +36,7 @@ from fuzz_arch import (
     Tokens,
 )
 from fuzz_check import check
-from fuzz_kernels import KernelCase, _as_kernel_case, check_kernel
+from fuzz_kernels import KernelCase, _as_kernel_case, check_kernel, second_batch_sizes
 from reference import dense_gramian
 
 BACKENDS = ["jacobian", "ntvp", "graph", "structured", "auto"]
@@ -457,6 +459,24 @@ def test_kernel_case_keeps_ties_when_dropout_is_left_out() -> None:
     kernel = KernelCase(kernel_case, None, (), (), vmap_axes=0, memory_budget=None,
                         chunk_size=None, stream_bytes=4096)
     assert check_kernel(kernel, "auto") == "answered"
+
+
+def test_kernel_cases_never_call_f_on_what_f_refuses() -> None:
+    """Session 23's kernel hunt (the fuzzer's own bug): a second input of one sample, one
+    position long, for ``f`` with batch norm in training mode made ``f`` itself raise (one
+    value per channel) while the harness built its inputs. Such a ``batch2`` is not drawn."""
+    case = FuzzCase(
+        seed=6555, batch=4, length=1, input=Features(width=4, flat=True),
+        layers=(Linear(out=3, bias=False, form="addmm"),
+                Norm(kind="batch_train", affine=False, groups=1), Activation(kind="softplus")),
+        head=Head(kind="feat", classes=3), dtype="float64", batch_dim=0, output_dim=0)
+    assert 1 not in second_batch_sizes(case)
+    longer = dataclasses.replace(case, length=2, input=Features(width=4, flat=False))
+    assert 1 in second_batch_sizes(longer)
+    for batch2 in second_batch_sizes(case):
+        kernel = KernelCase(case, batch2, (), (), vmap_axes=0, memory_budget=None,
+                            chunk_size=None, stream_bytes=4096)
+        assert check_kernel(kernel, "auto") == "answered"
 
 
 @pytest.mark.parametrize("backend", ["graph", "structured", "auto"])
