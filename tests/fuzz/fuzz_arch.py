@@ -50,7 +50,8 @@ class Linear:
 
     out: int
     bias: bool = True
-    form: Literal["linear", "matmul_t", "matmul", "einsum", "addmm"] = "linear"
+    form: Literal["linear", "matmul_t", "matmul", "einsum", "addmm", "function",
+                  "function_old"] = "linear"
     tie: int | None = None
     transposed: bool = False
     frozen: bool = False
@@ -414,6 +415,10 @@ def _layer(case: FuzzCase, i: int, layer: Layer, h: Tensor, get: Get) -> Tensor:
             y = torch.matmul(h, w.t())
         elif layer.form == "einsum":
             y = torch.einsum("btd,od->bto", h, w)
+        elif layer.form == "function":
+            y = FunctionLinear.apply(h, w)
+        elif layer.form == "function_old":
+            y = OldStyleFunctionLinear.apply(h, w)
         else:  # addmm on the flattened positions
             flat = h.reshape(-1, h.shape[-1])
             bias = b if b is not None else torch.zeros(w.shape[0], dtype=h.dtype)
@@ -468,6 +473,42 @@ def _layer(case: FuzzCase, i: int, layer: Layer, h: Tensor, get: Get) -> Tensor:
     if isinstance(layer, Dropout):
         return F.dropout(h, layer.p, training=True)
     raise TypeError(layer)
+
+
+class FunctionLinear(torch.autograd.Function):
+    """``h @ wᵀ`` as a custom Function (``forward`` without ``ctx``): its forward's ops run with
+    gradients off, and the derivative is its ``backward``'s (NOTE [uses with gradients off])."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(h: Tensor, w: Tensor) -> Tensor:  # noqa: D102
+        return h @ w.T
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Tensor, Tensor], output: Tensor) -> None:  # noqa: D102
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:  # noqa: D102
+        h, w = ctx.saved_tensors
+        flat = grad.reshape(-1, grad.shape[-1])
+        return grad @ w, flat.T @ h.reshape(-1, h.shape[-1])
+
+
+class OldStyleFunctionLinear(torch.autograd.Function):
+    """The same written the old way (``forward(ctx, ...)``): refused under ``torch.func``."""
+
+    @staticmethod
+    def forward(ctx: Any, h: Tensor, w: Tensor) -> Tensor:  # noqa: D102
+        ctx.save_for_backward(h, w)
+        return h @ w.T
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:  # noqa: D102
+        h, w = ctx.saved_tensors
+        flat = grad.reshape(-1, grad.shape[-1])
+        return grad @ w, flat.T @ h.reshape(-1, h.shape[-1])
 
 
 def _has_bias(case: FuzzCase, owner: int) -> bool:

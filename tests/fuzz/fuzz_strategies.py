@@ -111,11 +111,12 @@ def _layer(draw: st.DrawFn, backend: str, width: int, length: int, tokens: Token
             return Linear(out=linears[tie][1] if transposed else linears[tie][0],
                           bias=draw(st.booleans()) if transposed else True,
                           form=draw(st.sampled_from(["linear", "matmul_t", "matmul", "einsum",
-                                                     "addmm"])),
+                                                     "addmm", "function", "function_old"])),
                           tie=tie, transposed=transposed)
         return Linear(out=draw(st.integers(1, 5)), bias=draw(st.booleans()),
                       form=draw(st.sampled_from(["linear", "linear", "matmul_t", "matmul",
-                                                 "einsum", "addmm"])), frozen=frozen)
+                                                 "einsum", "addmm", "function",
+                                                 "function_old"])), frozen=frozen)
     if kind == "conv":
         kernel = draw(st.integers(1, 3))
         dilation = draw(st.integers(1, 2))

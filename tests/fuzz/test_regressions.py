@@ -529,3 +529,21 @@ def test_dropout_after_einsum_of_a_one_step_gru(backend: str) -> None:
         input_dim=0, input_via="keyword", layout="nested", params_at="last", diagonal=True,
         chunk_size=2, repeat="values", head_extra="constant", alias_tied=True)
     assert check(case, backend) == "answered"
+
+
+@pytest.mark.parametrize("form", ["function", "function_old"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_linear_layer_inside_a_custom_function(form: str, backend: str) -> None:
+    """Session 23, found while adding ``transformers`` models (BLOOM's old-style GELU
+    Function raised a raw error through ``auto``): a custom ``autograd.Function`` that uses a
+    parameter inside its ``forward`` (run with gradients off) gave that parameter a zero block
+    on structured and auto (``G`` 0.9 off, relative). Such uses are left to the graph now
+    (NOTE [uses with gradients off]); old-style Functions under ``torch.func`` transforms are
+    a torchgram error naming the backends that can (NOTE [old-style autograd.Functions])."""
+    case = FuzzCase(
+        seed=3, batch=3, length=2, input=Features(width=3, flat=False),
+        layers=(Linear(out=4, form=form), Activation(kind="tanh"), Linear(out=2)),
+        head=Head(kind="ce", classes=2), dtype="float64", batch_dim=0)
+    outcome = check(case, backend)  # the oracle's matrix or a torchgram error (or it raises)
+    may_refuse = ("jacobian", "ntvp", *(("structured",) if form == "function_old" else ()))
+    assert outcome == "answered" or backend in may_refuse, outcome

@@ -19,12 +19,28 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from transformers import (
+    AlbertConfig,
+    AlbertForSequenceClassification,
     BertConfig,
     BertForSequenceClassification,
+    BloomConfig,
+    BloomForCausalLM,
+    DistilBertConfig,
+    DistilBertForSequenceClassification,
     GPT2Config,
     GPT2LMHeadModel,
+    GPTNeoXConfig,
+    GPTNeoXForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    OPTConfig,
+    OPTForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    RobertaConfig,
+    RobertaForSequenceClassification,
     ViTConfig,
     ViTForImageClassification,
 )
@@ -147,6 +163,83 @@ def vit(attn: str) -> ModelCase:
                      module=model, note="ViTForImageClassification, 8x8 images, 4x4 patches")
 
 
+# -- more architectures: the same two calls, each model's own quirks -------------------------
+
+def classifier(name: str, config: PretrainedConfig, model_class: type[PreTrainedModel],
+               note: str) -> ModelCase:
+    """``model(ids, attention_mask=mask).logits`` → per-sample cross-entropy, padded samples."""
+    model = model_class(config).to(torch.float64).eval()
+    fn, params = tg.functionalize(model)
+    ids, mask = _padded_tokens()
+    labels = torch.randint(0, LABELS, (BATCH,))
+
+    def f(p: dict[str, Tensor], ids: Tensor, labels: Tensor, *, attention_mask: Tensor) -> Tensor:
+        logits = fn(p, ids, attention_mask=attention_mask).logits
+        return F.cross_entropy(logits, labels, reduction="none")
+
+    return ModelCase(name, f, params, (ids, labels), {"attention_mask": mask},
+                     output_shape=(BATCH,), module=model, note=note)
+
+
+def causal_lm(name: str, config: PretrainedConfig, model_class: type[PreTrainedModel],
+              note: str, *, rtol: float | None = None) -> ModelCase:
+    """``model(ids, attention_mask=mask).logits`` → per-sample LM loss over the real tokens."""
+    model = model_class(config).to(torch.float64).eval()
+    fn, params = tg.functionalize(model)
+    ids, mask = _padded_tokens()
+
+    def f(p: dict[str, Tensor], ids: Tensor, *, attention_mask: Tensor) -> Tensor:
+        return lm_losses(fn(p, ids, attention_mask=attention_mask).logits, ids, attention_mask)
+
+    options = {} if rtol is None else {"rtol": rtol}
+    return ModelCase(name, f, params, (ids,), {"attention_mask": mask}, output_shape=(BATCH,),
+                     module=model, note=note, **options)
+
+
+_ENCODER = {"vocab_size": VOCAB, "hidden_size": 8, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "intermediate_size": 16, "max_position_embeddings": 16,
+            "num_labels": LABELS, "pad_token_id": PAD}
+_GQA = {"vocab_size": VOCAB, "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 1,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 16}
+
+MORE: dict[str, Callable[[], ModelCase]] = {
+    # position ids counted from the padding mask of the input ids (cumsum), padding_idx rows
+    "roberta": lambda: classifier(
+        "roberta", RobertaConfig(**_ENCODER), RobertaForSequenceClassification,
+        "RobertaForSequenceClassification: positions from the padding mask"),
+    "distilbert": lambda: classifier(
+        "distilbert", DistilBertConfig(vocab_size=VOCAB, dim=8, n_layers=1, n_heads=2,
+                                       hidden_dim=16, max_position_embeddings=16,
+                                       num_labels=LABELS, pad_token_id=PAD),
+        DistilBertForSequenceClassification, "DistilBertForSequenceClassification"),
+    # one layer's weights used by both layers, and a factorised embedding
+    "albert": lambda: classifier(
+        "albert", AlbertConfig(**{**_ENCODER, "num_hidden_layers": 2}, embedding_size=4),
+        AlbertForSequenceClassification,
+        "AlbertForSequenceClassification: 2 layers sharing weights, embedding 4 → 8"),
+    "qwen2": lambda: causal_lm(
+        "qwen2", Qwen2Config(**_GQA), Qwen2ForCausalLM,
+        "Qwen2ForCausalLM: GQA with biased q/k/v projections", rtol=LLAMA_RTOL),
+    # learned positions offset by 2, computed from the attention mask (cumsum)
+    "opt": lambda: causal_lm(
+        "opt", OPTConfig(vocab_size=VOCAB, hidden_size=8, num_hidden_layers=1, ffn_dim=16,
+                         num_attention_heads=2, max_position_embeddings=16,
+                         word_embed_proj_dim=8, pad_token_id=PAD), OPTForCausalLM,
+        "OPTForCausalLM: learned positions from the mask"),
+    "gpt-neox": lambda: causal_lm(
+        "gpt-neox", GPTNeoXConfig(vocab_size=VOCAB, hidden_size=8, num_hidden_layers=1,
+                                  num_attention_heads=2, intermediate_size=16,
+                                  max_position_embeddings=16, rotary_pct=0.5),
+        GPTNeoXForCausalLM, "GPTNeoXForCausalLM: parallel residual, partial rotary",
+        rtol=LLAMA_RTOL),
+    # ALiBi from the mask, and a GELU written as an old-style autograd.Function (forward(ctx,
+    # ...)): torch refuses it under torch.func transforms (NOTE [old-style autograd.Functions])
+    "bloom": lambda: causal_lm(
+        "bloom", BloomConfig(vocab_size=VOCAB, hidden_size=8, n_layer=1, n_head=2),
+        BloomForCausalLM, "BloomForCausalLM: ALiBi, old-style autograd.Function GELU"),
+}
+
+
 BUILDERS: dict[str, Callable[[], ModelCase]] = {
     "bert-mask-eager": lambda: bert("eager"),
     "bert-mask-sdpa": lambda: bert("sdpa"),
@@ -158,4 +251,5 @@ BUILDERS: dict[str, Callable[[], ModelCase]] = {
     "llama-mask-sdpa": lambda: llama("sdpa"),
     "vit-eager": lambda: vit("eager"),
     "vit-sdpa": lambda: vit("sdpa"),
+    **MORE,
 }

@@ -110,6 +110,45 @@ def custom_function_class(node: Node) -> type | None:
     return cls if isinstance(cls, type) else None
 
 
+def is_old_style_function(cls: type) -> bool:
+    """Whether an ``autograd.Function`` subclass is old-style: ``forward(ctx, ...)``.
+
+    Without a ``setup_context`` staticmethod, torch refuses it under ``torch.func`` transforms.
+    """
+    return getattr(cls, "setup_context", None) is torch.autograd.Function.setup_context
+
+
+def old_style_functions(output: Tensor) -> list[str]:
+    """The old-style ``autograd.Function`` classes in ``output``'s graph, by name.
+
+    In the order a walk from the output meets them (NOTE [old-style autograd.Functions]).
+
+    Example:
+        >>> class Twice(torch.autograd.Function):
+        ...     @staticmethod
+        ...     def forward(ctx, x):
+        ...         return 2 * x
+        ...     @staticmethod
+        ...     def backward(ctx, grad):
+        ...         return 2 * grad
+        >>> old_style_functions(Twice.apply(torch.ones(2, requires_grad=True)).sum())
+        ['Twice']
+    """
+    names: list[str] = []
+    seen: set[Node] = set()
+    stack = [output.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        cls = custom_function_class(node)
+        if cls is not None and is_old_style_function(cls) and cls.__qualname__ not in names:
+            names.append(cls.__qualname__)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return names
+
+
 def is_reentrant_checkpoint(node: Node) -> bool:
     """Whether ``node`` is a ``torch.utils.checkpoint(..., use_reentrant=True)`` region."""
     return custom_function_class(node) is CheckpointFunction
@@ -206,6 +245,32 @@ def missing_forward_ad(error: BaseException) -> tuple[str, str] | None:
     if _CUSTOM_FUNCTION in message:
         return "function", ""
     return None
+
+
+_SETUP_CONTEXT = "must override the setup_context staticmethod"
+
+
+def needs_setup_context(error: BaseException) -> bool:
+    """Whether ``error`` says an old-style ``autograd.Function`` met a ``torch.func`` transform.
+
+    A Function whose ``forward`` takes ``ctx`` (no ``setup_context`` staticmethod) runs under
+    plain autograd only; under ``vmap``, ``grad``, ``vjp`` or ``jvp`` torch refuses it.
+
+    Example:
+        >>> needs_setup_context(RuntimeError("In order to use an autograd.Function with "
+        ...     "functorch transforms (vmap, grad, jvp, jacrev, ...), it must override the "
+        ...     "setup_context staticmethod."))
+        True
+    """
+    return isinstance(error, RuntimeError) and _SETUP_CONTEXT in str(error)
+
+
+_REENTRANT_GRAD = "use_reentrant=True, torch.utils.checkpoint is incompatible with .grad()"
+
+
+def is_reentrant_grad_error(error: BaseException) -> bool:
+    """Whether ``error`` is torch refusing ``autograd.grad`` through a reentrant checkpoint."""
+    return isinstance(error, RuntimeError) and _REENTRANT_GRAD in str(error)
 
 
 def is_freed_graph_error(error: BaseException) -> bool:

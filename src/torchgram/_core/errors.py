@@ -11,12 +11,29 @@ the user chose explicitly lets it reach the user, whose message then names the f
 :class:`OutputChanged` is internal: an evaluation of ``f`` returned an output whose
 structure differs from the one the call was planned for (a cached probe gone stale); the
 pipeline drops its caches and plans the call afresh, once.
+
+# NOTE [old-style autograd.Functions]
+A custom ``autograd.Function`` whose ``forward`` takes ``ctx`` (no ``setup_context``
+staticmethod; ``transformers``' BLOOM GELU) runs under plain autograd only: inside a
+``torch.func`` transform (``vmap``, ``vjp``, ``jvp``) torch raises a ``RuntimeError``. The
+``jacobian`` and ``ntvp`` backends and the per-sample ``vmap`` ways run ``f`` under
+transforms; the graph walk and the structured backend's batched pass do not. Every
+registered backend runs inside :func:`torch_refusals`, which turns that error into
+:class:`BackendCannotRun`, so ``auto`` goes on to a backend that can and an explicit choice
+names it. The trace lists the old-style Functions in the graph of the rows
+(``Recording.old_style_functions``), and ``auto`` then tries those backends last, so that
+``explain`` predicts what runs. ``torch.utils.checkpoint(..., use_reentrant=True)`` is such a
+Function too, and torch also refuses ``torch.autograd.grad`` through it, which every
+backend takes: that refusal becomes a torchgram ``ValueError`` naming the fix
+(``use_reentrant=False``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
+from torchgram._core import _torch_compat
 from torchgram._core.checks import message
 
 
@@ -71,3 +88,52 @@ class NotPerSample(RuntimeError):  # noqa: N818
         super().__init__(reason)
         self.reason = reason
         self.random = random
+
+
+_WITHOUT_TRANSFORMS = ("graph", "structured")
+"""Backends that can run ``f`` without ``torch.func`` transforms, surest first."""
+
+
+@contextlib.contextmanager
+def torch_refusals(api: str, backend: str) -> Iterator[None]:
+    """Turn torch's refusals of old-style ``autograd.Function``s into torchgram errors.
+
+    Under a transform, :class:`BackendCannotRun`; a reentrant checkpoint under
+    ``torch.autograd.grad``, a ``ValueError`` (NOTE [old-style autograd.Functions]).
+
+    Example:
+        >>> import torch
+        >>> class Square(torch.autograd.Function):  # forward(ctx, ...): old style
+        ...     @staticmethod
+        ...     def forward(ctx, x):
+        ...         ctx.save_for_backward(x)
+        ...         return x * x
+        ...     @staticmethod
+        ...     def backward(ctx, grad):
+        ...         return 2 * ctx.saved_tensors[0] * grad
+        >>> try:
+        ...     with torch_refusals("torchgram.gramian", "jacobian"):
+        ...         torch.func.vmap(Square.apply)(torch.ones(2))
+        ... except BackendCannotRun as error:
+        ...     print(error.alternatives)
+        ('graph', 'structured')
+    """
+    try:
+        yield
+    except RuntimeError as error:
+        if _torch_compat.is_reentrant_grad_error(error):
+            raise ValueError(message(
+                api, "f without torch.utils.checkpoint(..., use_reentrant=True) regions "
+                "(torch cannot differentiate them with torch.autograd.grad, which every "
+                "backend uses)", "a reentrant checkpoint",
+                "Use torch.utils.checkpoint(..., use_reentrant=False): it recomputes the "
+                "same way and works with every backend.")) from error
+        if not _torch_compat.needs_setup_context(error):
+            raise
+        raise BackendCannotRun(
+            api, backend, "every custom autograd.Function of f to run under torch.func "
+            "transforms (vmap, vjp, jvp)",
+            "an autograd.Function without a setup_context staticmethod (forward(ctx, ...))",
+            tuple(name for name in _WITHOUT_TRANSFORMS if name != backend),
+            "Or write the Function with forward(*args) and a setup_context staticmethod "
+            "(see the PyTorch notes 'Extending torch.func with autograd.Function').") from error

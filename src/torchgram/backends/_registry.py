@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
 
 from torchgram._core.cross import CrossProblem, CrossResult
-from torchgram._core.errors import BackendCannotRun
+from torchgram._core.errors import BackendCannotRun, torch_refusals
 from torchgram._core.options import BACKEND_NAMES
 from torchgram._core.problem import Problem
 from torchgram._core.result import BackendResult
@@ -40,7 +40,11 @@ def register(name: str) -> Callable[[Backend], Backend]:
         raise ValueError(f"unknown backend name {name!r}: add it to BackendName first")
 
     def decorate(backend: Backend) -> Backend:
-        _BACKENDS[name] = backend
+        def guarded(problem: Problem) -> BackendResult:  # NOTE [old-style autograd.Functions]
+            with torch_refusals(problem.api, name):
+                return backend(problem)
+
+        _BACKENDS[name] = guarded
         return backend
 
     return decorate
@@ -52,7 +56,11 @@ def register_cross(name: str) -> Callable[[CrossBackend], CrossBackend]:
         raise ValueError(f"unknown backend name {name!r}: add it to BackendName first")
 
     def decorate(backend: CrossBackend) -> CrossBackend:
-        _CROSS[name] = backend
+        def guarded(problem: CrossProblem) -> CrossResult:  # NOTE [old-style autograd.Functions]
+            with torch_refusals(problem.left.api, name):
+                return backend(problem)
+
+        _CROSS[name] = guarded
         return backend
 
     return decorate

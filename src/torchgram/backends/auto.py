@@ -41,8 +41,9 @@ from dataclasses import dataclass
 
 import torch
 
+from torchgram._core._torch_compat import old_style_functions
 from torchgram._core.composition import COMPOSING_BACKENDS
-from torchgram._core.errors import BackendCannotRun, NotPerSample
+from torchgram._core.errors import BackendCannotRun, NotPerSample, torch_refusals
 from torchgram._core.problem import Problem
 from torchgram._core.result import BackendResult
 from torchgram.backends._draws_under_transforms import REFUSING_BACKENDS
@@ -184,7 +185,7 @@ def plan_auto(problem: Problem) -> AutoPlan:
     forward = None
     if problem.batch is None and cached_trace(problem) is None:
         with torch.enable_grad():  # the tapped forward the structured backend would run
-            forward = dense_forward(problem)
+            forward = _dense_forward(problem)
         keep_trace(problem, forward.recording)
         structured = plan_problem(problem, forward.recording)
     else:
@@ -200,14 +201,22 @@ def plan_auto(problem: Problem) -> AutoPlan:
             dense = True
         if dense:
             with torch.enable_grad():
-                forward = dense_forward(problem)
+                forward = _dense_forward(problem)
             structured = plan_problem(problem, forward.recording, dense=True)
     estimates = estimate_backends(problem, structured)
     order = ranked(estimates)
-    if problem.draw.random or structured.recording.draws:  # they would refuse f (NOTE [draws
-        order = (*(n for n in order if n not in REFUSING_BACKENDS),  # under torch.func])
-                 *(n for n in order if n in REFUSING_BACKENDS))
+    if problem.draw.random or structured.recording.draws or \
+            structured.recording.old_style_functions:  # they would refuse f (NOTE [draws
+        order = (*(n for n in order if n not in REFUSING_BACKENDS),  # under torch.func],
+                 *(n for n in order if n in REFUSING_BACKENDS))  # [old-style autograd.Functions])
     return AutoPlan(structured, estimates, (*order, LAST_RESORT), forward)
+
+
+def _dense_forward(problem: Problem) -> Forward:
+    """The structured backend's dense forward, with the old-style Functions of its graph."""
+    forward = dense_forward(problem)
+    forward.recording.old_style_functions = old_style_functions(forward.outputs[0])
+    return forward
 
 
 def choose_backend(problem: Problem) -> str:
@@ -244,7 +253,8 @@ def _first_that_runs(problem: Problem, order: tuple[str, ...], plan: AutoPlan | 
                      attempts: list[tuple[str, str]] | None = None) -> BackendResult:
     def run(name: str) -> BackendResult:
         if name == "structured" and plan is not None:
-            return run_structured(problem, plan.structured, forward=plan.forward)
+            with torch_refusals(problem.api, name):  # NOTE [old-style autograd.Functions]
+                return run_structured(problem, plan.structured, forward=plan.forward)
         return get_backend(name)(problem)
 
     return first_that_runs(order, run, attempts)

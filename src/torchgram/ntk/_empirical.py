@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torchgram._core import checks
+from torchgram._core import _torch_compat, checks
 from torchgram._core.checks import fail, function_name
 from torchgram._core.cross import CrossProblem, PairSpec, mirror, row_shape
 from torchgram._core.errors import NotPerSample, OutputChanged
@@ -369,6 +369,13 @@ def _tiles(problem: Problem, tile: int | None, fresh: bool,
     except NotPerSample as why:
         notes.append(f"one tile per side, over memory_budget: tiles of the batch would not "
                      f"compute f as called ({why.reason})")
+        return [problem]
+    except RuntimeError as error:  # NOTE [old-style autograd.Functions]
+        if not _torch_compat.needs_setup_context(error):
+            raise
+        notes.append("one tile per side, over memory_budget: the check of the tiles' "
+                     "derivatives runs f under torch.func.vjp, which refuses its old-style "
+                     "autograd.Function")
         return [problem]
     return tiles
 

@@ -45,6 +45,7 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge
 
+from torchgram._core import _torch_compat
 from torchgram._core.composition import graph_leaf
 from torchgram._core.errors import BackendCannotRun, NotPerSample, OutputChanged
 from torchgram._core.functional import stack_grads
@@ -121,6 +122,7 @@ def trace(problem: Problem) -> Recording:
             except Exception as error:  # the probe ran the batch: f fails on a batch of one
                 raise fails_alone(error) from error
             mode.recording.uses = live_positions(mode.recording.uses, rows, mode.probes)
+        mode.recording.old_style_functions = _torch_compat.old_style_functions(rows)
     mode.recording.rows = rows.numel()
     keep_trace(problem, mode.recording)
     return mode.recording

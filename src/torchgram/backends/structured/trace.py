@@ -33,6 +33,19 @@ copy every tapped output once more in the forward. An output without a node (the
 layer's, whose input needs no gradient) gets a zero tap, which also makes the rest of the
 forward record the graph.
 
+# NOTE [uses with gradients off]
+A call that uses a leaf while gradients are off inside ``f`` (they were on when the mode was
+entered) is never tapped: its output has no graph, so a tap there would get no cotangent,
+and the leaf's Jacobian is not where the call is. Inside a custom ``autograd.Function``'s
+``forward`` (always run with gradients off) the derivative reaches the leaf through the
+Function's own ``backward``, and a tap would give the leaf a zero block (a linear layer
+inside such a Function: ``G`` 0.9 off, relative, found in session 23; so too the forward of
+``torch.utils.checkpoint(..., use_reentrant=True)``). The use is noted unrecognised instead,
+so the leaf gets a carrier that requires gradients and its rows come from the graph (through
+the Function's ``backward``); under ``torch.no_grad`` the carrier gets no gradient there,
+which is the zero Jacobian that use has. A mode entered with gradients off (the check of
+merged sample dims) records as before.
+
 # NOTE [rewritten layouts]
 A rewrite computes the composite's values, not its memory layout: ``torch.einsum`` lays its
 output out by rules of its own (a size-1 contracted index, a transposed activation give
@@ -185,6 +198,10 @@ class Recording:
     unbatchable: list[str] = field(default_factory=list)
     """Calls ``vmap`` cannot batch (fused recurrent kernels): per-sample ``vmap`` passes over
     ``f`` loop over the samples instead."""
+    old_style_functions: list[str] = field(default_factory=list)
+    """Old-style ``autograd.Function``s in the graph of the rows, which ``torch.func``
+    transforms refuse (NOTE [old-style autograd.Functions]): ``auto`` tries the backends that
+    use transforms last."""
     plans: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
     """Plans made from this recording, by the backend (a cache)."""
     merged_order: bool | None = field(default=None, compare=False, repr=False)
@@ -385,8 +402,11 @@ class TapMode(TorchFunctionMode):
         self._pending: dict[int, tuple[int, Tensor]] = {}
         self.not_batched: str | None = None
         self._contexts: list[contextlib.ExitStack] = []
+        self._grad_at_entry = True
 
     def __enter__(self) -> TapMode:
+        if not self._contexts:  # NOTE [uses with gradients off]
+            self._grad_at_entry = torch.is_grad_enabled()
         contexts = contextlib.ExitStack()
         contexts.enter_context(tapped_evaluation())  # nested calls refuse: NOTE [composition]
         self._contexts.append(contexts)
@@ -519,6 +539,12 @@ class TapMode(TorchFunctionMode):
         found = [(leaf, ref) for leaf in leaves if (ref := self._ref(leaf)) is not None]
         if not found:
             return func(*args, **kwargs)
+        if self._grad_at_entry and not torch.is_grad_enabled():  # NOTE [uses with gradients off]
+            result = func(*args, **kwargs)
+            self._note_unrecognised([ref for _, ref in found],
+                                    f"{describe(func)} with gradients off (inside a custom "
+                                    "autograd.Function's forward or torch.no_grad)", result)
+            return result
         if len(found) == 1 and args and args[0] is found[0][0]:
             ref = found[0][1]
             if args[0].dim() == 2 and ref.view_shape is None \
