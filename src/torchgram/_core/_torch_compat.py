@@ -247,22 +247,30 @@ def missing_forward_ad(error: BaseException) -> tuple[str, str] | None:
     return None
 
 
-_SETUP_CONTEXT = "must override the setup_context staticmethod"
+_TRANSFORM_REFUSALS = {
+    "must override the setup_context staticmethod":
+        "an autograd.Function without a setup_context staticmethod (forward(ctx, ...))",
+    "You are attempting to call Tensor.requires_grad_()":
+        "a call of Tensor.requires_grad_() (or of torch.autograd.functional) inside f",
+}
 
 
-def needs_setup_context(error: BaseException) -> bool:
-    """Whether ``error`` says an old-style ``autograd.Function`` met a ``torch.func`` transform.
+def refused_under_transforms(error: BaseException) -> str | None:
+    """What ``f`` did that torch refuses inside ``torch.func`` transforms, if ``error`` says so.
 
-    A Function whose ``forward`` takes ``ctx`` (no ``setup_context`` staticmethod) runs under
-    plain autograd only; under ``vmap``, ``grad``, ``vjp`` or ``jvp`` torch refuses it.
+    An old-style ``autograd.Function`` (``forward(ctx, ...)``) or a ``requires_grad_()`` call
+    runs under plain autograd only; under ``vmap``, ``grad``, ``vjp`` or ``jvp`` torch raises.
 
     Example:
-        >>> needs_setup_context(RuntimeError("In order to use an autograd.Function with "
+        >>> refused_under_transforms(RuntimeError("In order to use an autograd.Function with "
         ...     "functorch transforms (vmap, grad, jvp, jacrev, ...), it must override the "
         ...     "setup_context staticmethod."))
-        True
+        'an autograd.Function without a setup_context staticmethod (forward(ctx, ...))'
     """
-    return isinstance(error, RuntimeError) and _SETUP_CONTEXT in str(error)
+    if not isinstance(error, RuntimeError):
+        return None
+    message = str(error)
+    return next((what for key, what in _TRANSFORM_REFUSALS.items() if key in message), None)
 
 
 _REENTRANT_GRAD = "use_reentrant=True, torch.utils.checkpoint is incompatible with .grad()"

@@ -15,7 +15,8 @@ pipeline drops its caches and plans the call afresh, once.
 # NOTE [old-style autograd.Functions]
 A custom ``autograd.Function`` whose ``forward`` takes ``ctx`` (no ``setup_context``
 staticmethod; ``transformers``' BLOOM GELU) runs under plain autograd only: inside a
-``torch.func`` transform (``vmap``, ``vjp``, ``jvp``) torch raises a ``RuntimeError``. The
+``torch.func`` transform (``vmap``, ``vjp``, ``jvp``) torch raises a ``RuntimeError``; so it
+does for ``Tensor.requires_grad_()`` called inside ``f``. The
 ``jacobian`` and ``ntvp`` backends and the per-sample ``vmap`` ways run ``f`` under
 transforms; the graph walk and the structured backend's batched pass do not. Every
 registered backend runs inside :func:`torch_refusals`, which turns that error into
@@ -128,12 +129,13 @@ def torch_refusals(api: str, backend: str) -> Iterator[None]:
                 "backend uses)", "a reentrant checkpoint",
                 "Use torch.utils.checkpoint(..., use_reentrant=False): it recomputes the "
                 "same way and works with every backend.")) from error
-        if not _torch_compat.needs_setup_context(error):
+        refused = _torch_compat.refused_under_transforms(error)
+        if refused is None:
             raise
+        function = "autograd.Function" in refused
         raise BackendCannotRun(
-            api, backend, "every custom autograd.Function of f to run under torch.func "
-            "transforms (vmap, vjp, jvp)",
-            "an autograd.Function without a setup_context staticmethod (forward(ctx, ...))",
+            api, backend, "f to run under torch.func transforms (vmap, vjp, jvp)", refused,
             tuple(name for name in _WITHOUT_TRANSFORMS if name != backend),
             "Or write the Function with forward(*args) and a setup_context staticmethod "
-            "(see the PyTorch notes 'Extending torch.func with autograd.Function').") from error
+            "(see the PyTorch notes 'Extending torch.func with autograd.Function')."
+            if function else "Or leave requires_grad_() out of f.") from error

@@ -9,6 +9,9 @@
   off) gave the structured backend, and ``auto`` with it, a zero block for that parameter
   (``G`` 0.9 off, relative); such uses are now left to the graph (NOTE [uses with gradients
   off] in ``backends/structured/trace.py``).
+* Gradients stopped inside ``f`` (``detach``, ``.data``, ``torch.no_grad``) have no Jacobian
+  on any backend; ``requires_grad_()`` inside ``f`` torch refuses under transforms, like
+  old-style Functions.
 """
 
 from __future__ import annotations
@@ -126,7 +129,7 @@ def test_the_oracle_or_a_torchgram_error_naming_who_can(backend: str,
     except NotImplementedError as error:
         assert backend in ("jacobian", "ntvp"), error
         message = str(error)
-        assert message.startswith("torchgram.gramian: expected every custom autograd.Function")
+        assert message.startswith("torchgram.gramian: expected f to run under torch.func")
         assert "setup_context" in message and "backend='graph'" in message
         return
     torch.testing.assert_close(G, expected, rtol=1e-10, atol=1e-12)
@@ -249,4 +252,39 @@ def test_kernel_tiles_of_a_function_with_an_old_style_function() -> None:
     torch.testing.assert_close(kernel, dense_cross_kernel(logits, params, x, None),
                                rtol=1e-10, atol=1e-12)
     assert ntk_fn.last_run is not None
-    assert any("old-style autograd.Function" in note for note in ntk_fn.last_run.notes)
+    assert any("setup_context" in note for note in ntk_fn.last_run.notes), ntk_fn.last_run.notes
+
+
+def _no_grad_linear(x: Tensor, weight: Tensor) -> Tensor:
+    with torch.no_grad():
+        return F.linear(x, weight)
+
+
+STOPPED = {
+    "detach": lambda x, weight: F.linear(x, weight.detach()),
+    "data": lambda x, weight: F.linear(x, weight.data),
+    "no_grad": _no_grad_linear,
+    "straight_through": lambda x, weight: F.linear(x, weight + (weight.detach() - weight)),
+    "requires_grad_false": lambda x, weight: F.linear(x, weight.detach().requires_grad_(False)),
+}
+
+
+@pytest.mark.parametrize("stopped", list(STOPPED))
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("batch_dim", [0, None], ids=["batch0", "dense"])
+def test_gradients_stopped_inside_f(stopped: str, backend: str, batch_dim: int | None) -> None:
+    """A use the gradient does not flow through has no Jacobian; ``requires_grad_()`` inside
+    ``f`` is refused by torch under transforms (a raw error through ``auto`` before)."""
+    def f(p: dict[str, Tensor], x: Tensor, y: Tensor) -> Tensor:
+        hidden = torch.tanh(STOPPED[stopped](x, p["w1"]) + p["b1"])
+        return F.cross_entropy(F.linear(hidden, p["w2"]), y, reduction="none")
+
+    _, params, x, y = _problem(_hidden)
+    expected = dense_gramian(f, (params, x, y)).gramian
+    try:
+        G = tg.gramian(f, backend=backend, batch_dim=batch_dim)(params, x, y)
+    except NotImplementedError as error:
+        assert stopped == "requires_grad_false" and backend in ("jacobian", "ntvp", "structured")
+        assert "requires_grad_()" in str(error) and "backend='graph'" in str(error), error
+        return
+    torch.testing.assert_close(G, expected, rtol=1e-10, atol=1e-12)
