@@ -200,11 +200,22 @@ def test_kernels_between_two_input_sets(backend: str) -> None:
     torch.testing.assert_close(kernel, expected, rtol=1e-10, atol=1e-12)
 
 
-def test_aggregated_grad_with_auto() -> None:
-    f, params, x, y = _problem(_hidden)
+@pytest.mark.parametrize("body", ["cube", "old_linear", "new_linear"])
+@pytest.mark.parametrize("backend", ["auto", "graph", "structured"])
+def test_aggregated_grad(body: str, backend: str) -> None:
+    """``Jᵀw`` ran ``f`` under ``torch.func.vjp`` after the Gramian, outside any backend: a
+    raw error with old-style Functions on every backend (session 23's update hunt)."""
+    hidden = {"cube": _hidden, "old_linear": _linear_inside(OldStyleLinear),
+              "new_linear": _linear_inside(NewStyleLinear)}[body]
+    f, params, x, y = _problem(hidden)
     dense = dense_gramian(f, (params, x, y))
     weights = torch.full((B,), 0.25, dtype=torch.float64)
-    update, _ = tg.aggregated_grad(f, lambda G: weights, batch_dim=0)(params, x, y)
+    try:
+        update, _ = tg.aggregated_grad(f, lambda G: weights, backend=backend,
+                                       batch_dim=0)(params, x, y)
+    except NotImplementedError as error:  # the structured vmap path and old-style Functions
+        assert backend == "structured" and body == "old_linear", error
+        return
     flat = torch.cat([update[k].reshape(-1) for k in sorted(params)])  # the oracle's order
     torch.testing.assert_close(flat, dense.jacobian.T @ weights, rtol=1e-10, atol=1e-12)
 

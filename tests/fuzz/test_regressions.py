@@ -547,3 +547,23 @@ def test_linear_layer_inside_a_custom_function(form: str, backend: str) -> None:
     outcome = check(case, backend)  # the oracle's matrix or a torchgram error (or it raises)
     may_refuse = ("jacobian", "ntvp", *(("structured",) if form == "function_old" else ()))
     assert outcome == "answered" or backend in may_refuse, outcome
+
+
+@pytest.mark.parametrize("backend", ["graph", "structured", "auto"])
+def test_centered_layer_behind_a_dropout_that_drops_the_first_and_last_samples(
+        backend: str) -> None:
+    """Session 23's Gramian hunt (pre-existing): samples coupled by a mean over the batch,
+    ``f`` drawing random numbers, and the draw zeroing the outputs of the first and the last
+    sample: the derivative check weighed only their rows and saw nothing (``G`` 957 times off
+    on a block). It now weighs the even- and the odd-numbered samples too
+    (``tests/backends/test_coupling_behind_dropout.py``)."""
+    case = FuzzCase(
+        seed=371, batch=4, length=3, input=Features(width=1, flat=True),
+        layers=(Linear(out=2, bias=True, form="einsum"), Center(),
+                Linear(out=1, bias=False, form="matmul_t", tie=0, transposed=True),
+                Dropout(p=0.5)),
+        head=Head(kind="seq", classes=3), dtype="float32", batch_dim=2, output_dim=2,
+        input_dim=-2, input_via="positional", layout="list", consts_via="keyword",
+        params_at="last", extra_leaves=True, has_aux=True, diagonal=True, per_leaf=True,
+        alias_tied=True)
+    assert check(case, backend) == "answered"

@@ -17,7 +17,7 @@ from torchgram._core import _torch_compat, functional
 from torchgram._core.checks import fail
 from torchgram._core.composition import graph_leaf, refuse_inside_taps
 from torchgram._core.cross import CrossProblem, CrossResult
-from torchgram._core.errors import OutputChanged
+from torchgram._core.errors import OutputChanged, torch_refusals
 from torchgram._core.options import Options
 from torchgram._core.problem import Problem, build_problem, forget_probe
 from torchgram._core.pytree import detach_tree, leaves_of
@@ -74,13 +74,14 @@ class Computation:
         if kept is not None:
             return kept(to_backend_order(problem, self.result.row_order, weights))
         cotangent = weights.to(problem.output.dtype)
-        if problem.draw.random and not problem.composition.transforms:
-            grads = _plain_vjp(problem, cotangent)  # NOTE [draws under torch.func]
-        else:
-            _, vjp_fn = functional.vjp(lambda *leaves: problem.rows(leaves)[0],
-                                       *problem.leaves)
-            grads = functional.with_grad(  # NOTE [backward under no_grad]
-                lambda: vjp_fn(cotangent))
+        with torch_refusals(problem.api, self.result.report.backend):
+            if not problem.composition.transforms:  # NOTE [draws under torch.func], NOTE
+                grads = _plain_vjp(problem, cotangent)  # [old-style autograd.Functions]
+            else:
+                _, vjp_fn = functional.vjp(lambda *leaves: problem.rows(leaves)[0],
+                                           *problem.leaves)
+                grads = functional.with_grad(  # NOTE [backward under no_grad]
+                    lambda: vjp_fn(cotangent))
         problem.draw.finish()
         return tuple(grad.to(leaf.dtype) for grad, leaf in zip(grads, problem.leaves,
                                                                strict=True))

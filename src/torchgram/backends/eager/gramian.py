@@ -635,8 +635,9 @@ def _layouts(recording: Recording, graph: GraphIndex, tapped: _Tapped, taps: lis
         choices = tuple(_shared(recording, tap, own[k], at_meeting.get(tap), meetings)
                         for k, tap in enumerate(taps))
         LAYOUT_CACHE.put(key, choices)
-        report.notes.append(f"probed samples {list(probed)} to locate the samples in "
-                            f"{len(taps)} recorded call(s) (cached for this signature)")
+        report.notes.append(f"probed samples {[list(group) for group in probed]} to locate "
+                            f"the samples in {len(taps)} recorded call(s) (cached for this "
+                            "signature)")
     if any(choice.layout is None and "spreads" in choice.reason for choice in choices):
         return dense
     of_tap: dict[int, SampleLayout | SharedSamples | None] = {}

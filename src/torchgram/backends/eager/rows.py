@@ -106,10 +106,10 @@ class Rows:
         flat[rows, self.index[:, start:stop].T] = 1
         return self._split(flat)
 
-    def probe_seeds(self, samples: Sequence[int]) -> list[Tensor]:
-        """Per output ``[len(samples), *shape]``: 1 on every row of one sample each."""
+    def probe_seeds(self, groups: Sequence[Sequence[int]]) -> list[Tensor]:
+        """Per output ``[len(groups), *shape]``: 1 on every row of one group of samples each."""
         first = self.outputs[0]
-        flat = first.new_zeros(len(samples), self.num_rows)
-        for i, sample in enumerate(samples):
-            flat[i, self.index[sample]] = 1
+        flat = first.new_zeros(len(groups), self.num_rows)
+        for i, group in enumerate(groups):
+            flat[i, self.index[list(group)].reshape(-1)] = 1
         return self._split(flat)

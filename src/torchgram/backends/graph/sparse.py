@@ -204,7 +204,7 @@ class SparseWalk:
         return results
 
     def _probes(self, out: Tensor, count: int,
-                num_probes: int) -> list[tuple[int, Tensor | None]]:
+                num_probes: int) -> list[tuple[tuple[int, ...], Tensor | None]]:
         probed = probe_samples(self.samples)[:num_probes]
         return [(sample, out[count + i]) for i, sample in enumerate(probed)]
 
