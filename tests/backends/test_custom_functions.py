@@ -25,63 +25,11 @@ import torch.utils.checkpoint
 from torch import Tensor
 
 import torchgram as tg
+from custom_functions import FunctionLinear, OldStyleCube, OldStyleFunctionLinear
 from reference import dense_cross_kernel, dense_gramian
 
 B, D, H, C = 4, 3, 5, 2
 BACKENDS = ["jacobian", "ntvp", "graph", "structured", "auto"]
-
-
-class OldStyleCube(torch.autograd.Function):
-    """``x³`` the pre-torch.func way: ``forward`` takes ``ctx``, no ``setup_context``."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor) -> Tensor:  # noqa: D102
-        ctx.save_for_backward(x)
-        return x**3
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tensor:  # noqa: D102
-        (x,) = ctx.saved_tensors
-        return 3 * x**2 * grad
-
-
-class NewStyleLinear(torch.autograd.Function):
-    """``F.linear(x, w)`` with ``setup_context``: it runs under transforms too."""
-
-    @staticmethod
-    def forward(x: Tensor, weight: Tensor) -> Tensor:  # noqa: D102
-        return F.linear(x, weight)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Tensor, Tensor], output: Tensor) -> None:  # noqa: D102
-        ctx.save_for_backward(*inputs)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:  # noqa: D102
-        x, weight = ctx.saved_tensors
-        return grad @ weight, grad.transpose(-1, -2) @ x
-
-    @staticmethod
-    def vmap(info: Any, in_dims: Any, x: Tensor, weight: Tensor) -> tuple[Tensor, int]:  # noqa: D102
-        x_dim, weight_dim = in_dims
-        x = x.movedim(x_dim, 0) if x_dim is not None else x.expand(info.batch_size, *x.shape)
-        if weight_dim is None:
-            return F.linear(x, weight), 0
-        return torch.einsum("b...i,boi->b...o", x, weight.movedim(weight_dim, 0)), 0
-
-
-class OldStyleLinear(torch.autograd.Function):
-    """``F.linear(x, w)`` the pre-torch.func way."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Tensor) -> Tensor:  # noqa: D102
-        ctx.save_for_backward(x, weight)
-        return F.linear(x, weight)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:  # noqa: D102
-        x, weight = ctx.saved_tensors
-        return grad @ weight, grad.transpose(-1, -2) @ x
 
 
 def _linear_inside(function: Any) -> Any:
@@ -135,7 +83,7 @@ def test_the_oracle_or_a_torchgram_error_naming_who_can(backend: str,
     torch.testing.assert_close(G, expected, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("function", [NewStyleLinear, OldStyleLinear], ids=["new", "old"])
+@pytest.mark.parametrize("function", [FunctionLinear, OldStyleFunctionLinear], ids=["new", "old"])
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("batch_dim", [0, None], ids=["batch0", "dense"])
 def test_a_parameter_used_inside_a_function(function: Any, backend: str,
@@ -148,7 +96,7 @@ def test_a_parameter_used_inside_a_function(function: Any, backend: str,
     except NotImplementedError as error:  # no transforms (old), no forward AD (both)
         assert backend in ("jacobian", "ntvp", "structured"), error
         assert str(error).startswith("torchgram.gramian: expected"), error
-        assert backend != "structured" or function is OldStyleLinear, error
+        assert backend != "structured" or function is OldStyleFunctionLinear, error
         return
     torch.testing.assert_close(G, expected, rtol=1e-10, atol=1e-12)
 
@@ -205,8 +153,8 @@ def test_kernels_between_two_input_sets(backend: str) -> None:
 def test_aggregated_grad(body: str, backend: str) -> None:
     """``Jᵀw`` ran ``f`` under ``torch.func.vjp`` after the Gramian, outside any backend: a
     raw error with old-style Functions on every backend (session 23's update hunt)."""
-    hidden = {"cube": _hidden, "old_linear": _linear_inside(OldStyleLinear),
-              "new_linear": _linear_inside(NewStyleLinear)}[body]
+    hidden = {"cube": _hidden, "old_linear": _linear_inside(OldStyleFunctionLinear),
+              "new_linear": _linear_inside(FunctionLinear)}[body]
     f, params, x, y = _problem(hidden)
     dense = dense_gramian(f, (params, x, y))
     weights = torch.full((B,), 0.25, dtype=torch.float64)

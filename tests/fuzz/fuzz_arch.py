@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import torchgram as tg
+from custom_functions import FunctionLinear, OldStyleFunctionLinear
 
 # -- the layers ------------------------------------------------------------------------------
 
@@ -473,42 +474,6 @@ def _layer(case: FuzzCase, i: int, layer: Layer, h: Tensor, get: Get) -> Tensor:
     if isinstance(layer, Dropout):
         return F.dropout(h, layer.p, training=True)
     raise TypeError(layer)
-
-
-class FunctionLinear(torch.autograd.Function):
-    """``h @ wᵀ`` as a custom Function (``forward`` without ``ctx``): its forward's ops run with
-    gradients off, and the derivative is its ``backward``'s (NOTE [uses with gradients off])."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(h: Tensor, w: Tensor) -> Tensor:  # noqa: D102
-        return h @ w.T
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Tensor, Tensor], output: Tensor) -> None:  # noqa: D102
-        ctx.save_for_backward(*inputs)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:  # noqa: D102
-        h, w = ctx.saved_tensors
-        flat = grad.reshape(-1, grad.shape[-1])
-        return grad @ w, flat.T @ h.reshape(-1, h.shape[-1])
-
-
-class OldStyleFunctionLinear(torch.autograd.Function):
-    """The same written the old way (``forward(ctx, ...)``): refused under ``torch.func``."""
-
-    @staticmethod
-    def forward(ctx: Any, h: Tensor, w: Tensor) -> Tensor:  # noqa: D102
-        ctx.save_for_backward(h, w)
-        return h @ w.T
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:  # noqa: D102
-        h, w = ctx.saved_tensors
-        flat = grad.reshape(-1, grad.shape[-1])
-        return grad @ w, flat.T @ h.reshape(-1, h.shape[-1])
 
 
 def _has_bias(case: FuzzCase, owner: int) -> bool:

@@ -25,6 +25,8 @@ from transformers import (
     BertForSequenceClassification,
     BloomConfig,
     BloomForCausalLM,
+    DebertaV2Config,
+    DebertaV2ForSequenceClassification,
     DistilBertConfig,
     DistilBertForSequenceClassification,
     GPT2Config,
@@ -33,6 +35,8 @@ from transformers import (
     GPTNeoXForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     OPTConfig,
     OPTForCausalLM,
     PretrainedConfig,
@@ -41,6 +45,10 @@ from transformers import (
     Qwen2ForCausalLM,
     RobertaConfig,
     RobertaForSequenceClassification,
+    SwinConfig,
+    SwinForImageClassification,
+    T5Config,
+    T5ForConditionalGeneration,
     ViTConfig,
     ViTForImageClassification,
 )
@@ -82,22 +90,12 @@ def bert(attn: str, *, dropout: float = 0.0) -> ModelCase:
                         num_attention_heads=2, intermediate_size=16, max_position_embeddings=8,
                         num_labels=LABELS, pad_token_id=PAD, hidden_dropout_prob=dropout,
                         attention_probs_dropout_prob=dropout, attn_implementation=attn)
-    model = BertForSequenceClassification(config).to(torch.float64)
-    model.train(dropout > 0)
-    fn, params = tg.functionalize(model)
-    ids, mask = _padded_tokens()
-    labels = torch.randint(0, LABELS, (BATCH,))
-
-    def f(p: dict[str, Tensor], ids: Tensor, labels: Tensor, *, attention_mask: Tensor) -> Tensor:
-        logits = fn(p, ids, attention_mask=attention_mask).logits
-        return F.cross_entropy(logits, labels, reduction="none")
-
-    name = "bert-dropout" if dropout else f"bert-mask-{attn}"
-    note = ("BertForSequenceClassification, train mode, dropout 0.1, padded + mask"
-            if dropout else "BertForSequenceClassification, padded samples + attention mask")
-    return ModelCase(name, f, params, (ids, labels), {"attention_mask": mask},
-                     output_shape=(BATCH,), module=model, seed=1234 if dropout else None,
-                     note=note)
+    if dropout:
+        return classifier("bert-dropout", config, BertForSequenceClassification,
+                          "BertForSequenceClassification, train mode, dropout 0.1, padded + mask",
+                          seed=1234)
+    return classifier(f"bert-mask-{attn}", config, BertForSequenceClassification,
+                      "BertForSequenceClassification, padded samples + attention mask")
 
 
 def gpt2(attn: str, *, masked: bool) -> ModelCase:
@@ -135,23 +133,15 @@ def llama(attn: str) -> ModelCase:
                          num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=16, pad_token_id=PAD, bos_token_id=1,
                          eos_token_id=2, attn_implementation=attn)
-    model = LlamaForCausalLM(config).to(torch.float64).eval()
-    fn, params = tg.functionalize(model)
-    ids, mask = _padded_tokens()
-
-    def f(p: dict[str, Tensor], ids: Tensor, *, attention_mask: Tensor) -> Tensor:
-        return lm_losses(fn(p, ids, attention_mask=attention_mask).logits, ids, attention_mask)
-
-    return ModelCase(f"llama-mask-{attn}", f, params, (ids,), {"attention_mask": mask},
-                     output_shape=(BATCH,), module=model, rtol=LLAMA_RTOL,
-                     note="LlamaForCausalLM: GQA 4/2 heads, RMSNorm, rotary; padded + mask")
+    return causal_lm(f"llama-mask-{attn}", config, LlamaForCausalLM,
+                     "LlamaForCausalLM: GQA 4/2 heads, RMSNorm, rotary; padded + mask",
+                     rtol=LLAMA_RTOL)
 
 
-def vit(attn: str) -> ModelCase:
-    config = ViTConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=8,
-                       num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
-                       num_labels=LABELS, attn_implementation=attn)
-    model = ViTForImageClassification(config).to(torch.float64).eval()
+def image_classifier(name: str, config: PretrainedConfig, model_class: type[PreTrainedModel],
+                     note: str) -> ModelCase:
+    """``model(pixels).logits`` → per-sample cross-entropy, ``8×8`` RGB images."""
+    model = model_class(config).to(torch.float64).eval()
     fn, params = tg.functionalize(model)
     pixels = torch.randn(BATCH, 3, 8, 8, dtype=torch.float64)
     labels = torch.randint(0, LABELS, (BATCH,))
@@ -159,16 +149,27 @@ def vit(attn: str) -> ModelCase:
     def f(p: dict[str, Tensor], pixels: Tensor, labels: Tensor) -> Tensor:
         return F.cross_entropy(fn(p, pixels).logits, labels, reduction="none")
 
-    return ModelCase(f"vit-{attn}", f, params, (pixels, labels), output_shape=(BATCH,),
-                     module=model, note="ViTForImageClassification, 8x8 images, 4x4 patches")
+    return ModelCase(name, f, params, (pixels, labels), output_shape=(BATCH,), module=model,
+                     note=note)
+
+
+def vit(attn: str) -> ModelCase:
+    config = ViTConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=8,
+                       num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
+                       num_labels=LABELS, attn_implementation=attn)
+    return image_classifier(f"vit-{attn}", config, ViTForImageClassification,
+                            "ViTForImageClassification, 8x8 images, 4x4 patches")
 
 
 # -- more architectures: the same two calls, each model's own quirks -------------------------
 
 def classifier(name: str, config: PretrainedConfig, model_class: type[PreTrainedModel],
-               note: str) -> ModelCase:
-    """``model(ids, attention_mask=mask).logits`` → per-sample cross-entropy, padded samples."""
-    model = model_class(config).to(torch.float64).eval()
+               note: str, *, seed: int | None = None) -> ModelCase:
+    """``model(ids, attention_mask=mask).logits`` → per-sample cross-entropy, padded samples.
+
+    ``seed``: a random model (dropout), in train mode, one draw per call from that seed.
+    """
+    model = model_class(config).to(torch.float64).train(seed is not None)
     fn, params = tg.functionalize(model)
     ids, mask = _padded_tokens()
     labels = torch.randint(0, LABELS, (BATCH,))
@@ -178,13 +179,14 @@ def classifier(name: str, config: PretrainedConfig, model_class: type[PreTrained
         return F.cross_entropy(logits, labels, reduction="none")
 
     return ModelCase(name, f, params, (ids, labels), {"attention_mask": mask},
-                     output_shape=(BATCH,), module=model, note=note)
+                     output_shape=(BATCH,), module=model, seed=seed, note=note)
 
 
 def causal_lm(name: str, config: PretrainedConfig, model_class: type[PreTrainedModel],
-              note: str, *, rtol: float | None = None) -> ModelCase:
+              note: str, *, rtol: float | None = None,
+              dtype: torch.dtype = torch.float64) -> ModelCase:
     """``model(ids, attention_mask=mask).logits`` → per-sample LM loss over the real tokens."""
-    model = model_class(config).to(torch.float64).eval()
+    model = model_class(config).to(dtype).eval()
     fn, params = tg.functionalize(model)
     ids, mask = _padded_tokens()
 
@@ -238,6 +240,57 @@ MORE: dict[str, Callable[[], ModelCase]] = {
         "bloom", BloomConfig(vocab_size=VOCAB, hidden_size=8, n_layer=1, n_head=2),
         BloomForCausalLM, "BloomForCausalLM: ALiBi, old-style autograd.Function GELU"),
 }
+
+
+def t5() -> ModelCase:
+    """Encoder-decoder with a relative position bias: a table of buckets added to every
+    attention score matrix, shared by the samples (NOTE [shared taps])."""
+    config = T5Config(vocab_size=VOCAB, d_model=8, d_kv=4, d_ff=16, num_layers=1,
+                      num_decoder_layers=1, num_heads=2, relative_attention_num_buckets=4,
+                      relative_attention_max_distance=8, dropout_rate=0.0, pad_token_id=PAD,
+                      decoder_start_token_id=PAD)
+    model = T5ForConditionalGeneration(config).to(torch.float64).eval()
+    fn, params = tg.functionalize(model)
+    ids, mask = _padded_tokens()
+    targets = torch.randint(1, VOCAB, (BATCH, 3))
+
+    def f(p: dict[str, Tensor], ids: Tensor, targets: Tensor, *,
+          attention_mask: Tensor) -> Tensor:
+        logits = fn(p, input_ids=ids, attention_mask=attention_mask, labels=targets).logits
+        return F.cross_entropy(logits.transpose(1, 2), targets, reduction="none").mean(1)
+
+    return ModelCase("t5", f, params, (ids, targets), {"attention_mask": mask},
+                     output_shape=(BATCH,), module=model, rtol=LLAMA_RTOL,  # float32 norms,
+                     note="T5ForConditionalGeneration: relative position bias, decoder")  # as LLaMA
+
+
+def swin() -> ModelCase:
+    config = SwinConfig(image_size=8, patch_size=2, num_channels=3, embed_dim=8, depths=[1, 1],
+                        num_heads=[2, 2], window_size=2, mlp_ratio=2.0, num_labels=LABELS,
+                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                        drop_path_rate=0.0)
+    return image_classifier("swin", config, SwinForImageClassification,
+                            "SwinForImageClassification: windows, relative position bias table")
+
+
+MORE_RTOL_FLOAT32 = 2e-5
+"""A float32 model against a float32 oracle (``torch._grouped_mm``, Mixtral's experts, has
+no float64 kernel on CPU)."""
+
+MORE.update({
+    "t5": t5,
+    "swin": swin,
+    "deberta-v2": lambda: classifier(
+        "deberta-v2", DebertaV2Config(**_ENCODER, relative_attention=True, position_buckets=4,
+                                      pos_att_type=["p2c", "c2p"]),
+        DebertaV2ForSequenceClassification,
+        "DebertaV2ForSequenceClassification: disentangled relative attention"),
+    # top-2 of 3 experts per token through torch._grouped_mm, float32 only on CPU
+    "mixtral": lambda: causal_lm(
+        "mixtral", MixtralConfig(**_GQA, num_local_experts=3, num_experts_per_tok=2),
+        MixtralForCausalLM, "MixtralForCausalLM: mixture of experts (float32)",
+        rtol=MORE_RTOL_FLOAT32, dtype=torch.float32),
+})
 
 
 BUILDERS: dict[str, Callable[[], ModelCase]] = {

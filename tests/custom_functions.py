@@ -1,0 +1,65 @@
+"""Custom ``autograd.Function``s that tests put inside ``f`` (new-style and old-style).
+
+Their ``forward`` runs with gradients off and their derivative is their ``backward``'s (NOTE
+[uses with gradients off]); the old-style ones (``forward(ctx, ...)``) torch refuses under
+``torch.func`` transforms (NOTE [old-style autograd.Functions]).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+def _linear_grads(h: Tensor, w: Tensor, grad: Tensor) -> tuple[Tensor, Tensor]:
+    """The gradients of ``h @ wᵀ`` in ``h`` and ``w`` for the output's ``grad``."""
+    flat = grad.reshape(-1, grad.shape[-1])
+    return grad @ w, flat.T @ h.reshape(-1, h.shape[-1])
+
+
+class FunctionLinear(torch.autograd.Function):
+    """``h @ wᵀ`` as a custom Function (``forward`` without ``ctx``): its forward's ops run with
+    gradients off, and the derivative is its ``backward``'s (NOTE [uses with gradients off])."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(h: Tensor, w: Tensor) -> Tensor:  # noqa: D102
+        return h @ w.T
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Tensor, Tensor], output: Tensor) -> None:  # noqa: D102
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:  # noqa: D102
+        return _linear_grads(*ctx.saved_tensors, grad)
+
+
+class OldStyleFunctionLinear(torch.autograd.Function):
+    """The same written the old way (``forward(ctx, ...)``): refused under ``torch.func``."""
+
+    @staticmethod
+    def forward(ctx: Any, h: Tensor, w: Tensor) -> Tensor:  # noqa: D102
+        ctx.save_for_backward(h, w)
+        return h @ w.T
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:  # noqa: D102
+        return _linear_grads(*ctx.saved_tensors, grad)
+
+
+class OldStyleCube(torch.autograd.Function):
+    """``x³`` the pre-torch.func way."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:  # noqa: D102
+        ctx.save_for_backward(x)
+        return x**3
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:  # noqa: D102
+        (x,) = ctx.saved_tensors
+        return 3 * x**2 * grad
