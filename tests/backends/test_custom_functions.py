@@ -12,6 +12,10 @@
 * Gradients stopped inside ``f`` (``detach``, ``.data``, ``torch.no_grad``) have no Jacobian
   on any backend; ``requires_grad_()`` inside ``f`` torch refuses under transforms, like
   old-style Functions.
+* A non-reentrant ``torch.utils.checkpoint`` region (``transformers``'
+  ``gradient_checkpointing_enable``): its backward recomputes the region without the
+  structured backend's taps (torch raised ``CheckpointError``), and ``torch.func`` refuses
+  its saved-tensor hooks; uses inside are left to the graph, refusals are torchgram errors.
 """
 
 from __future__ import annotations
@@ -245,5 +249,33 @@ def test_gradients_stopped_inside_f(stopped: str, backend: str, batch_dim: int |
     except NotImplementedError as error:
         assert stopped == "requires_grad_false" and backend in ("jacobian", "ntvp", "structured")
         assert "requires_grad_()" in str(error) and "backend='graph'" in str(error), error
+        return
+    torch.testing.assert_close(G, expected, rtol=1e-10, atol=1e-12)
+
+
+def _checkpointed_block(x: Tensor, weight: Tensor, bias: Tensor, dropout: bool) -> Tensor:
+    h = torch.tanh(F.linear(x, weight, bias))
+    return F.dropout(h, 0.3, training=True) if dropout else h
+
+
+@pytest.mark.parametrize("dropout", [False, True], ids=["plain", "dropout"])
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("batch_dim", [0, None], ids=["batch0", "dense"])
+def test_a_non_reentrant_checkpoint(dropout: bool, backend: str, batch_dim: int | None) -> None:
+    def f(p: dict[str, Tensor], x: Tensor, y: Tensor) -> Tensor:
+        h = torch.utils.checkpoint.checkpoint(_checkpointed_block, x, p["w1"], p["b1"], dropout,
+                                              use_reentrant=False)
+        return F.cross_entropy(F.linear(h, p["w2"]), y, reduction="none")
+
+    _, params, x, y = _problem(_hidden)
+    torch.manual_seed(5)
+    expected = dense_gramian(f, (params, x, y)).gramian
+    torch.manual_seed(5)
+    try:
+        G = tg.gramian(f, backend=backend, batch_dim=batch_dim)(params, x, y)
+    except NotImplementedError as error:
+        assert backend in ("jacobian", "ntvp", "structured"), error
+        assert str(error).startswith("torchgram.gramian: expected"), error
+        assert "backend='graph'" in str(error), error
         return
     torch.testing.assert_close(G, expected, rtol=1e-10, atol=1e-12)

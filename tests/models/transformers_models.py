@@ -183,10 +183,13 @@ def classifier(name: str, config: PretrainedConfig, model_class: type[PreTrained
 
 
 def causal_lm(name: str, config: PretrainedConfig, model_class: type[PreTrainedModel],
-              note: str, *, rtol: float | None = None,
-              dtype: torch.dtype = torch.float64) -> ModelCase:
-    """``model(ids, attention_mask=mask).logits`` → per-sample LM loss over the real tokens."""
-    model = model_class(config).to(dtype).eval()
+              note: str, *, rtol: float | None = None, dtype: torch.dtype = torch.float64,
+              model: PreTrainedModel | None = None) -> ModelCase:
+    """``model(ids, attention_mask=mask).logits`` → per-sample LM loss over the real tokens.
+
+    ``model``: one already built (and set up), instead of ``model_class(config)`` in eval mode.
+    """
+    model = model_class(config).to(dtype).eval() if model is None else model
     fn, params = tg.functionalize(model)
     ids, mask = _padded_tokens()
 
@@ -273,6 +276,21 @@ def swin() -> ModelCase:
                             "SwinForImageClassification: windows, relative position bias table")
 
 
+def gpt2_checkpointing() -> ModelCase:
+    """GPT-2 with ``activation_checkpointing_enable`` (non-reentrant): every block a
+    ``torch.utils.checkpoint`` region, recomputed in the backward (NOTE [uses with gradients
+    off]); train mode, dropout probabilities 0."""
+    config = GPT2Config(vocab_size=VOCAB, n_positions=8, n_embd=8, n_layer=2, n_head=2,
+                        n_inner=16, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                        bos_token_id=1, eos_token_id=1)
+    model = GPT2LMHeadModel(config).to(torch.float64)
+    model.activation_checkpointing_enable({"use_reentrant": False})
+    case = causal_lm("gpt2-checkpointing", config, GPT2LMHeadModel,
+                     "GPT2LMHeadModel, 2 blocks, gradient checkpointing (non-reentrant)",
+                     model=model.train())
+    return case
+
+
 MORE_RTOL_FLOAT32 = 2e-5
 """A float32 model against a float32 oracle (``torch._grouped_mm``, Mixtral's experts, has
 no float64 kernel on CPU)."""
@@ -280,6 +298,7 @@ no float64 kernel on CPU)."""
 MORE.update({
     "t5": t5,
     "swin": swin,
+    "gpt2-checkpointing": gpt2_checkpointing,
     "deberta-v2": lambda: classifier(
         "deberta-v2", DebertaV2Config(**_ENCODER, relative_attention=True, position_buckets=4,
                                       pos_att_type=["p2c", "c2p"]),

@@ -149,6 +149,20 @@ def old_style_functions(output: Tensor) -> list[str]:
     return names
 
 
+def saved_tensor_hooks() -> Any:
+    """The innermost saved-tensor hooks in force, or ``None``.
+
+    ``torch.utils.checkpoint``'s non-reentrant regions and ``torch.autograd.graph.save_on_cpu``
+    set them.
+
+    Example:
+        >>> with torch.autograd.graph.save_on_cpu():
+        ...     saved_tensor_hooks() is not None
+        True
+    """
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
 def is_reentrant_checkpoint(node: Node) -> bool:
     """Whether ``node`` is a ``torch.utils.checkpoint(..., use_reentrant=True)`` region."""
     return custom_function_class(node) is CheckpointFunction
@@ -252,6 +266,11 @@ _TRANSFORM_REFUSALS = {
         "an autograd.Function without a setup_context staticmethod (forward(ctx, ...))",
     "You are attempting to call Tensor.requires_grad_()":
         "a call of Tensor.requires_grad_() (or of torch.autograd.functional) inside f",
+    "don't yet support saved tensor hooks":
+        "saved-tensor hooks inside f (torch.utils.checkpoint, torch.autograd.graph.save_on_cpu)",
+    "We do not yet support calling random operations inside of vmap":
+        "random operations run inside a vmapped backward (a torch.utils.checkpoint region "
+        "with dropout, recomputed in the backward)",
 }
 
 

@@ -16,17 +16,20 @@ pipeline drops its caches and plans the call afresh, once.
 A custom ``autograd.Function`` whose ``forward`` takes ``ctx`` (no ``setup_context``
 staticmethod; ``transformers``' BLOOM GELU) runs under plain autograd only: inside a
 ``torch.func`` transform (``vmap``, ``vjp``, ``jvp``) torch raises a ``RuntimeError``; so it
-does for ``Tensor.requires_grad_()`` called inside ``f``. The
+does for ``Tensor.requires_grad_()`` called inside ``f``, for saved-tensor hooks (a
+non-reentrant ``torch.utils.checkpoint`` region) and for random ops that a checkpoint's
+backward recomputes inside a vmapped backward. The
 ``jacobian`` and ``ntvp`` backends and the per-sample ``vmap`` ways run ``f`` under
 transforms; the graph walk and the structured backend's batched pass do not. Every
 registered backend runs inside :func:`torch_refusals`, which turns that error into
 :class:`BackendCannotRun`, so ``auto`` goes on to a backend that can and an explicit choice
-names it. The trace lists the old-style Functions in the graph of the rows
-(``Recording.old_style_functions``), and ``auto`` then tries those backends last, so that
-``explain`` predicts what runs. ``torch.utils.checkpoint(..., use_reentrant=True)`` is such a
-Function too, and torch also refuses ``torch.autograd.grad`` through it, which every
-backend takes: that refusal becomes a torchgram ``ValueError`` naming the fix
-(``use_reentrant=False``).
+names it. The trace lists what transforms would refuse (the old-style Functions in the graph
+of the rows, checkpoint regions: ``Recording.transform_refusals``), and ``auto`` then tries
+those backends last (and the structured backend too where it would take its per-sample
+``vmap`` way), so that ``explain`` predicts what runs.
+``torch.utils.checkpoint(..., use_reentrant=True)`` is an old-style Function too, and torch
+also refuses ``torch.autograd.grad`` through it, which every backend takes: that refusal
+becomes a torchgram ``ValueError`` naming the fix (``use_reentrant=False``).
 """
 
 from __future__ import annotations
@@ -138,4 +141,4 @@ def torch_refusals(api: str, backend: str) -> Iterator[None]:
             tuple(name for name in _WITHOUT_TRANSFORMS if name != backend),
             "Or write the Function with forward(*args) and a setup_context staticmethod "
             "(see the PyTorch notes 'Extending torch.func with autograd.Function')."
-            if function else "Or leave requires_grad_() out of f.") from error
+            if function else "") from error

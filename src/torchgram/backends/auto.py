@@ -204,18 +204,22 @@ def plan_auto(problem: Problem) -> AutoPlan:
                 forward = _dense_forward(problem)
             structured = plan_problem(problem, forward.recording, dense=True)
     estimates = estimate_backends(problem, structured)
-    order = ranked(estimates)
-    if problem.draw.random or structured.recording.draws or \
-            structured.recording.old_style_functions:  # they would refuse f (NOTE [draws
-        order = (*(n for n in order if n not in REFUSING_BACKENDS),  # under torch.func],
-                 *(n for n in order if n in REFUSING_BACKENDS))  # [old-style autograd.Functions])
-    return AutoPlan(structured, estimates, (*order, LAST_RESORT), forward)
+    order = (*ranked(estimates), LAST_RESORT)
+    refusing: tuple[str, ...] = ()
+    if problem.draw.random or structured.recording.draws:  # NOTE [draws under torch.func]
+        refusing = REFUSING_BACKENDS
+    if structured.recording.transform_refusals:  # NOTE [old-style autograd.Functions]
+        vmaps = problem.batch is not None and forward is None and any(
+            leaf.way == "fallback" for leaf in structured.leaves)  # the per-sample vmap way
+        refusing = (*REFUSING_BACKENDS, *(("structured",) if vmaps else ()))
+    order = (*(n for n in order if n not in refusing), *(n for n in order if n in refusing))
+    return AutoPlan(structured, estimates, order, forward)
 
 
 def _dense_forward(problem: Problem) -> Forward:
     """The structured backend's dense forward, with the old-style Functions of its graph."""
     forward = dense_forward(problem)
-    forward.recording.old_style_functions = old_style_functions(forward.outputs[0])
+    forward.recording.transform_refusals += old_style_functions(forward.outputs[0])
     return forward
 
 

@@ -122,7 +122,7 @@ def trace(problem: Problem) -> Recording:
             except Exception as error:  # the probe ran the batch: f fails on a batch of one
                 raise fails_alone(error) from error
             mode.recording.uses = live_positions(mode.recording.uses, rows, mode.probes)
-        mode.recording.old_style_functions = _torch_compat.old_style_functions(rows)
+        mode.recording.transform_refusals += _torch_compat.old_style_functions(rows)
     mode.recording.rows = rows.numel()
     keep_trace(problem, mode.recording)
     return mode.recording

@@ -44,7 +44,10 @@ inside such a Function: ``G`` 0.9 off, relative, found in session 23; so too the
 so the leaf gets a carrier that requires gradients and its rows come from the graph (through
 the Function's ``backward``); under ``torch.no_grad`` the carrier gets no gradient there,
 which is the zero Jacobian that use has. A mode entered with gradients off (the check of
-merged sample dims) records as before.
+merged sample dims) records as before. Likewise under saved-tensor hooks that were not in
+force when the mode was entered: a non-reentrant ``torch.utils.checkpoint`` region's
+backward re-runs the region without the mode, and a tapped call there would make the
+recomputation differ from the forward (torch's ``CheckpointError``).
 
 # NOTE [rewritten layouts]
 A rewrite computes the composite's values, not its memory layout: ``torch.einsum`` lays its
@@ -198,10 +201,10 @@ class Recording:
     unbatchable: list[str] = field(default_factory=list)
     """Calls ``vmap`` cannot batch (fused recurrent kernels): per-sample ``vmap`` passes over
     ``f`` loop over the samples instead."""
-    old_style_functions: list[str] = field(default_factory=list)
-    """Old-style ``autograd.Function``s in the graph of the rows, which ``torch.func``
-    transforms refuse (NOTE [old-style autograd.Functions]): ``auto`` tries the backends that
-    use transforms last."""
+    transform_refusals: list[str] = field(default_factory=list)
+    """What ``torch.func`` transforms would refuse in ``f``: old-style ``autograd.Function``s
+    in the graph of the rows, ``torch.utils.checkpoint`` regions (NOTE [old-style
+    autograd.Functions]); ``auto`` tries the backends that use transforms last."""
     plans: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
     """Plans made from this recording, by the backend (a cache)."""
     merged_order: bool | None = field(default=None, compare=False, repr=False)
@@ -215,6 +218,8 @@ class Recording:
         """The recognised uses of ``leaf``, in call order."""
         return [use for use in self.uses if use.leaf == leaf]
 
+
+_CHECKPOINT_REGION = "torch.utils.checkpoint regions (saved-tensor hooks)"
 
 _TRANSPOSE_METHODS = frozenset({torch.Tensor.t, torch.t})
 _SWAP_METHODS = frozenset({torch.Tensor.transpose, torch.transpose, torch.Tensor.swapaxes,
@@ -403,10 +408,12 @@ class TapMode(TorchFunctionMode):
         self.not_batched: str | None = None
         self._contexts: list[contextlib.ExitStack] = []
         self._grad_at_entry = True
+        self._hooks_at_entry: Any = None
 
     def __enter__(self) -> TapMode:
         if not self._contexts:  # NOTE [uses with gradients off]
             self._grad_at_entry = torch.is_grad_enabled()
+            self._hooks_at_entry = _torch_compat.saved_tensor_hooks()
         contexts = contextlib.ExitStack()
         contexts.enter_context(tapped_evaluation())  # nested calls refuse: NOTE [composition]
         self._contexts.append(contexts)
@@ -525,6 +532,8 @@ class TapMode(TorchFunctionMode):
         kwargs = kwargs or {}
         recording = self.recording
         recording.calls += 1
+        if self._under_new_hooks() and _CHECKPOINT_REGION not in recording.transform_refusals:
+            recording.transform_refusals.append(_CHECKPOINT_REGION)
         why = coupling_op(func, args, kwargs)
         if why is not None and why not in recording.coupling:
             recording.coupling.append(why)
@@ -539,11 +548,10 @@ class TapMode(TorchFunctionMode):
         found = [(leaf, ref) for leaf in leaves if (ref := self._ref(leaf)) is not None]
         if not found:
             return func(*args, **kwargs)
-        if self._grad_at_entry and not torch.is_grad_enabled():  # NOTE [uses with gradients off]
+        why = self._not_tapped_here()
+        if why is not None:  # NOTE [uses with gradients off]
             result = func(*args, **kwargs)
-            self._note_unrecognised([ref for _, ref in found],
-                                    f"{describe(func)} with gradients off (inside a custom "
-                                    "autograd.Function's forward or torch.no_grad)", result)
+            self._note_unrecognised([ref for _, ref in found], f"{describe(func)} {why}", result)
             return result
         if len(found) == 1 and args and args[0] is found[0][0]:
             ref = found[0][1]
@@ -603,6 +611,21 @@ class TapMode(TorchFunctionMode):
             elif operand.bias_of is not None and not ref.transposed:
                 chosen.append((i, ref, "bias"))
         return chosen
+
+    def _under_new_hooks(self) -> bool:
+        """Whether saved-tensor hooks not in force at the mode's entry are (a checkpoint)."""
+        hooks = _torch_compat.saved_tensor_hooks()
+        return hooks is not None and hooks is not self._hooks_at_entry
+
+    def _not_tapped_here(self) -> str | None:
+        """Why no call may be tapped here, if so (NOTE [uses with gradients off])."""
+        if self._grad_at_entry and not torch.is_grad_enabled():
+            return ("with gradients off (inside a custom autograd.Function's forward or "
+                    "torch.no_grad)")
+        if self._under_new_hooks():
+            return ("under saved-tensor hooks (a torch.utils.checkpoint region, whose backward "
+                    "recomputes it without taps)")
+        return None
 
     def _tap(self, match: Match, found: list[tuple[Tensor, LeafRef]]) -> Tensor | None:
         chosen = self._recognised(match)
