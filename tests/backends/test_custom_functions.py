@@ -279,3 +279,16 @@ def test_a_non_reentrant_checkpoint(dropout: bool, backend: str, batch_dim: int 
         assert "backend='graph'" in str(error), error
         return
     torch.testing.assert_close(G, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_saved_tensor_hooks_around_the_call_keep_the_fast_path() -> None:
+    """Hooks in force when the call starts (``save_on_cpu`` around it) are not a checkpoint
+    inside ``f``: the structured backend still taps every use."""
+    f, params, x, y = _problem(lambda p, x: torch.tanh(F.linear(x, p["w1"], p["b1"])))
+    expected = dense_gramian(f, (params, x, y)).gramian
+    with torch.autograd.graph.save_on_cpu():
+        report = tg.explain(f, batch_dim=0, run=True)(params, x, y)
+        G = tg.gramian(f, batch_dim=0)(params, x, y)
+    torch.testing.assert_close(G, expected, rtol=1e-10, atol=1e-12)
+    assert report.ran is not None and report.ran.backend == "structured"
+    assert "fallback" not in report.ran.leaf_ways

@@ -614,8 +614,8 @@ class TapMode(TorchFunctionMode):
 
     def _under_new_hooks(self) -> bool:
         """Whether saved-tensor hooks not in force at the mode's entry are (a checkpoint)."""
-        hooks = _torch_compat.saved_tensor_hooks()
-        return hooks is not None and hooks is not self._hooks_at_entry
+        hooks = _torch_compat.saved_tensor_hooks()  # a new tuple each time: compare its items
+        return hooks is not None and hooks != self._hooks_at_entry
 
     def _not_tapped_here(self) -> str | None:
         """Why no call may be tapped here, if so (NOTE [uses with gradients off])."""
