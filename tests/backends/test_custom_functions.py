@@ -292,3 +292,27 @@ def test_saved_tensor_hooks_around_the_call_keep_the_fast_path() -> None:
     torch.testing.assert_close(G, expected, rtol=1e-10, atol=1e-12)
     assert report.ran is not None and report.ran.backend == "structured"
     assert "fallback" not in report.ran.leaf_ways
+
+
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor")  # dynamo's, tracing
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_compiled_submodule(backend: str) -> None:
+    """``torch.compile``'d code inside ``f``: under ``torch.func`` transforms torch 2.13's
+    dynamo fails with a bare ``AssertionError`` (it escaped raw from jacobian and ntvp)."""
+    torch.manual_seed(0)
+    inner = torch.nn.Linear(H, H).double()
+    compiled = torch.compile(inner, backend="eager")
+    _, params, x, y = _problem(_hidden)
+
+    def f(p: dict[str, Tensor], x: Tensor, y: Tensor) -> Tensor:
+        hidden = compiled(torch.tanh(F.linear(x, p["w1"], p["b1"])))
+        return F.cross_entropy(F.linear(hidden, p["w2"]), y, reduction="none")
+
+    expected = dense_gramian(f, (params, x, y)).gramian
+    try:
+        G = tg.gramian(f, backend=backend, batch_dim=0)(params, x, y)
+    except NotImplementedError as error:
+        assert backend in ("jacobian", "ntvp"), error
+        assert "torch.compile'd code" in str(error) and "backend='graph'" in str(error), error
+        return
+    torch.testing.assert_close(G, expected, rtol=1e-10, atol=1e-12)

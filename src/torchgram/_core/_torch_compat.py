@@ -274,6 +274,20 @@ _TRANSFORM_REFUSALS = {
 }
 
 
+def raised_in_dynamo(error: BaseException) -> bool:
+    """Whether ``error`` was raised inside ``torch._dynamo`` (``torch.compile``'d code).
+
+    ``torch.compile``'d modules inside ``f`` run under ``torch.func`` transforms only where
+    dynamo supports them; torch 2.13 fails some with a bare ``AssertionError`` of its own.
+    """
+    traceback = error.__traceback__
+    while traceback is not None:
+        if "/torch/_dynamo/" in traceback.tb_frame.f_code.co_filename.replace("\\", "/"):
+            return True
+        traceback = traceback.tb_next
+    return False
+
+
 def refused_under_transforms(error: BaseException) -> str | None:
     """What ``f`` did that torch refuses inside ``torch.func`` transforms, if ``error`` says so.
 

@@ -37,6 +37,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 
+import torch
+
 from torchgram._core import _torch_compat
 from torchgram._core.checks import message
 
@@ -97,6 +99,9 @@ class NotPerSample(RuntimeError):  # noqa: N818
 _WITHOUT_TRANSFORMS = ("graph", "structured")
 """Backends that can run ``f`` without ``torch.func`` transforms, surest first."""
 
+_TRANSFORMING = ("jacobian", "ntvp")
+"""Backends that always run ``f`` under ``torch.func`` transforms."""
+
 
 @contextlib.contextmanager
 def torch_refusals(api: str, backend: str) -> Iterator[None]:
@@ -124,6 +129,14 @@ def torch_refusals(api: str, backend: str) -> Iterator[None]:
     """
     try:
         yield
+    except AssertionError as error:  # torch.compile'd code inside f, under a transform
+        if backend not in _TRANSFORMING or not _torch_compat.raised_in_dynamo(error):
+            raise
+        raise BackendCannotRun(
+            api, backend, "f to run under torch.func transforms (vmap, vjp, jvp)",
+            f"torch.compile'd code that torch {torch.__version__} cannot run under them "
+            f"(dynamo raised: {str(error).splitlines()[0][:60]})",
+            _WITHOUT_TRANSFORMS, "") from error
     except RuntimeError as error:
         if _torch_compat.is_reentrant_grad_error(error):
             raise ValueError(message(

@@ -565,7 +565,7 @@ def backward_chunks(forward: Forward, per_pass: int, *, vectorize: bool,
                      for g, dim in zip(grads, forward.tap_dims, strict=True)]
         tap_cots = grads[:num_taps]
         carrier_grads = {  # [c, B, *leaf.shape], in whatever layout the backward made
-            leaf: grad.reshape(count, samples, *grad.shape[-(grad.dim() - 2):])
+            leaf: grad.reshape(count, samples, *grad.shape[2:])  # (not [-(dim - 2):]: -0)
             if forward.kind == "dense" else grad
             for leaf, grad in zip(forward.carrier_leaves, grads[num_taps:], strict=True)
             if grad is not None
