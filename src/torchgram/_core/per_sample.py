@@ -52,9 +52,9 @@ import optree
 import torch
 from torch import Tensor
 
-from torchgram._core import functional
+from torchgram._core import _torch_compat, functional
 from torchgram._core.census import OpCensus
-from torchgram._core.errors import NotPerSample
+from torchgram._core.errors import BackendCannotRun, NotPerSample, OutputChanged
 from torchgram._core.problem import Problem, replace_input_leaves
 
 
@@ -175,8 +175,15 @@ def subset_rows(problem: Problem, samples: list[int],
     inputs = tuple(t.index_select(d, index.to(t.device))
                    for t, d in zip(batch.tensors, batch.dims, strict=True))
     args, kwargs = replace_input_leaves(problem.args, problem.kwargs, batch.positions, inputs)
-    out, _ = problem.call(problem.leaves if leaves is None else leaves, args, kwargs,
-                          full=False)
+    try:
+        out, _ = problem.call(problem.leaves if leaves is None else leaves, args, kwargs,
+                              full=False)
+    except (NotPerSample, OutputChanged, BackendCannotRun):
+        raise
+    except Exception as error:  # f fails on part of the batch (a hard-coded batch size ...)
+        if _torch_compat.refused_under_transforms(error) is not None:
+            raise  # the backend's to translate (NOTE [old-style autograd.Functions])
+        raise fails_alone(error) from error
     out_leaves, treespec = optree.tree_flatten(out)
     spec, count, batch_dims = problem.output, len(samples), problem.output.batch_dims
     assert batch_dims is not None
