@@ -44,3 +44,24 @@ def test_bad_sample_index_is_rejected() -> None:
                                          r"within \[0, 4\)"):
         tg.check_independence(lambda w, x: x @ w, samples=[5])(torch.randn(3),
                                                                  torch.randn(4, 3))
+
+
+def test_a_stale_probe_is_noticed() -> None:
+    """``f``'s output changes structure between calls in a way its call signature cannot show
+    (here a switch; in a long test session, a new function at a reused ``id``): the cached
+    probe no longer describes it. The check read the rows with the stale probe's layout and
+    reported every pair of samples as interacting (a flaky failure in session 23's fresh
+    clone); it now checks the output against the probe and probes afresh."""
+    switch = {"pytree": False}
+    w = torch.randn(3, 3, dtype=torch.float64)
+
+    def f(w: torch.Tensor, x: torch.Tensor) -> object:
+        out = x @ w
+        return {"a": out[:, :1], "b": [out, out.sum(-1)]} if switch["pytree"] else out
+
+    x = torch.randn(3, 3, dtype=torch.float64)
+    check = tg.check_independence(f)
+    assert check(w, x).independent
+    switch["pytree"] = True
+    report = check(w, x)
+    assert report.independent, str(report)

@@ -21,9 +21,16 @@ from torch import Tensor
 
 from torchgram._core.census import OpCensus
 from torchgram._core.checks import fail, function_name
+from torchgram._core.errors import OutputChanged
 from torchgram._core.options import Options
 from torchgram._core.per_sample import tolerance
-from torchgram._core.problem import Problem, build_problem, concat_rows, replace_input_leaves
+from torchgram._core.problem import (
+    Problem,
+    build_problem,
+    concat_rows,
+    forget_probe,
+    replace_input_leaves,
+)
 
 _API = "torchgram.check_independence"
 
@@ -112,6 +119,13 @@ def check_independence(
     @functools.wraps(f)
     def check_f(*args: Any, **kwargs: Any) -> Independence:
         problem = build_problem(options, f, args, kwargs)
+        try:
+            return _check(problem)
+        except OutputChanged:  # a cached probe went stale (an id reused): probe afresh, once
+            forget_probe(problem)
+            return _check(build_problem(options, f, args, kwargs, fresh=True))
+
+    def _check(problem: Problem) -> Independence:
         batch = problem.batch
         assert batch is not None
         chosen = tuple(range(batch.size)) if samples is None else tuple(samples)
@@ -149,7 +163,9 @@ def _rows(problem: Problem, inputs: tuple[Tensor, ...]) -> Tensor:
     args, kwargs = replace_input_leaves(problem.args, problem.kwargs, batch.positions, inputs)
     with torch.no_grad():
         out, _ = problem.call(problem.leaves, args, kwargs)
-    return concat_rows(optree.tree_leaves(out), problem.output.dtype)
+    out_leaves, treespec = optree.tree_flatten(out)
+    problem.output.check(out_leaves, treespec, per_sample=False)  # the probe's structure
+    return concat_rows(out_leaves, problem.output.dtype)
 
 
 def _changed(tensors: tuple[Tensor, ...], dims: tuple[int, ...], sample: int, size: int,
