@@ -34,7 +34,7 @@ import re
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -261,16 +261,28 @@ def missing_forward_ad(error: BaseException) -> tuple[str, str] | None:
     return None
 
 
+class Refusal(NamedTuple):
+    """What ``f`` did that torch refuses under ``torch.func`` transforms, and what to do."""
+
+    what: str
+    fix: str
+
+
+_FUNCTION_FIX = ("Or write the Function with forward(*args) and a setup_context staticmethod "
+                 "(see the PyTorch notes 'Extending torch.func with autograd.Function').")
+
 _TRANSFORM_REFUSALS = {
-    "must override the setup_context staticmethod":
+    "must override the setup_context staticmethod": Refusal(
         "an autograd.Function without a setup_context staticmethod (forward(ctx, ...))",
-    "You are attempting to call Tensor.requires_grad_()":
-        "a call of Tensor.requires_grad_() (or of torch.autograd.functional) inside f",
-    "don't yet support saved tensor hooks":
+        _FUNCTION_FIX),
+    "You are attempting to call Tensor.requires_grad_()": Refusal(
+        "a call of Tensor.requires_grad_() (or of torch.autograd.functional) inside f", ""),
+    "don't yet support saved tensor hooks": Refusal(
         "saved-tensor hooks inside f (torch.utils.checkpoint, torch.autograd.graph.save_on_cpu)",
-    "We do not yet support calling random operations inside of vmap":
+        ""),
+    "We do not yet support calling random operations inside of vmap": Refusal(
         "random operations run inside a vmapped backward (a torch.utils.checkpoint region "
-        "with dropout, recomputed in the backward)",
+        "with dropout, recomputed in the backward)", ""),
 }
 
 
@@ -288,7 +300,7 @@ def raised_in_dynamo(error: BaseException) -> bool:
     return False
 
 
-def refused_under_transforms(error: BaseException) -> str | None:
+def refused_under_transforms(error: BaseException) -> Refusal | None:
     """What ``f`` did that torch refuses inside ``torch.func`` transforms, if ``error`` says so.
 
     An old-style ``autograd.Function`` (``forward(ctx, ...)``) or a ``requires_grad_()`` call
@@ -297,13 +309,14 @@ def refused_under_transforms(error: BaseException) -> str | None:
     Example:
         >>> refused_under_transforms(RuntimeError("In order to use an autograd.Function with "
         ...     "functorch transforms (vmap, grad, jvp, jacrev, ...), it must override the "
-        ...     "setup_context staticmethod."))
+        ...     "setup_context staticmethod.")).what
         'an autograd.Function without a setup_context staticmethod (forward(ctx, ...))'
     """
     if not isinstance(error, RuntimeError):
         return None
     message = str(error)
-    return next((what for key, what in _TRANSFORM_REFUSALS.items() if key in message), None)
+    return next((refusal for key, refusal in _TRANSFORM_REFUSALS.items() if key in message),
+                None)
 
 
 _REENTRANT_GRAD = "use_reentrant=True, torch.utils.checkpoint is incompatible with .grad()"

@@ -132,11 +132,10 @@ def torch_refusals(api: str, backend: str) -> Iterator[None]:
     except AssertionError as error:  # torch.compile'd code inside f, under a transform
         if backend not in _TRANSFORMING or not _torch_compat.raised_in_dynamo(error):
             raise
-        raise BackendCannotRun(
-            api, backend, "f to run under torch.func transforms (vmap, vjp, jvp)",
+        refusal = _torch_compat.Refusal(
             f"torch.compile'd code that torch {torch.__version__} cannot run under them "
-            f"(dynamo raised: {str(error).splitlines()[0][:60]})",
-            _WITHOUT_TRANSFORMS, "") from error
+            f"(dynamo raised: {str(error).splitlines()[0][:60]})", "")
+        raise _declined(api, backend, refusal) from error
     except RuntimeError as error:
         if _torch_compat.is_reentrant_grad_error(error):
             raise ValueError(message(
@@ -148,10 +147,12 @@ def torch_refusals(api: str, backend: str) -> Iterator[None]:
         refused = _torch_compat.refused_under_transforms(error)
         if refused is None:
             raise
-        function = "autograd.Function" in refused
-        raise BackendCannotRun(
-            api, backend, "f to run under torch.func transforms (vmap, vjp, jvp)", refused,
-            tuple(name for name in _WITHOUT_TRANSFORMS if name != backend),
-            "Or write the Function with forward(*args) and a setup_context staticmethod "
-            "(see the PyTorch notes 'Extending torch.func with autograd.Function')."
-            if function else "") from error
+        raise _declined(api, backend, refused) from error
+
+
+def _declined(api: str, backend: str, refusal: _torch_compat.Refusal) -> BackendCannotRun:
+    """``backend`` cannot run ``f`` under the transforms it uses; the others can."""
+    return BackendCannotRun(api, backend, "f to run under torch.func transforms (vmap, vjp, jvp)",
+                            refusal.what,
+                            tuple(name for name in _WITHOUT_TRANSFORMS if name != backend),
+                            refusal.fix)

@@ -371,11 +371,11 @@ def _tiles(problem: Problem, tile: int | None, fresh: bool,
                      f"compute f as called ({why.reason})")
         return [problem]
     except RuntimeError as error:  # NOTE [old-style autograd.Functions]
-        refused = _torch_compat.refused_under_transforms(error)
-        if refused is None:
+        refusal = _torch_compat.refused_under_transforms(error)
+        if refusal is None:
             raise
         notes.append("one tile per side, over memory_budget: the check of the tiles' "
-                     f"derivatives runs f under torch.func.vjp, which refuses {refused}")
+                     f"derivatives runs f under torch.func.vjp, which refuses {refusal.what}")
         return [problem]
     return tiles
 

@@ -188,7 +188,8 @@ def allowed_dims(layout: Layout, shape: Sequence[int],
 def localized(probe: Tensor, layout: SampleLayout, members: Sequence[int], samples: int) -> bool:
     """Whether ``probe`` (the cotangent of ``members``' rows) is zero outside their slices."""
     per_sample = layout.view(probe, 0, samples)
-    outside = [b for b in range(samples) if b not in set(members)]
+    inside = set(members)
+    outside = [b for b in range(samples) if b not in inside]
     return not outside or not bool(per_sample[outside].any())
 
 

@@ -532,7 +532,8 @@ class TapMode(TorchFunctionMode):
         kwargs = kwargs or {}
         recording = self.recording
         recording.calls += 1
-        if self._under_new_hooks() and _CHECKPOINT_REGION not in recording.transform_refusals:
+        new_hooks = self._under_new_hooks()
+        if new_hooks and _CHECKPOINT_REGION not in recording.transform_refusals:
             recording.transform_refusals.append(_CHECKPOINT_REGION)
         why = coupling_op(func, args, kwargs)
         if why is not None and why not in recording.coupling:
@@ -548,7 +549,7 @@ class TapMode(TorchFunctionMode):
         found = [(leaf, ref) for leaf in leaves if (ref := self._ref(leaf)) is not None]
         if not found:
             return func(*args, **kwargs)
-        why = self._not_tapped_here()
+        why = self._not_tapped_here(new_hooks)
         if why is not None:  # NOTE [uses with gradients off]
             result = func(*args, **kwargs)
             self._note_unrecognised([ref for _, ref in found], f"{describe(func)} {why}", result)
@@ -617,12 +618,15 @@ class TapMode(TorchFunctionMode):
         hooks = _torch_compat.saved_tensor_hooks()  # a new tuple each time: compare its items
         return hooks is not None and hooks != self._hooks_at_entry
 
-    def _not_tapped_here(self) -> str | None:
-        """Why no call may be tapped here, if so (NOTE [uses with gradients off])."""
+    def _not_tapped_here(self, new_hooks: bool) -> str | None:
+        """Why no call may be tapped here, if so (NOTE [uses with gradients off]).
+
+        ``new_hooks``: :meth:`_under_new_hooks` for this call.
+        """
         if self._grad_at_entry and not torch.is_grad_enabled():
             return ("with gradients off (inside a custom autograd.Function's forward or "
                     "torch.no_grad)")
-        if self._under_new_hooks():
+        if new_hooks:
             return ("under saved-tensor hooks (a torch.utils.checkpoint region, whose backward "
                     "recomputes it without taps)")
         return None
