@@ -413,17 +413,17 @@ def test_backward_accumulates_like_a_plain_backward(recorded: bool, retain_graph
 
 
 class _Positions(nn.Module):
-    """Wide layers over eight positions, whose factors are smaller than their per-sample
-    Jacobians (so ``Jᵀw`` contracts the factors): a grouped conv, a linear, a head of one or
-    several rows per sample."""
+    """Wide layers over eight positions, whose factors are less than half their per-sample
+    Jacobians (so ``Jᵀw`` contracts the factors, NOTE [Jᵀw from kept Jacobians]): a grouped
+    conv, a linear, a head of one or several rows per sample."""
 
     def __init__(self, rows: int) -> None:
         super().__init__()
-        self.conv = nn.Conv1d(8, 64, 3, padding=1, groups=2)
+        self.conv = nn.Conv1d(32, 64, 3, padding=1, groups=2)
         self.wide = nn.Linear(64, 48)
         self.head = nn.Linear(48, rows)
 
-    def forward(self, x: Tensor) -> Tensor:  # x [B, 8, T]
+    def forward(self, x: Tensor) -> Tensor:  # x [B, 32, T]
         h = torch.tanh(self.conv(x)).transpose(1, 2)  # [B, T, 64]
         return self.head(torch.tanh(self.wide(h))).sum(1).squeeze(-1)  # [B] or [B, rows]
 
@@ -452,7 +452,7 @@ def test_backward_from_factors_at_several_positions(rows: int,
     monkeypatch.setattr(eager._FastLeaf, "pullback", spy_leaf)
     torch.manual_seed(0)
     model = _Positions(rows).double()
-    x = torch.randn(16, 8, 8, dtype=DOUBLE)
+    x = torch.randn(16, 32, 8, dtype=DOUBLE)
     params = list(model.parameters())
     with tg.autograd.record():
         out = model(x)
@@ -462,6 +462,33 @@ def test_backward_from_factors_at_several_positions(rows: int,
     expected = torch.autograd.grad(out, params, w.reshape(out.shape))
     for p, g in zip(params, expected, strict=True):
         assert_close(p.grad, g)
+
+
+def test_backward_keeps_jacobians_up_to_twice_their_factors(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A linear layer at eight positions whose per-sample Jacobians are 1.6 times its factors
+    keeps them (``Jᵀw`` reads them: no second weight-gradient product); the weighted gradient
+    is unchanged (NOTE [Jᵀw from kept Jacobians])."""
+    from torchgram.backends.eager import gramian as eager
+
+    calls: list[str] = []
+    leaf_pullback = eager._FastLeaf.pullback
+
+    def spy_leaf(leaf: Any, weights: Tensor) -> Tensor:
+        calls.append("leaf" if leaf.jacobian is None else "leaf jacobian")
+        return leaf_pullback(leaf, weights)
+
+    monkeypatch.setattr(eager._FastLeaf, "pullback", spy_leaf)
+    torch.manual_seed(0)
+    layer = nn.Linear(16, 64, bias=False).double()  # J: 16·64 = 1024, factors: 8·(16 + 64)
+    x = torch.randn(12, 8, 16, dtype=DOUBLE)
+    with tg.autograd.record():
+        out = torch.tanh(layer(x)).sum((1, 2))
+    w = tg.autograd.backward(out, [layer.weight], tg.weighting.upgrad, batch_dim=0,
+                             retain_graph=True)
+    assert calls == ["leaf jacobian"]
+    (expected,) = torch.autograd.grad(out, [layer.weight], w)
+    assert_close(layer.weight.grad, expected)
 
 
 @pytest.mark.parametrize("recorded", WAYS)
