@@ -14,8 +14,9 @@ from torchgram._api.autograd_explain import InputReport as InputReport
 from torchgram._api.autograd_explain import explain as explain
 from torchgram._api.weighted_backward import BackwardInfo as BackwardInfo
 from torchgram._api.weighted_backward import backward as backward
+from torchgram._core.scratch import release_scratch as release_scratch
 from torchgram.backends.eager.record import Recording as Recording
 from torchgram.backends.eager.record import record as record
 
 __all__ = ["BackwardInfo", "EagerExplanation", "InputReport", "Recording", "backward",
-           "explain", "gramian", "record"]
+           "explain", "gramian", "record", "release_scratch"]

@@ -11,6 +11,7 @@ from torch import Tensor
 
 from torchgram._core import _torch_compat, checks
 from torchgram._core.result import RunReport
+from torchgram._core.scratch import scratch_scope
 from torchgram._core.sink import LeafBlocks
 from torchgram.backends.eager.record import paused
 
@@ -109,7 +110,8 @@ def gramian(
         >>> weights = torch.ones(6) / 6  # e.g. from a Gramian-based weighting of G
         >>> losses.backward(weights)  # the graph is still usable
     """
-    with paused():  # called inside a record() block: our own calls are not recorded
+    with paused(), scratch_scope():  # inside a record() block our calls are not recorded;
+        # NOTE [scratch memory]
         call = prepare(_API, outputs, inputs, batch_dim=batch_dim, chunk_size=chunk_size,
                        retain_graph=retain_graph, diagonal=diagonal, per_input=per_input)
         return call.run().value

@@ -13,6 +13,7 @@ from torchgram._api.step_times import StepTimes, Stopwatch
 from torchgram._api.weights import call_weighting, check_weighting
 from torchgram._core import checks
 from torchgram._core.result import RunReport
+from torchgram._core.scratch import scratch_scope
 from torchgram.backends.eager.record import paused
 
 _API = "torchgram.autograd.backward"
@@ -66,7 +67,8 @@ def backward(
         >>> info.gramian.shape, info.times.total > 0
         (torch.Size([3, 3]), True)
     """
-    with paused():  # inside a record() block, these calls are not the user's
+    with paused(), scratch_scope():  # inside a record() block, these calls are not the
+        # user's; NOTE [scratch memory]
         return _backward(outputs, inputs, weighting, batch_dim, chunk_size, retain_graph,
                          with_info)
 

@@ -32,6 +32,7 @@ from torch import Tensor
 from torchgram._core import _torch_compat
 from torchgram._core.checks import fail
 from torchgram._core.result import RunReport
+from torchgram._core.scratch import current_scratch
 from torchgram._core.sink import LeafBlocks
 from torchgram.backends.eager.graph_index import GraphIndex, index_graph
 from torchgram.backends.eager.passes import engine_cotangents, walk_cotangents
@@ -470,7 +471,14 @@ class _FastLeaf:
 
     def gram(self, diagonal: bool) -> Tensor:
         """The block ``[1, B, 1, B]`` (``[1, B]``)."""
-        jacobian = torch.bmm(self.act.transpose(1, 2), self.cot)
+        act, cot = self.act.transpose(1, 2), self.cot
+        scratch = current_scratch()
+        if scratch is None or act.requires_grad or cot.requires_grad \
+                or act.dtype != cot.dtype:
+            jacobian = torch.bmm(act, cot)
+        else:  # NOTE [scratch memory]: used in this call only (Gram, Jᵀw)
+            jacobian = torch.bmm(act, cot, out=scratch.take(
+                (act.shape[0], act.shape[1], cot.shape[2]), act.dtype, act.device))
         flat = jacobian.reshape(jacobian.shape[0], -1)
         if self.keep and keeps_jacobian(flat, (self.act, self.cot)):
             self.jacobian = flat  # NOTE [Jᵀw from kept Jacobians]: instead of the factors

@@ -1,0 +1,143 @@
+"""Scratch memory for a call's large CPU temporaries, kept between calls of a thread.
+
+# NOTE [scratch memory]
+On CPU, torch allocates with the C library's ``malloc``, which hands large freed blocks back
+to the system (``munmap``, or trimming the top of the heap once it holds more than twice the
+largest block freed so far). A call that forms large temporaries and frees them at its end
+(the per-sample Jacobians of materialized layers, kept for ``Jᵀw`` in a step) then starts
+the next call on fresh pages: each first touch is a page fault that the kernel serves by
+zeroing 4 KiB. On the transformer of ``benchmarks/eager.py`` (T = 64, B = 32) a recorded
+step touched 7 000-14 000 fresh pages in most calls (28-55 MiB), and took 120-160 ms
+against 90-100 ms in the calls that touched none (a plain backward: 70 ms): which calls
+fault depends on the state of the heap, so it also made the ratios to a backward jump from
+run to run. A plain backward frees nothing that large and faults no page.
+
+So the calls of ``torchgram.autograd`` run in a :func:`scratch_scope`: the temporaries that
+cannot escape the call are cut, one after another, from one buffer per thread that outlives
+the call. At the end of a scope the buffer grows to what the call asked for in all (at most
+:data:`SCRATCH_LIMIT_BYTES`; what does not fit is allocated as before), so from the second
+call on nothing is allocated. It is held until the thread ends or ``tg.autograd.
+release_scratch()``; only CPU tensors use it (CUDA has torch's caching allocator).
+
+A scope that starts while the thread's buffer is lent out (a weighting that calls torchgram
+from inside ``tg.autograd.backward``) gets no buffer: its temporaries are allocated as
+before, and nothing of the outer call is overwritten. Loans are views of the buffer: they
+must not outlive their scope (nothing returned to the user is one).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import Tensor
+
+SCRATCH_LIMIT_BYTES = 256 * 2**20
+"""The largest buffer a thread keeps between calls (NOTE [scratch memory])."""
+_ALIGN = 64
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+class Scratch:
+    """One thread's buffer, lent out piece by piece during a scope.
+
+    Example:
+        >>> cpu = torch.device("cpu")
+        >>> scratch = Scratch()
+        >>> first = scratch.take((2, 3), torch.float32, cpu)  # no buffer yet: allocated
+        >>> second = scratch.take((4,), torch.float64, cpu)
+        >>> scratch.end()  # the buffer grows to what the scope asked for (two aligned loans)
+        >>> a = scratch.take((2, 3), torch.float32, cpu)
+        >>> b = scratch.take((4,), torch.float64, cpu)  # after a, 64-byte aligned
+        >>> a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        True
+        >>> b.data_ptr() - a.data_ptr()
+        64
+    """
+
+    def __init__(self) -> None:
+        self._buffer: Tensor | None = None
+        self._used = 0  # bytes lent in this scope (aligned)
+        self._wanted = 0  # bytes this scope asked for, lent or not (aligned)
+        self.busy = False
+
+    def take(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> Tensor:
+        """An uninitialised contiguous tensor, valid until the end of the scope."""
+        if device.type != "cpu":
+            return torch.empty(tuple(shape), dtype=dtype, device=device)
+        nbytes = math.prod(shape) * dtype.itemsize
+        self._wanted += _aligned(nbytes)
+        buffer, start = self._buffer, self._used
+        if buffer is None or start + nbytes > buffer.numel():
+            return torch.empty(tuple(shape), dtype=dtype, device=device)
+        self._used = start + _aligned(nbytes)
+        return buffer[start:start + nbytes].view(dtype).view(*shape)
+
+    def end(self) -> None:
+        """End the scope: every loan is over; grow the buffer to what the scope asked for."""
+        wanted, self._used, self._wanted = self._wanted, 0, 0
+        if wanted <= SCRATCH_LIMIT_BYTES and (self._buffer is None
+                                              or wanted > self._buffer.numel()):
+            self._buffer = None  # the old buffer goes before the new one is made
+            self._buffer = torch.empty(wanted, dtype=torch.uint8)
+
+    def release(self) -> None:
+        """Give the buffer back (the next scope allocates its temporaries afresh)."""
+        self._buffer = None
+
+
+_LOCAL = threading.local()
+
+
+def _scratch() -> Scratch:
+    scratch = getattr(_LOCAL, "scratch", None)
+    if scratch is None:
+        scratch = _LOCAL.scratch = Scratch()
+    return scratch
+
+
+@contextlib.contextmanager
+def scratch_scope() -> Iterator[Scratch | None]:
+    """The thread's :class:`Scratch` for the block, or ``None`` if it is lent out already."""
+    scratch = _scratch()
+    if scratch.busy:  # a call inside a call: its temporaries are its own
+        outer, _LOCAL.current = current_scratch(), None
+        try:
+            yield None
+        finally:
+            _LOCAL.current = outer
+        return
+    scratch.busy = True
+    _LOCAL.current = scratch
+    try:
+        yield scratch
+    finally:
+        _LOCAL.current = None
+        scratch.busy = False
+        scratch.end()
+
+
+def current_scratch() -> Scratch | None:
+    """The scratch of the scope the thread is in (``None`` outside one, or in a nested one)."""
+    current: Scratch | None = getattr(_LOCAL, "current", None)
+    return current
+
+
+def release_scratch() -> None:
+    """Free the calling thread's scratch buffer (NOTE [scratch memory]).
+
+    ``torchgram.autograd`` calls on CPU keep one buffer per thread for their large
+    temporaries (at most 256 MiB), so that the next call does not start on fresh pages. This
+    frees it; the next call allocates afresh. It changes no result.
+
+    Example:
+        >>> import torchgram as tg
+        >>> tg.autograd.release_scratch()
+    """
+    _scratch().release()

@@ -1,0 +1,163 @@
+"""The scratch memory of eager calls (NOTE [scratch memory]): reused, never overwritten live."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import torchgram as tg
+from reference import dense_gramian
+from torchgram._core import scratch as scratch_module
+from torchgram._core.scratch import Scratch, current_scratch, release_scratch, scratch_scope
+
+CPU = torch.device("cpu")
+DOUBLE = torch.float64
+
+
+def test_buffer_grows_to_what_a_scope_asked_for_and_is_reused() -> None:
+    scratch = Scratch()
+    first = scratch.take((8, 8), torch.float32, CPU)  # no buffer yet: a fresh tensor
+    scratch.end()
+    a = scratch.take((8, 8), torch.float32, CPU)
+    assert a.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+    scratch.end()
+    b = scratch.take((8, 8), torch.float32, CPU)  # the same place in the next scope
+    assert b.data_ptr() == a.data_ptr()
+
+
+def test_loans_of_one_scope_do_not_overlap() -> None:
+    scratch = Scratch()
+    for _ in range(2):
+        loans = [scratch.take((n, 3), torch.float64, CPU) for n in (5, 1, 7)]
+        for value, loan in enumerate(loans):
+            loan.fill_(value)
+        assert [float(loan.unique()) for loan in loans] == [0.0, 1.0, 2.0]
+        scratch.end()
+
+
+def test_nothing_above_the_limit_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(scratch_module, "SCRATCH_LIMIT_BYTES", 1024)
+    scratch = Scratch()
+    scratch.take((512,), torch.float32, CPU)  # 2 KiB: above the limit
+    scratch.end()
+    a = scratch.take((512,), torch.float32, CPU)
+    b = scratch.take((512,), torch.float32, CPU)
+    assert a.data_ptr() != b.data_ptr()  # both fresh
+
+
+def test_a_scope_inside_a_scope_gets_none() -> None:
+    with scratch_scope() as outer:
+        assert outer is not None and current_scratch() is outer
+        with scratch_scope() as inner:
+            assert inner is None and current_scratch() is None
+        assert current_scratch() is outer
+    assert current_scratch() is None
+    release_scratch()
+
+
+def test_a_call_inside_a_call_leaves_the_outer_loans_alone() -> None:
+    """The outer scope's loans survive a nested call (which ends its own scope) and the outer
+    scope's later loans: none of them overlap."""
+    with scratch_scope() as warm:  # a buffer for the scopes below
+        assert warm is not None
+        warm.take((64,), DOUBLE, CPU)
+        warm.take((64,), DOUBLE, CPU)
+    with scratch_scope() as outer:
+        assert outer is not None
+        first = outer.take((64,), DOUBLE, CPU).fill_(1.0)
+        with scratch_scope() as inner:  # e.g. a weighting calling torchgram
+            assert inner is None
+        second = outer.take((64,), DOUBLE, CPU).fill_(2.0)
+        assert first.untyped_storage().data_ptr() == second.untyped_storage().data_ptr()
+        assert bool((first == 1.0).all()) and bool((second == 2.0).all())
+    release_scratch()
+
+
+class _Positions(nn.Module):
+    """Linear layers at eight positions: their per-sample Jacobians are formed (and kept for
+    ``Jᵀw``), the temporaries the scratch holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(6, 16)
+        self.second = nn.Linear(16, 3)
+
+    def forward(self, x: Tensor) -> Tensor:  # x [B, 8, 6] -> [B]
+        return self.second(torch.tanh(self.first(x))).square().sum((1, 2))
+
+
+def _model_and_input(seed: int) -> tuple[nn.Module, Tensor]:
+    torch.manual_seed(seed)
+    return _Positions().double(), torch.randn(5, 8, 6, dtype=DOUBLE)
+
+
+def _oracle(model: nn.Module, x: Tensor) -> Tensor:
+    params = dict(model.named_parameters())
+    return dense_gramian(lambda p: torch.func.functional_call(model, p, (x,)), (params,)).gramian
+
+
+def _recorded_gramian(model: nn.Module, x: Tensor) -> Tensor:
+    with tg.autograd.record():
+        out = model(x)
+    return tg.autograd.gramian(out, list(model.parameters()), batch_dim=0)
+
+
+def test_results_do_not_share_the_scratch() -> None:
+    """A result of one call is unchanged by the next (it is not a view of the buffer)."""
+    (model, x), (other, y) = _model_and_input(0), _model_and_input(1)
+    first = _recorded_gramian(model, x)
+    kept = first.clone()
+    for _ in range(3):
+        _recorded_gramian(other, y)
+    assert torch.equal(first, kept)
+    torch.testing.assert_close(first, _oracle(model, x), rtol=1e-10, atol=1e-12)
+
+
+def test_a_weighting_that_calls_torchgram_overwrites_nothing() -> None:
+    """``tg.autograd.backward`` keeps per-sample Jacobians for ``Jᵀw`` in its scratch while the
+    weighting runs; a Gramian computed inside the weighting must neither read nor overwrite
+    them: both the inner Gramian and the step are exact."""
+    (model, x), (other, y) = _model_and_input(0), _model_and_input(1)
+    inner: list[Tensor] = []
+
+    def weighting(gramian: Tensor) -> Tensor:
+        inner.append(_recorded_gramian(other, y))  # a call inside the call
+        return tg.weighting.upgrad(gramian)
+
+    params = list(model.parameters())
+    for _ in range(2):  # the first call makes the thread's buffer, the second lends it
+        model.zero_grad(set_to_none=True)
+        with tg.autograd.record():
+            out = model(x)
+        w = tg.autograd.backward(out, params, weighting, batch_dim=0, retain_graph=True)
+        torch.testing.assert_close(inner[-1], _oracle(other, y), rtol=1e-10, atol=1e-12)
+        expected = torch.autograd.grad(out, params, w)
+        for p, g in zip(params, expected, strict=True):
+            torch.testing.assert_close(p.grad, g, rtol=1e-10, atol=1e-12)
+
+
+def test_threads_have_their_own_scratch() -> None:
+    cases = [_model_and_input(seed) for seed in range(4)]
+    expected = [_oracle(model, x) for model, x in cases]
+    results: dict[int, list[Tensor]] = {}
+    errors: list[BaseException] = []
+
+    def run(index: int) -> None:
+        try:
+            model, x = cases[index]
+            results[index] = [_recorded_gramian(model, x) for _ in range(5)]
+        except BaseException as error:  # noqa: BLE001 -- reported by the main thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(cases))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    for index, gramians in results.items():
+        for gramian in gramians:
+            torch.testing.assert_close(gramian, expected[index], rtol=1e-10, atol=1e-12)
