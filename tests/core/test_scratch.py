@@ -38,6 +38,23 @@ def test_loans_of_one_scope_do_not_overlap() -> None:
         scratch.end()
 
 
+def test_a_loan_given_back_makes_room_for_the_next() -> None:
+    """Transient loans (a Gram's Jacobian, dropped at once) take one place: the buffer grows to
+    the most held at once, not to their sum."""
+    scratch = Scratch()
+    for _ in range(2):
+        kept = scratch.take((16,), torch.float32, CPU)
+        for _ in range(3):
+            scratch.give_back(scratch.take((64,), torch.float32, CPU))
+        scratch.end()
+    assert scratch._buffer is not None and scratch._buffer.numel() == 64 + 256
+    kept = scratch.take((16,), torch.float32, CPU)
+    first = scratch.take((64,), torch.float32, CPU)
+    scratch.give_back(first)
+    second = scratch.take((64,), torch.float32, CPU)
+    assert second.data_ptr() == first.data_ptr() != kept.data_ptr()
+
+
 def test_nothing_above_the_limit_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(scratch_module, "SCRATCH_LIMIT_BYTES", 1024)
     scratch = Scratch()

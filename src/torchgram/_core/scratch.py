@@ -14,7 +14,9 @@ run to run. A plain backward frees nothing that large and faults no page.
 
 So the calls of ``torchgram.autograd`` run in a :func:`scratch_scope`: the temporaries that
 cannot escape the call are cut, one after another, from one buffer per thread that outlives
-the call. At the end of a scope the buffer grows to what the call asked for in all (at most
+the call (one that is dropped at once, a Jacobian whose Gram is taken and that is not kept,
+is given back: the next one takes its place). At the end of a scope the buffer grows to the
+most the call held at once (at most
 :data:`SCRATCH_LIMIT_BYTES`; what does not fit is allocated as before), so from the second
 call on nothing is allocated. It is held until the thread ends or ``tg.autograd.
 release_scratch()``; only CPU tensors use it (CUDA has torch's caching allocator).
@@ -64,28 +66,39 @@ class Scratch:
     def __init__(self) -> None:
         self._buffer: Tensor | None = None
         self._used = 0  # bytes lent in this scope (aligned)
-        self._wanted = 0  # bytes this scope asked for, lent or not (aligned)
+        self._asked = 0  # bytes this scope's live requests take, lent or not (aligned)
+        self._peak = 0  # the most that were live at once
         self.busy = False
 
     def take(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> Tensor:
-        """An uninitialised contiguous tensor, valid until the end of the scope."""
+        """An uninitialised contiguous tensor, valid until the scope ends (or it is given back)."""
         if device.type != "cpu":
             return torch.empty(tuple(shape), dtype=dtype, device=device)
         nbytes = math.prod(shape) * dtype.itemsize
-        self._wanted += _aligned(nbytes)
+        self._asked += _aligned(nbytes)
+        self._peak = max(self._peak, self._asked)
         buffer, start = self._buffer, self._used
         if buffer is None or start + nbytes > buffer.numel():
             return torch.empty(tuple(shape), dtype=dtype, device=device)
         self._used = start + _aligned(nbytes)
         return buffer[start:start + nbytes].view(dtype).view(*shape)
 
+    def give_back(self, loan: Tensor) -> None:
+        """End ``loan`` early: it must be the latest :meth:`take` of the scope, and unused."""
+        nbytes = _aligned(loan.numel() * loan.element_size())
+        self._asked -= nbytes
+        buffer = self._buffer
+        if buffer is not None and loan.untyped_storage().data_ptr() == \
+                buffer.untyped_storage().data_ptr():
+            assert loan.data_ptr() - buffer.data_ptr() + nbytes == self._used, "not the latest"
+            self._used -= nbytes
+
     def end(self) -> None:
         """End the scope: every loan is over; grow the buffer to what the scope asked for."""
-        wanted, self._used, self._wanted = self._wanted, 0, 0
-        if wanted <= SCRATCH_LIMIT_BYTES and (self._buffer is None
-                                              or wanted > self._buffer.numel()):
+        peak, self._used, self._asked, self._peak = self._peak, 0, 0, 0
+        if peak <= SCRATCH_LIMIT_BYTES and (self._buffer is None or peak > self._buffer.numel()):
             self._buffer = None  # the old buffer goes before the new one is made
-            self._buffer = torch.empty(wanted, dtype=torch.uint8)
+            self._buffer = torch.empty(peak, dtype=torch.uint8)
 
     def release(self) -> None:
         """Give the buffer back (the next scope allocates its temporaries afresh)."""

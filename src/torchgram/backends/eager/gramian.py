@@ -475,16 +475,20 @@ class _FastLeaf:
         scratch = current_scratch()
         if scratch is None or act.requires_grad or cot.requires_grad \
                 or act.dtype != cot.dtype:
+            scratch = None
             jacobian = torch.bmm(act, cot)
         else:  # NOTE [scratch memory]: used in this call only (Gram, Jᵀw)
             jacobian = torch.bmm(act, cot, out=scratch.take(
                 (act.shape[0], act.shape[1], cot.shape[2]), act.dtype, act.device))
         flat = jacobian.reshape(jacobian.shape[0], -1)
-        if self.keep and keeps_jacobian(flat, (self.act, self.cot)):
+        kept = self.keep and keeps_jacobian(flat, (self.act, self.cot))
+        if kept:
             self.jacobian = flat  # NOTE [Jᵀw from kept Jacobians]: instead of the factors
             self.sizes = (self.act.shape[-1], self.cot.shape[-1])
             self.act = self.cot = flat.new_empty(0)
         block = flat.square().sum(-1) if diagonal else flat @ flat.T
+        if scratch is not None and not kept:
+            scratch.give_back(jacobian)  # its place serves the next leaf's
         return block.reshape(1, -1) if diagonal else block.reshape(1, flat.shape[0], 1, -1)
 
     def pullback(self, weights: Tensor) -> Tensor:
