@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -178,3 +179,55 @@ def test_threads_have_their_own_scratch() -> None:
     for index, gramians in results.items():
         for gramian in gramians:
             torch.testing.assert_close(gramian, expected[index], rtol=1e-10, atol=1e-12)
+
+
+def test_aggregated_grad_with_a_nested_call_in_its_weighting() -> None:
+    """``tg.aggregated_grad`` keeps per-sample Jacobians in its scratch for ``Jᵀw``; a kernel
+    computed inside its weighting leaves them alone, and the update is the weighted gradient
+    (twice: the second call lends the buffer the first one made)."""
+    (model, x), (other, y) = _model_and_input(0), _model_and_input(1)
+    fn, params = tg.functionalize(model)
+    other_fn, other_params = tg.functionalize(other)
+    inner: list[Tensor] = []
+
+    def weighting(gramian: Tensor) -> Tensor:
+        inner.append(tg.gramian(other_fn, batch_dim=0)(other_params, y))
+        return tg.weighting.upgrad(gramian)
+
+    step = tg.aggregated_grad(fn, weighting, batch_dim=0)
+    for _ in range(2):
+        update, info = step(params, x)
+        torch.testing.assert_close(inner[-1], _oracle(other, y), rtol=1e-10, atol=1e-12)
+        leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
+        out = torch.func.functional_call(model, leaves, (x,))
+        expected = torch.autograd.grad(out, list(leaves.values()), info.weights)
+        for name, grad in zip(leaves, expected, strict=True):
+            torch.testing.assert_close(update[name], grad, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("chunk_bytes", [None, 256], ids=["whole", "column-chunks"])
+def test_gramian_calls_reuse_the_scratch_exactly(chunk_bytes: int | None,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """``tg.gramian`` forms its materialized Jacobians (whole, or by column chunks, NOTE [Gram
+    by column chunks], each ending the previous one) in the scratch: exact on every call."""
+    from torchgram.backends.structured import contraction
+
+    chunked_gram, takes = contraction.chunked_gram, []
+
+    def spy(factors: Any, classes: int, diagonal: bool, max_bytes: int | None = None,
+            workspace: Any = None) -> Tensor:
+        takes.append(current_scratch() is not None and workspace is not None)
+        return chunked_gram(factors, classes, diagonal, chunk_bytes or max_bytes, workspace)
+
+    monkeypatch.setattr(contraction, "chunked_gram", spy)
+    (model, x), (other, y) = _model_and_input(0), _model_and_input(1)
+    fn, params = tg.functionalize(model)
+    other_fn, other_params = tg.functionalize(other)
+    gramian = tg.gramian(fn, batch_dim=0, backend="structured")
+    other_gramian = tg.gramian(other_fn, batch_dim=0, backend="structured")
+    expected, other_expected = _oracle(model, x), _oracle(other, y)
+    for _ in range(3):
+        torch.testing.assert_close(gramian(params, x), expected, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(other_gramian(other_params, y), other_expected, rtol=1e-10,
+                                   atol=1e-12)
+    assert takes and all(takes)

@@ -15,6 +15,7 @@ from torchgram._api.weights import call_weighting, check_weighting
 from torchgram._core import checks
 from torchgram._core.options import Options
 from torchgram._core.pytree import leaves_of
+from torchgram._core.scratch import scratch_scope
 from torchgram._core.sink import shape_block
 
 _API = "torchgram.aggregated_grad"
@@ -104,13 +105,14 @@ def aggregated_grad(
     @outside_compile
     def aggregated_grad_of_f(*args: Any, **kwargs: Any) -> tuple[Any, Aggregation]:
         watch = Stopwatch(_device(args))
-        computation = compute(options, f, args, kwargs, want_pullback=True)
-        blocks = computation.blocks
-        matrix = blocks[0] if len(blocks) == 1 else torch.stack(blocks).sum(0)
-        gramian_time = watch.lap()
-        weights = call_weighting(_API, weighting, matrix)
-        weighting_time = watch.lap()
-        grads = computation.pullback(weights)
+        with scratch_scope():  # NOTE [scratch memory]: the Jacobians kept for Jᵀw
+            computation = compute(options, f, args, kwargs, want_pullback=True)
+            blocks = computation.blocks
+            matrix = blocks[0] if len(blocks) == 1 else torch.stack(blocks).sum(0)
+            gramian_time = watch.lap()
+            weights = call_weighting(_API, weighting, matrix)
+            weighting_time = watch.lap()
+            grads = computation.pullback(weights)  # fresh tensors: nothing of the scope
         times = StepTimes(gramian_time, weighting_time, watch.lap())
         problem = computation.problem
         update = problem.diff.unflatten_like_args(list(grads),

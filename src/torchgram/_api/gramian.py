@@ -9,6 +9,7 @@ from typing import Any
 from torchgram._api.pipeline import compute, outside_compile
 from torchgram._core.checks import function_name
 from torchgram._core.options import Options
+from torchgram._core.scratch import scratch_scope
 
 _API = "torchgram.gramian"
 
@@ -111,8 +112,9 @@ def gramian(
     @functools.wraps(f)
     @outside_compile
     def gramian_of_f(*args: Any, **kwargs: Any) -> Any:
-        computation = compute(options, f, args, kwargs)
-        result = computation.value()
+        with scratch_scope():  # NOTE [scratch memory]
+            computation = compute(options, f, args, kwargs)
+            result = computation.value()
         return (result, computation.aux) if has_aux else result
 
     gramian_of_f.__doc__ = (

@@ -32,7 +32,7 @@ from torch import Tensor
 from torchgram._core import _torch_compat
 from torchgram._core.checks import fail
 from torchgram._core.result import RunReport
-from torchgram._core.scratch import current_scratch
+from torchgram._core.scratch import scratch_for
 from torchgram._core.sink import LeafBlocks
 from torchgram.backends.eager.graph_index import GraphIndex, index_graph
 from torchgram.backends.eager.passes import engine_cotangents, walk_cotangents
@@ -472,10 +472,8 @@ class _FastLeaf:
     def gram(self, diagonal: bool) -> Tensor:
         """The block ``[1, B, 1, B]`` (``[1, B]``)."""
         act, cot = self.act.transpose(1, 2), self.cot
-        scratch = current_scratch()
-        if scratch is None or act.requires_grad or cot.requires_grad \
-                or act.dtype != cot.dtype:
-            scratch = None
+        scratch = scratch_for(act, cot)
+        if scratch is None:
             jacobian = torch.bmm(act, cot)
         else:  # NOTE [scratch memory]: used in this call only (Gram, Jᵀw)
             jacobian = torch.bmm(act, cot, out=scratch.take(

@@ -21,6 +21,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from torchgram._core.scratch import current_scratch, scratch_for
 from torchgram.backends.structured.cost import LeafPlan
 from torchgram.backends.structured.lifetimes import Lifetimes
 from torchgram.backends.structured.trace import UseRecord
@@ -350,7 +351,10 @@ def _materialize_use(use: UseRecord, factors: UseFactors, numel: int,
     operands = per_sample_operands(factors)
     if operands is not None:
         left, right = operands
-        return torch.bmm(left, right).reshape(1, left.shape[0], numel)
+        scratch = scratch_for(left, right)  # NOTE [scratch memory]: given back after its Gram
+        out = None if scratch is None else scratch.take(
+            (left.shape[0], left.shape[1], right.shape[2]), left.dtype, left.device)
+        return torch.bmm(left, right, out=out).reshape(1, left.shape[0], numel)
     jac = torch.matmul(*broadcast_operands(factors))
     return jac.reshape(*jac.shape[:2], numel)
 
@@ -881,15 +885,18 @@ class Contraction:
             owned = True
         if part is None:
             return
-        if self.keep and complete and uses:  # (a carrier alone is kept as it is)
-            self._keep_jacobian(plan.leaf, part)
+        kept = self.keep and complete and bool(uses) and self._keep_jacobian(plan.leaf, part)
         store = self._jacobians.get(plan.leaf)
         if store is None and complete:  # all rows at once: Gram and free
             self._grams[plan.leaf] = gram_of_rows(part, self.diagonal)
-            return
-        if store is None:
-            store = self._jacobians[plan.leaf] = part.new_zeros(self.rows, self.samples, numel)
-        store[start:stop] += part
+        else:
+            if store is None:
+                store = self._jacobians[plan.leaf] = part.new_zeros(self.rows, self.samples,
+                                                                    numel)
+            store[start:stop] += part
+        scratch = current_scratch()
+        if scratch is not None and not kept:
+            scratch.give_back(part)  # if it is the latest loan (NOTE [scratch memory])
 
     def _keep(self, start: int, stop: int, tap_cots: Sequence[Tensor | None],
               carrier_grads: dict[int, Tensor]) -> None:
@@ -917,23 +924,25 @@ class Contraction:
                     continue
                 kept.append((use, self._factors((plan.leaf, k), use, cot)))
 
-    def _keep_jacobian(self, leaf: int, jacobian: Tensor) -> None:
-        """Keep a leaf's whole Jacobian instead of its factors, if not larger.
+    def _keep_jacobian(self, leaf: int, jacobian: Tensor) -> bool:
+        """Keep a leaf's whole Jacobian instead of its factors if not much larger (whether kept).
 
         Always where some of its factors were never formed (:meth:`_keep`).
         """
         kept = self._kept.get(leaf)
         if leaf in self._kept_whole:
             self._kept[leaf] = [jacobian]
-            return
+            return True
         if not kept:
-            return
+            return False
         factors: list[Tensor] = []
         for item in kept:
             factors.extend([item] if isinstance(item, Tensor)
                            else [item[1].first.tensor, item[1].second.tensor])
         if keeps_jacobian(jacobian, factors):  # NOTE [Jᵀw from kept Jacobians]
             self._kept[leaf] = [jacobian]
+            return True
+        return False
 
     def pullback(self, weights: Tensor) -> list[Tensor | None]:
         """``Jᵀ w`` per leaf (flattened; ``None`` where zero), for ``weights [R, B]``.

@@ -20,6 +20,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from torchgram._core.scratch import current_scratch
+
 
 class Workspace:
     """A growing buffer lent out as tensors of any shape; each loan ends with the next.
@@ -34,9 +36,20 @@ class Workspace:
 
     def __init__(self) -> None:
         self._buffer: Tensor | None = None
+        self._loan: Tensor | None = None  # the latest loan, when cut from the scratch
 
     def take(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> Tensor:
-        """An uninitialised contiguous tensor; it shares memory with every earlier loan."""
+        """An uninitialised contiguous tensor; it shares memory with every earlier loan.
+
+        Inside a call's scratch scope the loans are cut from the thread's scratch buffer,
+        which outlives the call (NOTE [scratch memory]); each ends the previous one.
+        """
+        scratch = current_scratch()
+        if scratch is not None:
+            if self._loan is not None:
+                scratch.give_back(self._loan)
+            self._loan = scratch.take(shape, dtype, device)
+            return self._loan
         nbytes = math.prod(shape) * dtype.itemsize
         buffer = self._buffer
         if buffer is None or buffer.numel() < nbytes or buffer.device != device:
