@@ -12,7 +12,13 @@ from torch import Tensor, nn
 import torchgram as tg
 from reference import dense_gramian
 from torchgram._core import scratch as scratch_module
-from torchgram._core.scratch import Scratch, current_scratch, release_scratch, scratch_scope
+from torchgram._core.scratch import (
+    Scratch,
+    current_scratch,
+    release_scratch,
+    scratch_for,
+    scratch_scope,
+)
 
 CPU = torch.device("cpu")
 DOUBLE = torch.float64
@@ -91,6 +97,25 @@ def test_a_call_inside_a_call_leaves_the_outer_loans_alone() -> None:
         second = outer.take((64,), DOUBLE, CPU).fill_(2.0)
         assert first.untyped_storage().data_ptr() == second.untyped_storage().data_ptr()
         assert bool((first == 1.0).all()) and bool((second == 2.0).all())
+    release_scratch()
+
+
+class _Subclass(Tensor):
+    pass
+
+
+def test_scratch_only_for_plain_untracked_operands() -> None:
+    """``out=`` products are not differentiable nor batched: tracked operands, tensor
+    subclasses and mixed dtypes get no scratch; plain ones do, inside a scope only."""
+    plain = torch.ones(2, 2)
+    assert scratch_for(plain, plain) is None  # outside a scope
+    with scratch_scope() as scratch:
+        assert scratch_for(plain, plain) is scratch
+        assert scratch_for(plain, torch.ones(2, 2, requires_grad=True)) is None
+        assert scratch_for(plain, plain.double()) is None
+        assert scratch_for(plain, plain.as_subclass(_Subclass)) is None
+        seen = torch.func.vmap(lambda row: torch.tensor(scratch_for(row, row) is None))(plain)
+        assert bool(seen.all())
     release_scratch()
 
 

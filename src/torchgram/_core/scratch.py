@@ -159,7 +159,7 @@ def scratch_for(*operands: Tensor) -> Scratch | None:
     """The current scratch, if a product of ``operands`` may be written into it with ``out=``.
 
     Not for operands that autograd or a ``torch.func`` transform tracks (``out=`` products
-    are not differentiable, nor batched), nor of several dtypes.
+    are not differentiable, nor batched), tensor subclasses, nor operands of several dtypes.
     """
     scratch = current_scratch()
     if scratch is None:
@@ -167,6 +167,7 @@ def scratch_for(*operands: Tensor) -> Scratch | None:
     dtype = operands[0].dtype
     for operand in operands:
         if operand.requires_grad or operand.dtype != dtype \
+                or type(operand) not in (Tensor, torch.nn.Parameter) \
                 or torch._C._functorch.is_functorch_wrapped_tensor(operand):
             return None
     return scratch
