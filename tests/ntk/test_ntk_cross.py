@@ -145,3 +145,26 @@ def test_mixing_inputs_before_the_first_layer_keeps_the_per_sample_way() -> None
     assert ntk_fn.last_run is not None
     assert ntk_fn.last_run.reports[0].way == "batched"
     assert not ntk_fn.last_run.reports[0].notes
+
+
+@pytest.mark.parametrize("backend", ["auto", "structured"])
+@pytest.mark.parametrize("trace", [(), (-1,)], ids=["full", "traced"])
+def test_a_coupling_behind_dead_first_and_last_samples_is_seen(backend: str,
+                                                               trace: tuple[int, ...]) -> None:
+    """Kernel hunt (session 24): ``h - h.mean(0)`` before a relu that zeroes every sample's
+    output but one in the middle. The derivative check weighed the first and the last
+    sample's rows only, both without gradient, and let the per-sample passes run: kernels
+    0.64 off (relative). It now weighs the even- and the odd-numbered samples."""
+    params = {"w": torch.ones(1, 3, dtype=torch.float64),
+              "u": torch.tensor([[1.0, -2.0], [0.5, 1.0], [2.0, 0.25]], dtype=torch.float64)}
+
+    def f(p: dict[str, Tensor], x: Tensor) -> Tensor:
+        h = x @ p["w"]
+        return torch.relu(h - h.mean(0)) @ p["u"]
+
+    x1 = torch.tensor([[1.0], [1.0], [5.0], [1.0]], dtype=torch.float64)  # only sample 2 lives
+    x2 = torch.tensor([[2.0], [7.0], [2.0]], dtype=torch.float64)  # only sample 1 lives
+    ntk_fn = tg.ntk.empirical_ntk_fn(f, trace_axes=trace, backend=backend)
+    for second in (None, x2):
+        torch.testing.assert_close(ntk_fn(x1, second, params),
+                                   dense_cross_kernel(f, params, x1, second, trace))

@@ -65,7 +65,12 @@ from torchgram.backends.structured.passes import (
     rows_per_pass,
     trace,
 )
-from torchgram.backends.structured.per_sample import _check_batched, per_sample_forward_checked
+from torchgram.backends.structured.per_sample import (
+    LEAK,
+    _check_batched,
+    group_directions,
+    per_sample_forward_checked,
+)
 from torchgram.backends.structured.plan import StructuredPlan, plan_problem, run_uses
 from torchgram.backends.structured.trace import Recording, TraceMismatch, UseRecord
 
@@ -234,10 +239,16 @@ def derivative_check_cheaper(forward_flops: float, samples: int) -> bool:
 # sample's rows of a tap: then J(out[b]) = Σ_taps cot[b] ⊗ act[b], however the activations
 # were computed from the inputs (even if the inputs were mixed before the first tap). So
 # instead of evaluating f again on samples run apart (what tg.gramian's batched way does),
-# kernels check exactly that, in the same backward: two more directions, all rows of the
-# first sample and all rows of the last, whose cotangents must be exactly zero on every
-# other sample's rows of every tap (an interaction through the graph makes them non-zero).
-# A failed check means the rows of the whole batch (NOTE [per-sample]). Two directions
+# kernels check exactly that, in the same backward: two more directions, the rows of the
+# even-numbered samples and those of the odd-numbered ones (random positive weights,
+# group_directions), whose cotangents must be exactly zero on every sample of the other
+# group at every tap (an interaction through the graph makes them non-zero). Until session
+# 24 the two directions were the first sample's rows and the last one's: a kernel hunt found
+# x - x.mean(0) before a relu that had zeroed both their outputs, the check saw nothing and
+# the kernel was 0.64 off (relative); tg.gramian's derivative check had the same blind spot
+# (session 23) and the same remedy. Samples that interact only within their group (0 and 2
+# alone) are not seen. A failed check means the rows of the whole batch (NOTE
+# [per-sample]). Two directions
 # cost about a forward of the batch, so for large batches (where one more evaluation of
 # f on two samples is cheaper) the value check of tg.gramian's batched way runs instead:
 # derivative_check_cheaper compares the two from the plan's forward cost.
@@ -251,10 +262,10 @@ def _checked_chunks(problem: Problem, forward: Forward, recording: Recording,
         return
     taps: Any = forward.taps[0]  # tensors and gradient edges (NOTE [tap edges])
     total, samples = forward.rows_per_sample, forward.samples
-    checks = (0, samples - 1) if samples > 1 else ()
+    checks = 2 if samples > 1 else 0  # the even- and the odd-numbered samples
     for start in range(0, total, per_pass):
         stop = min(start + per_pass, total)
-        extra = checks if start == 0 else ()
+        extra = checks if start == 0 else 0
         cot, others = _directions(problem, recording, rows, start, stop, extra)
         count = cot.shape[0]
         batched = count > 1
@@ -266,35 +277,31 @@ def _checked_chunks(problem: Problem, forward: Forward, recording: Recording,
         del raw
         if others is not None:
             first = stop - start
-            leaks = [g[first:].reshape(len(extra), samples, -1).ne(0).any(-1)
+            leaks = [g[first:].reshape(extra, samples, -1).ne(0).any(-1)
                      for g in grads if g is not None]
             if leaks and bool((torch.stack(leaks) & others).any()):
-                raise NotPerSample("an output row of one sample has a derivative on another "
-                                   "sample's activations: the samples interact")
+                raise NotPerSample(LEAK)
         yield start, stop, [None if g is None else g[:stop - start] for g in grads]
 
 
 def _directions(problem: Problem, recording: Recording, rows: Tensor, start: int, stop: int,
-                checks: tuple[int, ...]) -> tuple[Tensor, Tensor | None]:
-    """The cotangents of rows ``start:stop`` and of the check directions, and the check mask.
+                checks: int) -> tuple[Tensor, Tensor | None]:
+    """The cotangents of rows ``start:stop`` and of ``checks`` (0 or 2) check directions.
 
-    The same for every call of a signature: kept with its trace.
+    The check directions are :func:`group_directions`'s, returned with where they must
+    vanish. The same for every call of a signature: kept with its trace.
     """
     key = ("cross directions", rows.shape, rows.dtype, rows.device, start, stop, checks)
     cached = recording.plans.get(key)
     if cached is None:
         index = problem.sample_major_index  # [B, K]: output rows of each sample
-        count = stop - start + len(checks)
+        count = stop - start + checks
         cot = rows.new_zeros(count, rows.numel())
         span = torch.arange(stop - start, device=rows.device)
         cot[span[:, None], index[:, start:stop].T] = 1
-        for j, sample in enumerate(checks):
-            cot[stop - start + j, index[sample]] = 1
         others = None
         if checks:
-            others = torch.ones(len(checks), problem.samples, dtype=torch.bool,
-                                device=rows.device)
-            others[torch.arange(len(checks)), torch.tensor(checks)] = False
+            cot[stop - start:], others = group_directions(rows, index, problem.samples)
         cached = recording.plans[key] = (cot.reshape(count, *rows.shape), others)
     return cached
 

@@ -175,14 +175,7 @@ def _check_derivatives(problem: Problem, forward: Forward) -> None:
     samples = forward.samples
     if not rows.requires_grad or not taps or samples < 2:
         return
-    index = problem.sample_major_index  # [B, K]: each sample's rows in rows.reshape(-1)
-    generator = torch.Generator(device=rows.device).manual_seed(0)  # leaves the draws alone
-    group = torch.arange(samples, device=rows.device) % 2  # 0: even-numbered, 1: odd
-    cot = rows.new_zeros(2, rows.numel())
-    for j in range(2):
-        members = index[group == j].reshape(-1)
-        cot[j, members] = 0.5 + torch.rand(
-            members.numel(), generator=generator, device=rows.device).to(rows.dtype)
+    cot, outside = group_directions(rows, problem.sample_major_index, samples)
     inputs: Any = list(taps)  # tensors and gradient edges
     grads = torch.autograd.grad(rows, inputs, cot.reshape(2, *rows.shape),
                                 retain_graph=True, allow_unused=True, is_grads_batched=True)
@@ -190,11 +183,41 @@ def _check_derivatives(problem: Problem, forward: Forward) -> None:
         if grad is None:
             continue
         leaks = per_sample_view(grad, axis, 1, samples).reshape(2, samples, -1)
-        leaks = leaks.ne(0).any(-1)  # [direction, sample]
-        leaks[group.unsqueeze(0) == torch.arange(2, device=rows.device).unsqueeze(1)] = False
-        if bool(leaks.any()):
-            raise NotPerSample("an output row of one sample has a derivative on another "
-                               "sample's activations: the samples interact")
+        if bool((leaks.ne(0).any(-1) & outside).any()):
+            raise NotPerSample(LEAK)
+
+
+LEAK = ("an output row of one sample has a derivative on another sample's activations: the "
+        "samples interact")
+"""Why the per-sample passes do not hold, when a derivative check finds a leak."""
+
+
+def group_directions(rows: Tensor, index: Tensor, samples: int) -> tuple[Tensor, Tensor]:
+    """The two check directions of NOTE [derivative check], and where they must vanish.
+
+    ``index`` (``[B, K]``) gives each sample's rows in ``rows.reshape(-1)``. Direction ``j``
+    weighs the rows of the even-numbered (``j = 0``) or odd-numbered (``j = 1``) samples by
+    random positive weights (no cancellation between samples); its cotangent must be exactly
+    zero at the taps of every sample of the other group (``outside[j]``, ``[2, B]``).
+
+    Example:
+        >>> cot, outside = group_directions(torch.zeros(3, 2), torch.arange(6).reshape(3, 2), 3)
+        >>> cot.ne(0).int()
+        tensor([[1, 1, 0, 0, 1, 1],
+                [0, 0, 1, 1, 0, 0]], dtype=torch.int32)
+        >>> outside
+        tensor([[False,  True, False],
+                [ True, False,  True]])
+    """
+    generator = torch.Generator(device=rows.device).manual_seed(0)  # leaves the draws alone
+    group = torch.arange(samples, device=rows.device) % 2  # 0: even-numbered, 1: odd
+    cot = rows.new_zeros(2, rows.numel())
+    for j in range(2):
+        members = index[group == j].reshape(-1)
+        cot[j, members] = 0.5 + torch.rand(
+            members.numel(), generator=generator, device=rows.device).to(rows.dtype)
+    outside = group.unsqueeze(0) != torch.arange(2, device=rows.device).unsqueeze(1)
+    return cot, outside
 
 
 def _same_merged_acts(forward: Forward, acts: list[Tensor], subset: list[int]) -> bool:
