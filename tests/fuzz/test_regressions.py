@@ -567,3 +567,39 @@ def test_centered_layer_behind_a_dropout_that_drops_the_first_and_last_samples(
         params_at="last", extra_leaves=True, has_aux=True, diagonal=True, per_leaf=True,
         alias_tied=True)
     assert check(case, backend) == "answered"
+
+
+@pytest.mark.parametrize("backend", ["graph", "structured", "auto"])
+def test_rows_in_chunks_of_a_leaf_used_as_w_and_w_transposed_in_functions(backend: str) -> None:
+    """Session 24's Gramian hunt (pre-existing): a weight used as ``W`` and ``W.T`` inside
+    custom Functions takes its per-row Jacobians from the backward; with ``chunk_size=3`` of
+    4 rows the batched chunk's gradient came row-major, the last row's as a transposed view,
+    and each chunk was flattened in its own memory order: columns permuted between chunks,
+    the cross terms 0.29 off on that leaf's block (``G`` 0.05). NOTE [columns of row
+    chunks]."""
+    case = FuzzCase(
+        seed=114, batch=4, length=1, input=Tokens(vocab=6, width=3),
+        layers=(Linear(out=5, bias=False, form="function"),
+                Linear(out=3, bias=False, form="function", tie=0, transposed=True)),
+        head=Head(kind="ce", classes=2), dtype="float64", batch_dim=None,
+        input_via="keyword", layout="dict", consts_via="arg", params_at="last", chunk_size=3,
+        requires_grad=True)
+    assert check(case, backend) == "answered"
+
+
+@pytest.mark.parametrize("backend", ["structured", "auto", "jacobian"])
+def test_kernel_with_a_coupling_behind_dead_first_and_last_samples(backend: str) -> None:
+    """Session 24's kernel hunt (pre-existing): ``h - h.mean(0)`` then a relu that zeroed the
+    outputs of the first and the last sample; the kernels' derivative check weighed only
+    their rows and let the per-sample passes run (structured and auto 0.64 off, relative).
+    It weighs the even- and the odd-numbered samples now
+    (``tests/ntk/test_ntk_cross.py::test_a_coupling_behind_dead_first_and_last_samples_is_seen``)."""
+    kernel = KernelCase(
+        case=FuzzCase(
+            seed=524, batch=4, length=1, input=Tokens(vocab=5, width=1),
+            layers=(Center(), Activation(kind="relu")), head=Head(kind="seq", classes=2),
+            dtype="float64", batch_dim=0, mixed_dtypes=True, layout="list",
+            consts_via="closure", params_at="first", alias_tied=True),
+        batch2=3, trace_axes=(1,), diagonal_axes=(), vmap_axes=0, memory_budget=200,
+        chunk_size=2, stream_bytes=16777216, labels_via="x")
+    assert check_kernel(kernel, backend) == "answered"

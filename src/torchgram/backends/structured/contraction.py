@@ -503,10 +503,24 @@ def flat_rows(jacobian: Tensor) -> Tensor:
     """``[R, B, *shape]`` → ``[R, B, P]``, with the entries in memory order (no copy).
 
     The order of a Jacobian's columns does not change its Gram matrix, so the flattening
-    follows the strides the backward produced instead of copying to row-major order.
+    follows the strides the backward produced instead of copying to row-major order: only
+    for a Jacobian whose rows all come at once (NOTE [columns of row chunks]).
     """
     rest = sorted(range(2, jacobian.dim()), key=lambda d: -jacobian.stride()[d])
     return jacobian.permute(0, 1, *rest).reshape(*jacobian.shape[:2], -1)
+
+
+# NOTE [columns of row chunks]
+# A leaf's Jacobian built from several backwards (chunk_size rows at a time) is one matrix:
+# its columns must be in the same order in every chunk. The backward lays a gradient out as
+# its last node writes it, which can differ between a batched pass of several rows and the
+# plain pass of one row (a leaf used as W and as W.T inside custom autograd.Functions: the
+# batched pass gave [c, 5, 3] in row-major order, the last chunk's single row a transposed
+# [5, 3] view). Flattened each in its own memory order (flat_rows), the chunks' columns
+# were permuted against each other: the diagonal blocks were right, the cross terms between
+# chunks wrong (a Gramian hunt case: that leaf's block 0.29 off, relative). A chunk of some
+# rows is flattened in the leaf's row-major order; only a Jacobian whose rows all come at
+# once keeps the order it was written in.
 
 
 # NOTE [Jᵀw from kept Jacobians]
@@ -847,7 +861,10 @@ class Contraction:
         owned = False  # whether part is a tensor made here (not the carrier's gradient)
         uses = self.uses.get(plan.leaf, ())
         if part is not None:  # [c, B, *leaf.shape]: in the leaf's layout if others add to it
-            part = self._cast(part.reshape(*part.shape[:2], -1) if uses else flat_rows(part))
+            # or if other row chunks add to it (their backward may lay the gradient out
+            # otherwise: NOTE [columns of row chunks]); alone and whole, in memory order
+            part = self._cast(part.reshape(*part.shape[:2], -1) if uses or not complete
+                              else flat_rows(part))
         if complete and part is None and len(uses) == 1 and uses[0].role == "bias":
             cot = self._cot_tensor(uses[0], tap_cots)
             if cot is None:
