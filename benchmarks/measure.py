@@ -13,7 +13,9 @@ Memory: the increase of the process's resident set during that one call, at its 
 ``VmHWM - VmRSS`` after resetting the high-water mark (``/proc/self/clear_refs``, value 5)
 right before the call. Before the reset, ``gc.collect()`` and glibc's ``malloc_trim(0)``
 hand every freed page back to the OS, so memory that earlier calls left in malloc's free
-lists cannot hide this call's allocations. The figure counts everything the call touches
+lists cannot hide this call's allocations, and torchgram's scratch buffer (kept between
+calls, NOTE [scratch memory]) is freed, so the call's large temporaries count as allocated
+within it. The figure counts everything the call touches
 (activations, Jacobians, temporaries, outputs, library workspaces), not the model and
 inputs that exist before it. In the default mode each (case, method) runs in a fresh
 subprocess, so one method's hooks, caches or heap state cannot leak into another's numbers.
@@ -168,6 +170,9 @@ def _reset_peak() -> bool:
 
 def peak_memory_of(call: Callable[[], Any]) -> tuple[Any, int | None]:
     """Run ``call()`` once; return its result and the peak RSS increase (bytes) during it."""
+    import torchgram as tg
+
+    tg.autograd.release_scratch()  # its pages would hide the call's temporaries
     gc.collect()
     _malloc_trim()
     ok = _reset_peak()
