@@ -22,7 +22,7 @@ from torch import Tensor
 
 import torchgram as tg
 import torchgram.backends.structured.cross as structured_cross
-from fuzz_arch import Buffer, Dropout, FuzzCase, Head, Linear, Norm, build
+from fuzz_arch import Buffer, Dropout, Features, FuzzCase, Head, Linear, Norm, build
 from fuzz_check import Snapshot, assert_close
 from fuzz_strategies import cases
 from reference import dense_cross_kernel
@@ -83,7 +83,8 @@ def second_batch_sizes(case: FuzzCase) -> list[int | None]:
     """The sizes ``x2`` may have (``None``: no ``x2``) on which ``f`` itself runs.
 
     Not one sample of one position where batch norm in training mode would see one value
-    per channel: ``f`` itself raises there (session 23's kernel hunt).
+    per channel: ``f`` itself raises there (session 23's kernel hunt; flat features have one
+    position whatever ``length`` says: session 24's).
 
     Example:
         >>> from fuzz_arch import Features
@@ -91,10 +92,13 @@ def second_batch_sizes(case: FuzzCase) -> list[int | None]:
         ...                 layers=(Norm(kind="batch_train"),), head=Head(kind="feat"))
         >>> second_batch_sizes(case)
         [None, 2, 3, 5, 3]
+        >>> second_batch_sizes(dataclasses.replace(case, length=2))  # still one position
+        [None, 2, 3, 5, 3]
     """
     batch_norm = any(isinstance(layer, Norm) and layer.kind == "batch_train"
                      for layer in case.layers)
-    one = [1] if case.length > 1 or not batch_norm else []
+    flat = isinstance(case.input, Features) and case.input.flat
+    one = [1] if (case.length > 1 and not flat) or not batch_norm else []
     return [None, *one, 2, 3, 5, case.batch]
 
 

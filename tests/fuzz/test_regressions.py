@@ -471,6 +471,7 @@ def test_kernel_cases_never_call_f_on_what_f_refuses() -> None:
                 Norm(kind="batch_train", affine=False, groups=1), Activation(kind="softplus")),
         head=Head(kind="feat", classes=3), dtype="float64", batch_dim=0, output_dim=0)
     assert 1 not in second_batch_sizes(case)
+    assert 1 not in second_batch_sizes(dataclasses.replace(case, length=2))  # session 24: flat
     longer = dataclasses.replace(case, length=2, input=Features(width=4, flat=False))
     assert 1 in second_batch_sizes(longer)
     for batch2 in second_batch_sizes(case):
