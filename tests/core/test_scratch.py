@@ -15,6 +15,7 @@ from torchgram._core import scratch as scratch_module
 from torchgram._core.scratch import (
     Scratch,
     current_scratch,
+    kept_bytes,
     release_scratch,
     scratch_for,
     scratch_scope,
@@ -70,6 +71,27 @@ def test_nothing_above_the_limit_is_kept(monkeypatch: pytest.MonkeyPatch) -> Non
     a = scratch.take((512,), torch.float32, CPU)
     b = scratch.take((512,), torch.float32, CPU)
     assert a.data_ptr() != b.data_ptr()  # both fresh
+
+
+def test_the_limit_holds_for_all_threads_together(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Many threads calling torchgram keep at most the limit between them, not each."""
+    import gc
+
+    monkeypatch.setattr(scratch_module, "SCRATCH_LIMIT_BYTES", kept_bytes() + 1024)
+    first, second = Scratch(), Scratch()
+    first.take((192,), torch.float32, CPU)  # 768 bytes
+    first.end()
+    second.take((128,), torch.float32, CPU)  # 512 more: over the limit, not kept
+    second.end()
+    assert second._buffer is None and first._buffer is not None
+    first.release()
+    second.take((128,), torch.float32, CPU)
+    second.end()
+    assert second._buffer is not None and second._buffer.numel() == 512
+    before = kept_bytes()
+    del second
+    gc.collect()
+    assert kept_bytes() == before - 512  # a thread's buffer goes with it
 
 
 def test_a_scope_inside_a_scope_gets_none() -> None:

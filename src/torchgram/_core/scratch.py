@@ -18,9 +18,9 @@ then none, 95 ms) run in a :func:`scratch_scope`: the temporaries that
 cannot escape the call are cut, one after another, from one buffer per thread that outlives
 the call (one that is dropped at once, a Jacobian whose Gram is taken and that is not kept,
 is given back: the next one takes its place). At the end of a scope the buffer grows to the
-most the call held at once (at most
-:data:`SCRATCH_LIMIT_BYTES`; what does not fit is allocated as before), so from the second
-call on nothing is allocated. It is held until the thread ends or ``tg.autograd.
+most the call held at once (while the buffers of all threads together stay within
+:data:`SCRATCH_LIMIT_BYTES`, 256 MiB; what does not fit is allocated as before), so from
+the second call on nothing is allocated. It is held until the thread ends or ``tg.autograd.
 release_scratch()``; only CPU tensors use it (CUDA has torch's caching allocator).
 
 A scope that starts while the thread's buffer is lent out (a weighting that calls torchgram
@@ -34,14 +34,34 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor
 
 SCRATCH_LIMIT_BYTES = 256 * 2**20
-"""The largest buffer a thread keeps between calls (NOTE [scratch memory])."""
+"""The most that the buffers of all threads together keep between calls (NOTE [scratch
+memory]): a thread's buffer grows only while the sum stays within it."""
 _ALIGN = 64
+_KEPT: dict[int, int] = {}  # id of each Scratch with a buffer: its bytes
+_KEPT_LOCK = threading.Lock()
+
+
+def _forget(key: int) -> None:
+    with _KEPT_LOCK:
+        _KEPT.pop(key, None)
+
+
+def kept_bytes() -> int:
+    """The bytes the scratch buffers of all threads hold now.
+
+    Example:
+        >>> kept_bytes() >= 0
+        True
+    """
+    with _KEPT_LOCK:
+        return sum(_KEPT.values())
 
 
 def _aligned(nbytes: int) -> int:
@@ -72,6 +92,7 @@ class Scratch:
         self._peak = 0  # the most that were live at once
         self._latest: tuple[int, int] | None = None  # the latest loan: where, how many bytes
         self.busy = False
+        weakref.finalize(self, _forget, id(self))  # a thread's Scratch goes with the thread
 
     def take(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> Tensor:
         """An uninitialised contiguous tensor, valid until the scope ends (or it is given back)."""
@@ -106,16 +127,28 @@ class Scratch:
             self._used -= nbytes
 
     def end(self) -> None:
-        """End the scope: every loan is over; grow the buffer to what the scope asked for."""
+        """End the scope: every loan is over; grow the buffer to what the scope held at most.
+
+        Only while the buffers of all threads stay within :data:`SCRATCH_LIMIT_BYTES`.
+        """
         peak, self._used, self._asked, self._peak = self._peak, 0, 0, 0
         self._latest = None
-        if peak <= SCRATCH_LIMIT_BYTES and (self._buffer is None or peak > self._buffer.numel()):
-            self._buffer = None  # the old buffer goes before the new one is made
-            self._buffer = torch.empty(peak, dtype=torch.uint8)
+        held = 0 if self._buffer is None else self._buffer.numel()
+        if peak <= held:
+            return
+        with _KEPT_LOCK:
+            others = sum(_KEPT.values()) - _KEPT.get(id(self), 0)
+            if others + peak > SCRATCH_LIMIT_BYTES:
+                return
+            _KEPT[id(self)] = peak
+        self._buffer = None  # the old buffer goes before the new one is made
+        self._buffer = torch.empty(peak, dtype=torch.uint8)
 
     def release(self) -> None:
         """Give the buffer back (the next scope allocates its temporaries afresh)."""
         self._buffer = None
+        _forget(id(self))
+
 
 
 _LOCAL = threading.local()
@@ -176,9 +209,10 @@ def scratch_for(*operands: Tensor) -> Scratch | None:
 def release_scratch() -> None:
     """Free the calling thread's scratch buffer (NOTE [scratch memory]).
 
-    ``torchgram.autograd`` calls on CPU keep one buffer per thread for their large
-    temporaries (at most 256 MiB), so that the next call does not start on fresh pages. This
-    frees it; the next call allocates afresh. It changes no result.
+    Calls on CPU (``tg.autograd``, ``tg.gramian``, ``tg.aggregated_grad``) keep one buffer
+    per thread for their large temporaries (at most 256 MiB for all threads together), so
+    that the next call does not start on fresh pages. This frees the calling thread's; its
+    next call allocates afresh. It changes no result.
 
     Example:
         >>> import torchgram as tg
