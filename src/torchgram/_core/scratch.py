@@ -150,7 +150,6 @@ class Scratch:
         _forget(id(self))
 
 
-
 _LOCAL = threading.local()
 
 
@@ -204,6 +203,35 @@ def scratch_for(*operands: Tensor) -> Scratch | None:
                 or torch._C._functorch.is_functorch_wrapped_tensor(operand):
             return None
     return scratch
+
+
+def scratch_bmm(left: Tensor, right: Tensor) -> Tensor:
+    """``torch.bmm(left, right)``, written into the current scratch where it may be.
+
+    A temporary of the call only (NOTE [scratch memory]): :func:`give_back` it once used,
+    unless it is kept for later in the call.
+
+    Example:
+        >>> left, right = torch.ones(2, 3, 4), torch.ones(2, 4, 5)
+        >>> with scratch_scope():
+        ...     product = scratch_bmm(left, right)
+        ...     total = product.sum().item()
+        ...     give_back(product)
+        >>> total
+        120.0
+    """
+    scratch = scratch_for(left, right)
+    if scratch is None:
+        return torch.bmm(left, right)
+    return torch.bmm(left, right, out=scratch.take(
+        (left.shape[0], left.shape[1], right.shape[2]), left.dtype, left.device))
+
+
+def give_back(loan: Tensor) -> None:
+    """End ``loan`` early if it is the current scratch's latest (else do nothing)."""
+    scratch = current_scratch()
+    if scratch is not None:
+        scratch.give_back(loan)
 
 
 def release_scratch() -> None:

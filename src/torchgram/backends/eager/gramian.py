@@ -32,7 +32,7 @@ from torch import Tensor
 from torchgram._core import _torch_compat
 from torchgram._core.checks import fail
 from torchgram._core.result import RunReport
-from torchgram._core.scratch import scratch_for
+from torchgram._core.scratch import give_back, scratch_bmm
 from torchgram._core.sink import LeafBlocks
 from torchgram.backends.eager.graph_index import GraphIndex, index_graph
 from torchgram.backends.eager.passes import engine_cotangents, walk_cotangents
@@ -471,13 +471,7 @@ class _FastLeaf:
 
     def gram(self, diagonal: bool) -> Tensor:
         """The block ``[1, B, 1, B]`` (``[1, B]``)."""
-        act, cot = self.act.transpose(1, 2), self.cot
-        scratch = scratch_for(act, cot)
-        if scratch is None:
-            jacobian = torch.bmm(act, cot)
-        else:  # NOTE [scratch memory]: used in this call only (Gram, Jᵀw)
-            jacobian = torch.bmm(act, cot, out=scratch.take(
-                (act.shape[0], act.shape[1], cot.shape[2]), act.dtype, act.device))
+        jacobian = scratch_bmm(self.act.transpose(1, 2), self.cot)  # NOTE [scratch memory]
         flat = jacobian.reshape(jacobian.shape[0], -1)
         kept = self.keep and keeps_jacobian(flat, (self.act, self.cot))
         if kept:
@@ -485,8 +479,8 @@ class _FastLeaf:
             self.sizes = (self.act.shape[-1], self.cot.shape[-1])
             self.act = self.cot = flat.new_empty(0)
         block = flat.square().sum(-1) if diagonal else flat @ flat.T
-        if scratch is not None and not kept:
-            scratch.give_back(jacobian)  # its place serves the next leaf's
+        if not kept:
+            give_back(jacobian)  # its place serves the next leaf's
         return block.reshape(1, -1) if diagonal else block.reshape(1, flat.shape[0], 1, -1)
 
     def pullback(self, weights: Tensor) -> Tensor:

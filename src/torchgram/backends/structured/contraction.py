@@ -21,7 +21,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from torchgram._core.scratch import current_scratch, scratch_for
+from torchgram._core.scratch import give_back, scratch_bmm
 from torchgram.backends.structured.cost import LeafPlan
 from torchgram.backends.structured.lifetimes import Lifetimes
 from torchgram.backends.structured.trace import UseRecord
@@ -351,10 +351,8 @@ def _materialize_use(use: UseRecord, factors: UseFactors, numel: int,
     operands = per_sample_operands(factors)
     if operands is not None:
         left, right = operands
-        scratch = scratch_for(left, right)  # NOTE [scratch memory]: given back after its Gram
-        out = None if scratch is None else scratch.take(
-            (left.shape[0], left.shape[1], right.shape[2]), left.dtype, left.device)
-        return torch.bmm(left, right, out=out).reshape(1, left.shape[0], numel)
+        # NOTE [scratch memory]: given back after its Gram (Contraction._add_leaf)
+        return scratch_bmm(left, right).reshape(1, left.shape[0], numel)
     jac = torch.matmul(*broadcast_operands(factors))
     return jac.reshape(*jac.shape[:2], numel)
 
@@ -911,9 +909,8 @@ class Contraction:
                 store = self._jacobians[plan.leaf] = part.new_zeros(self.rows, self.samples,
                                                                     numel)
             store[start:stop] += part
-        scratch = current_scratch()
-        if scratch is not None and not kept:
-            scratch.give_back(part)  # if it is the latest loan (NOTE [scratch memory])
+        if not kept:
+            give_back(part)  # if it is the scratch's latest loan (NOTE [scratch memory])
 
     def _keep(self, start: int, stop: int, tap_cots: Sequence[Tensor | None],
               carrier_grads: dict[int, Tensor]) -> None:
