@@ -39,6 +39,12 @@ def _encode(p, ids, pos):
     return torch.tanh(F.linear(F.embedding(ids, p["tok"]) + pos, p["w"])).sum((1, 2))
 
 
+def _shape_checked(pos):
+    if pos.dim() != 3 or pos.shape[-1] != D or pos.size(1) != T or len(pos) != 1:
+        raise ValueError(f"unexpected position embedding shape {tuple(pos.shape)}")
+    return pos
+
+
 CASES = {
     # the position embedding [1, T, D] meets the [B, T, D] tokens in `+`: tapped there
     "bert_like": (lambda p, ids: _encode(p, ids, F.embedding(POSITION_IDS, p["pos"])),
@@ -46,6 +52,9 @@ CASES = {
     # returned unchanged first (as GPT-2's `.to(device)` and dropout in eval mode do)
     "unchanged_first": (lambda p, ids: _encode(p, ids, F.dropout(
         F.embedding(POSITION_IDS, p["pos"]).to(ids.device), 0.1, training=False)), "batched"),
+    # only its metadata read first (NOTE [metadata calls]): still pending, tapped at `+`
+    "metadata_first": (lambda p, ids: _encode(p, ids, _shape_checked(
+        F.embedding(POSITION_IDS, p["pos"]))), "batched"),
     # used by another op before meeting the batch: the per-sample vmap pass instead
     "indexed_first": (lambda p, ids: _encode(p, ids, F.embedding(POSITION_IDS, p["pos"])[0]),
                       "vmap"),

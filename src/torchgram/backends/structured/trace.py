@@ -284,6 +284,35 @@ _EXPANDS = frozenset({torch.Tensor.expand, torch.Tensor.expand_as})
 _UNBATCHABLE = frozenset({torch.lstm, torch.gru, torch.rnn_tanh, torch.rnn_relu})
 
 
+# NOTE [metadata calls]: most calls a model makes under the mode only read a tensor's
+# metadata (``x.shape``, ``x.size(-1)``, ``x.dim()``, ``x.device``: 35-45 of GPT-2's 190
+# calls). They read no entry, so they can neither use a leaf nor make samples interact nor
+# meet the batch; the mode hands them straight to torch instead of looking for leaves,
+# couplings and taps in their arguments (about 5 µs a call). A tensor shared by the samples
+# and still waiting to meet the batch (NOTE [shared taps]) stays pending through them.
+_METADATA = frozenset({
+    torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
+    torch.Tensor.ndim.__get__, torch.Tensor.layout.__get__, torch.Tensor.requires_grad.__get__,
+    torch.Tensor.is_cuda.__get__, torch.Tensor.dim, torch.Tensor.size, torch.Tensor.numel,
+    torch.Tensor.nelement, torch.Tensor.ndimension, torch.Tensor.stride,
+    torch.Tensor.is_floating_point, torch.Tensor.is_complex, torch.Tensor.is_contiguous,
+    torch.Tensor.element_size, torch.Tensor.get_device, torch.Tensor.__len__,
+})
+
+
+def reads_metadata(func: Any) -> bool:
+    """Whether ``func`` only reads tensors' metadata (NOTE [metadata calls]).
+
+    Example:
+        >>> reads_metadata(torch.Tensor.size), reads_metadata(torch.Tensor.add)
+        (True, False)
+    """
+    try:
+        return func in _METADATA
+    except TypeError:  # unhashable func
+        return False
+
+
 def _unbatchable(func: Any) -> bool:
     """Whether ``vmap`` cannot batch ``func`` (it then runs once per sample)."""
     try:
@@ -324,6 +353,26 @@ def zero_tap(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> 
         (torch.Size([2, 3]), True, True, (0, 0))
     """
     return torch.zeros((), dtype=dtype, device=device).expand(*shape).requires_grad_()
+
+
+def _not_chosen(found: list[tuple[Tensor, LeafRef]], chosen: list[Any]) -> list[LeafRef]:
+    """The refs of ``found`` leaves met more often than among the ``chosen`` operands.
+
+    Every occurrence of such a leaf is returned (each is an unrecognised use).
+
+    Example:
+        >>> a, b = torch.ones(1), torch.ones(1)
+        >>> found = [(a, LeafRef(0)), (b, LeafRef(1)), (a, LeafRef(0))]
+        >>> [ref.index for ref in _not_chosen(found, [a, b])], _not_chosen(found[:2], [b, a])
+        ([0, 0], [])
+    """
+    found_ids = [id(leaf) for leaf, _ in found]
+    chosen_ids = [id(value) for value in chosen]
+    if len(found_ids) == len(chosen_ids) and sorted(found_ids) == sorted(chosen_ids):
+        return []  # the common case: every leaf found is a chosen operand, once
+    remaining = Counter(found_ids)
+    remaining.subtract(chosen_ids)
+    return [ref for leaf, ref in found if remaining[id(leaf)] > 0]
 
 
 def _has_float_tensor(result: Any) -> bool:
@@ -532,6 +581,8 @@ class TapMode(TorchFunctionMode):
         kwargs = kwargs or {}
         recording = self.recording
         recording.calls += 1
+        if reads_metadata(func):  # NOTE [metadata calls]
+            return func(*args, **kwargs)
         new_hooks = self._under_new_hooks()
         if new_hooks and _CHECKPOINT_REGION not in recording.transform_refusals:
             recording.transform_refusals.append(_CHECKPOINT_REGION)
@@ -635,10 +686,7 @@ class TapMode(TorchFunctionMode):
         chosen = self._recognised(match)
         if not chosen:
             return None
-        remaining = Counter(id(leaf) for leaf, _ in found)
-        for i, _, _ in chosen:
-            remaining[id(match.operands[i].value)] -= 1
-        others = [ref for leaf, ref in found if remaining[id(leaf)] > 0]
+        others = _not_chosen(found, [match.operands[i].value for i, _, _ in chosen])
         values = [operand.value for operand in match.operands]
         for i, ref, _ in chosen:
             plain = self._plain[ref.index]
