@@ -70,6 +70,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import math
 from collections import Counter
 from collections.abc import Collection, Sequence
@@ -291,9 +292,9 @@ _UNBATCHABLE = frozenset({torch.lstm, torch.gru, torch.rnn_tanh, torch.rnn_relu}
 # couplings and taps in their arguments (about 5 µs a call). A tensor shared by the samples
 # and still waiting to meet the batch (NOTE [shared taps]) stays pending through them.
 _METADATA = frozenset({
-    torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
-    torch.Tensor.ndim.__get__, torch.Tensor.layout.__get__, torch.Tensor.requires_grad.__get__,
-    torch.Tensor.is_cuda.__get__, torch.Tensor.dim, torch.Tensor.size, torch.Tensor.numel,
+    *(inspect.getattr_static(torch.Tensor, name).__get__  # property getters
+      for name in ("shape", "dtype", "device", "ndim", "layout", "requires_grad", "is_cuda")),
+    torch.Tensor.dim, torch.Tensor.size, torch.Tensor.numel,
     torch.Tensor.nelement, torch.Tensor.ndimension, torch.Tensor.stride,
     torch.Tensor.is_floating_point, torch.Tensor.is_complex, torch.Tensor.is_contiguous,
     torch.Tensor.element_size, torch.Tensor.get_device, torch.Tensor.__len__,
