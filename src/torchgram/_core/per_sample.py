@@ -213,11 +213,11 @@ def check_samples(problem: Problem, sample_rows: Tensor, samples: Tensor,
         samples: ``[count]`` the indices of those samples in the batch.
         full_rows: ``[m]`` the outputs of the whole batch, in output order.
     """
-    expected = full_rows[problem.sample_major_index[samples]]
+    expected = full_rows.detach()[problem.sample_major_index[samples]]
     actual = sample_rows.detach().reshape(expected.shape).to(expected.dtype)
-    scale = full_rows.detach().abs().max()
     rtol = tolerance(problem.output.dtype)
-    if not bool(((actual - expected).abs() <= rtol * (scale + expected.abs())).all()):
+    bound = expected.abs().add_(full_rows.detach().abs().max()).mul_(rtol)  # rtol (scale + |e|)
+    if not bool((actual - expected).abs_().le(bound).all()):  # NaN: never within
         worst = int(((actual - expected).abs().amax(dim=1)).argmax())
         raise NotPerSample(
             f"sample {int(samples[worst])} run alone gives other outputs than in the batch: the "
