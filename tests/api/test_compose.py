@@ -259,3 +259,51 @@ def test_nothing_is_differentiable_without_a_reason() -> None:
     G, aux = tg.gramian(lambda p, x: (losses(p, x), losses(p, x).mean()), batch_dim=0,
                         has_aux=True)(leaves, x)
     assert G.requires_grad and aux.requires_grad  # aux keeps its graph where G does
+
+
+def _recurrent(kind: str, dtype: torch.dtype) -> tuple[Callable[..., Tensor], dict[str, Tensor],
+                                                      Tensor]:
+    """Per-sample losses of a fused LSTM or GRU, or of an LSTM cell, and their inputs."""
+    torch.manual_seed(0)
+    if kind == "lstm_cell":
+        cell_fn, params = tg.functionalize(torch.nn.LSTMCell(3, 2).to(dtype))
+
+        def cell_losses(p: dict[str, Tensor], x: Tensor) -> Tensor:
+            return cell_fn(p, x)[0].pow(2).sum(-1)
+
+        return cell_losses, params, torch.randn(4, 3, dtype=dtype)
+    module = (torch.nn.LSTM if kind == "lstm" else torch.nn.GRU)(3, 2, batch_first=True)
+    rnn_fn, params = tg.functionalize(module.to(dtype))
+
+    def rnn_losses(p: dict[str, Tensor], x: Tensor) -> Tensor:
+        return rnn_fn(p, x)[0].pow(2).mean((1, 2))
+
+    return rnn_losses, params, torch.randn(4, 5, 3, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("kind", ["lstm", "gru", "lstm_cell"])
+@pytest.mark.parametrize("backend", ["auto", "jacobian", "ntvp"])
+def test_vmap_over_an_ensemble_of_recurrent_models(backend: str, kind: str,
+                                                   dtype: torch.dtype) -> None:
+    """Found by session 25's compose hunt (NOTE [ops without a batching rule]).
+
+    vmap has no batching rule for torch.lstm, torch.gru and torch.lstm_cell evaluated without
+    autograd: torchgram's own evaluations of f (the probe, the batch's outputs) raised torch's
+    error on every backend. They now run inside a vjp level there; a backend that still
+    cannot (ntvp: no forward-mode derivative of the fused CPU kernel) says so.
+    """
+    losses_fn, params, x = _recurrent(kind, dtype)
+    members = {k: torch.stack([v, 0.5 * v]) for k, v in params.items()}
+    expected = torch.func.vmap(lambda p: dense_gramian_fn(losses_fn)(p, x))(members)
+    for batch_dim in (None, 0):
+        transform = tg.gramian(losses_fn, backend=backend, batch_dim=batch_dim)
+        try:
+            actual = torch.func.vmap(lambda p, t=transform: t(p, x))(members)
+        except BackendCannotRun as refusal:
+            assert backend == "ntvp" and "forward-mode" in str(refusal), refusal
+            continue
+        scale = expected.abs().max()
+        rtol = 1e-10 if dtype == torch.float64 else 1e-5
+        torch.testing.assert_close(actual / scale, expected / scale, rtol=rtol, atol=rtol)
+

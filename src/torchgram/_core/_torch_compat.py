@@ -32,10 +32,11 @@ from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import optree
 import torch
 from torch import Tensor
 from torch.autograd.function import BackwardCFunction
@@ -317,6 +318,61 @@ def refused_under_transforms(error: BaseException) -> Refusal | None:
     message = str(error)
     return next((refusal for key, refusal in _TRANSFORM_REFUSALS.items() if key in message),
                 None)
+
+
+# NOTE [ops without a batching rule]
+# torch 2.13's vmap has no batching rule, and no fallback, for some fused ops evaluated without
+# autograd: aten::lstm.input, aten::gru.input, aten::lstm_cell ("Batching rule not implemented
+# for aten::lstm.input. We could not generate a fallback."). Under a grad level (torch.func.vjp,
+# jacrev) the same call decomposes into ops that do batch, so f runs there. Evaluations of f that
+# torchgram makes without autograd (the probe, the batch's outputs for the per-sample checks)
+# are therefore made again inside a vjp level when vmap refuses them (a compose hunt of session
+# 25: tg.gramian under vmap over an ensemble of GRU or LSTM models raised torch's error, where
+# the jacobian backend computes the right matrix).
+_NO_BATCHING_RULE = "Batching rule not implemented for"
+
+
+def missing_batching_rule(error: BaseException) -> bool:
+    """Whether ``error`` is vmap finding no batching rule, nor a fallback, for an op.
+
+    Example:
+        >>> missing_batching_rule(RuntimeError(
+        ...     "Batching rule not implemented for aten::lstm.input. We could not generate a "
+        ...     "fallback."))
+        True
+    """
+    return isinstance(error, RuntimeError) and _NO_BATCHING_RULE in str(error)
+
+
+def through_grad_level(evaluate: Callable[[tuple[Tensor, ...]], Any],
+                       leaves: tuple[Tensor, ...]) -> Any:
+    """``evaluate(leaves)`` made inside a ``torch.func.vjp`` level over ``leaves``.
+
+    The result is the same (the primal values, unwrapped), whatever its pytree holds; ops
+    that depend on ``leaves`` dispatch through autograd, where fused ops that ``vmap`` cannot
+    batch decompose (NOTE [ops without a batching rule]).
+
+    Example:
+        >>> out = through_grad_level(lambda ws: {"y": ws[0] * 2, "tag": "aux"}, (torch.ones(2),))
+        >>> out["y"], out["tag"]
+        (tensor([2., 2.]), 'aux')
+        >>> torch.func.vmap(lambda w: through_grad_level(lambda ws: ws[0].sin(), (w,)))(
+        ...     torch.zeros(3, 2)).shape
+        torch.Size([3, 2])
+    """
+    found: dict[str, Any] = {}
+
+    def primal(*values: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
+        flat, spec = optree.tree_flatten(evaluate(values), none_is_leaf=True)
+        found.update(flat=flat, spec=spec,
+                     at=[i for i, item in enumerate(flat) if isinstance(item, Tensor)])
+        return values[0].new_zeros(()), tuple(flat[i] for i in found["at"])
+
+    _, _, tensors = torch.func.vjp(primal, *leaves, has_aux=True)  # type: ignore[misc]
+    flat = list(found["flat"])
+    for i, tensor in zip(found["at"], tensors, strict=True):
+        flat[i] = tensor
+    return optree.tree_unflatten(found["spec"], flat)
 
 
 _REENTRANT_GRAD = "use_reentrant=True, torch.utils.checkpoint is incompatible with .grad()"

@@ -367,13 +367,19 @@ class Problem:
         random numbers raises :class:`NotPerSample` (unless ``check_draw`` is false: a trace
         that only looks at the ops).
         """
-        full_args = self.diff.rebuild_args(self.args if args is None else args, leaves)
-        with (
-            self.draw.evaluation(full=full, check=check_draw),
-            self.composition.evaluation(),  # NOTE [decomposed norms] when differentiable
-        ):
-            result = self.f(*full_args, **(self.kwargs if kwargs is None else kwargs))
-        return split_aux(self.api, result, self.has_aux)
+        given = self.args if args is None else args
+        keywords = self.kwargs if kwargs is None else kwargs
+
+        def evaluate(values: tuple[Tensor, ...]) -> Any:
+            return self.f(*self.diff.rebuild_args(given, values), **keywords)
+
+        def evaluation() -> contextlib.ExitStack:
+            stack = contextlib.ExitStack()
+            stack.enter_context(self.draw.evaluation(full=full, check=check_draw))
+            stack.enter_context(self.composition.evaluation())  # NOTE [decomposed norms]
+            return stack
+
+        return split_aux(self.api, evaluate_f(evaluate, leaves, evaluation), self.has_aux)
 
     def rows(self, leaves: tuple[Tensor, ...]) -> tuple[Tensor, Any]:
         """Evaluate ``f`` on the full inputs; return its output as an ``[m]`` vector and aux."""
@@ -451,6 +457,24 @@ class TensorAux:
 @functools.lru_cache(maxsize=64)
 def _sample_major_index(spec: OutputSpec, samples: int) -> Tensor:
     return spec.sample_major_index(samples)
+
+
+def evaluate_f(evaluate: Callable[[tuple[Tensor, ...]], Any], leaves: tuple[Tensor, ...],
+               evaluation: Callable[[], contextlib.AbstractContextManager[Any]]) -> Any:
+    """``evaluate(leaves)`` inside ``evaluation()``, once more in a vjp level if vmap refuses.
+
+    Where ``vmap`` finds no batching rule for a fused op evaluated without autograd (NOTE
+    [ops without a batching rule]), the evaluation is made again from its start, inside a
+    ``torch.func.vjp`` level over ``leaves``, where the op decomposes.
+    """
+    with evaluation():
+        try:
+            return evaluate(leaves)
+        except RuntimeError as error:
+            if not leaves or not _torch_compat.missing_batching_rule(error):
+                raise
+    with evaluation():
+        return _torch_compat.through_grad_level(evaluate, leaves)
 
 
 def split_aux(api: str, result: Any, has_aux: bool) -> tuple[Any, Any]:
@@ -630,15 +654,23 @@ def _evaluate_probe(api: str, f: Callable[..., Any], args: tuple[Any, ...],
     versions = [_torch_compat.version(leaf) for leaf in copies]
     leaves = tuple(leaf.requires_grad_() for leaf in copies) if with_grad else copies
     census = OpCensus()
+
+    def evaluate(values: tuple[Tensor, ...]) -> Any:
+        return f(*diff.rebuild_args(args, values), **kwargs)
+
+    def evaluation() -> contextlib.ExitStack:  # the next evaluation starts from the call's state
+        stack = contextlib.ExitStack()
+        stack.enter_context(draw.evaluation(full=with_grad, restore_after=True))
+        stack.enter_context(census)
+        return stack
+
     with torch.set_grad_enabled(with_grad):
-        # the next evaluation starts from the call's state
-        with draw.evaluation(full=with_grad, restore_after=True), census:
-            try:
-                result = f(*diff.rebuild_args(args, leaves), **kwargs)
-            except Exception as error:
-                if batch is None or whole_batch:
-                    raise
-                raise _FailsAlone from error
+        try:
+            result = evaluate_f(evaluate, leaves, evaluation)
+        except Exception as error:
+            if batch is None or whole_batch:
+                raise
+            raise _FailsAlone from error
         out, aux = split_aux(api, result, has_aux)
         mutated = any(_torch_compat.version(leaf) != before
                       for leaf, before in zip(copies, versions, strict=True))
