@@ -307,3 +307,58 @@ def test_vmap_over_an_ensemble_of_recurrent_models(backend: str, kind: str,
         rtol = 1e-10 if dtype == torch.float64 else 1e-5
         torch.testing.assert_close(actual / scale, expected / scale, rtol=rtol, atol=rtol)
 
+
+def _lookup_losses(padding_idx: int | None, by_freq: bool) -> Callable[..., Tensor]:
+    def lookup_losses(p: dict[str, Tensor], index: Tensor, labels: Tensor) -> Tensor:
+        h = torch.nn.functional.embedding(index, p["table"], padding_idx=padding_idx,
+                                          scale_grad_by_freq=by_freq).mean(1)
+        return torch.nn.functional.cross_entropy(h @ p["head"].T, labels, reduction="none")
+
+    return lookup_losses
+
+
+@pytest.mark.parametrize("situation", ["grad", "jvp", "vmap", "eager-create-graph"])
+@pytest.mark.parametrize("convention", ["padding_idx", "scale_grad_by_freq", "both"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_embedding_conventions_under_transforms(backend: str, convention: str,
+                                                situation: str) -> None:
+    """Found by session 25's compose hunt (NOTE [embedding conventions]).
+
+    ntvp wrote the lookup's conventions out for every order of differentiation, where torch's
+    own forward mode ignores them: jvp through its Gramian was 0.1-0.8 off, grad 0.01-0.24;
+    structured's create-graph Gramian with scale_grad_by_freq 0.016 (torch's double backward
+    ignores it). Both now decline there; every other answer agrees, auto's always.
+    """
+    f = _lookup_losses(None if convention == "scale_grad_by_freq" else 0,
+                       convention != "padding_idx")
+    generator = torch.Generator().manual_seed(0)
+    params = {"table": torch.randn(5, 2, generator=generator, dtype=DOUBLE),
+              "head": torch.randn(3, 2, generator=generator, dtype=DOUBLE)}
+    index, labels = torch.tensor([[0, 1, 3], [0, 3, 3]]), torch.tensor([0, 2])
+    tangent = {k: torch.randn(v.shape, generator=generator, dtype=DOUBLE)
+               for k, v in params.items()}
+    members = {k: torch.stack([v, -0.5 * v]) for k, v in params.items()}
+
+    def run(G: Callable[..., Tensor]) -> Any:
+        if situation == "grad":
+            return torch.func.grad(lambda p: G(p, index, labels).pow(2).sum())(params)
+        if situation == "jvp":
+            return torch.func.jvp(lambda p: G(p, index, labels), (params,), (tangent,))[1]
+        if situation == "vmap":
+            return torch.func.vmap(lambda p: G(p, index, labels))(members)
+        leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
+        return torch.autograd.grad(G(leaves, index, labels).pow(2).sum(), list(leaves.values()))
+
+    expected = run(dense_gramian_fn(f))
+    try:
+        actual = run(tg.gramian(f, backend=backend, batch_dim=0))
+    except BackendCannotRun as refusal:
+        rescaled = convention != "padding_idx"
+        declined = (backend in DECLARED and situation in ("grad", "jvp", "vmap")
+                    or backend == "ntvp" and (situation == "jvp" or rescaled
+                                              and situation != "vmap")
+                    or backend == "structured" and situation == "eager-create-graph"
+                    and rescaled)
+        assert declined, refusal
+        return
+    assert_close(actual, expected)

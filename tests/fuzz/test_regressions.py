@@ -250,7 +250,11 @@ def test_group_norm_with_leaves_that_require_grad(backend: str) -> None:
     structured backend's batched differentiable backward (``is_grads_batched`` with
     ``create_graph``) through ``F.group_norm`` is wrong in torch 2.13 without a word: the
     embedding's block was 2.45 off (relative), the update 0.41. Those cotangents are taken
-    one at a time now."""
+    one at a time now.
+
+    Since session 25 a Gramian that is differentiated again (here: leaves that require grad)
+    of a lookup with ``scale_grad_by_freq`` is declined by ``structured`` and ``ntvp`` (NOTE
+    [embedding conventions]): the case runs on them without it too."""
     case = FuzzCase(
         seed=31977, batch=3, length=3,
         input=Tokens(vocab=6, width=3, padding_idx=5, scale_grad_by_freq=True, frozen=False),
@@ -258,8 +262,13 @@ def test_group_norm_with_leaves_that_require_grad(backend: str) -> None:
         dtype="float32", output_dim=0, input_dim=-2, consts_via="keyword", params_at="split",
         diagonal=True, per_leaf=True, chunk_size=5, requires_grad=True, noncontiguous=True,
         alias_tied=True)
-    assert check(case, backend) == "answered"
-    assert check_aggregated(case, backend) == "answered"
+    declines = backend in ("structured", "ntvp")
+    for outcome in (check(case, backend), check_aggregated(case, backend)):
+        assert outcome == "answered" or declines and outcome.startswith("refused (Backend"), outcome
+    unscaled = dataclasses.replace(case, input=dataclasses.replace(case.input,
+                                                                   scale_grad_by_freq=False))
+    assert check(unscaled, backend) == "answered"
+    assert check_aggregated(unscaled, backend) == "answered"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

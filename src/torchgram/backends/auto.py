@@ -47,6 +47,7 @@ from torchgram._core.errors import BackendCannotRun, NotPerSample, torch_refusal
 from torchgram._core.problem import Problem
 from torchgram._core.result import BackendResult
 from torchgram.backends._draws_under_transforms import REFUSING_BACKENDS
+from torchgram.backends._embedding import collected_conventions
 from torchgram.backends._registry import first_that_runs, get_backend, register
 from torchgram.backends.structured import StructuredPlan, plan_problem, run_structured
 from torchgram.backends.structured.passes import Forward, cached_trace, dense_forward, keep_trace
@@ -245,12 +246,13 @@ def auto_backend(problem: Problem) -> BackendResult:
     """Run the backends of :func:`plan_auto`'s order until one can (reusing the plan)."""
     if problem.composition.transforms:  # NOTE [composition]: no trace under torch.func
         return _first_that_runs(problem, COMPOSING_BACKENDS, None)
-    try:
-        plan = plan_auto(problem)
-    except BackendCannotRun as error:  # the trace met a nested torchgram call
-        return _first_that_runs(problem, error.alternatives, None,
-                                [(error.backend, error.reason)])
-    return _first_that_runs(problem, plan.order, plan)
+    with collected_conventions():  # over the planning too (NOTE [embedding conventions])
+        try:
+            plan = plan_auto(problem)
+        except BackendCannotRun as error:  # the trace met a nested torchgram call
+            return _first_that_runs(problem, error.alternatives, None,
+                                    [(error.backend, error.reason)])
+        return _first_that_runs(problem, plan.order, plan)
 
 
 def _first_that_runs(problem: Problem, order: tuple[str, ...], plan: AutoPlan | None,

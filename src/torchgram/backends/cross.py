@@ -38,7 +38,7 @@ from torchgram._core.result import RunReport
 from torchgram._core.sink import assemble
 from torchgram.backends import jacobian as jacobian_module
 from torchgram.backends import ntvp as ntvp_module
-from torchgram.backends._embedding import EmbeddingConventions
+from torchgram.backends._embedding import checked_conventions, collected_conventions
 from torchgram.backends._grouping import LeafGroup, group_leaves, rows_per_chunk
 from torchgram.backends._registry import (
     first_that_runs,
@@ -153,7 +153,7 @@ def _pairs(gram: Tensor, left: Problem, right: Problem) -> Tensor:
 def ntvp_cross(problem: CrossProblem) -> CrossResult:
     """Kernel blocks as ``J1 (J2ᵀ e_i)``, side 2's vjps pushed through side 1 (module docstring)."""
     ntvp_module._prepare_forward_ad()
-    with EmbeddingConventions():
+    with checked_conventions(problem.left, "ntvp", write_out=True):  # NOTE [embedding conventions]
         return _with_loops(problem, lambda loop: _ntvp_cross(problem, loop))
 
 
@@ -270,6 +270,8 @@ def auto_cross(problem: CrossProblem) -> CrossResult:
     Inside ``torch.func`` transforms nothing is traced (NOTE [composition]): the backends
     that compose, in their order.
     """
-    order = (COMPOSING_BACKENDS if problem.left.composition.transforms
-             else _auto_order(problem.left))
-    return first_that_runs(order, lambda name: get_cross_backend(name)(problem))
+    if problem.left.composition.transforms:
+        return first_that_runs(COMPOSING_BACKENDS, lambda name: get_cross_backend(name)(problem))
+    with collected_conventions():  # over the planning too (NOTE [embedding conventions])
+        return first_that_runs(_auto_order(problem.left),
+                               lambda name: get_cross_backend(name)(problem))

@@ -49,7 +49,7 @@ from torchgram._core.progress import Progress
 from torchgram._core.result import BackendResult, RunReport
 from torchgram._core.threads import FORWARD_AD_LOCK, math_attention
 from torchgram.backends._draws_under_transforms import refuse_draws
-from torchgram.backends._embedding import EmbeddingConventions
+from torchgram.backends._embedding import checked_conventions
 from torchgram.backends._grouping import rows_per_chunk
 from torchgram.backends._registry import register
 from torchgram.backends._vmap_or_loop import per_sample_or_batch
@@ -74,7 +74,7 @@ def ntvp_backend(problem: Problem) -> BackendResult:
         result.report.notes.append("diagonal: the jacobian backend's vjps (no forward mode)")
         return result
     _prepare_forward_ad()
-    with EmbeddingConventions():  # NOTE [embedding conventions]
+    with checked_conventions(problem, "ntvp", write_out=True):  # NOTE [embedding conventions]
         return per_sample_or_batch(
             problem, lambda loop, per_sample: _run(problem, loop, per_sample=per_sample))
 

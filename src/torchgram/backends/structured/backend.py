@@ -49,6 +49,7 @@ from torchgram._core.problem import Problem
 from torchgram._core.progress import Progress
 from torchgram._core.result import BackendResult, Pullback, RowOrder, RunReport
 from torchgram._core.sink import LeafBlocks, backend_index
+from torchgram.backends._embedding import checked_conventions
 from torchgram.backends._registry import register
 from torchgram.backends.structured.contraction import Contraction, to_row_major
 from torchgram.backends.structured.cost import Force
@@ -77,6 +78,13 @@ def run_structured(problem: Problem, plan: StructuredPlan | None = None, *,
     ``force`` is passed to :func:`plan_problem` (tests use it to exercise every way).
     """
     require_no_transforms(problem, "structured")
+    # NOTE [embedding conventions]: the taps write lookups out; checked after the run
+    with checked_conventions(problem, "structured", write_out=False):
+        return _run_structured(problem, plan, forward, force)
+
+
+def _run_structured(problem: Problem, plan: StructuredPlan | None, forward: Forward | None,
+                    force: Force | None) -> BackendResult:
     with torch.enable_grad():
         if problem.batch is None:
             return _dense(problem, plan, forward, force)

@@ -50,6 +50,7 @@ from torchgram._core.cross import (
 from torchgram._core.errors import NotPerSample
 from torchgram._core.problem import Problem
 from torchgram._core.result import RunReport
+from torchgram.backends._embedding import checked_conventions
 from torchgram.backends._registry import register_cross
 from torchgram.backends.structured.contraction import Factor, UseFactors, materialize_use
 from torchgram.backends.structured.cost import LeafPlan
@@ -769,13 +770,18 @@ def _take_rows(side: Side, start: int, stop: int) -> Side:
 @register_cross("structured")
 def structured_cross(problem: CrossProblem) -> CrossResult:
     """The structured backend's kernel blocks (NOTE [structured cross kernels])."""
+    with checked_conventions(problem.left, "structured", write_out=False):
+        return _structured_cross(problem)
+
+
+def _structured_cross(problem: CrossProblem) -> CrossResult:
     right_problem = problem.rights[0]
     if (len(problem.rights) == 1 and right_problem is not None and problem.left.batch is not None
             and right_problem.batch is not None
             and problem.left.samples > right_problem.samples):
         # the larger side is the streamed one (NOTE [streamed cross kernels]): swap, mirror
-        swapped = structured_cross(dataclasses.replace(problem, left=right_problem,
-                                                       rights=(problem.left,)))
+        swapped = _structured_cross(dataclasses.replace(problem, left=right_problem,
+                                                        rights=(problem.left,)))
         return CrossResult((mirror(swapped.blocks[0]),), swapped.report)
     require_no_transforms(problem.left, "structured")
     spec = problem.spec
