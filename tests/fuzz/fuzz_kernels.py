@@ -22,7 +22,17 @@ from torch import Tensor
 
 import torchgram as tg
 import torchgram.backends.structured.cross as structured_cross
-from fuzz_arch import Buffer, Dropout, Features, FuzzCase, Head, Linear, Norm, build
+from fuzz_arch import (
+    Buffer,
+    Dropout,
+    Features,
+    FuzzCase,
+    Head,
+    Linear,
+    Norm,
+    build,
+    walk_shapes,
+)
 from fuzz_check import Snapshot, assert_close
 from fuzz_strategies import cases
 from reference import dense_cross_kernel
@@ -84,7 +94,8 @@ def second_batch_sizes(case: FuzzCase) -> list[int | None]:
 
     Not one sample of one position where batch norm in training mode would see one value
     per channel: ``f`` itself raises there (session 23's kernel hunt; flat features have one
-    position whatever ``length`` says: session 24's).
+    position whatever ``length`` says: session 24's; a strided convolution before the norm can
+    leave one: session 25's).
 
     Example:
         >>> from fuzz_arch import Features
@@ -94,12 +105,20 @@ def second_batch_sizes(case: FuzzCase) -> list[int | None]:
         [None, 2, 3, 5, 3]
         >>> second_batch_sizes(dataclasses.replace(case, length=2))  # still one position
         [None, 2, 3, 5, 3]
+        >>> from fuzz_arch import Conv1d
+        >>> strided = Conv1d(out=2, kernel=1, stride=2, padding=0, dilation=1, groups=1)
+        >>> norm = Norm(kind="batch_train")  # 2 positions, 1 after the convolution:
+        >>> second_batch_sizes(dataclasses.replace(
+        ...     case, length=2, input=Features(width=2), layers=(strided, norm)))
+        [None, 2, 3, 5, 3]
     """
-    batch_norm = any(isinstance(layer, Norm) and layer.kind == "batch_train"
-                     for layer in case.layers)
     flat = isinstance(case.input, Features) and case.input.flat
-    one = [1] if (case.length > 1 and not flat) or not batch_norm else []
-    return [None, *one, 2, 3, 5, case.batch]
+    length = 1 if flat else case.length
+    one_position = any(
+        isinstance(layer, Norm) and layer.kind == "batch_train"
+        and walk_shapes(case.input, length, case.layers[:i]).length == 1
+        for i, layer in enumerate(case.layers))
+    return [None, *([] if one_position else [1]), 2, 3, 5, case.batch]
 
 
 @st.composite
