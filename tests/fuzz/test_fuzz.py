@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from fuzz_aggregate import check_aggregated, check_eager_update
 from fuzz_check import check, check_eager
+from fuzz_compose import MODES, check_composed
 from fuzz_kernels import check_kernel, kernel_cases
 from fuzz_strategies import cases, profile
 
@@ -58,3 +59,13 @@ def test_aggregated_update_oracle_or_torchgram_error(backend: str, data: st.Data
 def test_eager_update_oracle_or_torchgram_error(recorded: bool, data: st.DataObject) -> None:
     """``tg.autograd.backward``'s ``.grad`` (``Jᵀ w(G)``, issues 15 and 16), recorded and walked."""
     check_eager_update(data.draw(cases("graph"), label="case"), recorded)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("backend", BACKENDS)
+@profile()
+@given(data=st.data())
+def test_composed_oracle_or_torchgram_error(backend: str, mode: str, data: st.DataObject) -> None:
+    """grad, jvp, vmap and eager create-graph *through* ``tg.gramian``: the same transform of
+    the dense oracle's function, or a torchgram error (``fuzz_compose``)."""
+    check_composed(data.draw(cases(backend), label="case"), backend, mode)  # type: ignore[arg-type]
