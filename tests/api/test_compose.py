@@ -362,3 +362,23 @@ def test_embedding_conventions_under_transforms(backend: str, convention: str,
         assert declined, refusal
         return
     assert_close(actual, expected)
+
+
+@pytest.mark.parametrize("backend", ["auto", "jacobian", "ntvp"])
+def test_a_call_under_fewer_levels_after_one_under_more(backend: str) -> None:
+    """Found by session 25's composition property: the per-sample row index was cached across
+    calls, and one made under jvp(grad(...)) belonged to those (dead) levels: the next call under
+    grad alone failed torch's internal assert ("level <= current_level ... escaped?")."""
+    params, x = _params(), _inputs()
+    G = tg.gramian(losses, backend=backend, batch_dim=0)
+    reference = dense_gramian_fn(losses)
+    tangent = _params(seed=7)
+
+    def gradient(gramian: Callable[..., Tensor]) -> Callable[..., Any]:
+        return torch.func.grad(lambda p: objective(gramian(p, x)))
+
+    assert_close(torch.func.jvp(gradient(G), (params,), (tangent,))[1],
+                 torch.func.jvp(gradient(reference), (params,), (tangent,))[1])
+    assert_close(gradient(G)(params), gradient(reference)(params))
+    assert_close(torch.func.vmap(gradient(G))(_stacked()),
+                 torch.func.vmap(gradient(reference))(_stacked()))

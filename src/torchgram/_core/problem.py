@@ -351,8 +351,14 @@ class Problem:
     def sample_major_index(self) -> Tensor:
         """``[B, K]``: the output row of row ``k`` of sample ``b`` (per-sample problems).
 
-        Shared by every problem with this output structure (never write into it).
+        Shared by every problem with this output structure (never write into it), except
+        inside ``torch.func`` transforms: a tensor made there belongs to their levels (torch
+        2.13 wraps even ``torch.arange`` under ``grad``), and a later call under other levels
+        failed torch's internal assert on the cached one ("level <= current_level ...
+        escaped?", the composition property of session 25).
         """
+        if self.composition.transforms:
+            return self.output.sample_major_index(self.samples)
         return _sample_major_index(self.output, self.samples)
 
     # -- evaluation ------------------------------------------------------------------------
