@@ -119,6 +119,7 @@ def worker(rank: int, world: int, store: str) -> None:
                             world_size=world)
     try:
         train(torch.device("cpu"))
+        dist.barrier()  # both ranks done before either tears its gloo pairs down
     finally:
         dist.destroy_process_group()
 
