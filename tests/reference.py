@@ -190,8 +190,11 @@ def differentiable_cross_kernel(f: Callable[..., Any], params: Any, x1: Any, x2:
             return f(optree.tree_unflatten(spec, full), x).reshape(-1)
 
         out_shape = tuple(f(params, x).shape)
-        per_leaf = torch.func.jacrev(flat_output, argnums=tuple(range(len(floating))))(
-            *(leaves[i] for i in floating))
+        # rows one at a time, as dense_gramian_fn: torch 2.13's batched batch-norm backwards
+        # have wrong derivatives (session 25: gradients of kernels of a training-mode batch
+        # norm were ~1 off through a vmapped jacrev, right through this loop and torchgram)
+        per_leaf = torch.func.jacrev(flat_output, argnums=tuple(range(len(floating))),
+                                     chunk_size=1)(*(leaves[i] for i in floating))
         return torch.cat([jac.reshape(jac.shape[0], -1) for jac in per_leaf], 1), out_shape
 
     first, shape1 = flat_jacobian(x1)
