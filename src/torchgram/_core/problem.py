@@ -379,13 +379,10 @@ class Problem:
         def evaluate(values: tuple[Tensor, ...]) -> Any:
             return self.f(*self.diff.rebuild_args(given, values), **keywords)
 
-        def evaluation() -> contextlib.ExitStack:
-            stack = contextlib.ExitStack()
-            stack.enter_context(self.draw.evaluation(full=full, check=check_draw))
-            stack.enter_context(self.composition.evaluation())  # NOTE [decomposed norms]
-            return stack
-
-        return split_aux(self.api, evaluate_f(evaluate, leaves, evaluation), self.has_aux)
+        result = evaluate_f(evaluate, leaves,
+                            lambda: self.draw.evaluation(full=full, check=check_draw),
+                            self.composition.evaluation)  # NOTE [decomposed norms]
+        return split_aux(self.api, result, self.has_aux)
 
     def rows(self, leaves: tuple[Tensor, ...]) -> tuple[Tensor, Any]:
         """Evaluate ``f`` on the full inputs; return its output as an ``[m]`` vector and aux."""
@@ -466,21 +463,25 @@ def _sample_major_index(spec: OutputSpec, samples: int) -> Tensor:
 
 
 def evaluate_f(evaluate: Callable[[tuple[Tensor, ...]], Any], leaves: tuple[Tensor, ...],
-               evaluation: Callable[[], contextlib.AbstractContextManager[Any]]) -> Any:
-    """``evaluate(leaves)`` inside ``evaluation()``, once more in a vjp level if vmap refuses.
+               *contexts: Callable[[], contextlib.AbstractContextManager[Any]]) -> Any:
+    """``evaluate(leaves)`` inside ``contexts`` (made in order), in a vjp level if vmap refuses.
 
     Where ``vmap`` finds no batching rule for a fused op evaluated without autograd (NOTE
-    [ops without a batching rule]), the evaluation is made again from its start, inside a
-    ``torch.func.vjp`` level over ``leaves``, where the op decomposes.
+    [ops without a batching rule]), the evaluation is made again from its start, in fresh
+    ``contexts``, inside a ``torch.func.vjp`` level over ``leaves``, where the op decomposes.
     """
-    with evaluation():
-        try:
-            return evaluate(leaves)
-        except RuntimeError as error:
-            if not leaves or not _torch_compat.missing_batching_rule(error):
-                raise
-    with evaluation():
-        return _torch_compat.through_grad_level(evaluate, leaves)
+    for through_vjp in (False, True):
+        with contextlib.ExitStack() as stack:
+            for context in contexts:
+                stack.enter_context(context())
+            if through_vjp:
+                return _torch_compat.through_grad_level(evaluate, leaves)
+            try:
+                return evaluate(leaves)
+            except RuntimeError as error:
+                if not leaves or not _torch_compat.missing_batching_rule(error):
+                    raise
+    raise AssertionError("unreachable: the second evaluation returns or raises")
 
 
 def split_aux(api: str, result: Any, has_aux: bool) -> tuple[Any, Any]:
@@ -664,15 +665,11 @@ def _evaluate_probe(api: str, f: Callable[..., Any], args: tuple[Any, ...],
     def evaluate(values: tuple[Tensor, ...]) -> Any:
         return f(*diff.rebuild_args(args, values), **kwargs)
 
-    def evaluation() -> contextlib.ExitStack:  # the next evaluation starts from the call's state
-        stack = contextlib.ExitStack()
-        stack.enter_context(draw.evaluation(full=with_grad, restore_after=True))
-        stack.enter_context(census)
-        return stack
-
     with torch.set_grad_enabled(with_grad):
-        try:
-            result = evaluate_f(evaluate, leaves, evaluation)
+        try:  # the next evaluation starts from the call's state (restore_after)
+            result = evaluate_f(evaluate, leaves,
+                                lambda: draw.evaluation(full=with_grad, restore_after=True),
+                                lambda: census)
         except Exception as error:
             if batch is None or whole_batch:
                 raise
