@@ -213,10 +213,11 @@ def check_samples(problem: Problem, sample_rows: Tensor, samples: Tensor,
         samples: ``[count]`` the indices of those samples in the batch.
         full_rows: ``[m]`` the outputs of the whole batch, in output order.
     """
-    expected = full_rows.detach()[problem.sample_major_index[samples]]
+    full = full_rows.detach()
+    expected = full[problem.sample_major_index[samples]]
     actual = sample_rows.detach().reshape(expected.shape).to(expected.dtype)
     rtol = tolerance(problem.output.dtype)
-    bound = expected.abs().add_(full_rows.detach().abs().max()).mul_(rtol)  # rtol (scale + |e|)
+    bound = expected.abs().add_(full.abs().max()).mul_(rtol)  # rtol (scale + |e|)
     if not bool((actual - expected).abs_().le(bound).all()):  # NaN: never within
         worst = int(((actual - expected).abs().amax(dim=1)).argmax())
         raise NotPerSample(

@@ -270,8 +270,10 @@ def auto_cross(problem: CrossProblem) -> CrossResult:
     Inside ``torch.func`` transforms nothing is traced (NOTE [composition]): the backends
     that compose, in their order.
     """
+    def run(name: str) -> CrossResult:
+        return get_cross_backend(name)(problem)
+
     if problem.left.composition.transforms:
-        return first_that_runs(COMPOSING_BACKENDS, lambda name: get_cross_backend(name)(problem))
+        return first_that_runs(COMPOSING_BACKENDS, run)
     with collected_conventions():  # over the planning too (NOTE [embedding conventions])
-        return first_that_runs(_auto_order(problem.left),
-                               lambda name: get_cross_backend(name)(problem))
+        return first_that_runs(_auto_order(problem.left), run)
