@@ -613,3 +613,20 @@ def test_kernel_with_a_coupling_behind_dead_first_and_last_samples(backend: str)
         batch2=3, trace_axes=(1,), diagonal_axes=(), vmap_axes=0, memory_budget=200,
         chunk_size=2, stream_bytes=16777216, labels_via="x")
     assert check_kernel(kernel, backend) == "answered"
+
+
+@pytest.mark.parametrize("backend", ["structured", "auto", "graph"])
+def test_embedding_before_lstm_cell_steps_run_one_sample_at_a_time(backend: str) -> None:
+    """Session 26's thread hunt (a regression of session 25, found serially too): an
+    embedding, then ``torch.lstm_cell`` over three steps, per sample. ``lstm_cell``'s weights
+    take the fallback, so the structured backend vmaps the tapped forward over the samples;
+    ``vmap`` has no batching rule for ``lstm_cell`` there, and the evaluation was made again
+    inside a vjp level under the same tapping mode, which kept the first attempt's embedding
+    tap: the table's block came out wholly wrong (relative error 1.0 on a hand-made case,
+    0.2-0.4 here). A mode that records its calls now lets the error through and the samples
+    run in a loop (NOTE [ops without a batching rule])."""
+    case = FuzzCase(
+        seed=69, batch=3, length=3, input=Tokens(vocab=6, width=2, padding_idx=5),
+        layers=(RnnCell(hidden=1, kind="lstm"),), head=Head(kind="sq_mean", classes=3),
+        dtype="float64", batch_dim=0, output_dim=0, per_leaf=True)
+    assert check(case, backend) == "answered"

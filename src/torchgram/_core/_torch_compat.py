@@ -329,6 +329,13 @@ def refused_under_transforms(error: BaseException) -> Refusal | None:
 # are therefore made again inside a vjp level when vmap refuses them (a compose hunt of session
 # 25: tg.gramian under vmap over an ensemble of GRU or LSTM models raised torch's error, where
 # the jacobian backend computes the right matrix).
+# An evaluation is made again only where nothing outside it saw the first attempt's ops: a
+# torch-function mode that records what it sees (the structured backend's TapMode, whose taps
+# and activations count the calls) says so with `restartable = False`, and the error then
+# propagates to that mode's owner (the structured per-sample pass loops over the samples
+# instead of vmapping). Restarting under it left the first attempt's taps in its recording: a
+# Gramian of an embedding before `torch.lstm_cell` steps came out with the table's block
+# wholly wrong (a thread hunt of session 26, relative error 1.0).
 _NO_BATCHING_RULE = "Batching rule not implemented for"
 
 
@@ -342,6 +349,20 @@ def missing_batching_rule(error: BaseException) -> bool:
         True
     """
     return isinstance(error, RuntimeError) and _NO_BATCHING_RULE in str(error)
+
+
+def restartable_evaluation() -> bool:
+    """Whether an evaluation of ``f`` may be made again from its start here.
+
+    False inside a torch-function mode that keeps what it saw (``restartable = False``):
+    NOTE [ops without a batching rule].
+
+    Example:
+        >>> restartable_evaluation()
+        True
+    """
+    return all(getattr(mode, "restartable", True)
+               for mode in torch.overrides._get_current_function_mode_stack())
 
 
 def through_grad_level(evaluate: Callable[[tuple[Tensor, ...]], Any],

@@ -468,7 +468,8 @@ def evaluate_f(evaluate: Callable[[tuple[Tensor, ...]], Any], leaves: tuple[Tens
 
     Where ``vmap`` finds no batching rule for a fused op evaluated without autograd (NOTE
     [ops without a batching rule]), the evaluation is made again from its start, in fresh
-    ``contexts``, inside a ``torch.func.vjp`` level over ``leaves``, where the op decomposes.
+    ``contexts``, inside a ``torch.func.vjp`` level over ``leaves``, where the op decomposes
+    -- unless a mode that records the evaluation's calls is active: the error then propagates.
     """
     for through_vjp in (False, True):
         with contextlib.ExitStack() as stack:
@@ -479,7 +480,8 @@ def evaluate_f(evaluate: Callable[[tuple[Tensor, ...]], Any], leaves: tuple[Tens
             try:
                 return evaluate(leaves)
             except RuntimeError as error:
-                if not leaves or not _torch_compat.missing_batching_rule(error):
+                if not (leaves and _torch_compat.missing_batching_rule(error)
+                        and _torch_compat.restartable_evaluation()):
                     raise
     raise AssertionError("unreachable: the second evaluation returns or raises")
 

@@ -426,6 +426,10 @@ class TapMode(TorchFunctionMode):
         [('matmul', 'weight', False, 4)]
     """
 
+    restartable = False
+    """Its taps and activations count the calls it saw: an evaluation of ``f`` under it is
+    never made again from its start (NOTE [ops without a batching rule])."""
+
     def __init__(self, leaves: Sequence[Tensor], plain: Sequence[Tensor], *,
                  tapped: Collection[int] | None = None,
                  taps: Literal["trace", "lazy"] | Sequence[Tensor] = "trace",
