@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,7 @@ import torchgram as tg
 from reference import dense_gramian
 from torchgram._core import problem as problem_module
 from torchgram._core import threads
+from torchgram._core.composition import differentiable_evaluation
 from torchgram._core.rng import RngState
 
 BACKENDS = ["jacobian", "ntvp", "graph", "structured", "auto"]
@@ -184,21 +186,29 @@ def test_forward_ad_from_threads_under_vmap() -> None:
     assert len(errors) == 15 * THREADS and max(errors) < 1e-10
 
 
-def test_math_attention_restores_the_flags_whatever_the_interleaving() -> None:
+@pytest.mark.parametrize("context", [threads.math_attention, differentiable_evaluation],
+                         ids=["math_attention", "differentiable_evaluation"])
+def test_math_attention_restores_the_flags_whatever_the_interleaving(
+        context: Callable[[], AbstractContextManager[None]]) -> None:
+    """Two threads in, the first out, the second out: the flags as before either.
+
+    ``differentiable_evaluation`` (every evaluation of ``f`` under a transform or with
+    create-graph) set them with its own ``sdpa_kernel`` and left flash attention off for the
+    process (session 26's concurrency property, jacobian backend)."""
     flash = torch.backends.cuda.flash_sdp_enabled()
     entered = threading.Barrier(2)
     left = threading.Event()
     seen: list[bool] = []
 
     def first() -> None:
-        with threads.math_attention():
+        with context():
             entered.wait()
             left.wait()  # leaves after the second thread entered
             seen.append(torch.backends.cuda.flash_sdp_enabled())
 
     def second() -> None:
         entered.wait()
-        with threads.math_attention():
+        with context():
             left.set()
             time.sleep(0.05)
         seen.append(torch.backends.cuda.flash_sdp_enabled())

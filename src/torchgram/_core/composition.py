@@ -57,11 +57,11 @@ from typing import TYPE_CHECKING, Any
 import optree
 import torch
 from torch import Tensor
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from torchgram._core import _torch_compat
 from torchgram._core.errors import BackendCannotRun
 from torchgram._core.norms import DecomposedNorms
+from torchgram._core.threads import math_attention
 
 if TYPE_CHECKING:
     from torchgram._core.problem import Problem
@@ -180,7 +180,8 @@ def differentiable_evaluation() -> Iterator[None]:
 
     The fused ``scaled_dot_product_attention`` kernels have no double backward: its math
     implementation, the same function, runs instead (a process-wide setting, restored on
-    exit). Layer, batch and instance norm run decomposed (NOTE [decomposed norms]).
+    exit by the last thread out: NOTE [threads]). Layer, batch and instance norm run
+    decomposed (NOTE [decomposed norms]).
     """
-    with sdpa_kernel(SDPBackend.MATH), DecomposedNorms():
+    with math_attention(), DecomposedNorms():
         yield
