@@ -74,11 +74,17 @@ PROFILES = {
 }
 
 
-def profile() -> settings:
-    """The settings of the profile named by ``TORCHGRAM_FUZZ_PROFILE`` (default ``fast``)."""
+def profile(*, examples: int | None = None) -> settings:
+    """The settings of the profile named by ``TORCHGRAM_FUZZ_PROFILE`` (default ``fast``).
+
+    ``examples``: the ``fast`` profile's count for a property whose examples cost more than
+    one call each (the ``long`` profile keeps its own).
+    """
     name = os.environ.get("TORCHGRAM_FUZZ_PROFILE", "fast")
     if name not in PROFILES:
         raise ValueError(f"TORCHGRAM_FUZZ_PROFILE={name!r}: expected one of {sorted(PROFILES)}")
+    if name == "fast" and examples is not None:
+        return settings(PROFILES[name], max_examples=examples)
     return PROFILES[name]
 
 

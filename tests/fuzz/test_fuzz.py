@@ -18,8 +18,11 @@ from fuzz_check import check, check_eager
 from fuzz_compose import MODES, check_composed
 from fuzz_kernels import check_kernel, kernel_cases
 from fuzz_strategies import cases, profile
+from fuzz_threads import check_concurrently
 
 BACKENDS = ["jacobian", "ntvp", "graph", "structured", "auto"]
+THREAD_EXAMPLES = 6
+"""The fast profile's examples of the concurrency property (three calls each, made thrice)."""
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -69,3 +72,13 @@ def test_composed_oracle_or_torchgram_error(backend: str, mode: str, data: st.Da
     """grad, jvp, vmap and eager create-graph *through* ``tg.gramian``: the same transform of
     the dense oracle's function, or a torchgram error (``fuzz_compose``)."""
     check_composed(data.draw(cases(backend), label="case"), backend, mode)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@profile(examples=THREAD_EXAMPLES)
+@given(data=st.data())
+def test_concurrent_calls_give_what_they_give_alone(backend: str, data: st.DataObject) -> None:
+    """Three generated calls made alone, then all again from several threads at once, each
+    twice: the oracle's answers and the same refusals (``fuzz_threads``)."""
+    check_concurrently([data.draw(cases(backend), label=f"case {i}") for i in range(3)],
+                       backend)
