@@ -404,6 +404,51 @@ def is_reentrant_grad_error(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and _REENTRANT_GRAD in str(error)
 
 
+# NOTE [in-place modifications]
+# torch's autograd refuses a backward through a tensor it saved that was modified in place
+# afterwards ("one of the variables needed for gradient computation has been modified by an
+# inplace operation"): F.relu(h, inplace=True) or h.mul_(2) after a layer read h. The
+# backends that run torch's backward meet that error; the structured backend keeps the
+# activations of its taps itself (detached views, NOTE [taps]), where nothing would notice: it
+# computed the Gramian of the modified activations, a wrong matrix (session 26, 0.15 and 1.3
+# off relative). So its tapping mode compares each kept activation's version counter at the
+# end of the evaluation with the one it had at the use (through functorch wrappers, whose own
+# counters do not move under vmap), and every backend turns either refusal into the same
+# torchgram ValueError (errors.torch_refusals).
+_MODIFIED_IN_PLACE = "modified by an inplace operation"
+
+
+def is_in_place_error(error: BaseException) -> bool:
+    """Whether ``error`` is autograd's refusal of a saved tensor modified in place.
+
+    Example:
+        >>> is_in_place_error(RuntimeError("one of the variables needed for gradient "
+        ...     "computation has been modified by an inplace operation: [torch.FloatTensor [3]]"))
+        True
+    """
+    return isinstance(error, RuntimeError) and _MODIFIED_IN_PLACE in str(error)
+
+
+def version_of(tensor: Tensor) -> tuple[Tensor, int] | None:
+    """``(storage owner, its version)`` to compare later, or ``None`` where none is kept.
+
+    Unwraps functorch wrappers (their counters stay still under ``vmap``: NOTE [in-place
+    modifications]); inference tensors keep no counter.
+
+    Example:
+        >>> h = torch.ones(2)
+        >>> owner, version = version_of(h)
+        >>> _ = h.mul_(2)
+        >>> owner._version > version
+        True
+    """
+    while torch._C._functorch.is_functorch_wrapped_tensor(tensor):
+        tensor = torch._C._functorch.get_unwrapped(tensor)
+    if tensor.is_inference():
+        return None
+    return tensor, tensor._version
+
+
 def is_freed_graph_error(error: BaseException) -> bool:
     """Whether ``error`` says the graph's saved tensors were freed by an earlier backward."""
     return isinstance(error, RuntimeError) and _FREED in str(error)

@@ -96,6 +96,34 @@ class NotPerSample(RuntimeError):  # noqa: N818
         self.random = random
 
 
+class ModifiedInPlace(RuntimeError):  # noqa: N818
+    """``f`` modified in place a tensor that a parameter's use had read.
+
+    NOTE [in-place modifications]: :func:`torch_refusals` turns it into the ``ValueError``
+    every backend raises for such an ``f``.
+
+    Attributes:
+        what: The use whose input changed, for the message.
+    """
+
+    def __init__(self, what: str) -> None:
+        super().__init__(what)
+        self.what = what
+
+
+IN_PLACE_FIX = ("Write the in-place op out of place: y = F.relu(y) instead of "
+                "F.relu(y, inplace=True) or nn.ReLU(inplace=True), y = y + x instead of "
+                "y += x, h = h * 2 instead of h.mul_(2).")
+"""What to do about a saved tensor modified in place (NOTE [in-place modifications])."""
+
+
+def in_place_what(error: RuntimeError) -> str:
+    """What was modified, from torch's refusal or a :class:`ModifiedInPlace` (no hint)."""
+    if isinstance(error, ModifiedInPlace):
+        return error.what
+    return str(error).split(". Hint:")[0]
+
+
 _WITHOUT_TRANSFORMS = ("graph", "structured")
 """Backends that can run ``f`` without ``torch.func`` transforms, surest first."""
 
@@ -108,7 +136,8 @@ def torch_refusals(api: str, backend: str) -> Iterator[None]:
     """Turn torch's refusals of old-style ``autograd.Function``s into torchgram errors.
 
     Under a transform, :class:`BackendCannotRun`; a reentrant checkpoint under
-    ``torch.autograd.grad``, a ``ValueError`` (NOTE [old-style autograd.Functions]).
+    ``torch.autograd.grad``, a ``ValueError`` (NOTE [old-style autograd.Functions]); a saved
+    tensor modified in place, a ``ValueError`` (NOTE [in-place modifications]).
 
     Example:
         >>> import torch
@@ -137,6 +166,12 @@ def torch_refusals(api: str, backend: str) -> Iterator[None]:
             f"(dynamo raised: {str(error).splitlines()[0][:60]})", "")
         raise _declined(api, backend, refusal) from error
     except RuntimeError as error:
+        if isinstance(error, ModifiedInPlace) or _torch_compat.is_in_place_error(error):
+            raise ValueError(message(
+                api, "f that leaves the tensors its differentiated ops read as they were "
+                "(torch's autograd refuses a backward through a saved tensor changed in "
+                "place, on every backend)", in_place_what(error),
+                IN_PLACE_FIX)) from error
         if _torch_compat.is_reentrant_grad_error(error):
             raise ValueError(message(
                 api, "f without torch.utils.checkpoint(..., use_reentrant=True) regions "

@@ -127,10 +127,11 @@ def eager_gramian(api: str, outputs: Sequence[Tensor], inputs: Sequence[Tensor],
         tapped = _select(api, recording, graph, inputs, walked, report)
         if tapped.inputs:
             others = [i for i in walked if i not in set(tapped.inputs)]
-            result = _contract(api, recording, graph, tapped, rows, inputs, blocks, ways,
-                               chunk_size=chunk_size, diagonal=diagonal,
-                               retain_graph=retain_graph or bool(others),
-                               want_pullback=want_pullback and not others, report=report)
+            with freed_graph_is_clear(api):  # the engine pass: NOTE [in-place modifications]
+                result = _contract(api, recording, graph, tapped, rows, inputs, blocks, ways,
+                                   chunk_size=chunk_size, diagonal=diagonal,
+                                   retain_graph=retain_graph or bool(others),
+                                   want_pullback=want_pullback and not others, report=report)
             walked = [i for i in walked if i not in set(tapped.inputs)]  # some may be back
     if walked:
         _walk(api, rows, inputs, walked, blocks, chunk_size=chunk_size, diagonal=diagonal,

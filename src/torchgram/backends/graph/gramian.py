@@ -33,6 +33,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from torchgram._core import _torch_compat
 from torchgram._core.checks import fail
+from torchgram._core.errors import IN_PLACE_FIX, in_place_what
 from torchgram._core.result import RunReport
 from torchgram._core.sink import LeafBlocks
 from torchgram.backends.graph.nodes import Edge, NodeCaller
@@ -112,10 +113,18 @@ def graph_gramian(api: str, outputs: Sequence[Tensor], inputs: Sequence[Tensor],
 
 @contextlib.contextmanager
 def freed_graph_is_clear(api: str) -> Iterator[None]:
-    """A walk over a graph an earlier backward freed raises a clear error, not torch's."""
+    """A walk over a graph torch refuses to go back through raises a clear error, not torch's.
+
+    Its saved tensors freed by an earlier backward, or modified in place after they were
+    saved (NOTE [in-place modifications]).
+    """
     try:
         yield
     except RuntimeError as error:
+        if _torch_compat.is_in_place_error(error):
+            fail(api, "a graph whose saved tensors are as they were saved (torch refuses a "
+                 "backward through one modified in place since)", in_place_what(error),
+                 IN_PLACE_FIX, ValueError)
         if not _torch_compat.is_freed_graph_error(error):
             raise
         fail(api, "a graph whose saved tensors are still alive",

@@ -87,6 +87,7 @@ from torch.overrides import TorchFunctionMode
 from torchgram._core import _torch_compat
 from torchgram._core.census import coupling_op
 from torchgram._core.composition import tapped_evaluation
+from torchgram._core.errors import ModifiedInPlace
 from torchgram._core.layouts import laid_out_like
 from torchgram._core.pytree import leaves_of
 from torchgram.backends._embedding import embedding_with_conventions
@@ -454,6 +455,7 @@ class TapMode(TorchFunctionMode):
         self._carriers = None if carriers is None else frozenset(carriers)
         self.recording = Recording()
         self.acts: list[Tensor] = []
+        self._act_versions: list[tuple[Tensor, int, str]] = []  # NOTE [in-place modifications]
         self._next_act = 0
         self.made_taps: list[Tensor | GradientEdge] = []
         self._samples = samples
@@ -478,6 +480,16 @@ class TapMode(TorchFunctionMode):
             super().__exit__(*exc)
         finally:
             self._contexts.pop().__exit__(*exc)
+        if not self._contexts and exc[0] is None:
+            self._check_versions()
+
+    def _check_versions(self) -> None:
+        """Raise if ``f`` changed a kept activation in place (NOTE [in-place modifications])."""
+        for owner, version, rule in self._act_versions:
+            if owner._version != version:
+                raise ModifiedInPlace(
+                    f"an input of a {rule} call that uses a parameter, modified in place "
+                    f"after that call (version {version} then, {owner._version} at the end)")
 
     # -- bookkeeping ------------------------------------------------------------------------
 
@@ -743,6 +755,9 @@ class TapMode(TorchFunctionMode):
                     if self._keep_acts:
                         self.acts.append(operand.act if self._keep_graph
                                          else operand.act.detach())
+                        kept = _torch_compat.version_of(operand.act)
+                        if kept is not None:
+                            self._act_versions.append((*kept, match.rule))
             self.recording.uses.append(UseRecord(
                 leaf=ref.index, role=role, rule=match.rule, layout=layout,
                 act_first=layout.act_first != ref.transposed, tap=tap_index, act=act_index,
