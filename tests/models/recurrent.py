@@ -12,9 +12,12 @@ state. ``B = 3`` sequences of ``T = 4`` steps of 4 features, 3 classes.
 * ``lstm-dropout``: 2 layers with inter-layer dropout, train mode (one random draw);
 * ``lstmcell`` / ``grucell``: ``nn.LSTMCell`` / ``nn.GRUCell`` unrolled in Python.
 
-Not here: ``pack_padded_sequence``. The oracle itself cannot differentiate it — ``jacrev``'s
-vmapped backward through the packed LSTM raises ``RuntimeError: Cannot access data pointer of
-Tensor that doesn't have storage`` (torch 2.13 CPU) — so there is nothing to compare with.
+* ``lstm-packed``: the same padded sequences through ``nn.utils.rnn.pack_padded_sequence``
+  (lengths an int64 input, split per sample), head on the final hidden state. torch 2.13 runs
+  the fused LSTM over a ``PackedSequence`` under no ``torch.func`` transform (``RuntimeError:
+  Cannot access data pointer of Tensor that doesn't have storage``): ``jacobian``, ``ntvp``
+  and the structured per-sample way decline, naming ``graph``; the oracle loops over rows
+  (``jacrev(chunk_size=1)``), which does not vmap the backward.
 """
 
 from __future__ import annotations
@@ -74,6 +77,21 @@ class AtLength(nn.Module):
         out, _ = self.rnn(x)  # [B, T, H]
         index = (lengths - 1).view(-1, 1, 1).expand(-1, 1, out.shape[-1])
         return self.head(out.gather(1, index).squeeze(1))
+
+
+class Packed(nn.Module):
+    """LSTM over a ``PackedSequence`` of right-padded sequences; head on ``h_n``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(FEATURES, 5, batch_first=True)
+        self.head = nn.Linear(5, CLASSES)
+
+    def forward(self, x: Tensor, lengths: Tensor) -> Tensor:
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True,
+                                                   enforce_sorted=False)
+        _, (h_n, _) = self.rnn(packed)
+        return self.head(h_n[-1])
 
 
 class UnrolledCell(nn.Module):
@@ -136,6 +154,16 @@ def lstm_lengths() -> ModelCase:
                        note="nn.LSTM on padded sequences, output gathered at each length")
 
 
+def lstm_packed() -> ModelCase:
+    model = Packed().to(torch.float64)
+    lengths = torch.tensor([2, STEPS, 3])
+    x = torch.randn(BATCH, STEPS, FEATURES, dtype=torch.float64)
+    labels = torch.randint(0, CLASSES, (BATCH,))
+    return module_case("lstm-packed", model, (x, lengths, labels), model_inputs=2,
+                       head=cross_entropy, output_shape=(BATCH,),
+                       note="nn.LSTM over pack_padded_sequence (no torch.func transform)")
+
+
 def lstm_dropout() -> ModelCase:
     model = FinalHidden(nn.LSTM(FEATURES, 5, num_layers=2, dropout=0.3, batch_first=True), 5)
     model.train()
@@ -156,6 +184,7 @@ BUILDERS: dict[str, Callable[[], ModelCase]] = {
     "gru-bidir": gru_bidir,
     "rnn-2layer": rnn_2layer,
     "lstm-lengths": lstm_lengths,
+    "lstm-packed": lstm_packed,
     "lstm-dropout": lstm_dropout,
     "lstmcell": lstmcell,
     "grucell": grucell,

@@ -284,6 +284,12 @@ _TRANSFORM_REFUSALS = {
     "We do not yet support calling random operations inside of vmap": Refusal(
         "random operations run inside a vmapped backward (a torch.utils.checkpoint region "
         "with dropout, recomputed in the backward)", ""),
+    # torch 2.13's fused RNN kernels over a PackedSequence read their inputs' memory directly,
+    # which a transform's wrapped tensors do not have (session 26: raw on every backend but
+    # graph, and through auto).
+    "Cannot access data pointer of Tensor that doesn't have storage": Refusal(
+        "an op that reads its inputs' memory directly, which torch.func's wrapped tensors "
+        "have not (e.g. nn.LSTM / nn.GRU over a nn.utils.rnn.PackedSequence)", ""),
 }
 
 

@@ -223,6 +223,11 @@ class Recording:
 
 _CHECKPOINT_REGION = "torch.utils.checkpoint regions (saved-tensor hooks)"
 
+_PACKED_RNN = "a fused RNN over a PackedSequence"
+_FUSED_RNNS = frozenset({torch.lstm, torch.gru, torch.rnn_tanh, torch.rnn_relu})
+"""Their packed form ``(data, batch_sizes, ...)`` runs under no ``torch.func`` transform
+(torch 2.13 reads its inputs' memory directly; ``_torch_compat._TRANSFORM_REFUSALS``)."""
+
 _TRANSPOSE_METHODS = frozenset({torch.Tensor.t, torch.t})
 _SWAP_METHODS = frozenset({torch.Tensor.transpose, torch.transpose, torch.Tensor.swapaxes,
                            torch.swapaxes, torch.Tensor.swapdims, torch.swapdims})
@@ -603,6 +608,9 @@ class TapMode(TorchFunctionMode):
         new_hooks = self._under_new_hooks()
         if new_hooks and _CHECKPOINT_REGION not in recording.transform_refusals:
             recording.transform_refusals.append(_CHECKPOINT_REGION)
+        if func in _FUSED_RNNS and len(args) > 1 and isinstance(args[1], Tensor) \
+                and _PACKED_RNN not in recording.transform_refusals:  # batch_sizes: packed
+            recording.transform_refusals.append(_PACKED_RNN)
         why = coupling_op(func, args, kwargs)
         if why is not None and why not in recording.coupling:
             recording.coupling.append(why)
