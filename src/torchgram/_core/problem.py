@@ -262,6 +262,9 @@ class Problem:
             [probing]); ``None`` otherwise.
         unbatched: Calls of ``f`` whose backward ``vmap`` gets wrong: vjps one at a time.
         composition: The transforms and autograd around the call (NOTE [composition]).
+        mutates_leaves: Whether ``f`` writes into its leaves (``Probe.mutates_leaves``): the
+            problem's leaves are then copies, and a transform must take them all as inputs
+            (torch refuses writes into a tensor a transform captured).
     """
 
     f: Callable[..., Any]
@@ -276,6 +279,7 @@ class Problem:
     evaluation: Evaluation | None = field(default=None, compare=False, repr=False)
     unbatched: tuple[str, ...] = ()
     composition: Composition = Composition()
+    mutates_leaves: bool = False
 
     # -- the options, for short ------------------------------------------------------------
 
@@ -607,7 +611,7 @@ def build_problem(options: Options, f: Callable[..., Any], args: tuple[Any, ...]
     if probe.mutates_leaves:
         diff = diff.replace_leaves(tuple(leaf.clone() for leaf in diff.leaves))
     return Problem(f, args, kwargs, diff, options, batch, probe.spec, draw, want_pullback,
-                   evaluation, probe.unbatched, composition)
+                   evaluation, probe.unbatched, composition, probe.mutates_leaves)
 
 
 def _probe_key(f: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any],

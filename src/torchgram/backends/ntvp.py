@@ -238,6 +238,13 @@ class _Columns:
                 problem, lambda *ls: problem.rows(ls)[0], leaves, tangents))
             return
         for index, tangent in enumerate(tangents):
+            if problem.mutates_leaves:  # every leaf an input: f writes into them (max_norm)
+                alone = tuple(t if i == index else torch.zeros_like(t)
+                              for i, t in enumerate(tangents))
+                self._store(index, rows, (tangent,), _push_forward(
+                    problem, lambda *ls: problem.rows(ls)[0], leaves, alone))
+                continue
+
             def rows_of_leaf(leaf: Tensor, index: int = index) -> Tensor:
                 return problem.rows(replace_leaves(leaves, (index,), (leaf,)))[0]
 
