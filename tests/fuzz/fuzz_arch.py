@@ -131,9 +131,18 @@ class Buffer:
 
 @dataclass(frozen=True)
 class Activation:
-    """A parameter-free nonlinearity."""
+    """A parameter-free nonlinearity; ``inplace``: applied in place (``torch.relu_``, ...).
+
+    In place, the same values: whether torch's autograd accepts it depends on what came
+    before (an op that saved its output for its backward, then changed: refused).
+    """
 
     kind: Literal["tanh", "relu", "gelu", "sigmoid", "softplus", "silu"] = "tanh"
+    inplace: bool = False
+
+
+IN_PLACE_KINDS = ("tanh", "relu", "sigmoid", "silu")
+"""The activations torch has an in-place form of."""
 
 
 @dataclass(frozen=True)
@@ -372,6 +381,8 @@ def forward(case: FuzzCase, get: Get, x: Tensor, labels: Tensor | None, *,
                         scale_grad_by_freq=inp.scale_grad_by_freq)
     else:
         h = x if not inp.flat else x[:, None]
+        if any(isinstance(layer, Activation) and layer.inplace for layer in case.layers):
+            h = h.clone()  # in-place layers never write into the caller's input
     for i, layer in enumerate(case.layers[:-1] if skip_last else case.layers):
         h = _layer(case, i, layer, h, get)
     out = _head(case.head, h, get, labels)
@@ -465,6 +476,9 @@ def _layer(case: FuzzCase, i: int, layer: Layer, h: Tensor, get: Get) -> Tensor:
         buffer = get(i, "buffer")
         return h + buffer if layer.op == "add" else h * buffer
     if isinstance(layer, Activation):
+        if layer.inplace and layer.kind in IN_PLACE_KINDS:
+            return F.silu(h, inplace=True) if layer.kind == "silu" \
+                else getattr(torch, f"{layer.kind}_")(h)
         return getattr(torch, layer.kind)(h) if layer.kind in ("tanh", "relu", "sigmoid") \
             else getattr(F, layer.kind)(h)
     if isinstance(layer, TiedOut):

@@ -123,6 +123,25 @@ def oracle(case: FuzzCase, *, repeated: bool = False,
     return dense_gramian(g, args, argnums)
 
 
+class RefusedInPlace:
+    """The oracle's answer where torch's autograd refuses ``f``: a tensor it saved for the
+    backward was changed in place afterwards (``Activation.inplace``). Every backend must
+    then raise torchgram's ``ValueError`` (NOTE [in-place modifications])."""
+
+
+REFUSED_IN_PLACE = RefusedInPlace()
+
+
+def oracle_or_refusal(case: FuzzCase, *, repeated: bool = False) -> Dense | RefusedInPlace | None:
+    """:func:`oracle`, or :data:`REFUSED_IN_PLACE` where torch refuses the case's in-place op."""
+    try:
+        return oracle(case, repeated=repeated)
+    except RuntimeError as error:
+        if "modified by an inplace operation" not in str(error):
+            raise
+        return REFUSED_IN_PLACE
+
+
 def run(built: Built, backend: str, *, no_grad: bool = False) -> Any:
     """``tg.gramian(f, backend=backend, **options)(*args, **kwargs)`` (under ``no_grad``)."""
     with torch.set_grad_enabled(not no_grad):
@@ -154,18 +173,19 @@ def check(case: FuzzCase, backend: str) -> str:
     probe and trace caches must notice, NOTE [call signatures]).
     """
     built = build(case)
-    outcome = _call(case, built, backend, oracle(case))
+    outcome = _call(case, built, backend, oracle_or_refusal(case))
     if case.repeat == "none":
         return outcome
     if case.repeat == "values":
         built = rescaled(built, REPEAT_SCALE)
     else:
         built.switch["skip_last"] = True
-    second = _call(case, built, backend, oracle(case, repeated=True))
+    second = _call(case, built, backend, oracle_or_refusal(case, repeated=True))
     return outcome if outcome == second else f"{outcome}, then {second}"
 
 
-def _call(case: FuzzCase, built: Built, backend: str, expected: Dense | None) -> str:
+def _call(case: FuzzCase, built: Built, backend: str,
+          expected: Dense | RefusedInPlace | None) -> str:
     torch.manual_seed(case.seed)  # random ops: the oracle and the call see the same draw
     snapshot = Snapshot.take(built.args, built.kwargs, built.module)
     try:
@@ -175,12 +195,18 @@ def _call(case: FuzzCase, built: Built, backend: str, expected: Dense | None) ->
         if not str(error).startswith("torchgram."):
             raise AssertionError(f"{backend}: a raw error escaped: {type(error).__name__}: "
                                  f"{error}") from error
+        if expected is REFUSED_IN_PLACE:
+            assert isinstance(error, ValueError) and "out of place" in str(error), \
+                f"{backend}: torch refuses the in-place op, but got: {error}"
+            return "refused (in place, as torch's autograd)"
         assert expected is not None or "floating-point tensor leaves" in str(error), error
         if backend == "auto" and expected is not None:
             _assert_nobody_answers(built, str(error))
         return f"refused ({type(error).__name__}: {str(error)[:60]}...)"
     snapshot.assert_unchanged(built.module)
     assert expected is not None, "answered a call without any leaf to differentiate"
+    assert isinstance(expected, Dense), \
+        f"{backend}: answered where torch's autograd refuses the in-place op"
     _compare(case, built, result, expected)
     return "answered"
 

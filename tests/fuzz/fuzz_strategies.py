@@ -24,6 +24,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
 from fuzz_arch import (
+    IN_PLACE_KINDS,
     Activation,
     Attention,
     Buffer,
@@ -94,7 +95,8 @@ def _divisors(n: int) -> list[int]:
 
 @st.composite
 def _layer(draw: st.DrawFn, backend: str, width: int, length: int, tokens: Tokens | None,
-           linears: dict[int, tuple[int, int]], batch: int, declared: bool) -> Layer:
+           linears: dict[int, tuple[int, int]], batch: int, declared: bool,
+           in_place: bool = False) -> Layer:
     kinds = ["linear", "linear", "conv", "attention", "rnn", "elementwise", "distance",
              "buffer", "activation", "activation"]
     if width > 1:  # a norm over one value is constant, its float32 gradient only round-off
@@ -174,13 +176,18 @@ def _layer(draw: st.DrawFn, backend: str, width: int, length: int, tokens: Token
         return Center()
     if kind == "dropout":
         return Dropout(p=0.5)
-    return Activation(kind=draw(st.sampled_from(["tanh", "relu", "gelu", "sigmoid", "softplus",
-                                                 "silu"])))
+    kind = draw(st.sampled_from(["tanh", "relu", "gelu", "sigmoid", "softplus", "silu"]))
+    return Activation(kind=kind, inplace=in_place and kind in IN_PLACE_KINDS
+                      and draw(st.booleans()))
 
 
 @st.composite
-def cases(draw: st.DrawFn, backend: str) -> FuzzCase:
-    """A random architecture and call for ``backend``, of sizes the oracle handles quickly."""
+def cases(draw: st.DrawFn, backend: str, in_place: bool = False) -> FuzzCase:
+    """A random architecture and call for ``backend``, of sizes the oracle handles quickly.
+
+    ``in_place``: activations may run in place (``Activation.inplace``); a property that
+    allows it must accept torch's refusal of the oracle (``fuzz_check.check`` does).
+    """
     batch = draw(st.integers(1, 4))
     length = draw(st.integers(1, 3))
     declared = draw(st.booleans())
@@ -201,7 +208,7 @@ def cases(draw: st.DrawFn, backend: str) -> FuzzCase:
     shapes = walk_shapes(case_input, length, ())
     for _ in range(draw(st.integers(0, 4))):
         layer = draw(_layer(backend, shapes.width, shapes.length, tokens, shapes.linears, batch,
-                            declared))
+                            declared, in_place))
         candidate = walk_shapes(case_input, length, (*layers, layer))
         if candidate.length < 1 or sum(math.prod(p.shape) for p in candidate.params) > 400:
             continue
