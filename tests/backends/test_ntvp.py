@@ -288,3 +288,33 @@ def test_user_tensors_and_flags_untouched() -> None:
     for p, before in zip(optree.tree_leaves(params), snapshot, strict=True):
         assert p.requires_grad and p.is_leaf and p.grad is None
         assert torch.equal(p.detach(), before)
+
+
+def test_forward_mode_failures_under_autocast_name_the_other_backends() -> None:
+    """torch 2.13's forward mode under CPU autocast fails on a grouped strided conv after a
+    batch norm in eval mode ("Input type (torch.FloatTensor) and weight type
+    (CPUBFloat16Type) should be the same"), where the plain call runs: a raw error from ntvp
+    before session 26. ntvp answers like jacobian, or declines naming it; auto answers."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.BatchNorm2d(4).eval(), torch.nn.ReLU(),
+        torch.nn.Conv2d(4, 4, 3, stride=2, groups=2), torch.nn.Flatten(), torch.nn.Linear(16, 3))
+    fn, params = tg.functionalize(model)
+    params = {name: value.detach() for name, value in params.items()}
+    x = torch.randn(4, 3, 6, 6)
+
+    def f(p: dict[str, Tensor], x: Tensor) -> Tensor:
+        return torch.nn.functional.cross_entropy(fn(p, x).float(), torch.arange(4) % 3,
+                                                 reduction="none")
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = tg.gramian(f, backend="jacobian", batch_dim=0)(params, x)
+        torch.testing.assert_close(tg.gramian(f, batch_dim=0)(params, x), expected,
+                                   rtol=2e-2, atol=2e-2 * expected.abs().max().item())
+        try:
+            G = tg.gramian(f, backend="ntvp", batch_dim=0)(params, x)
+        except tg.BackendCannotRun as error:
+            assert "autocast" in str(error) and "backend='jacobian'" in str(error)
+        else:
+            torch.testing.assert_close(G, expected, rtol=2e-2,
+                                       atol=2e-2 * expected.abs().max().item())

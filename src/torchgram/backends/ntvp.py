@@ -350,6 +350,15 @@ def _forward_mode(problem: Problem) -> Iterator[None]:
             yield
     except (NotImplementedError, RuntimeError) as err:
         missing = _torch_compat.missing_forward_ad(err)
+        if missing is None and isinstance(err, RuntimeError) \
+                and torch.is_autocast_enabled(problem.output.device.type):
+            # f ran plainly (the probe); torch 2.13's forward mode under autocast does not
+            # always (a grouped conv after a batch norm: "Input type (torch.FloatTensor) and
+            # weight type (CPUBFloat16Type) should be the same", session 26)
+            raise BackendCannotRun(
+                problem.api, "ntvp", "forward-mode AD that torch runs under torch.autocast",
+                f"torch's error in forward mode under autocast: {str(err).splitlines()[0]}",
+                _ALTERNATIVES, "Or call it outside torch.autocast.") from err
         if missing is None:
             raise
         kind, name = missing
