@@ -21,6 +21,17 @@ Options:
   graph, not by grouping leaves; reduce it with fewer rows, or with ``chunk_size`` in
   diagonal mode.
 
+# NOTE [module backward hooks]
+Module backward hooks (``register_full_backward_hook``, ``register_full_backward_pre_hook``)
+run in torch's backward, and may change the gradients that pass (a hook returning
+``grad_input * 3``). torch's autograd runs them, and so does ``torch.func.jacrev`` (the
+oracle) and the structured backend's backward to its taps; the walk calls each node itself
+and runs none (NOTE [calling nodes directly]): with a hook that changes gradients it computed the
+Gramian of another Jacobian (0.8 off, relative; session 26). Hooks cannot be asked what they
+do, so a graph with any module backward hook (its ``BackwardHookFunction`` nodes) is declined
+here, naming ``structured``; ``auto`` goes on to it. ``torchgram.autograd.gramian`` keeps its
+documented walk, which runs no hook.
+
 Composition (NOTE [composition]): with eager leaves or inputs that require grad, ``f`` runs on
 aliases of the user's leaves (views, so the graph reaches them) and the walk calls the nodes
 under grad mode, like a backward with ``create_graph=True``: ``G`` carries the graph. Inside
@@ -31,13 +42,27 @@ from __future__ import annotations
 
 import torch
 
+from torchgram._core import _torch_compat
 from torchgram._core.composition import graph_leaf, require_no_transforms
+from torchgram._core.errors import BackendCannotRun
 from torchgram._core.problem import Problem
 from torchgram._core.pytree import detach_tree
 from torchgram._core.result import BackendResult, RunReport
 from torchgram._core.sink import LeafBlocks
 from torchgram.backends._registry import register
-from torchgram.backends.graph.gramian import graph_gramian
+from torchgram.backends.graph.gramian import graph_gramian, plan_graph
+from torchgram.backends.graph.walk import WalkPlan
+
+
+def _refuse_module_hooks(problem: Problem, plan: WalkPlan) -> None:
+    """Decline a graph with module backward hooks (NOTE [module backward hooks])."""
+    if any(_torch_compat.is_module_hook_node(node) for node in plan.children):
+        raise BackendCannotRun(
+            problem.api, "graph", "a graph without module backward hooks (the walk calls each "
+            "node itself and runs no hook, where torch's autograd and torch.func run them)",
+            "module backward hooks (register_full_backward_hook or "
+            "register_full_backward_pre_hook) in f's graph", ("structured",),
+            "Or remove the hooks while computing the Gramian.")
 
 
 @register("graph")
@@ -56,8 +81,11 @@ def graph_backend(problem: Problem) -> BackendResult:
         with torch.enable_grad():
             rows, aux = problem.rows(leaves)
     if rows.requires_grad:  # otherwise f does not depend on the leaves: G = 0
+        plan = plan_graph([rows], leaves)
+        _refuse_module_hooks(problem, plan)
         graph_gramian(problem.api, [rows], leaves, blocks, chunk_size=problem.chunk_size,
-                      diagonal=problem.diagonal, report=report, create_graph=create_graph)
+                      diagonal=problem.diagonal, plan=plan, report=report,
+                      create_graph=create_graph)
     return BackendResult(blocks.blocks(), report, aux=aux if create_graph else detach_tree(aux),
                          rows=rows.detach())
 

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from torchgram._core import _torch_compat
 from torchgram._core.errors import BackendCannotRun, NotPerSample, OutputChanged
 from torchgram._core.per_sample import (
     batch_rows,
@@ -241,8 +242,20 @@ def _same_merged_acts(forward: Forward, acts: list[Tensor], subset: list[int]) -
 
 
 def _one_sample_at_a_time(problem: Problem, expected: Recording, fallback: list[int]) -> Forward:
-    """``vmap`` over samples, a loop where it cannot; every sample checked against the batch."""
-    batch_outputs, _ = batch_rows(problem)
+    """``vmap`` over samples, a loop where it cannot; every sample checked against the batch.
+
+    Where torch refuses ``f`` under the transforms the check of the samples needs (an
+    old-style ``autograd.Function``, module backward hooks: NOTE [old-style
+    autograd.Functions]), the rows of the whole batch give the same matrix instead.
+    """
+    try:
+        batch_outputs, _ = batch_rows(problem)
+    except RuntimeError as error:
+        refused = _torch_compat.refused_under_transforms(error)
+        if refused is None:
+            raise
+        raise NotPerSample(f"the per-sample check runs f under torch.func transforms, which "
+                           f"refuse {refused.what}") from error
     loop = problem.loops_only
     forward = None
     if not loop:

@@ -1,0 +1,79 @@
+"""Module backward hooks inside ``f``: the oracle's matrix (which runs them) or a torchgram
+error, on every backend (NOTE [module backward hooks] in ``backends/graph/backend.py``).
+
+torch's autograd runs ``register_full_backward_hook`` / ``register_full_backward_pre_hook``
+hooks, and a hook may change the gradients that pass. The graph walk calls each node itself
+and ran none: with a hook that scales ``grad_input`` it returned the Gramian of another
+Jacobian (0.8 off, relative; session 26). It now declines; ``auto`` answers through
+``structured``, which falls back to the rows of the whole batch where its per-sample check
+cannot run under transforms (``BackwardHookFunction`` is an old-style ``autograd.Function``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import torchgram as tg
+from reference import dense_gramian
+
+BACKENDS = ["auto", "structured", "graph", "jacobian", "ntvp"]
+
+
+class Model(nn.Module):
+    """A linear layer, a hooked activation, a weight used through ``exp`` (no rule: the
+    structured backend's per-sample way would vmap it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 4)
+        self.act = nn.Tanh()
+        self.w = nn.Parameter(torch.randn(4, 2))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.act(self.linear(x)) @ self.w.exp()
+
+
+def _scale(module: nn.Module, grad_input: Any, grad_output: Any) -> tuple[Tensor]:
+    return (grad_input[0] * 3,)
+
+
+def _scale_output(module: nn.Module, grad_output: Any) -> tuple[Tensor]:
+    return (grad_output[0] * 3,)
+
+
+def _observe(module: nn.Module, grad_input: Any, grad_output: Any) -> None:
+    return None
+
+
+HOOKS: dict[str, Callable[[nn.Module], Any]] = {
+    "scales_grad_input": lambda m: m.register_full_backward_hook(_scale),
+    "scales_grad_output": lambda m: m.register_full_backward_pre_hook(_scale_output),
+    "observes": lambda m: m.register_full_backward_hook(_observe),
+}
+
+
+@pytest.mark.parametrize("batch_dim", [0, None], ids=["batch0", "nobatch"])
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("hook", list(HOOKS))
+def test_module_backward_hooks_give_the_oracle_or_a_torchgram_error(
+        hook: str, backend: str, batch_dim: int | None) -> None:
+    torch.manual_seed(0)
+    model = Model().double()
+    HOOKS[hook](model.act)
+    fn, params = tg.functionalize(model)
+    params = {name: value.detach() for name, value in params.items()}
+    x = torch.randn(5, 3, dtype=torch.float64)
+    expected = dense_gramian(fn, (params, x)).shaped()  # torch's autograd: hooks run
+    try:
+        G = tg.gramian(fn, backend=backend, batch_dim=batch_dim)(params, x)
+    except tg.BackendCannotRun as error:
+        assert backend not in ("auto", "structured"), error
+        if backend == "graph":
+            assert "module backward hooks" in str(error) and "'structured'" in str(error)
+        return
+    torch.testing.assert_close(G, expected, rtol=1e-10, atol=1e-12)
