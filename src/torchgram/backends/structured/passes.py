@@ -112,10 +112,12 @@ def trace(problem: Problem) -> Recording:
         if batch is None:
             with mode:
                 rows = problem.rows(carriers)[0]
+            mode.note_rows(rows)
         else:
             try:
                 with mode:
                     rows = problem.sample_rows(carriers, batch.narrow(0, 1), check_draw=False)
+                mode.note_rows(rows)
                 mode.recording.draws = problem.draw.drew()
             except (BackendCannotRun, OutputChanged, NotPerSample):
                 raise
@@ -326,6 +328,7 @@ def _tapped_rows(problem: Problem, carriers: tuple[Tensor, ...],
         mode = make_mode(True)
         with mode:
             rows, aux = problem.rows(carriers)
+    mode.note_rows(rows)
     return mode, rows, aux
 
 

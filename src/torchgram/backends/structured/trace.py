@@ -581,6 +581,18 @@ class TapMode(TorchFunctionMode):
                                if use.tap == tap_index else use for use in self.recording.uses]
         return y.expand(shape) + tap
 
+    def note_rows(self, rows: Tensor) -> None:
+        """Note a leaf that ``f`` returned as its output, itself or a view of it.
+
+        No call used it, so no use was recorded and its block would be zero: its rows come
+        from the graph instead (an unrecognised use; session 26: ``f = lambda p, x: p["b"]``,
+        or ``p["b"].view(...)``, ``.flatten()``, ``.to(dtype)`` of the same dtype, gave
+        ``G = 0`` on the structured backend).
+        """
+        ref = self._ref(rows)
+        if ref is not None:
+            self._note_unrecognised([ref], "returned as the output", rows)
+
     def _note_unrecognised(self, refs: list[LeafRef], name: str, result: Any) -> None:
         flops = sum(leaf.numel() for leaf in optree.tree_leaves(result)
                     if isinstance(leaf, Tensor))
