@@ -79,13 +79,8 @@ class AtLength(nn.Module):
         return self.head(out.gather(1, index).squeeze(1))
 
 
-class Packed(nn.Module):
-    """LSTM over a ``PackedSequence`` of right-padded sequences; head on ``h_n``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.rnn = nn.LSTM(FEATURES, 5, batch_first=True)
-        self.head = nn.Linear(5, CLASSES)
+class Packed(AtLength):
+    """The same LSTM over a ``PackedSequence`` of the padded sequences; head on ``h_n``."""
 
     def forward(self, x: Tensor, lengths: Tensor) -> Tensor:
         packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True,
