@@ -77,3 +77,18 @@ def test_module_backward_hooks_give_the_oracle_or_a_torchgram_error(
             assert "module backward hooks" in str(error) and "'structured'" in str(error)
         return
     torch.testing.assert_close(G, expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("batch_dim", [0, None], ids=["batch0", "nobatch"])
+def test_explain_predicts_what_runs_with_module_hooks(batch_dim: int | None) -> None:
+    """``auto`` plans structured first where the graph walk would meet module hooks."""
+    torch.manual_seed(0)
+    model = Model().double()
+    HOOKS["scales_grad_input"](model.act)
+    fn, params = tg.functionalize(model)
+    params = {name: value.detach() for name, value in params.items()}
+    x = torch.randn(5, 3, dtype=torch.float64)
+    predicted = tg.explain(fn, batch_dim=batch_dim)(params, x)
+    ran = tg.explain(fn, batch_dim=batch_dim, run=True)(params, x).ran
+    assert ran is not None
+    assert (predicted.backend, ran.backend, ran.attempts) == ("structured", "structured", [])

@@ -169,6 +169,11 @@ def is_reentrant_checkpoint(node: Node) -> bool:
     return custom_function_class(node) is CheckpointFunction
 
 
+MODULE_HOOKS = BackwardHookFunction.__qualname__
+"""The old-style Function that runs module backward hooks, as :func:`old_style_functions`
+names it."""
+
+
 def is_module_hook_node(node: Node) -> bool:
     """Whether ``node`` runs module backward hooks (``register_full_backward_hook`` & co)."""
     return custom_function_class(node) is BackwardHookFunction

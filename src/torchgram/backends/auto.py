@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from torchgram._core import _torch_compat
 from torchgram._core._torch_compat import old_style_functions
 from torchgram._core.composition import COMPOSING_BACKENDS
 from torchgram._core.errors import BackendCannotRun, NotPerSample, torch_refusals
@@ -212,7 +213,11 @@ def plan_auto(problem: Problem) -> AutoPlan:
     if structured.recording.transform_refusals:  # NOTE [old-style autograd.Functions]
         vmaps = problem.batch is not None and forward is None and any(
             leaf.way == "fallback" for leaf in structured.leaves)  # the per-sample vmap way
-        refusing = (*REFUSING_BACKENDS, *(("structured",) if vmaps else ()))
+        # the graph walk runs no hook and declines them (NOTE [module backward hooks]);
+        # structured then takes the rows of the whole batch, and goes first
+        hooks = _torch_compat.MODULE_HOOKS in structured.recording.transform_refusals
+        refusing = (*REFUSING_BACKENDS, *(("structured",) if vmaps and not hooks else ()),
+                    *((LAST_RESORT,) if hooks else ()))
     order = (*(n for n in order if n not in refusing), *(n for n in order if n in refusing))
     return AutoPlan(structured, estimates, order, forward)
 
