@@ -1,5 +1,6 @@
-"""Module backward hooks inside ``f``: the oracle's matrix (which runs them) or a torchgram
-error, on every backend (NOTE [module backward hooks] in ``backends/graph/backend.py``).
+"""Module backward hooks, and gradient hooks registered inside ``f``: the oracle's matrix
+(which runs them) or a torchgram error, on every backend (NOTE [module backward hooks] in
+``backends/graph/backend.py``, NOTE [gradient hooks inside f] in ``_core/census.py``).
 
 torch's autograd runs ``register_full_backward_hook`` / ``register_full_backward_pre_hook``
 hooks, and a hook may change the gradients that pass. The graph walk calls each node itself
@@ -92,3 +93,49 @@ def test_explain_predicts_what_runs_with_module_hooks(batch_dim: int | None) -> 
     ran = tg.explain(fn, batch_dim=batch_dim, run=True)(params, x).ran
     assert ran is not None
     assert (predicted.backend, ran.backend, ran.attempts) == ("structured", "structured", [])
+
+
+def _tensor_hooked(p: dict[str, Tensor], x: Tensor) -> Tensor:
+    """A gradient hook registered inside ``f`` on an activation, scaling its gradient."""
+    h = torch.tanh(x @ p["w1"])
+    if h.requires_grad:
+        h.register_hook(lambda grad: grad * 3)
+    return h @ p["w2"]
+
+
+@pytest.mark.parametrize("batch_dim", [0, None], ids=["batch0", "nobatch"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradient_hooks_inside_f_give_the_oracle_or_a_torchgram_error(
+        backend: str, batch_dim: int | None) -> None:
+    """NOTE [gradient hooks inside f]: graph (0.88 off) and ntvp (0.66 off) ran no hook, or
+    half of them, before session 26; they decline now, naming jacobian and structured."""
+    generator = torch.Generator().manual_seed(0)
+    params = {"w1": torch.randn(3, 4, generator=generator, dtype=torch.float64),
+              "w2": torch.randn(4, 2, generator=generator, dtype=torch.float64)}
+    x = torch.randn(5, 3, generator=generator, dtype=torch.float64)
+    expected = dense_gramian(_tensor_hooked, (params, x)).shaped()
+    try:
+        G = tg.gramian(_tensor_hooked, backend=backend, batch_dim=batch_dim)(params, x)
+    except tg.BackendCannotRun as error:
+        assert backend in ("graph", "ntvp") and "Tensor.register_hook" in str(error), error
+        return
+    assert backend not in ("graph", "ntvp")
+    torch.testing.assert_close(G, expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", ["auto", "structured", "jacobian", "ntvp"])
+def test_kernels_with_gradient_hooks_inside_f(backend: str) -> None:
+    generator = torch.Generator().manual_seed(0)
+    params = {"w1": torch.randn(3, 4, generator=generator, dtype=torch.float64),
+              "w2": torch.randn(4, 2, generator=generator, dtype=torch.float64)}
+    x1 = torch.randn(5, 3, generator=generator, dtype=torch.float64)
+    x2 = torch.randn(2, 3, generator=generator, dtype=torch.float64)
+    both = dense_gramian(_tensor_hooked, (params, torch.cat([x1, x2]))).shaped()
+    expected = both[:5, :, 5:].permute(0, 2, 1, 3)  # [N1, N2, K, K]
+    ntk_fn = tg.ntk.empirical_ntk_fn(_tensor_hooked, trace_axes=(), backend=backend)
+    try:
+        K = ntk_fn(x1, x2, params)
+    except tg.BackendCannotRun as error:
+        assert backend == "ntvp" and "Tensor.register_hook" in str(error), error
+        return
+    torch.testing.assert_close(K, expected, rtol=1e-10, atol=1e-12)

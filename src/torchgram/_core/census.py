@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
@@ -60,6 +61,19 @@ def coupling_op(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str
     return None
 
 
+# NOTE [gradient hooks inside f]
+# f may register hooks on its own tensors (h.register_hook(lambda g: -g), a gradient reversal;
+# clipping; logging). torch's backward runs them, and so do the oracle (torch.func's vjp), the
+# jacobian backend and the structured backend's backward to its taps. The graph walk calls
+# nodes itself and runs no hook, and ntvp pushes vjps (hooks run) forward with jvp (hooks do
+# not): both gave another matrix (0.88 and 0.66 off, relative; session 26). A hook can only be
+# seen being registered, so their evaluations of f run under an OpCensus, which counts
+# Tensor.register_hook calls, and they decline when f made any (naming jacobian and
+# structured). Hooks registered on autograd nodes (grad_fn.register_prehook) cannot be seen.
+GRADIENT_HOOKS = frozenset({torch.Tensor.register_hook})
+"""Calls that register a hook on a tensor's gradient (NOTE [gradient hooks inside f])."""
+
+
 class OpCensus(TorchFunctionMode):
     """Records, while ``f`` runs, the calls that matter to how it may be differentiated.
 
@@ -67,16 +81,21 @@ class OpCensus(TorchFunctionMode):
         coupling: Calls that make samples interact (:func:`coupling_op`).
         unbatched: Calls whose backward ``vmap`` gets wrong (``_torch_compat``): the rows'
             vjps then run one at a time.
+        hooks: How many gradient hooks ``f`` registered on its tensors (NOTE [gradient
+            hooks inside f]).
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.coupling: list[str] = []
         self.unbatched: list[str] = []
+        self.hooks = 0
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
+        if func in GRADIENT_HOOKS:
+            self.hooks += 1
         why = coupling_op(func, args, kwargs)
         if why is not None and why not in self.coupling:
             self.coupling.append(why)

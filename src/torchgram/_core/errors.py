@@ -111,6 +111,17 @@ class ModifiedInPlace(RuntimeError):  # noqa: N818
         self.what = what
 
 
+def gradient_hooks_refused(api: str, backend: str) -> BackendCannotRun:
+    """``backend`` does not run the gradient hooks ``f`` registers; others do.
+
+    NOTE [gradient hooks inside f]: ``jacobian`` and ``structured`` run them.
+    """
+    return BackendCannotRun(
+        api, backend, "f without gradient hooks on its tensors (this backend does not run "
+        "them the way torch's backward does)", "Tensor.register_hook calls inside f",
+        ("jacobian", "structured"), "Or register the hooks outside f.")
+
+
 IN_PLACE_FIX = ("Write the in-place op out of place: y = F.relu(y) instead of "
                 "F.relu(y, inplace=True) or nn.ReLU(inplace=True), y = y + x instead of "
                 "y += x, h = h * 2 instead of h.mul_(2).")

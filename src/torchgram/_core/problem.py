@@ -148,11 +148,14 @@ class Evaluation:
             user's tensors).
         rows: The output rows ``[m]``, with their autograd graph.
         aux: ``f``'s aux.
+        hooks: Whether ``f`` registered gradient hooks on its tensors (NOTE [gradient hooks
+            inside f]).
     """
 
     leaves: tuple[Tensor, ...]
     rows: Tensor
     aux: Any
+    hooks: bool = False
 
 
 class Draw:
@@ -688,7 +691,7 @@ def _evaluate_probe(api: str, f: Callable[..., Any], args: tuple[Any, ...],
         if not with_grad:
             return probe, None
         rows = concat_rows(optree.tree_leaves(out), probe.spec.dtype)
-        return probe, Evaluation(leaves, rows, aux)
+        return probe, Evaluation(leaves, rows, aux, census.hooks > 0)
 
 
 def make_output_spec(api: str, out: Any, batch: BatchSpec | None, *,

@@ -43,8 +43,9 @@ from __future__ import annotations
 import torch
 
 from torchgram._core import _torch_compat
+from torchgram._core.census import OpCensus
 from torchgram._core.composition import graph_leaf, require_no_transforms
-from torchgram._core.errors import BackendCannotRun
+from torchgram._core.errors import BackendCannotRun, gradient_hooks_refused
 from torchgram._core.problem import Problem
 from torchgram._core.pytree import detach_tree
 from torchgram._core.result import BackendResult, RunReport
@@ -76,10 +77,15 @@ def graph_backend(problem: Problem) -> BackendResult:
     if problem.evaluation is not None:  # the probe ran f with autograd: NOTE [probing]
         leaves, rows, aux = (problem.evaluation.leaves, problem.evaluation.rows,
                              problem.evaluation.aux)
+        hooks = problem.evaluation.hooks
     else:
         leaves = tuple(graph_leaf(leaf) for leaf in problem.leaves)
-        with torch.enable_grad():
+        census = OpCensus()
+        with torch.enable_grad(), census:
             rows, aux = problem.rows(leaves)
+        hooks = census.hooks > 0
+    if hooks:  # the walk runs none: NOTE [gradient hooks inside f]
+        raise gradient_hooks_refused(problem.api, "graph")
     if rows.requires_grad:  # otherwise f does not depend on the leaves: G = 0
         plan = plan_graph([rows], leaves)
         _refuse_module_hooks(problem, plan)
