@@ -15,6 +15,7 @@ Run:  torchrun --nproc_per_node=2 examples/distributed_jd.py   (gloo on CPU, ncc
 """
 
 import os
+import sys
 import tempfile
 
 import torch
@@ -122,6 +123,11 @@ def worker(rank: int, world: int, store: str) -> None:
         dist.barrier()  # both ranks done before either tears its gloo pairs down
     finally:
         dist.destroy_process_group()
+    # torch 2.13's gloo threads can still abort the interpreter's own exit ("terminate called
+    # without an active exception", SIGABRT, now and then under load): a finished rank leaves
+    # without it
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def main() -> None:

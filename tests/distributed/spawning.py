@@ -14,6 +14,7 @@ import hashlib
 import importlib
 import os
 import pickle
+import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -74,6 +75,11 @@ def _entry(rank: int, world: int, store: str, out: str, modules: Sequence[str]) 
         with open(os.path.join(out, f"rank{rank}.pkl"), "wb") as file:
             pickle.dump(results, file)
         dist.destroy_process_group()
+    # torch 2.13's gloo threads can abort the interpreter's own exit now and then ("terminate
+    # called without an active exception", SIGABRT; examples/distributed_jd.py met it): the
+    # results are written, so the rank leaves without it
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def spawn(modules: Sequence[str], directory: Path) -> dict[str, Results]:
