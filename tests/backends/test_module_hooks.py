@@ -139,3 +139,32 @@ def test_kernels_with_gradient_hooks_inside_f(backend: str) -> None:
         assert backend == "ntvp" and "Tensor.register_hook" in str(error), error
         return
     torch.testing.assert_close(K, expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("batch_dim", [0, None], ids=["batch0", "nobatch"])
+def test_explain_predicts_what_runs_with_gradient_hooks_inside_f(batch_dim: int | None) -> None:
+    generator = torch.Generator().manual_seed(0)
+    params = {"w1": torch.randn(3, 4, generator=generator, dtype=torch.float64),
+              "w2": torch.randn(4, 20, generator=generator, dtype=torch.float64)}
+    x = torch.randn(64, 3, generator=generator, dtype=torch.float64)  # ntvp's size, unhooked
+    predicted = tg.explain(_tensor_hooked, batch_dim=batch_dim)(params, x)
+    ran = tg.explain(_tensor_hooked, batch_dim=batch_dim, run=True)(params, x).ran
+    assert ran is not None
+    assert predicted.backend == ran.backend and ran.attempts == [], ran
+
+
+@pytest.mark.parametrize("hooked", [True, False], ids=["hooked", "plain"])
+def test_auto_tries_graph_and_ntvp_last_when_f_registers_gradient_hooks(hooked: bool) -> None:
+    from torchgram._core.options import Options
+    from torchgram._core.problem import build_problem
+    from torchgram.backends.auto import plan_auto
+
+    def plain(p: dict[str, Tensor], x: Tensor) -> Tensor:
+        return torch.tanh(x @ p["w1"]) @ p["w2"]
+
+    f = _tensor_hooked if hooked else plain
+    params = {"w1": torch.randn(3, 4, dtype=torch.float64),
+              "w2": torch.randn(4, 20, dtype=torch.float64)}
+    args = (params, torch.randn(64, 3, dtype=torch.float64))  # ntvp ranks first unhooked
+    order = plan_auto(build_problem(Options.validate("test", f), f, args, {})).order
+    assert order[-2:] == ("ntvp", "graph") if hooked else order[0] == "ntvp", order

@@ -218,6 +218,8 @@ def plan_auto(problem: Problem) -> AutoPlan:
         hooks = _torch_compat.MODULE_HOOKS in structured.recording.transform_refusals
         refusing = (*REFUSING_BACKENDS, *(("structured",) if vmaps and not hooks else ()),
                     *((LAST_RESORT,) if hooks else ()))
+    if structured.recording.gradient_hooks:  # NOTE [gradient hooks inside f]
+        refusing = (*refusing, "ntvp", LAST_RESORT)
     order = (*(n for n in order if n not in refusing), *(n for n in order if n in refusing))
     return AutoPlan(structured, estimates, order, forward)
 

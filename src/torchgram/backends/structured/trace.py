@@ -85,7 +85,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.overrides import TorchFunctionMode
 
 from torchgram._core import _torch_compat
-from torchgram._core.census import coupling_op
+from torchgram._core.census import GRADIENT_HOOKS, coupling_op
 from torchgram._core.composition import tapped_evaluation
 from torchgram._core.errors import ModifiedInPlace
 from torchgram._core.layouts import laid_out_like
@@ -203,6 +203,9 @@ class Recording:
     unbatchable: list[str] = field(default_factory=list)
     """Calls ``vmap`` cannot batch (fused recurrent kernels): per-sample ``vmap`` passes over
     ``f`` loop over the samples instead."""
+    gradient_hooks: bool = False
+    """Whether ``f`` registered gradient hooks on its tensors, which the graph walk and
+    ntvp's jvps would not run (NOTE [gradient hooks inside f])."""
     transform_refusals: list[str] = field(default_factory=list)
     """What ``torch.func`` transforms would refuse in ``f``: old-style ``autograd.Function``s
     in the graph of the rows, ``torch.utils.checkpoint`` regions (NOTE [old-style
@@ -620,6 +623,8 @@ class TapMode(TorchFunctionMode):
         new_hooks = self._under_new_hooks()
         if new_hooks and _CHECKPOINT_REGION not in recording.transform_refusals:
             recording.transform_refusals.append(_CHECKPOINT_REGION)
+        if func in GRADIENT_HOOKS:
+            recording.gradient_hooks = True
         if func in _FUSED_RNNS and len(args) > 1 and isinstance(args[1], Tensor) \
                 and _PACKED_RNN not in recording.transform_refusals:  # batch_sizes: packed
             recording.transform_refusals.append(_PACKED_RNN)
