@@ -126,7 +126,8 @@ def oracle(case: FuzzCase, *, repeated: bool = False,
 class RefusedInPlace:
     """The oracle's answer where torch's autograd refuses ``f``: a tensor it saved for the
     backward was changed in place afterwards (``Activation.inplace``). Every backend must
-    then raise torchgram's ``ValueError`` (NOTE [in-place modifications])."""
+    then raise torchgram's ``ValueError`` (NOTE [in-place modifications]), unless it declines
+    first for another reason (``BackendCannotRun``: ntvp before a random op)."""
 
 
 REFUSED_IN_PLACE = RefusedInPlace()

@@ -457,7 +457,7 @@ def version_of(tensor: Tensor) -> tuple[Tensor, int] | None:
         tensor = torch._C._functorch.get_unwrapped(tensor)
     if tensor.is_inference():
         return None
-    return tensor, tensor._version
+    return tensor, version(tensor)
 
 
 def is_freed_graph_error(error: BaseException) -> bool:

@@ -12,6 +12,8 @@ evaluation of the whole batch that per-sample ways check against):
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -19,6 +21,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from torchgram._core import _torch_compat
+from torchgram._core.errors import gradient_hooks_refused
 
 _MISSING = object()
 
@@ -72,6 +75,19 @@ def coupling_op(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str
 # structured). Hooks registered on autograd nodes (grad_fn.register_prehook) cannot be seen.
 GRADIENT_HOOKS = frozenset({torch.Tensor.register_hook})
 """Calls that register a hook on a tensor's gradient (NOTE [gradient hooks inside f])."""
+
+
+@contextlib.contextmanager
+def refusing_gradient_hooks(api: str, backend: str) -> Iterator[None]:
+    """Run the body under an :class:`OpCensus`; decline if ``f`` registered gradient hooks.
+
+    ``backend`` does not run them (NOTE [gradient hooks inside f]); checked after the body.
+    """
+    census = OpCensus()
+    with census:
+        yield
+    if census.hooks:
+        raise gradient_hooks_refused(api, backend)
 
 
 class OpCensus(TorchFunctionMode):

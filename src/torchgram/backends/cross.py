@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from torchgram._core import functional
-from torchgram._core.census import OpCensus
+from torchgram._core.census import refusing_gradient_hooks
 from torchgram._core.composition import COMPOSING_BACKENDS
 from torchgram._core.cross import (
     CrossProblem,
@@ -32,12 +32,7 @@ from torchgram._core.cross import (
     spec_gram,
     spec_reduce,
 )
-from torchgram._core.errors import (
-    BackendCannotRun,
-    NotPerSample,
-    OutputChanged,
-    gradient_hooks_refused,
-)
+from torchgram._core.errors import BackendCannotRun, NotPerSample, OutputChanged
 from torchgram._core.per_sample import batch_rows, check_samples
 from torchgram._core.problem import Problem
 from torchgram._core.result import RunReport
@@ -159,13 +154,10 @@ def _pairs(gram: Tensor, left: Problem, right: Problem) -> Tensor:
 def ntvp_cross(problem: CrossProblem) -> CrossResult:
     """Kernel blocks as ``J1 (J2ᵀ e_i)``, side 2's vjps pushed through side 1 (module docstring)."""
     ntvp_module._prepare_forward_ad()
-    census = OpCensus()  # NOTE [gradient hooks inside f]
-    # NOTE [embedding conventions]
-    with checked_conventions(problem.left, "ntvp", write_out=True), census:
-        result = _with_loops(problem, lambda loop: _ntvp_cross(problem, loop))
-    if census.hooks:
-        raise gradient_hooks_refused(problem.left.api, "ntvp")
-    return result
+    # NOTE [gradient hooks inside f], NOTE [embedding conventions]
+    with refusing_gradient_hooks(problem.left.api, "ntvp"), \
+            checked_conventions(problem.left, "ntvp", write_out=True):
+        return _with_loops(problem, lambda loop: _ntvp_cross(problem, loop))
 
 
 def _ntvp_cross(problem: CrossProblem, loop: bool) -> CrossResult:

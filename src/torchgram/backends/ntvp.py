@@ -42,13 +42,8 @@ import torch
 from torch import Tensor
 
 from torchgram._core import _torch_compat, functional
-from torchgram._core.census import OpCensus
-from torchgram._core.errors import (
-    BackendCannotRun,
-    NotPerSample,
-    OutputChanged,
-    gradient_hooks_refused,
-)
+from torchgram._core.census import refusing_gradient_hooks
+from torchgram._core.errors import BackendCannotRun, NotPerSample, OutputChanged
 from torchgram._core.per_sample import batch_rows, check_samples, fails_alone
 from torchgram._core.problem import Problem, TensorAux
 from torchgram._core.progress import Progress
@@ -80,14 +75,11 @@ def ntvp_backend(problem: Problem) -> BackendResult:
         result.report.notes.append("diagonal: the jacobian backend's vjps (no forward mode)")
         return result
     _prepare_forward_ad()
-    census = OpCensus()  # NOTE [gradient hooks inside f]
-    # NOTE [embedding conventions]
-    with checked_conventions(problem, "ntvp", write_out=True), census:
-        result = per_sample_or_batch(
+    # NOTE [gradient hooks inside f], NOTE [embedding conventions]
+    with refusing_gradient_hooks(problem.api, "ntvp"), \
+            checked_conventions(problem, "ntvp", write_out=True):
+        return per_sample_or_batch(
             problem, lambda loop, per_sample: _run(problem, loop, per_sample=per_sample))
-    if census.hooks:
-        raise gradient_hooks_refused(problem.api, "ntvp")
-    return result
 
 
 def _run(problem: Problem, loop: bool, *, per_sample: bool) -> BackendResult:

@@ -43,7 +43,7 @@ from __future__ import annotations
 import torch
 
 from torchgram._core import _torch_compat
-from torchgram._core.census import OpCensus
+from torchgram._core.census import refusing_gradient_hooks
 from torchgram._core.composition import graph_leaf, require_no_transforms
 from torchgram._core.errors import BackendCannotRun, gradient_hooks_refused
 from torchgram._core.problem import Problem
@@ -77,15 +77,12 @@ def graph_backend(problem: Problem) -> BackendResult:
     if problem.evaluation is not None:  # the probe ran f with autograd: NOTE [probing]
         leaves, rows, aux = (problem.evaluation.leaves, problem.evaluation.rows,
                              problem.evaluation.aux)
-        hooks = problem.evaluation.hooks
+        if problem.evaluation.hooks:  # the walk runs none: NOTE [gradient hooks inside f]
+            raise gradient_hooks_refused(problem.api, "graph")
     else:
         leaves = tuple(graph_leaf(leaf) for leaf in problem.leaves)
-        census = OpCensus()
-        with torch.enable_grad(), census:
+        with torch.enable_grad(), refusing_gradient_hooks(problem.api, "graph"):
             rows, aux = problem.rows(leaves)
-        hooks = census.hooks > 0
-    if hooks:  # the walk runs none: NOTE [gradient hooks inside f]
-        raise gradient_hooks_refused(problem.api, "graph")
     if rows.requires_grad:  # otherwise f does not depend on the leaves: G = 0
         plan = plan_graph([rows], leaves)
         _refuse_module_hooks(problem, plan)

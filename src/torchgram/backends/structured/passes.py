@@ -112,18 +112,17 @@ def trace(problem: Problem) -> Recording:
         if batch is None:
             with mode:
                 rows = problem.rows(carriers)[0]
-            mode.note_rows(rows)
         else:
             try:
                 with mode:
                     rows = problem.sample_rows(carriers, batch.narrow(0, 1), check_draw=False)
-                mode.note_rows(rows)
                 mode.recording.draws = problem.draw.drew()
             except (BackendCannotRun, OutputChanged, NotPerSample):
                 raise
             except Exception as error:  # the probe ran the batch: f fails on a batch of one
                 raise fails_alone(error) from error
             mode.recording.uses = live_positions(mode.recording.uses, rows, mode.probes)
+        mode.note_rows(rows)
         mode.recording.transform_refusals += _torch_compat.old_style_functions(rows)
     mode.recording.rows = rows.numel()
     keep_trace(problem, mode.recording)

@@ -494,10 +494,11 @@ class TapMode(TorchFunctionMode):
     def _check_versions(self) -> None:
         """Raise if ``f`` changed a kept activation in place (NOTE [in-place modifications])."""
         for owner, version, rule in self._act_versions:
-            if owner._version != version:
+            now = _torch_compat.version(owner)
+            if now != version:
                 raise ModifiedInPlace(
                     f"an input of a {rule} call that uses a parameter, modified in place "
-                    f"after that call (version {version} then, {owner._version} at the end)")
+                    f"after that call (version {version} then, {now} at the end)")
 
     # -- bookkeeping ------------------------------------------------------------------------
 
