@@ -30,9 +30,10 @@ internals directly.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -136,6 +137,15 @@ def old_style_functions(output: Tensor) -> list[str]:
         ['Twice']
     """
     names: list[str] = []
+    for node in graph_nodes(output):
+        cls = custom_function_class(node)
+        if cls is not None and is_old_style_function(cls) and cls.__qualname__ not in names:
+            names.append(cls.__qualname__)
+    return names
+
+
+def graph_nodes(output: Tensor) -> Iterator[Node]:
+    """The nodes of ``output``'s autograd graph, each once, depth first from its own."""
     seen: set[Node] = set()
     stack = [output.grad_fn]
     while stack:
@@ -143,11 +153,25 @@ def old_style_functions(output: Tensor) -> list[str]:
         if node is None or node in seen:
             continue
         seen.add(node)
-        cls = custom_function_class(node)
-        if cls is not None and is_old_style_function(cls) and cls.__qualname__ not in names:
-            names.append(cls.__qualname__)
+        yield node
         stack.extend(next_node for next_node, _ in node.next_functions)
-    return names
+
+
+def reached_leaves(output: Tensor, leaves: Sequence[Tensor]) -> list[int]:
+    """The positions in ``leaves`` of the leaf tensors ``output``'s graph reaches.
+
+    Example:
+        >>> a, b = torch.ones(2, requires_grad=True), torch.ones(2, requires_grad=True)
+        >>> reached_leaves((3 * b).sum(), [a, b])
+        [1]
+    """
+    position = {id(leaf): i for i, leaf in enumerate(leaves)}
+    if id(output) in position:  # a leaf itself has no node
+        return [position[id(output)]]
+    found = {position[id(variable)] for node in graph_nodes(output)
+             if (variable := getattr(node, "variable", None)) is not None
+             and id(variable) in position}
+    return sorted(found)
 
 
 def saved_tensor_hooks() -> Any:
@@ -298,6 +322,43 @@ _TRANSFORM_REFUSALS = {
 }
 
 
+# NOTE [compiled code in f]
+# ``torch.compile``'d code called by ``f`` runs through dynamo, which traces the Python it
+# calls -- the torch-function modes torchgram evaluates ``f`` under included (the structured
+# backend's taps, the census of ops) -- and replays compiled graphs whose calls no mode sees.
+# Under torch 2.13 that raised dynamo's own ``AssertionError`` ("Guard failed on the same
+# frame it was created") from auto, structured and the eager recording, a raw
+# ``RuntimeError`` from the graph backend, and refusals from jacobian and ntvp (session 27).
+# A compiled function computes what its Python computes, so torchgram's evaluations of ``f``
+# run compiled code eagerly (dynamo's "force_eager" stance, process-wide and shared by
+# overlapping calls: ``threads.compiled_code_eager``): every call is then seen, on every
+# backend, and the matrix is the oracle's. Compiled code outside ``f`` is unaffected but for
+# other threads' calls that overlap one of torchgram's evaluations (run eagerly meanwhile:
+# the same values, possibly slower). Torch before 2.6 has no stances: compiled code there
+# meets the transforms as before (refusals naming the backends that run it).
+
+
+def compiled_code_runs_eagerly() -> contextlib.AbstractContextManager[object]:
+    """A context in which ``torch.compile``'d code runs eagerly (NOTE [compiled code in f]).
+
+    Dynamo's ``force_eager`` stance where torch has stances and dynamo lets it be set here
+    (not inside a region being compiled); otherwise a context that does nothing.
+
+    Example:
+        >>> compiled = torch.compile(lambda x: x + 1, backend="eager")
+        >>> with compiled_code_runs_eagerly():
+        ...     compiled(torch.zeros(1))
+        tensor([1.])
+    """
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    if set_stance is None:
+        return contextlib.nullcontext()
+    try:
+        return set_stance("force_eager")  # set now; restored by its __exit__
+    except RuntimeError:  # "attempted to set_stance in a torch.compile region"
+        return contextlib.nullcontext()
+
+
 def raised_in_dynamo(error: BaseException) -> bool:
     """Whether ``error`` was raised inside ``torch._dynamo`` (``torch.compile``'d code).
 
@@ -327,8 +388,19 @@ def refused_under_transforms(error: BaseException) -> Refusal | None:
     if not isinstance(error, RuntimeError):
         return None
     message = str(error)
+    if _TORCHSCRIPT in message and _NO_BATCHING_RULE in message:
+        return _SCRIPTED_BACKWARD
     return next((refusal for key, refusal in _TRANSFORM_REFUSALS.items() if key in message),
                 None)
+
+
+# TorchScript's profiling executor differentiates a scripted function that has run a few times
+# as one graph, whose backward calls aten::detach: vmap has no batching rule for it, so a
+# batched backward through it fails (session 27: a scripted bias-GELU, raw from structured
+# without a batch dim, the batched backward of its dense rows).
+_TORCHSCRIPT = "TorchScript interpreter"
+_SCRIPTED_BACKWARD = Refusal(
+    "a TorchScript function (torch.jit.script) whose backward vmap cannot batch", "")
 
 
 # NOTE [ops without a batching rule]

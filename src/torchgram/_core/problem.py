@@ -41,7 +41,7 @@ from torchgram._core.options import InDims, Options
 from torchgram._core.pytree import DiffLeaves, leaves_of, select_diff_leaves
 from torchgram._core.rng import RngState
 from torchgram._core.signature import LruCache, call_signature
-from torchgram._core.threads import RNG_LOCK
+from torchgram._core.threads import RNG_LOCK, compiled_code_eager
 
 _TENSOR_SLOT = object()
 
@@ -473,6 +473,9 @@ def evaluate_f(evaluate: Callable[[tuple[Tensor, ...]], Any], leaves: tuple[Tens
                *contexts: Callable[[], contextlib.AbstractContextManager[Any]]) -> Any:
     """``evaluate(leaves)`` inside ``contexts`` (made in order), in a vjp level if vmap refuses.
 
+    ``torch.compile``'d code runs eagerly there (NOTE [compiled code in f] in
+    ``_torch_compat.py``).
+
     Where ``vmap`` finds no batching rule for a fused op evaluated without autograd (NOTE
     [ops without a batching rule]), the evaluation is made again from its start, in fresh
     ``contexts``, inside a ``torch.func.vjp`` level over ``leaves``, where the op decomposes
@@ -480,6 +483,7 @@ def evaluate_f(evaluate: Callable[[tuple[Tensor, ...]], Any], leaves: tuple[Tens
     """
     for through_vjp in (False, True):
         with contextlib.ExitStack() as stack:
+            stack.enter_context(compiled_code_eager())  # NOTE [compiled code in f]
             for context in contexts:
                 stack.enter_context(context())
             if through_vjp:

@@ -16,9 +16,13 @@ problem, plan and result torchgram builds. What is shared by the whole process, 
   Forward-mode AD run by other code in another thread at the same time is not protected.
 * **the attention kernel switches** (``torch.nn.attention.sdpa_kernel``): process-wide
   flags, saved and restored by each context; interleaved in two threads they end in the
-  wrong state. :func:`math_attention` counts its users: the first sets the math kernel,
-  the last restores the flags as they were before the first (other threads' attention runs
-  with the math kernel meanwhile: same values, possibly slower).
+  wrong state. :func:`math_attention` counts its users (:class:`CountedSwitch`): the first
+  sets the math kernel, the last restores the flags as they were before the first (other
+  threads' attention runs with the math kernel meanwhile: same values, possibly slower).
+* **dynamo's stance** (``torch.compiler.set_stance``): torchgram's evaluations of ``f`` run
+  ``torch.compile``'d code eagerly (NOTE [compiled code in f] in ``_torch_compat.py``), a
+  process-wide stance shared the same way by :data:`compiled_code_eager` (other threads'
+  compiled code runs eagerly meanwhile).
 * **modules** (``torchgram.functionalize``): a call swaps the module's parameters and
   buffers for the call's tensors while it runs (NOTE [parameter slots]), so calls of one
   module from two threads would see each other's tensors and could leave the module
@@ -47,9 +51,11 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from torchgram._core import _torch_compat
 
 FORWARD_AD_LOCK = threading.RLock()
 """Held by every forward-mode AD pass of torchgram (reentrant: nested calls are fine)."""
@@ -60,40 +66,74 @@ RNG_LOCK = threading.RLock()
 MODULE_LOCK = threading.RLock()
 """Held while a function made by ``torchgram.functionalize`` runs its module."""
 
-_attention_lock = threading.Lock()
-_attention_users = 0
-_attention_context: contextlib.AbstractContextManager[object] | None = None
 
+class CountedSwitch:
+    """A process-wide setting made by a context manager, shared by overlapping users.
 
-@contextlib.contextmanager
-def math_attention() -> Iterator[None]:
-    """Run the body with only the math kernel of scaled dot-product attention enabled.
-
-    Safe from several threads at once (NOTE [threads]): the flags are set by the first
-    thread in and restored by the last thread out.
+    Safe from several threads at once (NOTE [threads]): the first user in enters the
+    context ``make()`` returns, the last user out exits it, so the setting is restored as it
+    was before the first, whatever the interleaving (two threads each saving and restoring a
+    process-wide setting themselves end in the other's state).
 
     Example:
-        >>> import torch
-        >>> with math_attention():
-        ...     torch.backends.cuda.flash_sdp_enabled()
-        False
-        >>> torch.backends.cuda.flash_sdp_enabled()
-        True
+        >>> import contextlib
+        >>> log = []
+        >>> @contextlib.contextmanager
+        ... def noisy():
+        ...     log.append("on")
+        ...     yield
+        ...     log.append("off")
+        >>> switch = CountedSwitch(noisy)
+        >>> with switch(), switch():
+        ...     pass
+        >>> log
+        ['on', 'off']
     """
-    global _attention_users, _attention_context
-    with _attention_lock:
-        if _attention_users == 0:
-            entering: contextlib.AbstractContextManager[object] = sdpa_kernel(SDPBackend.MATH)
-            entering.__enter__()
-            _attention_context = entering
-        _attention_users += 1
-    try:
-        yield
-    finally:
-        with _attention_lock:
-            _attention_users -= 1
-            if _attention_users == 0:
-                leaving = _attention_context
-                _attention_context = None
-                assert leaving is not None
-                leaving.__exit__(None, None, None)
+
+    def __init__(self, make: Callable[[], contextlib.AbstractContextManager[object]]) -> None:
+        self._make = make
+        self._lock = threading.Lock()
+        self._users = 0
+        self._context: contextlib.AbstractContextManager[object] | None = None
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        with self._lock:
+            if self._users == 0:
+                entering = self._make()
+                entering.__enter__()
+                self._context = entering
+            self._users += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._users -= 1
+                if self._users == 0:
+                    leaving, self._context = self._context, None
+                    assert leaving is not None
+                    leaving.__exit__(None, None, None)
+
+
+math_attention = CountedSwitch(lambda: sdpa_kernel(SDPBackend.MATH))
+"""Run the body with only the math kernel of scaled dot-product attention enabled.
+
+Process-wide flags, set by the first thread in and restored by the last thread out (NOTE
+[threads]).
+
+Example:
+    >>> import torch
+    >>> with math_attention():
+    ...     torch.backends.cuda.flash_sdp_enabled()
+    False
+    >>> torch.backends.cuda.flash_sdp_enabled()
+    True
+"""
+
+compiled_code_eager = CountedSwitch(_torch_compat.compiled_code_runs_eagerly)
+"""Run ``torch.compile``'d code called in the body eagerly (NOTE [compiled code in f]).
+
+Dynamo's stance is process-wide: set by the first thread in and restored by the last thread
+out (NOTE [threads]); other threads' compiled code runs eagerly meanwhile (same values,
+possibly slower).
+"""

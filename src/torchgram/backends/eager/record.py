@@ -57,6 +57,7 @@ from torch.overrides import TorchFunctionMode
 from torchgram._core import _torch_compat
 from torchgram._core.census import coupling_op
 from torchgram._core.pytree import leaves_of
+from torchgram._core.threads import compiled_code_eager
 from torchgram.backends.structured.rules import rewrite_for, rule_for
 from torchgram.backends.structured.rules.base import Layout, Match
 from torchgram.backends.structured.trace import LeafRef, StepTap, _is_transpose, describe
@@ -618,8 +619,8 @@ def record() -> Iterator[Recording]:
     recording = Recording()
     _STATE.latest = weakref.ref(recording)
     _STATE.depth += 1
-    try:
-        with RecordMode(recording):
+    try:  # compiled code runs eagerly, its calls seen (NOTE [compiled code in f])
+        with compiled_code_eager(), RecordMode(recording):
             yield recording
     finally:
         _STATE.depth -= 1

@@ -123,6 +123,7 @@ def trace(problem: Problem) -> Recording:
                 raise fails_alone(error) from error
             mode.recording.uses = live_positions(mode.recording.uses, rows, mode.probes)
         mode.note_rows(rows)
+        mode.note_unseen_uses(rows, carriers)  # NOTE [unseen uses]
         mode.recording.transform_refusals += _torch_compat.old_style_functions(rows)
     mode.recording.rows = rows.numel()
     keep_trace(problem, mode.recording)
@@ -484,6 +485,7 @@ def dense_forward(problem: Problem) -> Forward:
                        original_layouts=original_layouts)
 
     mode, rows, aux = _tapped_rows(problem, tuple(carriers), dense_mode)
+    mode.note_unseen_uses(rows, carriers)  # NOTE [unseen uses]
     used = sorted(mode.recording.unrecognised)
     mode.recording.rows = rows.numel()
     return Forward("dense", mode.recording, 1, rows.numel(),

@@ -227,6 +227,8 @@ class Recording:
 _CHECKPOINT_REGION = "torch.utils.checkpoint regions (saved-tensor hooks)"
 
 _PACKED_RNN = "a fused RNN over a PackedSequence"
+UNSEEN_USE = "a call the tapping mode cannot see (TorchScript, a C++ extension)"
+"""How an unseen use of a leaf is named (NOTE [unseen uses])."""
 _FUSED_RNNS = frozenset({torch.lstm, torch.gru, torch.rnn_tanh, torch.rnn_relu})
 """Their packed form ``(data, batch_sizes, ...)`` runs under no ``torch.func`` transform
 (torch 2.13 reads its inputs' memory directly; ``_torch_compat._TRANSFORM_REFUSALS``)."""
@@ -596,6 +598,21 @@ class TapMode(TorchFunctionMode):
         ref = self._ref(rows)
         if ref is not None:
             self._note_unrecognised([ref], "returned as the output", rows)
+
+    def note_unseen_uses(self, rows: Tensor, carriers: Sequence[Tensor]) -> None:
+        """Note the leaves ``rows`` depend on through calls the mode did not see.
+
+        NOTE [unseen uses]: a recognised use runs on a plain copy of its leaf, and every call
+        the mode sees using a leaf's own tensor is noted unrecognised; so when the graph of
+        ``rows`` reaches a leaf's tensor (its carrier) that has no unrecognised use, a call the
+        mode cannot see used it: a TorchScript function (``torch.jit.script``), whose ops run
+        in its interpreter, or a C++ extension's op. Without a use, the leaf's block was
+        zero or partial (session 27: ``x @ w.t()`` in a scripted helper, ``G`` 0.49 off on
+        structured). Its rows now come from the graph, as for any unrecognised use.
+        """
+        for index in _torch_compat.reached_leaves(rows, carriers):
+            if index not in self.recording.unrecognised:
+                self._note_unrecognised([LeafRef(index)], UNSEEN_USE, rows)
 
     def _note_unrecognised(self, refs: list[LeafRef], name: str, result: Any) -> None:
         flops = sum(leaf.numel() for leaf in optree.tree_leaves(result)
