@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -74,6 +76,20 @@ def test_not_a_module_is_rejected() -> None:
     with pytest.raises(TypeError, match="torchgram.functionalize: expected an nn.Module, but "
                                         "got function"):
         tg.functionalize(lambda x: x)
+
+
+@pytest.mark.parametrize("how", ["script", "trace"])
+def test_a_torchscript_module_is_rejected_at_build_time(how: str) -> None:
+    """torch's stateless API refuses TorchScript modules: every call of fn raised a raw
+    RuntimeError (session 27). The error names the eager API, which takes them."""
+    model = nn.Sequential(nn.Linear(3, 2), nn.Tanh())
+    x = torch.randn(4, 3)
+    with warnings.catch_warnings():  # torch >= 2.11: torch.jit is deprecated
+        warnings.simplefilter("ignore", DeprecationWarning)
+        scripted = torch.jit.script(model) if how == "script" else torch.jit.trace(model, x)
+    with pytest.raises(TypeError, match="torchgram.functionalize: expected an nn.Module whose "
+                       "forward runs in Python, but got a TorchScript module.*tg.autograd"):
+        tg.functionalize(scripted)
 
 
 def test_unknown_parameter_name_and_non_mapping_are_rejected() -> None:

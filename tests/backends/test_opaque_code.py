@@ -140,3 +140,26 @@ def test_compiled_code_runs_eagerly_only_while_torchgram_evaluates() -> None:
     with tg.autograd.record():
         assert torch._dynamo.eval_frame._stance.stance == "force_eager"
     assert torch._dynamo.eval_frame._stance.stance == "default"
+
+
+@pytest.mark.parametrize("recorded", [False, True], ids=["walked", "recorded"])
+@pytest.mark.parametrize("how", ["script", "trace"])
+def test_eager_gramian_of_a_torchscript_module(how: str, recorded: bool) -> None:
+    """``tg.functionalize`` refuses TorchScript modules; the eager API takes their outputs."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Tanh(),
+                                torch.nn.Linear(5, 2)).double()
+    x = torch.randn(6, 4, dtype=torch.float64)
+    fn, params = tg.functionalize(model)
+    expected = dense_gramian(lambda p, x: fn(p, x).sum(-1), (params, x)).gramian
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        scripted = torch.jit.script(model) if how == "script" else torch.jit.trace(model, x)
+    for _ in range(CALLS):
+        if recorded:
+            with tg.autograd.record():
+                out = scripted(x).sum(-1)
+        else:
+            out = scripted(x).sum(-1)
+        G = tg.autograd.gramian(out, list(scripted.parameters()), batch_dim=0)
+        torch.testing.assert_close(G, expected, rtol=1e-10, atol=1e-12)

@@ -45,8 +45,8 @@ def functionalize(module: nn.Module) -> tuple[Callable[..., Any], dict[str, Tens
     parameters stay DTensors (``torchgram.distributed`` takes them as they are).
 
     Raises:
-        TypeError: If ``module`` is not an ``nn.Module`` (at build time) or ``params`` is not
-            a mapping (at call time).
+        TypeError: If ``module`` is not an ``nn.Module`` or is a TorchScript module (at build
+            time), or ``params`` is not a mapping (at call time).
         KeyError: If ``params`` names a parameter the module does not have.
         ValueError: If ``params`` gives a tied parameter two values under two of its names.
 
@@ -64,21 +64,24 @@ def functionalize(module: nn.Module) -> tuple[Callable[..., Any], dict[str, Tens
         raise TypeError(f"{_API}: expected an nn.Module, but got {type(module).__name__}. "
                         "For a plain function, pass it to tg.gramian directly.")
     module = _plain(module)
+    if isinstance(module, torch.jit.ScriptModule):
+        # torch's stateless API refuses them: fn raised a raw RuntimeError on every call
+        raise TypeError(
+            f"{_API}: expected an nn.Module whose forward runs in Python, but got a TorchScript "
+            f"module ({type(module).__name__}, from torch.jit.script or torch.jit.trace), which "
+            "cannot run with other tensors in place of its parameters (torch's "
+            "torch.func.functional_call refuses it). Functionalize the module before scripting "
+            "it, or take the Gramian of its outputs eagerly: "
+            "tg.autograd.gramian(module(x), list(module.parameters())).")
     params = {name: p.detach() for name, p in module.named_parameters() if p.requires_grad}
-    known = {name for name, _ in module.named_parameters(remove_duplicate=False)}
-    slots = None if isinstance(module, torch.jit.ScriptModule) else _Slots(module)
+    slots = _Slots(module)
 
     def fn(params: dict[str, Tensor], /, *args: Any, **kwargs: Any) -> Any:
         if not hasattr(params, "keys"):
             raise TypeError(f"{_API}: fn expected a dict of parameters as its first argument, "
                             f"but got {type(params).__name__}. Call fn(params, *inputs).")
         with MODULE_LOCK:  # the call swaps the module's attributes: NOTE [threads]
-            if slots is not None:
-                return slots.call(params, args, kwargs)
-            _check_names(params, known, module)
-            buffers = {name: b.clone() for name, b in module.named_buffers()}
-            return torch.func.functional_call(module, {**buffers, **params}, args, kwargs,
-                                              tie_weights=True, strict=False)
+            return slots.call(params, args, kwargs)
 
     fn.__doc__ = f"Pure function of {type(module).__name__}: fn(params, *args, **kwargs)."
     fn.__name__ = f"functional_{type(module).__name__}"
@@ -97,7 +100,7 @@ def functionalize(module: nn.Module) -> tuple[Callable[..., Any], dict[str, Tens
 # (a parameter replaced or added, a submodule swapped, a buffer added) is looked at afresh
 # first. It also mends a functional_call bug: given a parameter of a submodule reached by two
 # paths under one of its names, torch 2.13 restores it from the value it wrote, and the module
-# keeps the call's tensor. Script modules still go through functional_call.
+# keeps the call's tensor.
 
 
 Slot = tuple[dict[str, Any], str]
