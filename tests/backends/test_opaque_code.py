@@ -26,37 +26,24 @@ import torch
 from torch import Tensor
 
 import torchgram as tg
+from opaque_code import (
+    aot_compiled_layer,
+    compiled_layer,
+    scripted_bias_gelu,
+    scripted_linear,
+)
 from reference import dense_cross_kernel, dense_gramian
 
 BACKENDS = ["auto", "structured", "graph", "jacobian", "ntvp"]
 CALLS = 3
 
 
-def _scripted_linear(x: Tensor, weight: Tensor) -> Tensor:
-    return x @ weight.t()
-
-
-def _scripted_bias_gelu(bias: Tensor, y: Tensor) -> Tensor:  # Megatron's fused helper
-    x = bias + y
-    return x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1.0 + 0.044715 * x * x)))
-
-
-with warnings.catch_warnings():  # torch >= 2.11: torch.jit.script is deprecated
-    warnings.simplefilter("ignore", DeprecationWarning)
-    _scripted_linear = torch.jit.script(_scripted_linear)
-    _scripted_bias_gelu = torch.jit.script(_scripted_bias_gelu)
-
-
-def _plain_layer(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
-    return torch.tanh(x @ weight.T + bias)
-
-
 def _hidden_layers() -> dict[str, Callable[[Tensor, Tensor, Tensor], Tensor]]:
     return {
-        "script-linear": lambda x, w, b: torch.tanh(_scripted_linear(x, w) + b),
-        "script-bias-gelu": lambda x, w, b: _scripted_bias_gelu(b, x @ w.T),
-        "compile-eager": torch.compile(_plain_layer, backend="eager"),
-        "compile-aot-eager": torch.compile(_plain_layer, backend="aot_eager"),
+        "script-linear": lambda x, w, b: torch.tanh(scripted_linear(x, w) + b),
+        "script-bias-gelu": lambda x, w, b: scripted_bias_gelu(b, x @ w.T),
+        "compile-eager": compiled_layer,
+        "compile-aot-eager": aot_compiled_layer,
     }
 
 

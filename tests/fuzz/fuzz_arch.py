@@ -36,6 +36,7 @@ from torch import Tensor, nn
 
 import torchgram as tg
 from custom_functions import FunctionLinear, OldStyleFunctionLinear
+from opaque_code import compiled_linear, scripted_linear
 
 # -- the layers ------------------------------------------------------------------------------
 
@@ -52,7 +53,7 @@ class Linear:
     out: int
     bias: bool = True
     form: Literal["linear", "matmul_t", "matmul", "einsum", "addmm", "function",
-                  "function_old"] = "linear"
+                  "function_old", "script", "compiled"] = "linear"
     tie: int | None = None
     transposed: bool = False
     frozen: bool = False
@@ -431,6 +432,10 @@ def _layer(case: FuzzCase, i: int, layer: Layer, h: Tensor, get: Get) -> Tensor:
             y = FunctionLinear.apply(h, w)
         elif layer.form == "function_old":
             y = OldStyleFunctionLinear.apply(h, w)
+        elif layer.form == "script":  # TorchScript: calls no mode sees (NOTE [unseen uses])
+            y = scripted_linear(h, w)
+        elif layer.form == "compiled":  # NOTE [compiled code in f]
+            y = compiled_linear(h, w)
         else:  # addmm on the flattened positions
             flat = h.reshape(-1, h.shape[-1])
             bias = b if b is not None else torch.zeros(w.shape[0], dtype=h.dtype)

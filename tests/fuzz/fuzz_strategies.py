@@ -119,12 +119,14 @@ def _layer(draw: st.DrawFn, backend: str, width: int, length: int, tokens: Token
             return Linear(out=linears[tie][1] if transposed else linears[tie][0],
                           bias=draw(st.booleans()) if transposed else True,
                           form=draw(st.sampled_from(["linear", "matmul_t", "matmul", "einsum",
-                                                     "addmm", "function", "function_old"])),
+                                                     "addmm", "function", "function_old",
+                                                     "script", "compiled"])),
                           tie=tie, transposed=transposed)
         return Linear(out=draw(st.integers(1, 5)), bias=draw(st.booleans()),
                       form=draw(st.sampled_from(["linear", "linear", "matmul_t", "matmul",
                                                  "einsum", "addmm", "function",
-                                                 "function_old"])), frozen=frozen)
+                                                 "function_old", "script", "compiled"])),
+                      frozen=frozen)
     if kind == "conv":
         kernel = draw(st.integers(1, 3))
         dilation = draw(st.integers(1, 2))
