@@ -91,7 +91,9 @@ def call_builtin_node(node: Node, grads: list[Tensor | None]) -> list[Tensor | N
     ``None`` is accepted for an input slot that received no cotangent.
     """
     result = node(*grads)  # a bare tensor when the node has one next edge
-    return [result] if isinstance(result, Tensor) or result is None else list(result)
+    results = [result] if isinstance(result, Tensor) or result is None else list(result)
+    # an embedding's sparse gradient, dense (NOTE [sparse embedding gradients])
+    return [grad.to_dense() if grad is not None and grad.is_sparse else grad for grad in results]
 
 
 def call_custom_function_node(node: Node,

@@ -13,7 +13,7 @@ evaluation of the whole batch that per-sample ways check against):
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any
 
 import torch
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from torchgram._core import _torch_compat
-from torchgram._core.errors import gradient_hooks_refused
+from torchgram._core.errors import OutputChanged, gradient_hooks_refused
 
 _MISSING = object()
 
@@ -64,6 +64,93 @@ def coupling_op(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str
     return None
 
 
+# NOTE [sparse embedding gradients]
+# nn.Embedding(sparse=True) and nn.EmbeddingBag(sparse=True) (recommendation models, word2vec)
+# give their table a sparse COO gradient: the same Jacobian, in a layout that the reshapes,
+# Gram products and vmaps of every backend refuse (session 27: torch's raw "reshape is not
+# implemented for sparse tensors", "Could not run 'aten::amax' with arguments from the
+# 'SparseCPU' backend" from every backend and both eager APIs). The probe's census calls them
+# with sparse=False and notes it (Probe.sparse_embeddings); every later evaluation of such an
+# f runs under DenseEmbeddingGradients, which does the same, and so does the eager recording.
+# The graph walk, which meets the sparse gradients of an eager forward run without a
+# recording, makes them dense where a node returns them. Gradients handed back to the user
+# (tg.autograd.backward's .grad) keep the layout torch's backward would give them.
+_SPARSE_ARGUMENT = {F.embedding: 6, F.embedding_bag: 7, torch.embedding: 4}
+"""Where the ``sparse`` flag of each embedding call is (NOTE [sparse embedding gradients])."""
+
+
+def with_dense_gradients(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+                         ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """An embedding call that asks for a sparse gradient, with ``sparse=False``; else ``None``.
+
+    Example:
+        >>> table, ids = torch.randn(5, 2), torch.tensor([1, 3])
+        >>> with_dense_gradients(F.embedding, (ids, table), {"sparse": True})[1]
+        {'sparse': False}
+        >>> with_dense_gradients(F.embedding, (ids, table), {}) is None
+        True
+    """
+    position = _SPARSE_ARGUMENT.get(func)
+    if position is None or not _argument(args, kwargs, position, "sparse", False):
+        return None
+    if position < len(args):
+        return (*args[:position], False, *args[position + 1:]), kwargs
+    return args, {**kwargs, "sparse": False}
+
+
+class DenseEmbeddingGradients(TorchFunctionMode):
+    """Embeddings asked for sparse gradients give dense ones (NOTE [sparse embedding gradients])."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        rewritten = with_dense_gradients(func, args, kwargs)
+        if rewritten is not None:
+            args, kwargs = rewritten
+        return func(*args, **kwargs)
+
+
+# NOTE [stale probes]
+# The probe of a call signature is cached (NOTE [call signatures]); its output spec is checked
+# on every evaluation, but what else it found was trusted: the calls whose batched backward
+# torch gets wrong (Probe.unbatched) and the embeddings asking for sparse gradients. A key
+# cannot see what f's globals, flags or data decide, so a cached probe may belong to another
+# f (a module-level function whose loss switched to torch.cdist; a lambda re-made in a loop):
+# session 27 found jacobian and auto 0.76 off (relative) on cdist after the same code had run
+# without it, vmapping the backward the probe said was safe. Evaluations under a cached probe
+# therefore run under a ProbeCheck, which raises OutputChanged at the end of an evaluation
+# that made such a call the probe did not see: the call then probes afresh and starts over,
+# as for a changed output.
+
+
+class ProbeCheck(TorchFunctionMode):
+    """Raise :class:`OutputChanged` after an evaluation a cached probe did not describe.
+
+    See NOTE [stale probes]. ``unbatched`` and ``sparse_embeddings`` are the probe's.
+    """
+
+    def __init__(self, unbatched: Collection[str], sparse_embeddings: bool) -> None:
+        super().__init__()
+        self._unbatched = unbatched
+        self._sparse_embeddings = sparse_embeddings
+        self.unseen: list[str] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        name = _torch_compat.wrong_batched_backward(func)
+        if name is not None and name not in self._unbatched:
+            self.unseen.append(name)
+        if not self._sparse_embeddings and with_dense_gradients(func, args, kwargs) is not None:
+            self.unseen.append("an embedding with sparse gradients")
+        return func(*args, **kwargs)
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        if self.unseen and exc[0] is None:
+            raise OutputChanged(f"f called {self.unseen[0]}, which its cached probe did not see")
+
+
 # NOTE [gradient hooks inside f]
 # f may register hooks on its own tensors (h.register_hook(lambda g: -g), a gradient reversal;
 # clipping; logging). torch's backward runs them, and so do the oracle (torch.func's vjp), the
@@ -99,6 +186,8 @@ class OpCensus(TorchFunctionMode):
             vjps then run one at a time.
         hooks: How many gradient hooks ``f`` registered on its tensors (NOTE [gradient
             hooks inside f]).
+        sparse_embeddings: Whether ``f`` asked an embedding for a sparse gradient (it gets a
+            dense one here: NOTE [sparse embedding gradients]).
     """
 
     def __init__(self) -> None:
@@ -106,12 +195,17 @@ class OpCensus(TorchFunctionMode):
         self.coupling: list[str] = []
         self.unbatched: list[str] = []
         self.hooks = 0
+        self.sparse_embeddings = False
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         if func in GRADIENT_HOOKS:
             self.hooks += 1
+        rewritten = with_dense_gradients(func, args, kwargs)
+        if rewritten is not None:  # NOTE [sparse embedding gradients]
+            args, kwargs = rewritten
+            self.sparse_embeddings = True
         why = coupling_op(func, args, kwargs)
         if why is not None and why not in self.coupling:
             self.coupling.append(why)

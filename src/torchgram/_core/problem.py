@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from torchgram._core import _torch_compat
-from torchgram._core.census import OpCensus
+from torchgram._core.census import DenseEmbeddingGradients, OpCensus, ProbeCheck
 from torchgram._core.checks import fail, resolve_argnums
 from torchgram._core.composition import Composition, detect_composition
 from torchgram._core.errors import NotPerSample, OutputChanged
@@ -268,6 +268,10 @@ class Problem:
         mutates_leaves: Whether ``f`` writes into its leaves (``Probe.mutates_leaves``): the
             problem's leaves are then copies, and a transform must take them all as inputs
             (torch refuses writes into a tensor a transform captured).
+        sparse_embeddings: Whether ``f`` asks embeddings for sparse gradients
+            (``Probe.sparse_embeddings``): its evaluations get dense ones.
+        probe_cached: Whether the probe came from the cache: evaluations then check that it
+            still describes ``f`` (NOTE [stale probes]).
     """
 
     f: Callable[..., Any]
@@ -283,6 +287,8 @@ class Problem:
     unbatched: tuple[str, ...] = ()
     composition: Composition = Composition()
     mutates_leaves: bool = False
+    sparse_embeddings: bool = False
+    probe_cached: bool = field(default=False, compare=False)
 
     # -- the options, for short ------------------------------------------------------------
 
@@ -388,8 +394,17 @@ class Problem:
 
         result = evaluate_f(evaluate, leaves,
                             lambda: self.draw.evaluation(full=full, check=check_draw),
-                            self.composition.evaluation)  # NOTE [decomposed norms]
+                            self.composition.evaluation,  # NOTE [decomposed norms]
+                            DenseEmbeddingGradients if self.sparse_embeddings
+                            else contextlib.nullcontext,
+                            self._probe_check)
         return split_aux(self.api, result, self.has_aux)
+
+    def _probe_check(self) -> contextlib.AbstractContextManager[Any]:
+        """Where the probe came from the cache, the check of NOTE [stale probes]."""
+        if not self.probe_cached:
+            return contextlib.nullcontext()
+        return ProbeCheck(self.unbatched, self.sparse_embeddings)
 
     def rows(self, leaves: tuple[Tensor, ...]) -> tuple[Tensor, Any]:
         """Evaluate ``f`` on the full inputs; return its output as an ``[m]`` vector and aux."""
@@ -553,11 +568,14 @@ class Probe:
         mutates_leaves: Whether ``f`` writes into its parameters (``F.embedding`` with
             ``max_norm`` renormalises rows in place): every call then works on copies of
             them, so the user's tensors are never changed.
+        sparse_embeddings: Whether ``f`` asks embeddings for sparse gradients: every
+            evaluation then gets dense ones (NOTE [sparse embedding gradients]).
     """
 
     spec: OutputSpec
     unbatched: tuple[str, ...] = ()
     mutates_leaves: bool = False
+    sparse_embeddings: bool = False
 
 
 _PROBES = LruCache[Probe](maxsize=256)
@@ -609,6 +627,7 @@ def build_problem(options: Options, f: Callable[..., Any], args: tuple[Any, ...]
     draw = Draw.capture(_devices(args, kwargs))
     key = _probe_key(f, args, kwargs, diff, options.has_aux, batch)
     probe = None if fresh else _PROBES.get(key)
+    probe_cached = probe is not None
     evaluation = None
     if probe is None:
         probe, evaluation = _probe(api, f, args, kwargs, diff, batch, options.has_aux, draw,
@@ -618,7 +637,8 @@ def build_problem(options: Options, f: Callable[..., Any], args: tuple[Any, ...]
     if probe.mutates_leaves:
         diff = diff.replace_leaves(tuple(leaf.clone() for leaf in diff.leaves))
     return Problem(f, args, kwargs, diff, options, batch, probe.spec, draw, want_pullback,
-                   evaluation, probe.unbatched, composition, probe.mutates_leaves)
+                   evaluation, probe.unbatched, composition, probe.mutates_leaves,
+                   probe.sparse_embeddings, probe_cached)
 
 
 def _probe_key(f: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any],
@@ -691,7 +711,7 @@ def _evaluate_probe(api: str, f: Callable[..., Any], args: tuple[Any, ...],
         mutated = any(_torch_compat.version(leaf) != before
                       for leaf, before in zip(copies, versions, strict=True))
         spec = make_output_spec(api, out, batch, whole_batch=whole_batch)
-        probe = Probe(spec, tuple(census.unbatched), mutated)
+        probe = Probe(spec, tuple(census.unbatched), mutated, census.sparse_embeddings)
         if not with_grad:
             return probe, None
         rows = concat_rows(optree.tree_leaves(out), probe.spec.dtype)
