@@ -630,3 +630,20 @@ def test_embedding_before_lstm_cell_steps_run_one_sample_at_a_time(backend: str)
         layers=(RnnCell(hidden=1, kind="lstm"),), head=Head(kind="sq_mean", classes=3),
         dtype="float64", batch_dim=0, output_dim=0, per_leaf=True)
     assert check(case, backend) == "answered"
+
+
+@pytest.mark.parametrize("backend", ["structured", "auto", "graph"])
+def test_scripted_linear_on_parameters_that_require_grad(backend: str) -> None:
+    """Session 27's Gramian hunt, on this session's own fix: a linear layer written in
+    TorchScript, whose ops no mode sees, on parameters that require gradients, without a
+    batch dim. The check for unseen uses matched the graph's leaf tensors against the
+    tensors the backend runs on, which are then views of the parameters: it missed them, the
+    weight was planned unused and its block came out zero (relative error 1). It matches
+    their gradient edges now (NOTE [unseen uses])."""
+    case = FuzzCase(
+        seed=2196, batch=2, length=3, input=Features(width=2, flat=True),
+        layers=(FusedRnn(hidden=4, kind="gru"), Linear(out=3, bias=False, form="script")),
+        head=Head(kind="seq", classes=2), dtype="float32", batch_dim=None, output_dim=-2,
+        input_dim=1, layout="list", consts_via="keyword", diagonal=True, per_leaf=True,
+        chunk_size=2, noncontiguous=True, requires_grad=True)
+    assert check(case, backend) == "answered"

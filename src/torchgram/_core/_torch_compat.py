@@ -41,6 +41,7 @@ import optree
 import torch
 from torch import Tensor
 from torch.autograd.function import BackwardCFunction
+from torch.autograd.graph import get_gradient_edge
 from torch.nn.modules._functions import BackwardHookFunction
 from torch.utils._python_dispatch import TorchDispatchMode as TorchDispatchMode
 from torch.utils.checkpoint import CheckpointFunction
@@ -160,19 +161,24 @@ def graph_nodes(output: Tensor) -> Iterator[Node]:
 
 
 def reached_leaves(output: Tensor, leaves: Sequence[Tensor]) -> list[int]:
-    """The positions in ``leaves`` of the leaf tensors ``output``'s graph reaches.
+    """The positions in ``leaves`` of the tensors ``output``'s graph reaches.
+
+    A tensor is reached when the walk meets its gradient edge's node: its ``AccumulateGrad``
+    for a leaf, its ``grad_fn`` otherwise (a view of a parameter that requires gradients).
 
     Example:
         >>> a, b = torch.ones(2, requires_grad=True), torch.ones(2, requires_grad=True)
-        >>> reached_leaves((3 * b).sum(), [a, b])
-        [1]
+        >>> view = a.view(2)
+        >>> reached_leaves((3 * b).sum(), [a, b]), reached_leaves((3 * view).sum(), [b, view])
+        ([1], [1])
     """
-    position = {id(leaf): i for i, leaf in enumerate(leaves)}
-    if id(output) in position:  # a leaf itself has no node
-        return [position[id(output)]]
-    found = {position[id(variable)] for node in graph_nodes(output)
-             if (variable := getattr(node, "variable", None)) is not None
-             and id(variable) in position}
+    if any(output is leaf for leaf in leaves):  # the output itself
+        return [next(i for i, leaf in enumerate(leaves) if output is leaf)]
+    position: dict[Node, int] = {}
+    for i, leaf in enumerate(leaves):
+        if leaf.requires_grad:
+            position.setdefault(get_gradient_edge(leaf).node, i)
+    found = {position[node] for node in graph_nodes(output) if node in position}
     return sorted(found)
 
 
