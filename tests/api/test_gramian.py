@@ -164,6 +164,7 @@ def test_bad_configuration_is_rejected_at_build_time(
 
 
 W, X = torch.randn(3), torch.randn(4, 3)
+TARGETS = torch.randn(4)  # batch-sized, read from the closure
 
 
 BAD_CALLS = [
@@ -275,6 +276,15 @@ BAD_CALLS = [
         (W, X),
         ValueError,
         "output dim 0 \\(batch_dim\\) to have size 1",
+    ),
+    (
+        "batch-sized-target-in-a-closure",
+        lambda p, x: ((x @ p) - TARGETS).square(),
+        dict(batch_dim=0),
+        (W, X),
+        ValueError,
+        "output dim 0 \\(batch_dim\\) to have size 1.*closure or a global.*pass them to f "
+        "as arguments",
     ),
 ]
 

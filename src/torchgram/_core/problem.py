@@ -771,7 +771,9 @@ def _output_batch_dim(api: str, shape: torch.Size, batch: BatchSpec, samples: in
              f"an output of shape {tuple(shape)} for "
              + ("one sample" if samples == 1 else f"the batch of {samples}"),
              "Check batch_dim and in_dims: each output entry along batch_dim must depend "
-             "on the matching sample of the batched inputs only.")
+             "on the matching sample of the batched inputs only. Batch-sized tensors that f "
+             "reads from a closure or a global (targets, masks) are not split with the "
+             "batch: pass them to f as arguments.")
     return dim
 
 
