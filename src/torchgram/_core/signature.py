@@ -13,8 +13,9 @@ and on the *structure* of its arguments, so they are cached under a key made of:
 
 A cached entry may still be stale (``f`` branches on data, or on a module's ``training``
 flag, which the key cannot see): every use of one is checked against the run it describes
-(NOTE [declared inability] for the output, ``TraceMismatch`` for traces), and a stale entry
-is dropped and recomputed, so a cache hit can cost time but never correctness.
+(NOTE [declared inability] for the output, NOTE [stale probes] for the calls a probe found,
+``TraceMismatch`` for traces), and a stale entry is dropped and recomputed, so a cache hit
+can cost time but never correctness.
 """
 
 from __future__ import annotations
