@@ -156,3 +156,32 @@ def test_eager_gramian_of_a_torchscript_module(how: str, recorded: bool) -> None
             out = scripted(x).sum(-1)
         G = tg.autograd.gramian(out, list(scripted.parameters()), batch_dim=0)
         torch.testing.assert_close(G, expected, rtol=1e-10, atol=1e-12)
+
+
+class _Switch:
+    """A global the key of a cached trace cannot see."""
+
+    scripted = False
+
+
+def _switching(params: dict[str, Tensor], x: Tensor) -> Tensor:
+    h = x @ params["w"].t()
+    if _Switch.scripted:  # one more use of w, in TorchScript
+        h = h + 0.5 * scripted_linear(x, params["w"])
+    return torch.sin(torch.tanh(h + params["b"]) @ params["v"])
+
+
+@pytest.mark.parametrize("batch_dim", [None, 0], ids=["no-batch", "batch"])
+@pytest.mark.parametrize("backend", ["auto", "structured"])
+def test_a_stale_trace_that_misses_unseen_uses_is_traced_afresh(
+        backend: str, batch_dim: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same code and shapes, first traced with one use of ``w``, then with one more in
+    TorchScript: the run reaches the weight's own tensor, which a run following the trace
+    never does, so the trace is stale (that use's rows were dropped)."""
+    _, params, x = _problem("script-linear")
+    tg.gramian(_switching, backend=backend, batch_dim=batch_dim)(params, x)  # traced, cached
+    monkeypatch.setattr(_Switch, "scripted", True)
+    expected = dense_gramian(_switching, (params, x)).shaped()
+    for _ in range(CALLS):
+        G = tg.gramian(_switching, backend=backend, batch_dim=batch_dim)(params, x)
+        torch.testing.assert_close(G, expected, rtol=1e-10, atol=1e-12)

@@ -353,6 +353,7 @@ def batched_forward(problem: Problem, traced: Recording) -> Forward | None:
     except NotBatched:
         return None
     mode.finish()
+    _check_no_unseen_uses(rows, carriers)
     if mode.not_batched is not None:
         return None
     run = mode.recording
@@ -451,6 +452,7 @@ def per_sample_forward(problem: Problem, traced: Recording,
             taps_all.append(list[Tensor | GradientEdge](taps))
             carriers_all.append(carriers)
         check_replay(traced, recordings[0], 1)
+        _check_no_unseen_uses(outputs[0], [base[i] for i in tapped])
         acts = [torch.stack([acts_b[i] for acts_b in acts_per_sample])
                 for i in range(len(acts_per_sample[0]))]
         return Forward("loop", recordings[0], size, outputs[0].numel(), acts, outputs,
@@ -471,8 +473,22 @@ def per_sample_forward(problem: Problem, traced: Recording,
             tuple(taps), tuple(carriers), *batch.tensors)
     acts = list(batched_acts)
     check_replay(traced, recordings[0], 1)
+    _check_no_unseen_uses(rows, [base[i] for i in tapped])
     return Forward("vmap", recordings[0], size, rows.shape[1], list(acts), [rows],
                    [list[Tensor | GradientEdge](taps)], [carriers], fallback)
+
+
+def _check_no_unseen_uses(rows: Tensor, tapped: Sequence[Tensor]) -> None:
+    """Raise ``TraceMismatch`` if ``rows`` reach a tapped leaf's tensor (NOTE [unseen uses]).
+
+    A run that follows a trace computes every use of a tapped leaf from a plain copy, so its
+    graph never reaches the leaf's own tensor, unless ``f`` now uses it in code the mode
+    cannot see, which its (cached) trace did not: the trace is stale, and those rows would be
+    dropped.
+    """
+    if _torch_compat.reached_leaves(rows, tapped):
+        raise TraceMismatch("f uses a parameter in calls the tapping mode cannot see, which "
+                            "its trace did not")
 
 
 def dense_forward(problem: Problem) -> Forward:
