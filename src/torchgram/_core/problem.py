@@ -401,8 +401,12 @@ class Problem:
         return split_aux(self.api, result, self.has_aux)
 
     def _probe_check(self) -> contextlib.AbstractContextManager[Any]:
-        """Where the probe came from the cache, the check of NOTE [stale probes]."""
-        if not self.probe_cached:
+        """Where the probe came from the cache, the check of NOTE [stale probes].
+
+        Not for evaluations without gradients (the per-sample checks): what the check looks
+        for matters only to backward passes.
+        """
+        if not self.probe_cached or not torch.is_grad_enabled():
             return contextlib.nullcontext()
         return ProbeCheck(self.unbatched, self.sparse_embeddings)
 
