@@ -90,6 +90,9 @@ def test_a_torchscript_module_is_rejected_at_build_time(how: str) -> None:
     with pytest.raises(TypeError, match="torchgram.functionalize: expected an nn.Module whose "
                        "forward runs in Python, but got a TorchScript module.*tg.autograd"):
         tg.functionalize(scripted)
+    with pytest.raises(TypeError, match="but got a module with a TorchScript submodule "
+                       "\\('1'\\).*tg.autograd"):  # a raw pybind TypeError before
+        tg.functionalize(nn.Sequential(nn.Linear(3, 3), scripted))
 
 
 def test_unknown_parameter_name_and_non_mapping_are_rejected() -> None:

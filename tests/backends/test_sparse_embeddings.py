@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -164,3 +165,40 @@ def test_a_stale_cached_probe_learns_of_sparse_gradients(monkeypatch: Any) -> No
     monkeypatch.setitem(current, "fn", sparse_fn)
     torch.testing.assert_close(tg.gramian(f, batch_dim=0)(params, ids, labels), expected,
                                rtol=1e-10, atol=1e-12)
+
+
+def _scripted_lookup(ids: Tensor, table: Tensor) -> Tensor:
+    return torch.embedding(table, ids, -1, False, True)  # sparse=True, inside TorchScript
+
+
+with warnings.catch_warnings():  # torch >= 2.11: torch.jit.script is deprecated
+    warnings.simplefilter("ignore", DeprecationWarning)
+    _scripted_lookup = torch.jit.script(_scripted_lookup)
+
+
+@pytest.mark.parametrize("batch_dim", [None, 0], ids=["no-batch", "batch"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sparse_gradients_no_mode_sees(backend: str, batch_dim: int | None) -> None:
+    """An embedding asking for a sparse gradient inside TorchScript: torchgram cannot ask it
+    for a dense one, and the backends that meet the sparse gradient decline (raw torch errors
+    before), naming graph, whose walk densifies it; auto goes on to it."""
+    generator = torch.Generator().manual_seed(0)
+    params = {"table": torch.randn(7, 3, dtype=torch.float64, generator=generator),
+              "w": torch.randn(3, 2, dtype=torch.float64, generator=generator)}
+    ids = torch.tensor([[1, 2], [3, 3], [0, 6]])
+
+    def f(p: dict[str, Tensor], ids: Tensor) -> Tensor:
+        return torch.tanh(_scripted_lookup(ids, p["table"]) @ p["w"]).sum(-1)
+
+    def dense(p: dict[str, Tensor], ids: Tensor) -> Tensor:
+        return torch.tanh(F.embedding(ids, p["table"]) @ p["w"]).sum(-1)
+
+    expected = dense_gramian(dense, (params, ids)).shaped()
+    for _ in range(3):
+        try:
+            G = tg.gramian(f, backend=backend, batch_dim=batch_dim)(params, ids)
+        except tg.BackendCannotRun as error:
+            assert backend in ("structured", "jacobian", "ntvp"), error
+            assert "sparse gradient" in str(error) and "backend='graph'" in str(error), error
+            continue
+        torch.testing.assert_close(G, expected, rtol=1e-10, atol=1e-12)

@@ -64,15 +64,19 @@ def functionalize(module: nn.Module) -> tuple[Callable[..., Any], dict[str, Tens
         raise TypeError(f"{_API}: expected an nn.Module, but got {type(module).__name__}. "
                         "For a plain function, pass it to tg.gramian directly.")
     module = _plain(module)
-    if isinstance(module, torch.jit.ScriptModule):
-        # torch's stateless API refuses them: fn raised a raw RuntimeError on every call
+    scripted = next((name for name, sub in module.named_modules()
+                     if isinstance(sub, torch.jit.ScriptModule)), None)
+    if scripted is not None:
+        # torch's stateless API refuses them: fn raised a raw RuntimeError on every call (a
+        # scripted submodule, a raw TypeError here)
+        where = "a TorchScript module" if scripted == "" else \
+            f"a module with a TorchScript submodule ({scripted!r})"
         raise TypeError(
-            f"{_API}: expected an nn.Module whose forward runs in Python, but got a TorchScript "
-            f"module ({type(module).__name__}, from torch.jit.script or torch.jit.trace), which "
-            "cannot run with other tensors in place of its parameters (torch's "
-            "torch.func.functional_call refuses it). Functionalize the module before scripting "
-            "it, or take the Gramian of its outputs eagerly: "
-            "tg.autograd.gramian(module(x), list(module.parameters())).")
+            f"{_API}: expected an nn.Module whose forward runs in Python, but got {where} "
+            "(from torch.jit.script or torch.jit.trace), which cannot run with other tensors "
+            "in place of its parameters (torch's torch.func.functional_call refuses it). "
+            "Functionalize the modules before scripting them, or take the Gramian of the "
+            "outputs eagerly: tg.autograd.gramian(module(x), list(module.parameters())).")
     params = {name: p.detach() for name, p in module.named_parameters() if p.requires_grad}
     slots = _Slots(module)
 

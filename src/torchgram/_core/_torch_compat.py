@@ -351,7 +351,10 @@ _TRANSFORM_REFUSALS = {
 # backend, and the matrix is the oracle's. Compiled code outside ``f`` is unaffected but for
 # other threads' calls that overlap one of torchgram's evaluations (run eagerly meanwhile:
 # the same values, possibly slower). Torch before 2.6 has no stances: compiled code there
-# meets the transforms as before (refusals naming the backends that run it).
+# meets the transforms as before (refusals naming the backends that run it). A thread of
+# yours that sets its own stance with `with torch.compiler.set_stance(...)` while a
+# torchgram call runs saves and restores the stance it found, which may be force_eager: set
+# stances outside torchgram calls (the attention switches share this limit).
 
 
 def compiled_code_runs_eagerly() -> contextlib.AbstractContextManager[object]:
@@ -387,6 +390,21 @@ def raised_in_dynamo(error: BaseException) -> bool:
             return True
         traceback = traceback.tb_next
     return False
+
+
+_SPARSE_LAYOUT = re.compile(r"'Sparse[A-Za-z]*' backend|SparseTensorImpl|for sparse tensors")
+
+
+def is_sparse_gradient_error(error: BaseException) -> bool:
+    """Whether ``error`` is an op refusing a sparse tensor (a sparse gradient met dense code).
+
+    Example:
+        >>> is_sparse_gradient_error(RuntimeError("reshape is not implemented for sparse "
+        ...                                       "tensors"))
+        True
+    """
+    return isinstance(error, RuntimeError | NotImplementedError) and bool(
+        _SPARSE_LAYOUT.search(str(error)))
 
 
 def refused_under_transforms(error: BaseException) -> Refusal | None:

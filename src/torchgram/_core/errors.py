@@ -190,6 +190,14 @@ def torch_refusals(api: str, backend: str) -> Iterator[None]:
                 "backend uses)", "a reentrant checkpoint",
                 "Use torch.utils.checkpoint(..., use_reentrant=False): it recomputes the "
                 "same way and works with every backend.")) from error
+        if _torch_compat.is_sparse_gradient_error(error) and backend != "graph":
+            # NOTE [sparse embedding gradients]: one torchgram's evaluations could not
+            # rewrite (inside TorchScript); the graph walk densifies what its nodes return
+            raise BackendCannotRun(
+                api, backend, "gradients in the strided (dense) layout",
+                "a sparse gradient from a call torchgram cannot make dense (e.g. an embedding "
+                "with sparse=True inside TorchScript)", ("graph",),
+                "Or ask for dense gradients (sparse=False): the Jacobian is the same.") from error
         refused = _torch_compat.refused_under_transforms(error)
         if refused is None:
             raise

@@ -52,7 +52,7 @@ from torchgram._core.problem import (
 )
 from torchgram._core.pytree import DiffLeaves, detach_tree, select_diff_leaves
 from torchgram._core.result import NO_AUX
-from torchgram._core.threads import RNG_LOCK
+from torchgram._core.threads import RNG_LOCK, compiled_code_eager
 from torchgram.backends.structured.cost import Sizes
 from torchgram.backends.structured.payloads import (
     LeafPayload,
@@ -386,7 +386,7 @@ def _named_coupling(f: Callable[..., Any], args: tuple[Any, ...],
     """The op known to make samples interact that ``f`` calls on the batch, if any."""
     census = OpCensus()
     try:
-        with torch.no_grad(), census:
+        with torch.no_grad(), compiled_code_eager(), census:  # NOTE [compiled code in f]
             f(*args, **kwargs)
     except Exception:  # noqa: BLE001 -- only a better message was at stake
         return None
@@ -400,7 +400,7 @@ def _raise_if_coupled(api: str, f: Callable[..., Any], args: tuple[Any, ...],
     """After ``f`` failed on a batch of one: the clear error if the batch's samples interact."""
     census = OpCensus()
     try:
-        with torch.no_grad(), census:
+        with torch.no_grad(), compiled_code_eager(), census:  # NOTE [compiled code in f]
             f(*args, **kwargs)
     except Exception:  # noqa: BLE001 -- f fails on its batch too: the original error stands
         return
