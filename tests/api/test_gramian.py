@@ -336,3 +336,27 @@ def test_call_changes_no_tensor_module_flag_hook_or_buffer() -> None:
     for name, value in params.items():
         assert torch.equal(value, params_before[name]) and not value.requires_grad
     assert fired.count("grad") == 0  # forward hooks may fire: the module does run
+
+
+def test_meta_tensors_are_planned_by_explain_and_refused_by_computations() -> None:
+    """Meta tensors have shapes, not values: ``tg.explain`` plans from them; computing APIs
+    raise a torchgram error naming the fix (a raw "Tensor.item() cannot be called on meta
+    tensors" before, session 27)."""
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    fn, params = tg.functionalize(model.to("meta"))
+    x = torch.randn(4, 6, device="meta")
+
+    def f(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return fn(p, x).square().sum(-1)
+
+    assert tg.explain(f, batch_dim=0)(params, x).backend in tg.backends.backend_names()
+    pattern = "expected parameters with values, but got a tensor .* on the meta device.*to_empty"
+    with pytest.raises(ValueError, match=f"{API}: {pattern}"):
+        tg.gramian(f, batch_dim=0)(params, x)
+    with pytest.raises(ValueError, match=f"torchgram.aggregated_grad: {pattern}"):
+        tg.aggregated_grad(f, tg.weighting.upgrad, batch_dim=0)(params, x)
+    with pytest.raises(ValueError, match=f"torchgram.ntk.empirical_ntk_fn: {pattern}"):
+        tg.ntk.empirical_ntk_fn(fn)(x, None, params)
+    leaves = [p.requires_grad_() for p in params.values()]
+    with pytest.raises(ValueError, match="expected outputs with values.*meta device"):
+        tg.autograd.gramian(f(dict(zip(params, leaves, strict=True)), x), leaves)

@@ -238,6 +238,7 @@ def _tensors(api: str, name: str, value: Any) -> list[Tensor]:
 
 
 def _check_outputs(api: str, outputs: list[Tensor]) -> None:
+    checks.check_not_meta(api, outputs, "outputs")
     for index, out in enumerate(outputs):
         where = f"outputs[{index}] of shape {tuple(out.shape)}"
         if out.is_complex():

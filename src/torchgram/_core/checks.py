@@ -130,3 +130,26 @@ def check_choice(api: str, name: str, value: Any, choices: Sequence[str]) -> Non
 def function_name(f: Callable[..., Any]) -> str:
     """A readable name for ``f`` in docstrings and messages."""
     return getattr(f, "__qualname__", None) or getattr(f, "__name__", None) or repr(f)
+
+
+def check_not_meta(api: str, tensors: Sequence[Any], what: str) -> None:
+    """Reject tensors on the ``meta`` device: they have shapes, not values.
+
+    ``tg.explain`` plans from shapes and takes them; everything that computes does not (a
+    raw ``Tensor.item() cannot be called on meta tensors`` before, session 27).
+
+    Example:
+        >>> import torch
+        >>> check_not_meta("doc", [torch.ones(1)], "parameters")
+        >>> try:
+        ...     check_not_meta("doc", [torch.empty(2, device="meta")], "parameters")
+        ... except ValueError as error:
+        ...     print(str(error)[:71])
+        doc: expected parameters with values, but got a tensor of shape (2,) on
+    """
+    for tensor in tensors:
+        if getattr(tensor, "is_meta", False):
+            fail(api, f"{what} with values", f"a tensor of shape {tuple(tensor.shape)} on the "
+                 "meta device", "tg.explain plans from shapes on meta tensors; to compute, "
+                 "materialize them (module.to_empty(device=...), then load or initialize the "
+                 "weights).")
