@@ -360,3 +360,23 @@ def test_meta_tensors_are_planned_by_explain_and_refused_by_computations() -> No
     leaves = [p.requires_grad_() for p in params.values()]
     with pytest.raises(ValueError, match="expected outputs with values.*meta device"):
         tg.autograd.gramian(f(dict(zip(params, leaves, strict=True)), x), leaves)
+
+
+@pytest.mark.parametrize("backend", tg.backends.backend_names())
+def test_inference_tensors_are_taken_as_values(backend: str) -> None:
+    """A model built (or loaded) under ``torch.inference_mode`` has inference tensors for
+    parameters, which autograd refuses: graph, structured and auto raised torch's raw
+    "Setting requires_grad=True on inference tensor" (session 27); the call works on normal
+    copies of them, and of inference inputs."""
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        model = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
+        x = torch.randn(6, 4)
+    fn, params = tg.functionalize(model)
+    expected = dense_gramian(lambda p, x: fn(p, x).sum(-1),
+                             ({k: v.clone() for k, v in params.items()}, x.clone())).gramian
+    for batch_dim in (None, 0):
+        G = tg.gramian(lambda p, x: fn(p, x).sum(-1), backend=backend,
+                       batch_dim=batch_dim)(params, x)
+        torch.testing.assert_close(G, expected, rtol=1e-5, atol=1e-6)
+    assert all(value.is_inference() for value in params.values())  # the user's, unchanged

@@ -618,6 +618,7 @@ def build_problem(options: Options, f: Callable[..., Any], args: tuple[Any, ...]
     """
     api = options.api
     argnums = resolve_argnums(api, options.argnums, len(args))
+    args, kwargs = _without_inference_tensors((args, dict(kwargs)))
     composition = detect_composition(args, kwargs)
     diff = select_diff_leaves(args, argnums, detach=not composition.differentiable)
     if not diff.leaves:
@@ -643,6 +644,24 @@ def build_problem(options: Options, f: Callable[..., Any], args: tuple[Any, ...]
     return Problem(f, args, kwargs, diff, options, batch, probe.spec, draw, want_pullback,
                    evaluation, probe.unbatched, composition, probe.mutates_leaves,
                    probe.sparse_embeddings, probe_cached)
+
+
+def _without_inference_tensors(tree: Any) -> Any:
+    """``tree`` with the tensors made under ``torch.inference_mode`` cloned into normal ones.
+
+    Autograd refuses inference tensors (a model built or loaded under ``inference_mode``: its
+    parameters are; session 27: torch's raw "Setting requires_grad=True on inference tensor
+    outside InferenceMode is not allowed" from graph, structured and auto). The clones are
+    the call's own, like the detached parameters of any call; ``tree`` is returned as it is
+    when it holds none.
+    """
+    leaves, spec = optree.tree_flatten(tree)
+    if not any(isinstance(leaf, Tensor) and leaf.is_inference() for leaf in leaves):
+        return tree
+    with torch.inference_mode(False):
+        leaves = [leaf.clone() if isinstance(leaf, Tensor) and leaf.is_inference() else leaf
+                  for leaf in leaves]
+    return optree.tree_unflatten(spec, leaves)
 
 
 def _probe_key(f: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any],
