@@ -95,6 +95,15 @@ def test_a_torchscript_module_is_rejected_at_build_time(how: str) -> None:
         tg.functionalize(nn.Sequential(nn.Linear(3, 3), scripted))
 
 
+def test_an_uninitialized_lazy_module_is_rejected_at_build_time() -> None:
+    model = nn.Sequential(nn.LazyLinear(2), nn.Tanh())
+    with pytest.raises(ValueError, match="torchgram.functionalize: expected initialized "
+                       "parameters, but got the uninitialized parameter '0.weight'.*module\\(x\\)"):
+        tg.functionalize(model)
+    model(torch.randn(4, 3))  # initialized: fine
+    assert sorted(tg.functionalize(model)[1]) == ["0.bias", "0.weight"]
+
+
 def test_unknown_parameter_name_and_non_mapping_are_rejected() -> None:
     fn, params = tg.functionalize(nn.Linear(2, 2))
     with pytest.raises(KeyError, match=r"parameter name\(s\) \['wieght'\].*Valid names"):

@@ -77,6 +77,13 @@ def functionalize(module: nn.Module) -> tuple[Callable[..., Any], dict[str, Tens
             "in place of its parameters (torch's torch.func.functional_call refuses it). "
             "Functionalize the modules before scripting them, or take the Gramian of the "
             "outputs eagerly: tg.autograd.gramian(module(x), list(module.parameters())).")
+    lazy = next((name for name, p in module.named_parameters()
+                 if torch.nn.parameter.is_lazy(p)), None)
+    if lazy is not None:  # detach() raised torch's own ValueError
+        raise ValueError(
+            f"{_API}: expected initialized parameters, but got the uninitialized parameter "
+            f"{lazy!r} of a lazy module (nn.LazyLinear, nn.LazyConv2d, ...). Run the module "
+            "once on a batch (module(x)) to initialize it, then functionalize it.")
     params = {name: p.detach() for name, p in module.named_parameters() if p.requires_grad}
     slots = _Slots(module)
 
