@@ -380,3 +380,19 @@ def test_inference_tensors_are_taken_as_values(backend: str) -> None:
                        batch_dim=batch_dim)(params, x)
         torch.testing.assert_close(G, expected, rtol=1e-5, atol=1e-6)
     assert all(value.is_inference() for value in params.values())  # the user's, unchanged
+
+
+def test_a_model_output_object_gets_a_hint() -> None:
+    """``f`` returning a ``transformers`` ``ModelOutput`` (an object with ``to_tuple``): the
+    error says which of its tensors to return."""
+
+    class ModelOutput:
+        def __init__(self, logits: torch.Tensor) -> None:
+            self.logits = logits
+
+        def to_tuple(self) -> tuple[torch.Tensor]:
+            return (self.logits,)
+
+    with pytest.raises(TypeError, match="a leaf of type ModelOutput. Return the output's "
+                       "tensors: e.g. out.logits, or out.to_tuple"):
+        tg.gramian(lambda p, x: ModelOutput(x @ p))(W, X)

@@ -756,6 +756,8 @@ def make_output_spec(api: str, out: Any, batch: BatchSpec | None, *,
         if not isinstance(leaf, Tensor):
             fail(api, "f to return a floating tensor or a pytree of them",
                  f"a leaf of type {type(leaf).__name__}",
+                 "Return the output's tensors: e.g. out.logits, or out.to_tuple(), of a "
+                 "transformers ModelOutput" if hasattr(leaf, "to_tuple") else
                  "Return torch tensors (wrap Python numbers with torch.as_tensor).", TypeError)
         if leaf.is_complex():
             fail(api, "real floating outputs", f"dtype {leaf.dtype}",
