@@ -82,8 +82,9 @@ def dense_gramian(f: Callable[..., Any], args: Sequence[Any],
         for i in range(rows.numel()):
             grads = torch.autograd.grad(rows[i], leaves, retain_graph=True, allow_unused=True) \
                 if rows.requires_grad else (None,) * len(leaves)
-            per_row.append(torch.cat([
-                (torch.zeros_like(leaf) if grad is None else grad).reshape(-1).to(rows.dtype)
+            per_row.append(torch.cat([  # a sparse gradient (embedding(sparse=True)), dense
+                (torch.zeros_like(leaf) if grad is None else grad.to_dense() if grad.is_sparse
+                 else grad).reshape(-1).to(rows.dtype)
                 for leaf, grad in zip(leaves, grads, strict=True)]))
     output = optree.tree_map(lambda t: t.detach(), out)
     widths = [leaf.numel() for leaf in leaves]

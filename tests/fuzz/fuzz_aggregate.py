@@ -116,6 +116,7 @@ def check_eager_update(case: FuzzCase, recorded: bool) -> str:
     except Exception as error:  # noqa: BLE001 -- the property is about which errors escape
         return _refused(error, snapshot, built, "eager update")
     snapshot.assert_unchanged(built.module)
-    _assert_update(case, [torch.zeros_like(leaf) if leaf.grad is None else leaf.grad
+    _assert_update(case, [torch.zeros_like(leaf) if leaf.grad is None else
+                          leaf.grad.to_dense() if leaf.grad.is_sparse else leaf.grad
                           for leaf in leaves], expected)
     return "answered"

@@ -192,6 +192,7 @@ class Tokens:
     padding_idx: int | None = None
     scale_grad_by_freq: bool = False
     frozen: bool = False
+    sparse: bool = False  # the table's gradient sparse (NOTE [sparse embedding gradients])
 
 
 @dataclass(frozen=True)
@@ -379,7 +380,7 @@ def forward(case: FuzzCase, get: Get, x: Tensor, labels: Tensor | None, *,
     inp = case.input
     if isinstance(inp, Tokens):
         h = F.embedding(x, get(-1, "table"), padding_idx=inp.padding_idx,
-                        scale_grad_by_freq=inp.scale_grad_by_freq)
+                        scale_grad_by_freq=inp.scale_grad_by_freq, sparse=inp.sparse)
     else:
         h = x if not inp.flat else x[:, None]
         if any(isinstance(layer, Activation) and layer.inplace for layer in case.layers):
