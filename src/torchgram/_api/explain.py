@@ -249,7 +249,7 @@ def explain(
         from torchgram._api.pipeline import compute
         from torchgram.backends.auto import plan_auto
 
-        problem = build_problem(options, f, args, kwargs)
+        problem = build_problem(options, f, args, kwargs, planning=True)
         if problem.composition.transforms:  # NOTE [composition]
             checks.fail(_API, "a call outside torch.func transforms (explain traces f with "
                         "eager autograd)", f"a call {problem.composition.describe()}",

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from torchgram._core import _torch_compat, functional
-from torchgram._core.checks import check_not_meta, fail
+from torchgram._core.checks import fail
 from torchgram._core.composition import graph_leaf, refuse_inside_taps
 from torchgram._core.cross import CrossProblem, CrossResult
 from torchgram._core.errors import OutputChanged, torch_refusals
@@ -132,7 +132,6 @@ def compute(options: Options, f: Callable[..., Any], args: tuple[Any, ...],
     probe_with_grad = options.backend == "graph"
     problem = build_problem(options, f, args, kwargs, want_pullback=want_pullback,
                             probe_with_grad=probe_with_grad)
-    check_not_meta(options.api, problem.leaves, "parameters")
     try:
         result = _run(problem)
     except OutputChanged:  # a cached probe went stale: probe afresh, once
@@ -191,7 +190,6 @@ def compute_cross(problem: CrossProblem) -> CrossResult:
     The blocks come back in the canonical layout; ``torchgram.ntk`` assembles them. Every
     side's random-number state is left where a plain call of ``f`` leaves it.
     """
-    check_not_meta(problem.left.api, problem.left.leaves, "parameters")
     try:
         return get_cross_backend(problem.left.options.backend)(problem)
     finally:

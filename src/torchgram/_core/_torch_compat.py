@@ -171,8 +171,9 @@ def reached_leaves(output: Tensor, leaves: Sequence[Tensor]) -> list[int]:
         >>> reached_leaves((3 * b).sum(), [a, b]), reached_leaves((3 * view).sum(), [b, view])
         ([1], [1])
     """
-    if any(output is leaf for leaf in leaves):  # the output itself
-        return [next(i for i, leaf in enumerate(leaves) if output is leaf)]
+    for i, leaf in enumerate(leaves):
+        if output is leaf:  # the output itself
+            return [i]
     # A leaf tensor is known by identity from its AccumulateGrad node's variable (asking for
     # its gradient edge would create that node, ~15 µs a leaf), any other by its grad_fn.
     by_id = {id(leaf): i for i, leaf in enumerate(leaves) if leaf.grad_fn is None}

@@ -136,7 +136,8 @@ def check_not_meta(api: str, tensors: Sequence[Any], what: str) -> None:
     """Reject tensors on the ``meta`` device: they have shapes, not values.
 
     ``tg.explain`` plans from shapes and takes them; everything that computes does not (a
-    raw ``Tensor.item() cannot be called on meta tensors`` before, session 27).
+    raw ``Tensor.item() cannot be called on meta tensors`` before, session 27): the problem
+    of every call but a plan checks its parameters before ``f`` is evaluated.
 
     Example:
         >>> import torch

@@ -34,7 +34,7 @@ from torch import Tensor
 
 from torchgram._core import _torch_compat
 from torchgram._core.census import DenseEmbeddingGradients, OpCensus, ProbeCheck
-from torchgram._core.checks import fail, resolve_argnums
+from torchgram._core.checks import check_not_meta, fail, resolve_argnums
 from torchgram._core.composition import Composition, detect_composition
 from torchgram._core.errors import NotPerSample, OutputChanged
 from torchgram._core.options import InDims, Options
@@ -600,7 +600,8 @@ _PROBES = LruCache[Probe](maxsize=256)
 
 def build_problem(options: Options, f: Callable[..., Any], args: tuple[Any, ...],
                   kwargs: Mapping[str, Any], *, want_pullback: bool = False,
-                  probe_with_grad: bool = False, fresh: bool = False) -> Problem:
+                  probe_with_grad: bool = False, fresh: bool = False,
+                  planning: bool = False) -> Problem:
     """Validate a call's arguments against the options and describe it as a :class:`Problem`.
 
     Raises the call-time errors (argnums out of range, no leaf to differentiate, bad
@@ -615,6 +616,8 @@ def build_problem(options: Options, f: Callable[..., Any], args: tuple[Any, ...]
         probe_with_grad: Whether a full-batch probe should record an autograd graph for the
             backend to reuse (NOTE [probing]).
         fresh: Probe ``f`` even if a probe of this signature is cached (it was stale).
+        planning: The call only plans (``tg.explain``): parameters on the meta device, which
+            have shapes but no values, are accepted.
     """
     api = options.api
     argnums = resolve_argnums(api, options.argnums, len(args))
@@ -626,6 +629,8 @@ def build_problem(options: Options, f: Callable[..., Any], args: tuple[Any, ...]
              "none (" + ", ".join(type(args[i]).__name__ for i in argnums) + ")",
              "Pass the parameters (a tensor or a pytree of float tensors) at argnums, "
              "or change argnums.", TypeError)
+    if not planning:
+        check_not_meta(api, diff.leaves, "parameters")
     batch = (None if options.batch_dim is None
              else make_batch_spec(api, args, argnums, options.batch_dim, options.in_dims,
                                   kwargs))
