@@ -157,6 +157,19 @@ class Center:
 
 
 @dataclass(frozen=True)
+class Route:
+    """Rows sent by index values along the batch: ``h[order]`` and the like.
+
+    ``order`` (one entry per sample, possibly repeated) is read modulo the batch size
+    (``index_put`` writes the rows at ``argsort(order)``, a permutation). Cases that differ
+    only in ``order`` have the same graph signature (NOTE [routing values]).
+    """
+
+    order: tuple[int, ...] = (0,)
+    form: Literal["index", "gather", "index_select", "index_put"] = "index"
+
+
+@dataclass(frozen=True)
 class Dropout:
     """``F.dropout`` in training mode: a random op."""
 
@@ -172,7 +185,7 @@ class FusedRnn:
 
 
 Layer = (Linear | Conv1d | Attention | RnnCell | Norm | Elementwise | Distance | Buffer
-         | Activation | TiedOut | Center | Dropout | FusedRnn)
+         | Activation | TiedOut | Center | Route | Dropout | FusedRnn)
 
 
 @dataclass(frozen=True)
@@ -491,6 +504,16 @@ def _layer(case: FuzzCase, i: int, layer: Layer, h: Tensor, get: Get) -> Tensor:
         return h @ get(-1, "table").T
     if isinstance(layer, Center):
         return h - h.mean(0, keepdim=True)
+    if isinstance(layer, Route):
+        order = torch.tensor([k % h.shape[0] for k in layer.order[:h.shape[0]]]
+                             + list(range(len(layer.order), h.shape[0])), device=h.device)
+        if layer.form == "gather":
+            return h.gather(0, order.reshape(-1, *(1,) * (h.dim() - 1)).expand_as(h))
+        if layer.form == "index_select":
+            return h.index_select(0, order)
+        if layer.form == "index_put":
+            return torch.zeros_like(h).index_put((torch.argsort(order, stable=True),), h)
+        return h[order]
     if isinstance(layer, Dropout):
         return F.dropout(h, layer.p, training=True)
     raise TypeError(layer)

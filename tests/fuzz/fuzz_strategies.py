@@ -41,6 +41,7 @@ from fuzz_arch import (
     Linear,
     Norm,
     RnnCell,
+    Route,
     TiedOut,
     Tokens,
     conv_length,
@@ -106,6 +107,7 @@ def _layer(draw: st.DrawFn, backend: str, width: int, length: int, tokens: Token
                                                           backend)):
         kinds.append("tied_out")
     kinds.append("center")
+    kinds.append("route")
     if not known_issue("random_ops_under_functorch", backend):
         kinds.append("dropout")
     kinds.append("fused_rnn")
@@ -176,6 +178,14 @@ def _layer(draw: st.DrawFn, backend: str, width: int, length: int, tokens: Token
         return TiedOut()
     if kind == "center":
         return Center()
+    if kind == "route":  # a permutation (the identity now and then) or repeated samples
+        order = draw(st.sampled_from([
+            tuple(range(batch)), tuple(reversed(range(batch))),
+            tuple(draw(st.permutations(range(batch)))),
+            tuple(draw(st.lists(st.integers(0, max(0, batch - 1)), min_size=batch,
+                                max_size=batch)))]))
+        return Route(order=order, form=draw(st.sampled_from(["index", "gather", "index_select",
+                                                             "index_put"])))
     if kind == "dropout":
         return Dropout(p=0.5)
     kind = draw(st.sampled_from(["tanh", "relu", "gelu", "sigmoid", "softplus", "silu"]))

@@ -31,9 +31,10 @@ internals directly.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import re
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -272,6 +273,76 @@ def saved_arguments(node: Node) -> tuple[Any, ...]:
             value = repr(value)
         values.append((name, value))
     return tuple(values)
+
+
+_ROW_LOCAL_ROUTING = frozenset({
+    "NllLossBackward0", "NllLoss2DBackward0", "MultiMarginLossBackward0",
+    "MultilabelMarginLossBackward0", "CtcLossBackward0", "MaskedFillBackward0",
+    "MaskedFillBackward1", "WhereBackward0", "NativeDropoutBackward0", "FusedDropoutBackward0",
+})
+"""Nodes whose saved index or mask tensors route a cotangent within its own row: a target
+class (losses), a position (masks), a table's row (embeddings, by prefix), a pooling
+window (by prefix), the attention or RNN kernels' random state (by prefix)."""
+_ROW_LOCAL_PREFIXES = ("Embedding", "MaxPool", "AdaptiveMaxPool", "FractionalMaxPool",
+                       "MaxUnpool", "ScaledDotProduct", "CudnnRnn", "MiopenRnn", "Mkldnn")
+_TENSOR_SAVED: dict[type, list[str]] = {}
+"""Per node type, the saved tensors that may hold indices: a name is dropped once it held a
+floating-point tensor (an op's indices and masks are typed as such by its schema)."""
+
+
+def routing_values(nodes: Iterable[Node]) -> tuple[Hashable, ...]:
+    """The values of the index and mask tensors ``nodes`` saved, as a hashable digest.
+
+    A node such as ``x[perm]``'s ``IndexBackward0``, ``gather``, ``sort`` or ``index_put``
+    routes each cotangent to a place its saved integer (or boolean) tensor holds, so two
+    graphs with the same nodes and shapes can send a sample's cotangent to different
+    samples. Caches keyed by a graph's signature add this digest (NOTE [routing values] in
+    ``backends/graph/sparse.py``); ``nodes`` come in an order that is the same for the same
+    graph (the digest holds their positions in it). Nodes whose saved indices route within
+    a row (a loss's target, a dropout or ``where`` mask, an embedding's token ids, pooling
+    indices) are left out, so that their values, new every batch, do not defeat the
+    caches; a custom Function's saved integer tensors count.
+
+    Example:
+        >>> x = torch.randn(3, 2, requires_grad=True)
+        >>> digest = routing_values([x[torch.tensor([0, 1, 2])].grad_fn])
+        >>> digest == routing_values([x[torch.tensor([1, 0, 2])].grad_fn])
+        False
+        >>> routing_values([torch.nn.functional.dropout(x, 0.5).grad_fn])
+        ()
+    """
+    digest: list[Hashable] = []
+    for ordinal, node in enumerate(nodes):
+        kind = type(node)
+        names = _TENSOR_SAVED.get(kind)
+        if names is None:
+            name = kind.__name__
+            routes_within_rows = (name in _ROW_LOCAL_ROUTING
+                                  or name.startswith(_ROW_LOCAL_PREFIXES))
+            attributes = () if routes_within_rows else dir(node)
+            names = _TENSOR_SAVED[kind] = [
+                attribute[len("_raw_saved_"):] for attribute in attributes
+                if attribute.startswith("_raw_saved_")]
+        custom = is_custom_function_node(node)
+        for name in tuple(names):
+            try:  # a custom Function's are its ``saved_tensors``
+                value = node.saved_tensors if custom else getattr(node, f"_saved_{name}")
+            except (RuntimeError, AttributeError):  # freed by a backward: the walk says so
+                continue
+            if isinstance(value, Tensor) and not custom and (value.is_floating_point()
+                                                             or value.is_complex()):
+                _TENSOR_SAVED[kind] = [kept for kept in _TENSOR_SAVED[kind] if kept != name]
+                continue
+            values = value if isinstance(value, list | tuple) else (value,)
+            for position, tensor in enumerate(values):
+                if (isinstance(tensor, Tensor) and not tensor.is_floating_point()
+                        and not tensor.is_complex()):
+                    held = tensor.detach().cpu().reshape(-1).contiguous()
+                    content = hashlib.blake2b(held.view(torch.uint8).numpy().tobytes()
+                                              if held.numel() else b"", digest_size=16)
+                    digest.append((ordinal, name, position, held.dtype,
+                                   tuple(tensor.shape), content.digest()))
+    return tuple(digest)
 
 
 def leaf_of(node: Node) -> Tensor:

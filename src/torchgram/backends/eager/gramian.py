@@ -623,7 +623,8 @@ def _layouts(recording: Recording, graph: GraphIndex, tapped: _Tapped, taps: lis
            tuple((recording.taps[tap].shape, recording.taps[tap].rule, tuple(options[tap]))
                  for tap in taps),
            tuple((tap, _meeting_key(meetings[tap][0]), tuple(met_options[tap]))
-                 for tap in met))
+                 for tap in met),
+           _torch_compat.routing_values(graph.nodes()))  # NOTE [routing values]
     choices = LAYOUT_CACHE.get(key)
     if choices is None:
         probed = probe_samples(samples)

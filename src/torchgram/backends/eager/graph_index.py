@@ -31,6 +31,7 @@ class GraphIndex:
         module_hooks: Whether a module backward hook sits in the graph.
         reentrant: Whether a reentrant checkpoint sits in the graph.
         size: Number of nodes.
+        every: Every node but the leaves' accumulators, duplicated numbers included.
     """
 
     by_seq: dict[int, Node] = field(default_factory=dict)
@@ -38,11 +39,16 @@ class GraphIndex:
     module_hooks: bool = False
     reentrant: bool = False
     size: int = 0
+    every: list[Node] = field(default_factory=list)
 
     def node(self, seq: int, name: str) -> Node | None:
         """The node with sequence number ``seq`` and name ``name``, if it is in the graph."""
         node = self.by_seq.get(seq)
         return node if node is not None and node.name() == name else None
+
+    def nodes(self) -> list[Node]:
+        """Every node but the leaves' accumulators, in creation order."""
+        return sorted(self.every, key=_torch_compat.creation_order)
 
     def holders(self, leaf: Tensor) -> set[int]:
         """Sequence numbers of the nodes with an edge into ``leaf``'s accumulator."""
@@ -63,6 +69,7 @@ def index_graph(outputs: Sequence[Tensor]) -> GraphIndex:
         if _torch_compat.is_leaf_accumulator(node):
             continue
         seq = _torch_compat.creation_order(node)
+        index.every.append(node)
         if seq in index.by_seq and index.by_seq[seq] is not node:
             duplicated.add(seq)
         index.by_seq[seq] = node

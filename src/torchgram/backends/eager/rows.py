@@ -107,9 +107,18 @@ class Rows:
         return self._split(flat)
 
     def probe_seeds(self, groups: Sequence[Sequence[int]]) -> list[Tensor]:
-        """Per output ``[len(groups), *shape]``: 1 on every row of one group of samples each."""
+        """Per output ``[len(groups), *shape]``: the rows of one group of samples each.
+
+        Each sample's rows are weighted by a fixed random factor in ``[1, 2)`` (the same in
+        every probe), so that two samples' rows cannot cancel where they meet (NOTE [sample
+        layouts]).
+        """
         first = self.outputs[0]
         flat = first.new_zeros(len(groups), self.num_rows)
+        weights = 1 + torch.rand(self.samples, generator=torch.Generator().manual_seed(0),
+                                 dtype=torch.float64)
         for i, group in enumerate(groups):
-            flat[i, self.index[list(group)].reshape(-1)] = 1
+            members = list(group)
+            flat[i, self.index[members].reshape(-1)] = weights[members].repeat_interleave(
+                self.index.shape[1]).to(flat)
         return self._split(flat)

@@ -18,12 +18,20 @@ not enough, from a probe:
   promise, its cotangent at a tensor carrying the samples is exactly zero outside sample
   ``s``'s slice, so a candidate for which it is not is wrong, and a tensor for which every
   candidate fails does not carry the samples (it is shared by all samples, or they interact:
-  the exact answer is then the rows of the whole batch). Four probes: the first sample, the
-  last, and the even- and the odd-numbered samples together (a probe of several samples must
-  be zero outside their slices). The first and the last alone saw nothing when both their
-  rows were zero functions (a dropout had zeroed their outputs) while the others' rows
-  reached every sample through a batch mean (session 23: ``G`` 0.36 off, relative); the two
-  groups take in every sample.
+  the exact answer is then the rows of the whole batch). The probes: the first sample, the
+  last, and groups of samples that **separate every pair** (a probe of several samples must
+  be zero outside their slices), each sample's rows weighted by a fixed random factor. The
+  first and the last alone saw nothing when both their rows were zero functions (a dropout
+  had zeroed their outputs) while the others' rows reached every sample through a batch
+  mean (session 23: ``G`` 0.36 off, relative); even- and odd-numbered groups were then
+  added, which take in every sample but do not see samples exchanged within a group:
+  ``model(x)[perm]`` with ``perm = [0, 3, 2, 1, 4, 5]`` was 1.6 off (absolute; session 28).
+  Now sample ``b`` gets a distinct ``⌊n/2⌋``-subset ``code(b)`` of ``n`` groups (the smallest
+  ``n`` with enough subsets: 4 groups for 6 samples, 8 for 64, 13 for 1024) and group ``j``
+  holds the samples whose code has ``j``: for any ``b ≠ c``, some group holds ``b`` and not
+  ``c`` (equal-size subsets never contain one another), so a cotangent moving from ``b`` to
+  ``c`` is seen, whatever the permutation, duplication or mixing. The random weights keep
+  two rows of a group from cancelling where they meet.
 
 A recorded output shared by the samples (``[1, T, d]`` position embeddings) has no layout of
 its own; it is read per sample where it meets the batch (:class:`SharedSamples`, NOTE
@@ -36,6 +44,7 @@ loop pays it on its first step only.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -230,15 +239,29 @@ def choose(options: Sequence[SampleLayout],
 
 
 def probe_samples(samples: int) -> tuple[tuple[int, ...], ...]:
-    """The groups of samples probed: the first, the last, the even- and the odd-numbered.
+    """The groups of samples probed: the first, the last, and groups separating every pair.
+
+    Sample ``b`` belongs to the groups of ``code(b)``, the ``b``-th ``⌊n/2⌋``-subset of
+    ``range(n)`` (NOTE [sample layouts]); groups equal to an earlier one are dropped.
 
     Example:
         >>> probe_samples(5)
-        ((0,), (4,), (0, 2, 4), (1, 3))
+        ((0,), (4,), (0, 1, 2), (0, 3, 4), (1, 3), (2, 4))
+        >>> len(probe_samples(64)), len(probe_samples(1024))
+        (10, 15)
     """
     if samples <= 2:
         return tuple((b,) for b in range(samples))
-    return ((0,), (samples - 1,), tuple(range(0, samples, 2)), tuple(range(1, samples, 2)))
+    groups = math.ceil(math.log2(samples))
+    while math.comb(groups, groups // 2) < samples:
+        groups += 1
+    codes = list(itertools.islice(itertools.combinations(range(groups), groups // 2), samples))
+    found: list[tuple[int, ...]] = [(0,), (samples - 1,)]
+    for group in range(groups):
+        members = tuple(b for b, code in enumerate(codes) if group in code)
+        if members not in found:
+            found.append(members)
+    return tuple(found)
 
 
 LAYOUT_CACHE = LruCache[tuple[Choice, ...]](maxsize=64)

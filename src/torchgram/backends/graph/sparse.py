@@ -21,9 +21,22 @@ sample's cotangent spreads over the others (the samples interact there, e.g. bat
 training mode), is expanded, which is always exact. The decisions are cached per signature
 of the graph (its nodes' names and shapes, ``B``), and the probe rows are pushed only when
 there is no cached decision. The signature holds every node's type, input shapes and
-non-tensor saved arguments (``batch_norm``'s ``training``, a reduction's ``dim``): what
-decides whether samples interact, short of the values themselves (a permutation of the
-batch whose values change between calls with the same signature would not be seen).
+non-tensor saved arguments (``batch_norm``'s ``training``, a reduction's ``dim``) and the
+values of the index tensors that route cotangents (NOTE [routing values]).
+
+NOTE [routing values]
+A node that routes cotangents by the values of a saved index or mask (``x[perm]``,
+``index_select``, ``gather``, ``sort``, ``take``, ``index_put``, ``scatter``...) can send
+sample ``b``'s cotangent to another sample's slice in one call and not in the next, with the
+same nodes and shapes. Until session 28 the signature held only those, so a first call whose
+permutation was the identity cached "compact" decisions that a later call with another
+permutation reused: ``tg.autograd.gramian(losses, params, batch_dim=0)`` of ``model(x)[perm]``
+was 3 to 22 (absolute) off, recorded (``tg.autograd.record``, whose tap layouts are cached
+the same way) or not. Both caches' keys now hold a digest of those values
+(``_torch_compat.routing_values``), so another routing probes again. Nodes whose indices
+route within a row (a loss's target class, a dropout or ``where`` mask, an embedding's
+token ids, pooling windows) are left out: their values change every batch and cannot move
+a cotangent to another sample.
 """
 
 from __future__ import annotations
@@ -100,7 +113,8 @@ class SparseWalk:
             (node_name(node), _shapes(node), _torch_compat.saved_arguments(node))
             for node in self.order),
             tuple(sorted(_shapes(node) for node in leaves)),
-            tuple(sorted(self.position.get(node, -1) for node in self.plan.targets)))
+            tuple(sorted(self.position.get(node, -1) for node in self.plan.targets)),
+            _torch_compat.routing_values(self.order))  # NOTE [routing values]
         self.result = SparseResult()
 
     def run(self, start: int, stop: int, on_target: OnTarget) -> None:

@@ -1,0 +1,175 @@
+"""Samples routed by index values in eager graphs: ``x[perm]``, ``gather``, ``index_put``...
+
+The eager Gramian with ``batch_dim`` locates each tensor's samples by probing (NOTE [sample
+layouts]) and caches the outcome per signature of the graph. A node that routes cotangents
+by the values of a saved index can exchange samples in one call and not in another with
+the same signature (NOTE [routing values]), and a permutation within a probed group used to
+be invisible: both gave wrong matrices without a word (session 28). Every case is compared
+with the dense float64 oracle of the same computation, walked (no recording) and recorded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import torchgram as tg
+from reference import dense_gramian
+from torchgram._core.signature import clear_caches
+
+DOUBLE = torch.float64
+B = 6
+
+Route = Callable[[Tensor, Tensor], Tensor]
+"""``route(hidden [B, 3], perm [B])``: the hidden states' rows sent where ``perm`` says."""
+
+ROUTES: dict[str, Route] = {
+    "index": lambda h, perm: h[perm],
+    "index-select": lambda h, perm: h.index_select(0, perm),
+    "gather": lambda h, perm: h.gather(0, perm[:, None].expand_as(h)),
+    "take": lambda h, perm: h.take(perm[:, None] * h.shape[1] + torch.arange(h.shape[1])),
+    "index-put": lambda h, perm: torch.zeros_like(h).index_put((perm,), h),
+    "scatter": lambda h, perm: torch.zeros_like(h).scatter(0, perm[:, None].expand_as(h), h),
+}
+PERMUTATIONS = [[0, 1, 2, 3, 4, 5], [1, 0, 3, 2, 5, 4], [5, 4, 3, 2, 1, 0]]
+"""The identity first: the call that used to cache the wrong decision."""
+WITHIN_GROUPS = [[0, 3, 2, 1, 4, 5], [0, 1, 4, 3, 2, 5], [0, 1, 2, 1, 4, 5],
+                 [2, 1, 0, 3, 4, 5], [0, 0, 2, 3, 4, 5]]
+"""Exchanges and duplicates: the first three keep the first and the last sample and stay
+within the even- or the odd-numbered samples, what the probes before session 28 could not
+see; the last two were seen by them too."""
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).to(DOUBLE)
+
+
+def per_sample_losses(module: nn.Module, x: Tensor, route: Route, perm: Tensor) -> Tensor:
+    return route(module(x), perm).pow(2).sum(1)
+
+
+def expected(module: nn.Module, x: Tensor, route: Route, perm: Tensor) -> Tensor:
+    params = dict(module.named_parameters())
+    return dense_gramian(
+        lambda p: per_sample_losses(lambda h: torch.func.functional_call(module, p, (h,)), x,
+                                    route, perm),
+        ({k: v.detach() for k, v in params.items()},)).shaped()
+
+
+def gramian(module: nn.Module, x: Tensor, route: Route, perm: Tensor, recorded: bool
+            ) -> Tensor:
+    if recorded:
+        with tg.autograd.record():
+            losses = per_sample_losses(module, x, route, perm)
+    else:
+        losses = per_sample_losses(module, x, route, perm)
+    return tg.autograd.gramian(losses, list(module.parameters()), batch_dim=0)
+
+
+def assert_close(actual: Tensor, wanted: Tensor) -> None:
+    error = float((actual - wanted).abs().max() / wanted.abs().max())
+    assert error <= 1e-10, error
+
+
+@pytest.mark.parametrize("recorded", [False, True], ids=["walked", "recorded"])
+@pytest.mark.parametrize("name", list(ROUTES))
+def test_a_new_routing_with_the_same_signature_is_probed_again(name: str, recorded: bool
+                                                                ) -> None:
+    clear_caches()
+    module = model()
+    for step, order in enumerate(PERMUTATIONS):
+        torch.manual_seed(step)
+        x = torch.randn(B, 5, dtype=DOUBLE)
+        perm = torch.tensor(order)
+        assert_close(gramian(module, x, ROUTES[name], perm, recorded),
+                     expected(module, x, ROUTES[name], perm))
+
+
+@pytest.mark.parametrize("recorded", [False, True], ids=["walked", "recorded"])
+@pytest.mark.parametrize("order", WITHIN_GROUPS, ids=lambda order: "".join(map(str, order)))
+def test_samples_exchanged_within_a_probe_group_are_seen(order: list[int], recorded: bool
+                                                         ) -> None:
+    clear_caches()
+    module = model()
+    x = torch.randn(B, 5, dtype=DOUBLE)
+    perm = torch.tensor(order)
+    assert_close(gramian(module, x, ROUTES["index"], perm, recorded),
+                 expected(module, x, ROUTES["index"], perm))
+
+
+def test_the_update_follows_the_routing() -> None:
+    """``tg.autograd.backward`` after a cached identity: the weighted gradient of the oracle."""
+    clear_caches()
+    module = model()
+    for order in ([0, 1, 2, 3, 4, 5], [0, 3, 2, 1, 4, 5]):
+        x = torch.randn(B, 5, dtype=DOUBLE)
+        perm = torch.tensor(order)
+        module.zero_grad()
+        losses = per_sample_losses(module, x, ROUTES["index"], perm)
+        tg.autograd.backward(losses, list(module.parameters()), tg.weighting.upgrad,
+                             batch_dim=0)
+        weights = tg.weighting.upgrad(expected(module, x, ROUTES["index"], perm))
+        wanted = torch.autograd.grad(per_sample_losses(module, x, ROUTES["index"], perm),
+                                     list(module.parameters()), weights)
+        for param, grad in zip(module.parameters(), wanted, strict=True):
+            assert param.grad is not None
+            torch.testing.assert_close(param.grad, grad, rtol=1e-9, atol=1e-12)
+
+
+def test_row_local_indices_keep_the_cache() -> None:
+    """A loss's targets and a dropout mask change every step without a new probe."""
+    clear_caches()
+    module = nn.Sequential(nn.Linear(5, 7), nn.Dropout(0.3), nn.Tanh(), nn.Linear(7, 3))
+    module = module.to(DOUBLE)
+    notes = []
+    for _ in range(3):
+        x = torch.randn(B, 5, dtype=DOUBLE)
+        targets = torch.randint(0, 3, (B,))
+        losses = nn.functional.cross_entropy(module(x), targets, reduction="none")
+        explanation = tg.autograd.explain(losses, list(module.parameters()), batch_dim=0)
+        notes.append(" ".join(explanation.ran.notes))
+    assert "probed samples" in notes[0]
+    assert all("probed samples" not in note for note in notes[1:]), notes
+
+
+def test_packed_sequences_whose_first_batch_came_sorted() -> None:
+    """``pack_padded_sequence(enforce_sorted=False)`` sorts the samples by length: a first
+    batch already in order cached the identity's decisions (0.16 off, relative, after)."""
+    clear_caches()
+    torch.manual_seed(0)
+    embed, lstm = nn.Embedding(11, 4).to(DOUBLE), nn.LSTM(4, 5, batch_first=True).to(DOUBLE)
+    head = nn.Linear(5, 3).to(DOUBLE)
+    modules = nn.ModuleList([embed, lstm, head])
+
+    def losses_of(ids: Tensor, lengths: Tensor, labels: Tensor,
+                  p: dict[str, Tensor] | None = None) -> Tensor:
+        def call(module: nn.Module, prefix: str, *args: object) -> object:
+            if p is None:
+                return module(*args)
+            own = {k[len(prefix):]: v for k, v in p.items() if k.startswith(prefix)}
+            return torch.func.functional_call(module, own, args)
+
+        packed = nn.utils.rnn.pack_padded_sequence(call(embed, "0.", ids), lengths,
+                                                   batch_first=True, enforce_sorted=False)
+        _, (hidden, _) = call(lstm, "1.", packed)  # type: ignore[misc]
+        logits = call(head, "2.", hidden[-1])
+        return nn.functional.cross_entropy(logits, labels, reduction="none")  # type: ignore[arg-type]
+
+    for lengths in ([6, 5, 4, 3, 2, 1], [3, 6, 1, 5, 2, 4]):
+        ids, labels = torch.randint(1, 11, (B, 6)), torch.randint(0, 3, (B,))
+        wanted = dense_gramian(
+            lambda p, ids=ids, lengths=lengths, labels=labels: losses_of(
+                ids, torch.tensor(lengths), labels, p),
+            ({k: v.detach() for k, v in modules.named_parameters()},)).shaped()
+        for recorded in (False, True):
+            if recorded:
+                with tg.autograd.record():
+                    losses = losses_of(ids, torch.tensor(lengths), labels)
+            else:
+                losses = losses_of(ids, torch.tensor(lengths), labels)
+            assert_close(tg.autograd.gramian(losses, list(modules.parameters()), batch_dim=0),
+                         wanted)
