@@ -301,7 +301,8 @@ def routing_values(nodes: Iterable[Node]) -> tuple[Hashable, ...]:
     graph (the digest holds their positions in it). Nodes whose saved indices route within
     a row (a loss's target, a dropout or ``where`` mask, an embedding's token ids, pooling
     indices) are left out, so that their values, new every batch, do not defeat the
-    caches; a custom Function's saved integer tensors count.
+    caches; a custom Function's saved integer tensors count, and so do the index tensors
+    and ints its forward kept on ``ctx``.
 
     Example:
         >>> x = torch.randn(3, 2, requires_grad=True)
@@ -324,6 +325,8 @@ def routing_values(nodes: Iterable[Node]) -> tuple[Hashable, ...]:
                 attribute[len("_raw_saved_"):] for attribute in attributes
                 if attribute.startswith("_raw_saved_")]
         custom = is_custom_function_node(node)
+        if custom:  # what its forward kept on ``ctx``: index tensors, ints
+            digest.extend(_ctx_values(ordinal, node))
         for name in tuple(names):
             try:  # a custom Function's are its ``saved_tensors``
                 value = node.saved_tensors if custom else getattr(node, f"_saved_{name}")
@@ -334,15 +337,32 @@ def routing_values(nodes: Iterable[Node]) -> tuple[Hashable, ...]:
                 _TENSOR_SAVED[kind] = [kept for kept in _TENSOR_SAVED[kind] if kept != name]
                 continue
             values = value if isinstance(value, list | tuple) else (value,)
-            for position, tensor in enumerate(values):
-                if (isinstance(tensor, Tensor) and not tensor.is_floating_point()
-                        and not tensor.is_complex()):
-                    held = tensor.detach().cpu().reshape(-1).contiguous()
-                    content = hashlib.blake2b(held.view(torch.uint8).numpy().tobytes()
-                                              if held.numel() else b"", digest_size=16)
-                    digest.append((ordinal, name, position, held.dtype,
-                                   tuple(tensor.shape), content.digest()))
+            digest.extend((ordinal, name, position, _index_digest(tensor))
+                          for position, tensor in enumerate(values) if _holds_indices(tensor))
     return tuple(digest)
+
+
+def _holds_indices(value: Any) -> bool:
+    return isinstance(value, Tensor) and not (value.is_floating_point() or value.is_complex())
+
+
+def _index_digest(tensor: Tensor) -> tuple[Any, ...]:
+    held = tensor.detach().cpu().reshape(-1).contiguous()
+    content = hashlib.blake2b(held.view(torch.uint8).numpy().tobytes() if held.numel() else b"",
+                              digest_size=16)
+    return held.dtype, tuple(tensor.shape), content.digest()
+
+
+def _ctx_values(ordinal: int, node: Node) -> list[Hashable]:
+    """A custom Function's ``ctx`` attributes that may route: index tensors, ints, tuples."""
+    found: list[Hashable] = []
+    for name, value in sorted(vars(node).items()):
+        if _holds_indices(value):
+            found.append((ordinal, name, 0, _index_digest(value)))
+        elif isinstance(value, int | str) or (isinstance(value, tuple) and all(
+                isinstance(item, int) for item in value)):
+            found.append((ordinal, name, 0, value))
+    return found
 
 
 def leaf_of(node: Node) -> Tensor:

@@ -11,6 +11,7 @@ with the dense float64 oracle of the same computation, walked (no recording) and
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -23,6 +24,33 @@ from torchgram._core.signature import clear_caches
 DOUBLE = torch.float64
 B = 6
 
+class RouteOnCtx(torch.autograd.Function):
+    """``h[perm]`` whose backward reads ``perm`` from an attribute of ``ctx``."""
+
+    @staticmethod
+    def forward(ctx: Any, h: Tensor, perm: Tensor) -> Tensor:
+        ctx.perm = perm
+        return h[perm]
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return torch.zeros_like(grad).index_add(0, ctx.perm, grad), None
+
+
+class RouteSaved(torch.autograd.Function):
+    """``h[perm]`` whose backward reads ``perm`` from ``ctx.save_for_backward``."""
+
+    @staticmethod
+    def forward(ctx: Any, h: Tensor, perm: Tensor) -> Tensor:
+        ctx.save_for_backward(perm)
+        return h[perm]
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        (perm,) = ctx.saved_tensors
+        return torch.zeros_like(grad).index_add(0, perm, grad), None
+
+
 Route = Callable[[Tensor, Tensor], Tensor]
 """``route(hidden [B, 3], perm [B])``: the hidden states' rows sent where ``perm`` says."""
 
@@ -33,6 +61,8 @@ ROUTES: dict[str, Route] = {
     "take": lambda h, perm: h.take(perm[:, None] * h.shape[1] + torch.arange(h.shape[1])),
     "index-put": lambda h, perm: torch.zeros_like(h).index_put((perm,), h),
     "scatter": lambda h, perm: torch.zeros_like(h).scatter(0, perm[:, None].expand_as(h), h),
+    "function-ctx": RouteOnCtx.apply,
+    "function-saved": RouteSaved.apply,
 }
 PERMUTATIONS = [[0, 1, 2, 3, 4, 5], [1, 0, 3, 2, 5, 4], [5, 4, 3, 2, 1, 0]]
 """The identity first: the call that used to cache the wrong decision."""
