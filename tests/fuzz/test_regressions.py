@@ -32,8 +32,10 @@ from fuzz_arch import (
     Linear,
     Norm,
     RnnCell,
+    Route,
     TiedOut,
     Tokens,
+    build,
 )
 from fuzz_check import check
 from fuzz_kernels import KernelCase, _as_kernel_case, check_kernel, second_batch_sizes
@@ -647,3 +649,48 @@ def test_scripted_linear_on_parameters_that_require_grad(backend: str) -> None:
         input_dim=1, layout="list", consts_via="keyword", diagonal=True, per_leaf=True,
         chunk_size=2, noncontiguous=True, requires_grad=True)
     assert check(case, backend) == "answered"
+
+
+@pytest.mark.parametrize("backend", ["structured", "auto", "graph", "jacobian"])
+def test_samples_exchanged_within_a_group_where_they_are_the_same(backend: str) -> None:
+    """Session 28's first Gramian case with the new ``Route`` layer (pre-existing): every
+    sample's one token is the padding id, so every sample is the same up to the fused GRU
+    and the linear layer; ``h[[2, 1, 0]]`` then exchanges samples 0 and 2, whose labels
+    differ. Run apart, the samples give the batch's values, and the derivative check's
+    even- and odd-numbered groups both keep 0 and 2 together: structured and auto read each
+    sample's rows at its own taps, 1.57 off (relative). The first derivative check of a trace
+    uses groups that separate every pair of samples now (``separating_groups``)."""
+    case = FuzzCase(
+        seed=0, batch=3, length=1,
+        input=Tokens(vocab=3, width=1, padding_idx=0, frozen=True, sparse=True),
+        layers=(FusedRnn(hidden=1, kind="gru"),
+                Linear(out=2, bias=False, form="linear", frozen=True),
+                Route(order=(2, 1, 0), form="index")),
+        head=Head(kind="token_ce", classes=2), dtype="float32", batch_dim=0, output_dim=0,
+        as_module=True, noncontiguous=True)
+    assert check(case, backend) == "answered"
+
+
+@pytest.mark.parametrize("backend", ["structured", "auto", "jacobian"])
+def test_kernel_of_samples_exchanged_within_a_group_where_they_are_the_same(backend: str
+                                                                            ) -> None:
+    """The kernels' per-call derivative check had the same blind spot (the case above, as
+    ``f(params, (ids, labels))``: 1.57 off); its first call on a trace separates every
+    pair."""
+    built = build(_exchanged_case())
+    (params, ids, labels), f = built.args, built.f
+    expected = dense_gramian(lambda p: f(p, ids, labels), (params,)).shaped()
+    kernel = tg.ntk.empirical_ntk_fn(lambda p, xs: f(p, xs[0], xs[1]), trace_axes=(),
+                                     backend=backend)((ids, labels), None, params)
+    torch.testing.assert_close(kernel.reshape(expected.shape), expected, rtol=1e-10,
+                               atol=1e-12)
+
+
+def _exchanged_case() -> FuzzCase:
+    return FuzzCase(
+        seed=0, batch=3, length=1,
+        input=Tokens(vocab=3, width=1, padding_idx=0, frozen=True),
+        layers=(FusedRnn(hidden=1, kind="gru"),
+                Linear(out=2, bias=False, form="linear", frozen=True),
+                Route(order=(2, 1, 0), form="index")),
+        head=Head(kind="token_ce", classes=2), dtype="float64", batch_dim=0, output_dim=0)

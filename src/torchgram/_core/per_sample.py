@@ -45,6 +45,8 @@ structured backend's batched pass has its own (NOTE [checking the batched pass])
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -93,6 +95,44 @@ def batch_rows(problem: Problem) -> tuple[Tensor, Any]:
         raise NotPerSample(f"f calls {census.coupling[0]}: its samples interact")
     check_derivatives(problem)
     return rows, aux
+
+
+def separating_groups(samples: int) -> tuple[tuple[int, ...], ...]:
+    """Groups of samples such that for any two samples ``b ≠ c`` one group has ``b``, not ``c``.
+
+    Sample ``b`` belongs to the groups of ``code(b)``, the ``b``-th ``⌊n/2⌋``-subset of
+    ``range(n)``, ``n`` the smallest with enough subsets (equal-size subsets never contain
+    one another): 2 groups for 2 samples, 3 for 3, 4 for 4 to 6, 8 for 64, 13 for 1024. A
+    check that the cotangent of each group's rows vanishes outside the group sees any
+    cotangent moving between samples, where even- and odd-numbered groups miss those that
+    stay within one (session 28). The even- and odd-numbered samples are :func:`even_odd`.
+
+    Example:
+        >>> separating_groups(5)
+        ((0, 1, 2), (0, 3, 4), (1, 3), (2, 4))
+        >>> len(separating_groups(64)), len(separating_groups(1024))
+        (8, 13)
+    """
+    if samples <= 1:
+        return ()
+    count = max(2, math.ceil(math.log2(samples)))
+    while math.comb(count, count // 2) < samples:
+        count += 1
+    codes = list(itertools.islice(itertools.combinations(range(count), count // 2), samples))
+    return tuple(tuple(b for b, code in enumerate(codes) if group in code)
+                 for group in range(count))
+
+
+def even_odd(samples: int) -> tuple[tuple[int, ...], ...]:
+    """The even- and the odd-numbered samples (``()`` for one sample).
+
+    Example:
+        >>> even_odd(5)
+        ((0, 2, 4), (1, 3))
+    """
+    if samples <= 1:
+        return ()
+    return tuple(range(0, samples, 2)), tuple(range(1, samples, 2))
 
 
 def check_derivatives(problem: Problem) -> None:

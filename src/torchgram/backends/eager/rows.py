@@ -9,6 +9,7 @@ Without per-sample structure (``B = 1``), ``K = m`` and the two orders are the s
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -109,14 +110,17 @@ class Rows:
     def probe_seeds(self, groups: Sequence[Sequence[int]]) -> list[Tensor]:
         """Per output ``[len(groups), *shape]``: the rows of one group of samples each.
 
-        Each sample's rows are weighted by a fixed random factor in ``[1, 2)`` (the same in
-        every probe), so that two samples' rows cannot cancel where they meet (NOTE [sample
-        layouts]).
+        The rows carry NaN (NOTE [NaN probes]): it reaches every tensor a path of products
+        leads to, even where a factor is zero in this call, and never cancels. Under
+        ``torch.autograd.set_detect_anomaly`` (which raises on a NaN gradient) they carry
+        fixed random weights in ``[1, 2)`` instead, the same for a sample in every probe.
         """
         first = self.outputs[0]
         flat = first.new_zeros(len(groups), self.num_rows)
-        weights = 1 + torch.rand(self.samples, generator=torch.Generator().manual_seed(0),
-                                 dtype=torch.float64)
+        weights = (torch.full((self.samples,), math.nan, dtype=torch.float64)
+                   if not torch.is_anomaly_enabled() else
+                   1 + torch.rand(self.samples, generator=torch.Generator().manual_seed(0),
+                                  dtype=torch.float64))
         for i, group in enumerate(groups):
             members = list(group)
             flat[i, self.index[members].reshape(-1)] = weights[members].repeat_interleave(

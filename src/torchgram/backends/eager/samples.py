@@ -30,8 +30,19 @@ not enough, from a probe:
   ``n`` with enough subsets: 4 groups for 6 samples, 8 for 64, 13 for 1024) and group ``j``
   holds the samples whose code has ``j``: for any ``b ≠ c``, some group holds ``b`` and not
   ``c`` (equal-size subsets never contain one another), so a cotangent moving from ``b`` to
-  ``c`` is seen, whatever the permutation, duplication or mixing. The random weights keep
-  two rows of a group from cancelling where they meet.
+  ``c`` is seen, whatever the permutation, duplication or mixing.
+
+NOTE [NaN probes]
+The probes' rows carry NaN, not ones. A probe's outcome is cached for the signature, so it
+must see every path along which a later call's cotangents can move between samples, not
+only those this call's values leave open: ``h + w · mix(h)`` with ``w = 0`` on the first
+step (a ramp-up weight, a gate initialised at zero) gave exactly zero cotangents through
+``mix``, the cached layouts were per sample, and every later step was wrong (7 to 22% off,
+session 28). NaN goes through a product with zero (``NaN · 0 = NaN``) and never cancels, so
+a probe reaches every tensor a path of products leads to. What selects rather than
+multiplies still stops it (a ReLU's mask, ``where``, an index): a coupling that only a
+closed ReLU hid on the first call is not seen. Under ``torch.autograd.set_detect_anomaly``
+(which raises on NaN gradients) the rows carry fixed random weights in ``[1, 2)``.
 
 A recorded output shared by the samples (``[1, T, d]`` position embeddings) has no layout of
 its own; it is read per sample where it meets the batch (:class:`SharedSamples`, NOTE
@@ -44,13 +55,13 @@ loop pays it on its first step only.
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from torch import Tensor
 
+from torchgram._core.per_sample import separating_groups
 from torchgram._core.signature import LruCache
 from torchgram.backends.structured.rules.base import Layout
 from torchgram.backends.structured.rules.conv import ConvLayout
@@ -241,8 +252,8 @@ def choose(options: Sequence[SampleLayout],
 def probe_samples(samples: int) -> tuple[tuple[int, ...], ...]:
     """The groups of samples probed: the first, the last, and groups separating every pair.
 
-    Sample ``b`` belongs to the groups of ``code(b)``, the ``b``-th ``⌊n/2⌋``-subset of
-    ``range(n)`` (NOTE [sample layouts]); groups equal to an earlier one are dropped.
+    The separating groups are :func:`~torchgram._core.per_sample.separating_groups` (NOTE
+    [sample layouts]); groups equal to an earlier one are dropped.
 
     Example:
         >>> probe_samples(5)
@@ -252,15 +263,8 @@ def probe_samples(samples: int) -> tuple[tuple[int, ...], ...]:
     """
     if samples <= 2:
         return tuple((b,) for b in range(samples))
-    groups = math.ceil(math.log2(samples))
-    while math.comb(groups, groups // 2) < samples:
-        groups += 1
-    codes = list(itertools.islice(itertools.combinations(range(groups), groups // 2), samples))
     found: list[tuple[int, ...]] = [(0,), (samples - 1,)]
-    for group in range(groups):
-        members = tuple(b for b, code in enumerate(codes) if group in code)
-        if members not in found:
-            found.append(members)
+    found += [group for group in separating_groups(samples) if group not in found]
     return tuple(found)
 
 

@@ -22,7 +22,11 @@ training mode), is expanded, which is always exact. The decisions are cached per
 of the graph (its nodes' names and shapes, ``B``), and the probe rows are pushed only when
 there is no cached decision. The signature holds every node's type, input shapes and
 non-tensor saved arguments (``batch_norm``'s ``training``, a reduction's ``dim``) and the
-values of the index tensors that route cotangents (NOTE [routing values]).
+values of the index tensors that route cotangents (NOTE [routing values]). A slot's decision
+is kept by the slot, and so is a probe's finding that one edge's rows are not localized
+where an earlier edge put the slot (kept by the edge: the later calls expand that edge's
+rows too; until session 28 they did not, and ``h + softmax(h, dim=0)`` was 1 to 7% off
+from its second call).
 
 NOTE [routing values]
 A node that routes cotangents by the values of a saved index or mask (``x[perm]``,
@@ -65,7 +69,7 @@ _EXPANDED = "expanded"
 Decision = SampleLayout | str
 """A slot's representation: compact with a sample layout, or :data:`_EXPANDED`."""
 
-_DECISIONS = LruCache[dict[tuple[int, int], Decision]](maxsize=32)
+_DECISIONS = LruCache[dict[tuple[int, ...], Decision]](maxsize=32)
 
 
 @dataclass
@@ -120,7 +124,7 @@ class SparseWalk:
     def run(self, start: int, stop: int, on_target: OnTarget) -> None:
         """Push row directions ``start:stop`` (and probes, if undecided) to the targets."""
         cached = _DECISIONS.get(self.key)
-        decisions: dict[tuple[int, int], Decision] = {} if cached is None else dict(cached)
+        decisions: dict[tuple[int, ...], Decision] = {} if cached is None else dict(cached)
         probing = cached is None
         self.result.probed = self.result.probed or probing
         count = stop - start
@@ -163,7 +167,7 @@ class SparseWalk:
 
     def _call(self, node: Node, slots: list[_Slot | None], edges: list[Edge | None],
               count: int, num_probes: int, frontier: dict[Node, list[_Slot | None]],
-              decisions: dict[tuple[int, int], Decision]) -> list[tuple[Edge, _Slot]]:
+              decisions: dict[tuple[int, ...], Decision]) -> list[tuple[Edge, _Slot]]:
         """The node's rows on each wanted edge, compact or expanded (NOTE above)."""
         if any(slot is not None and slot.layout is None for slot in slots):
             expanded = [None if slot is None else self._expand(slot, count) for slot in slots]
@@ -179,6 +183,9 @@ class SparseWalk:
                 want[k] = _EXPANDED
                 continue
             current = frontier.get(child, [None] * input_slots(child))[nr]
+            if decisions.get(self._edge_key(node, k)) == _EXPANDED:  # the probes said so
+                want[k] = _EXPANDED
+                continue
             if current is not None:
                 want[k] = _EXPANDED if current.layout is None else current.layout
                 continue
@@ -203,7 +210,8 @@ class SparseWalk:
             elif num_probes and isinstance(decision, SampleLayout) and \
                     choose([decision], self._probes(out, count, num_probes),
                            self.samples).layout is None:
-                decision = _EXPANDED  # a later parent's rows are not localized there
+                decision = _EXPANDED  # a later parent's rows are not localized there:
+                decisions[self._edge_key(node, k)] = decision  # so on cached runs too
             if decision == _EXPANDED:
                 expand_edges[k] = edge
                 continue
@@ -216,6 +224,10 @@ class SparseWalk:
                                                                  count), strict=True)
                         if edge is not None and out is not None]
         return results
+
+    def _edge_key(self, node: Node, k: int) -> tuple[int, ...]:
+        """The key of a decision for ``node``'s ``k``-th edge alone (not its child's slot)."""
+        return (-1, self.position.get(node, -1), k)
 
     def _probes(self, out: Tensor, count: int,
                 num_probes: int) -> list[tuple[tuple[int, ...], Tensor | None]]:

@@ -48,6 +48,7 @@ from torchgram._core.cross import (
     spec_gram,
 )
 from torchgram._core.errors import NotPerSample
+from torchgram._core.per_sample import even_odd, separating_groups
 from torchgram._core.problem import Problem
 from torchgram._core.result import RunReport
 from torchgram.backends._embedding import checked_conventions
@@ -248,8 +249,11 @@ def derivative_check_cheaper(forward_flops: float, samples: int) -> bool:
 # x - x.mean(0) before a relu that had zeroed both their outputs, the check saw nothing and
 # the kernel was 0.64 off (relative); tg.gramian's derivative check had the same blind spot
 # (session 23) and the same remedy. Samples that interact only within their group (0 and 2
-# alone) are not seen. A failed check means the rows of the whole batch (NOTE
-# [per-sample]). Two directions
+# alone) are not seen by these two: the first check of a trace uses groups that separate
+# every pair of samples instead (separating_groups, about log2 B directions; session 28: a
+# fuzz case exchanging samples 0 and 2, the same where they met, was 1.57 off), since a
+# coupling is mostly a property of the code. A failed check means the rows of the whole
+# batch (NOTE [per-sample]). Two directions
 # cost about a forward of the batch, so for large batches (where one more evaluation of
 # f on two samples is cheaper) the value check of tg.gramian's batched way runs instead:
 # derivative_check_cheaper compares the two from the plan's forward cost.
@@ -263,11 +267,12 @@ def _checked_chunks(problem: Problem, forward: Forward, recording: Recording,
         return
     taps: Any = forward.taps[0]  # tensors and gradient edges (NOTE [tap edges])
     total, samples = forward.rows_per_sample, forward.samples
-    checks = 2 if samples > 1 else 0  # the even- and the odd-numbered samples
+    thorough = not recording.derivatives_checked  # groups separating every pair, once
+    checks = len(separating_groups(samples) if thorough else even_odd(samples))
     for start in range(0, total, per_pass):
         stop = min(start + per_pass, total)
         extra = checks if start == 0 else 0
-        cot, others = _directions(problem, recording, rows, start, stop, extra)
+        cot, others = _directions(problem, recording, rows, start, stop, extra, thorough)
         count = cot.shape[0]
         batched = count > 1
         raw = row_grads(rows, taps, cot, batched=batched, retain_graph=stop < total,
@@ -282,17 +287,20 @@ def _checked_chunks(problem: Problem, forward: Forward, recording: Recording,
                      for g in grads if g is not None]
             if leaks and bool((torch.stack(leaks) & others).any()):
                 raise NotPerSample(LEAK)
+            recording.derivatives_checked = True
         yield start, stop, [None if g is None else g[:stop - start] for g in grads]
 
 
 def _directions(problem: Problem, recording: Recording, rows: Tensor, start: int, stop: int,
-                checks: int) -> tuple[Tensor, Tensor | None]:
-    """The cotangents of rows ``start:stop`` and of ``checks`` (0 or 2) check directions.
+                checks: int, thorough: bool = False) -> tuple[Tensor, Tensor | None]:
+    """The cotangents of rows ``start:stop`` and of ``checks`` check directions (or none).
 
-    The check directions are :func:`group_directions`'s, returned with where they must
-    vanish. The same for every call of a signature: kept with its trace.
+    The check directions are :func:`group_directions`'s (``thorough``: of groups separating
+    every pair of samples; otherwise the even- and the odd-numbered), returned with where
+    they must vanish. The same for every call of a signature: kept with its trace.
     """
-    key = ("cross directions", rows.shape, rows.dtype, rows.device, start, stop, checks)
+    key = ("cross directions", rows.shape, rows.dtype, rows.device, start, stop, checks,
+           thorough)
     cached = recording.plans.get(key)
     if cached is None:
         index = problem.sample_major_index  # [B, K]: output rows of each sample
@@ -302,7 +310,9 @@ def _directions(problem: Problem, recording: Recording, rows: Tensor, start: int
         cot[span[:, None], index[:, start:stop].T] = 1
         others = None
         if checks:
-            cot[stop - start:], others = group_directions(rows, index, problem.samples)
+            cot[stop - start:], others = group_directions(
+                rows, index, problem.samples,
+                separating_groups(problem.samples) if thorough else None)
         cached = recording.plans[key] = (cot.reshape(count, *rows.shape), others)
     return cached
 
