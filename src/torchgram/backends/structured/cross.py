@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from torchgram._core import _torch_compat
 from torchgram._core.composition import require_no_transforms
 from torchgram._core.cross import (
     CrossProblem,
@@ -252,8 +253,11 @@ def derivative_check_cheaper(forward_flops: float, samples: int) -> bool:
 # alone) are not seen by these two: the first check of a trace uses groups that separate
 # every pair of samples instead (separating_groups, about log2 B directions; session 28: a
 # fuzz case exchanging samples 0 and 2, the same where they met, was 1.57 off), since a
-# coupling is mostly a property of the code. A failed check means the rows of the whole
-# batch (NOTE [per-sample]). Two directions
+# coupling is mostly a property of the code -- and again whenever the index tensors that
+# route the batched graph's cotangents change (NOTE [routing values]: f(p, x) =
+# model(x)[x[:, 0].argsort()], sorted on the first call, was 0.34-0.95 off on later calls
+# exchanging samples 0 and 2). A failed check means the rows of the whole batch (NOTE
+# [per-sample]). Two directions
 # cost about a forward of the batch, so for large batches (where one more evaluation of
 # f on two samples is cheaper) the value check of tg.gramian's batched way runs instead:
 # derivative_check_cheaper compares the two from the plan's forward cost.
@@ -267,7 +271,9 @@ def _checked_chunks(problem: Problem, forward: Forward, recording: Recording,
         return
     taps: Any = forward.taps[0]  # tensors and gradient edges (NOTE [tap edges])
     total, samples = forward.rows_per_sample, forward.samples
-    thorough = not recording.derivatives_checked  # groups separating every pair, once
+    routing = _torch_compat.routing_values(_torch_compat.graph_nodes(rows))
+    # groups separating every pair: once per trace and routing (NOTE [derivative check])
+    thorough = not recording.derivatives_checked or recording.checked_routing != routing
     checks = len(separating_groups(samples) if thorough else even_odd(samples))
     for start in range(0, total, per_pass):
         stop = min(start + per_pass, total)
@@ -287,7 +293,8 @@ def _checked_chunks(problem: Problem, forward: Forward, recording: Recording,
                      for g in grads if g is not None]
             if leaks and bool((torch.stack(leaks) & others).any()):
                 raise NotPerSample(LEAK)
-            recording.derivatives_checked = True
+            if thorough:
+                recording.derivatives_checked, recording.checked_routing = True, routing
         yield start, stop, [None if g is None else g[:stop - start] for g in grads]
 
 
