@@ -128,3 +128,31 @@ def test_a_random_f_with_independent_samples_stays_batched():
     assert torch.equal(report.gramian, actual)  # explain's run sees the same draw
     scale = expected.abs().max()
     torch.testing.assert_close(actual / scale, expected / scale, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("backend", ["structured", "auto"])
+@pytest.mark.parametrize("random_f", [False, True], ids=["plain", "with-dropout"])
+def test_rows_sorted_by_value_are_checked_again_when_the_order_changes(backend, random_f):
+    """``h[x[:, 0].argsort()]``: the rows follow the samples' values. A first call on sorted
+    inputs (the identity) passed the derivative check, which then ran once per trace; later
+    calls exchanging samples 1 and 2 (the first and the last, run apart, do not see it) were
+    0.5-0.7 off (session 28). The check runs again when the routing indices change."""
+    torch.manual_seed(0)
+    params = {"w": torch.randn(3, 5, dtype=torch.float64),
+              "u": torch.randn(5, 2, dtype=torch.float64)}
+
+    def f(p, x):
+        h = torch.tanh(x @ p["w"])
+        if random_f:  # derivatives checked on every call, cheaply after the first
+            h = F.dropout(h, 0.5, training=True)
+        return (h @ p["u"])[x[:, 0].argsort()]
+
+    gramian = tg.gramian(f, backend=backend, batch_dim=0)
+    for order in ([0, 1, 2, 3, 4, 5], [0, 2, 1, 4, 3, 5], [0, 1, 4, 3, 2, 5]):
+        x = torch.randn(6, 3, dtype=torch.float64)
+        x = x[x[:, 0].argsort()][order]
+        torch.manual_seed(1)
+        expected = dense_gramian(f, (params, x)).shaped()
+        torch.manual_seed(1)
+        actual = gramian(params, x)
+        torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-12)

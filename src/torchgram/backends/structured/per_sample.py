@@ -126,7 +126,10 @@ def _check_batched(problem: Problem, forward: Forward, traced: Recording) -> boo
     same ``x - x.mean(0)`` alone and in the batch), while the batch's graph carries every
     sample's rows to every sample's taps (update hunt 3: ``G`` 112 times off, relative). A
     coupling is a property of the code, like the order of merged dims; the outputs are
-    compared on every call.
+    compared on every call. The derivatives are checked again when the index tensors that
+    route the batched graph's cotangents change (``h[x[:, 0].argsort()]``: a first call on
+    sorted inputs passed, and later calls exchanging samples 1 and 2, which the two samples
+    run apart do not see, were 0.5 to 0.7 off before session 28; NOTE [routing values]).
     """
     if forward.recording.coupling:
         raise NotPerSample(f"f calls {forward.recording.coupling[0]}: its samples interact")
@@ -136,11 +139,16 @@ def _check_batched(problem: Problem, forward: Forward, traced: Recording) -> boo
     assert batch is not None
     if batch.size == 1:
         return True
+    batch_rows_out = forward.outputs[0]
+    routing = _torch_compat.routing_values(_torch_compat.graph_nodes(batch_rows_out)) \
+        if batch_rows_out.requires_grad else ()
+    # the thorough derivative check: once per trace and routing (NOTE [routing values])
+    thorough = not traced.derivatives_checked or traced.checked_routing != routing
     if problem.draw.random:  # samples cannot run apart with the batch's draws
         if forward.merged_acts and not traced.merged_order:
             return False
-        _check_derivatives(problem, forward, thorough=not traced.derivatives_checked)
-        traced.derivatives_checked = True
+        _check_derivatives(problem, forward, thorough=thorough)
+        traced.derivatives_checked, traced.checked_routing = True, routing
         return True
     samples = [0, batch.size - 1]
     rows, same = [], True
@@ -154,9 +162,9 @@ def _check_batched(problem: Problem, forward: Forward, traced: Recording) -> boo
     check_samples(problem, torch.cat(rows), torch.tensor(samples), forward.outputs[0].detach())
     if verify:
         traced.merged_order = same
-    if same and not traced.derivatives_checked:  # once per trace: outputs can hide a coupling
+    if same and thorough:  # outputs can hide a coupling
         _check_derivatives(problem, forward, thorough=True)
-        traced.derivatives_checked = True
+        traced.derivatives_checked, traced.checked_routing = True, routing
     return same
 
 

@@ -219,8 +219,8 @@ class Recording:
     """Whether a batched run of this trace has shown that no sample's rows reach another
     sample's taps (NOTE [checking the batched pass])."""
     checked_routing: tuple[Any, ...] | None = field(default=None, compare=False, repr=False)
-    """The routing indices of the batched graph the kernels' thorough check passed on
-    (NOTE [derivative check]): other indices, another thorough check."""
+    """The routing indices of the batched graph the last thorough derivative check passed on
+    (NOTE [checking the batched pass], NOTE [derivative check]): other indices, another."""
 
     def uses_of(self, leaf: int) -> list[UseRecord]:
         """The recognised uses of ``leaf``, in call order."""
