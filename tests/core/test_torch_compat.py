@@ -185,3 +185,54 @@ def test_version_counts_in_place_writes() -> None:
     x.add_(1)
     assert compat.version(x) == before + 1
     assert compat.version(x.detach()) == compat.version(x)  # shared with aliases
+
+
+ROUTES = {
+    "index": lambda h, perm: h[perm],
+    "index_select": lambda h, perm: h.index_select(0, perm),
+    "gather": lambda h, perm: h.gather(0, perm[:, None].expand_as(h)),
+    "take": lambda h, perm: h.take(perm),
+    "index_put": lambda h, perm: torch.zeros_like(h).index_put((perm,), h),
+    "scatter": lambda h, perm: torch.zeros_like(h).scatter(0, perm[:, None].expand_as(h), h),
+    "masked_select": lambda h, perm: h.masked_select(perm[:, None] > 1),
+}
+
+
+@pytest.mark.parametrize("route", list(ROUTES))
+def test_routing_values_tell_apart_the_indices_nodes_route_by(route: str) -> None:
+    """Each node that routes by a saved index keeps it where ``routing_values`` reads it."""
+    h = torch.randn(4, 3, requires_grad=True)
+
+    def digest(order: list[int]) -> tuple[Any, ...]:
+        out = ROUTES[route](h, torch.tensor(order))
+        return compat.routing_values(compat.graph_nodes(out))
+
+    assert digest([0, 1, 2, 3]) == digest([0, 1, 2, 3])
+    assert digest([0, 1, 2, 3]) != digest([2, 0, 3, 1])
+
+
+def test_routing_values_leave_out_indices_that_route_within_a_row() -> None:
+    """Targets, dropout masks and token ids change every batch: not in the digest."""
+    table = torch.randn(5, 3, requires_grad=True)
+    for _ in range(2):
+        ids = torch.randint(0, 5, (4,))
+        logits = torch.nn.functional.dropout(torch.nn.functional.embedding(ids, table), 0.5)
+        loss = torch.nn.functional.cross_entropy(logits, torch.randint(0, 3, (4,)),
+                                                 reduction="none")
+        assert compat.routing_values(compat.graph_nodes(loss)) == ()
+
+
+def test_routing_values_read_a_custom_functions_ctx() -> None:
+    class Route(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, h: Tensor, perm: Tensor) -> Tensor:
+            ctx.perm = perm
+            return h[perm]
+
+        @staticmethod
+        def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+            return torch.zeros_like(grad).index_add(0, ctx.perm, grad), None
+
+    h = torch.randn(3, 2, requires_grad=True)
+    first = compat.routing_values([Route.apply(h, torch.tensor([0, 1, 2])).grad_fn])
+    assert first != compat.routing_values([Route.apply(h, torch.tensor([1, 0, 2])).grad_fn])

@@ -347,6 +347,8 @@ def _holds_indices(value: Any) -> bool:
 
 
 def _index_digest(tensor: Tensor) -> tuple[Any, ...]:
+    if tensor.layout != torch.strided:  # sparse or nested: its shape and layout only
+        return tensor.dtype, tuple(tensor.shape), str(tensor.layout)
     held = tensor.detach().cpu().reshape(-1).contiguous()
     content = hashlib.blake2b(held.view(torch.uint8).numpy().tobytes() if held.numel() else b"",
                               digest_size=16)
