@@ -63,3 +63,30 @@ class OldStyleCube(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> Tensor:  # noqa: D102
         (x,) = ctx.saved_tensors
         return 3 * x**2 * grad
+
+
+class RouteOnCtx(torch.autograd.Function):
+    """``h[perm]`` whose backward reads ``perm`` from an attribute of ``ctx``."""
+
+    @staticmethod
+    def forward(ctx: Any, h: Tensor, perm: Tensor) -> Tensor:
+        ctx.perm = perm
+        return h[perm]
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return torch.zeros_like(grad).index_add(0, ctx.perm, grad), None
+
+
+class RouteSaved(torch.autograd.Function):
+    """``h[perm]`` whose backward reads ``perm`` from ``ctx.save_for_backward``."""
+
+    @staticmethod
+    def forward(ctx: Any, h: Tensor, perm: Tensor) -> Tensor:
+        ctx.save_for_backward(perm)
+        return h[perm]
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        (perm,) = ctx.saved_tensors
+        return torch.zeros_like(grad).index_add(0, perm, grad), None

@@ -15,6 +15,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
+from custom_functions import RouteOnCtx
 from torchgram._core import _torch_compat as compat
 
 
@@ -223,16 +224,6 @@ def test_routing_values_leave_out_indices_that_route_within_a_row() -> None:
 
 
 def test_routing_values_read_a_custom_functions_ctx() -> None:
-    class Route(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx: Any, h: Tensor, perm: Tensor) -> Tensor:
-            ctx.perm = perm
-            return h[perm]
-
-        @staticmethod
-        def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-            return torch.zeros_like(grad).index_add(0, ctx.perm, grad), None
-
     h = torch.randn(3, 2, requires_grad=True)
-    first = compat.routing_values([Route.apply(h, torch.tensor([0, 1, 2])).grad_fn])
-    assert first != compat.routing_values([Route.apply(h, torch.tensor([1, 0, 2])).grad_fn])
+    first = compat.routing_values([RouteOnCtx.apply(h, torch.tensor([0, 1, 2])).grad_fn])
+    assert first != compat.routing_values([RouteOnCtx.apply(h, torch.tensor([1, 0, 2])).grad_fn])

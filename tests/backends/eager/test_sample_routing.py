@@ -11,44 +11,18 @@ with the dense float64 oracle of the same computation, walked (no recording) and
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
 from torch import Tensor, nn
 
 import torchgram as tg
+from custom_functions import RouteOnCtx, RouteSaved
 from reference import dense_gramian
 from torchgram._core.signature import clear_caches
 
 DOUBLE = torch.float64
 B = 6
-
-class RouteOnCtx(torch.autograd.Function):
-    """``h[perm]`` whose backward reads ``perm`` from an attribute of ``ctx``."""
-
-    @staticmethod
-    def forward(ctx: Any, h: Tensor, perm: Tensor) -> Tensor:
-        ctx.perm = perm
-        return h[perm]
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return torch.zeros_like(grad).index_add(0, ctx.perm, grad), None
-
-
-class RouteSaved(torch.autograd.Function):
-    """``h[perm]`` whose backward reads ``perm`` from ``ctx.save_for_backward``."""
-
-    @staticmethod
-    def forward(ctx: Any, h: Tensor, perm: Tensor) -> Tensor:
-        ctx.save_for_backward(perm)
-        return h[perm]
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        (perm,) = ctx.saved_tensors
-        return torch.zeros_like(grad).index_add(0, perm, grad), None
 
 
 Route = Callable[[Tensor, Tensor], Tensor]
