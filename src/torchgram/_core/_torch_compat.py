@@ -283,8 +283,11 @@ _ROW_LOCAL_ROUTING = frozenset({
 """Nodes whose saved index or mask tensors route a cotangent within its own row: a target
 class (losses), a position (masks), a table's row (embeddings, by prefix), a pooling
 window (by prefix), the attention or RNN kernels' random state (by prefix)."""
-_ROW_LOCAL_PREFIXES = ("Embedding", "MaxPool", "AdaptiveMaxPool", "FractionalMaxPool",
-                       "MaxUnpool", "ScaledDotProduct", "CudnnRnn", "MiopenRnn", "Mkldnn")
+_ROW_LOCAL_PREFIXES = ("EmbeddingBackward", "EmbeddingDenseBackward", "MaxPool",
+                       "AdaptiveMaxPool", "FractionalMaxPool", "MaxUnpool", "ScaledDotProduct",
+                       "CudnnRnn", "MiopenRnn", "Mkldnn")
+"""``EmbeddingBag`` is not among them: its offsets send ``per_sample_weights``' cotangents
+to the bags' tokens, across samples (0.07 off, session 28's helper hunt)."""
 _TENSOR_SAVED: dict[type, list[str]] = {}
 """Per node type, the saved tensors that may hold indices: a name is dropped once it held a
 floating-point tensor (an op's indices and masks are typed as such by its schema)."""
