@@ -9,6 +9,8 @@ when ``f`` fails on a batch of one.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812 -- torch's own spelling
@@ -36,3 +38,45 @@ def test_f_that_fails_on_part_of_the_batch(backend: str) -> None:
     expected = dense_gramian(f, (params, x, y)).gramian
     G = tg.gramian(f, backend=backend, batch_dim=0)(params, x, y)
     torch.testing.assert_close(G, expected, rtol=1e-10, atol=1e-12)
+
+
+MIDDLE = torch.tensor([0.0, 1.0, 1.0, 0.0, 0.0, 0.0])
+"""Samples 1 and 2 of six: coupled where the first and the last sample cannot see it."""
+
+
+def _middle_coupled(kind: str) -> tuple[Any, dict[str, Tensor], Tensor]:
+    torch.manual_seed(1)
+    params = {"w1": torch.randn(3, 4, dtype=torch.float64) * 0.7,
+              "b1": torch.randn(4, dtype=torch.float64) * 0.1,
+              "w2": torch.randn(4, 2, dtype=torch.float64) * 0.7}
+    x = torch.randn(6, 3, dtype=torch.float64)
+    if kind == "group-mean":  # h of samples 1 and 2 equal in value, not in derivative
+        params["w1"][2] = 0.0
+        x[2] = x[1]
+        x[2, 2] += 1.0
+
+    def f(p: dict[str, Tensor], x: Tensor, m: Tensor) -> Tensor:
+        h = torch.tanh(x @ p["w1"] + p["b1"]) @ p["w2"]
+        if kind == "detached":  # the same values, a derivative through the others
+            h = h + m[:, None] * (m[:, None] * (h - h.detach())).sum(0)
+        else:
+            h = h - m[:, None] * (m[:, None] * h).sum(0) / m.sum().clamp(min=1.0)
+        return h.pow(2).sum(1) + h[:, 0]
+
+    return f, params, x
+
+
+@pytest.mark.parametrize("backend", ["jacobian", "ntvp", "structured", "auto"])
+@pytest.mark.parametrize("kind", ["detached", "group-mean"])
+def test_middle_samples_coupled_where_values_do_not_show(kind: str, backend: str) -> None:
+    """The derivative check ran apart only the first and the last sample: jacobian 0.52 and
+    ntvp 0.32 off (relative) on a coupling of samples 1 and 2 that their values hide (session
+    28's helper hunt). The first check of a signature runs separating groups apart."""
+    f, params, x = _middle_coupled(kind)
+    expected = dense_gramian(f, (params, x, MIDDLE)).shaped()
+    for _ in range(2):
+        actual = tg.gramian(f, backend=backend, batch_dim=0)(params, x, MIDDLE)
+        torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-12)
+    kernel = tg.ntk.empirical_ntk_fn(lambda p, xs: f(p, *xs), trace_axes=(), backend=backend)
+    torch.testing.assert_close(kernel((x, MIDDLE), None, params),
+                               expected.reshape(6, 6), rtol=1e-10, atol=1e-12)

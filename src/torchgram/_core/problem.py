@@ -272,6 +272,7 @@ class Problem:
             (``Probe.sparse_embeddings``): its evaluations get dense ones.
         probe_cached: Whether the probe came from the cache: evaluations then check that it
             still describes ``f`` (NOTE [stale probes]).
+        signature_checks: The probe's record of the checks passed once for the signature.
     """
 
     f: Callable[..., Any]
@@ -289,6 +290,7 @@ class Problem:
     mutates_leaves: bool = False
     sparse_embeddings: bool = False
     probe_cached: bool = field(default=False, compare=False)
+    signature_checks: dict[str, bool] = field(default_factory=dict, compare=False)
 
     # -- the options, for short ------------------------------------------------------------
 
@@ -580,6 +582,8 @@ class Probe:
     unbatched: tuple[str, ...] = ()
     mutates_leaves: bool = False
     sparse_embeddings: bool = False
+    checks: dict[str, bool] = field(default_factory=dict, compare=False)
+    """Checks that passed once for the signature (``"derivatives"``: NOTE [per-sample])."""
 
 
 _PROBES = LruCache[Probe](maxsize=256)
@@ -648,7 +652,7 @@ def build_problem(options: Options, f: Callable[..., Any], args: tuple[Any, ...]
         diff = diff.replace_leaves(tuple(leaf.clone() for leaf in diff.leaves))
     return Problem(f, args, kwargs, diff, options, batch, probe.spec, draw, want_pullback,
                    evaluation, probe.unbatched, composition, probe.mutates_leaves,
-                   probe.sparse_embeddings, probe_cached)
+                   probe.sparse_embeddings, probe_cached, probe.checks)
 
 
 def _without_inference_tensors(tree: Any) -> Any:
