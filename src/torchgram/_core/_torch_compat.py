@@ -293,7 +293,12 @@ _TENSOR_SAVED: dict[type, list[str]] = {}
 floating-point tensor (an op's indices and masks are typed as such by its schema)."""
 
 
-def routing_values(nodes: Iterable[Node]) -> tuple[Hashable, ...]:
+_SELECTIONS = {"WhereBackward0": "condition", "MaskedFillBackward0": "mask",
+               "MaskedFillBackward1": "mask"}
+"""Row-local nodes whose mask, when broadcast along the samples, selects for all of them."""
+
+
+def routing_values(nodes: Iterable[Node], samples: int | None = None) -> tuple[Hashable, ...]:
     """The values of the index and mask tensors ``nodes`` saved, as a hashable digest.
 
     A node such as ``x[perm]``'s ``IndexBackward0``, ``gather``, ``sort`` or ``index_put``
@@ -305,7 +310,9 @@ def routing_values(nodes: Iterable[Node]) -> tuple[Hashable, ...]:
     a row (a loss's target, a dropout or ``where`` mask, an embedding's token ids, pooling
     indices) are left out, so that their values, new every batch, do not defeat the
     caches; a custom Function's saved integer tensors count, and so do the index tensors
-    and ints its forward kept on ``ctx``.
+    and ints its forward kept on ``ctx``. With ``samples``, a ``where`` condition or a
+    ``masked_fill`` mask without a dim of that size (a flag broadcast along the samples:
+    ``torch.where(flag, h.flip(0), h)``) counts too: it selects a branch for every sample.
 
     Example:
         >>> x = torch.randn(3, 2, requires_grad=True)
@@ -314,6 +321,9 @@ def routing_values(nodes: Iterable[Node]) -> tuple[Hashable, ...]:
         False
         >>> routing_values([torch.nn.functional.dropout(x, 0.5).grad_fn])
         ()
+        >>> flag = torch.tensor(False)
+        >>> len(routing_values([torch.where(flag, x.flip(0), x).grad_fn], samples=3))
+        1
     """
     digest: list[Hashable] = []
     for ordinal, node in enumerate(nodes):
@@ -330,6 +340,11 @@ def routing_values(nodes: Iterable[Node]) -> tuple[Hashable, ...]:
         custom = is_custom_function_node(node)
         if custom:  # what its forward kept on ``ctx``: index tensors, ints
             digest.extend(_ctx_values(ordinal, node))
+        selection = _SELECTIONS.get(kind.__name__) if samples is not None else None
+        if selection is not None:
+            mask = getattr(node, f"_saved_{selection}", None)
+            if isinstance(mask, Tensor) and samples not in mask.shape:
+                digest.append((ordinal, selection, 0, _index_digest(mask)))
         for name in tuple(names):
             try:  # a custom Function's are its ``saved_tensors``
                 value = node.saved_tensors if custom else getattr(node, f"_saved_{name}")

@@ -263,3 +263,51 @@ def test_embedding_bags_whose_offsets_change(recorded: bool) -> None:
             losses = losses_of(ids, starts)
         assert_close(tg.autograd.gramian(losses, list(modules.parameters()), batch_dim=0),
                      wanted)
+
+
+def _gated(kind: str, gate: Tensor, h: Tensor) -> Tensor:
+    """A branch that mixes the samples, opened by ``gate`` (shut on the first call)."""
+    if kind == "flag":  # a flag broadcast along the samples
+        return torch.where(gate, h.flip(0), h)
+    if kind == "mask":  # a per-sample mask
+        return torch.where(gate[:, None], h - h.mean(0), h)
+    return h + torch.relu(h - h.mean(0) - gate)  # a threshold closing a ReLU
+
+
+GATES = {"flag": [torch.tensor(False), torch.tensor(True), torch.tensor(True)],
+         "mask": [torch.zeros(B, dtype=torch.bool), torch.tensor([1, 0, 1, 0, 0, 1]).bool(),
+                  torch.ones(B, dtype=torch.bool)],
+         "relu": [torch.tensor(100.0, dtype=DOUBLE), torch.tensor(-100.0, dtype=DOUBLE),
+                  torch.tensor(0.0, dtype=DOUBLE)]}
+OPEN = pytest.mark.xfail(strict=True, reason="open (session 28): a coupling that a selection "
+                         "(a per-sample where mask, a closed ReLU) hid on a signature's first "
+                         "call is missed by the recorded tap layouts cached from it")
+
+
+@pytest.mark.parametrize(("kind", "recorded"), [
+    ("flag", False), ("flag", True), ("mask", False), ("relu", False),
+    pytest.param("mask", True, marks=OPEN), pytest.param("relu", True, marks=OPEN)])
+def test_a_branch_mixing_the_samples_opened_after_the_first_call(kind: str, recorded: bool
+                                                                 ) -> None:
+    """``where(flag, h.flip(0), h)`` with the flag False on the first call was 0.79 off on the
+    next ones, walked and recorded (a helper's hunt, session 28): a condition broadcast along
+    the samples now counts in the routing digest. Per-sample masks and ReLU thresholds do not
+    (they change every batch): the walk is right anyway, ``record`` is not (marked open)."""
+    clear_caches()
+    module = model()
+    for gate in GATES[kind]:
+        x = torch.randn(B, 5, dtype=DOUBLE)
+        params = {k: v.detach() for k, v in module.named_parameters()}
+
+        def losses_of(p: dict[str, Tensor], x: Tensor = x, gate: Tensor = gate) -> Tensor:
+            h = torch.func.functional_call(module, p, (x,))
+            return _gated(kind, gate, h).pow(2).sum(1)
+
+        wanted = dense_gramian(losses_of, (params,)).shaped()
+        if recorded:
+            with tg.autograd.record():
+                losses = _gated(kind, gate, module(x)).pow(2).sum(1)
+        else:
+            losses = _gated(kind, gate, module(x)).pow(2).sum(1)
+        assert_close(tg.autograd.gramian(losses, list(module.parameters()), batch_dim=0),
+                     wanted)

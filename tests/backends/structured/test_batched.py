@@ -156,3 +156,34 @@ def test_rows_sorted_by_value_are_checked_again_when_the_order_changes(backend, 
         torch.manual_seed(1)
         actual = gramian(params, x)
         torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", ["structured", "auto"])
+@pytest.mark.parametrize("kind", [
+    "flag", pytest.param("mask", marks=pytest.mark.xfail(
+        strict=True, reason="open (session 28): a per-sample mask that opens a coupling of "
+        "middle samples after the first call is seen neither by the outputs of the first and "
+        "the last sample nor by a derivative check, which runs once per trace and routing"))])
+def test_a_branch_mixing_the_samples_opened_after_the_first_call(backend, kind):
+    """``where(flag, h.flip(0), h)``, the flag False on the first call: 0.70-0.92 off later
+    (a helper's hunt, session 28); a condition broadcast along the samples counts in the
+    routing digest now."""
+    torch.manual_seed(1)
+    params = {"w": torch.randn(3, 4, dtype=torch.float64),
+              "u": torch.randn(4, 2, dtype=torch.float64)}
+
+    def f(p, x, gate):
+        h = torch.tanh(x @ p["w"]) @ p["u"]
+        h = torch.where(gate, h.flip(0), h) if kind == "flag" else \
+            torch.where(gate[:, None], h - h.mean(0), h)
+        return h.pow(2).sum(1) + h[:, 0]
+
+    gates = ([torch.tensor(False), torch.tensor(True), torch.tensor(True)] if kind == "flag"
+             else [torch.zeros(6, dtype=torch.bool), torch.tensor([0, 1, 1, 0, 0, 0]).bool(),
+                   torch.tensor([0, 1, 0, 1, 1, 0]).bool()])
+    gramian = tg.gramian(f, backend=backend, batch_dim=0,
+                         in_dims=(0, None) if kind == "flag" else 0)
+    for gate in gates:
+        x = torch.randn(6, 3, dtype=torch.float64)
+        expected = dense_gramian(f, (params, x, gate)).shaped()
+        torch.testing.assert_close(gramian(params, x, gate), expected, rtol=1e-10, atol=1e-12)

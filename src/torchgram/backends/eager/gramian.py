@@ -624,7 +624,7 @@ def _layouts(recording: Recording, graph: GraphIndex, tapped: _Tapped, taps: lis
                  for tap in taps),
            tuple((tap, _meeting_key(meetings[tap][0]), tuple(met_options[tap]))
                  for tap in met),
-           _torch_compat.routing_values(graph.nodes()))  # NOTE [routing values]
+           _torch_compat.routing_values(graph.nodes(), rows.samples))  # NOTE [routing values]
     choices = LAYOUT_CACHE.get(key)
     if choices is None:
         probed = probe_samples(samples)

@@ -118,7 +118,7 @@ class SparseWalk:
             for node in self.order),
             tuple(sorted(_shapes(node) for node in leaves)),
             tuple(sorted(self.position.get(node, -1) for node in self.plan.targets)),
-            _torch_compat.routing_values(self.order))  # NOTE [routing values]
+            _torch_compat.routing_values(self.order, rows.samples))  # NOTE [routing values]
         self.result = SparseResult()
 
     def run(self, start: int, stop: int, on_target: OnTarget) -> None:

@@ -271,7 +271,7 @@ def _checked_chunks(problem: Problem, forward: Forward, recording: Recording,
         return
     taps: Any = forward.taps[0]  # tensors and gradient edges (NOTE [tap edges])
     total, samples = forward.rows_per_sample, forward.samples
-    routing = _torch_compat.routing_values(_torch_compat.graph_nodes(rows))
+    routing = _torch_compat.routing_values(_torch_compat.graph_nodes(rows), samples)
     # groups separating every pair: once per trace and routing (NOTE [derivative check])
     thorough = not recording.derivatives_checked or recording.checked_routing != routing
     checks = len(separating_groups(samples) if thorough else even_odd(samples))

@@ -140,7 +140,8 @@ def _check_batched(problem: Problem, forward: Forward, traced: Recording) -> boo
     if batch.size == 1:
         return True
     batch_rows_out = forward.outputs[0]
-    routing = _torch_compat.routing_values(_torch_compat.graph_nodes(batch_rows_out)) \
+    routing = _torch_compat.routing_values(_torch_compat.graph_nodes(batch_rows_out),
+                                           batch.size) \
         if batch_rows_out.requires_grad else ()
     # the thorough derivative check: once per trace and routing (NOTE [routing values])
     thorough = not traced.derivatives_checked or traced.checked_routing != routing
