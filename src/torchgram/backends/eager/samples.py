@@ -20,7 +20,7 @@ not enough, from a probe:
   candidate fails does not carry the samples (it is shared by all samples, or they interact:
   the exact answer is then the rows of the whole batch). The probes: the first sample, the
   last, and groups of samples that **separate every pair** (a probe of several samples must
-  be zero outside their slices), each sample's rows weighted by a fixed random factor. The
+  be zero outside their slices), their rows carrying NaN (NOTE [NaN probes]). The
   first and the last alone saw nothing when both their rows were zero functions (a dropout
   had zeroed their outputs) while the others' rows reached every sample through a batch
   mean (session 23: ``G`` 0.36 off, relative); even- and odd-numbered groups were then

@@ -36,7 +36,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torchgram._core import _torch_compat
 from torchgram._core.composition import require_no_transforms
 from torchgram._core.cross import (
     CrossProblem,
@@ -71,6 +70,7 @@ from torchgram.backends.structured.passes import (
 from torchgram.backends.structured.per_sample import (
     LEAK,
     _check_batched,
+    batch_routing,
     group_directions,
     per_sample_forward_checked,
 )
@@ -271,9 +271,9 @@ def _checked_chunks(problem: Problem, forward: Forward, recording: Recording,
         return
     taps: Any = forward.taps[0]  # tensors and gradient edges (NOTE [tap edges])
     total, samples = forward.rows_per_sample, forward.samples
-    routing = _torch_compat.routing_values(_torch_compat.graph_nodes(rows), samples)
+    routing = batch_routing(forward)
     # groups separating every pair: once per trace and routing (NOTE [derivative check])
-    thorough = not recording.derivatives_checked or recording.checked_routing != routing
+    thorough = recording.checked_routing != routing
     checks = len(separating_groups(samples) if thorough else even_odd(samples))
     for start in range(0, total, per_pass):
         stop = min(start + per_pass, total)
@@ -294,7 +294,7 @@ def _checked_chunks(problem: Problem, forward: Forward, recording: Recording,
             if leaks and bool((torch.stack(leaks) & others).any()):
                 raise NotPerSample(LEAK)
             if thorough:
-                recording.derivatives_checked, recording.checked_routing = True, routing
+                recording.checked_routing = routing
         yield start, stop, [None if g is None else g[:stop - start] for g in grads]
 
 

@@ -139,17 +139,14 @@ def _check_batched(problem: Problem, forward: Forward, traced: Recording) -> boo
     assert batch is not None
     if batch.size == 1:
         return True
-    batch_rows_out = forward.outputs[0]
-    routing = _torch_compat.routing_values(_torch_compat.graph_nodes(batch_rows_out),
-                                           batch.size) \
-        if batch_rows_out.requires_grad else ()
+    routing = batch_routing(forward)
     # the thorough derivative check: once per trace and routing (NOTE [routing values])
-    thorough = not traced.derivatives_checked or traced.checked_routing != routing
+    thorough = traced.checked_routing != routing
     if problem.draw.random:  # samples cannot run apart with the batch's draws
         if forward.merged_acts and not traced.merged_order:
             return False
         _check_derivatives(problem, forward, thorough=thorough)
-        traced.derivatives_checked, traced.checked_routing = True, routing
+        traced.checked_routing = routing
         return True
     samples = [0, batch.size - 1]
     rows, same = [], True
@@ -165,8 +162,16 @@ def _check_batched(problem: Problem, forward: Forward, traced: Recording) -> boo
         traced.merged_order = same
     if same and thorough:  # outputs can hide a coupling
         _check_derivatives(problem, forward, thorough=True)
-        traced.derivatives_checked, traced.checked_routing = True, routing
+        traced.checked_routing = routing
     return same
+
+
+def batch_routing(forward: Forward) -> tuple[Any, ...]:
+    """The routing digest of the batched run's graph (NOTE [routing values]; ``()``: none)."""
+    rows = forward.outputs[0]
+    if not rows.requires_grad:
+        return ()
+    return _torch_compat.routing_values(_torch_compat.graph_nodes(rows), forward.samples)
 
 
 def _check_derivatives(problem: Problem, forward: Forward, *, thorough: bool) -> None:

@@ -215,12 +215,11 @@ class Recording:
     merged_order: bool | None = field(default=None, compare=False, repr=False)
     """Whether the merged sample dims of a batched run of this trace hold each sample's
     entries together (``None``: not checked yet; NOTE [checking the batched pass])."""
-    derivatives_checked: bool = field(default=False, compare=False, repr=False)
-    """Whether a batched run of this trace has shown that no sample's rows reach another
-    sample's taps (NOTE [checking the batched pass])."""
     checked_routing: tuple[Any, ...] | None = field(default=None, compare=False, repr=False)
-    """The routing indices of the batched graph the last thorough derivative check passed on
-    (NOTE [checking the batched pass], NOTE [derivative check]): other indices, another."""
+    """The routing digest of the batched graph on which a run of this trace last showed, by
+    the thorough derivative check, that no sample's rows reach another sample's taps
+    (``None``: never; NOTE [checking the batched pass], NOTE [derivative check]): another
+    digest, another thorough check."""
 
     def uses_of(self, leaf: int) -> list[UseRecord]:
         """The recognised uses of ``leaf``, in call order."""
