@@ -52,26 +52,43 @@ def model() -> nn.Module:
     return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).to(DOUBLE)
 
 
-def per_sample_losses(module: nn.Module, x: Tensor, route: Route, perm: Tensor) -> Tensor:
-    return route(module(x), perm).pow(2).sum(1)
+Losses = Callable[[dict[str, Tensor] | None], Tensor]
+"""``losses_of(p)``: the per-sample losses, with the parameters ``p`` (``None``: the modules'
+own, run eagerly)."""
 
 
-def expected(module: nn.Module, x: Tensor, route: Route, perm: Tensor) -> Tensor:
-    params = dict(module.named_parameters())
-    return dense_gramian(
-        lambda p: per_sample_losses(lambda h: torch.func.functional_call(module, p, (h,)), x,
-                                    route, perm),
-        ({k: v.detach() for k, v in params.items()},)).shaped()
+def call(owner: nn.Module, name: str, p: dict[str, Tensor] | None, *args: object,
+         **kwargs: object) -> Tensor:
+    """``owner``'s submodule ``name`` (``""``: ``owner``) on ``args``, with ``p`` if given
+    (``p``'s keys are ``owner.named_parameters()``'s)."""
+    module = owner.get_submodule(name)
+    if p is None:
+        return module(*args, **kwargs)
+    prefix = f"{name}." if name else ""
+    own = {k[len(prefix):]: v for k, v in p.items() if k.startswith(prefix)}
+    return torch.func.functional_call(module, own, args, kwargs)
 
 
-def gramian(module: nn.Module, x: Tensor, route: Route, perm: Tensor, recorded: bool
-            ) -> Tensor:
+def oracle(owner: nn.Module, losses_of: Losses) -> Tensor:
+    """The dense float64 Gramian of ``losses_of`` at ``owner``'s parameters."""
+    params = {k: v.detach() for k, v in owner.named_parameters()}
+    return dense_gramian(losses_of, (params,)).shaped()
+
+
+def check(owner: nn.Module, losses_of: Losses, recorded: bool) -> None:
+    """``tg.autograd.gramian`` of ``losses_of(None)`` run eagerly (inside
+    ``tg.autograd.record()`` when ``recorded``) is the oracle's."""
+    wanted = oracle(owner, losses_of)
     if recorded:
         with tg.autograd.record():
-            losses = per_sample_losses(module, x, route, perm)
+            losses = losses_of(None)
     else:
-        losses = per_sample_losses(module, x, route, perm)
-    return tg.autograd.gramian(losses, list(module.parameters()), batch_dim=0)
+        losses = losses_of(None)
+    assert_close(tg.autograd.gramian(losses, list(owner.parameters()), batch_dim=0), wanted)
+
+
+def routed(module: nn.Module, x: Tensor, route: Route, perm: Tensor) -> Losses:
+    return lambda p: route(call(module, "", p, x), perm).pow(2).sum(1)
 
 
 def assert_close(actual: Tensor, wanted: Tensor) -> None:
@@ -88,9 +105,7 @@ def test_a_new_routing_with_the_same_signature_is_probed_again(name: str, record
     for step, order in enumerate(PERMUTATIONS):
         torch.manual_seed(step)
         x = torch.randn(B, 5, dtype=DOUBLE)
-        perm = torch.tensor(order)
-        assert_close(gramian(module, x, ROUTES[name], perm, recorded),
-                     expected(module, x, ROUTES[name], perm))
+        check(module, routed(module, x, ROUTES[name], torch.tensor(order)), recorded)
 
 
 @pytest.mark.parametrize("recorded", [False, True], ids=["walked", "recorded"])
@@ -100,9 +115,7 @@ def test_samples_exchanged_within_a_probe_group_are_seen(order: list[int], recor
     clear_caches()
     module = model()
     x = torch.randn(B, 5, dtype=DOUBLE)
-    perm = torch.tensor(order)
-    assert_close(gramian(module, x, ROUTES["index"], perm, recorded),
-                 expected(module, x, ROUTES["index"], perm))
+    check(module, routed(module, x, ROUTES["index"], torch.tensor(order)), recorded)
 
 
 def test_the_update_follows_the_routing() -> None:
@@ -110,15 +123,13 @@ def test_the_update_follows_the_routing() -> None:
     clear_caches()
     module = model()
     for order in ([0, 1, 2, 3, 4, 5], [0, 3, 2, 1, 4, 5]):
-        x = torch.randn(B, 5, dtype=DOUBLE)
-        perm = torch.tensor(order)
+        losses_of = routed(module, torch.randn(B, 5, dtype=DOUBLE), ROUTES["index"],
+                           torch.tensor(order))
         module.zero_grad()
-        losses = per_sample_losses(module, x, ROUTES["index"], perm)
-        tg.autograd.backward(losses, list(module.parameters()), tg.weighting.upgrad,
+        tg.autograd.backward(losses_of(None), list(module.parameters()), tg.weighting.upgrad,
                              batch_dim=0)
-        weights = tg.weighting.upgrad(expected(module, x, ROUTES["index"], perm))
-        wanted = torch.autograd.grad(per_sample_losses(module, x, ROUTES["index"], perm),
-                                     list(module.parameters()), weights)
+        weights = tg.weighting.upgrad(oracle(module, losses_of))
+        wanted = torch.autograd.grad(losses_of(None), list(module.parameters()), weights)
         for param, grad in zip(module.parameters(), wanted, strict=True):
             assert param.grad is not None
             torch.testing.assert_close(param.grad, grad, rtol=1e-9, atol=1e-12)
@@ -149,34 +160,20 @@ def test_packed_sequences_whose_first_batch_came_sorted() -> None:
     head = nn.Linear(5, 3).to(DOUBLE)
     modules = nn.ModuleList([embed, lstm, head])
 
-    def losses_of(ids: Tensor, lengths: Tensor, labels: Tensor,
-                  p: dict[str, Tensor] | None = None) -> Tensor:
-        def call(module: nn.Module, prefix: str, *args: object) -> object:
-            if p is None:
-                return module(*args)
-            own = {k[len(prefix):]: v for k, v in p.items() if k.startswith(prefix)}
-            return torch.func.functional_call(module, own, args)
+    def losses_of(ids: Tensor, lengths: Tensor, labels: Tensor) -> Losses:
+        def losses(p: dict[str, Tensor] | None) -> Tensor:
+            packed = nn.utils.rnn.pack_padded_sequence(call(modules, "0", p, ids), lengths,
+                                                       batch_first=True, enforce_sorted=False)
+            _, (hidden, _) = call(modules, "1", p, packed)  # type: ignore[misc]
+            return nn.functional.cross_entropy(call(modules, "2", p, hidden[-1]), labels,
+                                               reduction="none")
 
-        packed = nn.utils.rnn.pack_padded_sequence(call(embed, "0.", ids), lengths,
-                                                   batch_first=True, enforce_sorted=False)
-        _, (hidden, _) = call(lstm, "1.", packed)  # type: ignore[misc]
-        logits = call(head, "2.", hidden[-1])
-        return nn.functional.cross_entropy(logits, labels, reduction="none")  # type: ignore[arg-type]
+        return losses
 
     for lengths in ([6, 5, 4, 3, 2, 1], [3, 6, 1, 5, 2, 4]):
         ids, labels = torch.randint(1, 11, (B, 6)), torch.randint(0, 3, (B,))
-        wanted = dense_gramian(
-            lambda p, ids=ids, lengths=lengths, labels=labels: losses_of(
-                ids, torch.tensor(lengths), labels, p),
-            ({k: v.detach() for k, v in modules.named_parameters()},)).shaped()
         for recorded in (False, True):
-            if recorded:
-                with tg.autograd.record():
-                    losses = losses_of(ids, torch.tensor(lengths), labels)
-            else:
-                losses = losses_of(ids, torch.tensor(lengths), labels)
-            assert_close(tg.autograd.gramian(losses, list(modules.parameters()), batch_dim=0),
-                         wanted)
+            check(modules, losses_of(ids, torch.tensor(lengths), labels), recorded)
 
 
 @pytest.mark.parametrize("recorded", [False, True], ids=["walked", "recorded"])
@@ -202,26 +199,17 @@ def test_samples_mixed_beside_a_residual_on_every_call(coupling: str, first: flo
         "gram": lambda h: (h @ h.T) @ h / B,
     }
 
-    def losses_of(x: Tensor, weight: Tensor, p: dict[str, Tensor] | None = None) -> Tensor:
-        hidden = body(x) if p is None else torch.func.functional_call(
-            body, {k[2:]: v for k, v in p.items() if k.startswith("0.")}, (x,))
-        hidden = hidden + weight * mixes[coupling](hidden)
-        logits = head(hidden) if p is None else torch.func.functional_call(
-            head, {k[2:]: v for k, v in p.items() if k.startswith("1.")}, (hidden,))
-        return logits.pow(2).sum(1)
+    def losses_of(x: Tensor, weight: Tensor) -> Losses:
+        def losses(p: dict[str, Tensor] | None) -> Tensor:
+            hidden = call(modules, "0", p, x)
+            hidden = hidden + weight * mixes[coupling](hidden)
+            return call(modules, "1", p, hidden).pow(2).sum(1)
+
+        return losses
 
     for ramp in (first, 0.5):
         x, weight = torch.randn(B, 5, dtype=DOUBLE), torch.tensor(ramp, dtype=DOUBLE)
-        wanted = dense_gramian(lambda p, x=x, weight=weight: losses_of(x, weight, p),
-                               ({k: v.detach() for k, v in modules.named_parameters()},)
-                               ).shaped()
-        if recorded:
-            with tg.autograd.record():
-                losses = losses_of(x, weight)
-        else:
-            losses = losses_of(x, weight)
-        assert_close(tg.autograd.gramian(losses, list(modules.parameters()), batch_dim=0),
-                     wanted)
+        check(modules, losses_of(x, weight), recorded)
 
 
 @pytest.mark.parametrize("recorded", [False, True], ids=["walked", "recorded"])
@@ -238,31 +226,16 @@ def test_embedding_bags_whose_offsets_change(recorded: bool) -> None:
     calls = [([1, 2, 3, 4, 5, 6], [0, 1, 2, 3, 4, 5]), ([3, 1, 4, 1, 5, 9], [0, 2, 2, 3, 5, 6]),
              ([2, 7, 1, 8, 2, 8], [0, 0, 1, 3, 3, 4])]
 
-    def losses_of(tokens: Tensor, offsets: Tensor, p: dict[str, Tensor] | None = None
-                  ) -> Tensor:
-        def call(index: int, *args: Tensor, **kwargs: Tensor) -> Tensor:
-            module = modules[index]
-            if p is None:
-                return module(*args, **kwargs)
-            own = {k[2:]: v for k, v in p.items() if k.startswith(f"{index}.")}
-            return torch.func.functional_call(module, own, args, kwargs)
+    def losses_of(tokens: Tensor, offsets: Tensor) -> Losses:
+        def losses(p: dict[str, Tensor] | None) -> Tensor:
+            weights = call(modules, "2", p, tokens).squeeze(1)
+            bagged = call(modules, "0", p, tokens, offsets, per_sample_weights=weights)
+            return call(modules, "1", p, torch.tanh(bagged)).squeeze(1).pow(2)
 
-        weights = call(2, tokens).squeeze(1)
-        return call(1, torch.tanh(call(0, tokens, offsets, per_sample_weights=weights))
-                    ).squeeze(1).pow(2)
+        return losses
 
     for tokens, offsets in calls:
-        ids, starts = torch.tensor(tokens), torch.tensor(offsets)
-        wanted = dense_gramian(lambda p, ids=ids, starts=starts: losses_of(ids, starts, p),
-                               ({k: v.detach() for k, v in modules.named_parameters()},)
-                               ).shaped()
-        if recorded:
-            with tg.autograd.record():
-                losses = losses_of(ids, starts)
-        else:
-            losses = losses_of(ids, starts)
-        assert_close(tg.autograd.gramian(losses, list(modules.parameters()), batch_dim=0),
-                     wanted)
+        check(modules, losses_of(torch.tensor(tokens), torch.tensor(offsets)), recorded)
 
 
 def _gated(kind: str, gate: Tensor, h: Tensor) -> Tensor:
@@ -297,17 +270,5 @@ def test_a_branch_mixing_the_samples_opened_after_the_first_call(kind: str, reco
     module = model()
     for gate in GATES[kind]:
         x = torch.randn(B, 5, dtype=DOUBLE)
-        params = {k: v.detach() for k, v in module.named_parameters()}
-
-        def losses_of(p: dict[str, Tensor], x: Tensor = x, gate: Tensor = gate) -> Tensor:
-            h = torch.func.functional_call(module, p, (x,))
-            return _gated(kind, gate, h).pow(2).sum(1)
-
-        wanted = dense_gramian(losses_of, (params,)).shaped()
-        if recorded:
-            with tg.autograd.record():
-                losses = _gated(kind, gate, module(x)).pow(2).sum(1)
-        else:
-            losses = _gated(kind, gate, module(x)).pow(2).sum(1)
-        assert_close(tg.autograd.gramian(losses, list(module.parameters()), batch_dim=0),
-                     wanted)
+        check(module, lambda p, x=x, gate=gate: _gated(kind, gate, call(module, "", p, x))
+              .pow(2).sum(1), recorded)
