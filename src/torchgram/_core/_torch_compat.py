@@ -160,8 +160,11 @@ def graph_nodes(output: Tensor) -> Iterator[Node]:
         stack.extend(next_node for next_node, _ in node.next_functions)
 
 
-def reached_leaves(output: Tensor, leaves: Sequence[Tensor]) -> list[int]:
+def reached_leaves(output: Tensor, leaves: Sequence[Tensor],
+                   nodes: Iterable[Node] | None = None) -> list[int]:
     """The positions in ``leaves`` of the tensors ``output``'s graph reaches.
+
+    ``nodes``: that graph's nodes, when the caller walked it already (:func:`graph_nodes`).
 
     A tensor is reached when the walk meets its gradient edge's node: its ``AccumulateGrad``
     for a leaf, its ``grad_fn`` otherwise (a view of a parameter that requires gradients).
@@ -180,7 +183,7 @@ def reached_leaves(output: Tensor, leaves: Sequence[Tensor]) -> list[int]:
     by_id = {id(leaf): i for i, leaf in enumerate(leaves) if leaf.grad_fn is None}
     by_node = {leaf.grad_fn: i for i, leaf in enumerate(leaves) if leaf.grad_fn is not None}
     found = set()
-    for node in graph_nodes(output):
+    for node in graph_nodes(output) if nodes is None else nodes:
         if node in by_node:
             found.add(by_node[node])
         elif isinstance(node, _ACCUMULATE_GRAD) and id(variable := node.variable) in by_id:

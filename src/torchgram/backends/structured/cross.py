@@ -70,7 +70,6 @@ from torchgram.backends.structured.passes import (
 from torchgram.backends.structured.per_sample import (
     LEAK,
     _check_batched,
-    batch_routing,
     group_directions,
     per_sample_forward_checked,
 )
@@ -271,7 +270,7 @@ def _checked_chunks(problem: Problem, forward: Forward, recording: Recording,
         return
     taps: Any = forward.taps[0]  # tensors and gradient edges (NOTE [tap edges])
     total, samples = forward.rows_per_sample, forward.samples
-    routing = batch_routing(forward)
+    routing = forward.routing
     # groups separating every pair: once per trace and routing (NOTE [derivative check])
     thorough = recording.checked_routing != routing
     checks = len(separating_groups(samples) if thorough else even_odd(samples))

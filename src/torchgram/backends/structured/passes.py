@@ -229,6 +229,8 @@ class Forward:
         order: ``batched`` only: ``order[b, k]`` is the output row of row ``k`` of sample ``b``.
         merged_acts: ``batched`` only: the activations whose samples are merged in one dim,
             and that dim (their order is checked against samples run without the others).
+        routing: ``batched`` only: the routing digest of the run's graph (NOTE [routing
+            values]), read by the derivative checks.
     """
 
     kind: ForwardKind
@@ -244,6 +246,7 @@ class Forward:
     tap_dims: list[SampleAxis | None] = field(default_factory=list)
     order: Tensor | None = None
     merged_acts: dict[int, int] = field(default_factory=dict)
+    routing: tuple[Any, ...] = ()
 
     def take_acts(self) -> list[Tensor]:
         """The activations, handed over: the forward lets go of them (they can be freed)."""
@@ -353,7 +356,8 @@ def batched_forward(problem: Problem, traced: Recording) -> Forward | None:
     except NotBatched:
         return None
     mode.finish()
-    _check_no_unseen_uses(rows, carriers)
+    nodes = list(_torch_compat.graph_nodes(rows))  # walked once, for two checks
+    _check_no_unseen_uses(rows, carriers, nodes)
     if mode.not_batched is not None:
         return None
     run = mode.recording
@@ -374,7 +378,8 @@ def batched_forward(problem: Problem, traced: Recording) -> Forward | None:
                    [], aux=aux, tap_dims=tap_dims,
                    order=problem.sample_major_index if per_sample > 1 else None,
                    merged_acts={i: axis.dim for i, axis in act_dims.items()
-                                if axis is not None and axis.merged})
+                                if axis is not None and axis.merged},
+                   routing=_torch_compat.routing_values(nodes, samples))
 
 
 def _merged_taps_have_acts(run: Recording, tap_dims: Sequence[SampleAxis | None],
@@ -478,7 +483,8 @@ def per_sample_forward(problem: Problem, traced: Recording,
                    [list[Tensor | GradientEdge](taps)], [carriers], fallback)
 
 
-def _check_no_unseen_uses(rows: Tensor, tapped: Sequence[Tensor]) -> None:
+def _check_no_unseen_uses(rows: Tensor, tapped: Sequence[Tensor],
+                          nodes: Sequence[_torch_compat.Node] | None = None) -> None:
     """Raise ``TraceMismatch`` if ``rows`` reach a tapped leaf's tensor (NOTE [unseen uses]).
 
     A run that follows a trace computes every use of a tapped leaf from a plain copy, so its
@@ -486,7 +492,7 @@ def _check_no_unseen_uses(rows: Tensor, tapped: Sequence[Tensor]) -> None:
     cannot see, which its (cached) trace did not: the trace is stale, and those rows would be
     dropped.
     """
-    if _torch_compat.reached_leaves(rows, tapped):
+    if _torch_compat.reached_leaves(rows, tapped, nodes):
         raise TraceMismatch("f uses a parameter in calls the tapping mode cannot see, which "
                             "its trace did not")
 

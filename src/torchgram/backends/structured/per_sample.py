@@ -139,7 +139,7 @@ def _check_batched(problem: Problem, forward: Forward, traced: Recording) -> boo
     assert batch is not None
     if batch.size == 1:
         return True
-    routing = batch_routing(forward)
+    routing = forward.routing
     # the thorough derivative check: once per trace and routing (NOTE [routing values])
     thorough = traced.checked_routing != routing
     if problem.draw.random:  # samples cannot run apart with the batch's draws
@@ -164,14 +164,6 @@ def _check_batched(problem: Problem, forward: Forward, traced: Recording) -> boo
         _check_derivatives(problem, forward, thorough=True)
         traced.checked_routing = routing
     return same
-
-
-def batch_routing(forward: Forward) -> tuple[Any, ...]:
-    """The routing digest of the batched run's graph (NOTE [routing values]; ``()``: none)."""
-    rows = forward.outputs[0]
-    if not rows.requires_grad:
-        return ()
-    return _torch_compat.routing_values(_torch_compat.graph_nodes(rows), forward.samples)
 
 
 def _check_derivatives(problem: Problem, forward: Forward, *, thorough: bool) -> None:
