@@ -205,7 +205,8 @@ def _batched(problem: Problem) -> tuple[Forward, StructuredPlan] | None:
     if expected is None:
         expected = traced.plans[key] = restrict(traced, tapped)
     try:
-        forward = batched_forward(problem, expected)
+        forward = batched_forward(  # NOTE [opened selections]
+            problem, expected, open_selections=traced.checked_routing is None)
     except TraceMismatch:
         forget_trace(problem)
         return None
@@ -242,8 +243,9 @@ def derivative_check_cheaper(forward_flops: float, samples: int) -> bool:
 # were computed from the inputs (even if the inputs were mixed before the first tap). So
 # instead of evaluating f again on samples run apart (what tg.gramian's batched way does),
 # kernels check exactly that, in the same backward: two more directions, the rows of the
-# even-numbered samples and those of the odd-numbered ones (random positive weights,
-# group_directions), whose cotangents must be exactly zero on every sample of the other
+# even-numbered samples and those of the odd-numbered ones (NaN weights, group_directions;
+# not in a differentiable backward, where they run apart: NOTE [opened selections]), whose
+# cotangents must be exactly zero on every sample of the other
 # group at every tap (an interaction through the graph makes them non-zero). Until session
 # 24 the two directions were the first sample's rows and the last one's: a kernel hunt found
 # x - x.mean(0) before a relu that had zeroed both their outputs, the check saw nothing and
@@ -278,23 +280,42 @@ def _checked_chunks(problem: Problem, forward: Forward, recording: Recording,
         stop = min(start + per_pass, total)
         extra = checks if start == 0 else 0
         cot, others = _directions(problem, recording, rows, start, stop, extra, thorough)
-        count = cot.shape[0]
-        batched = count > 1
+        first = stop - start
+        create_graph = problem.composition.create_graph
+        if others is not None and create_graph:  # NaN directions stay out of a graph that a
+            # backward of G goes through (0 · NaN there); NOTE [opened selections]
+            _check_leaks(row_grads(rows, taps, cot[first:], batched=True, retain_graph=True,
+                                   create_graph=False), forward, extra, others)
+            cot = cot[:first]
+        batched = cot.shape[0] > 1
         raw = row_grads(rows, taps, cot, batched=batched, retain_graph=stop < total,
-                        create_graph=problem.composition.create_graph)
+                        create_graph=create_graph)
         grads = [None if g is None else
                  per_sample_view(g if batched else g.unsqueeze(0), dim, 1, samples)
                  for g, dim in zip(raw, forward.tap_dims, strict=True)]
         del raw
         if others is not None:
-            first = stop - start
-            leaks = [g[first:].reshape(extra, samples, -1).ne(0).any(-1)
-                     for g in grads if g is not None]
-            if leaks and bool((torch.stack(leaks) & others).any()):
-                raise NotPerSample(LEAK)
+            if not create_graph:
+                _check_leaks([None if g is None else g[first:] for g in grads], forward,
+                             extra, others, viewed=True)
             if thorough:
                 recording.checked_routing = routing
-        yield start, stop, [None if g is None else g[:stop - start] for g in grads]
+        yield start, stop, [None if g is None else g[:first] for g in grads]
+
+
+def _check_leaks(grads: Sequence[Tensor | None], forward: Forward, checks: int,
+                 others: Tensor, *, viewed: bool = False) -> None:
+    """Raise :class:`NotPerSample` if a check direction reached another group's taps.
+
+    ``grads``: the ``checks`` directions' cotangents at the taps (``viewed``: already
+    ``[checks, B, ...]`` per tap).
+    """
+    samples = forward.samples
+    leaks = [(g if viewed else per_sample_view(g, dim, 1, samples))
+             .reshape(checks, samples, -1).ne(0).any(-1)
+             for g, dim in zip(grads, forward.tap_dims, strict=True) if g is not None]
+    if leaks and bool((torch.stack(leaks) & others).any()):
+        raise NotPerSample(LEAK)
 
 
 def _directions(problem: Problem, recording: Recording, rows: Tensor, start: int, stop: int,
@@ -306,7 +327,7 @@ def _directions(problem: Problem, recording: Recording, rows: Tensor, start: int
     they must vanish. The same for every call of a signature: kept with its trace.
     """
     key = ("cross directions", rows.shape, rows.dtype, rows.device, start, stop, checks,
-           thorough)
+           thorough, torch.is_anomaly_enabled())  # NaN or finite weights (check_weights)
     cached = recording.plans.get(key)
     if cached is None:
         index = problem.sample_major_index  # [B, K]: output rows of each sample

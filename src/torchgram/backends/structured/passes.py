@@ -335,10 +335,12 @@ def _tapped_rows(problem: Problem, carriers: tuple[Tensor, ...],
     return mode, rows, aux
 
 
-def batched_forward(problem: Problem, traced: Recording) -> Forward | None:
+def batched_forward(problem: Problem, traced: Recording, *,
+                    open_selections: bool = False) -> Forward | None:
     """The per-sample forward on the whole batch without ``vmap``, or ``None`` if it cannot be.
 
-    Raises ``TraceMismatch`` when the run leaves the trace.
+    ``open_selections``: the run whose derivatives get a trace's thorough check (NOTE
+    [opened selections]). Raises ``TraceMismatch`` when the run leaves the trace.
     """
     batch = problem.batch
     assert batch is not None
@@ -349,7 +351,8 @@ def batched_forward(problem: Problem, traced: Recording) -> Forward | None:
     def batched_mode(original_layouts: bool) -> TapMode:
         return TapMode(carriers, leaves, taps="lazy", carriers=(), expected=traced.taps,
                        samples=samples, keep_graph=problem.composition.create_graph,
-                       original_layouts=original_layouts)
+                       original_layouts=original_layouts,
+                       open_selections=open_selections and samples > 1)
 
     try:
         mode, rows, aux = _tapped_rows(problem, carriers, batched_mode)

@@ -50,6 +50,7 @@ from torchgram.backends.structured.passes import (
     trace,
 )
 from torchgram.backends.structured.plan import StructuredPlan, plan_problem
+from torchgram.backends.structured.selections import check_weights
 from torchgram.backends.structured.trace import Recording, TapMode, TraceMismatch
 
 
@@ -89,7 +90,8 @@ def _forward(problem: Problem, traced: Recording, *,
         expected = traced.plans[key] = restrict(traced, tapped)
     try:
         if not fallback and traced.merged_order is not False:
-            forward = batched_forward(problem, expected)
+            forward = batched_forward(  # NOTE [opened selections]
+                problem, expected, open_selections=traced.checked_routing is None)
             if forward is not None and _check_batched(problem, forward, traced):
                 return forward, traced
         return _one_sample_at_a_time(problem, expected, fallback), traced
@@ -179,9 +181,10 @@ def _check_derivatives(problem: Problem, forward: Forward, *, thorough: bool) ->
     call, runs the cheap one after that.
 
     For an ``f`` that draws, whose samples cannot run apart with the batch's draws: one more
-    backward of the same forward (the same draw) in two directions, with random positive
-    weights on the rows of the even-numbered samples in one and of the odd-numbered ones in
-    the other, must leave every tapped output of the other group without gradient. An output
+    backward of the same forward (the same draw) in two directions, with NaN on the rows of
+    the even-numbered samples in one and of the odd-numbered ones in the other (NaN goes
+    through zero factors, and the first check's run has its selections opened: NOTE [opened
+    selections]), must leave every tapped output of the other group without gradient. An output
     row that depends on another sample's tapped activations (``x - x.mean(0)`` after a
     layer) has one there, and the batched pass's per-sample factors would then miss its
     cross-sample terms (found by the fuzzer: a wrong matrix). Interactions before every tap
@@ -220,8 +223,9 @@ def group_directions(rows: Tensor, index: Tensor, samples: int,
 
     ``index`` (``[B, K]``) gives each sample's rows in ``rows.reshape(-1)``. Direction ``j``
     weighs the rows of the samples of ``groups[j]`` (default: the even- and the
-    odd-numbered samples, :func:`even_odd`) by random positive weights (no cancellation
-    between samples); its cotangent must be exactly zero at the taps of every sample outside
+    odd-numbered samples, :func:`even_odd`) by NaN (:func:`check_weights`: it never cancels
+    and goes through zero factors and opened selections, NOTE [opened selections]); its
+    cotangent must be exactly zero at the taps of every sample outside
     the group (``outside[j]``, ``[len(groups), B]``).
 
     Example:
@@ -239,8 +243,7 @@ def group_directions(rows: Tensor, index: Tensor, samples: int,
     outside = torch.ones(len(groups), samples, dtype=torch.bool, device=rows.device)
     for j, group in enumerate(groups):
         members = index[list(group)].reshape(-1)
-        cot[j, members] = 0.5 + torch.rand(
-            members.numel(), generator=generator, device=rows.device).to(rows.dtype)
+        cot[j, members] = check_weights(members.numel(), rows.dtype, rows.device, generator)
         outside[j, list(group)] = False
     return cot, outside
 

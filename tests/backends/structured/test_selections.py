@@ -1,0 +1,173 @@
+"""Selections opened for the first derivative check of a trace (NOTE [opened selections])."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+import torchgram as tg
+from reference import dense_cross_kernel, dense_gramian
+from torchgram.backends.structured.selections import check_weights, is_selection, opened
+
+DOUBLE = torch.float64
+NAN = math.nan
+
+
+# -- the opened call ------------------------------------------------------------------------
+
+def _opened_grads(func: Callable[..., Tensor], extra: tuple[object, ...],
+                  kwargs: dict[str, object], x: Tensor, cotangent: Tensor) -> Tensor:
+    leaf = x.clone().requires_grad_()
+    h = leaf * 1.0  # a non-leaf input, as a model's activations are
+    out = opened(lambda a, k: func(*a, **k), func, (h, *extra), kwargs)
+    return torch.autograd.grad(out, leaf, cotangent)[0]
+
+
+SELECTIONS = {  # func, its arguments after the input, its keywords
+    "relu": (torch.relu, (), {}),
+    "relu_": (torch.relu_, (), {}),
+    "F.relu(inplace)": (F.relu, (), {"inplace": True}),
+    "clamp": (torch.Tensor.clamp, (-0.5, 0.5), {}),
+    "clamp_": (torch.Tensor.clamp_, (-0.5, 0.5), {}),
+    "where": (lambda h: torch.where(h > 0, h, 0.0), (), {}),
+    "masked_fill_": (torch.Tensor.masked_fill_, (torch.tensor([0, 1, 0, 1]).bool(), 0.0), {}),
+    "hardtanh(inplace)": (F.hardtanh, (-0.5, 0.5, True), {}),
+}
+
+
+@pytest.mark.parametrize("name", list(SELECTIONS))
+def test_an_opened_selection_keeps_its_gradient_and_lets_nan_through(name: str) -> None:
+    """Finite cotangents: the selection's own gradient, exactly. NaN ones reach every entry
+    of the input, closed or open; an infinite cotangent does not become NaN."""
+    func, extra, kwargs = SELECTIONS[name]
+    x = torch.tensor([2.0, -3.0, 0.25, -0.25], dtype=DOUBLE)
+    cotangent = torch.tensor([1.0, 2.0, -3.0, 4.0], dtype=DOUBLE)
+    leaf = x.clone().requires_grad_()
+    expected = torch.autograd.grad(func(leaf * 1.0, *extra, **kwargs), leaf, cotangent)[0]
+    assert torch.equal(_opened_grads(func, extra, kwargs, x, cotangent), expected)
+    closed = expected.eq(0)
+    assert bool(closed.any())  # the case closes an entry: the test can fail
+    through = _opened_grads(func, extra, kwargs, x, torch.full_like(x, NAN))
+    assert bool(through.isnan().all())
+    infinite = torch.where(closed, math.inf, cotangent)
+    assert not bool(_opened_grads(func, extra, kwargs, x, infinite).isnan().any())
+
+
+def test_a_broadcast_branch_gets_its_own_shape_and_dtype() -> None:
+    h = torch.randn(3, 2, dtype=DOUBLE, requires_grad=True)
+    fill = torch.randn(2, dtype=torch.float32, requires_grad=True)  # promoted in the where
+    mask = torch.tensor([[True, False], [False, False], [True, True]])
+    out = opened(lambda a, k: torch.where(*a), torch.where, (mask, h, fill), {})
+    grad_h, grad_fill = torch.autograd.grad(out, [h, fill], torch.full((3, 2), NAN, dtype=DOUBLE))
+    assert grad_h.shape == (3, 2) and grad_fill.shape == (2,) and grad_fill.dtype == torch.float32
+    assert bool(grad_h.isnan().all() and grad_fill.isnan().all())
+
+
+def test_what_is_a_selection() -> None:
+    x = torch.ones(2)
+    assert is_selection(torch.where, (x > 0, x, x)) and is_selection(F.hardswish, (x,))
+    assert is_selection(torch.maximum, (x, x)) and is_selection(torch.Tensor.min, (x, x))
+    assert not is_selection(torch.Tensor.min, (x, 0)) and not is_selection(torch.sigmoid, (x,))
+
+
+def test_the_check_weights_are_finite_under_anomaly_detection() -> None:
+    generator = torch.Generator().manual_seed(0)
+    assert bool(check_weights(3, DOUBLE, torch.device("cpu"), generator).isnan().all())
+    with torch.autograd.set_detect_anomaly(True):
+        weights = check_weights(3, DOUBLE, torch.device("cpu"), generator)
+    assert bool((weights >= 0.5).all() and (weights < 1.5).all())
+
+
+# -- couplings that a selection hid on a trace's first call ---------------------------------
+
+B = 6
+MIDDLE = torch.tensor([0, 1, 0, 1, 1, 0], dtype=torch.bool)  # the first and the last stay shut
+
+
+def _gated(kind: str, h: Tensor, gate: Tensor) -> Tensor:
+    """A coupling of the samples that ``gate`` (per sample, ``[B]``) opens."""
+    centred = h - h.mean(0)
+    if kind == "roll":  # each sample reads the one two before it: within even/odd groups
+        return h + torch.where(gate[:, None], h.roll(2, 0), 0.0)
+    if kind == "where":
+        return torch.where(gate[:, None], centred, h)
+    if kind == "masked_fill":
+        return h + centred.masked_fill(~gate[:, None], 0.0)
+    shift = torch.where(gate, 0.0, 100.0)[:, None]  # closes the ReLU / saturates the clamp
+    if kind == "relu":
+        return h + torch.relu(centred - shift)
+    if kind == "relu_inplace":
+        return h + F.relu(centred - shift, inplace=True)
+    if kind == "clamp":
+        return h + (centred - shift).clamp(min=-1.0)
+    raise AssertionError(kind)
+
+
+KINDS = ["where", "masked_fill", "relu", "relu_inplace", "clamp", "roll"]
+GATES = [torch.zeros(B, dtype=torch.bool), MIDDLE, torch.ones(B, dtype=torch.bool)]
+
+
+def _params() -> dict[str, Tensor]:
+    torch.manual_seed(1)
+    return {"w": torch.randn(3, 4, dtype=DOUBLE), "u": torch.randn(4, 2, dtype=DOUBLE)}
+
+
+def _model(kind: str) -> Callable[[dict[str, Tensor], Tensor, Tensor], Tensor]:
+    def f(p: dict[str, Tensor], x: Tensor, gate: Tensor) -> Tensor:
+        h = _gated(kind, torch.tanh(x @ p["w"]), gate)
+        return (h @ p["u"]).pow(2).sum(1)
+    return f
+
+
+@pytest.mark.parametrize("backend", ["structured", "auto"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_coupling_a_selection_hid_on_the_first_call_is_seen(backend: str, kind: str) -> None:
+    """Shut on the first call (the derivatives were zero through it), opened later for middle
+    samples (the first and the last, checked by value on every call, stay shut): 0.01 to 0.65
+    off (relative) on structured and auto until session 29."""
+    params, f = _params(), _model(kind)
+    gramian = tg.gramian(f, backend=backend, batch_dim=0)
+    for gate in GATES:
+        x = torch.randn(B, 3, dtype=DOUBLE)
+        expected = dense_gramian(f, (params, x, gate)).shaped()
+        torch.testing.assert_close(gramian(params, x, gate), expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", ["structured", "auto"])
+def test_a_kernel_sees_a_coupling_a_selection_hid_on_the_first_call(backend: str) -> None:
+    """Kernels check the even- and the odd-numbered samples on every call, in the same
+    backward as the rows; a coupling within those groups (sample 4 reading sample 2), shut on
+    the first call, was missed (the gate is the inputs' last column)."""
+    params, model = _params(), _model("roll")
+
+    def f(p: dict[str, Tensor], x: Tensor) -> Tensor:
+        return model(p, x[:, :3], x[:, 3] > 0.5)[:, None]
+
+    ntk_fn = tg.ntk.empirical_ntk_fn(f, trace_axes=(), backend=backend)
+    for gate in [GATES[0], torch.tensor([0, 0, 1, 0, 1, 0], dtype=torch.bool)]:
+        x = torch.cat([torch.randn(B, 3, dtype=DOUBLE), gate[:, None].to(DOUBLE)], 1)
+        torch.testing.assert_close(ntk_fn(x, None, params),
+                                   dense_cross_kernel(f, params, x, None, ()))
+
+
+def test_selections_of_independent_samples_stay_batched() -> None:
+    """ReLUs, clamps and per-sample masks that mix nothing: the opened check passes them and
+    the batched way runs (no false alarm), on the first call and after."""
+    params = _params()
+
+    def f(p: dict[str, Tensor], x: Tensor, gate: Tensor) -> Tensor:
+        h = torch.relu(x @ p["w"])
+        h = torch.where(gate[:, None], h.clamp(max=1.0), F.relu(-h, inplace=False))
+        return (h.masked_fill(h > 2.0, 0.0) @ p["u"]).pow(2).sum(1)
+
+    for gate in GATES:
+        args = (params, torch.randn(B, 3, dtype=DOUBLE), gate)
+        report = tg.explain(f, backend="structured", batch_dim=0, run=True)(*args)
+        assert report.ran is not None and report.ran.way == "batched", report.ran.notes
+        torch.testing.assert_close(report.gramian, dense_gramian(f, args).shaped(),
+                                   rtol=1e-10, atol=1e-12)
