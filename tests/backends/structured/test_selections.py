@@ -171,3 +171,71 @@ def test_selections_of_independent_samples_stay_batched() -> None:
         assert report.ran is not None and report.ran.way == "batched", report.ran.notes
         torch.testing.assert_close(report.gramian, dense_gramian(f, args).shaped(),
                                    rtol=1e-10, atol=1e-12)
+
+
+# -- the routing: node kinds, walked through the opened nodes -------------------------------
+
+def _thorough_checks(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Spy on tg.gramian's derivative checks: one entry per check, ``True`` if thorough."""
+    from torchgram.backends.structured import per_sample
+
+    calls: list[bool] = []
+    check = per_sample._check_derivatives
+
+    def spy(problem, forward, *, thorough):  # noqa: ANN001, ANN202
+        calls.append(thorough)
+        return check(problem, forward, thorough=thorough)
+
+    monkeypatch.setattr(per_sample, "_check_derivatives", spy)
+    return calls
+
+
+@pytest.mark.parametrize("backend", ["structured", "auto"])
+def test_a_coupling_added_by_python_control_flow_after_the_first_call_is_seen(
+        backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A closure flag that adds ``h.flip(0)`` (middle samples exchanged, the first and the
+    last kept) from the second call: no traced call changes and no index is saved, so the
+    trace's check was not run again: 1.53 off (session 28's hunt). The routing now holds the
+    graph's node kinds; a new kind means a new thorough check."""
+    params, thorough = _params(), _thorough_checks(monkeypatch)
+    flag = {"mix": False}
+
+    def f(p: dict[str, Tensor], x: Tensor) -> Tensor:
+        h = torch.tanh(x @ p["w"])
+        if flag["mix"]:
+            mixed = h.clone()
+            mixed[1:-1] = h[1:-1].flip(0)
+            h = mixed
+        return (h @ p["u"]).pow(2).sum(1)
+
+    gramian = tg.gramian(f, backend=backend, batch_dim=0)
+    for mix in (False, True, True):
+        flag["mix"] = mix
+        x = torch.randn(B, 3, dtype=DOUBLE)
+        torch.testing.assert_close(gramian(params, x), dense_gramian(f, (params, x)).shaped(),
+                                   rtol=1e-10, atol=1e-12)
+    assert thorough[:2] == [True, True]
+
+
+def test_the_opened_run_and_the_later_ones_have_one_routing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first run's opened nodes are walked through, so the second call (not opened) of
+    code with selections and index routes is not checked again; code alternating between
+    two graphs is checked once per graph."""
+    params, thorough = _params(), _thorough_checks(monkeypatch)
+    flag = {"bias": False}
+
+    def f(p: dict[str, Tensor], x: Tensor) -> Tensor:
+        h = torch.relu(x @ p["w"])[torch.arange(x.shape[0])]  # an index route: the identity
+        h = torch.where(h > 0.5, h, h.clamp(max=0.1))
+        if flag["bias"]:
+            h = h + 1.0
+        return (h @ p["u"]).pow(2).sum(1)
+
+    gramian = tg.gramian(f, backend="structured", batch_dim=0)
+    for bias in (False, False, True, False, True, False):
+        flag["bias"] = bias
+        x = torch.randn(B, 3, dtype=DOUBLE)
+        torch.testing.assert_close(gramian(params, x), dense_gramian(f, (params, x)).shaped(),
+                                   rtol=1e-10, atol=1e-12)
+    assert thorough == [True, True]

@@ -206,7 +206,7 @@ def _batched(problem: Problem) -> tuple[Forward, StructuredPlan] | None:
         expected = traced.plans[key] = restrict(traced, tapped)
     try:
         forward = batched_forward(  # NOTE [opened selections]
-            problem, expected, open_selections=traced.checked_routing is None)
+            problem, expected, open_selections=not traced.checked_routings)
     except TraceMismatch:
         forget_trace(problem)
         return None
@@ -257,10 +257,12 @@ def derivative_check_cheaper(forward_flops: float, samples: int) -> bool:
 # coupling is mostly a property of the code -- and again whenever the index tensors that
 # route the batched graph's cotangents change (NOTE [routing values]: f(p, x) =
 # model(x)[x[:, 0].argsort()], sorted on the first call, was 0.34-0.95 off on later calls
-# exchanging samples 0 and 2). A failed check means the rows of the whole batch (NOTE
-# [per-sample]). Two directions
-# cost about a forward of the batch, so for large batches (where one more evaluation of
-# f on two samples is cheaper) the value check of tg.gramian's batched way runs instead:
+# exchanging samples 0 and 2) or the kinds of the graph's nodes (code that adds a node mixing
+# the samples after the first call; each routing once, Recording.checked_routings). The first
+# run of a trace has its selections opened (NOTE [opened selections]). A failed check means
+# the rows of the whole batch (NOTE [per-sample]). Two directions cost about a forward of
+# the batch, so for large batches (where one more evaluation of f on two samples is
+# cheaper) the value check of tg.gramian's batched way runs instead:
 # derivative_check_cheaper compares the two from the plan's forward cost.
 
 
@@ -274,7 +276,7 @@ def _checked_chunks(problem: Problem, forward: Forward, recording: Recording,
     total, samples = forward.rows_per_sample, forward.samples
     routing = forward.routing
     # groups separating every pair: once per trace and routing (NOTE [derivative check])
-    thorough = recording.checked_routing != routing
+    thorough = routing not in recording.checked_routings
     checks = len(separating_groups(samples) if thorough else even_odd(samples))
     for start in range(0, total, per_pass):
         stop = min(start + per_pass, total)
@@ -299,7 +301,7 @@ def _checked_chunks(problem: Problem, forward: Forward, recording: Recording,
                 _check_leaks([None if g is None else g[first:] for g in grads], forward,
                              extra, others, viewed=True)
             if thorough:
-                recording.checked_routing = routing
+                recording.note_checked(routing)
         yield start, stop, [None if g is None else g[:first] for g in grads]
 
 

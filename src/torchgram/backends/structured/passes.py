@@ -54,6 +54,7 @@ from torchgram._core.problem import Problem
 from torchgram._core.result import NO_AUX
 from torchgram._core.signature import LruCache, call_signature
 from torchgram._core.threads import math_attention
+from torchgram.backends.structured.selections import OPENED_NODE
 from torchgram.backends.structured.trace import (
     NotBatched,
     Recording,
@@ -230,7 +231,9 @@ class Forward:
         merged_acts: ``batched`` only: the activations whose samples are merged in one dim,
             and that dim (their order is checked against samples run without the others).
         routing: ``batched`` only: the routing digest of the run's graph (NOTE [routing
-            values]), read by the derivative checks.
+            values]) and the kinds of its nodes in walk order (code that adds a node mixing
+            the samples, ``h.flip(0)`` behind a Python flag, changes them), read by the
+            derivative checks.
     """
 
     kind: ForwardKind
@@ -359,7 +362,9 @@ def batched_forward(problem: Problem, traced: Recording, *,
     except NotBatched:
         return None
     mode.finish()
-    nodes = list(_torch_compat.graph_nodes(rows))  # walked once, for two checks
+    # walked once, for two checks; the opened selections' nodes as if absent (NOTE [opened
+    # selections]: the first run's routing is the later ones')
+    nodes = list(_torch_compat.graph_nodes(rows, transparent=(OPENED_NODE,)))
     _check_no_unseen_uses(rows, carriers, nodes)
     if mode.not_batched is not None:
         return None
@@ -382,7 +387,8 @@ def batched_forward(problem: Problem, traced: Recording, *,
                    order=problem.sample_major_index if per_sample > 1 else None,
                    merged_acts={i: axis.dim for i, axis in act_dims.items()
                                 if axis is not None and axis.merged},
-                   routing=_torch_compat.routing_values(nodes, samples))
+                   routing=(_torch_compat.routing_values(nodes, samples),
+                            tuple(type(node) for node in nodes)))
 
 
 def _merged_taps_have_acts(run: Recording, tap_dims: Sequence[SampleAxis | None],

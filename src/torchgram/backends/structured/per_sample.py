@@ -91,7 +91,7 @@ def _forward(problem: Problem, traced: Recording, *,
     try:
         if not fallback and traced.merged_order is not False:
             forward = batched_forward(  # NOTE [opened selections]
-                problem, expected, open_selections=traced.checked_routing is None)
+                problem, expected, open_selections=not traced.checked_routings)
             if forward is not None and _check_batched(problem, forward, traced):
                 return forward, traced
         return _one_sample_at_a_time(problem, expected, fallback), traced
@@ -131,7 +131,11 @@ def _check_batched(problem: Problem, forward: Forward, traced: Recording) -> boo
     compared on every call. The derivatives are checked again when the index tensors that
     route the batched graph's cotangents change (``h[x[:, 0].argsort()]``: a first call on
     sorted inputs passed, and later calls exchanging samples 1 and 2, which the two samples
-    run apart do not see, were 0.5 to 0.7 off before session 28; NOTE [routing values]).
+    run apart do not see, were 0.5 to 0.7 off before session 28; NOTE [routing values]),
+    and when the kinds of the graph's nodes change (Python control flow that adds
+    ``h.flip(0)`` from the second call was 1.53 off before session 29). Each routing is
+    checked once (:attr:`Recording.checked_routings`), and the first run of a trace has its
+    selections opened (NOTE [opened selections]).
     """
     if forward.recording.coupling:
         raise NotPerSample(f"f calls {forward.recording.coupling[0]}: its samples interact")
@@ -143,12 +147,12 @@ def _check_batched(problem: Problem, forward: Forward, traced: Recording) -> boo
         return True
     routing = forward.routing
     # the thorough derivative check: once per trace and routing (NOTE [routing values])
-    thorough = traced.checked_routing != routing
+    thorough = routing not in traced.checked_routings
     if problem.draw.random:  # samples cannot run apart with the batch's draws
         if forward.merged_acts and not traced.merged_order:
             return False
         _check_derivatives(problem, forward, thorough=thorough)
-        traced.checked_routing = routing
+        traced.note_checked(routing)
         return True
     samples = [0, batch.size - 1]
     rows, same = [], True
@@ -164,7 +168,7 @@ def _check_batched(problem: Problem, forward: Forward, traced: Recording) -> boo
         traced.merged_order = same
     if same and thorough:  # outputs can hide a coupling
         _check_derivatives(problem, forward, thorough=True)
-        traced.checked_routing = routing
+        traced.note_checked(routing)
     return same
 
 

@@ -185,6 +185,12 @@ class StepTap:
     steps: tuple[Tensor, ...] | None
 
 
+CHECKED_ROUTINGS = 64
+"""Most routings a trace remembers as checked (:attr:`Recording.checked_routings`): code that
+alternates between a few graphs (a mask dropped when a batch has no padding) checks each
+once."""
+
+
 @dataclass
 class Recording:
     """What a run of ``f`` under :class:`TapMode` found."""
@@ -216,11 +222,18 @@ class Recording:
     merged_order: bool | None = field(default=None, compare=False, repr=False)
     """Whether the merged sample dims of a batched run of this trace hold each sample's
     entries together (``None``: not checked yet; NOTE [checking the batched pass])."""
-    checked_routing: tuple[Any, ...] | None = field(default=None, compare=False, repr=False)
-    """The routing digest of the batched graph on which a run of this trace last showed, by
-    the thorough derivative check, that no sample's rows reach another sample's taps
-    (``None``: never; NOTE [checking the batched pass], NOTE [derivative check]): another
-    digest, another thorough check."""
+    checked_routings: set[Any] = field(default_factory=set, compare=False, repr=False)
+    """The routings (:attr:`Forward.routing`: the batched graph's routing digest and node
+    kinds) on which a run of this trace showed, by the thorough derivative check, that no
+    sample's rows reach another sample's taps (empty: never; NOTE [checking the batched
+    pass], NOTE [derivative check]): another routing, another thorough check. At most
+    :data:`CHECKED_ROUTINGS` are kept (then it starts afresh)."""
+
+    def note_checked(self, routing: Any) -> None:
+        """Note that the thorough check passed on ``routing`` (:attr:`checked_routings`)."""
+        if len(self.checked_routings) >= CHECKED_ROUTINGS:
+            self.checked_routings.clear()
+        self.checked_routings.add(routing)
 
     def uses_of(self, leaf: int) -> list[UseRecord]:
         """The recognised uses of ``leaf``, in call order."""
