@@ -170,6 +170,22 @@ class Route:
 
 
 @dataclass(frozen=True)
+class Gate:
+    """A coupling of the samples opened by a per-sample selection, shut on the first call.
+
+    ``h + select(mask, mix(h))``: ``mix`` is the batch mean's deviation or ``h.roll(2, 0)``
+    (each sample reads the one two before it: within the even or the odd samples); the mask
+    holds samples ``b % 3 == 1`` (middle ones, never the first; the last only when B = 2)
+    once the case's ``open_gates`` switch is on (the repeated call, ``repeat="open_gates"``),
+    none before; the selection is a ``where``, a ``masked_fill`` or a ReLU shut by a large
+    shift (NOTE [opened selections]).
+    """
+
+    mix: Literal["mean", "roll"] = "mean"
+    form: Literal["where", "masked_fill", "relu"] = "where"
+
+
+@dataclass(frozen=True)
 class Dropout:
     """``F.dropout`` in training mode: a random op."""
 
@@ -185,7 +201,7 @@ class FusedRnn:
 
 
 Layer = (Linear | Conv1d | Attention | RnnCell | Norm | Elementwise | Distance | Buffer
-         | Activation | TiedOut | Center | Route | Dropout | FusedRnn)
+         | Activation | TiedOut | Center | Route | Gate | Dropout | FusedRnn)
 
 
 @dataclass(frozen=True)
@@ -250,7 +266,7 @@ class FuzzCase:
     per_leaf: bool = False
     chunk_size: int | None = None
     memory_budget: int | None = None
-    repeat: Literal["none", "values", "skip_last"] = "none"
+    repeat: Literal["none", "values", "skip_last", "open_gates"] = "none"
     head_extra: Literal["none", "expand", "constant"] = "none"
     requires_grad: bool = False
     noncontiguous: bool = False
@@ -385,10 +401,11 @@ Get = Callable[[int, str], Tensor]
 
 
 def forward(case: FuzzCase, get: Get, x: Tensor, labels: Tensor | None, *,
-            skip_last: bool = False) -> Any:
+            skip_last: bool = False, open_gates: bool = False) -> Any:
     """The model of ``case`` on ``x`` (``[B, T, D]`` floats, or ``[B, T]`` ids), batch first.
 
-    ``skip_last``: leave the last layer out (a switch the call signature cannot see).
+    ``skip_last``: leave the last layer out; ``open_gates``: open the :class:`Gate` layers'
+    masks (switches the call signature cannot see).
     """
     inp = case.input
     if isinstance(inp, Tokens):
@@ -399,7 +416,8 @@ def forward(case: FuzzCase, get: Get, x: Tensor, labels: Tensor | None, *,
         if any(isinstance(layer, Activation) and layer.inplace for layer in case.layers):
             h = h.clone()  # in-place layers never write into the caller's input
     for i, layer in enumerate(case.layers[:-1] if skip_last else case.layers):
-        h = _layer(case, i, layer, h, get)
+        h = _gate(layer, h, open_gates) if isinstance(layer, Gate) else \
+            _layer(case, i, layer, h, get)
     out = _head(case.head, h, get, labels)
     if case.mixed_dtypes:
         gain = get(-3, "gain")
@@ -407,6 +425,18 @@ def forward(case: FuzzCase, get: Get, x: Tensor, labels: Tensor | None, *,
             type(out)(gain * t for t in out) if isinstance(out, tuple) else \
             {k: gain * v for k, v in out.items()}
     return out
+
+
+def _gate(layer: Gate, h: Tensor, open_gates: bool) -> Tensor:
+    """:class:`Gate`'s ``h + select(mask, mix(h))``."""
+    mask = torch.tensor([open_gates and b % 3 == 1 for b in range(h.shape[0])],
+                        device=h.device).reshape(-1, *(1,) * (h.dim() - 1))
+    mixed = h - h.mean(0, keepdim=True) if layer.mix == "mean" else h.roll(2, 0)
+    if layer.form == "where":
+        return h + torch.where(mask, mixed, 0.0)
+    if layer.form == "masked_fill":
+        return h + mixed.masked_fill(~mask, 0.0)
+    return h + torch.relu(mixed + torch.where(mask, 30.0, -30.0)) - 30.0 * mask  # shut
 
 
 def _owner(case: FuzzCase, i: int) -> int:
@@ -632,7 +662,8 @@ class Built:
     kwargs: dict[str, Any]
     options: dict[str, Any]
     module: nn.Module | None = None
-    switch: dict[str, bool] = field(default_factory=lambda: {"skip_last": False})
+    switch: dict[str, bool] = field(
+        default_factory=lambda: {"skip_last": False, "open_gates": False})
 
     @property
     def argnums(self) -> int | tuple[int, ...]:
@@ -836,7 +867,7 @@ def _build_function(case: FuzzCase, values: dict[tuple[int, str], Tensor],
         args = (groups[0], *inputs, groups[1])
         argnums = (0, -1)
     num_inputs = len(inputs)
-    switch = {"skip_last": False}
+    switch = {"skip_last": False, "open_gates": False}
     positional_keys = [k for k, _ in positional_buffers]
 
     def f(*args: Any, **kwargs: Any) -> Any:
@@ -870,7 +901,8 @@ def _build_function(case: FuzzCase, values: dict[tuple[int, str], Tensor],
             raise KeyError(key)
 
         xb = xb.movedim(case.input_dim, 0)
-        out = forward(case, get, xb, lab, skip_last=switch["skip_last"])
+        out = forward(case, get, xb, lab, skip_last=switch["skip_last"],
+                      open_gates=switch["open_gates"])
         return _finish(case, out, xb)
 
     keyword_dims = {name: case.input_dim if name == "x" else None for name in kwargs}
@@ -889,7 +921,7 @@ class FuzzModule(nn.Module):
                  frozen: set[tuple[int, str]], buffers: dict[tuple[int, str], Layer]) -> None:
         super().__init__()
         self.case = case
-        self.switch = {"skip_last": False}
+        self.switch = {"skip_last": False, "open_gates": False}
         owners: dict[str, _Holder] = {}
         for (layer, name), value in values.items():
             owner = _key(layer, name).partition(".")[0]
@@ -911,7 +943,8 @@ class FuzzModule(nn.Module):
             return getattr(getattr(self, owner), leaf)
 
         xb = x.movedim(self.case.input_dim, 0)
-        out = forward(self.case, get, xb, labels, skip_last=self.switch["skip_last"])
+        out = forward(self.case, get, xb, labels, skip_last=self.switch["skip_last"],
+                      open_gates=self.switch["open_gates"])
         return _finish(self.case, out, xb)
 
 

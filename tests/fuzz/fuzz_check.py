@@ -113,8 +113,8 @@ def oracle(case: FuzzCase, *, repeated: bool = False,
     built = build(case, None if random or in_case_dtype else torch.float64)
     if repeated and case.repeat == "values":
         built = rescaled(built, REPEAT_SCALE)
-    if repeated and case.repeat == "skip_last":
-        built.switch["skip_last"] = True
+    if repeated and case.repeat in ("skip_last", "open_gates"):
+        built.switch[case.repeat] = True
     g, args = built.oracle()
     argnums = built.argnums
     nums = (argnums,) if isinstance(argnums, int) else argnums
@@ -181,7 +181,7 @@ def check(case: FuzzCase, backend: str) -> str:
     if case.repeat == "values":
         built = rescaled(built, REPEAT_SCALE)
     else:
-        built.switch["skip_last"] = True
+        built.switch[case.repeat] = True
     second = _call(case, built, backend, oracle_or_refusal(case, repeated=True))
     return outcome if outcome == second else f"{outcome}, then {second}"
 
@@ -264,6 +264,9 @@ def check_eager(case: FuzzCase, recorded: bool) -> str:
     if case.alias_tied or case.grad_mode == "no_grad":
         return "not applicable"
     outcomes = [_check_eager_once(case, recorded)]
+    if case.repeat == "open_gates":  # the same signature with the gates opened (NOTE [opened
+        # selections in probes]): the first call's probes must not decide for this one
+        outcomes.append(_check_eager_once(case, recorded, open_gates=True))
     if any(isinstance(layer, Route) for layer in case.layers):
         # the same graph signature routing otherwise (NOTE [routing values]): a first call
         # whose order was the identity must not decide for this one
@@ -278,14 +281,15 @@ def rerouted(case: FuzzCase) -> FuzzCase:
         if isinstance(layer, Route) else layer for layer in case.layers))
 
 
-def _check_eager_once(case: FuzzCase, recorded: bool) -> str:
-    expected = oracle(case)
+def _check_eager_once(case: FuzzCase, recorded: bool, *, open_gates: bool = False) -> str:
+    expected = oracle(case, repeated=open_gates)
     if expected is None:
         return "not applicable"
     want = expected.shaped(diagonal=case.diagonal)
     outcomes = []
     for batch_dim in dict.fromkeys([case.batch_dim, None]):
         built = build(case)
+        built.switch["open_gates"] = open_gates
         snapshot = Snapshot.take(built.args, built.kwargs, built.module)
         try:
             G, leaves = _eager_gramian(case, built, recorded, batch_dim)

@@ -36,6 +36,7 @@ from fuzz_arch import (
     Features,
     FusedRnn,
     FuzzCase,
+    Gate,
     Head,
     Layer,
     Linear,
@@ -108,6 +109,7 @@ def _layer(draw: st.DrawFn, backend: str, width: int, length: int, tokens: Token
         kinds.append("tied_out")
     kinds.append("center")
     kinds.append("route")
+    kinds.append("gate")
     if not known_issue("random_ops_under_functorch", backend):
         kinds.append("dropout")
     kinds.append("fused_rnn")
@@ -186,6 +188,9 @@ def _layer(draw: st.DrawFn, backend: str, width: int, length: int, tokens: Token
                                 max_size=batch)))]))
         return Route(order=order, form=draw(st.sampled_from(["index", "gather", "index_select",
                                                              "index_put"])))
+    if kind == "gate":  # opened on the repeated call (repeat="open_gates")
+        return Gate(mix=draw(st.sampled_from(["mean", "roll"])),
+                    form=draw(st.sampled_from(["where", "masked_fill", "relu"])))
     if kind == "dropout":
         return Dropout(p=0.5)
     kind = draw(st.sampled_from(["tanh", "relu", "gelu", "sigmoid", "softplus", "silu"]))
@@ -256,6 +261,8 @@ def cases(draw: st.DrawFn, backend: str, in_place: bool = False) -> FuzzCase:
         layers = [Buffer(layer.shape, layer.op, "closure") if isinstance(layer, Buffer)
                   else layer for layer in layers]
     repeat = draw(st.sampled_from(["none", "none", "values", "skip_last"]))
+    if any(isinstance(layer, Gate) for layer in layers):
+        repeat = "open_gates"  # the case's point: shut on the first call, open on the second
     if repeat == "skip_last" and layers and head.kind in ("ce", "token_ce"):
         before = walk_shapes(case_input, length, tuple(layers[:-1]))
         if (before.width, before.length) != (shapes.width, shapes.length):

@@ -244,6 +244,12 @@ def _gated(kind: str, gate: Tensor, h: Tensor) -> Tensor:
         return torch.where(gate, h.flip(0), h)
     if kind == "mask":  # a per-sample mask
         return torch.where(gate[:, None], h - h.mean(0), h)
+    if kind == "roll":  # a per-sample mask; each sample reads the one two before it
+        return h + torch.where(gate[:, None], h.roll(2, 0), 0.0)
+    if kind == "clamp":  # a saturated clamp
+        return h + (h - h.mean(0) - gate).clamp(min=-1.0)
+    if kind == "relu_":  # in place
+        return h + torch.relu_(h - h.mean(0) - gate)
     return h + torch.relu(h - h.mean(0) - gate)  # a threshold closing a ReLU
 
 
@@ -251,24 +257,39 @@ GATES = {"flag": [torch.tensor(False), torch.tensor(True), torch.tensor(True)],
          "mask": [torch.zeros(B, dtype=torch.bool), torch.tensor([1, 0, 1, 0, 0, 1]).bool(),
                   torch.ones(B, dtype=torch.bool)],
          "relu": [torch.tensor(100.0, dtype=DOUBLE), torch.tensor(-100.0, dtype=DOUBLE),
-                  torch.tensor(0.0, dtype=DOUBLE)]}
-OPEN = pytest.mark.xfail(strict=True, reason="open (session 28): a coupling that a selection "
-                         "(a per-sample where mask, a closed ReLU) hid on a signature's first "
-                         "call is missed by the recorded tap layouts cached from it")
-
-
-@pytest.mark.parametrize(("kind", "recorded"), [
-    ("flag", False), ("flag", True), ("mask", False), ("relu", False),
-    pytest.param("mask", True, marks=OPEN), pytest.param("relu", True, marks=OPEN)])
+                  torch.tensor(0.0, dtype=DOUBLE)],
+         "roll": [torch.zeros(B, dtype=torch.bool), torch.tensor([0, 0, 1, 0, 1, 0]).bool(),
+                  torch.tensor([0, 1, 1, 1, 0, 0]).bool()]}
+GATES["clamp"] = GATES["relu_"] = GATES["relu"]
+@pytest.mark.parametrize("recorded", [False, True], ids=["walked", "recorded"])
+@pytest.mark.parametrize("kind", ["flag", "mask", "relu", "relu_", "clamp", "roll"])
 def test_a_branch_mixing_the_samples_opened_after_the_first_call(kind: str, recorded: bool
                                                                  ) -> None:
     """``where(flag, h.flip(0), h)`` with the flag False on the first call was 0.79 off on the
     next ones, walked and recorded (a helper's hunt, session 28): a condition broadcast along
     the samples now counts in the routing digest. Per-sample masks and ReLU thresholds do not
-    (they change every batch): the walk is right anyway, ``record`` is not (marked open)."""
+    (they change every batch): the walk is right anyway, and ``record``'s probes open the
+    graph's selections (NOTE [opened selections in probes]; 0.14-0.86 off before session
+    29)."""
     clear_caches()
     module = model()
     for gate in GATES[kind]:
         x = torch.randn(B, 5, dtype=DOUBLE)
         check(module, lambda p, x=x, gate=gate: _gated(kind, gate, call(module, "", p, x))
               .pow(2).sum(1), recorded)
+
+
+@pytest.mark.parametrize("kind", ["mask", "roll"])
+def test_a_recorded_branch_opened_later_behind_a_module_hook(kind: str) -> None:
+    """With a module backward hook in the graph the recorded passes walk it (no engine pass,
+    NOTE [eager taps]): the probes open the selections in the walk's node calls too."""
+    clear_caches()
+    module = model()
+    handle = module[2].register_full_backward_hook(lambda *args: None)
+    try:
+        for gate in GATES[kind]:
+            x = torch.randn(B, 5, dtype=DOUBLE)
+            check(module, lambda p, x=x, gate=gate: _gated(kind, gate, call(module, "", p, x))
+                  .pow(2).sum(1), True)
+    finally:
+        handle.remove()

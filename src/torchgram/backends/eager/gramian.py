@@ -22,6 +22,7 @@ Samples that interact (a call the recording knows to mix them, or a probe showin
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -68,6 +69,7 @@ from torchgram.backends.structured.contraction import (
     to_row_major,
 )
 from torchgram.backends.structured.cost import Sizes, plan_leaves
+from torchgram.backends.structured.selections import OpenedCaller, opened_nodes
 from torchgram.backends.structured.trace import Recording as UseTable
 from torchgram.backends.structured.trace import TapRecord, UseRecord
 
@@ -334,14 +336,24 @@ def _contract(api: str, recording: Recording, graph: GraphIndex, tapped: _Tapped
     caller = NodeCaller(chunk_size)
     taps = sorted(tapped.slots)
 
+    def passes(seeds: list[Tensor], slots: list[Edge], free: bool, *,
+               opened: bool) -> list[Tensor | None]:
+        if engine:
+            with opened_nodes(graph.nodes()) if opened else contextlib.nullcontext():
+                return engine_cotangents(rows.outputs, slots, seeds, retain_graph=not free,
+                                         vectorize=chunk_size != 1)
+        return walk_cotangents(rows.outputs, slots, seeds,
+                               OpenedCaller(chunk_size) if opened else caller)
+
     @by_steps
     def cotangents(seeds: list[Tensor], slots: list[Edge], free: bool) -> list[Tensor | None]:
-        if engine:
-            return engine_cotangents(rows.outputs, slots, seeds, retain_graph=not free,
-                                     vectorize=chunk_size != 1)
-        return walk_cotangents(rows.outputs, slots, seeds, caller)
+        return passes(seeds, slots, free, opened=False)
 
-    layouts = _layouts(recording, graph, tapped, taps, rows, cotangents, report)
+    @by_steps
+    def probes(seeds: list[Tensor], slots: list[Edge], free: bool) -> list[Tensor | None]:
+        return passes(seeds, slots, free, opened=True)  # NOTE [opened selections in probes]
+
+    layouts = _layouts(recording, graph, tapped, taps, rows, probes, report)
     if layouts.failed:  # inputs whose taps have no layout go to the walk
         for i in list(tapped.inputs):
             bad = [use.tap for use in tapped.uses[i] if use.tap in layouts.failed]
@@ -588,9 +600,12 @@ def _pullback(contraction: Contraction, fast: dict[int, _FastLeaf], rm_rows: _Ro
 
 def _layouts(recording: Recording, graph: GraphIndex, tapped: _Tapped, taps: list[int],
              rows: Rows,
-             cotangents: Callable[[list[Tensor], list[TapSlot], bool], list[Tensor | None]],
+             probes: Callable[[list[Tensor], list[TapSlot], bool], list[Tensor | None]],
              report: RunReport) -> _Layouts:
     """Each tap's sample layout: from the shapes, the cache, or a probe (NOTE [sample layouts]).
+
+    ``probes`` runs the probes' passes, with the graph's selections opened (NOTE [opened
+    selections in probes]).
 
     A tap without a layout of its own that meets the batch is read there (NOTE [eager shared
     taps]): its slot in ``tapped`` becomes the meeting's.
@@ -629,15 +644,15 @@ def _layouts(recording: Recording, graph: GraphIndex, tapped: _Tapped, taps: lis
     if choices is None:
         probed = probe_samples(samples)
         slots = [tapped.slots[tap] for tap in taps] + [meetings[tap][1] for tap in met]
-        probes = cotangents(rows.probe_seeds(probed), slots, False)
+        found = probes(rows.probe_seeds(probed), slots, False)
 
         def pick(layouts: list[SampleLayout], probe: Tensor | None) -> Choice:
             return choose(layouts, [(s, None if probe is None else probe[j])
                                     for j, s in enumerate(probed)], samples)
 
-        own = [pick(options[tap], probe) for tap, probe in zip(taps, probes, strict=False)]
+        own = [pick(options[tap], probe) for tap, probe in zip(taps, found, strict=False)]
         at_meeting = {tap: pick(met_options[tap], probe)
-                      for tap, probe in zip(met, probes[len(taps):], strict=True)}
+                      for tap, probe in zip(met, found[len(taps):], strict=True)}
         choices = tuple(_shared(recording, tap, own[k], at_meeting.get(tap), meetings)
                         for k, tap in enumerate(taps))
         LAYOUT_CACHE.put(key, choices)

@@ -64,6 +64,7 @@ from torchgram.backends.eager.samples import SampleLayout, candidates, choose, p
 from torchgram.backends.graph.node_rules import expanded_by_rule
 from torchgram.backends.graph.nodes import Edge, NodeCaller, input_slots, node_name
 from torchgram.backends.graph.walk import WalkPlan, _priority
+from torchgram.backends.structured.selections import SELECTION_NODES, open_grads
 
 _EXPANDED = "expanded"
 Decision = SampleLayout | str
@@ -106,6 +107,7 @@ class SparseWalk:
         self.rows = rows
         self.samples = rows.samples
         self.caller = caller
+        self._probing = False
         self.edges = [get_gradient_edge(out) for out in rows.outputs]
         self.plan = WalkPlan([edge.node for edge in self.edges], targets)
         leaves = [node for node in self.plan.needed if _torch_compat.is_leaf_accumulator(node)]
@@ -125,7 +127,7 @@ class SparseWalk:
         """Push row directions ``start:stop`` (and probes, if undecided) to the targets."""
         cached = _DECISIONS.get(self.key)
         decisions: dict[tuple[int, ...], Decision] = {} if cached is None else dict(cached)
-        probing = cached is None
+        probing = self._probing = cached is None
         self.result.probed = self.result.probed or probing
         count = stop - start
         probes = probe_samples(self.samples) if probing else ()
@@ -171,7 +173,7 @@ class SparseWalk:
         """The node's rows on each wanted edge, compact or expanded (NOTE above)."""
         if any(slot is not None and slot.layout is None for slot in slots):
             expanded = [None if slot is None else self._expand(slot, count) for slot in slots]
-            outs = self.caller(node, expanded, edges)
+            outs = self._node_call(node, expanded, edges)
             return [(edge, _Slot(out, None)) for edge, out in zip(edges, outs, strict=True)
                     if edge is not None and out is not None]
         want: dict[int, Decision | None] = {}
@@ -197,7 +199,7 @@ class SparseWalk:
         results: list[tuple[Edge, _Slot]] = []
         compact_outs: list[Tensor | None] = [None] * len(edges)
         if any(e is not None for e in compact_edges):
-            compact_outs = self.caller(node, [None if s is None else s.rows for s in slots],
+            compact_outs = self._node_call(node, [None if s is None else s.rows for s in slots],
                                        compact_edges)
         for k, edge in enumerate(edges):
             out = compact_outs[k]
@@ -224,6 +226,18 @@ class SparseWalk:
                                                                  count), strict=True)
                         if edge is not None and out is not None]
         return results
+
+    def _node_call(self, node: Node, grads: list[Tensor | None],
+                   edges: list[Edge | None]) -> list[Tensor | None]:
+        """The caller's gradients; a selection's opened while probing.
+
+        NOTE [opened selections in probes]: the direction rows are finite, so only the
+        probes' rows change.
+        """
+        outs = self.caller(node, grads, edges)
+        if self._probing and type(node).__name__ in SELECTION_NODES:
+            return list(open_grads(outs, grads[0]))
+        return outs
 
     def _edge_key(self, node: Node, k: int) -> tuple[int, ...]:
         """The key of a decision for ``node``'s ``k``-th edge alone (not its child's slot)."""
@@ -260,7 +274,7 @@ class SparseWalk:
             return ruled
         self.result.expanded_nodes[name] = self.result.expanded_nodes.get(name, 0) + 1
         expanded = [None if s is None else self._expand(s, count) for s in slots]
-        return self.caller(node, expanded, edges)
+        return self._node_call(node, expanded, edges)
 
     def _accumulate(self, frontier: dict[Node, list[_Slot | None]], edge: Edge, slot: _Slot,
                     count: int) -> None:
