@@ -519,18 +519,15 @@ class TapMode(TorchFunctionMode):
 
         NOTE [in-place modifications], NOTE [opened selections].
         """
-        for owner, version, rule in self._act_versions:
-            now = _torch_compat.version(owner)
+        kept = [(owner, version, f"an input of a {rule} call that uses a parameter")
+                for owner, version, rule in self._act_versions]
+        kept += [(output, version, f"the output of {name}, which its backward saves")
+                 for output, version, name in self._saved_outputs]
+        for tensor, version, what in kept:
+            now = _torch_compat.version(tensor)
             if now != version:
-                raise ModifiedInPlace(
-                    f"an input of a {rule} call that uses a parameter, modified in place "
-                    f"after that call (version {version} then, {now} at the end)")
-        for output, version, name in self._saved_outputs:
-            now = _torch_compat.version(output)
-            if now != version:
-                raise ModifiedInPlace(
-                    f"the output of {name}, which its backward saves, modified in place "
-                    f"after that call (version {version} then, {now} at the end)")
+                raise ModifiedInPlace(f"{what}, modified in place after that call (version "
+                                      f"{version} then, {now} at the end)")
 
     # -- bookkeeping ------------------------------------------------------------------------
 
