@@ -213,14 +213,51 @@ def test_routing_values_tell_apart_the_indices_nodes_route_by(route: str) -> Non
 
 
 def test_routing_values_leave_out_indices_that_route_within_a_row() -> None:
-    """Targets, dropout masks and token ids change every batch: not in the digest."""
+    """Targets, dropout masks and token ids change every batch: not in the digest (which
+    holds only the nodes' fixed settings then, the same for every batch)."""
     table = torch.randn(5, 3, requires_grad=True)
-    for _ in range(2):
+    digests = set()
+    for _ in range(3):
         ids = torch.randint(0, 5, (4,))
         logits = torch.nn.functional.dropout(torch.nn.functional.embedding(ids, table), 0.5)
         loss = torch.nn.functional.cross_entropy(logits, torch.randint(0, 3, (4,)),
                                                  reduction="none")
-        assert compat.routing_values(compat.graph_nodes(loss)) == ()
+        digest = compat.routing_values(compat.graph_nodes(loss))
+        assert not any(isinstance(entry[-1], tuple) for entry in digest)  # no tensor digest
+        digests.add(digest)
+    assert len(digests) == 1
+
+
+SLICED = {  # the same nodes and shapes, other integers
+    "slices": (lambda h: torch.cat([h[:1], h[1:2], h[2:3], h[3:]]),
+               lambda h: torch.cat([h[:1], h[2:3], h[1:2], h[3:]])),
+    "select": (lambda h: torch.stack([h[0], h[1], h[2], h[3]]),
+               lambda h: torch.stack([h[0], h[2], h[1], h[3]])),
+    "roll": (lambda h: h.roll(1, 0), lambda h: h.roll(2, 0)),
+    "softmax dim": (lambda h: h.softmax(1), lambda h: h.softmax(0)),
+    "narrow": (lambda h: torch.cat([h.narrow(0, 2, 2), h.narrow(0, 0, 2)]),
+               lambda h: torch.cat([h.narrow(0, 1, 2), h.narrow(0, 3, 1), h.narrow(0, 0, 1)])),
+}
+
+
+@pytest.mark.parametrize("route", list(SLICED))
+def test_routing_values_hold_the_integers_nodes_place_rows_by(route: str) -> None:
+    """Python integers (a slice's bounds, a select's index, roll's shifts, a reduction's dim)
+    chosen by control flow route the rows with the same node kinds and shapes (session 29:
+    samples 1 and 2 exchanged by slices were 0.43 off on structured, 0.11 recorded)."""
+    h = torch.randn(4, 3, requires_grad=True)
+    first, second = (compat.routing_values(compat.graph_nodes(f(h))) for f in SLICED[route])
+    assert first != second
+    assert first == compat.routing_values(compat.graph_nodes(SLICED[route][0](h)))
+
+
+def test_routing_values_leave_out_convolution_settings_and_sizes() -> None:
+    """A convolution never moves entries between samples, and shapes are the signature's."""
+    x = torch.randn(2, 3, 8, requires_grad=True)
+    w = torch.randn(4, 3, 3, requires_grad=True)
+    conv = torch.nn.functional.conv1d(x, w, stride=2, padding=1)
+    assert compat.routing_values([conv.grad_fn]) == ()
+    assert compat.routing_values([x.view(6, 8).grad_fn]) == ()
 
 
 def test_routing_values_read_a_custom_functions_ctx() -> None:

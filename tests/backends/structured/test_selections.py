@@ -239,3 +239,25 @@ def test_the_opened_run_and_the_later_ones_have_one_routing(
         torch.testing.assert_close(gramian(params, x), dense_gramian(f, (params, x)).shaped(),
                                    rtol=1e-10, atol=1e-12)
     assert thorough == [True, True]
+
+
+@pytest.mark.parametrize("backend", ["structured", "auto"])
+def test_samples_exchanged_by_python_integers_after_the_first_call_are_seen(
+        backend: str) -> None:
+    """``torch.cat`` of slices whose bounds a switch chooses: samples 1 and 2 exchanged with
+    the same nodes and shapes (0.43 off on structured, 0.15 on auto, before session 29); the
+    slices' integers count in the routing digest."""
+    params = _params()
+    swap = {"on": False}
+
+    def f(p: dict[str, Tensor], x: Tensor) -> Tensor:
+        h = torch.tanh(x @ p["w"])
+        parts = [h[:1], h[2:3], h[1:2], h[3:]] if swap["on"] else [h[:1], h[1:2], h[2:3], h[3:]]
+        return (torch.cat(parts) @ p["u"]).pow(2).sum(1)
+
+    gramian = tg.gramian(f, backend=backend, batch_dim=0)
+    for on in (False, True):
+        swap["on"] = on
+        x = torch.randn(B, 3, dtype=DOUBLE)
+        torch.testing.assert_close(gramian(params, x), dense_gramian(f, (params, x)).shaped(),
+                                   rtol=1e-10, atol=1e-12)
