@@ -265,7 +265,7 @@ def check_eager(case: FuzzCase, recorded: bool) -> str:
         return "not applicable"
     outcomes = [_check_eager_once(case, recorded)]
     if case.repeat == "open_gates":  # the same signature with the gates opened (NOTE [opened
-        # selections in probes]): the first call's probes must not decide for this one
+        # selections]): the first call's probes must not decide for this one
         outcomes.append(_check_eager_once(case, recorded, open_gates=True))
     if any(isinstance(layer, Route) for layer in case.layers):
         # the same graph signature routing otherwise (NOTE [routing values]): a first call

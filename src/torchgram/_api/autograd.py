@@ -53,7 +53,7 @@ def gramian(
     ``retain_graph=True`` the graph can be used afterwards (e.g. ``backward``). (With
     ``batch_dim``, the probes that locate the samples on a graph signature's first call hook
     its selection nodes for their own pass and remove the hooks right after: NOTE [opened
-    selections in probes].) The walk runs
+    selections].) The walk runs
     no hook; a recorded call's pass is one ``torch.autograd.grad`` when the graph has no hook
     torchgram can see (NOTE [eager taps]). torchgram cannot see the hooks added to the
     recorded graph *after* the ``record()`` block (``Tensor.register_hook``, ``retain_grad``,

@@ -34,7 +34,7 @@ import contextlib
 import hashlib
 import re
 import sys
-from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -147,13 +147,8 @@ def old_style_functions(output: Tensor) -> list[str]:
     return names
 
 
-def graph_nodes(output: Tensor, transparent: Collection[type] = ()) -> Iterator[Node]:
-    """The nodes of ``output``'s autograd graph, each once, depth first from its own.
-
-    Nodes of a ``transparent`` type are not given and only their first edge is followed:
-    the graph is walked as if they were not there (the identity nodes of NOTE [opened
-    selections], whose other edges lead where the selection's own do).
-    """
+def graph_nodes(output: Tensor) -> Iterator[Node]:
+    """The nodes of ``output``'s autograd graph, each once, depth first from its own."""
     seen: set[Node] = set()
     stack = [output.grad_fn]
     while stack:
@@ -161,9 +156,6 @@ def graph_nodes(output: Tensor, transparent: Collection[type] = ()) -> Iterator[
         if node is None or node in seen:
             continue
         seen.add(node)
-        if type(node) in transparent:
-            stack.append(node.next_functions[0][0])
-            continue
         yield node
         stack.extend(next_node for next_node, _ in node.next_functions)
 

@@ -269,7 +269,7 @@ def test_a_branch_mixing_the_samples_opened_after_the_first_call(kind: str, reco
     next ones, walked and recorded (a helper's hunt, session 28): a condition broadcast along
     the samples now counts in the routing digest. Per-sample masks and ReLU thresholds do not
     (they change every batch): the walk is right anyway, and ``record``'s probes open the
-    graph's selections (NOTE [opened selections in probes]; 0.14-0.86 off before session
+    graph's selections (NOTE [opened selections]; 0.14-0.86 off before session
     29)."""
     clear_caches()
     module = model()

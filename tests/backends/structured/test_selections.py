@@ -12,20 +12,22 @@ from torch import Tensor
 
 import torchgram as tg
 from reference import dense_cross_kernel, dense_gramian
-from torchgram.backends.structured.selections import check_weights, is_selection, opened
+from torchgram.backends.structured.selections import check_weights, opened_nodes
 
 DOUBLE = torch.float64
 NAN = math.nan
 
 
-# -- the opened call ------------------------------------------------------------------------
+# -- the opened nodes ----------------------------------------------------------------------
 
-def _opened_grads(func: Callable[..., Tensor], extra: tuple[object, ...],
-                  kwargs: dict[str, object], x: Tensor, cotangent: Tensor) -> Tensor:
+def _grads(func: Callable[..., Tensor], extra: tuple[object, ...], kwargs: dict[str, object],
+           x: Tensor, cotangent: Tensor, *, opened: bool) -> Tensor:
     leaf = x.clone().requires_grad_()
-    h = leaf * 1.0  # a non-leaf input, as a model's activations are
-    out = opened(lambda a, k: func(*a, **k), func, (h, *extra), kwargs)
-    return torch.autograd.grad(out, leaf, cotangent)[0]
+    out = func(leaf * 1.0, *extra, **kwargs)  # a non-leaf input, as a model's activations are
+    with opened_nodes([out.grad_fn] if opened else ()) as count:
+        grad = torch.autograd.grad(out, leaf, cotangent)[0]
+    assert count == (1 if opened else 0)
+    return grad
 
 
 SELECTIONS = {  # func, its arguments after the input, its keywords
@@ -34,9 +36,14 @@ SELECTIONS = {  # func, its arguments after the input, its keywords
     "F.relu(inplace)": (F.relu, (), {"inplace": True}),
     "clamp": (torch.Tensor.clamp, (-0.5, 0.5), {}),
     "clamp_": (torch.Tensor.clamp_, (-0.5, 0.5), {}),
+    "clamp_min": (torch.Tensor.clamp_min, (0.0,), {}),
     "where": (lambda h: torch.where(h > 0, h, 0.0), (), {}),
     "masked_fill_": (torch.Tensor.masked_fill_, (torch.tensor([0, 1, 0, 1]).bool(), 0.0), {}),
     "hardtanh(inplace)": (F.hardtanh, (-0.5, 0.5, True), {}),
+    "relu6": (F.relu6, (), {}),
+    "hardswish": (F.hardswish, (), {}),
+    "threshold": (F.threshold, (0.5, 0.0), {}),
+    "softshrink": (F.softshrink, (1.0,), {}),
 }
 
 
@@ -47,32 +54,38 @@ def test_an_opened_selection_keeps_its_gradient_and_lets_nan_through(name: str) 
     func, extra, kwargs = SELECTIONS[name]
     x = torch.tensor([2.0, -3.0, 0.25, -0.25], dtype=DOUBLE)
     cotangent = torch.tensor([1.0, 2.0, -3.0, 4.0], dtype=DOUBLE)
-    leaf = x.clone().requires_grad_()
-    expected = torch.autograd.grad(func(leaf * 1.0, *extra, **kwargs), leaf, cotangent)[0]
-    assert torch.equal(_opened_grads(func, extra, kwargs, x, cotangent), expected)
+    expected = _grads(func, extra, kwargs, x, cotangent, opened=False)
+    assert torch.equal(_grads(func, extra, kwargs, x, cotangent, opened=True), expected)
     closed = expected.eq(0)
     assert bool(closed.any())  # the case closes an entry: the test can fail
-    through = _opened_grads(func, extra, kwargs, x, torch.full_like(x, NAN))
-    assert bool(through.isnan().all())
+    nan = torch.full_like(x, NAN)
+    assert not bool(_grads(func, extra, kwargs, x, nan, opened=False).isnan().all())
+    assert bool(_grads(func, extra, kwargs, x, nan, opened=True).isnan().all())
     infinite = torch.where(closed, math.inf, cotangent)
-    assert not bool(_opened_grads(func, extra, kwargs, x, infinite).isnan().any())
+    assert not bool(_grads(func, extra, kwargs, x, infinite, opened=True).isnan().any())
 
 
 def test_a_broadcast_branch_gets_its_own_shape_and_dtype() -> None:
     h = torch.randn(3, 2, dtype=DOUBLE, requires_grad=True)
     fill = torch.randn(2, dtype=torch.float32, requires_grad=True)  # promoted in the where
     mask = torch.tensor([[True, False], [False, False], [True, True]])
-    out = opened(lambda a, k: torch.where(*a), torch.where, (mask, h, fill), {})
-    grad_h, grad_fill = torch.autograd.grad(out, [h, fill], torch.full((3, 2), NAN, dtype=DOUBLE))
+    out = torch.where(mask, h * 1.0, fill)
+    with opened_nodes([out.grad_fn]):
+        grad_h, grad_fill = torch.autograd.grad(out, [h, fill],
+                                                torch.full((3, 2), NAN, dtype=DOUBLE))
     assert grad_h.shape == (3, 2) and grad_fill.shape == (2,) and grad_fill.dtype == torch.float32
     assert bool(grad_h.isnan().all() and grad_fill.isnan().all())
 
 
-def test_what_is_a_selection() -> None:
-    x = torch.ones(2)
-    assert is_selection(torch.where, (x > 0, x, x)) and is_selection(F.hardswish, (x,))
-    assert is_selection(torch.maximum, (x, x)) and is_selection(torch.Tensor.min, (x, x))
-    assert not is_selection(torch.Tensor.min, (x, 0)) and not is_selection(torch.sigmoid, (x,))
+def test_the_nodes_are_left_without_hooks() -> None:
+    """The hooks go when the block ends, also when it raises."""
+    h = torch.randn(3, dtype=DOUBLE, requires_grad=True)
+    out = torch.relu(h * 1.0)
+    with pytest.raises(ZeroDivisionError), opened_nodes([out.grad_fn]):
+        raise ZeroDivisionError
+    cotangent = torch.tensor([NAN, NAN, NAN], dtype=DOUBLE)
+    grad = torch.autograd.grad(out, h, cotangent)[0]
+    assert bool((grad.isnan() == (h > 0)).all())  # the closed entries are zero again
 
 
 def test_the_check_weights_are_finite_under_anomaly_detection() -> None:
@@ -217,11 +230,9 @@ def test_a_coupling_added_by_python_control_flow_after_the_first_call_is_seen(
     assert thorough[:2] == [True, True]
 
 
-def test_the_opened_run_and_the_later_ones_have_one_routing(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The first run's opened nodes are walked through, so the second call (not opened) of
-    code with selections and index routes is not checked again; code alternating between
-    two graphs is checked once per graph."""
+def test_each_routing_is_checked_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Code with selections and index routes is checked on its first call only; code
+    alternating between two graphs is checked once per graph."""
     params, thorough = _params(), _thorough_checks(monkeypatch)
     flag = {"bias": False}
 

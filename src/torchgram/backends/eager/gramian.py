@@ -351,7 +351,7 @@ def _contract(api: str, recording: Recording, graph: GraphIndex, tapped: _Tapped
 
     @by_steps
     def probes(seeds: list[Tensor], slots: list[Edge], free: bool) -> list[Tensor | None]:
-        return passes(seeds, slots, free, opened=True)  # NOTE [opened selections in probes]
+        return passes(seeds, slots, free, opened=True)  # NOTE [opened selections]
 
     layouts = _layouts(recording, graph, tapped, taps, rows, probes, report)
     if layouts.failed:  # inputs whose taps have no layout go to the walk
@@ -605,7 +605,7 @@ def _layouts(recording: Recording, graph: GraphIndex, tapped: _Tapped, taps: lis
     """Each tap's sample layout: from the shapes, the cache, or a probe (NOTE [sample layouts]).
 
     ``probes`` runs the probes' passes, with the graph's selections opened (NOTE [opened
-    selections in probes]).
+    selections]).
 
     A tap without a layout of its own that meets the batch is read there (NOTE [eager shared
     taps]): its slot in ``tapped`` becomes the meeting's.

@@ -231,7 +231,7 @@ class SparseWalk:
                    edges: list[Edge | None]) -> list[Tensor | None]:
         """The caller's gradients; a selection's opened while probing.
 
-        NOTE [opened selections in probes]: the direction rows are finite, so only the
+        NOTE [opened selections]: the direction rows are finite, so only the
         probes' rows change.
         """
         outs = self.caller(node, grads, edges)

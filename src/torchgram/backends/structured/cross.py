@@ -74,6 +74,7 @@ from torchgram.backends.structured.per_sample import (
     per_sample_forward_checked,
 )
 from torchgram.backends.structured.plan import StructuredPlan, plan_problem, run_uses
+from torchgram.backends.structured.selections import opened_nodes
 from torchgram.backends.structured.trace import Recording, TraceMismatch, UseRecord
 
 MAX_PAIR_ELEMENTS = 2**25
@@ -205,8 +206,7 @@ def _batched(problem: Problem) -> tuple[Forward, StructuredPlan] | None:
     if expected is None:
         expected = traced.plans[key] = restrict(traced, tapped)
     try:
-        forward = batched_forward(  # NOTE [opened selections]
-            problem, expected, open_selections=not traced.checked_routings)
+        forward = batched_forward(problem, expected)
     except TraceMismatch:
         forget_trace(problem)
         return None
@@ -258,8 +258,9 @@ def derivative_check_cheaper(forward_flops: float, samples: int) -> bool:
 # route the batched graph's cotangents change (NOTE [routing values]: f(p, x) =
 # model(x)[x[:, 0].argsort()], sorted on the first call, was 0.34-0.95 off on later calls
 # exchanging samples 0 and 2) or the kinds of the graph's nodes (code that adds a node mixing
-# the samples after the first call; each routing once, Recording.checked_routings). The first
-# run of a trace has its selections opened (NOTE [opened selections]). A failed check means
+# the samples after the first call; each routing once, Recording.checked_routings). The
+# thorough check's pass has the graph's selections opened (NOTE [opened selections]). A
+# failed check means
 # the rows of the whole batch (NOTE [per-sample]). Two directions cost about a forward of
 # the batch, so for large batches (where one more evaluation of f on two samples is
 # cheaper) the value check of tg.gramian's batched way runs instead:
@@ -284,14 +285,20 @@ def _checked_chunks(problem: Problem, forward: Forward, recording: Recording,
         cot, others = _directions(problem, recording, rows, start, stop, extra, thorough)
         first = stop - start
         create_graph = problem.composition.create_graph
+        # the thorough check's pass opens the selections (the rows' cotangents are finite:
+        # unchanged); NOTE [opened selections]
+        opened = forward.selections if others is not None and thorough else ()
         if others is not None and create_graph:  # NaN directions stay out of a graph that a
-            # backward of G goes through (0 · NaN there); NOTE [opened selections]
-            _check_leaks(row_grads(rows, taps, cot[first:], batched=True, retain_graph=True,
-                                   create_graph=False), forward, extra, others)
-            cot = cot[:first]
+            # backward of G goes through (0 · NaN there)
+            with opened_nodes(opened):
+                _check_leaks(row_grads(rows, taps, cot[first:], batched=True,
+                                       retain_graph=True, create_graph=False),
+                             forward, extra, others)
+            cot, opened = cot[:first], ()
         batched = cot.shape[0] > 1
-        raw = row_grads(rows, taps, cot, batched=batched, retain_graph=stop < total,
-                        create_graph=create_graph)
+        with opened_nodes(opened):
+            raw = row_grads(rows, taps, cot, batched=batched, retain_graph=stop < total,
+                            create_graph=create_graph)
         grads = [None if g is None else
                  per_sample_view(g if batched else g.unsqueeze(0), dim, 1, samples)
                  for g, dim in zip(raw, forward.tap_dims, strict=True)]

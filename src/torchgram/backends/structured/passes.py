@@ -54,7 +54,7 @@ from torchgram._core.problem import Problem
 from torchgram._core.result import NO_AUX
 from torchgram._core.signature import LruCache, call_signature
 from torchgram._core.threads import math_attention
-from torchgram.backends.structured.selections import OPENED_NODE
+from torchgram.backends.structured.selections import SELECTION_NODES
 from torchgram.backends.structured.trace import (
     NotBatched,
     Recording,
@@ -234,6 +234,8 @@ class Forward:
             values]) and the kinds of its nodes in walk order (code that adds a node mixing
             the samples, ``h.flip(0)`` behind a Python flag, changes them), read by the
             derivative checks.
+        selections: ``batched`` only: the graph's selection nodes, which the thorough
+            derivative check opens (NOTE [opened selections]).
     """
 
     kind: ForwardKind
@@ -250,6 +252,7 @@ class Forward:
     order: Tensor | None = None
     merged_acts: dict[int, int] = field(default_factory=dict)
     routing: tuple[Any, ...] = ()
+    selections: list[_torch_compat.Node] = field(default_factory=list)
 
     def take_acts(self) -> list[Tensor]:
         """The activations, handed over: the forward lets go of them (they can be freed)."""
@@ -338,12 +341,10 @@ def _tapped_rows(problem: Problem, carriers: tuple[Tensor, ...],
     return mode, rows, aux
 
 
-def batched_forward(problem: Problem, traced: Recording, *,
-                    open_selections: bool = False) -> Forward | None:
+def batched_forward(problem: Problem, traced: Recording) -> Forward | None:
     """The per-sample forward on the whole batch without ``vmap``, or ``None`` if it cannot be.
 
-    ``open_selections``: the run whose derivatives get a trace's thorough check (NOTE
-    [opened selections]). Raises ``TraceMismatch`` when the run leaves the trace.
+    Raises ``TraceMismatch`` when the run leaves the trace.
     """
     batch = problem.batch
     assert batch is not None
@@ -354,17 +355,14 @@ def batched_forward(problem: Problem, traced: Recording, *,
     def batched_mode(original_layouts: bool) -> TapMode:
         return TapMode(carriers, leaves, taps="lazy", carriers=(), expected=traced.taps,
                        samples=samples, keep_graph=problem.composition.create_graph,
-                       original_layouts=original_layouts,
-                       open_selections=open_selections and samples > 1)
+                       original_layouts=original_layouts)
 
     try:
         mode, rows, aux = _tapped_rows(problem, carriers, batched_mode)
     except NotBatched:
         return None
     mode.finish()
-    # walked once, for two checks; the opened selections' nodes as if absent (NOTE [opened
-    # selections]: the first run's routing is the later ones')
-    nodes = list(_torch_compat.graph_nodes(rows, transparent=(OPENED_NODE,)))
+    nodes = list(_torch_compat.graph_nodes(rows))  # walked once, for two checks
     _check_no_unseen_uses(rows, carriers, nodes)
     if mode.not_batched is not None:
         return None
@@ -388,7 +386,9 @@ def batched_forward(problem: Problem, traced: Recording, *,
                    merged_acts={i: axis.dim for i, axis in act_dims.items()
                                 if axis is not None and axis.merged},
                    routing=(_torch_compat.routing_values(nodes, samples),
-                            tuple(type(node) for node in nodes)))
+                            tuple(type(node) for node in nodes)),
+                   selections=[node for node in nodes
+                               if type(node).__name__ in SELECTION_NODES])
 
 
 def _merged_taps_have_acts(run: Recording, tap_dims: Sequence[SampleAxis | None],

@@ -50,7 +50,7 @@ from torchgram.backends.structured.passes import (
     trace,
 )
 from torchgram.backends.structured.plan import StructuredPlan, plan_problem
-from torchgram.backends.structured.selections import check_weights
+from torchgram.backends.structured.selections import check_weights, opened_nodes
 from torchgram.backends.structured.trace import Recording, TapMode, TraceMismatch
 
 
@@ -90,8 +90,7 @@ def _forward(problem: Problem, traced: Recording, *,
         expected = traced.plans[key] = restrict(traced, tapped)
     try:
         if not fallback and traced.merged_order is not False:
-            forward = batched_forward(  # NOTE [opened selections]
-                problem, expected, open_selections=not traced.checked_routings)
+            forward = batched_forward(problem, expected)
             if forward is not None and _check_batched(problem, forward, traced):
                 return forward, traced
         return _one_sample_at_a_time(problem, expected, fallback), traced
@@ -134,8 +133,8 @@ def _check_batched(problem: Problem, forward: Forward, traced: Recording) -> boo
     run apart do not see, were 0.5 to 0.7 off before session 28; NOTE [routing values]),
     and when the kinds of the graph's nodes change (Python control flow that adds
     ``h.flip(0)`` from the second call was 1.53 off before session 29). Each routing is
-    checked once (:attr:`Recording.checked_routings`), and the first run of a trace has its
-    selections opened (NOTE [opened selections]).
+    checked once (:attr:`Recording.checked_routings`), by a pass with the graph's selections
+    opened (NOTE [opened selections]).
     """
     if forward.recording.coupling:
         raise NotPerSample(f"f calls {forward.recording.coupling[0]}: its samples interact")
@@ -206,8 +205,10 @@ def _check_derivatives(problem: Problem, forward: Forward, *, thorough: bool) ->
                                     separating_groups(samples) if thorough else None)
     count = cot.shape[0]
     inputs: Any = list(taps)  # tensors and gradient edges
-    grads = torch.autograd.grad(rows, inputs, cot.reshape(count, *rows.shape),
-                                retain_graph=True, allow_unused=True, is_grads_batched=True)
+    with opened_nodes(forward.selections if thorough else ()):  # NOTE [opened selections]
+        grads = torch.autograd.grad(rows, inputs, cot.reshape(count, *rows.shape),
+                                    retain_graph=True, allow_unused=True,
+                                    is_grads_batched=True)
     for grad, axis in zip(grads, forward.tap_dims, strict=True):
         if grad is None:
             continue

@@ -93,7 +93,6 @@ from torchgram._core.pytree import leaves_of
 from torchgram.backends._embedding import embedding_with_conventions
 from torchgram.backends.structured.rules import rewrite_for, rule_for
 from torchgram.backends.structured.rules.base import Layout, Match, UseShape
-from torchgram.backends.structured.selections import is_selection, opened
 
 Role = Literal["weight", "bias"]
 """How a recognised call uses a leaf."""
@@ -442,8 +441,6 @@ class TapMode(TorchFunctionMode):
         probe: In a trace, add a zero tap to every tapped call's output too (kept in
             ``probes`` with its tap's index), so that a backward of the traced rows can show
             which positions they reach (NOTE [dead positions]).
-        open_selections: Run every selection (``where``, ReLU, ``clamp``) opened for the
-            derivative check (NOTE [opened selections]).
 
     Example:
         >>> import torch
@@ -465,11 +462,8 @@ class TapMode(TorchFunctionMode):
                  expected: Sequence[TapRecord] | None = None,
                  carriers: Collection[int] | None = None, samples: int | None = None,
                  keep_acts: bool = False, keep_graph: bool = False,
-                 original_layouts: bool = False, probe: bool = False,
-                 open_selections: bool = False) -> None:
+                 original_layouts: bool = False, probe: bool = False) -> None:
         super().__init__()
-        self._open_selections = open_selections
-        self._saved_outputs: list[tuple[Tensor, int, str]] = []  # NOTE [opened selections]
         self._keep_graph = keep_graph
         self._probe = probe and taps == "trace"
         self.probes: list[tuple[int, Tensor]] = []
@@ -515,19 +509,13 @@ class TapMode(TorchFunctionMode):
             self._check_versions()
 
     def _check_versions(self) -> None:
-        """Raise if ``f`` changed a kept activation or an opened in-place ReLU's output.
-
-        NOTE [in-place modifications], NOTE [opened selections].
-        """
-        kept = [(owner, version, f"an input of a {rule} call that uses a parameter")
-                for owner, version, rule in self._act_versions]
-        kept += [(output, version, f"the output of {name}, which its backward saves")
-                 for output, version, name in self._saved_outputs]
-        for tensor, version, what in kept:
-            now = _torch_compat.version(tensor)
+        """Raise if ``f`` changed a kept activation in place (NOTE [in-place modifications])."""
+        for owner, version, rule in self._act_versions:
+            now = _torch_compat.version(owner)
             if now != version:
-                raise ModifiedInPlace(f"{what}, modified in place after that call (version "
-                                      f"{version} then, {now} at the end)")
+                raise ModifiedInPlace(
+                    f"an input of a {rule} call that uses a parameter, modified in place "
+                    f"after that call (version {version} then, {now} at the end)")
 
     # -- bookkeeping ------------------------------------------------------------------------
 
@@ -661,12 +649,6 @@ class TapMode(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
-        if self._open_selections and is_selection(func, args):  # NOTE [opened selections]
-            return opened(lambda a, k: self._handle(func, a, k), func, args, kwargs,
-                          self._saved_outputs)
-        return self._handle(func, args, kwargs)
-
-    def _handle(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         recording = self.recording
         recording.calls += 1
         if reads_metadata(func):  # NOTE [metadata calls]
