@@ -153,3 +153,25 @@ def test_a_resnet_block_with_in_place_relu_and_residual() -> None:
         losses = model(x).pow(2).sum(1)
     G = tg.autograd.gramian(losses, list(model.parameters()), batch_dim=0)
     torch.testing.assert_close(G, expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("in_place", ["relu_", "sigmoid_", "add_"])
+def test_an_in_place_op_on_a_linear_layers_view_output(backend: str, in_place: str) -> None:
+    """``F.linear`` with a bias on ``[B, T, d]`` returns a view of its ``addmm`` result; an
+    in-place op on it replaced the view's node, which the structured backend's tap edge
+    pointed to: the tap got no cotangent and the layer zero blocks (``G`` 0.69 off on
+    structured, a fuzz hunt in session 29, pre-existing; NOTE [tap edges])."""
+    params = {**_params(), "w3": torch.randn(3, 3, dtype=torch.float64),
+              "b3": torch.randn(3, dtype=torch.float64)}
+
+    def f(p: Params, x: Tensor) -> Tensor:
+        y = F.linear(F.linear(x, p["w1"]), p["w3"], p["b3"])
+        y = getattr(y, in_place)(*((1.0,) if in_place == "add_" else ()))
+        return y.reshape(x.shape[0], -1)
+
+    x = torch.randn(4, 2, 3, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    expected = dense_gramian(f, (params, x)).shaped()
+    for batch_dim in (None, 0):
+        G = tg.gramian(f, backend=backend, batch_dim=batch_dim)(params, x)
+        torch.testing.assert_close(G, expected, rtol=1e-10, atol=1e-12)
