@@ -64,7 +64,7 @@ from torchgram.backends.eager.samples import SampleLayout, candidates, choose, p
 from torchgram.backends.graph.node_rules import expanded_by_rule
 from torchgram.backends.graph.nodes import Edge, NodeCaller, input_slots, node_name
 from torchgram.backends.graph.walk import WalkPlan, _priority
-from torchgram.backends.structured.selections import SELECTION_NODES, open_grads
+from torchgram.backends.structured.selections import opened_call
 
 _EXPANDED = "expanded"
 Decision = SampleLayout | str
@@ -235,9 +235,7 @@ class SparseWalk:
         probes' rows change.
         """
         outs = self.caller(node, grads, edges)
-        if self._probing and type(node).__name__ in SELECTION_NODES:
-            return list(open_grads(outs, grads[0]))
-        return outs
+        return opened_call(node, grads, outs) if self._probing else outs
 
     def _edge_key(self, node: Node, k: int) -> tuple[int, ...]:
         """The key of a decision for ``node``'s ``k``-th edge alone (not its child's slot)."""

@@ -68,8 +68,8 @@ from torchgram.backends.structured.passes import (
     trace,
 )
 from torchgram.backends.structured.per_sample import (
-    LEAK,
     _check_batched,
+    check_leaks,
     group_directions,
     per_sample_forward_checked,
 )
@@ -260,10 +260,9 @@ def derivative_check_cheaper(forward_flops: float, samples: int) -> bool:
 # exchanging samples 0 and 2) or the kinds of the graph's nodes (code that adds a node mixing
 # the samples after the first call; each routing once, Recording.checked_routings). The
 # thorough check's pass has the graph's selections opened (NOTE [opened selections]). A
-# failed check means
-# the rows of the whole batch (NOTE [per-sample]). Two directions cost about a forward of
-# the batch, so for large batches (where one more evaluation of f on two samples is
-# cheaper) the value check of tg.gramian's batched way runs instead:
+# failed check means the rows of the whole batch (NOTE [per-sample]). Two directions cost
+# about a forward of the batch, so for large batches (where one more evaluation of f on two
+# samples is cheaper) the value check of tg.gramian's batched way runs instead:
 # derivative_check_cheaper compares the two from the plan's forward cost.
 
 
@@ -291,9 +290,9 @@ def _checked_chunks(problem: Problem, forward: Forward, recording: Recording,
         if others is not None and create_graph:  # NaN directions stay out of a graph that a
             # backward of G goes through (0 · NaN there)
             with opened_nodes(opened):
-                _check_leaks(row_grads(rows, taps, cot[first:], batched=True,
-                                       retain_graph=True, create_graph=False),
-                             forward, extra, others)
+                check_leaks(row_grads(rows, taps, cot[first:], batched=True,
+                                      retain_graph=True, create_graph=False),
+                            forward, others)
             cot, opened = cot[:first], ()
         batched = cot.shape[0] > 1
         with opened_nodes(opened):
@@ -305,26 +304,12 @@ def _checked_chunks(problem: Problem, forward: Forward, recording: Recording,
         del raw
         if others is not None:
             if not create_graph:
-                _check_leaks([None if g is None else g[first:] for g in grads], forward,
-                             extra, others, viewed=True)
+                check_leaks([None if g is None else g[first:] for g in grads], forward,
+                            others, viewed=True)
             if thorough:
                 recording.note_checked(routing)
         yield start, stop, [None if g is None else g[:first] for g in grads]
 
-
-def _check_leaks(grads: Sequence[Tensor | None], forward: Forward, checks: int,
-                 others: Tensor, *, viewed: bool = False) -> None:
-    """Raise :class:`NotPerSample` if a check direction reached another group's taps.
-
-    ``grads``: the ``checks`` directions' cotangents at the taps (``viewed``: already
-    ``[checks, B, ...]`` per tap).
-    """
-    samples = forward.samples
-    leaks = [(g if viewed else per_sample_view(g, dim, 1, samples))
-             .reshape(checks, samples, -1).ne(0).any(-1)
-             for g, dim in zip(grads, forward.tap_dims, strict=True) if g is not None]
-    if leaks and bool((torch.stack(leaks) & others).any()):
-        raise NotPerSample(LEAK)
 
 
 def _directions(problem: Problem, recording: Recording, rows: Tensor, start: int, stop: int,

@@ -209,10 +209,23 @@ def _check_derivatives(problem: Problem, forward: Forward, *, thorough: bool) ->
         grads = torch.autograd.grad(rows, inputs, cot.reshape(count, *rows.shape),
                                     retain_graph=True, allow_unused=True,
                                     is_grads_batched=True)
+    check_leaks(grads, forward, outside)
+
+
+def check_leaks(grads: Sequence[Tensor | None], forward: Forward, outside: Tensor, *,
+                viewed: bool = False) -> None:
+    """Raise :class:`NotPerSample` if a check direction reached another group's taps.
+
+    ``grads``: the check directions' cotangents at the taps (``[checks, *tap]``; ``viewed``:
+    already ``[checks, B, ...]``); ``outside``: ``[checks, B]``, where each must vanish
+    (:func:`group_directions`).
+    """
+    checks, samples = outside.shape
     for grad, axis in zip(grads, forward.tap_dims, strict=True):
         if grad is None:
             continue
-        leaks = per_sample_view(grad, axis, 1, samples).reshape(count, samples, -1)
+        leaks = (grad if viewed else per_sample_view(grad, axis, 1, samples)).reshape(
+            checks, samples, -1)
         if bool((leaks.ne(0).any(-1) & outside).any()):
             raise NotPerSample(LEAK)
 

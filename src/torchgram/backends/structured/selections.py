@@ -104,16 +104,25 @@ def opened_nodes(nodes: Iterable[Any]) -> Iterator[int]:
             handle.remove()
 
 
+def opened_call(node: Any, grads: Sequence[Tensor | None],
+                outs: list[Tensor | None]) -> list[Tensor | None]:
+    """A node call's gradients ``outs``, opened where ``node`` is a selection.
+
+    For the walks, which call the nodes themselves (no hook runs there): ``grads`` are the
+    node's incoming cotangents, ``outs`` what the call gave each edge.
+    """
+    if type(node).__name__ not in SELECTION_NODES:
+        return outs
+    return list(open_grads(outs, grads[0]))
+
+
 class OpenedCaller(NodeCaller):
     """A :class:`NodeCaller` whose selection nodes are opened (the probes of a walk)."""
 
     def __call__(self, node: Any, grads: Sequence[Tensor | None],
                  edges: Sequence[Any]) -> list[Tensor | None]:
-        """The node's gradients, opened where it is a selection (:func:`open_grads`)."""
-        out = super().__call__(node, grads, edges)
-        if type(node).__name__ not in SELECTION_NODES:
-            return out
-        return list(open_grads(out, grads[0]))
+        """The node's gradients, opened where it is a selection (:func:`opened_call`)."""
+        return opened_call(node, grads, super().__call__(node, grads, edges))
 
 
 def check_weights(count: int, dtype: torch.dtype, device: torch.device,

@@ -803,15 +803,11 @@ class TapMode(TorchFunctionMode):
             self.made_taps.append(y)  # replaced by the tap where y meets the batch
             self._pending[id(y)] = (tap_index, y)
             self._pins.append(y)
-        elif self._taps == "lazy" and y.grad_fn is not None:  # NOTE [tap edges]
-            y = _not_a_view(y)
-            if y._base is not None:  # a strided view: a zero tap instead
-                tap = zero_tap(y.shape, y.dtype, y.device)
-                self.made_taps.append(tap)
-                y = y + tap
-            else:
-                self.made_taps.append(get_gradient_edge(y))
-        elif self._taps == "lazy":
+        elif self._taps == "lazy" and y.grad_fn is not None \
+                and (plain := _not_a_view(y))._base is None:  # NOTE [tap edges]
+            y = plain
+            self.made_taps.append(get_gradient_edge(y))
+        elif self._taps == "lazy":  # no node, or a strided view (NOTE [tap edges])
             tap = zero_tap(y.shape, y.dtype, y.device)
             self.made_taps.append(tap)
             y = y + tap
