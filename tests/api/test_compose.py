@@ -22,6 +22,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import torchgram as tg
 from reference import dense_gramian_fn
 from torchgram._core.errors import BackendCannotRun
+from torchgram._core.signature import clear_caches
 from torchgram.backends.ntvp import _prepare_forward_ad
 from zoo import NAMES, build
 
@@ -382,3 +383,74 @@ def test_a_call_under_fewer_levels_after_one_under_more(backend: str) -> None:
     assert_close(gradient(G)(params), gradient(reference)(params))
     assert_close(torch.func.vmap(gradient(G))(_stacked()),
                  torch.func.vmap(gradient(reference))(_stacked()))
+
+
+def _attention_losses(p: dict[str, Tensor], x: Tensor) -> Tensor:
+    """Per-sample losses of two-head self-attention through ``scaled_dot_product_attention``.
+
+    ``[B, heads, T, d]`` operands, as ``transformers`` passes them: torch picks its fused CPU
+    kernel for those (for 3-D ones, the math one).
+    """
+    batch, tokens, _ = x.shape
+    q, k, v = ((x @ p[name]).reshape(batch, tokens, 2, 2).transpose(1, 2)
+               for name in ("wq", "wk", "wv"))
+    h = torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2)
+    return (h.reshape(batch, tokens, 4).sum(-2) @ p["out"]).pow(2).sum(-1)
+
+
+def _attention_params() -> dict[str, Tensor]:
+    generator = torch.Generator().manual_seed(3)
+    shapes = {"wq": (3, 4), "wk": (3, 4), "wv": (3, 4), "out": (4, 2)}
+    return {k: torch.randn(*s, generator=generator, dtype=DOUBLE) / 2 for k, s in shapes.items()}
+
+
+@pytest.mark.parametrize("transform", ["jvp", "jacfwd"])
+@pytest.mark.parametrize("batch_dim", [0, None], ids=["batch0", "batchNone"])
+@pytest.mark.parametrize("backend", ["auto", "jacobian", "ntvp"])
+def test_forward_mode_through_fused_attention(backend: str, batch_dim: int | None,
+                                              transform: str) -> None:
+    """``jvp``/``jacfwd`` through G of f calling SDPA: every evaluation uses the math kernel.
+
+    The fused kernels have no forward-mode derivative; the probe's evaluation under the outer
+    jvp level ran them (torch's raw NotImplementedError from every backend before session 30,
+    e.g. on every ``transformers`` model with ``attn_implementation="sdpa"``).
+    """
+    params, x = _attention_params(), torch.randn(4, 5, 3, dtype=DOUBLE,
+                                                 generator=torch.Generator().manual_seed(4))
+    tangent = {k: torch.ones_like(v) / 3 for k, v in params.items()}
+
+    def through(gramian: Maker) -> Any:
+        G = gramian(_attention_losses)
+        if transform == "jvp":
+            return torch.func.jvp(lambda p: objective(G(p, x)), (params,), (tangent,))
+        return torch.func.jacfwd(lambda w: G({**params, "wq": w}, x).sum(0))(params["wq"])
+
+    with sdpa_kernel(SDPBackend.MATH):  # the oracle's own forward-mode pass needs it too
+        expected = through(dense_gramian_fn)
+    clear_caches()  # the first call's probe is the evaluation this is about
+    actual = through(lambda f: tg.gramian(f, backend=backend, batch_dim=batch_dim))
+    assert_close(actual, expected)
+
+
+def _hard_sigmoid_losses(p: dict[str, Tensor], x: Tensor) -> Tensor:
+    return torch.nn.functional.hardsigmoid(x @ p["w1"]).pow(2).sum(-1)
+
+
+def _cdist_losses(p: dict[str, Tensor], x: Tensor) -> Tensor:
+    h = x @ p["w1"]
+    return torch.cdist(h, h).sum(-1)
+
+
+@pytest.mark.parametrize(("f", "op"), [(_hard_sigmoid_losses, "hardsigmoid_backward"),
+                                       (_cdist_losses, "_cdist_forward")],
+                         ids=["in-the-derivative", "in-f-itself"])
+@pytest.mark.parametrize("backend", ["auto", "jacobian", "ntvp"])
+def test_forward_mode_through_an_op_torch_cannot_differentiate_so(
+        backend: str, f: Callable[..., Tensor], op: str) -> None:
+    """No backend can: a torchgram error naming the op and reverse mode, on every call."""
+    params, x = _params(), _inputs()
+    G = tg.gramian(f, backend=backend, batch_dim=0)
+    for _ in range(2):  # the second call has its probe cached
+        with pytest.raises(NotImplementedError, match=rf"^torchgram\.gramian: .*{op}.*"
+                           r"Differentiate G in reverse mode"):
+            torch.func.jvp(lambda p: objective(G(p, x)), (params,), (params,))

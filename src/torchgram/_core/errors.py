@@ -148,7 +148,9 @@ def torch_refusals(api: str, backend: str) -> Iterator[None]:
 
     Under a transform, :class:`BackendCannotRun`; a reentrant checkpoint under
     ``torch.autograd.grad``, a ``ValueError`` (NOTE [old-style autograd.Functions]); a saved
-    tensor modified in place, a ``ValueError`` (NOTE [in-place modifications]).
+    tensor modified in place, a ``ValueError`` (NOTE [in-place modifications]); an op without
+    a forward-mode derivative under ``jvp``, a ``NotImplementedError``
+    (:func:`forward_mode_refusal`).
 
     Example:
         >>> import torch
@@ -176,7 +178,9 @@ def torch_refusals(api: str, backend: str) -> Iterator[None]:
             f"torch.compile'd code that torch {torch.__version__} cannot run under them "
             f"(dynamo raised: {str(error).splitlines()[0][:60]})", "")
         raise _declined(api, backend, refusal) from error
-    except RuntimeError as error:
+    except RuntimeError as error:  # NotImplementedError included
+        if (no_forward_mode := forward_mode_refusal(api, error)) is not None:
+            raise no_forward_mode from error
         if isinstance(error, ModifiedInPlace) or _torch_compat.is_in_place_error(error):
             raise ValueError(message(
                 api, "f that leaves the tensors its differentiated ops read as they were "
@@ -202,6 +206,33 @@ def torch_refusals(api: str, backend: str) -> Iterator[None]:
         if refused is None:
             raise
         raise _declined(api, backend, refused) from error
+
+
+def forward_mode_refusal(api: str, error: BaseException) -> NotImplementedError | None:
+    """The torchgram error for ``error``, torch's missing forward-mode derivative under jvp.
+
+    Under ``torch.func.jvp`` or ``jacfwd`` around the call, ``G``'s tangent needs forward-mode
+    derivatives of ``f``'s ops and of their first derivatives (backward ops included:
+    ``hardsigmoid``'s backward has none in torch 2.13), on every backend; where torch has
+    none, no backend can (session 30's compose hunt: torch's raw ``NotImplementedError`` from
+    all five on MobileNet-like models). ``None`` for any other error.
+
+    Example:
+        >>> forward_mode_refusal("torchgram.gramian", NotImplementedError(
+        ...     "Trying to use forward AD with cdist that does not support it")) is None
+        True
+    """
+    missing = _torch_compat.missing_forward_ad(error)
+    if missing is None or "jvp" not in _torch_compat.functorch_transforms():
+        return None
+    kind, name = missing
+    what = f"the op {name}" if kind == "op" else "a custom autograd.Function without a jvp"
+    return NotImplementedError(message(
+        api, "f whose ops and their derivatives have forward-mode derivatives "
+        "(torch.func.jvp or jacfwd through G differentiates f's first derivatives in forward "
+        "mode, on every backend)", f"{what}, which has none in torch {torch.__version__}",
+        "Differentiate G in reverse mode instead (torch.func.grad, vjp or jacrev), or replace "
+        "that op by one with forward-mode support."))
 
 
 def _declined(api: str, backend: str, refusal: _torch_compat.Refusal) -> BackendCannotRun:

@@ -36,12 +36,12 @@ from torchgram._core import _torch_compat
 from torchgram._core.census import DenseEmbeddingGradients, OpCensus, ProbeCheck
 from torchgram._core.checks import check_not_meta, fail, resolve_argnums
 from torchgram._core.composition import Composition, detect_composition
-from torchgram._core.errors import NotPerSample, OutputChanged
+from torchgram._core.errors import NotPerSample, OutputChanged, forward_mode_refusal
 from torchgram._core.options import InDims, Options
 from torchgram._core.pytree import DiffLeaves, leaves_of, select_diff_leaves
 from torchgram._core.rng import RngState
 from torchgram._core.signature import LruCache, call_signature
-from torchgram._core.threads import RNG_LOCK, compiled_code_eager
+from torchgram._core.threads import RNG_LOCK, compiled_code_eager, math_attention
 
 _TENSOR_SLOT = object()
 
@@ -734,8 +734,10 @@ def _evaluate_probe(api: str, f: Callable[..., Any], args: tuple[Any, ...],
         try:  # the next evaluation starts from the call's state (restore_after)
             result = evaluate_f(evaluate, leaves,
                                 lambda: draw.evaluation(full=with_grad, restore_after=True),
-                                lambda: census)
+                                _probe_attention, lambda: census)
         except Exception as error:
+            if (refusal := forward_mode_refusal(api, error)) is not None:
+                raise refusal from error  # no backend can: f itself lacks forward mode
             if batch is None or whole_batch:
                 raise
             raise _FailsAlone from error
@@ -748,6 +750,21 @@ def _evaluate_probe(api: str, f: Callable[..., Any], args: tuple[Any, ...],
             return probe, None
         rows = concat_rows(optree.tree_leaves(out), probe.spec.dtype)
         return probe, Evaluation(leaves, rows, aux, census.hooks > 0)
+
+
+def _probe_attention() -> contextlib.AbstractContextManager[Any]:
+    """Attention's math kernel for a probe under ``torch.func.jvp`` or ``jacfwd``.
+
+    There the probe's forward carries the outer level's tangents, and the fused
+    ``scaled_dot_product_attention`` kernels have no forward-mode derivative (torch's raw
+    ``NotImplementedError`` from every backend, on every ``transformers`` model with
+    ``attn_implementation="sdpa"``: session 30's compose hunt). The backends' own evaluations
+    already run the math kernel under transforms (NOTE [composition]); it computes the same
+    function.
+    """
+    if "jvp" in _torch_compat.functorch_transforms():
+        return math_attention()
+    return contextlib.nullcontext()
 
 
 def make_output_spec(api: str, out: Any, batch: BatchSpec | None, *,
