@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 import torchgram as tg
+from models.test_eager_models import eager_leaves
 from reference import dense_gramian
 from torchgram.backends.eager.record import current_recording
 from zoo import NAMES, build
@@ -37,17 +38,6 @@ def assert_close(actual: Tensor, expected: Tensor, tol: float = 1e-10) -> None:
     scale = expected.abs().max().clamp_min(1e-30)
     error = float((actual.to(expected.dtype) - expected).abs().max() / scale)
     assert error <= tol, error
-
-
-def leaves_of(case: Any) -> tuple[Any, list[Tensor]]:
-    """The case's parameters as fresh leaves that require grad (pytree and list)."""
-    flat, spec = optree.tree_flatten(case.params)
-    leaves = []
-    for i, leaf in enumerate(flat):
-        if isinstance(leaf, Tensor) and leaf.is_floating_point():
-            flat[i] = leaf.detach().clone().requires_grad_()
-            leaves.append(flat[i])
-    return optree.tree_unflatten(spec, flat), leaves
 
 
 def forward(run: Callable[[], Any], recorded: bool) -> Any:
@@ -69,7 +59,7 @@ def test_zoo_with_batch_dim_matches_oracle(name: str, diagonal: bool, recorded: 
     expected = expected.diagonal() if diagonal else expected
     for batch_dim in {case.batch_dim, None} | ({0} if name == "coupled_batch" else set()):
         for _ in range(2):  # the second call uses the cached layouts
-            params, leaves = leaves_of(case)
+            params, leaves = eager_leaves(case)
             out = forward(lambda p=params: case.f(p, *case.inputs), recorded)
             G = tg.autograd.gramian(optree.tree_leaves(out), leaves, batch_dim=batch_dim,
                                     diagonal=diagonal)
@@ -81,7 +71,7 @@ def test_zoo_with_batch_dim_matches_oracle(name: str, diagonal: bool, recorded: 
 def test_per_input_blocks_and_chunks(recorded: bool) -> None:
     case = build("mlp_logits", DOUBLE)  # [B, 3]: three rows per sample
     dense = dense_gramian(case.f, case.args)
-    params, leaves = leaves_of(case)
+    params, leaves = eager_leaves(case)
     out = forward(lambda: case.f(params, *case.inputs), recorded)
     blocks = tg.autograd.gramian(out, leaves, batch_dim=0, per_input=True)
     for block, expected in zip(blocks, dense.blocks, strict=True):
@@ -497,7 +487,7 @@ def test_zoo_backward_is_the_weighted_gradient(name: str, recorded: bool) -> Non
     """``Jᵀw`` (from the recorded factors or kept Jacobians, or a second backward) written to
     ``.grad`` from ``None``: the gradient of ``Σ w_i out_i``, one fresh tensor per leaf."""
     case = build(name, DOUBLE)
-    params, leaves = leaves_of(case)
+    params, leaves = eager_leaves(case)
     out = forward(lambda: case.f(params, *case.inputs), recorded)
     rows = optree.tree_leaves(out)
     w = tg.autograd.backward(rows, leaves, tg.weighting.upgrad, batch_dim=case.batch_dim,

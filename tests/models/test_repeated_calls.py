@@ -23,6 +23,7 @@ from torch import Tensor
 import torchgram as tg
 from models import recurrent, transformers_models, vision
 from models.case import ModelCase, build, compare, relative_error
+from models.test_eager_models import eager_leaves
 from reference import Dense, dense_gramian
 
 SUITES: dict[str, dict[str, Callable[[], ModelCase]]] = {
@@ -99,22 +100,12 @@ def test_one_transform_on_other_batches(suite: str, name: str, backend: str) -> 
                 f"{name}, {backend}, diagonal={diagonal}, call {index}: {error:.2e} off")
 
 
-def _eager_leaves(case: ModelCase) -> tuple[Any, list[Tensor]]:
-    flat, spec = optree.tree_flatten(case.params)
-    leaves = []
-    for i, leaf in enumerate(flat):
-        if isinstance(leaf, Tensor) and leaf.is_floating_point():
-            flat[i] = leaf.detach().clone().requires_grad_()
-            leaves.append(flat[i])
-    return optree.tree_unflatten(spec, flat), leaves
-
-
 @pytest.mark.parametrize("recorded", [True, False], ids=["record", "walk"])
 @pytest.mark.parametrize(("suite", "name"), _ids("eager-"))
 def test_eager_calls_on_other_batches(suite: str, name: str, recorded: bool) -> None:
     case, calls, oracles = _case_and_oracles(suite, name)
     for index, ((inputs, kw_inputs), expected) in enumerate(zip(calls, oracles, strict=True)):
-        params, leaves = _eager_leaves(case)
+        params, leaves = eager_leaves(case)
         if case.seed is not None:
             torch.manual_seed(case.seed)
         if recorded:
