@@ -6,7 +6,8 @@ whose values differ. This suite calls one transform three times per model: on th
 inputs, then on two other batches of the same shapes (:func:`another_batch`: every input's
 samples permuted, each input by its own permutation, floats perturbed), each compared with
 the oracle of that batch. The same for eager code (``tg.autograd.gramian`` on the graph of
-each call, walked and recorded) and for kernels between two different batches. These
+each call, walked and recorded), for kernels between two different batches and for the
+update ``Jᵀ w`` of ``tg.aggregated_grad`` (from what the backend kept). These
 models run on every path listed, so an error fails the test too.
 """
 
@@ -137,3 +138,30 @@ def test_kernels_between_two_batches(suite: str, name: str, backend: str) -> Non
         want = oracles[first].jacobian @ oracles[second].jacobian.T
         assert relative_error(K.detach().to(want.dtype), want) <= case.rtol, (
             f"{name}, {backend}: kernel between batches {first} and {second}")
+
+
+def _fixed_weights(G: Tensor) -> Tensor:
+    """Weights that depend on the number of rows only (the update is then exactly ``Jᵀ w``)."""
+    count = G.shape[0]
+    return 0.5 + torch.arange(count, dtype=G.dtype, device=G.device) / count
+
+
+@pytest.mark.parametrize("backend", ["structured", "auto"])
+@pytest.mark.parametrize(("suite", "name"), _ids("update-"))
+def test_updates_on_other_batches(suite: str, name: str, backend: str) -> None:
+    """``tg.aggregated_grad``'s ``Jᵀ w`` (from what the backend kept) on each batch."""
+    case, calls, oracles = _case_and_oracles(suite, name)
+    step = tg.aggregated_grad(case.f, _fixed_weights, backend=backend, batch_dim=0,
+                              in_dims=case.in_dims)
+    floating = [isinstance(leaf, Tensor) and leaf.is_floating_point()
+                for leaf in optree.tree_leaves(case.params)]
+    for index, ((inputs, kw_inputs), expected) in enumerate(zip(calls, oracles, strict=True)):
+        if case.seed is not None:
+            torch.manual_seed(case.seed)
+        update, _ = step(case.params, *inputs, **kw_inputs)
+        leaves = optree.tree_leaves(update, none_is_leaf=True)
+        flat = torch.cat([leaf.detach().reshape(-1).to(expected.jacobian.dtype)
+                          for leaf, keep in zip(leaves, floating, strict=True) if keep])
+        want = expected.jacobian.T @ _fixed_weights(expected.gramian)
+        error = relative_error(flat, want)
+        assert error <= case.rtol, f"{name}, {backend}, call {index}: {error:.2e} off"
