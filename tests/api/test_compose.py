@@ -452,5 +452,5 @@ def test_forward_mode_through_an_op_torch_cannot_differentiate_so(
     G = tg.gramian(f, backend=backend, batch_dim=0)
     for _ in range(2):  # the second call has its probe cached
         with pytest.raises(NotImplementedError, match=rf"^torchgram\.gramian: .*{op}.*"
-                           r"Differentiate G in reverse mode"):
+                           r"Differentiate it in reverse mode"):
             torch.func.jvp(lambda p: objective(G(p, x)), (params,), (params,))

@@ -229,10 +229,11 @@ def forward_mode_refusal(api: str, error: BaseException) -> NotImplementedError 
     what = f"the op {name}" if kind == "op" else "a custom autograd.Function without a jvp"
     return NotImplementedError(message(
         api, "f whose ops and their derivatives have forward-mode derivatives "
-        "(torch.func.jvp or jacfwd through G differentiates f's first derivatives in forward "
-        "mode, on every backend)", f"{what}, which has none in torch {torch.__version__}",
-        "Differentiate G in reverse mode instead (torch.func.grad, vjp or jacrev), or replace "
-        "that op by one with forward-mode support."))
+        "(torch.func.jvp or jacfwd through a Gramian or kernel differentiates f's first "
+        "derivatives in forward mode, on every backend)",
+        f"{what}, which has none in torch {torch.__version__}",
+        "Differentiate it in reverse mode instead (torch.func.grad, vjp or jacrev), or "
+        "replace that op by one with forward-mode support."))
 
 
 def _declined(api: str, backend: str, refusal: _torch_compat.Refusal) -> BackendCannotRun:
