@@ -28,9 +28,12 @@ records in the problem (:class:`Composition`) which of three situations it is in
 
 In the first two situations every evaluation of ``f`` runs with ops whose derivatives are
 right at any order, batched or not (:func:`differentiable_evaluation`: attention's math
-kernel, NOTE [decomposed norms]). Inside ``vmap`` the per-sample check of ``batch_dim``
-(NOTE [per-sample]) is data-dependent and cannot run, so backends compute the rows of the
-whole batch there: the same matrix, checked or not.
+kernel, NOTE [decomposed norms]); under ``jvp`` / ``jacfwd`` the probe too runs attention's
+math kernel (the fused kernels have no forward-mode derivative), and an op torch cannot
+differentiate in forward mode raises a torchgram error (``errors.forward_mode_refusal``).
+Inside ``vmap`` the per-sample check of ``batch_dim`` (NOTE [per-sample]) is data-dependent
+and cannot run, so backends compute the rows of the whole batch there: the same matrix,
+checked or not.
 
 Tensors ``f`` captures from its closure are not inspected in eager mode (they are, in
 effect, under ``torch.func`` transforms): to differentiate ``G`` eagerly with respect to

@@ -218,9 +218,20 @@ def forward_mode_refusal(api: str, error: BaseException) -> NotImplementedError 
     all five on MobileNet-like models). ``None`` for any other error.
 
     Example:
-        >>> forward_mode_refusal("torchgram.gramian", NotImplementedError(
-        ...     "Trying to use forward AD with cdist that does not support it")) is None
+        >>> torch_error = NotImplementedError("Trying to use forward AD with cdist that does "
+        ...                                   "not support it")
+        >>> forward_mode_refusal("torchgram.gramian", torch_error) is None  # no jvp around
         True
+        >>> seen = []
+        >>> def under_jvp(x):
+        ...     seen.append(forward_mode_refusal("torchgram.gramian", torch_error))
+        ...     return x
+        >>> import warnings
+        >>> with warnings.catch_warnings():  # torch's first forward-mode product warns
+        ...     warnings.simplefilter("ignore", DeprecationWarning)
+        ...     _ = torch.func.jvp(under_jvp, (torch.ones(1),), (torch.ones(1),))
+        >>> str(seen[0]).split(", but got ")[1][:40]
+        'the op cdist, which has none in torch 2.'
     """
     missing = _torch_compat.missing_forward_ad(error)
     if missing is None or "jvp" not in _torch_compat.functorch_transforms():
