@@ -13,6 +13,7 @@ models run on every path listed, so an error fails the test too.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -73,10 +74,16 @@ def batch_oracle(case: ModelCase, inputs: tuple[Any, ...], kw_inputs: dict[str, 
                          (case.params, *inputs))
 
 
-def _case_and_oracles(suite: str, name: str) -> tuple[ModelCase, list[Any], list[Dense]]:
+@functools.cache
+def _oracles(suite: str, name: str) -> tuple[Dense, ...]:
+    """Each batch's oracle, computed once per model (the builds and batches are seeded)."""
     case = build(SUITES[suite], name)
-    calls = batches(case)
-    return case, calls, [batch_oracle(case, *call) for call in calls]
+    return tuple(batch_oracle(case, *call) for call in batches(case))
+
+
+def _case_and_oracles(suite: str, name: str) -> tuple[ModelCase, list[Any], tuple[Dense, ...]]:
+    case = build(SUITES[suite], name)
+    return case, batches(case), _oracles(suite, name)
 
 
 def _ids(prefix: str = "") -> list[Any]:
