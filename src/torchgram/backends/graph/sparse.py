@@ -199,8 +199,8 @@ class SparseWalk:
         results: list[tuple[Edge, _Slot]] = []
         compact_outs: list[Tensor | None] = [None] * len(edges)
         if any(e is not None for e in compact_edges):
-            compact_outs = self._node_call(node, [None if s is None else s.rows for s in slots],
-                                       compact_edges)
+            compact_outs = self._node_call(
+                node, [None if s is None else s.rows for s in slots], compact_edges)
         for k, edge in enumerate(edges):
             out = compact_outs[k]
             if edge is None or out is None or compact_edges[k] is None:
