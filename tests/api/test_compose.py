@@ -454,3 +454,52 @@ def test_forward_mode_through_an_op_torch_cannot_differentiate_so(
         with pytest.raises(NotImplementedError, match=rf"^torchgram\.gramian: .*{op}.*"
                            r"Differentiate it in reverse mode"):
             torch.func.jvp(lambda p: objective(G(p, x)), (params,), (params,))
+
+
+def _dropout_ensemble() -> tuple[Callable[..., Tensor], dict[str, Tensor], dict[str, Tensor]]:
+    """``f(params, buffers, x)`` of a net with dropout, and an ensemble's stacked state."""
+    torch.manual_seed(0)
+    models = [torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Dropout(0.3), torch.nn.Tanh(),
+                                  torch.nn.Linear(6, 1)).to(DOUBLE) for _ in range(2)]
+    params, buffers = torch.func.stack_module_state(models)  # type: ignore[arg-type]
+    base = models[0].to("meta")
+
+    def f(p: dict[str, Tensor], b: dict[str, Tensor], x: Tensor) -> Tensor:
+        return torch.func.functional_call(base, (p, b), (x,)).squeeze(-1)
+
+    return f, {k: v.detach() for k, v in params.items()}, buffers
+
+
+@pytest.mark.parametrize("randomness", ["error", "same", "different"])
+@pytest.mark.parametrize("kind", ["gramian", "ntk"])
+def test_a_random_f_under_vmap_is_declined_by_every_backend_naming_what_to_do(
+        kind: str, randomness: str) -> None:
+    """NOTE [draws under torch.func]: no backend can; torch's vmap error (randomness='error')
+    was raw before session 31, and the other modes' refusal named graph and structured, which
+    cannot run inside transforms either."""
+    f, params, buffers = _dropout_ensemble()
+    x = torch.randn(5, 4, dtype=DOUBLE)
+
+    def one(p: dict[str, Tensor], b: dict[str, Tensor]) -> Tensor:
+        if kind == "ntk":
+            return tg.ntk.empirical_ntk_fn(lambda q, x: f(q, b, x)[:, None])(x, None, p)
+        return tg.gramian(lambda q, x: f(q, b, x), batch_dim=0)(p, x)
+
+    with pytest.raises(NotImplementedError, match="No backend can inside torch.func "
+                       "transforms.*model.eval\\(\\) for dropout") as info:
+        torch.func.vmap(one, randomness=randomness)(params, buffers)
+    assert getattr(info.value, "alternatives", ()) == ()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_random_f_under_grad_is_declined_naming_no_backend(backend: str) -> None:
+    f, params, buffers = _dropout_ensemble()
+    member = {k: v[0] for k, v in params.items()}
+    state = {k: v[0] for k, v in buffers.items()}
+    x = torch.randn(5, 4, dtype=DOUBLE)
+    with pytest.raises(BackendCannotRun) as info:
+        torch.func.grad(lambda p: tg.gramian(lambda q, x: f(q, state, x), backend=backend)(
+            p, x).sum())(member)
+    if backend in ("jacobian", "ntvp", "auto"):
+        assert info.value.alternatives == ()
+        assert "No backend can inside torch.func transforms" in str(info.value)

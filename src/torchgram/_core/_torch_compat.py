@@ -485,6 +485,12 @@ _TRANSFORM_REFUSALS = {
     # torch 2.13's fused RNN kernels over a PackedSequence read their inputs' memory directly,
     # which a transform's wrapped tensors do not have (session 26: raw on every backend but
     # graph, and through auto).
+    # a tensor f captured (not one of its arguments) changed in place: torchgram's own
+    # evaluations leave norms' running statistics alone (NOTE [frozen running statistics]),
+    # so this is another buffer or state of the user's
+    "that would mutate a captured Tensor": Refusal(
+        "an in-place change of a tensor that f captured rather than took as an argument",
+        "Or pass that tensor to f as an argument, or change a copy of it inside f."),
     "Cannot access data pointer of Tensor that doesn't have storage": Refusal(
         "an op that reads its inputs' memory directly, which torch.func's wrapped tensors "
         "have not (e.g. nn.LSTM / nn.GRU over a nn.utils.rnn.PackedSequence)", ""),

@@ -111,6 +111,62 @@ class ModifiedInPlace(RuntimeError):  # noqa: N818
         self.what = what
 
 
+class CounterRead(RuntimeError):  # noqa: N818
+    """``f`` used, other than as a number, a counter whose in-place increment was skipped.
+
+    NOTE [frozen running statistics] (``running_stats.py``); :func:`torch_refusals` turns it
+    into the ``ValueError`` every backend raises for such an ``f``.
+    """
+
+
+DRAWS_UNDER_TRANSFORMS_FIX = (
+    "No backend can inside torch.func transforms (those that evaluate f plainly cannot run "
+    "there): evaluate f without random ops (model.eval() for dropout), or compute G outside "
+    "the transforms (e.g. a loop over an ensemble's members instead of vmap).")
+"""What to do about an ``f`` that draws, called inside ``torch.func`` transforms (NOTE
+[draws under torch.func])."""
+
+
+def draws_refused_by_vmap(api: str, error: BaseException) -> NotImplementedError | None:
+    """The torchgram error for ``vmap``'s refusal of a random op (``randomness='error'``).
+
+    ``None`` for any other error. A ``vmap`` around the call in its default mode refuses the
+    random ops of ``f`` (dropout) before torchgram knows that ``f`` draws; in the other
+    modes every backend declines such an ``f`` (NOTE [draws under torch.func]).
+
+    Example:
+        >>> error = RuntimeError("vmap: called random operation while in randomness error "
+        ...                      "mode. Please either use the 'same' or 'different' ...")
+        >>> str(draws_refused_by_vmap("torchgram.gramian", error))[:59]
+        'torchgram.gramian: expected a function that draws no random'
+    """
+    if not isinstance(error, RuntimeError) or _VMAP_RANDOMNESS not in str(error):
+        return None
+    return NotImplementedError(message(
+        api, "a function that draws no random numbers, inside torch.func transforms",
+        "a random op (dropout, ...) under torch.func.vmap, which refuses it in its default "
+        "randomness='error' mode", DRAWS_UNDER_TRANSFORMS_FIX))
+
+
+_VMAP_RANDOMNESS = "called random operation while in randomness error mode"
+
+
+def counter_read_error(api: str, error: CounterRead) -> ValueError:
+    """The ``ValueError`` every backend raises for ``f`` using a skipped counter as a tensor.
+
+    Example:
+        >>> str(counter_read_error("torchgram.gramian", CounterRead("it is used in mul")))[:56]
+        'torchgram.gramian: expected f that does not use, as a te'
+    """
+    return ValueError(message(
+        api, "f that does not use, as a tensor, a 0-dim integer tensor it increments in "
+        "place (torchgram evaluates f several times and leaves such counters, as batch "
+        "norm's num_batches_tracked, as they were: NOTE [frozen running statistics])",
+        f"f that does: {error}",
+        "Increment the counter outside f, or give f a copy of it (tg.functionalize(model) "
+        "runs the module on copies of its buffers)."))
+
+
 def gradient_hooks_refused(api: str, backend: str) -> BackendCannotRun:
     """``backend`` does not run the gradient hooks ``f`` registers; others do.
 
@@ -187,6 +243,8 @@ def torch_refusals(api: str, backend: str) -> Iterator[None]:
                 "(torch's autograd refuses a backward through a saved tensor changed in "
                 "place, on every backend)", in_place_what(error),
                 IN_PLACE_FIX)) from error
+        if isinstance(error, CounterRead):
+            raise counter_read_error(api, error) from error
         if _torch_compat.is_reentrant_grad_error(error):
             raise ValueError(message(
                 api, "f without torch.utils.checkpoint(..., use_reentrant=True) regions "

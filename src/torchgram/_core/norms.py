@@ -20,7 +20,9 @@ as the fused kernel's (run once more without gradients for its strides: a dropou
 batch norm of a transposed input drew another mask, update hunt 4). Running statistics (batch
 norm in training mode, instance norm with ``use_input_stats`` and running buffers) are
 updated in place exactly as the fused kernels do (momentum, unbiased variance), outside
-autograd. Eval-mode batch norm is an affine map of fixed statistics and runs unchanged.
+autograd, when a call passes them (torchgram's own evaluations of ``f`` pass none: NOTE
+[frozen running statistics] in ``running_stats.py``). Eval-mode batch norm is an affine
+map of fixed statistics and runs unchanged.
 ``tests/core/test_norms.py`` checks that torch still gets it wrong (and fails once torch
 fixes it, when this mode can go).
 """

@@ -36,10 +36,18 @@ from torchgram._core import _torch_compat
 from torchgram._core.census import DenseEmbeddingGradients, OpCensus, ProbeCheck
 from torchgram._core.checks import check_not_meta, fail, resolve_argnums
 from torchgram._core.composition import Composition, detect_composition
-from torchgram._core.errors import NotPerSample, OutputChanged, forward_mode_refusal
+from torchgram._core.errors import (
+    CounterRead,
+    NotPerSample,
+    OutputChanged,
+    counter_read_error,
+    draws_refused_by_vmap,
+    forward_mode_refusal,
+)
 from torchgram._core.options import InDims, Options
 from torchgram._core.pytree import DiffLeaves, leaves_of, select_diff_leaves
 from torchgram._core.rng import RngState
+from torchgram._core.running_stats import FrozenRunningStats, counters_refused
 from torchgram._core.signature import LruCache, call_signature
 from torchgram._core.threads import RNG_LOCK, compiled_code_eager, math_attention
 
@@ -394,12 +402,14 @@ class Problem:
         def evaluate(values: tuple[Tensor, ...]) -> Any:
             return self.f(*self.diff.rebuild_args(given, values), **keywords)
 
-        result = evaluate_f(evaluate, leaves,
-                            lambda: self.draw.evaluation(full=full, check=check_draw),
-                            self.composition.evaluation,  # NOTE [decomposed norms]
-                            DenseEmbeddingGradients if self.sparse_embeddings
-                            else contextlib.nullcontext,
-                            self._probe_check)
+        with counters_refused(self.api):
+            result = evaluate_f(evaluate, leaves,
+                                lambda: self.draw.evaluation(full=full, check=check_draw),
+                                self.composition.evaluation,  # NOTE [decomposed norms]
+                                DenseEmbeddingGradients if self.sparse_embeddings
+                                else contextlib.nullcontext,
+                                self._probe_check,
+                                FrozenRunningStats)  # NOTE [frozen running statistics]
         return split_aux(self.api, result, self.has_aux)
 
     def _probe_check(self) -> contextlib.AbstractContextManager[Any]:
@@ -734,10 +744,14 @@ def _evaluate_probe(api: str, f: Callable[..., Any], args: tuple[Any, ...],
         try:  # the next evaluation starts from the call's state (restore_after)
             result = evaluate_f(evaluate, leaves,
                                 lambda: draw.evaluation(full=with_grad, restore_after=True),
-                                _probe_attention, lambda: census)
+                                _probe_attention, lambda: census, FrozenRunningStats)
+        except CounterRead as error:
+            raise counter_read_error(api, error) from error
         except Exception as error:
             if (refusal := forward_mode_refusal(api, error)) is not None:
                 raise refusal from error  # no backend can: f itself lacks forward mode
+            if (refusal := draws_refused_by_vmap(api, error)) is not None:
+                raise refusal from error  # no backend can: f draws under the user's vmap
             if batch is None or whole_batch:
                 raise
             raise _FailsAlone from error

@@ -20,7 +20,7 @@ error 0.49). The structured backend's own rewrites keep the plain call's layouts
 
 from __future__ import annotations
 
-from torchgram._core.errors import BackendCannotRun
+from torchgram._core.errors import DRAWS_UNDER_TRANSFORMS_FIX, BackendCannotRun
 from torchgram._core.problem import Problem
 
 PLAIN_BACKENDS = ("structured", "graph")
@@ -37,9 +37,14 @@ def refuse_draws(problem: Problem, backend: str) -> None:
     Call it after the backend's first evaluation of the whole batch.
     """
     if problem.draw.random:
+        under = problem.composition.transforms
         raise BackendCannotRun(
             problem.api, backend, "a function that draws no random numbers (it evaluates f "
             "inside torch.func transforms, whose wrappers can change the strides a random "
             "op lays its draws out along: F.dropout would drop other entries than in a "
-            "plain call)", "an f that draws random numbers (dropout, ...)", PLAIN_BACKENDS,
+            "plain call)", "an f that draws random numbers (dropout, ...)"
+            + (f", called {problem.composition.describe()}" if under else ""),
+            () if under else PLAIN_BACKENDS,
+            DRAWS_UNDER_TRANSFORMS_FIX if under else
             "They evaluate f plainly, with the draws of one call.")
+

@@ -52,6 +52,7 @@ from torchgram._core.problem import (
 )
 from torchgram._core.pytree import DiffLeaves, detach_tree, select_diff_leaves
 from torchgram._core.result import NO_AUX
+from torchgram._core.running_stats import FrozenRunningStats, counters_refused
 from torchgram._core.threads import RNG_LOCK, compiled_code_eager
 from torchgram.backends.structured.cost import Sizes
 from torchgram.backends.structured.payloads import (
@@ -305,9 +306,11 @@ def _first_sample_rows(problem: Problem, pairs: tuple[Tensor, ...], dtype: torch
     with torch.no_grad():
         if draw:
             out, _ = problem.call(problem.leaves, args, kwargs, full=False)
-        else:
-            out, _ = split_aux(problem.api, problem.f(
-                *problem.diff.rebuild_args(args, problem.leaves), **kwargs), problem.has_aux)
+        else:  # NOTE [frozen running statistics], as in every evaluation of f
+            with counters_refused(problem.api), FrozenRunningStats():
+                out, _ = split_aux(problem.api, problem.f(
+                    *problem.diff.rebuild_args(args, problem.leaves), **kwargs),
+                    problem.has_aux)
     out_dims = problem.output.batch_dims
     assert out_dims is not None
     return concat_rows([leaf.narrow(d, 0, 1) for leaf, d in zip(optree.tree_leaves(out), out_dims,

@@ -1,0 +1,207 @@
+"""NOTE [frozen running statistics]: torchgram's evaluations of ``f`` leave running buffers alone.
+
+Unit tests of :class:`FrozenRunningStats`, then the public API on the idiomatic
+``torch.func.functional_call`` with captured buffers (batch norm in training mode), every
+backend against the dense oracle of the same function without side effects.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import torchgram as tg
+from reference import dense_cross_kernel, dense_gramian
+from torchgram._core.errors import BackendCannotRun, CounterRead
+from torchgram._core.running_stats import FrozenRunningStats
+
+DOUBLE = torch.float64
+BACKENDS = tg.backends.backend_names()
+
+
+def _stats() -> tuple[Tensor, Tensor]:
+    return torch.linspace(-1, 1, 3, dtype=DOUBLE), torch.linspace(0.5, 2, 3, dtype=DOUBLE)
+
+
+TRAINING_CALLS: dict[str, Callable[[Tensor, tuple[Tensor, Tensor]], Tensor]] = {
+    "F.batch_norm": lambda x, s: F.batch_norm(x, *s, None, None, True, 0.3, 1e-4),
+    "F.batch_norm-keywords": lambda x, s: F.batch_norm(x, running_mean=s[0], running_var=s[1],
+                                                       training=True),
+    "torch.batch_norm": lambda x, s: torch.batch_norm(x, None, None, *s, True, 0.2, 1e-5, False),
+    "F.instance_norm": lambda x, s: F.instance_norm(x, *s, None, None, True, 0.4),
+    "torch.instance_norm": lambda x, s: torch.instance_norm(x, None, None, *s, True, 0.1, 1e-5,
+                                                            False),
+}
+
+
+@pytest.mark.parametrize("name", list(TRAINING_CALLS))
+def test_norms_in_training_mode_give_the_same_values_and_update_nothing(name: str) -> None:
+    x = torch.randn(4, 3, 5, dtype=DOUBLE)
+    updated, frozen = _stats(), _stats()
+    expected = TRAINING_CALLS[name](x, updated)
+    with FrozenRunningStats():
+        actual = TRAINING_CALLS[name](x, frozen)
+    assert torch.equal(actual, expected)
+    for now, before in zip(frozen, _stats(), strict=True):
+        assert torch.equal(now, before)
+    assert not torch.equal(updated[0], _stats()[0])  # torch itself would have updated them
+
+
+def test_eval_mode_batch_norm_still_reads_its_running_statistics() -> None:
+    x = torch.randn(4, 3, dtype=DOUBLE)
+    stats = _stats()
+    with FrozenRunningStats():
+        actual = F.batch_norm(x, *stats)
+    assert torch.equal(actual, F.batch_norm(x, *_stats()))
+
+
+def test_module_counter_is_left_alone_and_read_as_its_incremented_value() -> None:
+    bn = nn.BatchNorm1d(3, momentum=None, dtype=DOUBLE)  # reads float(num_batches_tracked)
+    bn.num_batches_tracked.fill_(4)
+    x = torch.randn(5, 3, dtype=DOUBLE)
+    with FrozenRunningStats():
+        y = bn(x)
+        bn.num_batches_tracked.add_(2)  # what f's own code would see: 4 + 1 + 2
+        seen = (int(bn.num_batches_tracked), bn.num_batches_tracked.item(),
+                float(bn.num_batches_tracked))
+    assert seen == (7, 7, 7.0)
+    assert int(bn.num_batches_tracked) == 4 and bn.running_mean.abs().sum() == 0
+    assert torch.equal(y, F.batch_norm(x, None, None, bn.weight, bn.bias, True))
+
+
+def test_a_counter_used_as_a_tensor_is_refused() -> None:
+    counter = torch.tensor(2)
+    with pytest.raises(CounterRead, match="then uses it in mul"), FrozenRunningStats():
+        counter.add_(1)
+        _ = counter * torch.ones(2)
+
+
+# -- the public API on functional_call with captured buffers -------------------------------------
+
+def _net(momentum: float | None = 0.1) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6, momentum=momentum), nn.Tanh(),
+                         nn.Linear(6, 6), nn.Unflatten(1, (2, 3)),
+                         nn.InstanceNorm1d(2, track_running_stats=True), nn.Flatten(),
+                         nn.Linear(6, 1)).to(DOUBLE).train()
+
+
+def _captured(model: nn.Module) -> tuple[Callable[..., Tensor], dict[str, Tensor],
+                                         dict[str, Tensor]]:
+    """``f(params, x)`` by ``functional_call`` on buffers it captures, params, and buffers."""
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+
+    def f(p: dict[str, Tensor], x: Tensor) -> Tensor:
+        return torch.func.functional_call(model, (p, buffers), (x,)).squeeze(-1)
+
+    return f, params, buffers
+
+
+def _oracle(model: nn.Module, params: dict[str, Tensor], x: Tensor) -> Tensor:
+    """The dense Gramian of the same function run on copies of the buffers (no side effects)."""
+    fn, _ = tg.functionalize(copy.deepcopy(model))
+    return dense_gramian(lambda p, x: fn(p, x).squeeze(-1), (params, x)).gramian
+
+
+@pytest.mark.parametrize("batch_dim", [None, 0], ids=["dense", "per-sample"])
+@pytest.mark.parametrize("momentum", [0.1, None], ids=["momentum", "cumulative"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gramian_of_functional_call_with_captured_buffers(backend: str, momentum: float | None,
+                                                          batch_dim: int | None) -> None:
+    model = _net(momentum)
+    f, params, buffers = _captured(model)
+    before = {k: v.clone() for k, v in buffers.items()}
+    x = torch.randn(5, 4, dtype=DOUBLE)
+    gram = tg.gramian(f, backend=backend, batch_dim=batch_dim)(params, x)
+    torch.testing.assert_close(gram, _oracle(model, params, x), rtol=1e-10, atol=1e-12)
+    for name, value in buffers.items():
+        assert torch.equal(value, before[name]), name
+
+
+def test_kernel_of_functional_call_with_captured_buffers() -> None:
+    model = _net()
+    f, params, buffers = _captured(model)
+    before = {k: v.clone() for k, v in buffers.items()}
+    x1, x2 = torch.randn(4, 4, dtype=DOUBLE), torch.randn(3, 4, dtype=DOUBLE)
+    kernel = tg.ntk.empirical_ntk_fn(lambda p, x: f(p, x)[:, None], trace_axes=())(x1, x2, params)
+    fn, _ = tg.functionalize(copy.deepcopy(model))
+    expected = dense_cross_kernel(lambda p, x: fn(p, x), params, x1, x2)
+    torch.testing.assert_close(kernel, expected, rtol=1e-10, atol=1e-12)
+    assert all(torch.equal(v, before[k]) for k, v in buffers.items())
+
+
+@pytest.mark.parametrize("batch_dim", [None, 0], ids=["dense", "per-sample"])
+def test_gramian_under_vmap_over_an_ensemble_with_batch_norm_in_training_mode(
+        batch_dim: int | None) -> None:
+    models = [_net() for _ in range(3)]
+    for i, model in enumerate(models):
+        with torch.no_grad():
+            model[0].weight.mul_(1 + i)
+    params, buffers = torch.func.stack_module_state(models)
+    params = {k: v.detach() for k, v in params.items()}
+    before = {k: v.clone() for k, v in buffers.items()}
+    base = copy.deepcopy(models[0]).to("meta")
+    x = torch.randn(5, 4, dtype=DOUBLE)
+
+    def one(p: dict[str, Tensor], b: dict[str, Tensor]) -> Tensor:
+        return tg.gramian(lambda q, x: torch.func.functional_call(base, (q, b), (x,)).squeeze(-1),
+                          batch_dim=batch_dim)(p, x)
+
+    grams = torch.func.vmap(one)(params, buffers)
+    for i, model in enumerate(models):
+        member = {k: v[i] for k, v in params.items()}
+        torch.testing.assert_close(grams[i], _oracle(model, member, x), rtol=1e-10, atol=1e-12)
+    assert all(torch.equal(v, before[k]) for k, v in buffers.items())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_counter_f_increments_and_uses_as_a_tensor_is_a_torchgram_error(backend: str) -> None:
+    counter = torch.tensor(3)
+
+    def f(w: Tensor, x: Tensor) -> Tensor:
+        counter.add_(1)
+        return (x @ w * counter).sum(-1)
+
+    with pytest.raises(ValueError, match="num_batches_tracked.*Increment the counter outside f"):
+        tg.gramian(f, backend=backend)(torch.randn(4, 2), torch.randn(5, 4))
+    assert int(counter) == 3
+
+
+@pytest.mark.parametrize("backend", ["jacobian", "ntvp"])
+def test_other_in_place_changes_of_captured_tensors_are_declined_naming_what_can(
+        backend: str) -> None:
+    state = torch.zeros(4)
+
+    def f(w: Tensor, x: Tensor) -> Tensor:
+        state.add_(x.detach().mean(0))
+        return (x @ w).sum(-1)
+
+    with pytest.raises(BackendCannotRun, match="captured rather than took as an argument") as info:
+        tg.gramian(f, backend=backend)(torch.randn(4, 2), torch.randn(5, 4))
+    assert set(info.value.alternatives) == {"graph", "structured"}
+
+
+@pytest.mark.parametrize("batch_dim", [None, 0], ids=["dense", "per-sample"])
+@pytest.mark.parametrize("backend", ["auto", "jacobian", "ntvp"])
+def test_gramian_under_vmap_over_input_sets_with_unbatched_captured_buffers(
+        backend: str, batch_dim: int | None) -> None:
+    """The running buffers are not batched, the inputs are: torch refuses to update the former
+    from the latter ("Batch norm got a batched tensor as input while the running_mean or
+    running_var, which will be updated in place, were not batched"; raw before session 31)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.BatchNorm2d(3), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(3 * 4 * 4, 1)).to(DOUBLE).train()
+    f, params, buffers = _captured(model)
+    before = {k: v.clone() for k, v in buffers.items()}
+    input_sets = torch.randn(2, 4, 2, 6, 6, dtype=DOUBLE)
+    grams = torch.func.vmap(lambda x: tg.gramian(f, backend=backend, batch_dim=batch_dim)(
+        params, x))(input_sets)
+    for gram, x in zip(grams, input_sets, strict=True):
+        torch.testing.assert_close(gram, _oracle(model, params, x), rtol=1e-10, atol=1e-12)
+    assert all(torch.equal(v, before[k]) for k, v in buffers.items())
