@@ -104,6 +104,17 @@ def _is_counter_increment(func: Any, args: tuple[Any, ...], kwargs: dict[str, An
             and not isinstance(step, bool))
 
 
+_WATCHED = frozenset((*_NORMS, Tensor.add_))
+"""The calls :class:`FrozenRunningStats` may change (every other runs as it is)."""
+
+
+def _watched(func: Any) -> bool:
+    try:
+        return func in _WATCHED
+    except TypeError:  # an unhashable callable
+        return False
+
+
 class FrozenRunningStats(TorchFunctionMode):
     """Norm calls update no running statistics; counter increments are skipped.
 
@@ -128,6 +139,8 @@ class FrozenRunningStats(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
+        if not self._skipped and not _watched(func):  # most calls: a set lookup, no more
+            return func(*args, **kwargs)
         if self._skipped:
             read = self._read_of_skipped(func, args, kwargs)
             if read is not NotImplemented:
