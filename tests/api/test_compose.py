@@ -503,3 +503,43 @@ def test_a_random_f_under_grad_is_declined_naming_no_backend(backend: str) -> No
     if backend in ("jacobian", "ntvp", "auto"):
         assert info.value.alternatives == ()
         assert "No backend can inside torch.func transforms" in str(info.value)
+
+
+def _branches_on_values(w: Tensor, x: Tensor) -> Tensor:
+    h = x @ w
+    return h.sum(-1) if bool(h.sum() > 0) else -h.sum(-1)  # Python control flow on a value
+
+
+def _fused_rnn() -> Callable[[dict[str, Tensor], Tensor], Tensor]:
+    torch.manual_seed(0)
+    fn, _ = tg.functionalize(torch.nn.RNN(3, 4, batch_first=True).to(DOUBLE))
+    return lambda p, x: fn(p, x)[0].sum((-2, -1))
+
+
+@pytest.mark.parametrize("kind", ["gramian", "ntk"])
+@pytest.mark.parametrize("model", ["control-flow", "fused-rnn"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_f_that_vmap_cannot_run_over_input_sets_is_a_torchgram_error(
+        backend: str, model: str, kind: str) -> None:
+    """torch.func.vmap of f itself fails the same way (no backend can): torch's raw errors
+    ("data-dependent control flow", a fused RNN writing batched values into its unbatched
+    initial state) reached the user before session 31."""
+    if model == "control-flow":
+        f: Callable[..., Tensor] = _branches_on_values
+        params: Any = torch.randn(3, 2, dtype=DOUBLE)
+        input_sets = torch.randn(2, 4, 3, dtype=DOUBLE)
+    else:
+        f = _fused_rnn()
+        params = {k: v.detach() for k, v in
+                  torch.nn.RNN(3, 4, batch_first=True).to(DOUBLE).named_parameters()}
+        input_sets = torch.randn(2, 4, 5, 3, dtype=DOUBLE)
+
+    def one(x: Tensor) -> Tensor:
+        if kind == "ntk":
+            return tg.ntk.empirical_ntk_fn(lambda p, x: f(p, x)[:, None], backend=backend)(
+                x, None, params)
+        return tg.gramian(f, backend=backend, batch_dim=0)(params, x)
+
+    with pytest.raises(NotImplementedError, match="f that runs under the torch.func.vmap "
+                       "around the call.*in a loop instead of vmap"):
+        torch.func.vmap(one)(input_sets)

@@ -151,6 +151,46 @@ def draws_refused_by_vmap(api: str, error: BaseException) -> NotImplementedError
 _VMAP_RANDOMNESS = "called random operation while in randomness error mode"
 
 
+def f_refused_by_vmap(api: str, error: BaseException) -> NotImplementedError | None:
+    """The torchgram error for ``f`` that cannot run under the ``vmap`` around the call.
+
+    ``None`` outside ``vmap`` or for another error. The probe (``f`` on the whole batch,
+    with no more transforms than the user's and one ``vjp`` level) failed with one of torch's
+    ``vmap`` refusals: data-dependent Python control flow on a tensor or ``.item()``
+    (``transformers``' attention-mask checks), an op without a batching rule, or an in-place
+    write of a batched value into an unbatched tensor (a fused ``nn.RNN``'s decomposition
+    over batched inputs). ``torch.func.vmap`` of ``f`` (or of ``jacrev(f)``) fails the same
+    way, and no backend can run ``f`` there (session 31: torch's raw errors before).
+
+    Example:
+        >>> error = RuntimeError("Batching rule not implemented for aten::rnn_tanh.input.")
+        >>> found = []
+        >>> _ = torch.func.vmap(lambda x: (found.append(f_refused_by_vmap("api", error)), x)[1])(
+        ...     torch.ones(2))
+        >>> str(found[0]).split(", but got ")[0]
+        'api: expected f that runs under the torch.func.vmap around the call'
+        >>> f_refused_by_vmap("api", error) is None  # no vmap around
+        True
+    """
+    if not isinstance(error, RuntimeError) or "vmap" not in _torch_compat.functorch_transforms():
+        return None
+    message_text = str(error)
+    if not any(pattern in message_text for pattern in _VMAP_REFUSALS):
+        return None
+    return NotImplementedError(message(
+        api, "f that runs under the torch.func.vmap around the call",
+        f"f refused by vmap (torch: {message_text.splitlines()[0][:160]})",
+        "No backend can run such an f there: compute G for each input or parameter set in a "
+        "loop instead of vmap, or make f vmappable (no Python control flow on tensor values, "
+        "no .item(); torch.func.vmap(f) shows the same error)."))
+
+
+_VMAP_REFUSALS = ("vmap: It looks like you're", "Batching rule not implemented for",
+                  "doesn't match the broadcast shape")
+"""torch's messages for what ``vmap`` cannot run (the last: an in-place write of a batched
+value into an unbatched tensor)."""
+
+
 def counter_read_error(api: str, error: CounterRead) -> ValueError:
     """The ``ValueError`` every backend raises for ``f`` using a skipped counter as a tensor.
 

@@ -42,6 +42,7 @@ from torchgram._core.errors import (
     OutputChanged,
     counter_read_error,
     draws_refused_by_vmap,
+    f_refused_by_vmap,
     forward_mode_refusal,
 )
 from torchgram._core.options import InDims, Options
@@ -753,6 +754,8 @@ def _evaluate_probe(api: str, f: Callable[..., Any], args: tuple[Any, ...],
             if (refusal := draws_refused_by_vmap(api, error)) is not None:
                 raise refusal from error  # no backend can: f draws under the user's vmap
             if batch is None or whole_batch:
+                if (refusal := f_refused_by_vmap(api, error)) is not None:
+                    raise refusal from error  # f itself cannot run under the user's vmap
                 raise
             raise _FailsAlone from error
         out, aux = split_aux(api, result, has_aux)
