@@ -114,8 +114,8 @@ class ModifiedInPlace(RuntimeError):  # noqa: N818
 class CounterRead(RuntimeError):  # noqa: N818
     """``f`` used, other than as a number, a counter whose in-place increment was skipped.
 
-    NOTE [frozen running statistics] (``running_stats.py``); :func:`torch_refusals` turns it
-    into the ``ValueError`` every backend raises for such an ``f``.
+    NOTE [frozen running statistics] (``running_stats.py``); every evaluation of ``f`` turns it
+    into :func:`counter_read_error`, the ``ValueError`` every backend raises for such an ``f``.
     """
 
 
@@ -175,7 +175,8 @@ def f_refused_by_vmap(api: str, error: BaseException) -> NotImplementedError | N
     if not isinstance(error, RuntimeError) or "vmap" not in _torch_compat.functorch_transforms():
         return None
     message_text = str(error)
-    if not any(pattern in message_text for pattern in _VMAP_REFUSALS):
+    if not (_torch_compat.missing_batching_rule(error)
+            or any(pattern in message_text for pattern in _VMAP_REFUSALS)):
         return None
     return NotImplementedError(message(
         api, "f that runs under the torch.func.vmap around the call",
@@ -185,10 +186,10 @@ def f_refused_by_vmap(api: str, error: BaseException) -> NotImplementedError | N
         "no .item(); torch.func.vmap(f) shows the same error)."))
 
 
-_VMAP_REFUSALS = ("vmap: It looks like you're", "Batching rule not implemented for",
-                  "doesn't match the broadcast shape")
-"""torch's messages for what ``vmap`` cannot run (the last: an in-place write of a batched
-value into an unbatched tensor)."""
+_VMAP_REFUSALS = ("vmap: It looks like you're", "doesn't match the broadcast shape")
+"""torch's messages for what ``vmap`` cannot run besides a missing batching rule
+(``_torch_compat.missing_batching_rule``): data-dependent control flow, and an in-place write
+of a batched value into an unbatched tensor."""
 
 
 def counter_read_error(api: str, error: CounterRead) -> ValueError:
@@ -283,8 +284,6 @@ def torch_refusals(api: str, backend: str) -> Iterator[None]:
                 "(torch's autograd refuses a backward through a saved tensor changed in "
                 "place, on every backend)", in_place_what(error),
                 IN_PLACE_FIX)) from error
-        if isinstance(error, CounterRead):
-            raise counter_read_error(api, error) from error
         if _torch_compat.is_reentrant_grad_error(error):
             raise ValueError(message(
                 api, "f without torch.utils.checkpoint(..., use_reentrant=True) regions "

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
+from torchgram._core.census import _argument
 from torchgram._core.errors import CounterRead, counter_read_error
 
 # The running buffers' positions in each call, and the flag that says batch statistics
@@ -53,9 +54,15 @@ _SCALAR_READS = {Tensor.__float__: float, Tensor.__int__: int, Tensor.__index__:
 """Reads of a tensor as a Python number, and the type each gives (``None``: the dtype's)."""
 
 
-def _argument(args: tuple[Any, ...], kwargs: dict[str, Any], position: int, name: str,
-              default: Any = None) -> Any:
-    return args[position] if position < len(args) else kwargs.get(name, default)
+_WATCHED = frozenset((*_NORMS, Tensor.add_))
+"""The calls :class:`FrozenRunningStats` may change (every other runs as it is)."""
+
+
+def _watched(func: Any) -> bool:
+    try:
+        return func in _WATCHED
+    except TypeError:  # an unhashable callable
+        return False
 
 
 def _without_running_stats(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -71,17 +78,14 @@ def _without_running_stats(func: Any, args: tuple[Any, ...], kwargs: dict[str, A
         >>> _without_running_stats(F.batch_norm, (x, mean, var), {}) is None  # eval mode
         True
     """
-    try:
-        spec = _NORMS.get(func)
-    except TypeError:  # an unhashable callable
-        return None
+    spec = _NORMS.get(func) if _watched(func) else None
     if spec is None:
         return None
     (mean_at, mean_name), (var_at, var_name), (flag_at, flag_name, flag_default) = spec
     if not _argument(args, kwargs, flag_at, flag_name, flag_default):
         return None  # running statistics are read (eval mode), not written
-    if _argument(args, kwargs, mean_at, mean_name) is None and \
-            _argument(args, kwargs, var_at, var_name) is None:
+    if _argument(args, kwargs, mean_at, mean_name, None) is None and \
+            _argument(args, kwargs, var_at, var_name, None) is None:
         return None
     positional = list(args)
     keywords = dict(kwargs)
@@ -102,17 +106,6 @@ def _is_counter_increment(func: Any, args: tuple[Any, ...], kwargs: dict[str, An
             and not counter.is_floating_point() and not counter.is_complex()
             and counter.dtype != torch.bool and isinstance(step, int)
             and not isinstance(step, bool))
-
-
-_WATCHED = frozenset((*_NORMS, Tensor.add_))
-"""The calls :class:`FrozenRunningStats` may change (every other runs as it is)."""
-
-
-def _watched(func: Any) -> bool:
-    try:
-        return func in _WATCHED
-    except TypeError:  # an unhashable callable
-        return False
 
 
 class FrozenRunningStats(TorchFunctionMode):

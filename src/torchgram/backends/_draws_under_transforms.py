@@ -47,4 +47,3 @@ def refuse_draws(problem: Problem, backend: str) -> None:
             () if under else PLAIN_BACKENDS,
             DRAWS_UNDER_TRANSFORMS_FIX if under else
             "They evaluate f plainly, with the draws of one call.")
-
