@@ -122,6 +122,26 @@ def test_nonneg_qp_chunks_large_batches(monkeypatch: pytest.MonkeyPatch) -> None
     assert_close(solve_nonneg_qp(H, H), whole, rtol=0, atol=1e-14)
 
 
+@pytest.mark.parametrize("side", ["free", "complement"])
+@pytest.mark.parametrize("entries", [1, 3000], ids=["chunks-of-one", "chunks-of-few"])
+def test_face_blocks_in_chunks_match_one_batch(monkeypatch: pytest.MonkeyPatch, side: str,
+                                               entries: int) -> None:
+    # NOTE [face blocks in chunks]: the same solutions (to round-off) as one batched round, on
+    # either side of the face systems, at an m where the blocks are gathered.
+    monkeypatch.setattr(qp, "_MAX_COMPLEMENT_COND", 1e300 if side == "complement" else 0)
+    H = random_psd(64, 32, seed=1, ridge=1e-4)
+    whole = solve_nonneg_qp(H, H)
+    monkeypatch.setattr(qp, "_MAX_BLOCK_ENTRIES", entries)
+    chunked = solve_nonneg_qp(H, H)
+    assert_close(chunked, whole, rtol=0, atol=1e-13 * float(whole.abs().max()))
+
+
+def test_flat_indices_are_int32_where_they_fit() -> None:
+    order = torch.tensor([[0, 2]])
+    assert qp._flat_index(order, 46340).dtype == torch.int32  # 46340² < 2³¹
+    assert qp._flat_index(order, 46341).dtype == torch.int64
+
+
 def test_simplex_qp_zero_rows_and_duplicates() -> None:
     # A zero gradient is the min-norm point by itself; duplicated rows make H singular.
     J = torch.tensor([[1.0, 2.0], [0.0, 0.0], [1.0, 2.0], [-1.0, 0.5]], dtype=torch.float64)
@@ -152,6 +172,11 @@ SOLVER_PATHS: dict[str, dict[str, float]] = {
     # never.
     "complement-side": {"_GATHER_FROM": 1, "_MAX_COMPLEMENT_COND": 1e300},
     "free-side-only": {"_GATHER_FROM": 1, "_MAX_COMPLEMENT_COND": 0},
+    # NOTE [face blocks in chunks]: one problem per chunk, on either side.
+    "free-side-chunks-of-one": {"_GATHER_FROM": 1, "_MAX_COMPLEMENT_COND": 0,
+                                "_MAX_BLOCK_ENTRIES": 1},
+    "complement-side-chunks-of-one": {"_GATHER_FROM": 1, "_MAX_COMPLEMENT_COND": 1e300,
+                                      "_MAX_BLOCK_ENTRIES": 1},
 }
 
 
