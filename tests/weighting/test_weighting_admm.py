@@ -68,6 +68,8 @@ def test_upgrad_through_guessed_faces_is_exact(monkeypatch: pytest.MonkeyPatch, 
     H = normalize_and_regularize(G, 1e-4, 1e-4)
     if name == "full-rank" and m >= _nonneg._SYNC_FROM:  # Else the synchronous rounds run.
         monkeypatch.setattr(_nonneg, "_SYNC_FROM", 10**9)
+    # Else rank-1 Gramians start from x = 0 (NOTE [cold start probe], test_weighting_qp.py)
+    monkeypatch.setattr(_nonneg, "_COLD_PROBE_FROM", 10**9)
     calls: list[int] = []
 
     def counted(H: Tensor, q: Tensor, x0: Tensor | None = None) -> Tensor:

@@ -10,6 +10,7 @@ from torch import Tensor
 from torch.testing import assert_close
 
 import torchgram.weighting as weighting
+from torchgram.weighting import _nonneg
 from torchgram.weighting import _qp as qp
 from torchgram.weighting._kkt import kkt_residual
 from torchgram.weighting._qp import solve_nonneg_qp, solve_simplex_qp
@@ -134,6 +135,71 @@ def test_face_blocks_in_chunks_match_one_batch(monkeypatch: pytest.MonkeyPatch, 
     monkeypatch.setattr(qp, "_MAX_BLOCK_ENTRIES", entries)
     chunked = solve_nonneg_qp(H, H)
     assert_close(chunked, whole, rtol=0, atol=1e-13 * float(whole.abs().max()))
+
+
+def test_face_blocks_are_padded_by_the_round_not_the_chunk() -> None:
+    # A round of many problems gathers its chunks from K padded with the identity, however small
+    # each chunk (at m = 256, chunks of 13-16 problems took the masks' way, 1.6 times slower);
+    # a round of few problems masks. The blocks are the same either way.
+    H = random_psd(16, 16, seed=2, ridge=1e-4)
+    order = torch.stack([torch.randperm(16, generator=torch.Generator().manual_seed(i))[:8]
+                         for i in range(16)])
+    valid = torch.arange(8) < torch.arange(16).remainder(9).unsqueeze(-1)
+    masked = qp._FaceSystems(H).blocks("K", order[:2], valid[:2], problems=2)  # 2·8² < 4·16²
+    systems = qp._FaceSystems(H)
+    padded = systems.blocks("K", order[:2], valid[:2], problems=16)
+    assert "K" in systems._padded
+    assert torch.equal(padded, masked)
+    expected = torch.where(valid[:2].unsqueeze(-1) & valid[:2].unsqueeze(-2),
+                           H[order[:2].unsqueeze(-1), order[:2].unsqueeze(-2)],
+                           torch.eye(8, dtype=H.dtype))
+    assert torch.equal(padded, expected)
+
+
+def _conflicting_psd(m: int, seed: int) -> Tensor:
+    """Rows that pairwise conflict (negative off-diagonal), as per-sample gradients often do at
+    initialisation; ``I - 11ᵀ / 2m`` plus a small random Gramian."""
+    generator = torch.Generator().manual_seed(seed)
+    noise = 0.1 / m**0.5 * torch.randn(m, m, generator=generator, dtype=torch.float64)
+    H = torch.eye(m, dtype=torch.float64) - 0.5 / m + noise @ noise.T
+    return (H + H.T) / 2 / H.diagonal().sum() + 1e-4 * torch.eye(m, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("name", ["rank-1", "conflicting", "full-rank", "half-rank"])
+def test_cold_start_probe_says_whether_the_default_faces_are_right(name: str) -> None:
+    # NOTE [cold start probe]: True iff the probed problems' solutions have the default supports
+    # (q_j < 0), checked against the brute-force answers.
+    m = 7
+    H = {"rank-1": random_psd(m, 1, seed=3, ridge=1e-4), "conflicting": _conflicting_psd(m, 4),
+         "full-rank": random_psd(m, m, seed=5, ridge=1e-4),
+         "half-rank": random_psd(m, 3, seed=6, ridge=1e-4)}[name]
+    probed = torch.linspace(0, m - 1, qp._COLD_PROBES).round().long()
+    supports = torch.stack([brute_force_nonneg_qp(H, H[row]) > 0 for row in probed])
+    expected = bool(torch.equal(supports, H[probed] < 0))
+    assert qp.cold_start_holds(H, H) is expected
+    assert expected is (name in ("rank-1", "conflicting"))  # the cases are what they claim
+
+
+@pytest.mark.parametrize("name", ["rank-1", "conflicting"])
+def test_upgrad_from_a_cold_start_that_holds(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    # From _COLD_PROBE_FROM variables on, a batch whose probes hold is solved by the direct
+    # solver from x = 0, with no guess and no CG rounds; the answers are the same as by the paths
+    # it skips, certified by an independent KKT check.
+    m = _nonneg._COLD_PROBE_FROM
+    H = random_psd(m, 1, seed=7, ridge=1e-4) if name == "rank-1" else _conflicting_psd(m, 8)
+    assert qp.cold_start_holds(H, H)
+
+    def forbidden(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the cold start holds: no guess, no CG")
+
+    for skipped in ("admm_faces", "solve_nonneg_qp_sync", "solve_nonneg_qp_cg"):
+        monkeypatch.setattr(_nonneg, skipped, forbidden)
+    solution = _nonneg.solve_nonneg(H, H)
+    assert solution.solver == "direct" and (solution.x >= 0).all()
+    assert kkt_residual(H, H, solution.x).max() <= 1e-14
+    monkeypatch.undo()
+    monkeypatch.setattr(_nonneg, "_COLD_PROBE_FROM", 10**9)
+    assert_close(solution.x, _nonneg.solve_nonneg(H, H).x, rtol=1e-10, atol=1e-12)
 
 
 def test_flat_indices_are_int32_where_they_fit() -> None:

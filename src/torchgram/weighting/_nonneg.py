@@ -50,7 +50,7 @@ from torch import Tensor
 
 from ._admm import admm_faces
 from ._cg_qp import solve_nonneg_qp_cg
-from ._qp import solve_nonneg_qp
+from ._qp import cold_start_holds, solve_nonneg_qp
 from ._sync_cg import solve_nonneg_qp_sync
 
 # A batch of problems (UPGrad) from this many variables on first goes through the synchronous
@@ -73,6 +73,15 @@ _CG_FROM_SINGLE = 768
 # single problem (DualProj) it cost more than the rounds it saved (0.3 to 0.7 times as fast,
 # but for rank-m/2 Gramians at m = 64), so it has none.
 _ADMM_FROM = 32
+# A batch of problems from this many variables on (below the CG solver's range) first checks
+# whether the default start is right (NOTE [cold start probe] in _qp.py); if so, the direct
+# solver runs from there, with no guess and no CG rounds. A/B in one process (1 thread, the
+# weighting benchmark's Gramians and the benchmark MLP's at initialisation): at m = 128, 0.57
+# times the time at initialisation and 0.91 on rank-1 Gramians, 1.02-1.04 on the others (the
+# probe, 0.14-0.35 ms); at m = 256, 0.76 and 0.64 (with the fix of NOTE [face blocks in
+# chunks]'s padding test). At m = 32 and 64 the probe cost the others 5-30 % for 0.7-0.8 times
+# on rank-1 and nothing at initialisation (a round from the guess is as fast there).
+_COLD_PROBE_FROM = 128
 
 
 class NonnegSolution(NamedTuple):
@@ -109,6 +118,8 @@ def solve_nonneg(H: Tensor, q: Tensor, x0: Tensor | None = None) -> NonnegSoluti
     free = None
     if x0 is not None:
         x0, free = _better_start(H, q, x0)
+    elif k > 1 and _COLD_PROBE_FROM <= m < _CG_FROM_CONCENTRATED and cold_start_holds(H, q):
+        return NonnegSolution(solve_nonneg_qp(H, q), "direct", 0)  # NOTE [cold start probe]
     sync = k > 1 and m >= _SYNC_FROM and _spread_out(H)
     if k == 1:
         cg = m >= _CG_FROM_SINGLE

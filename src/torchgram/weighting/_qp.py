@@ -146,27 +146,34 @@ def _identity_off(matrix: Tensor, keep: Tensor) -> Tensor:
 
 
 class _FaceSystems:
-    """The matrix ``K`` of the face systems and, once a solve needs it, its inverse."""
+    """The matrix ``K`` of the face systems and, once a solve needs it, its inverse.
 
-    def __init__(self, K: Tensor) -> None:
+    ``complement=False``: no inverse (every face solved on its free side, NOTE [complement
+    side]), for a few solves that would not repay computing it (NOTE [cold start probe]).
+    """
+
+    def __init__(self, K: Tensor, *, complement: bool = True) -> None:
         self.K = K
         self._inverse: Tensor | None = None
-        self._tried = False
+        self._tried = not complement
         self._padded: dict[str, Tensor] = {}
 
-    def blocks(self, side: str, order: Tensor, valid: Tensor) -> Tensor:
+    def blocks(self, side: str, order: Tensor, valid: Tensor, problems: int) -> Tensor:
         """The blocks of ``K`` (``side = "K"``) or ``K⁻¹`` (``"inverse"``) on ``order``.
 
         ``matrix[order_b][:, order_b]`` for each row ``order_b`` of ``order`` (``[batch, p]``),
         with the rows and columns off ``valid`` (``[batch, p]``) made the identity's. For a
-        large batch from ``K`` padded with the identity (:func:`_gather_blocks`, computed once
-        per side); for a small one (``batch p² < 4 m²``, e.g. DualProj's single problem), where
-        padding ``K`` would cost more than it saves, gathered from ``K`` and masked.
+        round of many ``problems`` (``order`` may be a chunk of them: NOTE [face blocks in
+        chunks]) from ``K`` padded with the identity (:func:`_gather_blocks`, computed once per
+        side); for few (``problems p² < 4 m²``, e.g. DualProj's single problem), where padding
+        ``K`` would cost more than it saves, gathered from ``K`` and masked. (Until session 33
+        the test read the chunk's size: at m = 256, chunks of 13 to 16 problems with ``p``
+        about 130 took the masks' way, 1.6 times slower a round.)
         """
         matrix = self.K if side == "K" else self.inverse()
         assert matrix is not None
         batch, p = order.shape
-        if side not in self._padded and batch * p * p < 4 * matrix.numel():
+        if side not in self._padded and problems * p * p < 4 * matrix.numel():
             flat = _flat_index(order, matrix.shape[-1])
             index = (flat * matrix.shape[-1]).unsqueeze(-1) + flat.unsqueeze(-2)
             block = matrix.reshape(-1).index_select(0, index.view(-1)).view(batch, p, p)
@@ -289,7 +296,7 @@ class _Factors:
         batch, p = order.shape
         self.chunk = max(1, _MAX_BLOCK_ENTRIES // max(1, p * p))
         parts = [torch.linalg.cholesky_ex(systems.blocks(side, order[start:start + self.chunk],
-                                                         valid[start:start + self.chunk]))
+                                                         valid[start:start + self.chunk], batch))
                  for start in range(0, batch, self.chunk)]
         self.factors = [factor for factor, _ in parts]
         self.ok = torch.cat([info for _, info in parts]) == 0
@@ -364,10 +371,11 @@ class _NonnegQP:
         self.minus_q = -q
 
     @classmethod
-    def new(cls, H: Tensor, q: Tensor, shift: Tensor | None = None) -> _NonnegQP:
+    def new(cls, H: Tensor, q: Tensor, shift: Tensor | None = None, *,
+            complement: bool = True) -> _NonnegQP:
         """The problems for the rows of ``q``, their face systems shifted by ``shift · I``."""
         K = H if shift is None else _add_to_diagonal(H, shift)
-        return cls(H, _FaceSystems(K), q, H.abs())
+        return cls(H, _FaceSystems(K, complement=complement), q, H.abs())
 
     def solve_face(self, free: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         z, ok = _solve_on_face(self.systems, free, self.minus_q)
@@ -416,6 +424,11 @@ class _SimplexQP:
 # ---------------------------------------------------------------- the active-set method
 
 
+def _wrong_signs(free: Tensor, z: Tensor, s: Tensor, low_z: Tensor, low_s: Tensor) -> Tensor:
+    """Where a face solution's sign is wrong (``z < 0`` on ``F``, ``s < 0`` off it)."""
+    return torch.where(free, z < low_z, s < low_s)
+
+
 def _active_set(problem: _Problem, free: Tensor) -> tuple[Tensor, Tensor]:
     """Solves a batch of QPs by the two phases of NOTE [batched QP solver].
 
@@ -448,7 +461,7 @@ def _active_set(problem: _Problem, free: Tensor) -> tuple[Tensor, Tensor]:
     z = solution
     for iteration in range(_EXCHANGE_ITERATIONS):
         z, s, low_z, low_s, ok = problem.solve_face(free)
-        wrong = torch.where(free, z < low_z, s < low_s)
+        wrong = _wrong_signs(free, z, s, low_z, low_s)
         unsolved = wrong.any(dim=-1)
         left = (ok & unsolved).nonzero().squeeze(-1)  # Host synchronisation.
         if left.shape[0] == 0:
@@ -628,13 +641,69 @@ def solve_nonneg_qp(H: Tensor, q: Tensor, free: Tensor | None = None) -> Tensor:
     """
     m = q.shape[-1]
     if free is None:
-        # x = 0 is the solution unless s = q has negative entries: those start in the free set.
-        free = q < -_SIGN_TOL * q.abs().amax(dim=-1, keepdim=True)
+        free = _default_free(q)
     chunk = max(1, _MAX_BATCH_ENTRIES // max(m * m, 1))
     if q.shape[0] > chunk:
         return torch.cat([_solve_nonneg_qp(H, part, part_free) for part, part_free
                           in zip(torch.split(q, chunk), torch.split(free, chunk), strict=True)])
     return _solve_nonneg_qp(H, q, free)
+
+
+def _default_free(q: Tensor) -> Tensor:
+    """The free sets from ``x = 0``: the solution unless ``s = q`` has negative entries."""
+    return q < -_SIGN_TOL * q.abs().amax(dim=-1, keepdim=True)
+
+
+# NOTE [cold start probe]
+# The direct solver's default start, F = {j : q_j < 0} (from x = 0), is right for nearly every
+# problem of a batch or for nearly none. On UPGrad's m problems (m = 32 to 256, the weighting
+# benchmark's Gramians): all of them on rank-1 Gramians and 96-100 % on the per-sample Gramian of
+# the benchmark MLP 784-512-512-10 at initialisation (|F| about 0.9 m: per-sample gradients that
+# mostly conflict), none on random, rank-m/2, ill-conditioned and trained-network ones. Where it
+# is right, one round from there solves nearly everything, and the ADMM guess (NOTE [ADMM face
+# identification] in _admm.py) or the synchronous CG rounds cost more than they save: the direct
+# solver from x = 0 against from the guess, 1 thread, m = 32 / 64 / 128 / 256: 0.6 / 1.8 / 4.9
+# / 17 ms against 1.1 / 2.1 / 7.7 / 28 ms at initialisation, 0.6 / 1.3 / 12 / 76 against 1.1 /
+# 2.8 / 16 / 125 ms on rank-1 Gramians. So cold_start_holds solves _COLD_PROBES problems spread
+# over the batch on their default faces first (one gathered face system each: 0.14-0.5 ms at
+# m = 128-256 where it fails, 0.5-0.9 ms where it holds); if each is right, the whole batch
+# starts there (_nonneg._COLD_PROBE_FROM says from which m). The answer is the direct solver's
+# either way (exact, sign-checked): only the time depends on the verdict.
+_COLD_PROBES = 2
+_PROBE_TOL = 1e-9
+
+
+def cold_start_holds(H: Tensor, q: Tensor) -> bool:
+    """Whether the default free sets solve a few problems spread over the batch.
+
+    NOTE [cold start probe]: then :func:`solve_nonneg_qp` from its default start is the fastest
+    way to the whole batch. A verdict, not a solution: each probe's block ``H_FF`` is gathered
+    and factorised on its own, and signs count as wrong beyond ``_PROBE_TOL`` times the largest
+    ``|q|``. Nothing but the time depends on it.
+
+    Example:
+        >>> import torch
+        >>> a = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
+        >>> H = torch.outer(a, a) / 5.25 + 1e-4 * torch.eye(3, dtype=torch.float64)  # rank-1
+        >>> cold_start_holds(H, H)  # UPGrad's problems: q = H e_i
+        True
+        >>> H = torch.tensor([[1.0, -0.9], [-0.9, 1.0]], dtype=torch.float64)
+        >>> cold_start_holds(H, torch.tensor([[-1.0, 0.1]], dtype=torch.float64))  # x₂ > 0 too
+        False
+    """
+    k = q.shape[0]
+    for row in torch.linspace(0, k - 1, min(k, _COLD_PROBES)).round().long().tolist():
+        sample = q[row]
+        free = _default_free(sample.unsqueeze(0))[0]
+        index = free.nonzero().squeeze(-1)  # Host synchronisation.
+        factor, info = torch.linalg.cholesky_ex(H.index_select(0, index).index_select(1, index))
+        z = torch.zeros_like(sample).index_copy_(
+            0, index, _cholesky_solve(factor, -sample.index_select(0, index)))
+        s = torch.addmv(sample, H, z)
+        low = -_PROBE_TOL * sample.abs().amax()
+        if bool(info != 0) or bool(_wrong_signs(free, z, s, low, low).any()):  # Host sync.
+            return False
+    return True
 
 
 def _solve_nonneg_qp(H: Tensor, q: Tensor, free: Tensor) -> Tensor:
