@@ -146,16 +146,12 @@ def _identity_off(matrix: Tensor, keep: Tensor) -> Tensor:
 
 
 class _FaceSystems:
-    """The matrix ``K`` of the face systems and, once a solve needs it, its inverse.
+    """The matrix ``K`` of the face systems and, once a solve needs it, its inverse."""
 
-    ``complement=False``: no inverse (every face solved on its free side, NOTE [complement
-    side]), for a few solves that would not repay computing it (NOTE [cold start probe]).
-    """
-
-    def __init__(self, K: Tensor, *, complement: bool = True) -> None:
+    def __init__(self, K: Tensor) -> None:
         self.K = K
         self._inverse: Tensor | None = None
-        self._tried = not complement
+        self._tried = False
         self._padded: dict[str, Tensor] = {}
 
     def blocks(self, side: str, order: Tensor, valid: Tensor, problems: int) -> Tensor:
@@ -371,11 +367,10 @@ class _NonnegQP:
         self.minus_q = -q
 
     @classmethod
-    def new(cls, H: Tensor, q: Tensor, shift: Tensor | None = None, *,
-            complement: bool = True) -> _NonnegQP:
+    def new(cls, H: Tensor, q: Tensor, shift: Tensor | None = None) -> _NonnegQP:
         """The problems for the rows of ``q``, their face systems shifted by ``shift · I``."""
         K = H if shift is None else _add_to_diagonal(H, shift)
-        return cls(H, _FaceSystems(K, complement=complement), q, H.abs())
+        return cls(H, _FaceSystems(K), q, H.abs())
 
     def solve_face(self, free: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         z, ok = _solve_on_face(self.systems, free, self.minus_q)
