@@ -202,6 +202,26 @@ def test_upgrad_from_a_cold_start_that_holds(monkeypatch: pytest.MonkeyPatch, na
     assert_close(solution.x, _nonneg.solve_nonneg(H, H).x, rtol=1e-10, atol=1e-12)
 
 
+def test_a_cold_start_that_holds_comes_before_the_warm_start(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # With a WarmStart, a batch whose default faces are right still takes the direct solver from
+    # x = 0 (the warm start would send it to the guess: slower there); the state is stored.
+    m = _nonneg._COLD_PROBE_FROM
+    H = _conflicting_psd(m, 10)
+    G = H * 3.0  # upgrad normalises by the trace
+    state = weighting.WarmStart()
+    first = weighting.upgrad(G, state=state)
+
+    def forbidden(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the cold start holds: no guess, no CG")
+
+    for skipped in ("admm_faces", "solve_nonneg_qp_sync", "solve_nonneg_qp_cg"):
+        monkeypatch.setattr(_nonneg, skipped, forbidden)
+    again = weighting.upgrad(G * 1.01, state=state)
+    assert state.solver == "direct" and state.warm_calls == 1
+    assert_close(again, first, rtol=1e-12, atol=1e-14)  # the same projections (scale-free)
+
+
 def test_flat_indices_are_int32_where_they_fit() -> None:
     order = torch.tensor([[0, 2]])
     assert qp._flat_index(order, 46340).dtype == torch.int32  # 46340² < 2³¹

@@ -80,7 +80,10 @@ _ADMM_FROM = 32
 # times the time at initialisation and 0.91 on rank-1 Gramians, 1.02-1.04 on the others (the
 # probe, 0.14-0.35 ms); at m = 256, 0.76 and 0.64 (with the fix of NOTE [face blocks in
 # chunks]'s padding test). At m = 32 and 64 the probe cost the others 5-30 % for 0.7-0.8 times
-# on rank-1 and nothing at initialisation (a round from the guess is as fast there).
+# on rank-1 and nothing at initialisation (a round from the guess is as fast there). With a
+# WarmStart too (the probe comes first): six UPGrad steps of the MLP on one batch, 0.58-0.59
+# times the time a step at m = 128 and 256; drifting rank-1 Gramians 0.67-0.80; drifting random
+# and training-like ones 1.00-1.04 (the probe).
 _COLD_PROBE_FROM = 128
 
 
@@ -116,10 +119,12 @@ def solve_nonneg(H: Tensor, q: Tensor, x0: Tensor | None = None) -> NonnegSoluti
     """
     k, m = q.shape
     free = None
+    if k > 1 and _COLD_PROBE_FROM <= m < _CG_FROM_CONCENTRATED and cold_start_holds(H, q):
+        # NOTE [cold start probe]; before the warm start, which would send the batch to the
+        # guess or the CG rounds (the benchmark MLP over steps on one batch: 1.6-1.7 times slower)
+        return NonnegSolution(solve_nonneg_qp(H, q), "direct", 0)
     if x0 is not None:
         x0, free = _better_start(H, q, x0)
-    elif k > 1 and _COLD_PROBE_FROM <= m < _CG_FROM_CONCENTRATED and cold_start_holds(H, q):
-        return NonnegSolution(solve_nonneg_qp(H, q), "direct", 0)  # NOTE [cold start probe]
     sync = k > 1 and m >= _SYNC_FROM and _spread_out(H)
     if k == 1:
         cg = m >= _CG_FROM_SINGLE
