@@ -99,7 +99,8 @@ def solve_nonneg(H: Tensor, q: Tensor, x0: Tensor | None = None) -> NonnegSoluti
     """Solves ``min_x ½ xᵀHx + qᵀx`` s.t. ``x ≥ 0`` for each row of ``q``, by the faster solver.
 
     See NOTE [choosing the non-negative QP solver]. A warm start ``x0`` is used for the problems
-    where it is closer to the solution than zero is (:func:`_better_start`).
+    where it is closer to the solution than zero is (:func:`_better_start`), unless the default
+    start is already right (NOTE [cold start probe] in ``_qp.py``).
 
     Args:
         H: Symmetric positive-definite float64 matrix of shape ``[m, m]`` (positive
