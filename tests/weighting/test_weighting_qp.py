@@ -180,6 +180,14 @@ def test_cold_start_probe_says_whether_the_default_faces_are_right(name: str) ->
     assert expected is (name in ("rank-1", "conflicting"))  # the cases are what they claim
 
 
+def _forbid_guess_and_cg(monkeypatch: pytest.MonkeyPatch) -> None:
+    def forbidden(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the cold start holds: no guess, no CG")
+
+    for skipped in ("admm_faces", "solve_nonneg_qp_sync", "solve_nonneg_qp_cg"):
+        monkeypatch.setattr(_nonneg, skipped, forbidden)
+
+
 @pytest.mark.parametrize("name", ["rank-1", "conflicting"])
 def test_upgrad_from_a_cold_start_that_holds(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
     # From _COLD_PROBE_FROM variables on, a batch whose probes hold is solved by the direct
@@ -188,12 +196,7 @@ def test_upgrad_from_a_cold_start_that_holds(monkeypatch: pytest.MonkeyPatch, na
     m = _nonneg._COLD_PROBE_FROM
     H = random_psd(m, 1, seed=7, ridge=1e-4) if name == "rank-1" else _conflicting_psd(m, 8)
     assert qp.cold_start_holds(H, H)
-
-    def forbidden(*args: object, **kwargs: object) -> None:
-        raise AssertionError("the cold start holds: no guess, no CG")
-
-    for skipped in ("admm_faces", "solve_nonneg_qp_sync", "solve_nonneg_qp_cg"):
-        monkeypatch.setattr(_nonneg, skipped, forbidden)
+    _forbid_guess_and_cg(monkeypatch)
     solution = _nonneg.solve_nonneg(H, H)
     assert solution.solver == "direct" and (solution.x >= 0).all()
     assert kkt_residual(H, H, solution.x).max() <= 1e-14
@@ -211,12 +214,7 @@ def test_a_cold_start_that_holds_comes_before_the_warm_start(
     G = H * 3.0  # upgrad normalises by the trace
     state = weighting.WarmStart()
     first = weighting.upgrad(G, state=state)
-
-    def forbidden(*args: object, **kwargs: object) -> None:
-        raise AssertionError("the cold start holds: no guess, no CG")
-
-    for skipped in ("admm_faces", "solve_nonneg_qp_sync", "solve_nonneg_qp_cg"):
-        monkeypatch.setattr(_nonneg, skipped, forbidden)
+    _forbid_guess_and_cg(monkeypatch)
     again = weighting.upgrad(G * 1.01, state=state)
     assert state.solver == "direct" and state.warm_calls == 1
     assert_close(again, first, rtol=1e-12, atol=1e-14)  # the same projections (scale-free)
