@@ -356,6 +356,71 @@ def test_nonneg_qp_with_singular_h(monkeypatch: pytest.MonkeyPatch, m: int) -> N
     assert (x * s).abs().max() < 1e-10
 
 
+def _ill_conditioned_simplex(m: int = 128, seed: int = 0) -> Tensor:
+    """Trace-normalised Gramian with eigenvalues 1 ... 1e-8 on which the active set runs out."""
+    generator = torch.Generator().manual_seed(seed)
+    U, _ = torch.linalg.qr(torch.randn(m, m, generator=generator, dtype=torch.float64))
+    A = U * torch.logspace(0, -4, m, dtype=torch.float64)
+    H = A @ A.T
+    return (H + H.T) / 2 / H.diagonal().sum()
+
+
+def _simplex_kkt(H: Tensor, w: Tensor) -> float:
+    """Largest violation of ``w ≥ 0``, ``Σw = 1``, ``(Hw)_i ≥ wᵀHw`` (= on the support)."""
+    hw = H @ w
+    s = hw - w @ hw
+    return max(float((-w).clamp(min=0).max()), float((w.sum() - 1).abs()),
+               float((-s).clamp(min=0).max()), float((w * s).abs().max()))
+
+
+@pytest.mark.parametrize("structure", ["ill-conditioned", "rank-m/2"])
+def test_simplex_qp_goes_to_interior_point_without_a_futile_retry(
+        monkeypatch: pytest.MonkeyPatch, structure: str) -> None:
+    # NOTE [simplex QP fallback]: from the full face, with every face system positive-definite,
+    # an active set that runs out of iterations goes straight to the interior-point method;
+    # the shifted retry (and the eigenvalue it needs) would repeat the same steps.
+    H = (_ill_conditioned_simplex() if structure == "ill-conditioned"
+         else random_psd(128, 64, seed=0))
+    regularizing_shift, interior_point = qp._regularizing_shift, qp._interior_point_simplex
+    calls = {"_regularizing_shift": 0, "_active_set": 0, "_interior_point_simplex": 0}
+    for name in calls:
+        def spy(*args: object, _name: str = name, _f: object = getattr(qp, name)) -> object:
+            calls[_name] += 1
+            return _f(*args)  # type: ignore[operator]
+        monkeypatch.setattr(qp, name, spy)
+    w = solve_simplex_qp(H)
+    assert calls == {"_regularizing_shift": 0, "_active_set": 1, "_interior_point_simplex": 1}
+    assert _simplex_kkt(H, w) < 1e-13
+    # The minimiser the previous route gave (shifted systems, all interior-point iterations):
+    monkeypatch.setattr(qp, "_IPM_MU_REDUCTION", 0.0)
+    previous = interior_point(H, regularizing_shift(H)).squeeze(0)
+    assert float((w - previous) @ H @ (w - previous)) < 1e-24  # the same Jᵀw (trace 1)
+    assert abs(float(w @ H @ w - previous @ H @ previous)) < 1e-18
+    if structure == "ill-conditioned":  # positive-definite: one minimiser, systems of H itself
+        assert_close(w, previous, rtol=0, atol=1e-12)
+
+
+def test_simplex_qp_interior_point_stops_when_converged(monkeypatch: pytest.MonkeyPatch) -> None:
+    # NOTE [simplex QP fallback]: the iterations stop once the duality measure is at round-off
+    # and the free set is settled, with the answer of all _IPM_ITERATIONS.
+    H = _ill_conditioned_simplex()
+    steps = {"count": 0}
+    mehrotra = qp._mehrotra_step_size
+
+    def counted(*args: object) -> object:
+        steps["count"] += 1
+        return mehrotra(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(qp, "_mehrotra_step_size", counted)
+    shift = qp._regularizing_shift(H)
+    early = qp._interior_point_simplex(H, shift).squeeze(0)
+    assert steps["count"] < qp._IPM_ITERATIONS
+    monkeypatch.setattr(qp, "_IPM_MU_REDUCTION", 0.0)
+    full = qp._interior_point_simplex(H, shift).squeeze(0)
+    assert _simplex_kkt(H, early) < 1e-13
+    assert_close(early, full, rtol=0, atol=1e-12)
+
+
 def test_simplex_qp_with_indefinite_h() -> None:
     # A rank-deficient Gramian rounded to float32 is indefinite (eigenvalues ~ -1e-8): the
     # face systems fail, and are retried shifted by twice the most negative eigenvalue.
