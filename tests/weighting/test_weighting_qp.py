@@ -381,6 +381,9 @@ def test_simplex_qp_goes_to_interior_point_without_a_futile_retry(
     # the shifted retry (and the eigenvalue it needs) would repeat the same steps.
     H = (_ill_conditioned_simplex() if structure == "ill-conditioned"
          else random_psd(128, 64, seed=0))
+    # Six exchange steps, as below m = 128: the patient ones solve the ill-conditioned problem
+    # (NOTE [exchange while it progresses]); the rank-deficient one runs out either way.
+    monkeypatch.setattr(qp, "_PATIENT_EXCHANGE_FROM", 10**9)
     regularizing_shift, interior_point = qp._regularizing_shift, qp._interior_point_simplex
     calls = {"_regularizing_shift": 0, "_active_set": 0, "_interior_point_simplex": 0}
     for name in calls:
@@ -398,6 +401,33 @@ def test_simplex_qp_goes_to_interior_point_without_a_futile_retry(
     assert abs(float(w @ H @ w - previous @ H @ previous)) < 1e-18
     if structure == "ill-conditioned":  # positive-definite: one minimiser, systems of H itself
         assert_close(w, previous, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("m", [128, 256], ids=lambda m: f"m={m}")
+def test_simplex_qp_exchanges_while_it_progresses(monkeypatch: pytest.MonkeyPatch, m: int) -> None:
+    # NOTE [exchange while it progresses]: from m = 128 the exchange steps go on while the wrong
+    # signs reach new lows; on these Gramians they end at the solution, where six steps, then
+    # the descent phase, ran out and left the problem to the interior-point method.
+    H = _ill_conditioned_simplex(m)
+    exchanges = {"count": 0}
+    solve_face = qp._SimplexQP.solve_face
+
+    def counted(self: object, free: Tensor) -> object:
+        exchanges["count"] += 1
+        return solve_face(self, free)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(qp._SimplexQP, "solve_face", counted)
+    _forbid_interior_point(monkeypatch)
+    w = solve_simplex_qp(H)
+    assert qp._EXCHANGE_ITERATIONS < exchanges["count"] <= qp._PATIENT_EXCHANGE_ITERATIONS
+    assert _simplex_kkt(H, w) < 1e-13
+    monkeypatch.undo()
+    monkeypatch.setattr(qp, "_PATIENT_EXCHANGE_FROM", 10**9)  # the previous route
+    previous = solve_simplex_qp(H)
+    # The same minimiser: its face solve carries the jitter (2e-10 at cond 1e8), the previous
+    # route's polish solves with H itself.
+    assert abs(float(w @ H @ w - previous @ H @ previous)) < 1e-18
+    assert_close(w, previous, rtol=0, atol=1e-9)
 
 
 def test_simplex_qp_interior_point_stops_when_converged(monkeypatch: pytest.MonkeyPatch) -> None:
