@@ -451,6 +451,23 @@ def test_simplex_qp_interior_point_stops_when_converged(monkeypatch: pytest.Monk
     assert_close(early, full, rtol=0, atol=1e-12)
 
 
+def test_full_faces_are_solved_without_the_inverse(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Where every variable of every problem is free (MGDA's first face), K's own Cholesky
+    # factor solves them: the inverse the complement side would form (twice the work) is not.
+    H = random_psd(64, 1, seed=3)  # rank-1: the first face, every variable, is the solution
+    monkeypatch.setattr(qp, "_GATHER_FROM", 10**9)  # full masked systems: no complement side
+    masked = solve_simplex_qp(H)
+    monkeypatch.undo()
+
+    def forbidden(*args: object, **kwargs: object) -> Tensor:
+        raise AssertionError("the inverse of K was formed")
+
+    monkeypatch.setattr(torch, "cholesky_inverse", forbidden)
+    w = solve_simplex_qp(H)
+    assert _simplex_kkt(H, w) < 1e-15
+    assert_close(w, masked, rtol=0, atol=1e-14)
+
+
 def test_simplex_qp_with_indefinite_h() -> None:
     # A rank-deficient Gramian rounded to float32 is indefinite (eigenvalues ~ -1e-8): the
     # face systems fail, and are retried shifted by twice the most negative eigenvalue.
