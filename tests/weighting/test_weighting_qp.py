@@ -430,6 +430,28 @@ def test_simplex_qp_exchanges_while_it_progresses(monkeypatch: pytest.MonkeyPatc
     assert_close(w, previous, rtol=0, atol=1e-9)
 
 
+def test_simplex_qp_fallback_keeps_a_shift_for_a_barely_definite_h(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # NOTE [simplex QP fallback]: H itself only where H - jitter / 2 I factors (where
+    # _regularizing_shift would give zero); a rank-deficient H plus a ridge of a tenth of the
+    # jitter factors too, but its faces would be nearly singular: it keeps the jitter.
+    H = random_psd(128, 64, seed=0)
+    jitter = qp._JITTER * H.diagonal().mean()
+    H = H + 0.1 * jitter * torch.eye(128, dtype=H.dtype)
+    assert torch.linalg.cholesky_ex(H)[1] == 0
+    shifts: list[Tensor] = []
+    interior_point = qp._interior_point_simplex
+
+    def spy(H_: Tensor, shift: Tensor) -> Tensor:
+        shifts.append(shift)
+        return interior_point(H_, shift)
+
+    monkeypatch.setattr(qp, "_interior_point_simplex", spy)
+    w = solve_simplex_qp(H)
+    assert len(shifts) == 1 and float(shifts[0]) == float(qp._JITTER * H.diagonal().mean())
+    assert _simplex_kkt(H, w) < 1e-13
+
+
 def test_simplex_qp_interior_point_stops_when_converged(monkeypatch: pytest.MonkeyPatch) -> None:
     # NOTE [simplex QP fallback]: the iterations stop once the duality measure is at round-off
     # and the free set is settled, with the answer of all _IPM_ITERATIONS.

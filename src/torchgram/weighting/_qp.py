@@ -810,12 +810,13 @@ def _regularizing_shift(H: Tensor) -> Tensor:
 # since that shift is within a factor of three of the jitter once H + jitter I has factored --
 # before the interior-point method answered. Now, when the start was the full face and every face
 # system factored, the iterations go straight to the interior-point method, with the systems of
-# H itself where its Cholesky factorisation succeeds (what _regularizing_shift gives a
-# positive-definite H), else the jitter; a face that did not factor, or a warm start from a
-# smaller face, still takes the shifted retry. And the interior-point iterations stop once the
-# duality measure has fallen by _IPM_MU_REDUCTION (1e-24) from its start with the free set
-# unchanged for _IPM_STABLE_ITERATIONS: Mehrotra's steps get there in 17-24 of the 30 at
-# m = 256-1024, after which nothing changes. Measured (1 thread, A/B in one process, the
+# H itself where H - jitter / 2 I factors (where _regularizing_shift gives zero: λ_min above
+# half the jitter), else the jitter (it gives 0 to 3 jitters there, since H + jitter I
+# factored; a barely positive-definite H keeps a shift); a face that did not factor, or a warm
+# start from a smaller face, still takes the shifted retry. And the interior-point iterations
+# stop once the duality measure has fallen by _IPM_MU_REDUCTION (1e-24) from its start with the
+# free set unchanged for _IPM_STABLE_ITERATIONS: Mehrotra's steps get there in 17-24 of the 30
+# at m = 256-1024, after which nothing changes. Measured (1 thread, A/B in one process, the
 # weighting benchmark's Gramians): rank-m/2 and ill-conditioned 1.45-1.6x faster at m = 256,
 # 1.5-1.6x at m = 512 and 1024 (1.3 s -> 0.8 s), the same weights (ill-conditioned: equal to
 # the last bit; rank-m/2: equal Jᵀw, equal objective to 1e-21 of the trace); the other families
@@ -849,7 +850,9 @@ def solve_simplex_qp(H: Tensor, free: Tensor | None = None) -> Tensor:
         # NOTE [simplex QP fallback]
         if bool(free.all() & problem.factored):  # Host synchronisation.
             # H + jitter I factored (the first face): the retry would repeat the same steps.
-            _, info = torch.linalg.cholesky_ex(H)
+            # _regularizing_shift's value without its eigenvalue: zero where H - jitter / 2 I
+            # factors (λ_min > jitter / 2), else the jitter (it would give 0 to 3 jitters).
+            _, info = torch.linalg.cholesky_ex(_add_to_diagonal(H, -jitter / 2))
             shift = torch.where(info == 0, torch.zeros_like(jitter), jitter)
         else:
             # A face system was not positive-definite (H indefinite by round-off, e.g. a
