@@ -203,7 +203,8 @@ def raw_matmul() -> Case:
     def f(p: tuple[Tensor, Tensor, Tensor], x: Tensor) -> Tensor:
         w1, b1, w2 = p
         h = torch.relu(x @ w1 + b1)
-        return torch.matmul(h, w2.T) @ torch.ones(3, dtype=x.dtype) + (w1.T @ x.T).sum(0)
+        ones = torch.ones(3, dtype=x.dtype, device=x.device)
+        return torch.matmul(h, w2.T) @ ones + (w1.T @ x.T).sum(0)
 
     return Case("raw_matmul", f, params, (torch.randn(BATCH, 4),), tags={"losses"})
 
@@ -262,18 +263,20 @@ BUILDERS: dict[str, Callable[[], Case]] = {
 NAMES = tuple(BUILDERS)
 
 
-def build(name: str, dtype: torch.dtype = torch.float64, seed: int = 0) -> Case:
-    """Build zoo case ``name`` with floating parameters and inputs in ``dtype``."""
+def build(name: str, dtype: torch.dtype = torch.float64, seed: int = 0,
+          device: torch.device | str | None = None) -> Case:
+    """Build zoo case ``name`` with floating parameters and inputs in ``dtype``, on ``device``
+    (default: where torch creates tensors; the same values on every device)."""
     torch.manual_seed(seed)
     case = BUILDERS[name]()
     assert case.name == name
     if case.module is not None:
-        case.module.to(dtype)
+        case.module.to(device=device, dtype=dtype)
         _, case.params = tg.functionalize(case.module)
 
     def cast(leaf: Any) -> Any:
-        if isinstance(leaf, Tensor) and leaf.is_floating_point():
-            return leaf.to(dtype)
+        if isinstance(leaf, Tensor):
+            return leaf.to(device=device, dtype=dtype if leaf.is_floating_point() else None)
         return leaf
 
     case.params = optree.tree_map(cast, case.params)
