@@ -23,7 +23,11 @@ function can differ across devices, e.g. LLaMA's rotary tables are computed in f
 * ``timing`` (not with ``--quick``): the per-sample Gramian (``auto``) and the recorded eager
   Gramian as ratios to the plain backward on the benchmark's MLP, CNN and transformer and the
   real models (FULL sizes, float32), and ``upgrad`` / ``mgda`` in milliseconds at
-  m = 64 / 256 / 1024.
+  m = 64 / 256 / 1024;
+* ``profile`` (not with ``--quick``): where those calls' time goes on the device, for the MLP,
+  the transformer, GPT-2 and ResNet-18: wall and host time per call, aten ops, and on CUDA
+  kernels, kernel time and synchronising runtime calls (``torch.profiler``): host-bound when
+  the kernel time is far below the wall time.
 
 A call passes when its answer is on ``--device``, in the asked dtype and within the tolerance of
 the oracle (largest entry error relative to the oracle's largest entry, at least 1: float64
@@ -51,6 +55,7 @@ from typing import Any
 import optree
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[1]
 for path in (ROOT, ROOT / "tests"):  # run as a script: `benchmarks` and `tests` are folders
@@ -285,7 +290,8 @@ def _oracle_update(oracle: Dense, case: real_cases.RealCase, *, as_dict: bool) -
     """``Jᵀ upgrad(G)`` from the dense oracle, per parameter (a dict as ``aggregated_grad``
     returns it, or a list in ``module.parameters()`` order as ``.grad``)."""
     update = oracle.jacobian.T @ tg.weighting.upgrad(oracle.gramian)
-    leaves, spec = optree.tree_flatten(case.params)  # the oracle's column order
+    leaves: list[Tensor]
+    leaves, spec = optree.tree_flatten(case.params)  # type: ignore[arg-type]  # column order
     parts = update.split([leaf.numel() for leaf in leaves])
     per_name = optree.tree_unflatten(spec, [part.reshape(leaf.shape) for leaf, part
                                             in zip(leaves, parts, strict=True)])
@@ -389,10 +395,25 @@ class Timing:
     note: str = ""
 
 
-def _time_model(name: str, module: torch.nn.Module, rows: Callable[..., Tensor],
-                f: Callable[..., Tensor], params: Any, inputs: tuple[Tensor, ...],
-                kw_inputs: dict[str, Tensor], device: torch.device) -> Timing:
+METHODS = ("backward", "auto", "recorded")
+
+
+def _methods(name: str, device: torch.device) -> dict[str, Callable[[], Any]]:
+    """Model ``name`` (the benchmark's or a real one, FULL sizes, float32) on ``device``: its
+    plain backward, ``auto``'s per-sample Gramian and the recorded eager Gramian."""
+    case: bench_cases.Case | real_cases.RealCase
+    if name in bench_cases.NAMES:
+        case = bench_cases.build(name)
+        kw_inputs: dict[str, Tensor] = {}
+    else:
+        case = real_cases.build(name)
+        kw_inputs = case.kw_inputs = {k: v.to(device) for k, v in case.kw_inputs.items()}
+    case.module.to(device)
+    case.inputs = tuple(x.to(device) for x in case.inputs)
+    case.__post_init__()
+    module, rows, inputs = case.module, case.rows, case.inputs
     trainable = [p for p in module.parameters() if p.requires_grad]
+    gramian = tg.gramian(case.f, batch_dim=0)
 
     def backward() -> None:
         for p in trainable:
@@ -404,42 +425,117 @@ def _time_model(name: str, module: torch.nn.Module, rows: Callable[..., Tensor],
             losses = rows(module, *inputs, **kw_inputs)
         return tg.autograd.gramian(losses, trainable, batch_dim=0)
 
-    gramian = tg.gramian(f, batch_dim=0)
-    timing = Timing(name, _timed_ms(backward, device), None, None)
-    notes = []
-    for label, call in (("auto", lambda: gramian(params, *inputs, **kw_inputs)),
-                        ("recorded", recorded)):
-        try:
-            ms = _timed_ms(call, device)
-        except Exception as error:  # noqa: BLE001
-            notes.append(f"{label}: {_one_line(error)[:120]}")
-            continue
-        setattr(timing, f"{label}_ms", ms)
-    timing.note = "; ".join(notes)
-    return timing
+    return {"backward": backward,
+            "auto": lambda: gramian(case.params, *inputs, **kw_inputs),
+            "recorded": recorded}
 
 
 def time_models(device: torch.device) -> list[Timing]:
     """The benchmark's own models and the real models (FULL sizes, float32) on ``device``."""
     timings = []
-    for name in TIMED_BENCH:
-        case = bench_cases.build(name)
-        case.module.to(device)
-        case.inputs = tuple(x.to(device) for x in case.inputs)
-        case.__post_init__()
-        timings.append(_time_model(name, case.module, case.rows, case.f, case.params,
-                                   case.inputs, {}, device))
-        print(f"  timed {name}", flush=True)
-    for name in real_cases.NAMES:
-        real = real_cases.build(name)
-        real.module.to(device)
-        real.inputs = tuple(x.to(device) for x in real.inputs)
-        real.kw_inputs = {k: v.to(device) for k, v in real.kw_inputs.items()}
-        real.__post_init__()
-        timings.append(_time_model(name, real.module, real.rows, real.f, real.params,
-                                   real.inputs, real.kw_inputs, device))
+    for name in (*TIMED_BENCH, *real_cases.NAMES):
+        methods = _methods(name, device)
+        timing = Timing(name, _timed_ms(methods["backward"], device), None, None)
+        notes = []
+        for label in ("auto", "recorded"):
+            try:
+                setattr(timing, f"{label}_ms", _timed_ms(methods[label], device))
+            except Exception as error:  # noqa: BLE001
+                notes.append(f"{label}: {_one_line(error)[:120]}")
+        timing.note = "; ".join(notes)
+        timings.append(timing)
         print(f"  timed {name}", flush=True)
     return timings
+
+
+# -- where a call's time goes on the device ------------------------------------------------------
+
+
+PROFILED = ("mlp", "transformer", "gpt2", "resnet18")
+SYNCHRONISING = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
+                 "cudaMemcpy", "cudaMemcpyAsync")
+"""CUDA runtime calls that make the host wait for the device (a copy to the host waits for the
+kernels before it; ``cudaMemcpyAsync`` is counted too: torch's device-to-host ``.item()`` and
+``bool()`` use it, then wait)."""
+
+
+@dataclass
+class Profiled:
+    """One method's costs per call: wall time (synchronised), the host's time to return
+    (not synchronised at the end: what the host spends issuing work, and waiting inside),
+    aten ops dispatched, and on CUDA the kernels, their summed time and the synchronising
+    runtime calls."""
+
+    model: str
+    method: str
+    wall_ms: float
+    host_ms: float
+    ops: int
+    kernels: float | None = None
+    device_ms: float | None = None
+    syncs: float | None = None
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _host_ms(call: Callable[[], Any], device: torch.device, reps: int = 10) -> float:
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def _device_profile(call: Callable[[], Any], reps: int = 5) -> tuple[float, float, float]:
+    """Kernels, kernel milliseconds and synchronising runtime calls per call (CUDA)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            call()
+        torch.cuda.synchronize()
+    kernels, kernel_us, syncs = 0, 0.0, 0
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels += 1
+            kernel_us += event.device_time_total
+        elif event.name in SYNCHRONISING:
+            syncs += 1
+    return kernels / reps, kernel_us / 1e3 / reps, syncs / reps
+
+
+def profile_models(device: torch.device, names: Sequence[str] = PROFILED) -> list[Profiled]:
+    """Where each method's time goes on ``device`` (see :class:`Profiled`)."""
+    out = []
+    for name in names:
+        for method, call in _methods(name, device).items():
+            try:
+                wall = _timed_ms(call, device, reps=10)
+                host = _host_ms(call, device)
+                with _CountOps() as counter:
+                    call()
+                record = Profiled(name, method, wall, host, counter.count)
+                if device.type == "cuda":
+                    record.kernels, record.device_ms, record.syncs = _device_profile(call)
+            except Exception as error:  # noqa: BLE001
+                print(f"  {name}/{method}: {_one_line(error)}", flush=True)
+                continue
+            out.append(record)
+        print(f"  profiled {name}", flush=True)
+    return out
 
 
 def time_weightings(device: torch.device, sizes: Sequence[int] = (64, 256, 1024)
@@ -469,7 +565,8 @@ def _environment(device: torch.device) -> list[str]:
 
 
 def markdown(checks: Checks, timings: list[Timing],
-             weighting_times: list[tuple[str, int, float]], seconds: float) -> str:
+             weighting_times: list[tuple[str, int, float]], profiled: list[Profiled],
+             seconds: float) -> str:
     """The report: counts per section, every non-ok check, the timings."""
     lines = ["# Device check", "", *_environment(checks.device),
              f"* {len(checks.items)} checks in {seconds:.0f} s", "",
@@ -508,6 +605,18 @@ def markdown(checks: Checks, timings: list[Timing],
         lines += ["", "Weightings on random float32 Gramians `A Aᵀ` (`A`: m × 3m), median ms:", "",
                   "| weighting | m | ms |", "|---|--:|--:|"]
         lines += [f"| {name} | {m} | {ms:.2f} |" for name, m, ms in weighting_times]
+    if profiled:
+        def cell(value: float | None, digits: int) -> str:
+            return "—" if value is None else f"{value:.{digits}f}"
+
+        lines += ["", "Per call (float32): wall ms (synchronised), host ms to return (not "
+                  "synchronised), aten ops, and on CUDA kernels, kernel ms, synchronising "
+                  "runtime calls:", "",
+                  "| model | method | wall ms | host ms | ops | kernels | kernel ms | syncs |",
+                  "|---|---|--:|--:|--:|--:|--:|--:|"]
+        lines += [f"| {p.model} | {p.method} | {p.wall_ms:.2f} | {p.host_ms:.2f} | {p.ops} | "
+                  f"{cell(p.kernels, 0)} | {cell(p.device_ms, 2)} | {cell(p.syncs, 1)} |"
+                  for p in profiled]
     return "\n".join(lines) + "\n"
 
 
@@ -517,7 +626,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true",
                         help="the first zoo models, one real model, no timings")
-    parser.add_argument("--sections", default="zoo,real,ntk,weighting,timing")
+    parser.add_argument("--sections", default="zoo,real,ntk,weighting,timing,profile")
     parser.add_argument("--out", type=Path, default=None, help="write the markdown report here")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -541,11 +650,15 @@ def main(argv: list[str] | None = None) -> int:
                     traceback.print_exc()
     timings: list[Timing] = []
     weighting_times: list[tuple[str, int, float]] = []
+    profiled: list[Profiled] = []
     if "timing" in sections and not args.quick:
         print("timing:", flush=True)
         timings = time_models(device)
         weighting_times = time_weightings(device)
-    text = markdown(checks, timings, weighting_times, time.perf_counter() - start)
+    if "profile" in sections and not args.quick:
+        print("profile:", flush=True)
+        profiled = profile_models(device)
+    text = markdown(checks, timings, weighting_times, profiled, time.perf_counter() - start)
     print(text)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
