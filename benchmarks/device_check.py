@@ -164,7 +164,10 @@ def _worst_error(actual: Any, expected: Any, device: torch.device,
         a64, e64 = a.detach().cpu().double(), e.detach().cpu().double()
         scale = max(e64.abs().max().item() if e64.numel() else 0.0, 1.0)
         if a64.numel():
-            worst = max(worst, (a64 - e64).abs().max().item() / scale)
+            gap = (a64 - e64).abs().max().item()
+            if gap != gap:  # NaN: never within any tolerance
+                return float("inf"), "NaN in the answer or the oracle"
+            worst = max(worst, gap / scale)
     return worst, ""
 
 

@@ -7,6 +7,7 @@ off the device, a refusal the CPU shares and one it does not.
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -45,6 +46,8 @@ def _refuse(message: str) -> None:
     pytest.param(lambda: _ones() * (1 + 1e-9), lambda: None, _ones(), "FAIL",
                  id="wrong-by-1e-9"),
     pytest.param(lambda: _ones().float(), lambda: None, _ones(), "FAIL", id="wrong-dtype"),
+    pytest.param(lambda: _ones() * math.nan, lambda: None, _ones(), "FAIL", id="nan"),
+    pytest.param(lambda: _ones()[:2], lambda: None, _ones(), "FAIL", id="wrong-shape"),
     pytest.param(lambda: _refuse("torchgram.gramian: no"), lambda: _refuse("torchgram.gramian: no"),
                  _ones(), "refused", id="refused-as-on-the-cpu"),
     pytest.param(lambda: _refuse("torchgram.gramian: no"), _ones, _ones(), "FAIL",
