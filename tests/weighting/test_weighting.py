@@ -536,6 +536,32 @@ def test_non_float_tensor_raises_type_error(name: str, G: Any) -> None:
 
 
 @pytest.mark.parametrize(
+    ("layout", "to_layout"),
+    [(torch.sparse_coo, torch.Tensor.to_sparse), (torch.sparse_csr, torch.Tensor.to_sparse_csr)],
+    ids=["coo", "csr"],
+)
+@pytest.mark.parametrize("name", ALL)
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+def test_sparse_gramian_raises_type_error(name: str, layout: torch.layout,
+                                          to_layout: Any) -> None:
+    """A sparse Gramian: a torchgram error saying to densify (was torch's raw NotImplementedError
+    from ``amax`` on the sparse backend)."""
+    G = to_layout(make_gramian(3, "full-rank", torch.float64, seed=0))
+    with pytest.raises(TypeError, match=rf"^torchgram\.weighting\.{name}: expected a dense "
+                                        rf"Gramian .*got layout {layout}.*to_dense"):
+        ALL[name](G)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_meta_gramian_raises_value_error(name: str) -> None:
+    """A Gramian on the meta device has no values: a torchgram error (was torch's raw
+    ``Cannot copy out of meta tensor``)."""
+    with pytest.raises(ValueError, match=rf"^torchgram\.weighting\.{name}: expected a Gramian "
+                                         r"with values, .* meta device"):
+        ALL[name](torch.eye(3, device="meta"))
+
+
+@pytest.mark.parametrize(
     ("name", "options", "message"),
     [
         ("upgrad", {"norm_eps": -1.0}, r"norm_eps >= 0, got -1\.0"),

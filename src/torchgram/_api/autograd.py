@@ -156,10 +156,19 @@ class Call:
         blocks = LeafBlocks(len(input_list), per_leaf=self.per_input, diagonal=self.diagonal,
                             dtype=widest)
         if num_rows:
-            result = eager_gramian(self.api, output_list, input_list, blocks,
-                                   batch_dim=self.batch_dim, chunk_size=self.chunk_size,
-                                   diagonal=self.diagonal, retain_graph=self.retain_graph,
-                                   want_pullback=want_pullback)
+            try:
+                result = eager_gramian(self.api, output_list, input_list, blocks,
+                                       batch_dim=self.batch_dim, chunk_size=self.chunk_size,
+                                       diagonal=self.diagonal, retain_graph=self.retain_graph,
+                                       want_pullback=want_pullback)
+            except RuntimeError as error:  # NOTE [sparse tensors in f]
+                sparse = [i for i, t in enumerate(input_list) if t.layout != torch.strided]
+                if not sparse or not _torch_compat.is_sparse_gradient_error(error):
+                    raise
+                checks.fail(self.api, "inputs the graph walk can view (the strided layout)",
+                            f"inputs{sparse} in a sparse layout, reached through the graph",
+                            "Run the forward under tg.autograd.record() (its rules take "
+                            "sparse parameters), or pass dense ones (p.to_dense()).")
         else:
             result = EagerResult(RunReport("autograd", "no rows"))
             if not self.retain_graph:
@@ -244,6 +253,11 @@ def _check_outputs(api: str, outputs: list[Tensor]) -> None:
     checks.check_not_meta(api, outputs, "outputs")
     for index, out in enumerate(outputs):
         where = f"outputs[{index}] of shape {tuple(out.shape)}"
+        if out.layout != torch.strided:
+            checks.fail(api, "dense outputs (the strided layout)",
+                        f"{where} in the layout {out.layout}",
+                        "Pass out.to_dense(): autograd differentiates through it, and the "
+                        "Gramian is the same.", TypeError)
         if out.is_complex():
             checks.fail(api, "real floating outputs", f"{where} with dtype {out.dtype}",
                         "The Gramian of a complex output is not defined here: pass "

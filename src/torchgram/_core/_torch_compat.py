@@ -551,15 +551,21 @@ def raised_in_dynamo(error: BaseException) -> bool:
     return False
 
 
-_SPARSE_LAYOUT = re.compile(r"'Sparse[A-Za-z]*' backend|SparseTensorImpl|for sparse tensors")
+_SPARSE_LAYOUT = re.compile(r"'Sparse[A-Za-z]*' backend|SparseTensorImpl|for sparse tensors"
+                            r"|Sparse CSR tensors do not have strides"
+                            r"|unsupported for Sparse[A-Za-z]* tensors")
 
 
 def is_sparse_gradient_error(error: BaseException) -> bool:
-    """Whether ``error`` is an op refusing a sparse tensor (a sparse gradient met dense code).
+    """Whether ``error`` is an op refusing a sparse tensor (torch 2.13's messages).
+
+    A sparse gradient met dense code, or a sparse input or parameter of ``f`` met torchgram's.
 
     Example:
         >>> is_sparse_gradient_error(RuntimeError("reshape is not implemented for sparse "
         ...                                       "tensors"))
+        True
+        >>> is_sparse_gradient_error(RuntimeError("Sparse CSR tensors do not have strides"))
         True
     """
     return isinstance(error, RuntimeError | NotImplementedError) and bool(

@@ -152,5 +152,6 @@ def check_not_meta(api: str, tensors: Sequence[Any], what: str) -> None:
         if getattr(tensor, "is_meta", False):
             fail(api, f"{what} with values", f"a tensor of shape {tuple(tensor.shape)} on the "
                  "meta device", "tg.explain plans from shapes on meta tensors; to compute, "
-                 "materialize them (module.to_empty(device=...), then load or initialize the "
-                 "weights).")
+                 + ("materialize them (module.to_empty(device=...), then load or initialize "
+                    "the weights)." if what == "parameters" else
+                    "pass tensors with values on a real device."))

@@ -240,7 +240,7 @@ _TRANSFORMING = ("jacobian", "ntvp")
 
 
 @contextlib.contextmanager
-def torch_refusals(api: str, backend: str) -> Iterator[None]:
+def torch_refusals(api: str, backend: str, sparse_parameters: bool = False) -> Iterator[None]:
     """Turn torch's refusals of old-style ``autograd.Function``s into torchgram errors.
 
     Under a transform, :class:`BackendCannotRun`; a reentrant checkpoint under
@@ -291,18 +291,47 @@ def torch_refusals(api: str, backend: str) -> Iterator[None]:
                 "backend uses)", "a reentrant checkpoint",
                 "Use torch.utils.checkpoint(..., use_reentrant=False): it recomputes the "
                 "same way and works with every backend.")) from error
-        if _torch_compat.is_sparse_gradient_error(error) and backend != "graph":
-            # NOTE [sparse embedding gradients]: one torchgram's evaluations could not
-            # rewrite (inside TorchScript); the graph walk densifies what its nodes return
-            raise BackendCannotRun(
-                api, backend, "gradients in the strided (dense) layout",
-                "a sparse gradient from a call torchgram cannot make dense (e.g. an embedding "
-                "with sparse=True inside TorchScript)", ("graph",),
-                "Or ask for dense gradients (sparse=False): the Jacobian is the same.") from error
+        if _torch_compat.is_sparse_gradient_error(error):
+            raise sparse_refusal(api, backend, sparse_parameters) from error
         refused = _torch_compat.refused_under_transforms(error)
         if refused is None:
             raise
         raise _declined(api, backend, refused) from error
+
+
+def sparse_refusal(api: str, backend: str, parameters: bool = False) -> BackendCannotRun:
+    """The refusal of ``backend`` meeting a sparse tensor (NOTE [sparse tensors in f]).
+
+    ``parameters``: some differentiated leaf is sparse.
+
+    Example:
+        >>> sparse_refusal("torchgram.gramian", "jacobian").alternatives
+        ('graph',)
+        >>> sparse_refusal("torchgram.gramian", "jacobian", parameters=True).alternatives
+        ('structured',)
+    """
+    # NOTE [sparse tensors in f]
+    # A sparse tensor meets code that needs the strided layout: a sparse gradient torchgram's
+    # evaluations could not make dense (an embedding with sparse=True inside TorchScript,
+    # NOTE [sparse embedding gradients]), an input of f that is not split per sample (COO or
+    # CSR: torch.sparse.mm(x, w), x @ w; NOTE [sparse inputs] for split ones), or a sparse
+    # parameter. The graph walk densifies what its nodes return and takes sparse inputs; the
+    # structured backend takes sparse parameters (COO and CSR, with or without batch_dim),
+    # which the graph walk cannot view (session 35's sweep: each the oracle's matrix; auto
+    # finds them, tests/backends/test_sparse_tensors.py).
+    if parameters:
+        alternatives: tuple[str, ...] = () if backend == "structured" else ("structured",)
+        return BackendCannotRun(
+            api, backend, "parameters in the strided (dense) layout", "a sparse parameter",
+            alternatives, "Or pass the parameters dense (p.to_dense()): the Gramian is the "
+            "same.")
+    return BackendCannotRun(
+        api, backend, "tensors in the strided (dense) layout",
+        "a sparse tensor: an input of f, or a sparse gradient from a call torchgram cannot make "
+        "dense (e.g. an embedding with sparse=True inside TorchScript)",
+        () if backend == "graph" else ("graph",),
+        "Or pass dense inputs (x.to_dense()) and ask for dense gradients (sparse=False): the "
+        "Jacobian is the same.")
 
 
 def forward_mode_refusal(api: str, error: BaseException) -> NotImplementedError | None:

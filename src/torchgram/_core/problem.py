@@ -646,6 +646,8 @@ def build_problem(options: Options, f: Callable[..., Any], args: tuple[Any, ...]
              "or change argnums.", TypeError)
     if not planning:
         check_not_meta(api, diff.leaves, "parameters")
+        inputs = ([arg for i, arg in enumerate(args) if i not in argnums], dict(kwargs))
+        check_not_meta(api, optree.tree_leaves(inputs), "inputs")  # type: ignore[arg-type]
     batch = (None if options.batch_dim is None
              else make_batch_spec(api, args, argnums, options.batch_dim, options.in_dims,
                                   kwargs))
@@ -856,6 +858,14 @@ def _output_batch_dim(api: str, shape: torch.Size, batch: BatchSpec, samples: in
 # Every tensor leaf of a batched argument is batched along the same dimension; non-tensor
 # leaves (strings, flags, Python numbers) are passed as they are.
 
+# NOTE [sparse inputs]
+# A batched input is split per sample (narrow, vmap's in_dims), which torch cannot do for a
+# sparse (COO, CSR) tensor: every backend raised torch's raw error from the probe's narrow or
+# its vmap (session 35's sweep). It is refused before any evaluation, naming the dense input
+# (f sees the same values) and the unbatched call. An input that is not split may be sparse:
+# the backends that cannot run on it decline (errors.torch_refusals), and auto moves on.
+
+
 def make_batch_spec(api: str, args: tuple[Any, ...], argnums: tuple[int, ...], batch_dim: int,
                     in_dims: InDims, kwargs: Mapping[str, Any] | None = None, *,
                     allow_empty: bool = False) -> BatchSpec:
@@ -908,6 +918,14 @@ def make_batch_spec(api: str, args: tuple[Any, ...], argnums: tuple[int, ...], b
                      f"Set {name}'s in_dims entry to None if it is shared by all samples"
                      + ("" if isinstance(where, int) else
                         f", e.g. in_dims=(..., {{{where!r}: None}})") + ".")
+            if leaf.layout != torch.strided:  # NOTE [sparse inputs]
+                name = f"argument {where}" if isinstance(where, int) else f"keyword {where!r}"
+                fail(api, "batched inputs in the strided (dense) layout (they are split "
+                     "per sample, which torch cannot do for sparse tensors)",
+                     f"a {leaf.layout} tensor of shape {tuple(leaf.shape)} in {name}",
+                     "Pass it dense (x.to_dense(): f sees the same values; torch.sparse.mm "
+                     "takes dense operands too), or unbatched (batch_dim=None; for kernels, "
+                     "vmap_axes=None), where backend='graph' takes sparse inputs.", TypeError)
             positions.append((where, j))
             dims.append(dim % leaf.dim())
             tensors.append(leaf)

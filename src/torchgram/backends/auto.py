@@ -44,7 +44,7 @@ import torch
 from torchgram._core import _torch_compat
 from torchgram._core._torch_compat import old_style_functions
 from torchgram._core.composition import COMPOSING_BACKENDS
-from torchgram._core.errors import BackendCannotRun, NotPerSample, torch_refusals
+from torchgram._core.errors import BackendCannotRun, NotPerSample, sparse_refusal, torch_refusals
 from torchgram._core.problem import Problem
 from torchgram._core.result import BackendResult
 from torchgram.backends._draws_under_transforms import REFUSING_BACKENDS
@@ -255,7 +255,12 @@ def auto_backend(problem: Problem) -> BackendResult:
         return _first_that_runs(problem, COMPOSING_BACKENDS, None)
     with collected_conventions():  # over the planning too (NOTE [embedding conventions])
         try:
-            plan = plan_auto(problem)
+            try:
+                plan = plan_auto(problem)
+            except RuntimeError as error:  # NOTE [sparse tensors in f]: the trace met one
+                if not _torch_compat.is_sparse_gradient_error(error):
+                    raise
+                raise sparse_refusal(problem.api, "structured", problem.diff.sparse) from error
         except BackendCannotRun as error:  # the trace met a nested torchgram call
             return _first_that_runs(problem, error.alternatives, None,
                                     [(error.backend, error.reason)])
@@ -266,7 +271,7 @@ def _first_that_runs(problem: Problem, order: tuple[str, ...], plan: AutoPlan | 
                      attempts: list[tuple[str, str]] | None = None) -> BackendResult:
     def run(name: str) -> BackendResult:
         if name == "structured" and plan is not None:
-            with torch_refusals(problem.api, name):  # NOTE [old-style autograd.Functions]
+            with torch_refusals(problem.api, name, problem.diff.sparse):  # NOTE [old-style ...]
                 return run_structured(problem, plan.structured, forward=plan.forward)
         return get_backend(name)(problem)
 

@@ -60,11 +60,21 @@ def _as_axes(api: str, trace_axes: Any, ndim: int) -> tuple[int, ...]:
     return tuple(sorted(set(resolved)))
 
 
-def _check_tensor(api: str, name: str, value: Any) -> Tensor:
+def _check_tensor(api: str, name: str, value: Any, device: torch.device | None = None) -> Tensor:
+    """``value`` if it is a dense floating tensor with values (on ``device`` when given)."""
     if not isinstance(value, Tensor) or not value.is_floating_point():
         fail(api, f"{name} to be a floating tensor", f"{type(value).__name__}"
              + (f" of dtype {value.dtype}" if isinstance(value, Tensor) else ""),
              f"Pass {name} as a float tensor (e.g. from an ntk_fn).", TypeError)
+    if value.layout != torch.strided:
+        fail(api, f"{name} to be a dense tensor (layout torch.strided)",
+             f"layout {value.layout}", f"Pass {name}.to_dense().", TypeError)
+    if value.is_meta:
+        fail(api, f"{name} with values", f"a tensor of shape {tuple(value.shape)} on the meta "
+             "device", "Compute it on a real device first.")
+    if device is not None and value.device != device:
+        fail(api, f"{name} on k_train_train's device ({device})",
+             f"a tensor on {value.device}", f"Move it first: {name}.to({str(device)!r}).")
     return value
 
 
@@ -130,7 +140,7 @@ class GradientDescentMSE:
                  api: str = _API) -> None:
         self.api = api
         self.k_train_train = _check_tensor(api, "k_train_train", k_train_train)
-        y = _check_tensor(api, "y_train", y_train)
+        y = _check_tensor(api, "y_train", y_train, k_train_train.device)
         for name, value in (("learning_rate", learning_rate), ("diag_reg", diag_reg)):
             if isinstance(value, bool) or not isinstance(value, int | float):
                 fail(api, f"{name} to be a number", repr(value), f"Pass {name}=0.1, say.",
@@ -223,7 +233,7 @@ class GradientDescentMSE:
             if k_test_train is None:
                 fail(self.api, "k_test_train with fx_test_0", "k_test_train=None",
                      "Pass k_test_train = ntk_fn(x_test, x_train, params).")
-            kt = _check_tensor(self.api, "k_test_train", k_test_train).to(dtype)
+            kt = _check_tensor(self.api, "k_test_train", k_test_train, device).to(dtype)
             test_rows = tuple(kt.shape[0::2])
             test = (self.layout.kernel_2d("k_test_train", kt, None, self.row_shape),
                     test_rows)
@@ -341,7 +351,8 @@ def kernel_regression(k_train_train: Tensor, k_test_train: Tensor, y_train: Tens
     """
     api = "torchgram.ntk.kernel_regression"
     _check_tensor(api, "k_train_train", k_train_train)
-    y = _check_tensor(api, "y_train", y_train)
+    y = _check_tensor(api, "y_train", y_train, k_train_train.device)
+    _check_tensor(api, "k_test_train", k_test_train, k_train_train.device)
     pairs = k_train_train.dim() // 2
     if k_train_train.dim() % 2 or not 1 <= pairs <= y.dim():
         fail(api, f"k_train_train with an even number of dimensions, at most 2 × y_train's "

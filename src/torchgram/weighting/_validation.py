@@ -37,9 +37,10 @@ def check_gramian(G: object, name: str) -> Tensor:
         ``G`` detached and exactly symmetrised, ``(G + Gᵀ) / 2``.
 
     Raises:
-        TypeError: If ``G`` is not a real floating-point tensor.
-        ValueError: If ``G`` is not square and 2-D, has NaN or infinite entries, is not
-            symmetric up to :func:`symmetry_rtol`, or has a negative diagonal entry.
+        TypeError: If ``G`` is not a real floating-point tensor with the dense layout.
+        ValueError: If ``G`` is on the meta device (no values), is not square and 2-D, has
+            NaN or infinite entries, is not symmetric up to :func:`symmetry_rtol`, or has a
+            negative diagonal entry.
     """
     api = _PREFIX + name
     if not isinstance(G, Tensor):
@@ -50,6 +51,16 @@ def check_gramian(G: object, name: str) -> Tensor:
         raise TypeError(
             f"{api}: expected a real floating-point Gramian, got dtype {G.dtype}. "
             "Convert it first, e.g. G.to(torch.float32)."
+        )
+    if G.layout != torch.strided:
+        raise TypeError(
+            f"{api}: expected a dense Gramian (layout torch.strided), got layout {G.layout}. "
+            "Convert it first, e.g. G.to_dense()."
+        )
+    if G.is_meta:
+        raise ValueError(
+            f"{api}: expected a Gramian with values, got a tensor of shape {tuple(G.shape)} on "
+            "the meta device (shapes only). Compute it on a real device first."
         )
     if G.ndim != 2 or G.shape[0] != G.shape[1]:
         raise ValueError(
