@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 import torchgram as tg
-from reference import dense_gramian
+from reference import dense_cross_kernel, dense_gramian
 
 BACKENDS = ["auto", "jacobian", "ntvp", "graph", "structured"]
 LAYOUTS = {"coo": Tensor.to_sparse, "csr": Tensor.to_sparse_csr}
@@ -110,6 +110,35 @@ def test_meta_input_is_refused(backend: str) -> None:
     with pytest.raises(ValueError, match=r"^torchgram\.gramian: expected inputs with values, "
                                          r"but got a tensor of shape \(8, 6\) on the meta"):
         tg.gramian(_matmul, backend=backend, batch_dim=0)(w, x.to("meta"))
+
+
+@pytest.mark.parametrize("x2", ["cross", "none"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("backend", ["auto", "jacobian", "ntvp", "structured"])
+def test_kernel_of_unbatched_sparse_inputs(backend: str, layout: str, x2: str) -> None:
+    """``tg.ntk`` kernels (``vmap_axes=None``): the oracle's kernel, or a torchgram error whose
+    named backends give it (a cross kernel has no graph walk: CSR inputs there must be dense);
+    ``auto`` answers for COO inputs."""
+    w, x = _data()
+    sparse = LAYOUTS[layout](x)
+    first, second = (LAYOUTS[layout](x[:3]), sparse) if x2 == "cross" else (sparse, None)
+    expected = dense_cross_kernel(lambda p, v: torch.tanh(v @ p), w, x[:3] if x2 == "cross"
+                                  else x, x if x2 == "cross" else None)
+
+    def kernel(name: str) -> Tensor:
+        ntk_fn = tg.ntk.empirical_ntk_fn(lambda p, v: torch.tanh(v @ p), trace_axes=(),
+                                         vmap_axes=None, backend=name)
+        return ntk_fn(first, second, w)
+
+    try:
+        answers = [kernel(backend)]
+    except tg.BackendCannotRun as error:
+        assert str(error).startswith("torchgram.ntk.empirical_ntk_fn: expected ")
+        if backend == "auto" and layout == "coo":
+            raise
+        answers = [kernel(name) for name in error.alternatives if backend != "auto"]
+    for K in answers:
+        torch.testing.assert_close(K, expected, rtol=1e-10, atol=1e-10)
 
 
 # -- the eager API -------------------------------------------------------------------------------

@@ -240,7 +240,8 @@ _TRANSFORMING = ("jacobian", "ntvp")
 
 
 @contextlib.contextmanager
-def torch_refusals(api: str, backend: str, sparse_parameters: bool = False) -> Iterator[None]:
+def torch_refusals(api: str, backend: str, sparse_parameters: bool = False,
+                   cross: bool = False) -> Iterator[None]:
     """Turn torch's refusals of old-style ``autograd.Function``s into torchgram errors.
 
     Under a transform, :class:`BackendCannotRun`; a reentrant checkpoint under
@@ -292,17 +293,19 @@ def torch_refusals(api: str, backend: str, sparse_parameters: bool = False) -> I
                 "Use torch.utils.checkpoint(..., use_reentrant=False): it recomputes the "
                 "same way and works with every backend.")) from error
         if _torch_compat.is_sparse_gradient_error(error):
-            raise sparse_refusal(api, backend, sparse_parameters) from error
+            raise sparse_refusal(api, backend, sparse_parameters, cross) from error
         refused = _torch_compat.refused_under_transforms(error)
         if refused is None:
             raise
         raise _declined(api, backend, refused) from error
 
 
-def sparse_refusal(api: str, backend: str, parameters: bool = False) -> BackendCannotRun:
+def sparse_refusal(api: str, backend: str, parameters: bool = False,
+                   cross: bool = False) -> BackendCannotRun:
     """The refusal of ``backend`` meeting a sparse tensor (NOTE [sparse tensors in f]).
 
-    ``parameters``: some differentiated leaf is sparse.
+    ``parameters``: some differentiated leaf is sparse; ``cross``: a kernel between two input
+    sets, which the graph walk does not make.
 
     Example:
         >>> sparse_refusal("torchgram.gramian", "jacobian").alternatives
@@ -318,7 +321,9 @@ def sparse_refusal(api: str, backend: str, parameters: bool = False) -> BackendC
     # parameter. The graph walk densifies what its nodes return and takes sparse inputs; the
     # structured backend takes sparse parameters (COO and CSR, with or without batch_dim),
     # which the graph walk cannot view (session 35's sweep: each the oracle's matrix; auto
-    # finds them, tests/backends/test_sparse_tensors.py).
+    # finds them, tests/backends/test_sparse_tensors.py). A cross kernel has no graph walk:
+    # a sparse input there is for the backends that take it as it is (COO: jacobian, auto)
+    # or dense.
     if parameters:
         alternatives: tuple[str, ...] = () if backend == "structured" else ("structured",)
         return BackendCannotRun(
@@ -329,7 +334,7 @@ def sparse_refusal(api: str, backend: str, parameters: bool = False) -> BackendC
         api, backend, "tensors in the strided (dense) layout",
         "a sparse tensor: an input of f, or a sparse gradient from a call torchgram cannot make "
         "dense (e.g. an embedding with sparse=True inside TorchScript)",
-        () if backend == "graph" else ("graph",),
+        () if backend == "graph" or cross else ("graph",),
         "Or pass dense inputs (x.to_dense()) and ask for dense gradients (sparse=False): the "
         "Jacobian is the same.")
 

@@ -57,7 +57,7 @@ def register_cross(name: str) -> Callable[[CrossBackend], CrossBackend]:
 
     def decorate(backend: CrossBackend) -> CrossBackend:
         def guarded(problem: CrossProblem) -> CrossResult:  # NOTE [old-style autograd.Functions]
-            with torch_refusals(problem.left.api, name, problem.left.diff.sparse):
+            with torch_refusals(problem.left.api, name, problem.left.diff.sparse, cross=True):
                 return backend(problem)
 
         _CROSS[name] = guarded
