@@ -552,7 +552,7 @@ def raised_in_dynamo(error: BaseException) -> bool:
 
 
 _SPARSE_LAYOUT = re.compile(r"'Sparse[A-Za-z]*' backend|SparseTensorImpl|for sparse tensors"
-                            r"|Sparse CSR tensors do not have strides"
+                            r"|Sparse CSR tensors do not have"
                             r"|unsupported for Sparse[A-Za-z]* tensors")
 
 

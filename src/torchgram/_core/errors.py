@@ -38,6 +38,7 @@ import contextlib
 from collections.abc import Iterator, Sequence
 
 import torch
+from torch import Tensor
 
 from torchgram._core import _torch_compat
 from torchgram._core.checks import message
@@ -240,7 +241,7 @@ _TRANSFORMING = ("jacobian", "ntvp")
 
 
 @contextlib.contextmanager
-def torch_refusals(api: str, backend: str, sparse_parameters: bool = False,
+def torch_refusals(api: str, backend: str, parameters: Sequence[Tensor] = (),
                    cross: bool = False) -> Iterator[None]:
     """Turn torch's refusals of old-style ``autograd.Function``s into torchgram errors.
 
@@ -293,7 +294,8 @@ def torch_refusals(api: str, backend: str, sparse_parameters: bool = False,
                 "Use torch.utils.checkpoint(..., use_reentrant=False): it recomputes the "
                 "same way and works with every backend.")) from error
         if _torch_compat.is_sparse_gradient_error(error):
-            raise sparse_refusal(api, backend, sparse_parameters, cross) from error
+            sparse = any(leaf.layout != torch.strided for leaf in parameters)
+            raise sparse_refusal(api, backend, sparse, cross) from error
         refused = _torch_compat.refused_under_transforms(error)
         if refused is None:
             raise
@@ -311,25 +313,26 @@ def sparse_refusal(api: str, backend: str, parameters: bool = False,
         >>> sparse_refusal("torchgram.gramian", "jacobian").alternatives
         ('graph',)
         >>> sparse_refusal("torchgram.gramian", "jacobian", parameters=True).alternatives
-        ('structured',)
+        ()
     """
     # NOTE [sparse tensors in f]
     # A sparse tensor meets code that needs the strided layout: a sparse gradient torchgram's
     # evaluations could not make dense (an embedding with sparse=True inside TorchScript,
     # NOTE [sparse embedding gradients]), an input of f that is not split per sample (COO or
     # CSR: torch.sparse.mm(x, w), x @ w; NOTE [sparse inputs] for split ones), or a sparse
-    # parameter. The graph walk densifies what its nodes return and takes sparse inputs; the
-    # structured backend takes sparse parameters (COO and CSR, with or without batch_dim),
-    # which the graph walk cannot view (session 35's sweep: each the oracle's matrix; auto
-    # finds them, tests/backends/test_sparse_tensors.py). A cross kernel has no graph walk:
-    # a sparse input there is for the backends that take it as it is (COO: jacobian, auto)
-    # or dense.
+    # parameter. The graph walk densifies what its nodes return and takes sparse inputs
+    # (session 35's sweep: x @ w and torch.sparse.mm(x, w), COO and CSR, the oracle's matrix);
+    # it is named. A sparse parameter is taken by the structured backend (COO and CSR) and
+    # jacobian (COO) where f uses it as in x @ w, not where f densifies or transposes it
+    # (session 35's review), so no backend is named for it: auto tries them all, and the
+    # message says so. A cross kernel has no graph walk: a sparse input there is for the
+    # backends that take it as it is (COO: jacobian, auto) or dense.
     if parameters:
-        alternatives: tuple[str, ...] = () if backend == "structured" else ("structured",)
         return BackendCannotRun(
             api, backend, "parameters in the strided (dense) layout", "a sparse parameter",
-            alternatives, "Or pass the parameters dense (p.to_dense()): the Gramian is the "
-            "same.")
+            (), "Pass the parameters dense (p.to_dense()): the Gramian is the same. "
+            "backend='auto' tries every backend (structured, and jacobian for COO, take sparse "
+            "parameters used as in x @ w).")
     return BackendCannotRun(
         api, backend, "tensors in the strided (dense) layout",
         "a sparse tensor: an input of f, or a sparse gradient from a call torchgram cannot make "

@@ -67,7 +67,7 @@ def _closure_ids(func: Any) -> tuple[int, ...]:
 
 def _describe(leaf: Any) -> Hashable:
     if isinstance(leaf, Tensor):
-        return ("T", tuple(leaf.shape), leaf.dtype, leaf.device, leaf.requires_grad)
+        return ("T", tuple(leaf.shape), leaf.dtype, leaf.device, leaf.layout, leaf.requires_grad)
     return type(leaf).__name__
 
 

@@ -41,7 +41,7 @@ def register(name: str) -> Callable[[Backend], Backend]:
 
     def decorate(backend: Backend) -> Backend:
         def guarded(problem: Problem) -> BackendResult:  # NOTE [old-style autograd.Functions]
-            with torch_refusals(problem.api, name, problem.diff.sparse):
+            with torch_refusals(problem.api, name, problem.diff.leaves):
                 return backend(problem)
 
         _BACKENDS[name] = guarded
@@ -57,7 +57,8 @@ def register_cross(name: str) -> Callable[[CrossBackend], CrossBackend]:
 
     def decorate(backend: CrossBackend) -> CrossBackend:
         def guarded(problem: CrossProblem) -> CrossResult:  # NOTE [old-style autograd.Functions]
-            with torch_refusals(problem.left.api, name, problem.left.diff.sparse, cross=True):
+            with torch_refusals(problem.left.api, name, problem.left.diff.leaves,
+                                cross=any(right is not None for right in problem.rights)):
                 return backend(problem)
 
         _CROSS[name] = guarded

@@ -262,8 +262,9 @@ def auto_backend(problem: Problem) -> BackendResult:
                     raise
                 raise sparse_refusal(problem.api, "structured", problem.diff.sparse) from error
         except BackendCannotRun as error:  # the trace met a nested torchgram call
-            return _first_that_runs(problem, error.alternatives, None,
-                                    [(error.backend, error.reason)])
+            # or a sparse tensor (NOTE [sparse tensors in f]): the backends without a trace
+            order = error.alternatives or ("jacobian", "graph")
+            return _first_that_runs(problem, order, None, [(error.backend, error.reason)])
         return _first_that_runs(problem, plan.order, plan)
 
 
@@ -271,7 +272,7 @@ def _first_that_runs(problem: Problem, order: tuple[str, ...], plan: AutoPlan | 
                      attempts: list[tuple[str, str]] | None = None) -> BackendResult:
     def run(name: str) -> BackendResult:
         if name == "structured" and plan is not None:
-            with torch_refusals(problem.api, name, problem.diff.sparse):  # NOTE [old-style ...]
+            with torch_refusals(problem.api, name, problem.diff.leaves):  # NOTE [old-style ...]
                 return run_structured(problem, plan.structured, forward=plan.forward)
         return get_backend(name)(problem)
 
