@@ -65,6 +65,7 @@ for path in (ROOT, ROOT / "tests"):  # run as a script: `benchmarks` and `tests`
 import torchgram as tg  # noqa: E402
 from benchmarks import cases as bench_cases  # noqa: E402
 from benchmarks import real_cases  # noqa: E402
+from benchmarks import weighting as weighting_bench  # noqa: E402
 from reference import Dense, dense_cross_kernel, dense_gramian  # noqa: E402
 from zoo import NAMES as ZOO_NAMES  # noqa: E402
 from zoo import build as build_zoo  # noqa: E402
@@ -340,9 +341,8 @@ def check_ntk(checks: Checks) -> None:
 
 
 def _random_gramian(m: int, device: torch.device | None, dtype: torch.dtype) -> Tensor:
-    generator = torch.Generator().manual_seed(m)
-    factor = torch.randn(m, 3 * m, generator=generator, dtype=torch.float64)
-    return (factor @ factor.T).to(device=device, dtype=dtype)
+    """The weighting benchmark's random Gramian ``A Aᵀ`` (``A``: m × 3m, seeded by m)."""
+    return weighting_bench.make_gramian("random", m, {}).to(device=device, dtype=dtype)
 
 
 def _seeded_pcgrad(seed: int, gramian: Tensor) -> Tensor:

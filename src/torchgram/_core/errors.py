@@ -294,26 +294,25 @@ def torch_refusals(api: str, backend: str, parameters: Sequence[Tensor] = (),
                 "Use torch.utils.checkpoint(..., use_reentrant=False): it recomputes the "
                 "same way and works with every backend.")) from error
         if _torch_compat.is_sparse_gradient_error(error):
-            sparse = any(leaf.layout != torch.strided for leaf in parameters)
-            raise sparse_refusal(api, backend, sparse, cross) from error
+            raise sparse_refusal(api, backend, parameters, cross) from error
         refused = _torch_compat.refused_under_transforms(error)
         if refused is None:
             raise
         raise _declined(api, backend, refused) from error
 
 
-def sparse_refusal(api: str, backend: str, parameters: bool = False,
+def sparse_refusal(api: str, backend: str, parameters: Sequence[Tensor] = (),
                    cross: bool = False) -> BackendCannotRun:
     """The refusal of ``backend`` meeting a sparse tensor (NOTE [sparse tensors in f]).
 
-    ``parameters``: some differentiated leaf is sparse; ``cross``: a kernel between two input
-    sets, which the graph walk does not make.
+    ``parameters``: the differentiated leaves (is one sparse?); ``cross``: a kernel between two
+    input sets, which the graph walk does not make.
 
     Example:
         >>> sparse_refusal("torchgram.gramian", "jacobian").alternatives
         ('graph',)
-        >>> sparse_refusal("torchgram.gramian", "jacobian", parameters=True).alternatives
-        ()
+        >>> sparse_refusal("torchgram.gramian", "jacobian", [torch.eye(2).to_sparse()]).reason
+        'a sparse parameter'
     """
     # NOTE [sparse tensors in f]
     # A sparse tensor meets code that needs the strided layout: a sparse gradient torchgram's
@@ -327,7 +326,7 @@ def sparse_refusal(api: str, backend: str, parameters: bool = False,
     # (session 35's review), so no backend is named for it: auto tries them all, and the
     # message says so. A cross kernel has no graph walk: a sparse input there is for the
     # backends that take it as it is (COO: jacobian, auto) or dense.
-    if parameters:
+    if any(leaf.layout != torch.strided for leaf in parameters):
         return BackendCannotRun(
             api, backend, "parameters in the strided (dense) layout", "a sparse parameter",
             (), "Pass the parameters dense (p.to_dense()): the Gramian is the same. "

@@ -47,11 +47,6 @@ class DiffLeaves:
         return dataclasses.replace(self, leaves=leaves)
 
     @property
-    def sparse(self) -> bool:
-        """Whether some differentiated leaf is sparse (NOTE [sparse tensors in f])."""
-        return any(leaf.layout != torch.strided for leaf in self.leaves)
-
-    @property
     def numels(self) -> tuple[int, ...]:
         """Number of scalar parameters in each differentiated leaf."""
         return tuple(leaf.numel() for leaf in self.leaves)

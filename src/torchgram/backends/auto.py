@@ -260,7 +260,7 @@ def auto_backend(problem: Problem) -> BackendResult:
             except RuntimeError as error:  # NOTE [sparse tensors in f]: the trace met one
                 if not _torch_compat.is_sparse_gradient_error(error):
                     raise
-                raise sparse_refusal(problem.api, "structured", problem.diff.sparse) from error
+                raise sparse_refusal(problem.api, "structured", problem.diff.leaves) from error
         except BackendCannotRun as error:  # the trace met a nested torchgram call
             # or a sparse tensor (NOTE [sparse tensors in f]): the backends without a trace
             order = error.alternatives or ("jacobian", "graph")
