@@ -912,6 +912,14 @@ class TapMode(TorchFunctionMode):
         self.recording.taps.append(record)
         return StepTap(tap_index, tuple(values), None if tap is None else tap.unbind(dim))
 
+    @property
+    def fuses_recurrences(self) -> bool:
+        """Whether a rewritten LSTM layer may run as one node (NOTE [fused LSTM recurrence]).
+
+        Not where the pass keeps a differentiable graph: that node is differentiable once.
+        """
+        return not self._keep_graph
+
     def step_output(self, step_tap: StepTap, t: int, y: Tensor) -> Tensor:
         """Step ``t``'s output ``y`` of a :meth:`tap_steps` tap, with its slice of the tap."""
         return y if step_tap.steps is None else y + step_tap.steps[t]
