@@ -17,14 +17,14 @@ from torchgram.backends.structured.rules.lstm_sequence import LSTMSequence, lstm
 B, T, H = 3, 5, 4
 
 
-def _step_by_step(gates_in: Tensor, h0: Tensor, c0: Tensor, weight_t: Tensor, dim: int,
-                  reverse: bool) -> tuple[Tensor, Tensor, Tensor]:
+def _step_by_step(gates_in: Tensor, h0: Tensor, c0: Tensor, weight_t: Tensor, bias: Tensor,
+                  dim: int, reverse: bool) -> tuple[Tensor, Tensor, Tensor]:
     """The LSTM equations one step at a time, recorded by autograd (the reference)."""
     h, c = h0, c0
     outputs: dict[int, Tensor] = {}
     order = range(T - 1, -1, -1) if reverse else range(T)
     for t in order:
-        gates = gates_in.select(dim, t) + h @ weight_t
+        gates = gates_in.select(dim, t) + h @ weight_t + bias
         i, f, g, o = gates.chunk(4, dim=-1)
         c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
         h = torch.sigmoid(o) * torch.tanh(c)
@@ -38,7 +38,8 @@ def _inputs(dim: int) -> tuple[Tensor, ...]:
     gates_in = torch.randn(shape, dtype=torch.float64, generator=generator)
     h0, c0 = (torch.randn(B, H, dtype=torch.float64, generator=generator) for _ in range(2))
     weight_t = 0.5 * torch.randn(H, 4 * H, dtype=torch.float64, generator=generator)
-    return tuple(t.requires_grad_() for t in (gates_in, h0, c0, weight_t))
+    bias = torch.randn(4 * H, dtype=torch.float64, generator=generator)
+    return tuple(t.requires_grad_() for t in (gates_in, h0, c0, weight_t, bias))
 
 
 LAYOUTS = {"time_major": 0, "batch_first": 1}
@@ -88,9 +89,10 @@ def test_second_derivatives_are_refused_not_wrong() -> None:
 
 
 def test_inputs_are_the_steps_inputs_in_step_order() -> None:
-    gates_in, h0, c0, weight_t = (t.detach() for t in _inputs(1))
+    gates_in, h0, c0, weight_t, bias = (t.detach() for t in _inputs(1))
     for reverse in (False, True):
-        out, _, _, inputs = lstm_sequence(gates_in, h0, c0, weight_t, dim=1, reverse=reverse)
+        out, _, _, inputs = lstm_sequence(gates_in, h0, c0, weight_t, bias, dim=1,
+                                          reverse=reverse)
         first = T - 1 if reverse else 0
         torch.testing.assert_close(inputs[:, first], h0)
         for t in range(T):

@@ -14,7 +14,7 @@ node: the forward's steps under no autograd recording (seven ops each), the back
 hand-written back-propagation through time (seven ops each), ``i, f, g, o`` in the fused
 kernel's order::
 
-    gates_t = gates_in[t] + h_{t-1} W_hhᵀ           (gates_in: xs + b_ih + b_hh, all steps)
+    gates_t = xs[t] + h_{t-1} W_hhᵀ + b_hh          (xs: the input projection, all steps)
     i, f, o = σ(gates_t) at their blocks;  g = tanh(gates_t) at its block
     c_t = f ⊙ c_{t-1} + i ⊙ g;  h_t = o ⊙ tanh(c_t)
 
@@ -45,15 +45,18 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 class LSTMSequence(torch.autograd.Function):
     """The steps of one LSTM layer and direction (NOTE [fused LSTM recurrence]).
 
-    ``apply(gates_in, h0, c0, weight_t, dim, reverse)``: ``gates_in`` ``[..., 4H]`` with the
-    steps along ``dim`` (the input projection with both biases), ``h0``, ``c0`` ``[B, H]``,
-    ``weight_t`` ``W_hhᵀ`` ``[H, 4H]``; ``reverse`` runs the steps last to first. Returns the
-    outputs ``h_t`` stacked along ``dim`` (in step order) and the final ``h``, ``c``.
+    ``apply(gates_in, h0, c0, weight_t, bias, dim, reverse)``: ``gates_in`` ``[..., 4H]`` with
+    the steps along ``dim`` (the input projection), ``h0``, ``c0`` ``[B, H]``, ``weight_t``
+    ``W_hhᵀ`` ``[H, 4H]``, ``bias`` ``b_hh`` ``[4H]`` or ``None`` (added at each step: one
+    small op instead of a copy of ``gates_in``); ``reverse`` runs the steps last to first.
+    Returns the outputs ``h_t`` stacked along ``dim`` (in step order) and the final ``h``,
+    ``c``.
     """
 
     @staticmethod
     def forward(ctx: FunctionCtx, gates_in: Tensor, h0: Tensor, c0: Tensor,
-                weight_t: Tensor, dim: int, reverse: bool) -> tuple[Tensor, Tensor, Tensor]:
+                weight_t: Tensor, bias: Tensor | None, dim: int,
+                reverse: bool) -> tuple[Tensor, Tensor, Tensor]:
         """The steps without autograd recording; saves what the backward reads."""
         steps = gates_in.unbind(dim)
         hidden = h0.shape[-1]
@@ -63,6 +66,8 @@ class LSTMSequence(torch.autograd.Function):
         inputs, cells, sigmoids, g_gates, tanh_cells = [], [], [], [], []
         for t in order:
             gates = torch.addmm(steps[t], h, weight_t)
+            if bias is not None:
+                gates += bias
             sigmoid = torch.sigmoid(gates)
             g = torch.tanh(gates[:, 2 * hidden:3 * hidden])
             inputs.append(h)
@@ -88,9 +93,9 @@ class LSTMSequence(torch.autograd.Function):
         hidden = g.shape[-1]
         i, f = sigmoids[..., :hidden], sigmoids[..., hidden:2 * hidden]
         o = sigmoids[..., 3 * hidden:]
-        # per processed step k: the coefficients of dc (gates i, f, g) and of dh (gate o)
-        of_dc = torch.stack((g * i * (1 - i), cells * f * (1 - f), i * (1 - g * g)), dim=-2)
-        of_dh = o * (1 - o) * tanh_cells
+        # per processed step k: δ = [dc, dc, dc, dh] ⊙ coefficients (gates i, f, g, o)
+        coefficients = torch.cat((g * i * (1 - i), cells * f * (1 - f), i * (1 - g * g),
+                                  o * (1 - o) * tanh_cells), dim=-1)
         dc_of_dh = o * (1 - tanh_cells * tanh_cells)
         steps = len(sigmoids)
         out_grads = grad_out.unbind(ctx.dim)
@@ -101,20 +106,22 @@ class LSTMSequence(torch.autograd.Function):
             t = steps - 1 - k if ctx.reverse else k
             dh = out_grads[t] + dh
             dc = torch.addcmul(dc, dh, dc_of_dh[k])
-            delta = torch.cat((dc.unsqueeze(-2) * of_dc[k], (dh * of_dh[k]).unsqueeze(-2)),
-                              dim=-2).reshape(*dh.shape[:-1], 4 * hidden)
+            delta = torch.cat((dc, dc, dc, dh), dim=-1) * coefficients[k]
             deltas[t] = delta
             dc = dc * f[k]
             dh = delta @ weight
         grad_gates = torch.stack(deltas, ctx.dim)
-        grad_weight = None
+        grad_weight = grad_bias = None
         if ctx.needs_input_grad[3]:  # Σ_t h_{t-1}ᵀ δ_t (processing order on both sides)
             processed = torch.stack(deltas[::-1] if ctx.reverse else deltas)
             grad_weight = inputs.reshape(-1, hidden).t() @ processed.reshape(-1, 4 * hidden)
-        return grad_gates, dh, dc, grad_weight, None, None
+        if ctx.needs_input_grad[4]:
+            grad_bias = grad_gates.reshape(-1, 4 * hidden).sum(0)
+        return grad_gates, dh, dc, grad_weight, grad_bias, None, None
 
 
-def lstm_sequence(gates_in: Tensor, h0: Tensor, c0: Tensor, weight_t: Tensor, *, dim: int,
+def lstm_sequence(gates_in: Tensor, h0: Tensor, c0: Tensor, weight_t: Tensor,
+                  bias: Tensor | None, *, dim: int,
                   reverse: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The layer's outputs, final ``h`` and ``c``, and the steps' inputs ``h_{t-1}``.
 
@@ -126,14 +133,15 @@ def lstm_sequence(gates_in: Tensor, h0: Tensor, c0: Tensor, weight_t: Tensor, *,
         >>> lstm = torch.nn.LSTM(3, 4, batch_first=True).double()
         >>> x = torch.randn(2, 5, 3, dtype=torch.float64)
         >>> w_ih, w_hh, b_ih, b_hh = lstm._flat_weights
-        >>> gates = torch.nn.functional.linear(x, w_ih, b_ih) + b_hh
+        >>> xs = torch.nn.functional.linear(x, w_ih, b_ih)
         >>> zeros = torch.zeros(2, 4, dtype=torch.float64)
-        >>> out, h, c, inputs = lstm_sequence(gates, zeros, zeros, w_hh.t(), dim=1, reverse=False)
+        >>> out, h, c, inputs = lstm_sequence(xs, zeros, zeros, w_hh.t(), b_hh, dim=1,
+        ...                                   reverse=False)
         >>> expected, (h_n, c_n) = lstm(x)
         >>> torch.allclose(out, expected) and torch.allclose(c, c_n[0]), inputs.shape
         (True, torch.Size([2, 5, 4]))
     """
-    out, h, c = LSTMSequence.apply(gates_in, h0, c0, weight_t, dim, reverse)
+    out, h, c = LSTMSequence.apply(gates_in, h0, c0, weight_t, bias, dim, reverse)
     steps = out.shape[dim]
     first = h0.unsqueeze(dim)
     if reverse:

@@ -123,11 +123,12 @@ class _Recurrence:
         if self._step_tap is not None and xs_tap is not None:
             plain_weight, *plain_bias = self._step_tap.values
             self._weight_t = plain_weight.t()
-            self._gates_in = xs + plain_bias[0] if plain_bias else xs
+            self._xs, self._plain_bias = xs, (plain_bias[0] if plain_bias else None)
             self.fused = fusable and bool(getattr(mode, "fuses_recurrences", False)) \
                 and not _torch_compat.functorch_transforms()
             if not self.fused:
-                self.gates = self._gates_in.unbind(dim)
+                self.gates = (xs if self._plain_bias is None
+                              else xs + self._plain_bias).unbind(dim)
         else:  # one backward node for all steps: NOTE [recurrent rewrite]
             self.xs = xs.unbind(dim)
 
@@ -150,7 +151,7 @@ class _Recurrence:
         """An LSTM layer's steps as one node (:attr:`fused`); its outputs and final state."""
         assert self._step_tap is not None
         h0, c0 = state
-        out, h, c, inputs = lstm_sequence(self._gates_in, h0, c0, self._weight_t,
+        out, h, c, inputs = lstm_sequence(self._xs, h0, c0, self._weight_t, self._plain_bias,
                                           dim=self._dim, reverse=reverse)
         self._mode.record_steps(self._step_tap, self._match(inputs))
         return out, (h, c)
