@@ -185,11 +185,14 @@ class StepTap:
         values: The call's operands, tapped leaves replaced by their plain copies.
         steps: Step ``t``'s slice of the tap, to add to its output (``None`` in a trace or
             for a shared tap).
+        tap: The tap itself, whose slices ``steps`` are (for a node that runs all the steps,
+            NOTE [fused recurrences]).
     """
 
     index: int
     values: tuple[Any, ...]
     steps: tuple[Tensor, ...] | None
+    tap: Tensor | None = None
 
 
 CHECKED_ROUTINGS = 64
@@ -910,13 +913,13 @@ class TapMode(TorchFunctionMode):
                                     "differ from the trace")
             tap = self._taps[tap_index]
         self.recording.taps.append(record)
-        return StepTap(tap_index, tuple(values), None if tap is None else tap.unbind(dim))
+        return StepTap(tap_index, tuple(values), None if tap is None else tap.unbind(dim), tap)
 
     @property
     def fuses_recurrences(self) -> bool:
-        """Whether a rewritten LSTM layer may run as one node (NOTE [fused LSTM recurrence]).
+        """Whether a rewritten LSTM or GRU layer may run as one node (NOTE [fused recurrences]).
 
-        Not where the pass keeps a differentiable graph: that node is differentiable once.
+        Not where the pass keeps a differentiable graph: those nodes are differentiable once.
         """
         return not self._keep_graph
 

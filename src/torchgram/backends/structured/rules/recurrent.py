@@ -21,10 +21,10 @@ The recurrent weight ``W_hh`` is used once per step; it gets one tap for all the
 ``h`` of the steps. Where the mode cannot tap it that way (the weight needs the fallback),
 each step's call is tapped on its own and the contractions take the uses together (NOTE [uses
 taken together]). Only the input projections run in the tapping mode; the cells' elementwise
-ops, which use no parameter, run without it (they are most of the calls). An LSTM layer
-without projections whose recurrent weight joins the input projection's tap runs its steps as
-one autograd node where the pass keeps no differentiable graph (NOTE [fused LSTM recurrence]
-in ``lstm_sequence.py``: the LSTM of the real-model benchmark 0.86 times the time). ``xs`` is
+ops, which use no parameter, run without it (they are most of the calls). Where the pass keeps
+no differentiable graph, an LSTM layer without projections (its recurrent weight joining the
+input projection's tap) or a GRU layer with its step tap runs its steps as one autograd node
+instead (NOTE [fused recurrences] in ``sequences.py``). ``xs`` is
 unbound once into its steps: indexing it per step would make every step's backward write a
 full-size zero gradient of ``xs`` (``T²`` work). A ``batch_first`` input keeps its layout
 (steps along dim 1, outputs stacked there): a transposed ``x`` would make the projection and
@@ -55,7 +55,7 @@ from torch import Tensor
 
 from torchgram._core import _torch_compat
 from torchgram._core.layouts import with_strides
-from torchgram.backends.structured.rules.lstm_sequence import lstm_sequence
+from torchgram.backends.structured.rules.sequences import gru_sequence, lstm_sequence
 
 State = tuple[Tensor, ...]
 Linear = Callable[[Tensor, Tensor, Tensor | None], Tensor]
@@ -109,7 +109,7 @@ class _Recurrence:
 
     def __init__(self, linear: Linear, mode: Any, weight: Tensor, bias: Tensor | None,
                  xs: Tensor, dim: int, h0: Tensor, xs_tap: int | None, *,
-                 fusable: bool = False) -> None:
+                 fused_cell: str | None = None) -> None:
         self._linear, self._mode, self._weight, self._bias = linear, mode, weight, bias
         self._dim = dim  # the steps' dim of xs, of the step tap and of the activations
         self._step_tap = None
@@ -119,16 +119,21 @@ class _Recurrence:
                                             (*h0.shape[:-1], weight.shape[0]), h0.dtype,
                                             h0.device, dim=dim, share=xs_tap)
         self.gates: tuple[Tensor, ...] | None = None
-        self.fused = False  # NOTE [fused LSTM recurrence]: run_fused instead of step
-        if self._step_tap is not None and xs_tap is not None:
+        self.fused: str | None = None  # "lstm", "gru": run_fused (NOTE [fused recurrences])
+        if self._step_tap is not None:
             plain_weight, *plain_bias = self._step_tap.values
             self._weight_t = plain_weight.t()
-            self._xs, self._plain_bias = xs, (plain_bias[0] if plain_bias else None)
-            self.fused = fusable and bool(getattr(mode, "fuses_recurrences", False)) \
-                and not _torch_compat.functorch_transforms()
-            if not self.fused:
-                self.gates = (xs if self._plain_bias is None
-                              else xs + self._plain_bias).unbind(dim)
+            self._plain_bias = plain_bias[0] if plain_bias else None
+        self._xs = xs
+        # an LSTM's node takes the gates' shared tap, a GRU's its own step tap
+        if fused_cell is not None and self._step_tap is not None \
+                and (xs_tap is not None) == (fused_cell == "lstm") \
+                and getattr(mode, "fuses_recurrences", False) \
+                and not _torch_compat.functorch_transforms():
+            self.fused = fused_cell
+        elif self._step_tap is not None and xs_tap is not None:
+            self.gates = (xs if self._plain_bias is None
+                          else xs + self._plain_bias).unbind(dim)
         else:  # one backward node for all steps: NOTE [recurrent rewrite]
             self.xs = xs.unbind(dim)
 
@@ -148,13 +153,19 @@ class _Recurrence:
         return self.xs[t], self._mode.step_output(step_tap, t, F.linear(h, *step_tap.values))
 
     def run_fused(self, state: State, reverse: bool) -> tuple[Tensor, State]:
-        """An LSTM layer's steps as one node (:attr:`fused`); its outputs and final state."""
-        assert self._step_tap is not None
-        h0, c0 = state
-        out, h, c, inputs = lstm_sequence(self._xs, h0, c0, self._weight_t, self._plain_bias,
-                                          dim=self._dim, reverse=reverse)
-        self._mode.record_steps(self._step_tap, self._match(inputs))
-        return out, (h, c)
+        """The layer's steps as one node (:attr:`fused`); its outputs and final state."""
+        step_tap = self._step_tap
+        assert step_tap is not None
+        if self.fused == "lstm":
+            out, h, c, inputs = lstm_sequence(self._xs, state[0], state[1], self._weight_t,
+                                              self._plain_bias, dim=self._dim, reverse=reverse)
+            final: State = (h, c)
+        else:
+            out, h, inputs = gru_sequence(self._xs, state[0], self._weight_t, self._plain_bias,
+                                          step_tap.tap, dim=self._dim, reverse=reverse)
+            final = (h,)
+        self._mode.record_steps(step_tap, self._match(inputs))
+        return out, final
 
     def finish(self, reverse: bool) -> None:
         """Record the uses of the step tap, with every step's input (in step order)."""
@@ -195,8 +206,10 @@ def _run(cell: Cell, x: Tensor, initial: Sequence[State], params: Sequence[Tenso
             xs_tap = before if cell in _ADDITIVE and taps is not None \
                 and len(taps) == (before or 0) + 1 else None
             state = initial[index]
+            fused_cell = "lstm" if cell is _lstm_cell and w_hr is None \
+                else "gru" if cell is _gru_cell else None
             recurrence = _Recurrence(linear, mode, w_hh, b_hh, xs, dim, state[0], xs_tap,
-                                     fusable=cell is _lstm_cell and w_hr is None)
+                                     fused_cell=fused_cell)
             if recurrence.fused:
                 fused_out, state = recurrence.run_fused(state, reverse=direction == 1)
                 outputs.append(fused_out)

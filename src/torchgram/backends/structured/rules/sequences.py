@@ -1,0 +1,276 @@
+"""An LSTM or GRU layer's steps as one autograd node, for the tapped forward of a pass.
+
+NOTE [fused recurrences]
+The recurrent rewrite (NOTE [recurrent rewrite] in ``recurrent.py``) runs an ``nn.LSTM`` or
+``nn.GRU`` step by step so that the rules see its weights. What the pass needs from the steps
+is only the cotangents at the layer's taps -- the input projection ``xs`` of all steps and the
+recurrent projection ``hh_t = h_{t-1} W_hhᵀ + b_hh`` of every step (an LSTM's joins ``xs``'s
+tap: its gates are ``xs[t] + hh_t``) -- and the steps' inputs ``h_{t-1}`` (``W_hh``'s
+activations). Built from autograd-recorded ops, a step costs about eight forward ops and
+sixteen backward nodes (the ``chunk`` and ``narrow`` of the gates assemble full-width gradients
+with zeros and concatenations in the backward); on one CPU thread the recurrent models of
+``benchmarks/real_cases.py`` (B = 16, T = 32, H = 128) spent most of their time in those ops,
+not in their matrix products. :class:`LSTMSequence` and :class:`GRUSequence` run the same
+equations as one autograd node each: the forward's steps without autograd recording, the
+backward's hand-written back-propagation through time, the gates in the fused kernels'
+order. LSTM (``i, f, g, o``)::
+
+    gates_t = xs[t] + h_{t-1} W_hhᵀ + b_hh
+    i, f, o = σ(gates_t) at their blocks;  g = tanh(gates_t) at its block
+    c_t = f ⊙ c_{t-1} + i ⊙ g;  h_t = o ⊙ tanh(c_t)
+    backward, last step processed first (dh, dc carried):
+    dh = ∂out_t + dh;  dc = dc + dh ⊙ o ⊙ (1 - tanh²(c_t))
+    δ_t = [dc ⊙ g ⊙ i(1-i), dc ⊙ c_{t-1} ⊙ f(1-f), dc ⊙ i ⊙ (1-g²), dh ⊙ tanh(c_t) ⊙ o(1-o)]
+    dc = dc ⊙ f;  dh = δ_t W_hh                       (δ_t: the cotangent of xs[t] and hh_t)
+
+GRU (``r, z, n``)::
+
+    hh_t = h_{t-1} W_hhᵀ + b_hh (+ the tap's slice t)
+    r, z = σ(xs_r + hh_r), σ(xs_z + hh_z);  n = tanh(xs_n + r ⊙ hh_n)
+    h_t = (1-z) ⊙ n + z ⊙ h_{t-1}
+    backward (dh carried):
+    dh = ∂out_t + dh;  dn' = dh ⊙ (1-z)(1-n²);  dz' = dh ⊙ (h_{t-1} - n) z(1-z)
+    dr' = dn' ⊙ hh_n r(1-r)
+    ∂xs[t] = [dr', dz', dn'];  ∂hh_t = [dr', dz', dn' ⊙ r];  dh = dh ⊙ z + ∂hh_t W_hh
+
+The coefficients that do not depend on the carried gradients are formed for all steps at
+once. The backwards are written with batchable ops (the derivative checks run them under
+``is_grads_batched``; NaN directions stay NaN through products) and are exact to round-off
+against the step-by-step forms (``tests/backends/structured/rules/test_sequences.py``). They are
+differentiable once (``once_differentiable``: a second derivative raises), so the nodes are
+used only where the pass builds no differentiable Gramian (:meth:`TapMode.fuses_recurrences`:
+not under ``torch.func`` transforms, not for a create-graph call, not for the eager recording,
+whose graph is the user's). A/B in one process (1 thread, ``benchmarks/real_cases.py``' FULL
+sizes, medians of 15-31 alternated calls): the per-sample Gramian of the LSTM 0.85 to 0.90
+times the time (4.06× a backward → 3.46×), of the two-layer bidirectional GRU 0.86 times
+(1.69× → 1.46×).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.autograd.function import FunctionCtx, once_differentiable
+
+
+def _processing_order(steps: int, reverse: bool) -> range:
+    """The steps in the order they run (last to first for a layer's second direction)."""
+    return range(steps - 1, -1, -1) if reverse else range(steps)
+
+
+def step_inputs(out: Tensor, h0: Tensor, *, dim: int, reverse: bool) -> Tensor:
+    """Every step's input ``h_{t-1}`` stacked along ``dim`` in step order (``W_hh``'s acts).
+
+    Example:
+        >>> out = torch.arange(3.0).reshape(1, 3, 1)  # steps along dim 1
+        >>> step_inputs(out, torch.full((1, 1), -1.0), dim=1, reverse=False).flatten()
+        tensor([-1.,  0.,  1.])
+        >>> step_inputs(out, torch.full((1, 1), -1.0), dim=1, reverse=True).flatten()
+        tensor([ 1.,  2., -1.])
+    """
+    steps, first = out.shape[dim], h0.unsqueeze(dim)
+    if reverse:
+        return torch.cat((out.narrow(dim, 1, steps - 1), first), dim)
+    return torch.cat((first, out.narrow(dim, 0, steps - 1)), dim)
+
+
+class LSTMSequence(torch.autograd.Function):
+    """The steps of one LSTM layer and direction (NOTE [fused recurrences]).
+
+    ``apply(xs, h0, c0, weight_t, bias, dim, reverse)``: ``xs`` ``[..., 4H]`` with the steps
+    along ``dim`` (the input projection), ``h0``, ``c0`` ``[B, H]``, ``weight_t`` ``W_hhᵀ``
+    ``[H, 4H]``, ``bias`` ``b_hh`` ``[4H]`` or ``None`` (added at each step: one small op
+    instead of a copy of ``xs``); ``reverse`` runs the steps last to first. Returns the
+    outputs ``h_t`` stacked along ``dim`` (in step order) and the final ``h``, ``c``.
+    """
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, xs: Tensor, h0: Tensor, c0: Tensor, weight_t: Tensor,
+                bias: Tensor | None, dim: int, reverse: bool) -> tuple[Tensor, Tensor, Tensor]:
+        """The steps without autograd recording; saves what the backward reads."""
+        steps = xs.unbind(dim)
+        hidden = h0.shape[-1]
+        h, c = h0, c0
+        outputs: list[Tensor] = [h0] * len(steps)  # placeholders, all replaced
+        inputs, cells, sigmoids, g_gates, tanh_cells = [], [], [], [], []
+        for t in _processing_order(len(steps), reverse):
+            gates = torch.addmm(steps[t], h, weight_t)
+            if bias is not None:
+                gates += bias
+            sigmoid = torch.sigmoid(gates)
+            g = torch.tanh(gates[:, 2 * hidden:3 * hidden])
+            inputs.append(h)
+            cells.append(c)
+            c = torch.addcmul(sigmoid[:, hidden:2 * hidden] * c, sigmoid[:, :hidden], g)
+            tanh_cell = torch.tanh(c)
+            h = sigmoid[:, 3 * hidden:] * tanh_cell
+            outputs[t] = h
+            sigmoids.append(sigmoid)
+            g_gates.append(g)
+            tanh_cells.append(tanh_cell)
+        ctx.save_for_backward(torch.stack(sigmoids), torch.stack(g_gates), torch.stack(cells),
+                              torch.stack(tanh_cells), torch.stack(inputs), weight_t)
+        ctx.dim, ctx.reverse = dim, reverse  # type: ignore[attr-defined]
+        return torch.stack(outputs, dim), h, c
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_out: Tensor, grad_h: Tensor,
+                 grad_c: Tensor) -> tuple[Tensor | None, ...]:
+        """Back-propagation through the steps: the gates' cotangents, then ``h0``'s, ``c0``'s."""
+        sigmoids, g, cells, tanh_cells, inputs, weight_t = ctx.saved_tensors
+        hidden = g.shape[-1]
+        i, f = sigmoids[..., :hidden], sigmoids[..., hidden:2 * hidden]
+        o = sigmoids[..., 3 * hidden:]
+        # per processed step k: δ = [dc, dc, dc, dh] ⊙ coefficients (gates i, f, g, o)
+        coefficients = torch.cat((g * i * (1 - i), cells * f * (1 - f), i * (1 - g * g),
+                                  o * (1 - o) * tanh_cells), dim=-1)
+        dc_of_dh = o * (1 - tanh_cells * tanh_cells)
+        steps = len(sigmoids)
+        out_grads = grad_out.unbind(ctx.dim)
+        weight = weight_t.t()
+        deltas: list[Tensor] = [grad_h] * steps  # placeholders, all replaced
+        dh, dc = grad_h, grad_c
+        for k in range(steps - 1, -1, -1):  # processed steps, last first
+            t = steps - 1 - k if ctx.reverse else k
+            dh = out_grads[t] + dh
+            dc = torch.addcmul(dc, dh, dc_of_dh[k])
+            delta = torch.cat((dc, dc, dc, dh), dim=-1) * coefficients[k]
+            deltas[t] = delta
+            dc = dc * f[k]
+            dh = delta @ weight
+        grad_xs = torch.stack(deltas, ctx.dim)
+        grad_weight, grad_bias = _recurrent_grads(ctx, 3, inputs, deltas, grad_xs)
+        return grad_xs, dh, dc, grad_weight, grad_bias, None, None
+
+
+class GRUSequence(torch.autograd.Function):
+    """The steps of one GRU layer and direction (NOTE [fused recurrences]).
+
+    ``apply(xs, h0, weight_t, bias, tap, dim, reverse)``: ``xs`` ``[..., 3H]`` with the steps
+    along ``dim`` (the input projection), ``h0`` ``[B, H]``, ``weight_t`` ``W_hhᵀ``
+    ``[H, 3H]``, ``bias`` ``b_hh`` ``[3H]`` or ``None``, ``tap``: the recurrent projection's
+    tap ``[..., 3H]`` (steps along ``dim``, added to ``hh_t``; its cotangent is ``∂hh_t``) or
+    ``None``. Returns the outputs ``h_t`` stacked along ``dim`` and the final ``h``.
+    """
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, xs: Tensor, h0: Tensor, weight_t: Tensor,
+                bias: Tensor | None, tap: Tensor | None, dim: int,
+                reverse: bool) -> tuple[Tensor, Tensor]:
+        """The steps without autograd recording; saves what the backward reads."""
+        steps = xs.unbind(dim)
+        tap_steps = None if tap is None else tap.unbind(dim)
+        hidden = h0.shape[-1]
+        h = h0
+        outputs: list[Tensor] = [h0] * len(steps)  # placeholders, all replaced
+        inputs, resets, updates, news, hidden_news = [], [], [], [], []
+        for t in _processing_order(len(steps), reverse):
+            hh = h @ weight_t if tap_steps is None else torch.addmm(tap_steps[t], h, weight_t)
+            if bias is not None:
+                hh += bias
+            x = steps[t]
+            reset_update = torch.sigmoid(x[:, :2 * hidden] + hh[:, :2 * hidden])
+            reset, update = reset_update[:, :hidden], reset_update[:, hidden:]
+            hidden_new = hh[:, 2 * hidden:]
+            new = torch.tanh(torch.addcmul(x[:, 2 * hidden:], reset, hidden_new))
+            inputs.append(h)
+            h = torch.lerp(new, h, update)
+            outputs[t] = h
+            resets.append(reset)
+            updates.append(update)
+            news.append(new)
+            hidden_news.append(hidden_new)
+        ctx.save_for_backward(torch.stack(inputs), torch.stack(resets), torch.stack(updates),
+                              torch.stack(news), torch.stack(hidden_news), weight_t)
+        ctx.dim, ctx.reverse = dim, reverse  # type: ignore[attr-defined]
+        return torch.stack(outputs, dim), h
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_out: Tensor, grad_h: Tensor) -> tuple[Tensor | None, ...]:
+        """Back-propagation through the steps: ``∂xs``, ``∂h0``, then the tap's ``∂hh``."""
+        inputs, reset, update, new, hidden_new, weight_t = ctx.saved_tensors
+        of_new = (1 - update) * (1 - new * new)  # dn' per dh
+        of_update = (inputs - new) * update * (1 - update)  # dz' per dh
+        of_reset = hidden_new * reset * (1 - reset)  # dr' per dn'
+        steps = len(inputs)
+        out_grads = grad_out.unbind(ctx.dim)
+        weight = weight_t.t()
+        grad_steps: list[Tensor] = [grad_h] * steps  # placeholders, all replaced
+        grad_hh: list[Tensor] = [grad_h] * steps
+        dh = grad_h
+        for k in range(steps - 1, -1, -1):  # processed steps, last first
+            t = steps - 1 - k if ctx.reverse else k
+            dh = out_grads[t] + dh
+            d_new = dh * of_new[k]
+            d_update = dh * of_update[k]
+            d_reset = d_new * of_reset[k]
+            grad_steps[t] = torch.cat((d_reset, d_update, d_new), dim=-1)
+            grad_hh[t] = torch.cat((d_reset, d_update, d_new * reset[k]), dim=-1)
+            dh = torch.addmm(dh * update[k], grad_hh[t], weight)
+        grad_tap = torch.stack(grad_hh, ctx.dim) if ctx.needs_input_grad[4] else None
+        grad_weight, grad_bias = _recurrent_grads(
+            ctx, 2, inputs, grad_hh,
+            grad_tap if grad_tap is not None else torch.stack(grad_hh, ctx.dim))
+        return torch.stack(grad_steps, ctx.dim), dh, grad_weight, grad_bias, grad_tap, None, None
+
+
+def _recurrent_grads(ctx: Any, weight_index: int, inputs: Tensor, grad_hh: list[Tensor],
+                     stacked: Tensor) -> tuple[Tensor | None, Tensor | None]:
+    """``W_hhᵀ``'s and ``b_hh``'s gradients where asked (not in a tapped pass: plain copies).
+
+    ``Σ_t h_{t-1}ᵀ ∂hh_t`` (``inputs`` in processing order, ``grad_hh`` in step order) and
+    ``Σ_t ∂hh_t`` (``stacked``: ``grad_hh`` stacked along the steps' dim).
+    """
+    grad_weight = grad_bias = None
+    width = stacked.shape[-1]
+    if ctx.needs_input_grad[weight_index]:
+        processed = torch.stack(grad_hh[::-1] if ctx.reverse else grad_hh)
+        grad_weight = inputs.reshape(-1, inputs.shape[-1]).t() @ processed.reshape(-1, width)
+    if ctx.needs_input_grad[weight_index + 1]:
+        grad_bias = stacked.reshape(-1, width).sum(0)
+    return grad_weight, grad_bias
+
+
+def lstm_sequence(xs: Tensor, h0: Tensor, c0: Tensor, weight_t: Tensor, bias: Tensor | None, *,
+                  dim: int, reverse: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """An LSTM layer's outputs, final ``h`` and ``c``, and the steps' inputs (:func:`step_inputs`).
+
+    Example:
+        >>> lstm = torch.nn.LSTM(3, 4, batch_first=True).double()
+        >>> x = torch.randn(2, 5, 3, dtype=torch.float64)
+        >>> w_ih, w_hh, b_ih, b_hh = lstm._flat_weights
+        >>> xs = torch.nn.functional.linear(x, w_ih, b_ih)
+        >>> zeros = torch.zeros(2, 4, dtype=torch.float64)
+        >>> out, h, c, inputs = lstm_sequence(xs, zeros, zeros, w_hh.t(), b_hh, dim=1,
+        ...                                   reverse=False)
+        >>> expected, (h_n, c_n) = lstm(x)
+        >>> torch.allclose(out, expected) and torch.allclose(c, c_n[0]), inputs.shape
+        (True, torch.Size([2, 5, 4]))
+    """
+    out, h, c = LSTMSequence.apply(xs, h0, c0, weight_t, bias, dim, reverse)
+    return out, h, c, step_inputs(out, h0, dim=dim, reverse=reverse)
+
+
+def gru_sequence(xs: Tensor, h0: Tensor, weight_t: Tensor, bias: Tensor | None,
+                 tap: Tensor | None, *, dim: int,
+                 reverse: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """A GRU layer's outputs, final ``h`` and the steps' inputs (:func:`step_inputs`).
+
+    Example:
+        >>> gru = torch.nn.GRU(3, 4).double()
+        >>> x = torch.randn(5, 2, 3, dtype=torch.float64)  # steps first
+        >>> w_ih, w_hh, b_ih, b_hh = gru._flat_weights
+        >>> xs = torch.nn.functional.linear(x, w_ih, b_ih)
+        >>> zeros = torch.zeros(2, 4, dtype=torch.float64)
+        >>> out, h, inputs = gru_sequence(xs, zeros, w_hh.t(), b_hh, None, dim=0,
+        ...                               reverse=False)
+        >>> expected, h_n = gru(x)
+        >>> torch.allclose(out, expected) and torch.allclose(h, h_n[0])
+        True
+    """
+    out, h = GRUSequence.apply(xs, h0, weight_t, bias, tap, dim, reverse)
+    return out, h, step_inputs(out, h0, dim=dim, reverse=reverse)
