@@ -42,8 +42,8 @@ used only where the pass builds no differentiable Gramian (:meth:`TapMode.fuses_
 not under ``torch.func`` transforms, not for a create-graph call, not for the eager recording,
 whose graph is the user's). A/B in one process (1 thread, ``benchmarks/real_cases.py``' FULL
 sizes, medians of 15-31 alternated calls): the per-sample Gramian of the LSTM 0.85 to 0.90
-times the time (4.06× a backward → 3.46×), of the two-layer bidirectional GRU 0.86 times
-(1.69× → 1.46×).
+times the time (4.06× a backward → 3.46×), of the two-layer bidirectional GRU 0.81 to 0.86
+times (1.69-1.80× → 1.45-1.46×).
 """
 
 from __future__ import annotations
