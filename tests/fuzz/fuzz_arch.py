@@ -194,10 +194,16 @@ class Dropout:
 
 @dataclass(frozen=True)
 class FusedRnn:
-    """``torch.gru`` / ``torch.lstm`` over ``T``: one fused kernel for the whole sequence."""
+    """``torch.gru`` / ``torch.lstm`` over ``T``: one fused kernel for the whole sequence.
+
+    ``bidirectional``: a second direction over the reversed steps (outputs side by side,
+    width ``2 * hidden``); ``bias``: ``b_ih`` and ``b_hh``.
+    """
 
     hidden: int
     kind: Literal["gru", "lstm"] = "gru"
+    bidirectional: bool = False
+    bias: bool = True
 
 
 Layer = (Linear | Conv1d | Attention | RnnCell | Norm | Elementwise | Distance | Buffer
@@ -357,12 +363,14 @@ def walk_shapes(case_input: Features | Tokens, length: int,
         elif isinstance(layer, RnnCell | FusedRnn):
             gates = {"rnn_tanh": 1, "gru": 3, "lstm": 4}[layer.kind]
             frozen = getattr(layer, "frozen", False)
-            add(_Param(i, "w_ih", (gates * layer.hidden, d), frozen))
-            add(_Param(i, "w_hh", (gates * layer.hidden, layer.hidden), frozen))
-            if getattr(layer, "bias", True):
-                add(_Param(i, "b_ih", (gates * layer.hidden,), frozen, "zeros"))
-                add(_Param(i, "b_hh", (gates * layer.hidden,), frozen, "zeros"))
-            shapes.width = layer.hidden
+            directions = 2 if getattr(layer, "bidirectional", False) else 1
+            for suffix in ("", "_reverse")[:directions]:
+                add(_Param(i, f"w_ih{suffix}", (gates * layer.hidden, d), frozen))
+                add(_Param(i, f"w_hh{suffix}", (gates * layer.hidden, layer.hidden), frozen))
+                if layer.bias:
+                    add(_Param(i, f"b_ih{suffix}", (gates * layer.hidden,), frozen, "zeros"))
+                    add(_Param(i, f"b_hh{suffix}", (gates * layer.hidden,), frozen, "zeros"))
+            shapes.width = layer.hidden * directions
         elif isinstance(layer, Norm):
             if layer.affine:
                 add(_Param(i, "weight", (d,), layer.frozen, "ones"))
@@ -499,12 +507,15 @@ def _layer(case: FuzzCase, i: int, layer: Layer, h: Tensor, get: Get) -> Tensor:
     if isinstance(layer, RnnCell):
         return _rnn_cell(layer, i, h, get)
     if isinstance(layer, FusedRnn):
-        weights = [get(i, n) for n in ("w_ih", "w_hh", "b_ih", "b_hh")]
-        hx = h.new_zeros(1, h.shape[0], layer.hidden)
+        names = ("w_ih", "w_hh", "b_ih", "b_hh") if layer.bias else ("w_ih", "w_hh")
+        suffixes = ("", "_reverse") if layer.bidirectional else ("",)
+        weights = [get(i, name + suffix) for suffix in suffixes for name in names]
+        hx = h.new_zeros(len(suffixes), h.shape[0], layer.hidden)
+        flags = (layer.bias, 1, 0.0, False, layer.bidirectional, True)
         if layer.kind == "gru":
-            out, _ = torch.gru(h, hx, weights, True, 1, 0.0, False, False, True)
+            out, _ = torch.gru(h, hx, weights, *flags)
         else:
-            out, _, _ = torch.lstm(h, (hx, hx), weights, True, 1, 0.0, False, False, True)
+            out, _, _ = torch.lstm(h, (hx, hx), weights, *flags)
         return out
     if isinstance(layer, Norm):
         return _norm(layer, i, h, get)

@@ -153,7 +153,8 @@ def _layer(draw: st.DrawFn, backend: str, width: int, length: int, tokens: Token
                        kind=draw(st.sampled_from(["rnn_tanh", "gru", "lstm"])),
                        bias=draw(st.booleans()), frozen=frozen)
     if kind == "fused_rnn":
-        return FusedRnn(hidden=draw(st.integers(1, 4)), kind=draw(st.sampled_from(["gru", "lstm"])))
+        return FusedRnn(hidden=draw(st.integers(1, 4)), kind=draw(st.sampled_from(["gru", "lstm"])),
+                        bidirectional=draw(st.booleans()), bias=draw(st.booleans()))
     if kind == "norm":
         kinds_norm = ["layer", "group", "rms", "batch_eval"]
         if batch * length > 1 and (length > 1 or not declared
