@@ -76,6 +76,23 @@ def step_inputs(out: Tensor, h0: Tensor, *, dim: int, reverse: bool) -> Tensor:
     return torch.cat((first, out.narrow(dim, 0, steps - 1)), dim)
 
 
+class _Saved:
+    """What a node's forward keeps of every step it runs, saved stacked for its backward."""
+
+    def __init__(self, count: int) -> None:
+        self._per_step: list[list[Tensor]] = [[] for _ in range(count)]
+
+    def append(self, *values: Tensor) -> None:
+        """One step's values (in processing order), one per kind."""
+        for kept, value in zip(self._per_step, values, strict=True):
+            kept.append(value)
+
+    def save(self, ctx: FunctionCtx, weight_t: Tensor, dim: int, reverse: bool) -> None:
+        """Each kind stacked along a new first dim (processing order), then ``weight_t``."""
+        ctx.save_for_backward(*(torch.stack(kept) for kept in self._per_step), weight_t)
+        ctx.dim, ctx.reverse = dim, reverse  # type: ignore[attr-defined]
+
+
 class LSTMSequence(torch.autograd.Function):
     """The steps of one LSTM layer and direction (NOTE [fused recurrences]).
 
@@ -94,25 +111,19 @@ class LSTMSequence(torch.autograd.Function):
         hidden = h0.shape[-1]
         h, c = h0, c0
         outputs: list[Tensor] = [h0] * len(steps)  # placeholders, all replaced
-        inputs, cells, sigmoids, g_gates, tanh_cells = [], [], [], [], []
+        saved = _Saved(5)  # σ(gates), g, c_{t-1}, tanh(c_t), h_{t-1}
         for t in _processing_order(len(steps), reverse):
             gates = torch.addmm(steps[t], h, weight_t)
             if bias is not None:
                 gates += bias
             sigmoid = torch.sigmoid(gates)
             g = torch.tanh(gates[:, 2 * hidden:3 * hidden])
-            inputs.append(h)
-            cells.append(c)
+            c_prev, h_prev = c, h
             c = torch.addcmul(sigmoid[:, hidden:2 * hidden] * c, sigmoid[:, :hidden], g)
             tanh_cell = torch.tanh(c)
-            h = sigmoid[:, 3 * hidden:] * tanh_cell
-            outputs[t] = h
-            sigmoids.append(sigmoid)
-            g_gates.append(g)
-            tanh_cells.append(tanh_cell)
-        ctx.save_for_backward(torch.stack(sigmoids), torch.stack(g_gates), torch.stack(cells),
-                              torch.stack(tanh_cells), torch.stack(inputs), weight_t)
-        ctx.dim, ctx.reverse = dim, reverse  # type: ignore[attr-defined]
+            h = outputs[t] = sigmoid[:, 3 * hidden:] * tanh_cell
+            saved.append(sigmoid, g, c_prev, tanh_cell, h_prev)
+        saved.save(ctx, weight_t, dim, reverse)
         return torch.stack(outputs, dim), h, c
 
     @staticmethod
@@ -166,7 +177,7 @@ class GRUSequence(torch.autograd.Function):
         hidden = h0.shape[-1]
         h = h0
         outputs: list[Tensor] = [h0] * len(steps)  # placeholders, all replaced
-        inputs, resets, updates, news, hidden_news = [], [], [], [], []
+        saved = _Saved(5)  # h_{t-1}, r, z, n, hh_n
         for t in _processing_order(len(steps), reverse):
             hh = h @ weight_t if tap_steps is None else torch.addmm(tap_steps[t], h, weight_t)
             if bias is not None:
@@ -176,16 +187,9 @@ class GRUSequence(torch.autograd.Function):
             reset, update = reset_update[:, :hidden], reset_update[:, hidden:]
             hidden_new = hh[:, 2 * hidden:]
             new = torch.tanh(torch.addcmul(x[:, 2 * hidden:], reset, hidden_new))
-            inputs.append(h)
-            h = torch.lerp(new, h, update)
-            outputs[t] = h
-            resets.append(reset)
-            updates.append(update)
-            news.append(new)
-            hidden_news.append(hidden_new)
-        ctx.save_for_backward(torch.stack(inputs), torch.stack(resets), torch.stack(updates),
-                              torch.stack(news), torch.stack(hidden_news), weight_t)
-        ctx.dim, ctx.reverse = dim, reverse  # type: ignore[attr-defined]
+            saved.append(h, reset, update, new, hidden_new)
+            h = outputs[t] = torch.lerp(new, h, update)
+        saved.save(ctx, weight_t, dim, reverse)
         return torch.stack(outputs, dim), h
 
     @staticmethod
