@@ -127,6 +127,9 @@ def old_style_functions(output: Tensor) -> list[str]:
     """The old-style ``autograd.Function`` classes in ``output``'s graph, by name.
 
     In the order a walk from the output meets them (NOTE [old-style autograd.Functions]).
+    torchgram's own nodes (``torchgram_rewrite``: the fused recurrences of its tapped passes,
+    which never run under ``torch.func``) are not ``f``'s and are left out: counted, they
+    sent ``auto`` past ``jacobian`` and ``ntvp`` for every LSTM (session 36's review).
 
     Example:
         >>> class Twice(torch.autograd.Function):
@@ -142,7 +145,8 @@ def old_style_functions(output: Tensor) -> list[str]:
     names: list[str] = []
     for node in graph_nodes(output):
         cls = custom_function_class(node)
-        if cls is not None and is_old_style_function(cls) and cls.__qualname__ not in names:
+        if cls is not None and is_old_style_function(cls) and cls.__qualname__ not in names \
+                and not getattr(cls, "torchgram_rewrite", False):
             names.append(cls.__qualname__)
     return names
 

@@ -75,6 +75,15 @@ class BackendCannotRun(NotImplementedError):  # noqa: N818 -- reads as a stateme
         super().__init__(message(api, f"{expected} (backend={backend!r})", got, advice))
 
 
+class DifferentiatedTwice(RuntimeError):  # noqa: N818
+    """A node of a tapped pass that is differentiable once was differentiated with a graph.
+
+    Raised by the fused recurrences' backward under ``create_graph`` (NOTE [fused
+    recurrences]): only ``f`` differentiating its own LSTM or GRU inside the pass does that.
+    :func:`torch_refusals` turns it into :class:`BackendCannotRun`.
+    """
+
+
 class OutputChanged(RuntimeError):  # noqa: N818
     """An evaluation of ``f`` did not return the output structure the call was planned for."""
 
@@ -278,6 +287,11 @@ def torch_refusals(api: str, backend: str, parameters: Sequence[Tensor] = (),
             f"(dynamo raised: {str(error).splitlines()[0][:60]})", "")
         raise _declined(api, backend, refusal) from error
     except RuntimeError as error:  # NotImplementedError included
+        if isinstance(error, DifferentiatedTwice):
+            raise BackendCannotRun(
+                api, backend, "f that does not differentiate its own nn.LSTM / nn.GRU (the "
+                "pass runs their steps as one node, differentiable once)", str(error),
+                ("graph",), "") from error
         if (no_forward_mode := forward_mode_refusal(api, error)) is not None:
             raise no_forward_mode from error
         if isinstance(error, ModifiedInPlace) or _torch_compat.is_in_place_error(error):

@@ -226,7 +226,7 @@ def plan_auto(problem: Problem) -> AutoPlan:
 
 def _dense_forward(problem: Problem) -> Forward:
     """The structured backend's dense forward, with the old-style Functions of its graph."""
-    forward = dense_forward(problem)
+    forward = dense_forward(problem, fuse=False)  # a plan: NOTE [fused recurrences]
     forward.recording.transform_refusals += old_style_functions(forward.outputs[0])
     return forward
 

@@ -47,7 +47,12 @@ from torch.autograd.graph import GradientEdge
 
 from torchgram._core import _torch_compat
 from torchgram._core.composition import graph_leaf
-from torchgram._core.errors import BackendCannotRun, NotPerSample, OutputChanged
+from torchgram._core.errors import (
+    BackendCannotRun,
+    DifferentiatedTwice,
+    NotPerSample,
+    OutputChanged,
+)
 from torchgram._core.functional import stack_grads
 from torchgram._core.per_sample import fails_alone
 from torchgram._core.problem import Problem
@@ -118,7 +123,7 @@ def trace(problem: Problem) -> Recording:
                 with mode:
                     rows = problem.sample_rows(carriers, batch.narrow(0, 1), check_draw=False)
                 mode.recording.draws = problem.draw.drew()
-            except (BackendCannotRun, OutputChanged, NotPerSample):
+            except (BackendCannotRun, OutputChanged, NotPerSample, DifferentiatedTwice):
                 raise
             except Exception as error:  # the probe ran the batch: f fails on a batch of one
                 raise fails_alone(error) from error
@@ -506,14 +511,17 @@ def _check_no_unseen_uses(rows: Tensor, tapped: Sequence[Tensor],
                             "its trace did not")
 
 
-def dense_forward(problem: Problem) -> Forward:
-    """The tapped forward on the full inputs, taps made on the fly (dense rows)."""
+def dense_forward(problem: Problem, *, fuse: bool = True) -> Forward:
+    """The tapped forward on the full inputs, taps made on the fly (dense rows).
+
+    ``fuse``: as :class:`TapMode`'s (``auto``'s planning forward: ``False``).
+    """
     leaves = problem.leaves
     carriers = [graph_leaf(leaf) for leaf in leaves]
 
     def dense_mode(original_layouts: bool) -> TapMode:
         return TapMode(carriers, leaves, taps="lazy", keep_graph=problem.composition.create_graph,
-                       original_layouts=original_layouts)
+                       original_layouts=original_layouts, fuse=fuse)
 
     mode, rows, aux = _tapped_rows(problem, tuple(carriers), dense_mode)
     mode.note_unseen_uses(rows, carriers)  # NOTE [unseen uses]

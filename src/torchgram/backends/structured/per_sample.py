@@ -27,7 +27,12 @@ import torch
 from torch import Tensor
 
 from torchgram._core import _torch_compat
-from torchgram._core.errors import BackendCannotRun, NotPerSample, OutputChanged
+from torchgram._core.errors import (
+    BackendCannotRun,
+    DifferentiatedTwice,
+    NotPerSample,
+    OutputChanged,
+)
 from torchgram._core.per_sample import (
     batch_rows,
     check_samples,
@@ -306,14 +311,16 @@ def _one_sample_at_a_time(problem: Problem, expected: Recording, fallback: list[
     if not loop:
         try:
             forward = per_sample_forward(problem, expected, fallback, loop=False)
-        except (BackendCannotRun, OutputChanged, NotPerSample, TraceMismatch):
+        except (BackendCannotRun, OutputChanged, NotPerSample, TraceMismatch,
+                DifferentiatedTwice):
             raise
         except Exception:  # noqa: BLE001 -- NOTE [vmap or loop]: loop instead
             forward = None
     if forward is None:
         try:
             forward = per_sample_forward(problem, expected, fallback, loop=True)
-        except (BackendCannotRun, OutputChanged, NotPerSample, TraceMismatch):
+        except (BackendCannotRun, OutputChanged, NotPerSample, TraceMismatch,
+                DifferentiatedTwice):
             raise
         except Exception as error:  # the batch ran: f fails on a batch of one
             raise fails_alone(error) from error

@@ -471,6 +471,8 @@ class TapMode(TorchFunctionMode):
         probe: In a trace, add a zero tap to every tapped call's output too (kept in
             ``probes`` with its tap's index), so that a backward of the traced rows can show
             which positions they reach (NOTE [dead positions]).
+        fuse: Whether rewritten LSTM / GRU layers may run as one node (NOTE [fused
+            recurrences]); never in a trace or with ``keep_graph`` (:attr:`fuses_recurrences`).
 
     Example:
         >>> import torch
@@ -492,9 +494,11 @@ class TapMode(TorchFunctionMode):
                  expected: Sequence[TapRecord] | None = None,
                  carriers: Collection[int] | None = None, samples: int | None = None,
                  keep_acts: bool = False, keep_graph: bool = False,
-                 original_layouts: bool = False, probe: bool = False) -> None:
+                 original_layouts: bool = False, probe: bool = False,
+                 fuse: bool = True) -> None:
         super().__init__()
         self._keep_graph = keep_graph
+        self._fuse = fuse and not keep_graph and taps != "trace"
         self._probe = probe and taps == "trace"
         self.probes: list[tuple[int, Tensor]] = []
         self._original_layouts = original_layouts
@@ -919,9 +923,12 @@ class TapMode(TorchFunctionMode):
     def fuses_recurrences(self) -> bool:
         """Whether a rewritten LSTM or GRU layer may run as one node (NOTE [fused recurrences]).
 
-        Not where the pass keeps a differentiable graph: those nodes are differentiable once.
+        Not where the pass keeps a differentiable graph (those nodes are differentiable once),
+        nor in a pass that only plans (a trace, ``auto``'s planning forward): an ``f`` that
+        differentiates its own recurrence makes the node raise, which there would stop the
+        plan instead of the structured run that ``auto`` then passes over.
         """
-        return not self._keep_graph
+        return self._fuse
 
     def step_output(self, step_tap: StepTap, t: int, y: Tensor) -> Tensor:
         """Step ``t``'s output ``y`` of a :meth:`tap_steps` tap, with its slice of the tap."""

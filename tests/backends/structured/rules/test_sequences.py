@@ -11,6 +11,9 @@ from torch import Tensor
 
 import torchgram as tg
 from reference import dense_gramian, dense_gramian_fn
+from torchgram import BackendCannotRun
+from torchgram._core import _torch_compat
+from torchgram._core.errors import DifferentiatedTwice
 from torchgram.backends.structured.rules import recurrent, sequences
 from torchgram.backends.structured.rules.sequences import (
     GRUSequence,
@@ -19,6 +22,7 @@ from torchgram.backends.structured.rules.sequences import (
     lstm_sequence,
     step_inputs,
 )
+from torchgram.backends.structured.trace import TapMode
 
 B, T, H = 3, 5, 4
 
@@ -111,16 +115,43 @@ def test_batched_directions_and_nan_stay_in_their_sample(kind: str, reverse: boo
 
 
 @pytest.mark.parametrize("kind", list(NODES))
-def test_second_derivatives_are_refused_not_wrong(kind: str) -> None:
-    """Differentiable once: a second derivative raises instead of giving a wrong number."""
+def test_a_backward_with_a_graph_is_refused_not_wrong(kind: str) -> None:
+    """Differentiable once: ``create_graph`` through a node raises, never a wrong number."""
     node, _ = NODES[kind]
     inputs = _inputs(kind, 1)
     out = node.apply(*inputs, 1, False)[0]
-    (grad,) = torch.autograd.grad(out.pow(2).sum(), inputs[0], create_graph=True)
-    with pytest.raises(RuntimeError, match="differentiate twice"):
-        grad.sum().backward()
-    with pytest.raises(RuntimeError):
-        torch.autograd.grad(grad.sum(), inputs[1])
+    torch.autograd.grad(out.pow(2).sum(), inputs[0], retain_graph=True)  # first order: fine
+    with pytest.raises(DifferentiatedTwice, match="create_graph=True through an nn."):
+        torch.autograd.grad(out.pow(2).sum(), inputs[0], create_graph=True)
+
+
+@pytest.mark.parametrize("kind", list(NODES))
+def test_f_differentiating_its_own_recurrence(kind: str) -> None:
+    """``f`` calling ``torch.autograd.grad(create_graph=True)`` through its LSTM / GRU.
+
+    The node has no second derivative: structured declines, naming the graph walk, which
+    ``auto`` then takes (session 36's review: once-differentiable nodes lost those terms
+    without a word, 0.055 off on an LSTM, 0.66 on a GRU).
+    """
+    torch.manual_seed(0)
+    module = {"lstm": torch.nn.LSTM, "gru": torch.nn.GRU}[kind](3, H, batch_first=True).double()
+    fn, params = tg.functionalize(module)
+
+    def f(p: dict[str, Tensor], x: Tensor) -> Tensor:
+        with torch.enable_grad():
+            xr = x.detach().requires_grad_()
+            out = fn(p, xr)[0]
+            (gx,) = torch.autograd.grad(out.pow(2).sum(), xr, create_graph=True)
+        return gx.pow(2).sum((1, 2)) + out[:, -1].sum(-1)
+
+    params = {k: v.detach() for k, v in params.items()}
+    x = torch.randn(B, T, 3, dtype=torch.float64)
+    with pytest.raises(BackendCannotRun, match="backend='graph'"):
+        tg.gramian(f, backend="structured", batch_dim=0)(params, x)
+    expected = dense_gramian(f, (params, x)).gramian
+    G = tg.gramian(f, backend="auto", batch_dim=0)(params, x)
+    torch.testing.assert_close(G / expected.abs().max(), expected / expected.abs().max(),
+                               rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
@@ -194,10 +225,7 @@ def test_per_sample_gramian_runs_the_fused_layers(fused_calls: list[tuple[str, b
 @pytest.mark.parametrize("kind", list(NODES))
 def test_create_graph_and_recording_keep_the_steps(fused_calls: list[tuple[str, bool]],
                                                    kind: str) -> None:
-    """Where the Gramian must be differentiable, or the graph is the user's, no fused node.
-
-    (The trace of a create-graph call may fuse: its rows only plan the pass.)
-    """
+    """Where the Gramian must be differentiable, or the graph is the user's, no fused node."""
     losses, params, x = _rnn_losses(kind)
     leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
     G = tg.gramian(losses, backend="structured", batch_dim=0)(leaves, x)
@@ -206,7 +234,7 @@ def test_create_graph_and_recording_keep_the_steps(fused_calls: list[tuple[str, 
     (actual_grad,) = torch.autograd.grad(G.pow(2).sum(), [leaves["weight_hh_l0"]])
     (expected_grad,) = torch.autograd.grad(expected.pow(2).sum(), [leaves["weight_hh_l0"]])
     torch.testing.assert_close(actual_grad, expected_grad, rtol=1e-9, atol=1e-9)
-    fused_calls.clear()
+    assert fused_calls == []
     module = {"lstm": torch.nn.LSTM, "gru": torch.nn.GRU}[kind](3, H, batch_first=True).double()
     with tg.autograd.record():
         out, _ = module(x)
@@ -216,3 +244,28 @@ def test_create_graph_and_recording_keep_the_steps(fused_calls: list[tuple[str, 
     fn, params = tg.functionalize(module)
     expected = dense_gramian(lambda p, x: fn(p, x)[0][:, -1].sum(-1), (params, x)).gramian
     torch.testing.assert_close(G_eager, expected, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("kind", list(NODES))
+def test_fused_nodes_leave_autos_choice_as_the_steps_do(monkeypatch: pytest.MonkeyPatch,
+                                                        kind: str) -> None:
+    """The nodes are torchgram's, not old-style Functions of ``f`` (session 36's review).
+
+    Counted as ``f``'s, they moved ``jacobian`` and ``ntvp`` behind the graph walk for every
+    LSTM (and made ``auto`` raise torch's error under forward-mode dual inputs).
+    """
+    node, _ = NODES[kind]
+    out = node.apply(*_inputs(kind, 1), 1, False)[0]
+    assert type(out.grad_fn).__name__.endswith("Backward")  # the node is in the graph
+    assert _torch_compat.old_style_functions(out.sum()) == []
+    torch.manual_seed(0)
+    module = {"lstm": torch.nn.LSTM, "gru": torch.nn.GRU}[kind](8, 16, batch_first=True).double()
+    fn, params = tg.functionalize(module)
+
+    def f(p: dict[str, Tensor], x: Tensor) -> Tensor:
+        return fn(p, x)[0][:, -1]
+
+    x = torch.randn(16, 8, 8, dtype=torch.float64)
+    fused = tg.explain(f)(params, x).backend
+    monkeypatch.setattr(TapMode, "fuses_recurrences", property(lambda self: False))
+    assert tg.explain(f)(params, x).backend == fused

@@ -37,22 +37,33 @@ The coefficients that do not depend on the carried gradients are formed for all 
 once. The backwards are written with batchable ops (the derivative checks run them under
 ``is_grads_batched``; NaN directions stay NaN through products) and are exact to round-off
 against the step-by-step forms (``tests/backends/structured/rules/test_sequences.py``). They are
-differentiable once (``once_differentiable``: a second derivative raises), so the nodes are
-used only where the pass builds no differentiable Gramian (:meth:`TapMode.fuses_recurrences`:
-not under ``torch.func`` transforms, not for a create-graph call, not for the eager recording,
-whose graph is the user's). A/B in one process (1 thread, ``benchmarks/real_cases.py``' FULL
-sizes, medians of 15-31 alternated calls): the per-sample Gramian of the LSTM 0.85 to 0.90
-times the time (4.06× a backward → 3.46×), of the two-layer bidirectional GRU 0.81 to 0.86
-times (1.69-1.80× → 1.45-1.46×).
+differentiable once, so the nodes are used only where the pass builds no differentiable
+Gramian (:meth:`TapMode.fuses_recurrences`: not under ``torch.func`` transforms, not for a
+create-graph call, not for the eager recording, whose graph is the user's, and not in passes
+that only plan -- a trace, ``auto``'s planning forward), and a backward
+through one that asks for a graph raises :class:`DifferentiatedTwice` (a ``BackendCannotRun``
+naming the graph walk, through ``torch_refusals``): that is ``f`` differentiating its own
+recurrence (``torch.autograd.grad(..., create_graph=True)`` inside ``f``), whose second
+derivative the node does not have. (With ``once_differentiable`` such an ``f``'s Gramian
+silently lost those terms: 0.66 off on a GRU, session 36's review. The structured pass misses
+what an ``f`` that differentiates itself does with any layer's weights -- 1e-2 off on an MLP,
+before this change too -- an open limitation, not this node's.)
+
+A/B in one process (1 thread, ``benchmarks/real_cases.py``' FULL sizes, medians of 15-31
+alternated calls): the per-sample Gramian of the LSTM 0.85 to 0.90 times the time (4.06× a
+backward → 3.46×), of the two-layer bidirectional GRU 0.81 to 0.86 times (1.69-1.80× →
+1.45-1.46×).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
-from torch.autograd.function import FunctionCtx, once_differentiable
+from torch.autograd.function import FunctionCtx
+
+from torchgram._core.errors import DifferentiatedTwice
 
 
 def _processing_order(steps: int, reverse: bool) -> range:
@@ -101,7 +112,13 @@ class LSTMSequence(torch.autograd.Function):
     ``[H, 4H]``, ``bias`` ``b_hh`` ``[4H]`` or ``None`` (added at each step: one small op
     instead of a copy of ``xs``); ``reverse`` runs the steps last to first. Returns the
     outputs ``h_t`` stacked along ``dim`` (in step order) and the final ``h``, ``c``.
+
+    Like :class:`GRUSequence`, a node of torchgram's tapped passes, never of ``f`` under
+    ``torch.func``: ``torchgram_rewrite`` keeps it out of the old-style Functions that would
+    steer ``auto`` away from ``jacobian`` and ``ntvp`` (``_torch_compat.old_style_functions``).
     """
+
+    torchgram_rewrite: ClassVar[bool] = True
 
     @staticmethod
     def forward(ctx: FunctionCtx, xs: Tensor, h0: Tensor, c0: Tensor, weight_t: Tensor,
@@ -127,10 +144,10 @@ class LSTMSequence(torch.autograd.Function):
         return torch.stack(outputs, dim), h, c
 
     @staticmethod
-    @once_differentiable
     def backward(ctx: Any, grad_out: Tensor, grad_h: Tensor,
                  grad_c: Tensor) -> tuple[Tensor | None, ...]:
         """Back-propagation through the steps: the gates' cotangents, then ``h0``'s, ``c0``'s."""
+        _refuse_a_graph("LSTM")
         sigmoids, g, cells, tanh_cells, inputs, weight_t = ctx.saved_tensors
         hidden = g.shape[-1]
         i, f = sigmoids[..., :hidden], sigmoids[..., hidden:2 * hidden]
@@ -167,6 +184,8 @@ class GRUSequence(torch.autograd.Function):
     ``None``. Returns the outputs ``h_t`` stacked along ``dim`` and the final ``h``.
     """
 
+    torchgram_rewrite: ClassVar[bool] = True
+
     @staticmethod
     def forward(ctx: FunctionCtx, xs: Tensor, h0: Tensor, weight_t: Tensor,
                 bias: Tensor | None, tap: Tensor | None, dim: int,
@@ -193,9 +212,9 @@ class GRUSequence(torch.autograd.Function):
         return torch.stack(outputs, dim), h
 
     @staticmethod
-    @once_differentiable
     def backward(ctx: Any, grad_out: Tensor, grad_h: Tensor) -> tuple[Tensor | None, ...]:
         """Back-propagation through the steps: ``∂xs``, ``∂h0``, then the tap's ``∂hh``."""
+        _refuse_a_graph("GRU")
         inputs, reset, update, new, hidden_new, weight_t = ctx.saved_tensors
         of_new = (1 - update) * (1 - new * new)  # dn' per dh
         of_update = (inputs - new) * update * (1 - update)  # dz' per dh
@@ -220,6 +239,19 @@ class GRUSequence(torch.autograd.Function):
             ctx, 2, inputs, grad_hh,
             grad_tap if grad_tap is not None else torch.stack(grad_hh, ctx.dim))
         return torch.stack(grad_steps, ctx.dim), dh, grad_weight, grad_bias, grad_tap, None, None
+
+
+def _refuse_a_graph(kind: str) -> None:
+    """Raise :class:`DifferentiatedTwice` in a backward asked for a graph (``create_graph``).
+
+    The nodes are differentiable once and run only in passes that build no graph; a
+    ``create_graph`` backward through one is ``f`` differentiating its own recurrence inside
+    the pass, whose second derivatives the node does not have (NOTE [fused recurrences]).
+    """
+    if torch.is_grad_enabled():
+        raise DifferentiatedTwice(
+            f"a backward with create_graph=True through an nn.{kind} (f calls "
+            "torch.autograd.grad(..., create_graph=True) itself)")
 
 
 def _recurrent_grads(ctx: Any, weight_index: int, inputs: Tensor, grad_hh: list[Tensor],
