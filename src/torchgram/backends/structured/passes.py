@@ -47,12 +47,7 @@ from torch.autograd.graph import GradientEdge
 
 from torchgram._core import _torch_compat
 from torchgram._core.composition import graph_leaf
-from torchgram._core.errors import (
-    BackendCannotRun,
-    DifferentiatedTwice,
-    NotPerSample,
-    OutputChanged,
-)
+from torchgram._core.errors import BackendCannotRun, NotPerSample, OutputChanged
 from torchgram._core.functional import stack_grads
 from torchgram._core.per_sample import fails_alone
 from torchgram._core.problem import Problem
@@ -123,7 +118,7 @@ def trace(problem: Problem) -> Recording:
                 with mode:
                     rows = problem.sample_rows(carriers, batch.narrow(0, 1), check_draw=False)
                 mode.recording.draws = problem.draw.drew()
-            except (BackendCannotRun, OutputChanged, NotPerSample, DifferentiatedTwice):
+            except (BackendCannotRun, OutputChanged, NotPerSample):
                 raise
             except Exception as error:  # the probe ran the batch: f fails on a batch of one
                 raise fails_alone(error) from error

@@ -311,8 +311,7 @@ def _one_sample_at_a_time(problem: Problem, expected: Recording, fallback: list[
     if not loop:
         try:
             forward = per_sample_forward(problem, expected, fallback, loop=False)
-        except (BackendCannotRun, OutputChanged, NotPerSample, TraceMismatch,
-                DifferentiatedTwice):
+        except (BackendCannotRun, OutputChanged, NotPerSample, TraceMismatch):
             raise
         except Exception:  # noqa: BLE001 -- NOTE [vmap or loop]: loop instead
             forward = None
@@ -320,7 +319,7 @@ def _one_sample_at_a_time(problem: Problem, expected: Recording, fallback: list[
         try:
             forward = per_sample_forward(problem, expected, fallback, loop=True)
         except (BackendCannotRun, OutputChanged, NotPerSample, TraceMismatch,
-                DifferentiatedTwice):
+                DifferentiatedTwice):  # a fused recurrence, run in the loop (not under vmap)
             raise
         except Exception as error:  # the batch ran: f fails on a batch of one
             raise fails_alone(error) from error

@@ -169,9 +169,8 @@ class LSTMSequence(torch.autograd.Function):
             deltas[t] = delta
             dc = dc * f[k]
             dh = delta @ weight
-        grad_xs = torch.stack(deltas, ctx.dim)
-        grad_weight, grad_bias = _recurrent_grads(ctx, 3, inputs, deltas, grad_xs)
-        return grad_xs, dh, dc, grad_weight, grad_bias, None, None
+        grad_weight, grad_bias = _recurrent_grads(ctx, 3, inputs, deltas)
+        return torch.stack(deltas, ctx.dim), dh, dc, grad_weight, grad_bias, None, None
 
 
 class GRUSequence(torch.autograd.Function):
@@ -235,9 +234,7 @@ class GRUSequence(torch.autograd.Function):
             grad_hh[t] = torch.cat((d_reset, d_update, d_new * reset[k]), dim=-1)
             dh = torch.addmm(dh * update[k], grad_hh[t], weight)
         grad_tap = torch.stack(grad_hh, ctx.dim) if ctx.needs_input_grad[4] else None
-        grad_weight, grad_bias = _recurrent_grads(
-            ctx, 2, inputs, grad_hh,
-            grad_tap if grad_tap is not None else torch.stack(grad_hh, ctx.dim))
+        grad_weight, grad_bias = _recurrent_grads(ctx, 2, inputs, grad_hh)
         return torch.stack(grad_steps, ctx.dim), dh, grad_weight, grad_bias, grad_tap, None, None
 
 
@@ -254,20 +251,20 @@ def _refuse_a_graph(kind: str) -> None:
             "torch.autograd.grad(..., create_graph=True) itself)")
 
 
-def _recurrent_grads(ctx: Any, weight_index: int, inputs: Tensor, grad_hh: list[Tensor],
-                     stacked: Tensor) -> tuple[Tensor | None, Tensor | None]:
+def _recurrent_grads(ctx: Any, weight_index: int, inputs: Tensor,
+                     grad_hh: list[Tensor]) -> tuple[Tensor | None, Tensor | None]:
     """``W_hhᵀ``'s and ``b_hh``'s gradients where asked (not in a tapped pass: plain copies).
 
-    ``Σ_t h_{t-1}ᵀ ∂hh_t`` (``inputs`` in processing order, ``grad_hh`` in step order) and
-    ``Σ_t ∂hh_t`` (``stacked``: ``grad_hh`` stacked along the steps' dim).
+    ``Σ_t h_{t-1}ᵀ ∂hh_t`` and ``Σ_t ∂hh_t`` (``inputs`` in processing order, ``grad_hh`` in
+    step order).
     """
-    grad_weight = grad_bias = None
-    width = stacked.shape[-1]
-    if ctx.needs_input_grad[weight_index]:
-        processed = torch.stack(grad_hh[::-1] if ctx.reverse else grad_hh)
-        grad_weight = inputs.reshape(-1, inputs.shape[-1]).t() @ processed.reshape(-1, width)
-    if ctx.needs_input_grad[weight_index + 1]:
-        grad_bias = stacked.reshape(-1, width).sum(0)
+    if not (ctx.needs_input_grad[weight_index] or ctx.needs_input_grad[weight_index + 1]):
+        return None, None
+    processed = torch.stack(grad_hh[::-1] if ctx.reverse else grad_hh)
+    processed = processed.reshape(-1, processed.shape[-1])
+    grad_weight = (inputs.reshape(-1, inputs.shape[-1]).t() @ processed
+                   if ctx.needs_input_grad[weight_index] else None)
+    grad_bias = processed.sum(0) if ctx.needs_input_grad[weight_index + 1] else None
     return grad_weight, grad_bias
 
 
