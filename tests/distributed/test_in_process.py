@@ -273,3 +273,23 @@ def test_random_f_whose_samples_interact_is_refused() -> None:
     # one sample per rank: nothing to compare (a batch of two draws other numbers), answered
     got = simulate(noisy, w, [(x[:1],), (x[1:2],)], seeds=[0, 1], batch_dim=0)
     assert got.shape == (2, 2)
+
+
+def test_an_f_that_differentiates_itself_is_refused_before_any_exchange() -> None:
+    """The ranks exchange the structured pass's pieces, which miss what ``f``'s own backward
+    does with the weights (NOTE [f that differentiates itself]): every rank reports a
+    torchgram error naming ``cross_rank='local'``, before any collective."""
+    def f(w: Tensor, x: Tensor) -> Tensor:
+        with torch.enable_grad():
+            xr = x.detach().requires_grad_()
+            out = torch.tanh(xr @ w)
+            (gx,) = torch.autograd.grad(out.sum(), xr, create_graph=True)
+        return gx.pow(2).sum(-1)
+
+    validated = Options.validate("test", f, batch_dim=0)
+    local = local_phase(validated, f, (torch.randn(3, 2, dtype=torch.float64),
+                                       torch.randn(4, 3, dtype=torch.float64)), {})
+    assert isinstance(local.error, NotImplementedError)
+    assert "a call of torch.autograd.grad inside f" in str(local.error)
+    assert "cross_rank='local'" in str(local.error)
+    assert local.summary is not None and local.summary.error is not None

@@ -33,6 +33,7 @@ import optree
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import torchgram as tg
 from custom_functions import FunctionLinear, OldStyleFunctionLinear
@@ -273,7 +274,7 @@ class FuzzCase:
     chunk_size: int | None = None
     memory_budget: int | None = None
     repeat: Literal["none", "values", "skip_last", "open_gates"] = "none"
-    head_extra: Literal["none", "expand", "constant"] = "none"
+    head_extra: Literal["none", "expand", "constant", "input_gradient"] = "none"
     requires_grad: bool = False
     noncontiguous: bool = False
     alias_tied: bool = False
@@ -769,6 +770,23 @@ def build(case: FuzzCase, dtype: torch.dtype | None = None) -> Built:
     return _build_function(case, values, frozen, buffers, x, labels)
 
 
+def _differentiated(case: FuzzCase, model: Callable[[Tensor], Any], x: Tensor) -> Any:
+    """``model(x)``; with ``head_extra="input_gradient"``, also each sample's squared gradient
+    of the outputs' sum in its input: ``f`` differentiates itself (a physics-informed
+    residual; NOTE [f that differentiates itself]). Attention runs its math kernel: the fused
+    ones have no double backward, which the oracle needs (torchgram swaps it in itself)."""
+    if case.head_extra != "input_gradient":
+        return model(x)
+    with torch.enable_grad(), sdpa_kernel(SDPBackend.MATH):
+        inputs = x.detach().requires_grad_()
+        out = model(inputs)
+        leaves = optree.tree_leaves(out)
+        (grad,) = torch.autograd.grad(sum(leaf.sum() for leaf in leaves), inputs,
+                                      create_graph=True)
+    penalty = grad.pow(2).reshape(grad.shape[0], -1).sum(1).to(leaves[0].dtype)
+    return {"out": out, "input_gradient": penalty}
+
+
 def _finish(case: FuzzCase, out: Any, aux_source: Tensor) -> Any:
     """Add ``head_extra``, move the batch to ``output_dim`` in every output leaf; add aux."""
     def move(t: Tensor) -> Tensor:
@@ -912,8 +930,9 @@ def _build_function(case: FuzzCase, values: dict[tuple[int, str], Tensor],
             raise KeyError(key)
 
         xb = xb.movedim(case.input_dim, 0)
-        out = forward(case, get, xb, lab, skip_last=switch["skip_last"],
-                      open_gates=switch["open_gates"])
+        out = _differentiated(case, lambda inputs: forward(
+            case, get, inputs, lab, skip_last=switch["skip_last"],
+            open_gates=switch["open_gates"]), xb)
         return _finish(case, out, xb)
 
     keyword_dims = {name: case.input_dim if name == "x" else None for name in kwargs}
@@ -954,8 +973,9 @@ class FuzzModule(nn.Module):
             return getattr(getattr(self, owner), leaf)
 
         xb = x.movedim(self.case.input_dim, 0)
-        out = forward(self.case, get, xb, labels, skip_last=self.switch["skip_last"],
-                      open_gates=self.switch["open_gates"])
+        out = _differentiated(self.case, lambda inputs: forward(
+            self.case, get, inputs, labels, skip_last=self.switch["skip_last"],
+            open_gates=self.switch["open_gates"]), xb)
         return _finish(self.case, out, xb)
 
 

@@ -244,11 +244,15 @@ def cases(draw: st.DrawFn, backend: str, in_place: bool = False) -> FuzzCase:
     if rows > MAX_ROWS:
         head = Head(kind="sq_mean")
     ndim = {"sq_mean": 1, "ce": 1, "token_ce": 1, "feat": 2, "seq": 3}.get(head.kind, 2)
-    head_extra = draw(st.sampled_from(["none", "none", "none", "expand", "constant"]))
+    extras = ["none", "none", "none", "expand", "constant"]
+    if tokens is None and not any(isinstance(layer, Distance) for layer in layers):
+        extras.append("input_gradient")  # f differentiates itself (torch has no second
+        # derivative of cdist: the oracle itself would fail; torchgram's error is tested)
+    head_extra = draw(st.sampled_from(extras))
     if head_extra == "expand" and head.kind in ("dict", "tuple") or rows * 2 > MAX_ROWS:
         head_extra = "none"
     ndim += head_extra == "expand"
-    if head.kind in ("dict", "tuple") or head_extra == "constant":
+    if head.kind in ("dict", "tuple") or head_extra in ("constant", "input_gradient"):
         output_dim = draw(st.sampled_from([0, -1]))
     else:
         output_dim = draw(st.integers(-ndim, ndim - 1))

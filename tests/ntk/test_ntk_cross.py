@@ -89,13 +89,39 @@ def test_cross_kernels_match_the_dense_oracle(name: str, backend: str, structure
 
 
 @pytest.mark.parametrize("name", TENSOR_CASES)
-def test_graph_computes_self_kernels_and_declares_it_cannot_pair_two_sets(name: str) -> None:
+def test_graph_pairs_two_sets_through_their_joined_batch(name: str) -> None:
+    """A cross block of the graph walk: the off-diagonal block of the joined batch's Gramian;
+    without a batch axis (``coupled_batch``: ``vmap_axes=None``) it declines."""
     case, f, params, vmap = kernel_case(name)
     x1, x2 = split(case, slice(0, 3), slice(3, 5))
     ntk_fn = tg.ntk.empirical_ntk_fn(f, trace_axes=(), vmap_axes=vmap, backend="graph")
     torch.testing.assert_close(ntk_fn(x1, None, params), dense_cross_kernel(f, params, x1, None),
                                rtol=1e-10, atol=1e-10)
-    with pytest.raises(tg.BackendCannotRun, match="a kernel between two input sets"):
+    if vmap is None:
+        with pytest.raises(tg.BackendCannotRun, match="without a batch axis to join them"):
+            ntk_fn(x1, x2, params)
+        return
+    expected = dense_cross_kernel(f, params, x1, x2)
+    scale = expected.abs().max()
+    torch.testing.assert_close(ntk_fn(x1, x2, params) / scale, expected / scale,
+                               rtol=1e-10, atol=1e-10)
+    assert ntk_fn.last_run is not None
+    assert any("joined into one batch" in note for report in ntk_fn.last_run.reports
+               for note in report.notes)
+
+
+def test_graph_declines_two_sets_whose_samples_interact() -> None:
+    """Joined, samples that interact (``h - h.mean(0)``) would see each other's: declined."""
+    torch.manual_seed(0)
+    params = {"w": torch.randn(4, 3, dtype=torch.float64)}
+
+    def f(p: dict[str, Tensor], x: Tensor) -> Tensor:
+        hidden = torch.tanh(x @ p["w"].T)
+        return hidden - hidden.mean(0)
+
+    x1, x2 = torch.randn(3, 3, dtype=torch.float64), torch.randn(2, 3, dtype=torch.float64)
+    ntk_fn = tg.ntk.empirical_ntk_fn(f, trace_axes=(), backend="graph")
+    with pytest.raises(tg.BackendCannotRun, match="does not compute each set's rows"):
         ntk_fn(x1, x2, params)
 
 

@@ -20,6 +20,7 @@ import optree
 
 from torchgram._core import checks
 from torchgram._core.checks import function_name
+from torchgram._core.errors import BackendCannotRun
 from torchgram._core.options import Options
 from torchgram._core.problem import build_problem
 from torchgram._core.pytree import DiffLeaves
@@ -116,7 +117,8 @@ class Explanation:
                      else f"{self.rows_per_sample} dense rows")
         estimates = ", ".join(f"{name} {e.time:.2g}" + ("" if e.fits else " (over budget)")
                               for name, e in sorted(self.estimates.items(),
-                                                    key=lambda item: item[1].time))
+                                                    key=lambda item: item[1].time)) \
+            or "none (the structured backend cannot trace f)"
         choice = (f"backend {self.backend!r}" if self.backend == self.auto_choice
                   else f"backend {self.backend!r} (auto would choose {self.auto_choice!r})")
         return (f"{_API}: {structure}, forward ≈ {self.forward_flops:.2g} multiply-adds; "
@@ -255,27 +257,43 @@ def explain(
                         "eager autograd)", f"a call {problem.composition.describe()}",
                         "Call torchgram.explain outside the transform: inside one, backend="
                         "'auto' runs the jacobian backend (then ntvp).", RuntimeError)
-        plan = plan_auto(problem)
-        structured = plan.structured
         names = leaf_names(problem.diff, args)
+        plan, declined = None, None
+        try:
+            plan = plan_auto(problem)
+        except BackendCannotRun as refusal:  # the structured backend cannot trace f (it
+            declined = refusal  # differentiates itself, calls torchgram, uses sparse tensors)
         ran, gramian = None, None
         if run:  # the draw of one plain call, as tg.gramian from here would see it
             problem.draw.rewind()
             computation = compute(options, f, args, kwargs)
             ran, gramian = computation.result.report, computation.value()
-        leaves = tuple(_report(names[p.leaf], problem.leaves[p.leaf].shape, p)
-                       for p in structured.leaves)
-        backend = plan.choice if options.backend == "auto" else options.backend
-        if ran is not None:  # what really ran, where the plan could not be followed
-            backend = ran.backend
-            leaves = _as_run(leaves, ran)
-        return Explanation(
-            leaves=leaves,
-            backend=backend,
-            auto_choice=plan.choice, estimates=plan.estimates, samples=structured.sizes.samples,
-            rows_per_sample=structured.sizes.rows, forward_flops=structured.forward_flops,
-            ran=ran, gramian=gramian,
-        )
+        if declined is not None:
+            leaves = tuple(_untraced(name, leaf.shape, declined)
+                           for name, leaf in zip(names, problem.leaves, strict=True))
+            choice = declined.alternatives[0] if declined.alternatives else "graph"
+            dense = problem.batch is None
+            explanation = Explanation(
+                leaves=leaves, backend=choice if options.backend == "auto" else options.backend,
+                auto_choice=choice, estimates={}, samples=1 if dense else problem.samples,
+                rows_per_sample=problem.num_rows if dense else problem.rows_per_sample,
+                forward_flops=float("nan"))
+        else:
+            assert plan is not None
+            structured = plan.structured
+            explanation = Explanation(
+                leaves=tuple(_report(names[p.leaf], problem.leaves[p.leaf].shape, p)
+                             for p in structured.leaves),
+                backend=plan.choice if options.backend == "auto" else options.backend,
+                auto_choice=plan.choice, estimates=plan.estimates,
+                samples=structured.sizes.samples, rows_per_sample=structured.sizes.rows,
+                forward_flops=structured.forward_flops)
+        if ran is None:
+            return explanation
+        # what really ran, where the plan could not be followed
+        return dataclasses.replace(explanation, backend=ran.backend,
+                                   leaves=_as_run(explanation.leaves, ran), ran=ran,
+                                   gramian=gramian)
 
     explain_f.__doc__ = (f"Explanation of the Gramian of {function_name(f)} "
                          f"(built by torchgram.explain).")
@@ -327,6 +345,13 @@ def _uses(rules: tuple[str, ...]) -> str:
         else:
             parts.append((rule, 1))
     return ", ".join(rule if count == 1 else f"{rule} ×{count}" for rule, count in parts)
+
+
+def _untraced(name: str, shape: Sequence[int], refusal: BackendCannotRun) -> LeafReport:
+    """A leaf of an ``f`` the structured backend cannot trace: left to another backend."""
+    return LeafReport(name, tuple(shape), "fallback", (), (refusal.reason,), float("nan"),
+                      float("nan"), f"the structured backend declines {refusal.reason}; "
+                      f"backends that can: {', '.join(refusal.alternatives)}")
 
 
 def _report(name: str, shape: tuple[int, ...], plan: LeafPlan) -> LeafReport:

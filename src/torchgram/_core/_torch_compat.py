@@ -637,6 +637,22 @@ def missing_batching_rule(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and _NO_BATCHING_RULE in str(error)
 
 
+_MISSING_DERIVATIVE = re.compile(r"derivative for \S+ is not implemented")
+
+
+def missing_derivative(error: BaseException) -> bool:
+    """Whether ``error`` is autograd meeting an op without a derivative (a backward's own).
+
+    Example:
+        >>> missing_derivative(NotImplementedError(
+        ...     "the derivative for '_cdist_backward' is not implemented."))
+        True
+        >>> missing_derivative(RuntimeError("element 0 of tensors does not require grad"))
+        False
+    """
+    return isinstance(error, RuntimeError) and _MISSING_DERIVATIVE.search(str(error)) is not None
+
+
 def restartable_evaluation() -> bool:
     """Whether an evaluation of ``f`` may be made again from its start here.
 
@@ -760,6 +776,30 @@ def wrong_batched_backward(func: Any) -> str | None:
     """The name of ``func`` if ``vmap`` over its backward is wrong (NOTE above), else ``None``."""
     try:
         return _WRONG_BATCHED_BACKWARD.get(func)
+    except TypeError:  # unhashable callables
+        return None
+
+
+_SELF_DIFFERENTIATION = {
+    torch.autograd.grad: "torch.autograd.grad",
+    torch.autograd.backward: "torch.autograd.backward",
+    torch.Tensor.backward: "Tensor.backward",
+    torch._make_dual: "forward-mode AD (torch.func.jvp, jacfwd, forward_ad.make_dual)",
+}
+"""The calls by which ``f`` differentiates its own computation (``torch.func.grad``, ``vjp``,
+``jacrev`` and ``torch.autograd.functional`` go through ``torch.autograd.grad``): NOTE [f
+that differentiates itself] in ``census.py``."""
+
+
+def self_differentiation(func: Any) -> str | None:
+    """How ``func`` differentiates (a name), if it is one of :data:`_SELF_DIFFERENTIATION`.
+
+    Example:
+        >>> self_differentiation(torch.autograd.grad), self_differentiation(torch.tanh)
+        ('torch.autograd.grad', None)
+    """
+    try:
+        return _SELF_DIFFERENTIATION.get(func)
     except TypeError:  # unhashable callables
         return None
 

@@ -1,13 +1,15 @@
 """Which calls ``f`` makes that change how it may be differentiated, seen while it runs.
 
 A ``TorchFunctionMode`` sees every torch function call ``f`` makes. :class:`OpCensus`
-records two kinds (it runs during one evaluation that happens anyway: the probe, or the
+records, among others (it runs during one evaluation that happens anyway: the probe, or the
 evaluation of the whole batch that per-sample ways check against):
 
 * calls that make samples interact (NOTE [per-sample]): batch-norm with batch statistics,
   an embedding with ``scale_grad_by_freq``;
 * calls whose backward torch's ``vmap`` computes wrongly (``_torch_compat``'s list): every
-  backend then computes the rows' vjps one at a time where it would have vmapped them.
+  backend then computes the rows' vjps one at a time where it would have vmapped them;
+* calls by which ``f`` differentiates itself (NOTE [f that differentiates itself]): the
+  structured backend declines those ``f``.
 """
 
 from __future__ import annotations
@@ -113,7 +115,8 @@ class DenseEmbeddingGradients(TorchFunctionMode):
 # NOTE [stale probes]
 # The probe of a call signature is cached (NOTE [call signatures]); its output spec is checked
 # on every evaluation, but what else it found was trusted: the calls whose batched backward
-# torch gets wrong (Probe.unbatched) and the embeddings asking for sparse gradients. A key
+# torch gets wrong (Probe.unbatched), the embeddings asking for sparse gradients and the
+# calls by which f differentiates itself (Probe.differentiates). A key
 # cannot see what f's globals, flags or data decide, so a cached probe may belong to another
 # f (a module-level function whose loss switched to torch.cdist; a lambda re-made in a loop):
 # session 27 found jacobian and auto 0.76 off (relative) on cdist after the same code had run
@@ -126,13 +129,16 @@ class DenseEmbeddingGradients(TorchFunctionMode):
 class ProbeCheck(TorchFunctionMode):
     """Raise :class:`OutputChanged` after an evaluation a cached probe did not describe.
 
-    See NOTE [stale probes]. ``unbatched`` and ``sparse_embeddings`` are the probe's.
+    See NOTE [stale probes]. ``unbatched``, ``sparse_embeddings`` and ``differentiates`` are
+    the probe's.
     """
 
-    def __init__(self, unbatched: Collection[str], sparse_embeddings: bool) -> None:
+    def __init__(self, unbatched: Collection[str], sparse_embeddings: bool,
+                 differentiates: str | None = None) -> None:
         super().__init__()
         self._unbatched = unbatched
         self._sparse_embeddings = sparse_embeddings
+        self._differentiates = differentiates
         self.unseen: list[str] = []
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
@@ -143,6 +149,10 @@ class ProbeCheck(TorchFunctionMode):
             self.unseen.append(name)
         if not self._sparse_embeddings and with_dense_gradients(func, args, kwargs) is not None:
             self.unseen.append("an embedding with sparse gradients")
+        if self._differentiates is None:  # NOTE [f that differentiates itself]
+            how = _torch_compat.self_differentiation(func)
+            if how is not None:
+                self.unseen.append(how)
         return func(*args, **kwargs)
 
     def __exit__(self, *exc: Any) -> None:
@@ -177,6 +187,25 @@ def refusing_gradient_hooks(api: str, backend: str) -> Iterator[None]:
         raise gradient_hooks_refused(api, backend)
 
 
+# NOTE [f that differentiates itself]
+# f may run a backward or a forward-mode pass of its own and use what it gives: the residuals
+# of physics-informed networks (torch.autograd.grad(u, x, create_graph=True)), input-gradient
+# penalties, torch.func.grad or jvp inside f. The structured backend's taps see the torch
+# functions f calls, not the derivative formulas that such a pass runs (in C++) on the same
+# weights: its Gramian, and auto's, which picks it, missed those terms without a word (0.7
+# off, relative, on a tanh MLP's input-gradient residual; 0.01 on session 36's review case).
+# So the census counts those calls (_torch_compat.self_differentiation), the probe records the
+# first (Probe.differentiates), and the structured backend declines before any work, naming
+# the graph walk, which backpropagates through f's own passes at any order, and the jacobian
+# backend (torch.func transforms nest); its tapping mode also declines at such a call, should
+# an evaluation make one the probe did not see. A backward without create_graph gives f
+# constants, which the taps would get right; it is declined all the same (with respect to a
+# parameter it met the taps' gradient-free copies: torch's raw "does not require grad").
+# An f that differentiates with respect to its parameters needs them to require grad, which a
+# probe without gradients does not give (torch's raw error from every backend): the probe
+# then evaluates again with leaves that require grad.
+
+
 class OpCensus(TorchFunctionMode):
     """Records, while ``f`` runs, the calls that matter to how it may be differentiated.
 
@@ -188,6 +217,8 @@ class OpCensus(TorchFunctionMode):
             hooks inside f]).
         sparse_embeddings: Whether ``f`` asked an embedding for a sparse gradient (it gets a
             dense one here: NOTE [sparse embedding gradients]).
+        differentiates: How ``f`` first differentiated its own computation, or ``None`` (NOTE
+            [f that differentiates itself]).
     """
 
     def __init__(self) -> None:
@@ -196,12 +227,15 @@ class OpCensus(TorchFunctionMode):
         self.unbatched: list[str] = []
         self.hooks = 0
         self.sparse_embeddings = False
+        self.differentiates: str | None = None
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         if func in GRADIENT_HOOKS:
             self.hooks += 1
+        if self.differentiates is None:
+            self.differentiates = _torch_compat.self_differentiation(func)
         rewritten = with_dense_gradients(func, args, kwargs)
         if rewritten is not None:  # NOTE [sparse embedding gradients]
             args, kwargs = rewritten

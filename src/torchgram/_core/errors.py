@@ -84,6 +84,40 @@ class DifferentiatedTwice(RuntimeError):  # noqa: N818
     """
 
 
+class DifferentiatesItself(RuntimeError):  # noqa: N818
+    """``f`` differentiated its own computation inside a tapped pass.
+
+    NOTE [f that differentiates itself] (``census.py``): raised by the structured backend's
+    tapping mode at the call, should the probe not have seen one; :func:`torch_refusals` and
+    ``auto``'s planning turn it into :func:`self_differentiation_refused`.
+
+    Attributes:
+        how: The call (``"torch.autograd.grad"``, forward-mode AD).
+    """
+
+    def __init__(self, how: str) -> None:
+        super().__init__(how)
+        self.how = how
+
+
+def self_differentiation_refused(api: str, backend: str, how: str) -> BackendCannotRun:
+    """The structured backend declines an ``f`` that differentiates itself; the graph walk can.
+
+    NOTE [f that differentiates itself] (``census.py``).
+
+    Example:
+        >>> error = self_differentiation_refused("torchgram.gramian", "structured",
+        ...                                      "torch.autograd.grad")
+        >>> error.alternatives, error.reason
+        (('graph', 'jacobian'), 'a call of torch.autograd.grad inside f')
+    """
+    return BackendCannotRun(
+        api, backend, "f that does not differentiate its own computation (the taps see the "
+        "torch functions f calls, not what a backward or forward-mode pass of f's own "
+        "computes with the same parameters)", f"a call of {how} inside f",
+        ("graph", "jacobian"), "")
+
+
 class OutputChanged(RuntimeError):  # noqa: N818
     """An evaluation of ``f`` did not return the output structure the call was planned for."""
 
@@ -251,14 +285,18 @@ _TRANSFORMING = ("jacobian", "ntvp")
 
 @contextlib.contextmanager
 def torch_refusals(api: str, backend: str, parameters: Sequence[Tensor] = (),
-                   cross: bool = False) -> Iterator[None]:
+                   cross: bool = False, differentiates: str | None = None) -> Iterator[None]:
     """Turn torch's refusals of old-style ``autograd.Function``s into torchgram errors.
 
     Under a transform, :class:`BackendCannotRun`; a reentrant checkpoint under
     ``torch.autograd.grad``, a ``ValueError`` (NOTE [old-style autograd.Functions]); a saved
     tensor modified in place, a ``ValueError`` (NOTE [in-place modifications]); an op without
     a forward-mode derivative under ``jvp``, a ``NotImplementedError``
-    (:func:`forward_mode_refusal`).
+    (:func:`forward_mode_refusal`). Where ``f`` differentiates itself (``differentiates``:
+    how, NOTE [f that differentiates itself]), any other torch error of a backend but the
+    graph walk is a :class:`BackendCannotRun` naming it: under the transforms of ``jacobian``
+    and ``ntvp``, what ``f`` differentiates need not require grad (torch's "does not require
+    grad", where the graph walk is exact).
 
     Example:
         >>> import torch
@@ -287,6 +325,8 @@ def torch_refusals(api: str, backend: str, parameters: Sequence[Tensor] = (),
             f"(dynamo raised: {str(error).splitlines()[0][:60]})", "")
         raise _declined(api, backend, refusal) from error
     except RuntimeError as error:  # NotImplementedError included
+        if isinstance(error, DifferentiatesItself):
+            raise self_differentiation_refused(api, backend, error.how) from error
         if isinstance(error, DifferentiatedTwice):
             raise BackendCannotRun(
                 api, backend, "f that does not differentiate its own nn.LSTM / nn.GRU (the "
@@ -294,6 +334,15 @@ def torch_refusals(api: str, backend: str, parameters: Sequence[Tensor] = (),
                 ("graph",), "") from error
         if (no_forward_mode := forward_mode_refusal(api, error)) is not None:
             raise no_forward_mode from error
+        ours = type(error).__module__.startswith("torchgram") or str(error).startswith(
+            "torchgram.")
+        if differentiates is not None and not ours and _torch_compat.missing_derivative(error):
+            raise NotImplementedError(message(
+                api, f"f whose own {differentiates} torch can differentiate once more (the "
+                "Gramian of such an f needs the derivatives of that pass, on every backend)",
+                f"torch's error: {str(error).splitlines()[0][:120].rstrip('.')}",
+                "Write that op in f with ops whose backward torch differentiates (for "
+                "torch.cdist: ((a[:, None] - b[None]) ** 2).sum(-1).sqrt()).")) from error
         if isinstance(error, ModifiedInPlace) or _torch_compat.is_in_place_error(error):
             raise ValueError(message(
                 api, "f that leaves the tensors its differentiated ops read as they were "
@@ -310,9 +359,18 @@ def torch_refusals(api: str, backend: str, parameters: Sequence[Tensor] = (),
         if _torch_compat.is_sparse_gradient_error(error):
             raise sparse_refusal(api, backend, parameters, cross) from error
         refused = _torch_compat.refused_under_transforms(error)
-        if refused is None:
-            raise
-        raise _declined(api, backend, refused) from error
+        if refused is not None:
+            declined = _declined(api, backend, refused)
+            if differentiates is not None and "structured" in declined.alternatives:
+                # NOTE [f that differentiates itself]: structured declines such an f
+                declined = _declined(api, backend, refused, without=("structured",))
+            raise declined from error
+        if differentiates is not None and backend != "graph" and not ours:  # torch's own
+            raise BackendCannotRun(
+                api, backend, f"f whose own {differentiates} this backend's evaluation of f can "
+                "run", f"torch's error: {str(error).splitlines()[0][:120]}", ("graph",),
+                "") from error
+        raise
 
 
 def sparse_refusal(api: str, backend: str, parameters: Sequence[Tensor] = (),
@@ -394,9 +452,14 @@ def forward_mode_refusal(api: str, error: BaseException) -> NotImplementedError 
         "replace that op by one with forward-mode support."))
 
 
-def _declined(api: str, backend: str, refusal: _torch_compat.Refusal) -> BackendCannotRun:
-    """``backend`` cannot run ``f`` under the transforms it uses; the others can."""
+def _declined(api: str, backend: str, refusal: _torch_compat.Refusal,
+              without: tuple[str, ...] = ()) -> BackendCannotRun:
+    """``backend`` cannot run ``f`` under the transforms it uses; the others can.
+
+    ``without``: backends not to name (they decline ``f`` for another reason).
+    """
     return BackendCannotRun(api, backend, "f to run under torch.func transforms (vmap, vjp, jvp)",
                             refusal.what,
-                            tuple(name for name in _WITHOUT_TRANSFORMS if name != backend),
+                            tuple(name for name in _WITHOUT_TRANSFORMS
+                                  if name != backend and name not in without),
                             refusal.fix)

@@ -71,7 +71,7 @@ def tolerance(dtype: torch.dtype) -> float:
     return 1e-9 if bits > 32 else 1e-5 if bits == 32 else 1e-4  # 16 bits: as before
 
 
-def batch_rows(problem: Problem) -> tuple[Tensor, Any]:
+def batch_rows(problem: Problem, *, eager: bool = False) -> tuple[Tensor, Any]:
     """``f``'s output rows ``[m]`` on the whole batch (output order) and aux.
 
     Without gradients, unless ``G`` is differentiable (its aux then is too).
@@ -79,7 +79,8 @@ def batch_rows(problem: Problem) -> tuple[Tensor, Any]:
     Raises :class:`NotPerSample` if that evaluation drew random numbers or called an op that
     makes samples interact, and inside ``torch.func.vmap``, where the comparison with samples
     run alone (:func:`check_samples`) is data-dependent control flow, which ``vmap`` refuses
-    (NOTE [composition]).
+    (NOTE [composition]). ``eager``: the derivative check by plain autograd
+    (:func:`compare_pullbacks`).
     """
     if "vmap" in problem.composition.transforms:
         raise NotPerSample("inside torch.func.vmap, samples run alone cannot be compared with "
@@ -93,7 +94,7 @@ def batch_rows(problem: Problem) -> tuple[Tensor, Any]:
                            "would see other draws than the batch's", random=True)
     if census.coupling:
         raise NotPerSample(f"f calls {census.coupling[0]}: its samples interact")
-    check_derivatives(problem)
+    check_derivatives(problem, eager=eager)
     return rows, aux
 
 
@@ -135,7 +136,7 @@ def even_odd(samples: int) -> tuple[tuple[int, ...], ...]:
     return tuple(range(0, samples, 2)), tuple(range(1, samples, 2))
 
 
-def check_derivatives(problem: Problem) -> None:
+def check_derivatives(problem: Problem, *, eager: bool = False) -> None:
     """Raise :class:`NotPerSample` unless samples run apart have the batch's derivatives.
 
     The rows of the first and the last sample (NOTE [per-sample]): run apart as one batch of
@@ -151,16 +152,16 @@ def check_derivatives(problem: Problem) -> None:
     index = problem.sample_major_index  # [B, K]: each sample's rows in the output order
     if not problem.signature_checks.get("derivatives"):
         for group in separating_groups(batch.size):
-            _compare_group(problem, index, list(group), [list(group)])
+            _compare_group(problem, index, list(group), [list(group)], eager)
         problem.signature_checks["derivatives"] = True
         return
     samples = [0, batch.size - 1]
     _compare_group(problem, index, samples,
-                   [[0], [1]] if batch.size == 2 else [samples])
+                   [[0], [1]] if batch.size == 2 else [samples], eager)
 
 
 def _compare_group(problem: Problem, index: Tensor, samples: list[int],
-                   subsets: list[list[int]]) -> None:
+                   subsets: list[list[int]], eager: bool = False) -> None:
     """:func:`compare_pullbacks` of ``samples``' rows, run apart as ``subsets``."""
     weights = positive_weights((len(samples), index.shape[1]), index.device,
                                problem.output.dtype)
@@ -169,7 +170,7 @@ def _compare_group(problem: Problem, index: Tensor, samples: list[int],
     compare_pullbacks(problem, spread, [
         (lambda *values, subset=subset: subset_rows(problem, subset, values),
          weights[[samples.index(sample) for sample in subset]])
-        for subset in subsets], f"samples {samples} run apart")
+        for subset in subsets], f"samples {samples} run apart", eager=eager)
 
 
 def positive_weights(shape: tuple[int, ...], device: torch.device,
@@ -184,29 +185,42 @@ def positive_weights(shape: tuple[int, ...], device: torch.device,
 
 
 def compare_pullbacks(problem: Problem, weights: Tensor,
-                      parts: Sequence[tuple[Callable[..., Tensor], Tensor]], what: str) -> None:
+                      parts: Sequence[tuple[Callable[..., Tensor], Tensor]], what: str, *,
+                      eager: bool = False) -> None:
     """Raise :class:`NotPerSample` unless the batch's rows and the parts' have one derivative.
 
     The vector-Jacobian product of the batch's rows ``[m]`` with ``weights [m]`` must equal
     the sum over the parts of the product of each part's rows (``rows(*leaves)``) with its
     weights, within :func:`tolerance` relative to the largest entry of the products.
-    ``torch.func.vjp`` composes with the transforms a call may run under (NOTE
-    [composition]), with grad mode on (NOTE [backward under no_grad]); at most two gradients
-    are held at once. ``what`` names the parts in the message.
+    The products are ``torch.func.vjp``'s, which composes with the transforms a call may run
+    under (NOTE [composition]) and refuses what they refuse (which the per-sample ways rely
+    on: their own ``vmap`` would); with ``eager``, outside transforms, plain autograd's, which
+    runs any ``f`` torch's backward runs (the graph walk's check). With grad mode on (NOTE
+    [backward under no_grad]); at most two gradients are held at once. ``what`` names the
+    parts in the message.
     """
     leaves = problem.leaves
+    eager = eager and not problem.composition.transforms
+
+    def pullback(rows: Callable[..., Tensor], row_weights: Tensor) -> list[Tensor]:
+        if not eager:
+            _, pull = functional.vjp(rows, *leaves)
+            return list(pull(row_weights))
+        # plain autograd: it also runs the f that torch.func refuses (old-style
+        # autograd.Functions, requires_grad_() inside f, f differentiating itself)
+        values = tuple(leaf.detach().requires_grad_() for leaf in leaves)
+        grads = torch.autograd.grad(rows(*values), values, row_weights, allow_unused=True)
+        return [torch.zeros_like(value) if grad is None else grad
+                for value, grad in zip(values, grads, strict=True)]
 
     def compare() -> bool:
-        _, pull = functional.vjp(lambda *values: problem.rows(values)[0], *leaves)
-        difference = list(pull(weights))  # the batch's products less the parts' own
-        del pull
+        # the batch's products less the parts' own
+        difference = pullback(lambda *values: problem.rows(values)[0], weights)
         scale = [grad.detach().abs().amax() for grad in difference]
         for rows, part_weights in parts:
-            _, pull_part = functional.vjp(rows, *leaves)
-            for k, grad in enumerate(pull_part(part_weights)):
+            for k, grad in enumerate(pullback(rows, part_weights)):
                 scale[k] = torch.maximum(scale[k], grad.detach().abs().amax())
                 difference[k] = difference[k] - grad
-            del pull_part
         rtol = tolerance(problem.output.dtype)
         return all(bool((gap.detach().abs() <= rtol * largest).all())
                    for gap, largest in zip(difference, scale, strict=True))
@@ -250,6 +264,55 @@ def subset_rows(problem: Problem, samples: list[int],
                            "structure than on the batch")
     return torch.cat([leaf.movedim(d, 0).reshape(count, -1).to(spec.dtype)
                       for leaf, d in zip(out_leaves, batch_dims, strict=True)], dim=1)
+
+
+def check_tiles(problem: Problem, tiles: Sequence[Problem], *, eager: bool = False) -> None:
+    """Raise :class:`NotPerSample` unless the tiles' outputs are the batch's rows.
+
+    ``tiles``: calls of ``f`` on consecutive samples of ``problem``'s batch, in order (the
+    kernel tiles of ``torchgram.ntk``; the two input sets of a kernel joined into one batch).
+    Their outputs must equal the batch's, and so must their derivatives
+    (:func:`check_tile_derivatives`; ``eager``: by plain autograd, see
+    :func:`compare_pullbacks`).
+    """
+    full_rows, _ = batch_rows(problem, eager=eager)
+    first = 0
+    for tile in tiles:
+        try:
+            rows, _ = batch_rows(tile, eager=eager)
+        except (NotPerSample, OutputChanged):
+            raise
+        except Exception as error:  # noqa: BLE001 -- f fails on a tile (a batch of one ...)
+            raise fails_alone(error) from error
+        samples = torch.arange(first, first + tile.samples, device=full_rows.device)
+        check_samples(problem, rows[tile.sample_major_index], samples, full_rows)
+        first += tile.samples
+    check_tile_derivatives(problem, tiles, eager=eager)
+
+
+def check_tile_derivatives(problem: Problem, tiles: Sequence[Problem], *,
+                           eager: bool = False) -> None:
+    """Raise :class:`NotPerSample` unless the tiles' rows have the batch's derivatives.
+
+    Equal outputs do not prove that the samples do not interact: samples that are the same
+    where they meet (one token each, the same id) give the same ``x - x.mean(0)`` alone and in
+    the batch, where its derivative in the parameters differs (kernel hunt 2). The batch's
+    vector-Jacobian product with random positive weights must equal the sum of the tiles'
+    with the same weights on the same rows (:func:`compare_pullbacks`).
+    """
+    index = problem.sample_major_index
+    weights = positive_weights((index.numel(),), index.device, problem.output.dtype)
+    parts = []
+    first = 0
+    for tile in tiles:
+        samples = torch.arange(first, first + tile.samples, device=index.device)
+        tile_weights = torch.zeros(tile.sample_major_index.numel(), dtype=weights.dtype,
+                                   device=weights.device)
+        tile_weights[tile.sample_major_index.reshape(-1)] = \
+            weights[index[samples].reshape(-1)]
+        parts.append((lambda *values, tile=tile: tile.rows(values)[0], tile_weights))
+        first += tile.samples
+    compare_pullbacks(problem, weights, parts, "the tiles' outputs", eager=eager)
 
 
 def fails_alone(error: Exception) -> NotPerSample:

@@ -35,7 +35,11 @@ from torch import Tensor
 from torchgram._core import _torch_compat
 from torchgram._core.census import DenseEmbeddingGradients, OpCensus, ProbeCheck
 from torchgram._core.checks import check_not_meta, fail, resolve_argnums
-from torchgram._core.composition import Composition, detect_composition
+from torchgram._core.composition import (
+    Composition,
+    detect_composition,
+    differentiable_evaluation,
+)
 from torchgram._core.errors import (
     CounterRead,
     NotPerSample,
@@ -282,6 +286,8 @@ class Problem:
         probe_cached: Whether the probe came from the cache: evaluations then check that it
             still describes ``f`` (NOTE [stale probes]).
         signature_checks: The probe's record of the checks passed once for the signature.
+        differentiates: How ``f`` differentiates its own computation (``Probe.differentiates``):
+            the structured backend declines (NOTE [f that differentiates itself]).
     """
 
     f: Callable[..., Any]
@@ -300,6 +306,7 @@ class Problem:
     sparse_embeddings: bool = False
     probe_cached: bool = field(default=False, compare=False)
     signature_checks: dict[str, bool] = field(default_factory=dict, compare=False)
+    differentiates: str | None = None
 
     # -- the options, for short ------------------------------------------------------------
 
@@ -406,12 +413,23 @@ class Problem:
         with counters_refused(self.api):
             result = evaluate_f(evaluate, leaves,
                                 lambda: self.draw.evaluation(full=full, check=check_draw),
-                                self.composition.evaluation,  # NOTE [decomposed norms]
+                                self._evaluation,  # NOTE [decomposed norms]
                                 DenseEmbeddingGradients if self.sparse_embeddings
                                 else contextlib.nullcontext,
                                 self._probe_check,
                                 FrozenRunningStats)  # NOTE [frozen running statistics]
         return split_aux(self.api, result, self.has_aux)
+
+    def _evaluation(self) -> contextlib.AbstractContextManager[Any]:
+        """The context of every evaluation of ``f``.
+
+        ``Composition.evaluation``'s, or, for an ``f`` that differentiates itself, ops whose
+        derivatives are right at any order (NOTE [f that differentiates itself]: the fused
+        attention kernels have no double backward).
+        """
+        if self.differentiates is not None and not self.composition.differentiable:
+            return differentiable_evaluation()
+        return self.composition.evaluation()
 
     def _probe_check(self) -> contextlib.AbstractContextManager[Any]:
         """Where the probe came from the cache, the check of NOTE [stale probes].
@@ -421,7 +439,7 @@ class Problem:
         """
         if not self.probe_cached or not torch.is_grad_enabled():
             return contextlib.nullcontext()
-        return ProbeCheck(self.unbatched, self.sparse_embeddings)
+        return ProbeCheck(self.unbatched, self.sparse_embeddings, self.differentiates)
 
     def rows(self, leaves: tuple[Tensor, ...]) -> tuple[Tensor, Any]:
         """Evaluate ``f`` on the full inputs; return its output as an ``[m]`` vector and aux."""
@@ -587,12 +605,15 @@ class Probe:
             them, so the user's tensors are never changed.
         sparse_embeddings: Whether ``f`` asks embeddings for sparse gradients: every
             evaluation then gets dense ones (NOTE [sparse embedding gradients]).
+        differentiates: How ``f`` differentiates its own computation (``torch.autograd.grad``,
+            forward-mode AD), or ``None`` (NOTE [f that differentiates itself]).
     """
 
     spec: OutputSpec
     unbatched: tuple[str, ...] = ()
     mutates_leaves: bool = False
     sparse_embeddings: bool = False
+    differentiates: str | None = None
     checks: dict[str, bool] = field(default_factory=dict, compare=False)
     """Checks that passed once for the signature (``"derivatives"``: NOTE [per-sample])."""
 
@@ -665,7 +686,7 @@ def build_problem(options: Options, f: Callable[..., Any], args: tuple[Any, ...]
         diff = diff.replace_leaves(tuple(leaf.clone() for leaf in diff.leaves))
     return Problem(f, args, kwargs, diff, options, batch, probe.spec, draw, want_pullback,
                    evaluation, probe.unbatched, composition, probe.mutates_leaves,
-                   probe.sparse_embeddings, probe_cached, probe.checks)
+                   probe.sparse_embeddings, probe_cached, probe.checks, probe.differentiates)
 
 
 def _without_inference_tensors(tree: Any) -> Any:
@@ -743,11 +764,22 @@ def _evaluate_probe(api: str, f: Callable[..., Any], args: tuple[Any, ...],
     def evaluate(values: tuple[Tensor, ...]) -> Any:
         return f(*diff.rebuild_args(args, values), **kwargs)
 
+    def evaluate_probe() -> Any:  # the next evaluation starts from the call's state
+        return evaluate_f(evaluate, leaves,
+                          lambda: draw.evaluation(full=with_grad, restore_after=True),
+                          _probe_attention, lambda: census, FrozenRunningStats)
+
     with torch.set_grad_enabled(with_grad):
-        try:  # the next evaluation starts from the call's state (restore_after)
-            result = evaluate_f(evaluate, leaves,
-                                lambda: draw.evaluation(full=with_grad, restore_after=True),
-                                _probe_attention, lambda: census, FrozenRunningStats)
+        try:
+            try:
+                result = evaluate_probe()
+            except RuntimeError:  # NOTE [f that differentiates itself]: with respect to its
+                if with_grad or census.differentiates is None:  # parameters, which need grad
+                    raise
+                census = OpCensus()
+                leaves = tuple(leaf.detach().requires_grad_() for leaf in copies)
+                with torch.enable_grad():
+                    result = evaluate_probe()
         except CounterRead as error:
             raise counter_read_error(api, error) from error
         except Exception as error:
@@ -764,9 +796,10 @@ def _evaluate_probe(api: str, f: Callable[..., Any], args: tuple[Any, ...],
         mutated = any(_torch_compat.version(leaf) != before
                       for leaf, before in zip(copies, versions, strict=True))
         spec = make_output_spec(api, out, batch, whole_batch=whole_batch)
-        probe = Probe(spec, tuple(census.unbatched), mutated, census.sparse_embeddings)
-        if not with_grad:
-            return probe, None
+        probe = Probe(spec, tuple(census.unbatched), mutated, census.sparse_embeddings,
+                      census.differentiates)
+        if not with_grad or census.differentiates is not None:  # the backend evaluates f
+            return probe, None  # with ops differentiable at any order (Problem._evaluation)
         rows = concat_rows(optree.tree_leaves(out), probe.spec.dtype)
         return probe, Evaluation(leaves, rows, aux, census.hooks > 0)
 

@@ -41,7 +41,8 @@ def register(name: str) -> Callable[[Backend], Backend]:
 
     def decorate(backend: Backend) -> Backend:
         def guarded(problem: Problem) -> BackendResult:  # NOTE [old-style autograd.Functions]
-            with torch_refusals(problem.api, name, problem.diff.leaves):
+            with torch_refusals(problem.api, name, problem.diff.leaves,
+                                differentiates=problem.differentiates):
                 return backend(problem)
 
         _BACKENDS[name] = guarded
@@ -58,7 +59,8 @@ def register_cross(name: str) -> Callable[[CrossBackend], CrossBackend]:
     def decorate(backend: CrossBackend) -> CrossBackend:
         def guarded(problem: CrossProblem) -> CrossResult:  # NOTE [old-style autograd.Functions]
             with torch_refusals(problem.left.api, name, problem.left.diff.leaves,
-                                cross=any(right is not None for right in problem.rights)):
+                                cross=any(right is not None for right in problem.rights),
+                                differentiates=problem.left.differentiates):
                 return backend(problem)
 
         _CROSS[name] = guarded

@@ -44,7 +44,14 @@ import torch
 from torchgram._core import _torch_compat
 from torchgram._core._torch_compat import old_style_functions
 from torchgram._core.composition import COMPOSING_BACKENDS
-from torchgram._core.errors import BackendCannotRun, NotPerSample, sparse_refusal, torch_refusals
+from torchgram._core.errors import (
+    BackendCannotRun,
+    DifferentiatesItself,
+    NotPerSample,
+    self_differentiation_refused,
+    sparse_refusal,
+    torch_refusals,
+)
 from torchgram._core.problem import Problem
 from torchgram._core.result import BackendResult
 from torchgram.backends._draws_under_transforms import REFUSING_BACKENDS
@@ -183,7 +190,14 @@ class AutoPlan:
 
 
 def plan_auto(problem: Problem) -> AutoPlan:
-    """Trace ``f`` (or reuse its cached trace), plan the structured way, rank the backends."""
+    """Trace ``f`` (or reuse its cached trace), plan the structured way, rank the backends.
+
+    Raises :class:`BackendCannotRun` (naming the backends that can) where the structured
+    backend cannot trace ``f``: ``f`` differentiates itself (NOTE [f that differentiates
+    itself]), calls torchgram, or uses sparse tensors.
+    """
+    if problem.differentiates is not None:
+        raise self_differentiation_refused(problem.api, "structured", problem.differentiates)
     forward = None
     if problem.batch is None and cached_trace(problem) is None:
         with torch.enable_grad():  # the tapped forward the structured backend would run
@@ -258,11 +272,15 @@ def auto_backend(problem: Problem) -> BackendResult:
             try:
                 plan = plan_auto(problem)
             except RuntimeError as error:  # NOTE [sparse tensors in f]: the trace met one
+                if isinstance(error, DifferentiatesItself):  # one the probe did not see
+                    raise self_differentiation_refused(problem.api, "structured",
+                                                       error.how) from error
                 if not _torch_compat.is_sparse_gradient_error(error):
                     raise
                 raise sparse_refusal(problem.api, "structured", problem.diff.leaves) from error
-        except BackendCannotRun as error:  # the trace met a nested torchgram call
-            # or a sparse tensor (NOTE [sparse tensors in f]): the backends without a trace
+        except BackendCannotRun as error:  # the trace met a nested torchgram call, a sparse
+            # tensor (NOTE [sparse tensors in f]) or f differentiating itself: the backends
+            # without a trace
             order = error.alternatives or ("jacobian", "graph")
             return _first_that_runs(problem, order, None, [(error.backend, error.reason)])
         return _first_that_runs(problem, plan.order, plan)

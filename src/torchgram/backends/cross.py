@@ -10,14 +10,18 @@ structured backend's way is NOTE [structured cross kernels]. Here:
 * **ntvp**: ``G12[:, i] = J1 (J2ᵀ e_i)``: the vjps of a chunk of side-2 rows (per sample
   with ``batch_dim``) pushed forward through ``f`` on side 1, never a Jacobian; then the
   spec's pairs of the ``[m1, m2]`` block. A self block is the backend's own Gramian.
-* **graph**: walks the autograd graph of *one* forward, so it computes self blocks (its
-  Gramian, reduced) and declares it cannot run a block between two input sets.
+* **graph**: walks the autograd graph of *one* forward: a self block is its Gramian,
+  reduced; a block between two input sets, the off-diagonal block of the Gramian of both
+  sets joined into one batch, where that batch is checked to compute each set's rows.
 * **auto**: the candidates ``auto`` ranks for the left side's Gramian, in that order, moving
   on when one declares it cannot run.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+import optree
 import torch
 from torch import Tensor
 
@@ -33,8 +37,8 @@ from torchgram._core.cross import (
     spec_reduce,
 )
 from torchgram._core.errors import BackendCannotRun, NotPerSample, OutputChanged
-from torchgram._core.per_sample import batch_rows, check_samples
-from torchgram._core.problem import Problem
+from torchgram._core.per_sample import batch_rows, check_samples, check_tiles
+from torchgram._core.problem import Problem, build_problem, replace_input_leaves
 from torchgram._core.result import RunReport
 from torchgram._core.sink import assemble
 from torchgram.backends import jacobian as jacobian_module
@@ -229,22 +233,86 @@ def _ntvp_block(left: Problem, right: Problem, report: RunReport, loop: bool) ->
 
 @register_cross("graph")
 def graph_cross(problem: CrossProblem) -> CrossResult:
-    """Self blocks from the graph backend's Gramian; a block between two input sets: cannot."""
-    if any(right is not None for right in problem.rights):
-        raise BackendCannotRun(
-            problem.left.api, "graph", "one input set (it walks the autograd graph of one "
-            "forward)", "a kernel between two input sets (x2)",
-            ("structured", "jacobian", "ntvp"), "")
+    """Self blocks from the graph backend's Gramian; a cross block from the joined batch's.
+
+    The graph walk differentiates *one* forward: a block between two input sets is the
+    off-diagonal block of the Gramian of ``f`` on both sets joined into one batch, used only
+    where that batch's rows and derivatives are each set's own (:func:`_joined`). It costs
+    ``(B1 + B2)²`` pairs for ``B1 · B2``: the way for an ``f`` no other backend can run (one
+    that differentiates itself: NOTE [f that differentiates itself]).
+    """
     left = problem.left
-    gram, report = _full_self_block(left, "graph")
+    self_gram: Tensor | None = None
+    report = None
     blocks = []
-    for _ in problem.rights:
-        blocks.append(spec_reduce(gram.to(left.compute_dtype), problem.spec, row_shape(left)))
+    for right in problem.rights:
+        if right is None:
+            if self_gram is None:
+                self_gram, report = _full_self_block(left, "graph")
+            block = spec_reduce(self_gram.to(left.compute_dtype), problem.spec, row_shape(left))
+        else:
+            joint = _joined(left, right)
+            gram, report = _full_self_block(joint, "graph")
+            first = left.samples
+            block = spec_reduce(gram[:, :first, :, first:].to(left.compute_dtype),
+                                problem.spec, row_shape(left), row_shape(right))
+            report.notes.append("a kernel between two input sets: the off-diagonal block of "
+                                "the Gramian of both sets joined into one batch")
+        blocks.append(block)
         problem.done()
+    assert report is not None
     return CrossResult(tuple(blocks), report)
 
 
+def _joined(left: Problem, right: Problem) -> Problem:
+    """The call of ``f`` on ``left``'s and ``right``'s samples joined into one batch.
+
+    Raises :class:`BackendCannotRun` unless both calls differ only in their batched inputs
+    and the joined batch computes each side's rows with each side's derivatives (NOTE
+    [per-sample]: samples that interact, or random draws, would not).
+    """
+    def cannot(why: str) -> BackendCannotRun:
+        return BackendCannotRun(
+            left.api, "graph", "one input set, or two whose samples joined into one batch "
+            "compute what each set computes alone (it walks the autograd graph of one "
+            "forward)", f"a kernel between two input sets (x2) {why}",
+            ("structured", "jacobian", "ntvp"), "")
+
+    batch1, batch2 = left.batch, right.batch
+    if batch1 is None or batch2 is None:
+        raise cannot("without a batch axis to join them along (vmap_axes=None)")
+    if batch1.positions != batch2.positions or batch1.dims != batch2.dims:
+        raise cannot("whose batched inputs differ in structure")
+    as_left = replace_input_leaves(right.args, right.kwargs, batch2.positions, batch1.tensors)
+    both: Any = (as_left, (left.args, dict(left.kwargs)))
+    others: list[Any] = optree.tree_leaves(both, none_is_leaf=True)
+    half = len(others) // 2
+    if len(others) % 2 or any(not (a is b or (not isinstance(a, Tensor) and a == b))
+                              for a, b in zip(others[:half], others[half:], strict=True)):
+        raise cannot("with other arguments than their batched inputs")
+    joined = tuple(torch.cat([t1, t2], dim) for t1, t2, dim
+                   in zip(batch1.tensors, batch2.tensors, batch1.dims, strict=True))
+    args, kwargs = replace_input_leaves(left.args, left.kwargs, batch1.positions, joined)
+    try:
+        joint = build_problem(left.options, left.f, args, kwargs)
+        check_tiles(joint, (left, right), eager=True)  # the graph walk's own autograd
+    except NotPerSample as why:
+        raise cannot(f"whose joined batch does not compute each set's rows ({why.reason})") \
+            from why
+    except (OutputChanged, BackendCannotRun):
+        raise
+    except Exception as error:  # noqa: BLE001 -- f fails on the joined batch, or without grad
+        raise cannot(f"whose joined batch could not be checked ({type(error).__name__}: "
+                     f"{str(error)[:100]})") from error
+    return joint
+
+
 # -- auto ------------------------------------------------------------------------------------
+
+SELF_DIFFERENTIATING = ("graph", "jacobian", "ntvp")
+"""``auto``'s order for an ``f`` that differentiates itself, which the structured backend
+declines (NOTE [f that differentiates itself]): the graph walk first (exact at any order,
+self blocks only), then the backends whose transforms may nest with ``f``'s own."""
 
 
 def _auto_order(problem: Problem) -> tuple[str, ...]:
@@ -252,6 +320,8 @@ def _auto_order(problem: Problem) -> tuple[str, ...]:
     from torchgram.backends.auto import LAST_RESORT, estimate_backends, plan_auto, ranked
     from torchgram.backends.structured import plan_problem
 
+    if problem.differentiates is not None:  # NOTE [f that differentiates itself]: no trace
+        return SELF_DIFFERENTIATING
     try:
         plan = plan_problem(problem, dead_positions=False)  # NOTE [dead positions]
     except NotPerSample:  # f fails on a batch of one: planned on the whole batch's rows

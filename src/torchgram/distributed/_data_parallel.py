@@ -174,6 +174,14 @@ def _local_work(local: Local, options: Options, f: Callable[..., Any], args: tup
                 args, [leaf.clone() for leaf in local.diff.leaves]), kwargs, error)
         raise
     local.problem = problem
+    if problem.differentiates is not None:  # NOTE [f that differentiates itself]
+        checks.fail(api, "f that does not differentiate its own computation (the ranks "
+                    "exchange the structured pass's pieces, whose taps cannot see what such a "
+                    "pass computes with the parameters)",
+                    f"a call of {problem.differentiates} inside f",
+                    "Compute each rank's own block with cross_rank='local' (backend='auto' "
+                    "takes the graph walk), or the whole batch's Gramian with "
+                    "torchgram.gramian(f, backend='graph') in one process.", NotImplementedError)
     if problem.num_rows == 0:
         local.summary = RankSummary(error=None, mode="empty", batch=batch)
         return

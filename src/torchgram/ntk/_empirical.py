@@ -38,13 +38,7 @@ from torchgram._core.checks import fail, function_name
 from torchgram._core.cross import CrossProblem, PairSpec, mirror, row_shape
 from torchgram._core.errors import NotPerSample, OutputChanged
 from torchgram._core.options import Options
-from torchgram._core.per_sample import (
-    batch_rows,
-    check_samples,
-    compare_pullbacks,
-    fails_alone,
-    positive_weights,
-)
+from torchgram._core.per_sample import check_tiles, fails_alone
 from torchgram._core.problem import Problem, build_problem, forget_probe, replace_input_leaves
 from torchgram._core.progress import Progress
 from torchgram._core.result import RunReport
@@ -317,8 +311,9 @@ def _side_bytes_per_sample(problem: Problem) -> float:
     rows = problem.rows_per_sample
     numel = sum(leaf.numel() for leaf in problem.leaves)
     dense = float(rows * numel * problem.itemsize)
-    if problem.options.backend not in ("auto", "structured") or problem.composition.transforms:
-        return dense  # inside torch.func transforms nothing is traced (NOTE [composition])
+    if problem.options.backend not in ("auto", "structured") or problem.composition.transforms \
+            or problem.differentiates is not None:  # nothing is traced inside torch.func
+        return dense  # transforms (NOTE [composition]) or of an f differentiating itself
     from torchgram.backends.structured import plan_problem
 
     try:
@@ -365,7 +360,7 @@ def _tiles(problem: Problem, tile: int | None, fresh: bool,
             args, kwargs = replace_input_leaves(problem.args, problem.kwargs, batch.positions,
                                                 batch.narrow(first, count))
             tiles.append(_tile_problem(problem, args, kwargs, fresh))
-        _check_tiles(problem, tiles)
+        check_tiles(problem, tiles)
     except NotPerSample as why:
         notes.append(f"one tile per side, over memory_budget: tiles of the batch would not "
                      f"compute f as called ({why.reason})")
@@ -389,47 +384,6 @@ def _tile_problem(problem: Problem, args: tuple[Any, ...], kwargs: dict[str, Any
         raise
     except Exception as error:  # noqa: BLE001 -- f fails on a tile (batch-norm of one ...)
         raise fails_alone(error) from error
-
-
-def _check_tiles(problem: Problem, tiles: Sequence[Problem]) -> None:
-    """Raise :class:`NotPerSample` unless every tile's outputs are the batch's rows."""
-    full_rows, _ = batch_rows(problem)
-    first = 0
-    for tile in tiles:
-        try:
-            rows, _ = batch_rows(tile)
-        except (NotPerSample, OutputChanged):
-            raise
-        except Exception as error:  # noqa: BLE001 -- f fails on a tile (a batch of one ...)
-            raise fails_alone(error) from error
-        samples = torch.arange(first, first + tile.samples, device=full_rows.device)
-        check_samples(problem, rows[tile.sample_major_index], samples, full_rows)
-        first += tile.samples
-    _check_tile_derivatives(problem, tiles)
-
-
-def _check_tile_derivatives(problem: Problem, tiles: Sequence[Problem]) -> None:
-    """Raise :class:`NotPerSample` unless the tiles' rows have the batch's derivatives.
-
-    Equal outputs do not prove that the samples do not interact: samples that are the same
-    where they meet (one token each, the same id) give the same ``x - x.mean(0)`` alone and in
-    the batch, where its derivative in the parameters differs (kernel hunt 2). The batch's
-    vector-Jacobian product with random positive weights must equal the sum of the tiles'
-    with the same weights on the same rows (:func:`compare_pullbacks`).
-    """
-    index = problem.sample_major_index
-    weights = positive_weights((index.numel(),), index.device, problem.output.dtype)
-    parts = []
-    first = 0
-    for tile in tiles:
-        samples = torch.arange(first, first + tile.samples, device=index.device)
-        tile_weights = torch.zeros(tile.sample_major_index.numel(), dtype=weights.dtype,
-                                   device=weights.device)
-        tile_weights[tile.sample_major_index.reshape(-1)] = \
-            weights[index[samples].reshape(-1)]
-        parts.append((lambda *values, tile=tile: tile.rows(values)[0], tile_weights))
-        first += tile.samples
-    compare_pullbacks(problem, weights, parts, "the tiles' outputs")
 
 
 def _pairing(n1: int, n2: int, *, self_kernel: bool,

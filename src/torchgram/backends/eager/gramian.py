@@ -193,6 +193,10 @@ def _select(api: str, recording: Recording, graph: GraphIndex, inputs: Sequence[
         leaf = recording.leaf_index(tensor)
         if leaf is None:
             continue
+        if recording.differentiated:  # NOTE [eager recording]
+            _walked(report, i, "the recorded code differentiated itself with "
+                    + recording.differentiated[0])
+            continue
         if leaf in recording.unrecognised:
             _walked(report, i, "used outside the rules in "
                     + ", ".join(recording.unrecognised[leaf]))

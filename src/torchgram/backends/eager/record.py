@@ -30,6 +30,12 @@ with ``[1, T]`` ids meets the batch where it is added to the ``[B, T, d]`` token
 Any other call that involves a leaf and returns a floating tensor is an *unrecognised* use
 (the leaf is then walked); calls that make samples interact (batch-norm in training mode, ...)
 are noted, as are ``Tensor.register_hook`` / ``retain_grad`` calls (NOTE [eager taps]).
+A block that differentiates its own computation (``torch.autograd.grad(...,
+create_graph=True)``: NOTE [f that differentiates itself]) is noted too, and none of its
+leaves is read from the taps: the derivative formulas of that backward use the weights
+through the very nodes the recorded calls made (a linear's saved ``W.T``), so the check of
+the edges above cannot see those uses (session 37: 0.73 off on a tanh MLP's input-gradient
+residual).
 
 **Lifetimes.** Nothing is written on the user's modules or tensors, and no hook is installed.
 The recording is referenced from the ``metadata`` dict of the tapped nodes (and weakly from
@@ -165,6 +171,10 @@ class Recording:
         unrecognised: Per leaf, the calls that used it outside every rule.
         coupling: Calls that make samples interact (NOTE [per-sample]).
         hooks: Hook registrations seen (``Tensor.register_hook``, ``retain_grad``).
+        differentiated: How the recorded code differentiated its own computation
+            (``torch.autograd.grad``, forward-mode AD): the derivative formulas of that pass
+            use the leaves where no tap sees, so no leaf is read from the taps (NOTE [f that
+            differentiates itself]).
         meetings: Where recorded outputs were broadcast against other tensors.
         calls: Number of torch calls seen.
         signature: A hash of the names and plain arguments (dims, flags) of every call
@@ -182,6 +192,7 @@ class Recording:
     unrecognised: dict[int, list[str]] = field(default_factory=dict)
     coupling: list[str] = field(default_factory=list)
     hooks: list[str] = field(default_factory=list)
+    differentiated: list[str] = field(default_factory=list)
     meetings: list[EagerMeeting] = field(default_factory=list)
     calls: int = 0
     signature: int = 0
@@ -279,6 +290,9 @@ class RecordMode(TorchFunctionMode):
                 recording.hooks.append(describe(func))
         except TypeError:  # unhashable callables
             pass
+        how = _torch_compat.self_differentiation(func)
+        if how is not None and how not in recording.differentiated:
+            recording.differentiated.append(how)
         found = self._found(args, kwargs)
         if not found:
             result = func(*args, **kwargs)

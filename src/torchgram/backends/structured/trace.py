@@ -95,7 +95,7 @@ from torch.overrides import TorchFunctionMode
 from torchgram._core import _torch_compat
 from torchgram._core.census import GRADIENT_HOOKS, coupling_op
 from torchgram._core.composition import tapped_evaluation
-from torchgram._core.errors import ModifiedInPlace
+from torchgram._core.errors import DifferentiatesItself, ModifiedInPlace
 from torchgram._core.layouts import laid_out_like
 from torchgram._core.pytree import leaves_of
 from torchgram.backends._embedding import embedding_with_conventions
@@ -687,6 +687,9 @@ class TapMode(TorchFunctionMode):
         recording.calls += 1
         if reads_metadata(func):  # NOTE [metadata calls]
             return func(*args, **kwargs)
+        how = _torch_compat.self_differentiation(func)
+        if how is not None:  # NOTE [f that differentiates itself]
+            raise DifferentiatesItself(how)
         new_hooks = self._under_new_hooks()
         if new_hooks and _CHECKPOINT_REGION not in recording.transform_refusals:
             recording.transform_refusals.append(_CHECKPOINT_REGION)
