@@ -12,7 +12,9 @@ error.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
+import numpy as np
 import optree
 import pytest
 import torch
@@ -306,3 +308,81 @@ def test_an_op_without_a_second_derivative_is_a_torchgram_error() -> None:
         with pytest.raises(tg.BackendCannotRun) as info:
             tg.gramian(f, backend=backend, batch_dim=0)(p, x)
         assert info.value.alternatives == ("graph",)
+
+
+@pytest.mark.parametrize("kind", ["mlp", "lstm"])
+@pytest.mark.parametrize("batch_dim", [0, None], ids=["batch_dim0", "dense"])
+def test_a_recorded_forward_differentiated_after_the_block_is_walked(
+        kind: str, batch_dim: int | None) -> None:
+    """The physics-informed layout: the forward recorded, ``∂u/∂x`` taken after the block.
+
+    The inner backward adds edges into the recorded calls' own nodes (a linear's saved
+    ``W.T``): those leaves are walked (session 37's review: 0.17-0.56 off, relative)."""
+    torch.manual_seed(0)
+    if kind == "mlp":
+        model: torch.nn.Module = torch.nn.Sequential(
+            torch.nn.Linear(D, H), torch.nn.Tanh(), torch.nn.Linear(H, K)).double()
+        x = torch.randn(B, D, dtype=DOUBLE)
+    else:
+        model = torch.nn.LSTM(D, K, batch_first=True).double()
+        x = torch.randn(B, 3, D, dtype=DOUBLE)
+    fn, params = tg.functionalize(model)
+
+    def u(p: dict[str, Tensor], inputs: Tensor) -> Tensor:
+        out = fn(p, inputs)
+        return (out[0] if isinstance(out, tuple) else out).flatten(1).sum(-1)
+
+    def residual(p: dict[str, Tensor], inputs: Tensor) -> Tensor:
+        with torch.enable_grad():
+            xr = _fresh_input(inputs)
+            values = u(p, xr)
+            (gx,) = torch.autograd.grad(values.sum(), xr, create_graph=True)
+        return gx.pow(2).flatten(1).sum(-1) + values
+
+    expected = dense_gramian(residual, ({k: v.detach() for k, v in params.items()}, x)).gramian
+    xr = x.clone().requires_grad_()
+    with tg.autograd.record():
+        values = u(dict(model.named_parameters()), xr)
+    (gx,) = torch.autograd.grad(values.sum(), xr, create_graph=True)  # after the block
+    losses = gx.pow(2).flatten(1).sum(-1) + values
+    G = tg.autograd.gramian(losses, list(model.parameters()), batch_dim=batch_dim)
+    assert_close(G, expected)
+
+
+@pytest.mark.parametrize("backend", ["auto", "graph"])
+def test_a_cross_kernel_of_an_f_that_starts_differentiating_itself(backend: str) -> None:
+    """The joined batch is probed afresh: a stale probe of its signature raised torchgram's
+    internal ``OutputChanged`` out of ``ntk_fn`` (session 37's review)."""
+    p, flag = _params(), {"on": False}
+
+    def f(params: dict[str, Tensor], inputs: Tensor) -> Tensor:
+        if not flag["on"]:
+            return _net(params, inputs)
+        with torch.enable_grad():
+            xr = _fresh_input(inputs)
+            out = _net(params, xr)
+            (gx,) = torch.autograd.grad(out.sum(), xr, create_graph=True)
+        return out + gx[:, :K].pow(2)
+
+    x1, x2 = torch.randn(4, D, dtype=DOUBLE), torch.randn(3, D, dtype=DOUBLE)
+    ntk_fn = tg.ntk.empirical_ntk_fn(f, trace_axes=(), backend=backend)
+    ntk_fn(x1, x2, p)
+    flag["on"] = True
+    assert_close(ntk_fn(x1, x2, p), dense_cross_kernel(f, p, x1, x2))
+
+
+def test_the_graph_walk_declines_sets_called_with_other_arguments() -> None:
+    """A keyword pair ``(a, b)`` gives each set its own argument: the sets cannot be joined
+    (numpy arrays there raised numpy's raw "truth value of an array is ambiguous")."""
+    p = _params()
+
+    def f(params: dict[str, Tensor], inputs: Tensor, scale: Any = None) -> Tensor:
+        return input_gradient(params, inputs)[:, None] * float(scale.sum())
+
+    x1, x2 = torch.randn(4, D, dtype=DOUBLE), torch.randn(3, D, dtype=DOUBLE)
+    scales = (np.ones(2), np.ones(2))
+    for backend in ("graph", "auto"):
+        with pytest.raises(tg.BackendCannotRun):
+            tg.ntk.empirical_ntk_fn(f, trace_axes=(), backend=backend)(x1, x2, p, scale=scales)
+    with pytest.raises(tg.BackendCannotRun, match="with other arguments than their batched"):
+        tg.ntk.empirical_ntk_fn(f, trace_axes=(), backend="graph")(x1, x2, p, scale=scales)

@@ -209,7 +209,9 @@ def compare_pullbacks(problem: Problem, weights: Tensor,
         # plain autograd: it also runs the f that torch.func refuses (old-style
         # autograd.Functions, requires_grad_() inside f, f differentiating itself)
         values = tuple(leaf.detach().requires_grad_() for leaf in leaves)
-        grads = torch.autograd.grad(rows(*values), values, row_weights, allow_unused=True)
+        out = rows(*values)
+        grads = torch.autograd.grad(out, values, row_weights, allow_unused=True) \
+            if out.requires_grad else (None,) * len(values)  # f constant in its leaves
         return [torch.zeros_like(value) if grad is None else grad
                 for value, grad in zip(values, grads, strict=True)]
 

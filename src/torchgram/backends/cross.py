@@ -264,6 +264,10 @@ def graph_cross(problem: CrossProblem) -> CrossResult:
     return CrossResult(tuple(blocks), report)
 
 
+_PLAIN = (int, float, bool, str, type(None))
+"""Arguments compared by value (anything else must be the same object on both sides)."""
+
+
 def _joined(left: Problem, right: Problem) -> Problem:
     """The call of ``f`` on ``left``'s and ``right``'s samples joined into one batch.
 
@@ -276,7 +280,8 @@ def _joined(left: Problem, right: Problem) -> Problem:
             left.api, "graph", "one input set, or two whose samples joined into one batch "
             "compute what each set computes alone (it walks the autograd graph of one "
             "forward)", f"a kernel between two input sets (x2) {why}",
-            ("structured", "jacobian", "ntvp"), "")
+            ("jacobian", "ntvp") if left.differentiates is not None  # NOTE [f that
+            else ("structured", "jacobian", "ntvp"), "")  # differentiates itself]
 
     batch1, batch2 = left.batch, right.batch
     if batch1 is None or batch2 is None:
@@ -287,14 +292,15 @@ def _joined(left: Problem, right: Problem) -> Problem:
     both: Any = (as_left, (left.args, dict(left.kwargs)))
     others: list[Any] = optree.tree_leaves(both, none_is_leaf=True)
     half = len(others) // 2
-    if len(others) % 2 or any(not (a is b or (not isinstance(a, Tensor) and a == b))
+    if len(others) % 2 or any(not (a is b or (type(a) in _PLAIN and type(a) is type(b)
+                                              and a == b))
                               for a, b in zip(others[:half], others[half:], strict=True)):
         raise cannot("with other arguments than their batched inputs")
     joined = tuple(torch.cat([t1, t2], dim) for t1, t2, dim
                    in zip(batch1.tensors, batch2.tensors, batch1.dims, strict=True))
     args, kwargs = replace_input_leaves(left.args, left.kwargs, batch1.positions, joined)
     try:
-        joint = build_problem(left.options, left.f, args, kwargs)
+        joint = build_problem(left.options, left.f, args, kwargs, fresh=True)  # never stale
         check_tiles(joint, (left, right), eager=True)  # the graph walk's own autograd
     except NotPerSample as why:
         raise cannot(f"whose joined batch does not compute each set's rows ({why.reason})") \

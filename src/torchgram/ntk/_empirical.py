@@ -483,8 +483,10 @@ def empirical_ntk_fn(
     ``trace_axes=(-1,)`` gives ``[N1, N2]`` with ``(1/K) Σ_k``); each axis in
     ``diagonal_axes`` keeps only its diagonal and appears once (``(0,)`` with ``x2=None``:
     ``[N1, K, K]``, one block per sample). The kernel between two input sets is computed
-    from both sides' pieces, never by concatenating them (NOTE [cross kernels]), and only
-    the pairs kept are formed (a traced logit axis costs ``K`` times less).
+    from both sides' pieces (NOTE [cross kernels]), and only the pairs kept are formed (a
+    traced logit axis costs ``K`` times less); only the graph walk, which ``auto`` takes for
+    an ``f`` that differentiates itself, joins both sets into one batch (checked to compute
+    each set's rows).
 
     Args:
         f: ``f(params, x, **kwargs)`` returning one tensor. ``params`` is any pytree; every
@@ -499,8 +501,8 @@ def empirical_ntk_fn(
             ``kwargs_axes`` are shared); ``None``: no batch structure. The promise is checked
             (NOTE [per-sample]): where samples interact, the kernel is that of ``f`` as
             called (what ``None`` gives), never a wrong one.
-        backend: ``"auto"`` or a ``tg.gramian`` backend (``"graph"`` computes ``x2=None``
-            kernels only).
+        backend: ``"auto"`` or a ``tg.gramian`` backend (``"graph"`` computes a kernel
+            between two input sets from both joined into one batch, with a batch axis only).
         chunk_size: Rows per vectorized pass, as for ``tg.gramian``.
         memory_budget: Bytes: bounds the tiles the kernel is computed in (NOTE [kernel
             tiles]) and is passed to the backend.

@@ -207,6 +207,10 @@ def _select(api: str, recording: Recording, graph: GraphIndex, inputs: Sequence[
         if not in_graph <= seen:
             _walked(report, i, "the graph uses it where the recording did not see it")
             continue
+        if _called_from_outside(graph, recording, tensor, uses):
+            _walked(report, i, "its recorded calls' nodes are used outside them (a backward "
+                    "of the recorded code, taken after the block)")
+            continue
         slots = {}
         for use in uses:
             slot = _slot(recording.taps[use.tap], graph)
@@ -226,6 +230,42 @@ def _select(api: str, recording: Recording, graph: GraphIndex, inputs: Sequence[
             continue
         _walked(report, i, "a recorded call is not found in the graph")
     return tapped
+
+
+def _called_from_outside(graph: GraphIndex, recording: Recording, leaf: Tensor,
+                         uses: Sequence[EagerUse]) -> bool:
+    """Whether a node outside the recorded calls uses the leaf through their nodes.
+
+    NOTE [eager recording]: the nodes above a leaf that depend on it alone (a linear's
+    ``W.T``, a recurrence's alias of ``W_hh`` and its transpose) are reached only from the
+    recorded calls' own nodes in the recorded forward; a backward of the recorded code taken
+    with ``create_graph`` after the block (a physics-informed residual's ``∂u/∂x``) adds
+    edges into them: uses of the leaf that no tap sees (session 37's review: 0.17-0.56 off,
+    relative).
+    """
+    callers = [use.callers for use in uses]
+    outputs = set()  # the calls' outputs, which the code after them uses as it likes
+    for use in uses:
+        tap = recording.taps[use.tap]
+        outputs |= {tap.seq, *(seq for seq, _, _ in tap.steps or ())}
+    parents = graph.parents()
+    frontier = [node for seq in set().union(*(use.holders for use in uses)) - outputs
+                if (node := graph.by_seq.get(seq)) is not None
+                and graph.of_leaf_only(node, leaf)]
+    seen = set(frontier)
+    while frontier:
+        for parent in parents.get(frontier.pop(), ()):
+            if parent in seen:
+                continue
+            seen.add(parent)
+            seq = _torch_compat.creation_order(parent)
+            if seq in outputs:
+                continue
+            if graph.of_leaf_only(parent, leaf):
+                frontier.append(parent)
+            elif not any(seq in own for own in callers):
+                return True
+    return False
 
 
 def _slot(tap: EagerTap, graph: GraphIndex) -> TapSlot | None:

@@ -40,6 +40,8 @@ class GraphIndex:
     reentrant: bool = False
     size: int = 0
     every: list[Node] = field(default_factory=list)
+    _parents: dict[Node, list[Node]] | None = field(default=None, repr=False)
+    _leaf_only: dict[tuple[Node, int], bool] = field(default_factory=dict, repr=False)
 
     def node(self, seq: int, name: str) -> Node | None:
         """The node with sequence number ``seq`` and name ``name``, if it is in the graph."""
@@ -49,6 +51,28 @@ class GraphIndex:
     def nodes(self) -> list[Node]:
         """Every node but the leaves' accumulators, in creation order."""
         return sorted(self.every, key=_torch_compat.creation_order)
+
+    def parents(self) -> dict[Node, list[Node]]:
+        """For each node, the nodes of the graph with an edge into it (made on first use)."""
+        if self._parents is None:
+            self._parents = {}
+            for parent in self.every:
+                for child, _ in parent.next_functions:
+                    if child is not None:
+                        self._parents.setdefault(child, []).append(parent)
+        return self._parents
+
+    def of_leaf_only(self, node: Node, leaf: Tensor) -> bool:
+        """Whether ``node`` depends on ``leaf`` alone (``W.T``, a view of ``W``)."""
+        key = (node, id(leaf))
+        known = self._leaf_only.get(key)
+        if known is None:
+            children = [child for child, _ in node.next_functions if child is not None]
+            known = bool(children) and all(
+                _torch_compat.leaf_of(child) is leaf if _torch_compat.is_leaf_accumulator(child)
+                else self.of_leaf_only(child, leaf) for child in children)
+            self._leaf_only[key] = known
+        return known
 
     def holders(self, leaf: Tensor) -> set[int]:
         """Sequence numbers of the nodes with an edge into ``leaf``'s accumulator."""

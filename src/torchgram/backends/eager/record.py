@@ -117,6 +117,10 @@ class EagerUse:
         tap: Index of the call's :class:`EagerTap`.
         act: Index of the activation among the recorded activations (weights only).
         holders: Sequence numbers of the call's nodes with an edge into the leaf.
+        callers: Sequence numbers of the call's own nodes (those of all its steps for a step
+            tap): the only nodes that may have an edge into its holders other than its
+            output's (NOTE [eager recording]: a backward of the recorded code, taken after the
+            block, adds edges into them, e.g. through a linear's saved ``W.T``).
     """
 
     leaf: int
@@ -126,6 +130,7 @@ class EagerUse:
     tap: int
     act: int | None
     holders: frozenset[int] = frozenset()
+    callers: frozenset[int] | range = frozenset()
 
 
 @dataclass(frozen=True)
@@ -398,6 +403,9 @@ class RecordMode(TorchFunctionMode):
                 steps=tuple(slot for slot in slots if slot is not None),
                 step_dim=tap.step_dim)
         act = next(operand.act for operand in match.operands if operand.act is not None)
+        # the steps' nodes: made after the alias, before the stack of their inputs
+        end = _torch_compat.creation_order(act.grad_fn) if act.grad_fn is not None \
+            else _NO_END
         act_index = len(recording.acts)
         recording.acts.append(act.detach())
         recording.act_versions.append(_torch_compat.version(act))
@@ -407,7 +415,8 @@ class RecordMode(TorchFunctionMode):
             assert layout is not None
             recording.uses.append(EagerUse(
                 ref.index, role, layout, layout.act_first != ref.transposed, step_tap.index,
-                act_index if role == "weight" else None, frozenset({holders[ref.index]})))
+                act_index if role == "weight" else None, frozenset({holders[ref.index]}),
+                range(holders[ref.index] + 1, end)))
             recording.holders.setdefault(ref.index, set()).add(holders[ref.index])
 
     def _chosen(self, match: Match) -> list[tuple[int, LeafRef, Literal["weight", "bias"]]]:
@@ -438,9 +447,10 @@ class RecordMode(TorchFunctionMode):
             counts[id(match.operands[i].value)] -= 1
         if any(count > 0 for count in counts.values()):
             return set()
-        holders = _holders(y, args, kwargs, self._refs)
-        if holders is None:
+        searched = _holders(y, args, kwargs, self._refs)
+        if searched is None:
             return set()
+        holders, callers = searched
         node: Any = y.grad_fn
         tap = EagerTap(_torch_compat.creation_order(node), node.name(), y.output_nr,
                        tuple(y.shape), y.dtype, match.rule)
@@ -463,7 +473,8 @@ class RecordMode(TorchFunctionMode):
                     recording.act_versions.append(_torch_compat.version(operand.act))
             recording.uses.append(EagerUse(
                 ref.index, role, layout, layout.act_first != ref.transposed, tap_index,
-                act_index, frozenset(seq for index, seq in holders if index == ref.index)))
+                act_index, frozenset(seq for index, seq in holders if index == ref.index),
+                callers))
         for index, seq in holders:
             recording.holders.setdefault(index, set()).add(seq)
         return {id(match.operands[i].value) for i, _, _ in chosen}
@@ -525,13 +536,13 @@ _MEETS: dict[Any, str] = {
 
 
 def _holders(y: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any],
-             refs: dict[int, LeafRef]) -> list[tuple[int, int]] | None:
-    """``(leaf, holder sequence number)`` for the edges into leaves made by one call.
+             refs: dict[int, LeafRef]) -> tuple[list[tuple[int, int]], frozenset[int]] | None:
+    """The edges into leaves one call made, and the sequence numbers of its nodes.
 
-    Searches the nodes the call created, from its output's node down to the nodes of its
-    tensor arguments; ``None`` if that does not end within :data:`_HOLDER_SEARCH` nodes. A
-    transposed view of a leaf made under the mode (``W.T``) holds the leaf's edge for the
-    call.
+    The edges as ``(leaf, holder sequence number)``. Searches the nodes the call created,
+    from its output's node down to the nodes of its tensor arguments; ``None`` if that does
+    not end within :data:`_HOLDER_SEARCH` nodes. A transposed view of a leaf made under the
+    mode (``W.T``) holds the leaf's edge for the call.
     """
     stop: dict[Any, int | None] = {}  # the arguments' nodes; a transposed leaf's: its leaf
     for value in _tensors_of(args, kwargs):
@@ -562,8 +573,11 @@ def _holders(y: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any],
                     found.append((ref.index, _torch_compat.creation_order(node)))
                 continue
             stack.append(child)
-    return found
+    return found, frozenset(_torch_compat.creation_order(node) for node in seen)
 
+
+_NO_END = 2**62
+"""The end of a step use's callers when its stacked inputs have no node (none is checked)."""
 
 _PLAIN = (int, float, bool, str, type(None))
 _NO_TENSOR = (int, float, bool, complex, str, type(None), slice, type(Ellipsis), torch.dtype,
