@@ -359,12 +359,9 @@ def torch_refusals(api: str, backend: str, parameters: Sequence[Tensor] = (),
         if _torch_compat.is_sparse_gradient_error(error):
             raise sparse_refusal(api, backend, parameters, cross) from error
         refused = _torch_compat.refused_under_transforms(error)
-        if refused is not None:
-            declined = _declined(api, backend, refused)
-            if differentiates is not None and "structured" in declined.alternatives:
-                # NOTE [f that differentiates itself]: structured declines such an f
-                declined = _declined(api, backend, refused, without=("structured",))
-            raise declined from error
+        if refused is not None:  # structured declines an f that differentiates itself
+            raise _declined(api, backend, refused, without=() if differentiates is None
+                            else ("structured",)) from error
         if differentiates is not None and backend != "graph" and not ours:  # torch's own
             raise BackendCannotRun(
                 api, backend, f"f whose own {differentiates} this backend's evaluation of f can "

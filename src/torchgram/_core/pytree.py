@@ -16,6 +16,9 @@ import optree
 import torch
 from torch import Tensor
 
+PLAIN_VALUES = (int, float, bool, str, type(None))
+"""Non-tensor leaves read and compared by value (a call's flags and sizes)."""
+
 
 def is_differentiable_leaf(leaf: Any) -> bool:
     """Whether a pytree leaf is a parameter torchgram differentiates (a floating tensor)."""

@@ -39,6 +39,7 @@ from torchgram._core.cross import (
 from torchgram._core.errors import BackendCannotRun, NotPerSample, OutputChanged
 from torchgram._core.per_sample import batch_rows, check_samples, check_tiles
 from torchgram._core.problem import Problem, build_problem, replace_input_leaves
+from torchgram._core.pytree import PLAIN_VALUES
 from torchgram._core.result import RunReport
 from torchgram._core.sink import assemble
 from torchgram.backends import jacobian as jacobian_module
@@ -264,10 +265,6 @@ def graph_cross(problem: CrossProblem) -> CrossResult:
     return CrossResult(tuple(blocks), report)
 
 
-_PLAIN = (int, float, bool, str, type(None))
-"""Arguments compared by value (anything else must be the same object on both sides)."""
-
-
 def _joined(left: Problem, right: Problem) -> Problem:
     """The call of ``f`` on ``left``'s and ``right``'s samples joined into one batch.
 
@@ -292,7 +289,8 @@ def _joined(left: Problem, right: Problem) -> Problem:
     both: Any = (as_left, (left.args, dict(left.kwargs)))
     others: list[Any] = optree.tree_leaves(both, none_is_leaf=True)
     half = len(others) // 2
-    if len(others) % 2 or any(not (a is b or (type(a) in _PLAIN and type(a) is type(b)
+    # plain values compared by value; anything else must be the same object on both sides
+    if len(others) % 2 or any(not (a is b or (type(a) in PLAIN_VALUES and type(a) is type(b)
                                               and a == b))
                               for a, b in zip(others[:half], others[half:], strict=True)):
         raise cannot("with other arguments than their batched inputs")

@@ -62,7 +62,7 @@ from torch.overrides import TorchFunctionMode
 
 from torchgram._core import _torch_compat
 from torchgram._core.census import coupling_op
-from torchgram._core.pytree import leaves_of
+from torchgram._core.pytree import PLAIN_VALUES, leaves_of
 from torchgram._core.threads import compiled_code_eager
 from torchgram.backends.structured.rules import rewrite_for, rule_for
 from torchgram.backends.structured.rules.base import Layout, Match
@@ -579,7 +579,6 @@ def _holders(y: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any],
 _NO_END = 2**62
 """The end of a step use's callers when its stacked inputs have no node (none is checked)."""
 
-_PLAIN = (int, float, bool, str, type(None))
 _NO_TENSOR = (int, float, bool, complex, str, type(None), slice, type(Ellipsis), torch.dtype,
               torch.device, torch.layout, torch.memory_format, torch.Size)
 """Arguments that are pytree leaves and not tensors (``torch.Size`` holds ints only)."""
@@ -614,9 +613,9 @@ def _plain_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any
     """A call's non-tensor arguments that hash (dims, flags): part of the signature."""
     plain: list[Any] = []
     for value in (*args, *kwargs.values()):
-        if isinstance(value, _PLAIN):
+        if isinstance(value, PLAIN_VALUES):
             plain.append(value)
-        elif isinstance(value, tuple | list) and all(isinstance(v, _PLAIN) for v in value):
+        elif isinstance(value, tuple | list) and all(isinstance(v, PLAIN_VALUES) for v in value):
             plain.append(tuple(value))
     return tuple(plain)
 
