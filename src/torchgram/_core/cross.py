@@ -178,7 +178,7 @@ def spec_reduce(gram: Tensor, spec: PairSpec, row_shape1: Sequence[int],
     The same as :func:`spec_gram` of the Jacobians whose Gramian ``gram`` is.
 
     Example:
-        >>> x, y = torch.randn(4, 3, 5), torch.randn(4, 2, 5)
+        >>> x, y = torch.randn(4, 3, 5).double(), torch.randn(4, 2, 5).double()
         >>> spec = PairSpec(("free", "trace"), batch_axis=0)
         >>> gram = torch.einsum("rbp,scp->rbsc", x, y)
         >>> torch.allclose(spec_reduce(gram, spec, (4,)), spec_gram(x, y, spec, (4,)))
