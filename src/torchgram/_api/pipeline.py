@@ -17,12 +17,13 @@ from torchgram._core import _torch_compat, functional
 from torchgram._core.checks import fail
 from torchgram._core.composition import graph_leaf, refuse_inside_taps
 from torchgram._core.cross import CrossProblem, CrossResult
-from torchgram._core.errors import OutputChanged, torch_refusals
+from torchgram._core.errors import OutputChanged, torch_refusals, unseen_calls_refused
 from torchgram._core.options import Options
 from torchgram._core.problem import Problem, build_problem, forget_probe
 from torchgram._core.pytree import detach_tree, leaves_of
 from torchgram._core.result import NO_AUX, BackendResult
 from torchgram._core.sink import assemble, shape_block, to_backend_order, to_output_order
+from torchgram._core.unseen import refuse_derivative
 from torchgram.backends import get_backend
 from torchgram.backends._registry import get_cross_backend
 
@@ -155,7 +156,12 @@ def compute(options: Options, f: Callable[..., Any], args: tuple[Any, ...],
         if not differentiable:
             aux = detach_tree(aux)
     problem.draw.finish()
-    return Computation(problem, result, assemble(problem, result), aux)
+    blocks = assemble(problem, result)
+    if problem.unseen_ops:  # NOTE [unseen calls]: G's value, not its derivative
+        refusal = unseen_calls_refused(options.api, problem.unseen_ops,
+                                       problem.composition.describe())
+        blocks = [refuse_derivative(block, refusal) for block in blocks]
+    return Computation(problem, result, blocks, aux)
 
 
 def _refuse_dtensors(options: Options, args: tuple[Any, ...]) -> None:

@@ -98,6 +98,20 @@ class Composition:
         """Whether ``G`` must be a differentiable (and batchable) function of the call."""
         return bool(self.transforms) or self.create_graph
 
+    @property
+    def differentiated_by_transforms(self) -> bool:
+        """Whether a ``torch.func`` ``grad`` or ``jvp`` level will differentiate ``G``."""
+        return any(name in ("grad", "jvp") for name in self.transforms)
+
+    @property
+    def differentiated(self) -> bool:
+        """Whether ``G`` will (transforms) or may (create-graph) be differentiated.
+
+        Its derivative needs the derivatives of ``f``'s first derivatives, not only
+        ``vmap``'s batching (NOTE [unseen calls]).
+        """
+        return self.create_graph or self.differentiated_by_transforms
+
     def evaluation(self) -> contextlib.AbstractContextManager[None]:
         """The context every evaluation of ``f`` runs in (:func:`differentiable_evaluation`)."""
         return differentiable_evaluation() if self.differentiable else contextlib.nullcontext()

@@ -449,6 +449,31 @@ def forward_mode_refusal(api: str, error: BaseException) -> NotImplementedError 
         "replace that op by one with forward-mode support."))
 
 
+def unseen_calls_refused(api: str, ops: Sequence[str], situation: str) -> NotImplementedError:
+    """No backend can differentiate ``G`` through code the modes cannot see (TorchScript).
+
+    NOTE [unseen calls] (``unseen.py``): torch computes zero second derivatives through
+    TorchScript under ``torch.func`` transforms.
+
+    Example:
+        >>> error = unseen_calls_refused("torchgram.gramian", ["aten.mm.default"],
+        ...                              "inside torch.func transforms (grad)")
+        >>> str(error).split(", but got ")[1][:60]
+        'aten.mm.default run by code no torch-function mode sees (a T'
+    """
+    shown = ", ".join(ops[:4]) + (f" and {len(ops) - 4} more" if len(ops) > 4 else "")
+    return NotImplementedError(message(
+        api, f"f whose ops all run through Python-visible torch calls when the Gramian is "
+        f"differentiated ({situation}; its derivative needs second derivatives of f, which "
+        f"torch {torch.__version__} computes as zero through TorchScript under torch.func "
+        "transforms, on every backend)",
+        f"{shown} run by code no torch-function mode sees (a TorchScript function, "
+        "torch.jit.script or trace, or a C++ extension's function)",
+        "Call the Python function instead of its scripted version (PYTORCH_JIT=0 makes "
+        "torch.jit.script return it), or compute G outside the transform, from inputs that "
+        "do not require grad."))
+
+
 def _declined(api: str, backend: str, refusal: _torch_compat.Refusal,
               without: tuple[str, ...] = ()) -> BackendCannotRun:
     """``backend`` cannot run ``f`` under the transforms it uses; the others can.

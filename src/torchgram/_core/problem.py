@@ -48,6 +48,7 @@ from torchgram._core.errors import (
     draws_refused_by_vmap,
     f_refused_by_vmap,
     forward_mode_refusal,
+    unseen_calls_refused,
 )
 from torchgram._core.options import InDims, Options
 from torchgram._core.pytree import DiffLeaves, leaves_of, select_diff_leaves
@@ -55,6 +56,7 @@ from torchgram._core.rng import RngState
 from torchgram._core.running_stats import FrozenRunningStats, counters_refused
 from torchgram._core.signature import LruCache, call_signature
 from torchgram._core.threads import RNG_LOCK, compiled_code_eager, math_attention
+from torchgram._core.unseen import UnseenCalls
 
 _TENSOR_SLOT = object()
 
@@ -288,6 +290,9 @@ class Problem:
         signature_checks: The probe's record of the checks passed once for the signature.
         differentiates: How ``f`` differentiates its own computation (``Probe.differentiates``):
             the structured backend declines (NOTE [f that differentiates itself]).
+        unseen_ops: Ops ``f`` runs through code no mode sees, found where ``G`` carries a
+            graph (``Probe.unseen_ops``): ``G``'s derivative is then refused (NOTE [unseen
+            calls]).
     """
 
     f: Callable[..., Any]
@@ -307,6 +312,7 @@ class Problem:
     probe_cached: bool = field(default=False, compare=False)
     signature_checks: dict[str, bool] = field(default_factory=dict, compare=False)
     differentiates: str | None = None
+    unseen_ops: tuple[str, ...] = ()
 
     # -- the options, for short ------------------------------------------------------------
 
@@ -607,6 +613,8 @@ class Probe:
             evaluation then gets dense ones (NOTE [sparse embedding gradients]).
         differentiates: How ``f`` differentiates its own computation (``torch.autograd.grad``,
             forward-mode AD), or ``None`` (NOTE [f that differentiates itself]).
+        unseen_ops: The aten ops ``f`` ran through code no torch-function mode sees
+            (TorchScript), or ``None`` where the probe did not look (NOTE [unseen calls]).
     """
 
     spec: OutputSpec
@@ -614,6 +622,7 @@ class Probe:
     mutates_leaves: bool = False
     sparse_embeddings: bool = False
     differentiates: str | None = None
+    unseen_ops: tuple[str, ...] | None = None
     checks: dict[str, bool] = field(default_factory=dict, compare=False)
     """Checks that passed once for the signature (``"derivatives"``: NOTE [per-sample])."""
 
@@ -675,18 +684,26 @@ def build_problem(options: Options, f: Callable[..., Any], args: tuple[Any, ...]
     draw = Draw.capture(_devices(args, kwargs))
     key = _probe_key(f, args, kwargs, diff, options.has_aux, batch)
     probe = None if fresh else _PROBES.get(key)
+    look_unseen = composition.differentiated  # NOTE [unseen calls]
+    if probe is not None and look_unseen and probe.unseen_ops is None:
+        probe = None  # probed by a call that did not look
     probe_cached = probe is not None
     evaluation = None
     if probe is None:
         probe, evaluation = _probe(api, f, args, kwargs, diff, batch, options.has_aux, draw,
                                    with_grad=probe_with_grad and batch is None
-                                   and not composition.differentiable)
+                                   and not composition.differentiable,
+                                   look_unseen=look_unseen)
         _PROBES.put(key, probe)
+    unseen_ops = probe.unseen_ops if look_unseen and probe.unseen_ops else ()
+    if unseen_ops and composition.differentiated_by_transforms:  # no backend can
+        raise unseen_calls_refused(api, unseen_ops, composition.describe())
     if probe.mutates_leaves:
         diff = diff.replace_leaves(tuple(leaf.clone() for leaf in diff.leaves))
     return Problem(f, args, kwargs, diff, options, batch, probe.spec, draw, want_pullback,
                    evaluation, probe.unbatched, composition, probe.mutates_leaves,
-                   probe.sparse_embeddings, probe_cached, probe.checks, probe.differentiates)
+                   probe.sparse_embeddings, probe_cached, probe.checks, probe.differentiates,
+                   unseen_ops)
 
 
 def _without_inference_tensors(tree: Any) -> Any:
@@ -727,25 +744,26 @@ def _devices(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[torch.dev
 
 def _probe(api: str, f: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any],
            diff: DiffLeaves, batch: BatchSpec | None, has_aux: bool, draw: Draw, *,
-           with_grad: bool) -> tuple[Probe, Evaluation | None]:
+           with_grad: bool, look_unseen: bool = False) -> tuple[Probe, Evaluation | None]:
     """Evaluate ``f`` once (NOTE [probing]): what it found, and the evaluation to reuse.
 
     With ``batch`` the probe evaluates one sample; if ``f`` fails on a batch of one
     (batch-norm in training mode with one value per channel), it evaluates the whole batch
     instead, and raises what that raises: the backends' per-sample ways then fail the same
-    way and use the rows of the whole batch (NOTE [per-sample]).
+    way and use the rows of the whole batch (NOTE [per-sample]). ``look_unseen``: also note
+    the ops ``f`` runs where no torch-function mode sees them (NOTE [unseen calls]).
     """
     if batch is None:
         return _evaluate_probe(api, f, args, kwargs, diff, None, has_aux, draw,
-                               with_grad=with_grad)
+                               with_grad=with_grad, look_unseen=look_unseen)
     one_args, one_kwargs = replace_input_leaves(args, kwargs, batch.positions,
                                                 batch.narrow(0, 1))
     try:
         return _evaluate_probe(api, f, one_args, one_kwargs, diff, batch, has_aux, draw,
-                               with_grad=False)
+                               with_grad=False, look_unseen=look_unseen)
     except _FailsAlone:
         return _evaluate_probe(api, f, args, kwargs, diff, batch, has_aux, draw,
-                               with_grad=False, whole_batch=True)
+                               with_grad=False, whole_batch=True, look_unseen=look_unseen)
 
 
 class _FailsAlone(Exception):
@@ -755,11 +773,13 @@ class _FailsAlone(Exception):
 def _evaluate_probe(api: str, f: Callable[..., Any], args: tuple[Any, ...],
                     kwargs: Mapping[str, Any], diff: DiffLeaves, batch: BatchSpec | None,
                     has_aux: bool, draw: Draw, *, with_grad: bool,
-                    whole_batch: bool = False) -> tuple[Probe, Evaluation | None]:
+                    whole_batch: bool = False,
+                    look_unseen: bool = False) -> tuple[Probe, Evaluation | None]:
     copies = tuple(leaf.clone() for leaf in diff.leaves)  # f may write into its parameters
     versions = [_torch_compat.version(leaf) for leaf in copies]
     leaves = tuple(leaf.requires_grad_() for leaf in copies) if with_grad else copies
     census = OpCensus()
+    unseen = UnseenCalls()
 
     def evaluate(values: tuple[Tensor, ...]) -> Any:
         return f(*diff.rebuild_args(args, values), **kwargs)
@@ -767,7 +787,8 @@ def _evaluate_probe(api: str, f: Callable[..., Any], args: tuple[Any, ...],
     def evaluate_probe() -> Any:  # the next evaluation starts from the call's state
         return evaluate_f(evaluate, leaves,
                           lambda: draw.evaluation(full=with_grad, restore_after=True),
-                          _probe_attention, lambda: census, FrozenRunningStats)
+                          _probe_attention, lambda: census, FrozenRunningStats,
+                          (lambda: unseen) if look_unseen else contextlib.nullcontext)
 
     with torch.set_grad_enabled(with_grad):
         try:
@@ -797,7 +818,7 @@ def _evaluate_probe(api: str, f: Callable[..., Any], args: tuple[Any, ...],
                       for leaf, before in zip(copies, versions, strict=True))
         spec = make_output_spec(api, out, batch, whole_batch=whole_batch)
         probe = Probe(spec, tuple(census.unbatched), mutated, census.sparse_embeddings,
-                      census.differentiates)
+                      census.differentiates, tuple(unseen.ops) if look_unseen else None)
         if not with_grad or census.differentiates is not None:  # the backend evaluates f
             return probe, None  # with ops differentiable at any order (Problem._evaluation)
         rows = concat_rows(optree.tree_leaves(out), probe.spec.dtype)
