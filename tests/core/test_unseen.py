@@ -12,6 +12,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 from torch import Tensor
@@ -159,3 +160,53 @@ def test_a_plain_f_is_differentiated_through_under_transforms(transform: str) ->
         got = torch.func.jvp(ours, (params,), (params,))[1]
         expected = torch.func.jvp(oracle, (params,), (params,))[1]
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+
+
+def _constants_f(p: dict[str, Tensor], x: Tensor) -> Tensor:
+    """Plain torch that dispatches ops outside any torch call: none of them computes."""
+    mask = torch.from_numpy(np.array([1.0, 0.0, 1.0, 1.0])) * torch.Tensor([1.0]).double()
+    scale = torch.FloatTensor(4).fill_(0.5).double()  # a legacy constructor: aten.empty
+    h = torch.tanh(x @ p["w"].T) * mask * scale
+    moved = torch.func.vmap(lambda row: row * 2.0, out_dims=1)(h)  # vmap moves its dim back
+    return (moved.T ** 2).sum(-1)
+
+
+def test_views_and_constants_made_outside_torch_calls_are_not_unseen_calls() -> None:
+    params, x = {"w": _params()["w"]}, torch.randn(5, 3, dtype=DOUBLE)
+    with UnseenCalls() as unseen:
+        _constants_f(params, x)
+    assert unseen.ops == []
+    ours = torch.func.grad(lambda p: tg.gramian(_constants_f, batch_dim=0)(p, x).sum())(params)
+    oracle = dense_gramian_fn(_constants_f, 0, chunk_size=1)
+    expected = torch.func.grad(lambda p: oracle(p, x).sum())(params)
+    torch.testing.assert_close(ours, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_a_warmed_scripted_function_that_gives_g_no_graph_still_refuses() -> None:
+    """TorchScript's optimised plan, after a few runs with inputs that require grad, gave the
+    backends' G no graph: its term silently left the user's backward (session 38's review)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+
+        @torch.jit.script
+        def fresh_linear(h: Tensor, w: Tensor) -> Tensor:
+            return h @ w.t()
+
+    f = _losses(fresh_linear)
+    params = {name: value.clone().requires_grad_() for name, value in _params().items()}
+    for _ in range(2):  # ordinary training steps warm the function up
+        f(params, IDS).sum().backward()
+    G = tg.gramian(f, batch_dim=0)(params, IDS)
+    torch.testing.assert_close(G, dense_gramian(f, (params, IDS)).shaped(), rtol=1e-10,
+                               atol=1e-12)
+    assert G.requires_grad
+    with pytest.raises(NotImplementedError, match="G's value is right"):
+        (G.sum() + params["w"].sum()).backward()
+
+
+def test_higher_order_operators_pass_through() -> None:
+    x = torch.randn(3, dtype=DOUBLE)
+    with UnseenCalls() as unseen:
+        y = torch.cond(x.sum() > 0, lambda v: v * 2.0, lambda v: v * 3.0, (x,))
+    assert unseen.ops == []
+    torch.testing.assert_close(y, x * (2.0 if x.sum() > 0 else 3.0))

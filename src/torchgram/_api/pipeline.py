@@ -158,10 +158,19 @@ def compute(options: Options, f: Callable[..., Any], args: tuple[Any, ...],
     problem.draw.finish()
     blocks = assemble(problem, result)
     if problem.unseen_ops:  # NOTE [unseen calls]: G's value, not its derivative
-        refusal = unseen_calls_refused(options.api, problem.unseen_ops,
-                                       problem.composition.describe())
-        blocks = [refuse_derivative(block, refusal) for block in blocks]
+        blocks = refused_derivatives(problem, blocks)
     return Computation(problem, result, blocks, aux)
+
+
+def refused_derivatives(problem: Problem, values: list[Tensor]) -> list[Tensor]:
+    """``values`` whose backward raises the refusal of ``problem``'s unseen calls.
+
+    NOTE [unseen calls]: connected to every tensor of the call that requires grad.
+    """
+    refusal = str(unseen_calls_refused(problem.api, problem.unseen_ops,
+                                       problem.composition.describe(), False))
+    connected = [*problem.leaves, *leaves_of((problem.args, dict(problem.kwargs)))]
+    return [refuse_derivative(value, refusal, connected) for value in values]
 
 
 def _refuse_dtensors(options: Options, args: tuple[Any, ...]) -> None:

@@ -104,7 +104,7 @@ class Composition:
         return any(name in ("grad", "jvp") for name in self.transforms)
 
     @property
-    def differentiated(self) -> bool:
+    def may_be_differentiated(self) -> bool:
         """Whether ``G`` will (transforms) or may (create-graph) be differentiated.
 
         Its derivative needs the derivatives of ``f``'s first derivatives, not only

@@ -449,29 +449,35 @@ def forward_mode_refusal(api: str, error: BaseException) -> NotImplementedError 
         "replace that op by one with forward-mode support."))
 
 
-def unseen_calls_refused(api: str, ops: Sequence[str], situation: str) -> NotImplementedError:
+def unseen_calls_refused(api: str, ops: Sequence[str], situation: str,
+                         by_transforms: bool) -> NotImplementedError:
     """No backend can differentiate ``G`` through code the modes cannot see (TorchScript).
 
     NOTE [unseen calls] (``unseen.py``): torch computes zero second derivatives through
-    TorchScript under ``torch.func`` transforms.
+    TorchScript under ``torch.func`` transforms. ``situation``: the composition, in words;
+    ``by_transforms``: a ``grad`` or ``jvp`` transform differentiates ``G`` (otherwise an
+    eager backward may: ``G``'s value is then returned).
 
     Example:
         >>> error = unseen_calls_refused("torchgram.gramian", ["aten.mm.default"],
-        ...                              "inside torch.func transforms (grad)")
-        >>> str(error).split(", but got ")[1][:60]
-        'aten.mm.default run by code no torch-function mode sees (a T'
+        ...                              "inside torch.func transforms (grad)", True)
+        >>> str(error).split(", but got ")[1][:58]
+        'the ops aten.mm.default, run by code torchgram cannot see '
     """
     shown = ", ".join(ops[:4]) + (f" and {len(ops) - 4} more" if len(ops) > 4 else "")
+    scripted = ("call the Python function instead of its scripted version (setting "
+                "PYTORCH_JIT=0 before torch is imported makes torch.jit.script return it)")
+    fix = (f"To differentiate through G, {scripted}; or compute G outside the transform."
+           if by_transforms else
+           "G's value is right: detach it if you do not differentiate it (or pass "
+           f"parameters that do not require grad). To differentiate through G, {scripted}.")
     return NotImplementedError(message(
-        api, f"f whose ops all run through Python-visible torch calls when the Gramian is "
-        f"differentiated ({situation}; its derivative needs second derivatives of f, which "
-        f"torch {torch.__version__} computes as zero through TorchScript under torch.func "
-        "transforms, on every backend)",
-        f"{shown} run by code no torch-function mode sees (a TorchScript function, "
-        "torch.jit.script or trace, or a C++ extension's function)",
-        "Call the Python function instead of its scripted version (PYTORCH_JIT=0 makes "
-        "torch.jit.script return it), or compute G outside the transform, from inputs that "
-        "do not require grad."))
+        api, f"f without TorchScript where the Gramian is differentiated, as {situation}: "
+        "its derivative needs second derivatives of f, which torch "
+        f"{torch.__version__} computes as zero through TorchScript under torch.func "
+        "transforms, on every backend",
+        f"the ops {shown}, run by code torchgram cannot see (a function made by "
+        "torch.jit.script or torch.jit.trace, or a C++ extension's)", fix))
 
 
 def _declined(api: str, backend: str, refusal: _torch_compat.Refusal,

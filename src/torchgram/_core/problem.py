@@ -684,7 +684,7 @@ def build_problem(options: Options, f: Callable[..., Any], args: tuple[Any, ...]
     draw = Draw.capture(_devices(args, kwargs))
     key = _probe_key(f, args, kwargs, diff, options.has_aux, batch)
     probe = None if fresh else _PROBES.get(key)
-    look_unseen = composition.differentiated  # NOTE [unseen calls]
+    look_unseen = composition.may_be_differentiated  # NOTE [unseen calls]
     if probe is not None and look_unseen and probe.unseen_ops is None:
         probe = None  # probed by a call that did not look
     probe_cached = probe is not None
@@ -697,7 +697,7 @@ def build_problem(options: Options, f: Callable[..., Any], args: tuple[Any, ...]
         _PROBES.put(key, probe)
     unseen_ops = probe.unseen_ops if look_unseen and probe.unseen_ops else ()
     if unseen_ops and composition.differentiated_by_transforms:  # no backend can
-        raise unseen_calls_refused(api, unseen_ops, composition.describe())
+        raise unseen_calls_refused(api, unseen_ops, composition.describe(), True)
     if probe.mutates_leaves:
         diff = diff.replace_leaves(tuple(leaf.clone() for leaf in diff.leaves))
     return Problem(f, args, kwargs, diff, options, batch, probe.spec, draw, want_pullback,
@@ -779,7 +779,11 @@ def _evaluate_probe(api: str, f: Callable[..., Any], args: tuple[Any, ...],
     versions = [_torch_compat.version(leaf) for leaf in copies]
     leaves = tuple(leaf.requires_grad_() for leaf in copies) if with_grad else copies
     census = OpCensus()
-    unseen = UnseenCalls()
+    unseen = [UnseenCalls()]  # the last evaluation's (NOTE [unseen calls])
+
+    def look() -> UnseenCalls:
+        unseen.append(UnseenCalls())
+        return unseen[-1]
 
     def evaluate(values: tuple[Tensor, ...]) -> Any:
         return f(*diff.rebuild_args(args, values), **kwargs)
@@ -788,7 +792,7 @@ def _evaluate_probe(api: str, f: Callable[..., Any], args: tuple[Any, ...],
         return evaluate_f(evaluate, leaves,
                           lambda: draw.evaluation(full=with_grad, restore_after=True),
                           _probe_attention, lambda: census, FrozenRunningStats,
-                          (lambda: unseen) if look_unseen else contextlib.nullcontext)
+                          look if look_unseen else contextlib.nullcontext)
 
     with torch.set_grad_enabled(with_grad):
         try:
@@ -818,7 +822,7 @@ def _evaluate_probe(api: str, f: Callable[..., Any], args: tuple[Any, ...],
                       for leaf, before in zip(copies, versions, strict=True))
         spec = make_output_spec(api, out, batch, whole_batch=whole_batch)
         probe = Probe(spec, tuple(census.unbatched), mutated, census.sparse_embeddings,
-                      census.differentiates, tuple(unseen.ops) if look_unseen else None)
+                      census.differentiates, tuple(unseen[-1].ops) if look_unseen else None)
         if not with_grad or census.differentiates is not None:  # the backend evaluates f
             return probe, None  # with ops differentiable at any order (Problem._evaluation)
         rows = concat_rows(optree.tree_leaves(out), probe.spec.dtype)

@@ -13,32 +13,47 @@
 # and the oracle (``jacrev`` under ``grad``) itself wrong once the scripted function had
 # warmed up. No backend can compute it, so such a call is refused before any work.
 #
-# How it is seen: during the probe of a call whose ``G`` will be differentiated, a
+# How it is seen: during the probe of a call whose ``G`` may be differentiated, a
 # torch-function mode counts the calls in flight (every torch function, Tensor method and
 # operator that Python code calls), and a torch-dispatch mode sees every aten op; an op
 # dispatched while no call is in flight came from code the modes cannot see (TorchScript, or
-# a C++ extension's function called directly). functorch's own unwrapping of the transforms'
-# tensors dispatches ``detach``, which is not counted. Under ``grad`` or ``jvp`` the call is
-# refused at once; with create-graph (inputs that require grad, also where the user never
-# differentiates ``G``) its value is right and returned, and its backward raises the refusal
-# (:func:`refuse_derivative`). The finding is kept with the probe of the call signature
+# a C++ extension's function called directly). Not counted: views and in-place views
+# (functorch's own unwrapping dispatches ``detach``, a ``vmap`` inside ``f`` moves its batch
+# dims with ``permute`` and ``expand``, ``torch.from_numpy`` and the legacy constructors
+# ``torch.Tensor([...])`` dispatch ``lift_fresh``, unpickling ``set_``) and ops without a
+# tensor argument (``torch.FloatTensor(3)``): none of them computes anything whose second
+# derivative could be lost (a scripted function made of views only would be missed).
+#
+# Under ``grad`` or ``jvp`` the call is refused at once. With create-graph (inputs that
+# require grad, also where the user never differentiates ``G``) the value is right and
+# returned, and its backward raises the refusal (:func:`refuse_derivative`), connected to
+# every tensor of the call that requires grad: once TorchScript has run a scripted
+# function a few times with inputs that require grad, its optimised plan gives the backends'
+# ``G`` no graph at all, and ``G``'s term would silently drop out of the user's backward
+# (the review of session 38). The finding is kept with the probe of the call signature
 # (NOTE [probing]); a probe cached by a call that did not look is made again, once. Like the
-# probe's other findings, an ``f`` that starts calling TorchScript later under a cached probe
-# is not seen (NOTE [stale probes] checks the calls the modes see).
+# probe's other findings, an ``f`` that starts calling TorchScript later under a cached
+# probe, or only with grad mode on (the probe runs without), is not seen.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
+from torch._ops import HigherOrderOperator
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-_BOOKKEEPING = frozenset({"aten.detach.default", "aten.alias.default"})
-"""Ops that transforms dispatch themselves around a call (NOTE [unseen calls])."""
+
+def _computes(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether an aten op computes from tensors: not a view, not a factory (NOTE above)."""
+    if func.is_view or torch.Tag.inplace_view in func.tags:
+        return False
+    return any(isinstance(value, Tensor) for value in (*args, *kwargs.values()))
 
 
 class _InFlight(TorchFunctionMode):
@@ -65,12 +80,18 @@ class _Dispatched(TorchDispatchMode):
         self._in_flight = in_flight
         self._ops = ops
 
+    supports_higher_order_operators = True  # torch.cond, flex_attention: passed through
+
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
-        name = str(func)
-        if self._in_flight.depth == 0 and name not in _BOOKKEEPING and name not in self._ops:
-            self._ops.append(name)
-        return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        if isinstance(func, HigherOrderOperator):  # torch has popped this mode for it
+            return func(*args, **kwargs)
+        if self._in_flight.depth == 0 and _computes(func, args, kwargs):
+            name = str(func)
+            if name not in self._ops:
+                self._ops.append(name)
+        return func(*args, **kwargs)
 
 
 class UnseenCalls:
@@ -111,12 +132,12 @@ class UnseenCalls:
 
 
 class _RefusedDerivative(torch.autograd.Function):
-    """The identity, whose backward raises the refusal it was given."""
+    """The identity on its first input, whose backward raises the refusal it was given."""
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(value: Tensor, refusal: str) -> Tensor:
+    def forward(value: Tensor, refusal: str, *connected: Tensor) -> Tensor:
         return value.clone()
 
     @staticmethod
@@ -128,24 +149,27 @@ class _RefusedDerivative(torch.autograd.Function):
         raise NotImplementedError(ctx.refusal)
 
 
-def refuse_derivative(value: Tensor, refusal: BaseException) -> Tensor:
-    """``value`` (a copy, where it carries a graph), whose backward raises ``refusal``.
+def refuse_derivative(value: Tensor, refusal: str, connected: Sequence[Tensor]) -> Tensor:
+    """``value`` (a copy), whose backward raises ``refusal`` (NOTE [unseen calls]).
 
-    A Gramian with a graph (create-graph) from an ``f`` whose unseen calls make its
-    derivative wrong (NOTE [unseen calls]): its value is right and returned; differentiating
-    it raises ``refusal``'s message instead of giving a wrong number.
+    The result depends on ``value`` and on every tensor of ``connected`` that requires grad
+    (the call's parameters and inputs): a backward that reaches any of them raises, also
+    where ``value`` itself came without a graph. ``value`` is returned as it is when nothing
+    requires grad.
 
     Example:
-        >>> x = torch.ones(2, requires_grad=True)
-        >>> G = refuse_derivative(x * 2, NotImplementedError("torchgram.gramian: no"))
+        >>> w = torch.ones(2, requires_grad=True)
+        >>> G = refuse_derivative(torch.ones(2, 2), "torchgram.gramian: no", [w])
         >>> G
-        tensor([2., 2.], grad_fn=<_RefusedDerivativeBackward>)
+        tensor([[1., 1.],
+                [1., 1.]], grad_fn=<_RefusedDerivativeBackward>)
         >>> try:
-        ...     G.sum().backward()
+        ...     (G.sum() + w.sum()).backward()
         ... except NotImplementedError as error:
         ...     print(error)
         torchgram.gramian: no
     """
-    if not value.requires_grad:
+    tensors = [t for t in connected if isinstance(t, Tensor) and t.requires_grad]
+    if not value.requires_grad and not tensors:
         return value
-    return _RefusedDerivative.apply(value, str(refusal))
+    return _RefusedDerivative.apply(value, refusal, *tensors)

@@ -36,13 +36,12 @@ from torch import Tensor
 from torchgram._core import _torch_compat, checks
 from torchgram._core.checks import fail, function_name
 from torchgram._core.cross import CrossProblem, PairSpec, mirror, row_shape
-from torchgram._core.errors import NotPerSample, OutputChanged, unseen_calls_refused
+from torchgram._core.errors import NotPerSample, OutputChanged
 from torchgram._core.options import Options
 from torchgram._core.per_sample import check_tiles, fails_alone
 from torchgram._core.problem import Problem, build_problem, forget_probe, replace_input_leaves
 from torchgram._core.progress import Progress
 from torchgram._core.result import RunReport
-from torchgram._core.unseen import refuse_derivative
 from torchgram.ntk._layout import check_axes, make_spec, nt_shape, to_nt_layout
 
 _API = "torchgram.ntk.empirical_ntk_fn"
@@ -279,8 +278,9 @@ class EmpiricalNTK:
         unseen = next((side for side in (left, right, *tiles1, *tiles2)
                        if side is not None and side.unseen_ops), None)
         if unseen is not None:  # NOTE [unseen calls]: the kernel's value, not its derivative
-            kernel = refuse_derivative(kernel, unseen_calls_refused(
-                unseen.api, unseen.unseen_ops, unseen.composition.describe()))
+            from torchgram._api.pipeline import refused_derivatives
+
+            kernel = refused_derivatives(unseen, [kernel])[0]
         self.last_run = KernelRun(nt_shape(spec, shape1, shape2), tuple(backends),
                                   (len(tiles1), len(tiles2)), total, tile,
                                   time.perf_counter() - start, reports, tile_notes)
