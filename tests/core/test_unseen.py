@@ -210,3 +210,30 @@ def test_higher_order_operators_pass_through() -> None:
         y = torch.cond(x.sum() > 0, lambda v: v * 2.0, lambda v: v * 3.0, (x,))
     assert unseen.ops == []
     torch.testing.assert_close(y, x * (2.0 if x.sum() > 0 else 3.0))
+
+
+@pytest.mark.parametrize("backend", ["auto", "jacobian", "graph"])
+def test_the_update_of_a_warmed_scripted_function_refuses_its_derivative(backend: str) -> None:
+    """``aggregated_grad``'s update with create-graph: once the scripted function had warmed
+    up, auto and jacobian returned it without a graph (its term silently left the backward)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+
+        @torch.jit.script
+        def fresh_linear(h: Tensor, w: Tensor) -> Tensor:
+            return h @ w.t()
+
+    f = _losses(fresh_linear)
+    params = {name: value.clone().requires_grad_() for name, value in _params().items()}
+    for _ in range(6):
+        f(params, IDS).sum().backward()
+    update, _ = tg.aggregated_grad(f, tg.weighting.mean, backend=backend, batch_dim=0)(
+        params, IDS)
+    with torch.no_grad():
+        expected = torch.func.grad(lambda p: f(p, IDS).mean())(
+            {name: value.detach() for name, value in params.items()})
+    for name, value in update.items():
+        torch.testing.assert_close(value, expected[name], rtol=1e-10, atol=1e-12)
+        assert value.requires_grad
+    with pytest.raises(NotImplementedError, match="TorchScript"):
+        (update["w"].sum() + params["w"].sum()).backward()

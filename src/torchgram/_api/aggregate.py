@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from torchgram._api.pipeline import compute, outside_compile
+from torchgram._api.pipeline import compute, outside_compile, refused_derivatives
 from torchgram._api.step_times import StepTimes, Stopwatch
 from torchgram._api.weights import call_weighting, check_weighting
 from torchgram._core import checks
@@ -115,6 +115,8 @@ def aggregated_grad(
             grads = computation.pullback(weights)  # fresh tensors: nothing of the scope
         times = StepTimes(gramian_time, weighting_time, watch.lap())
         problem = computation.problem
+        if problem.unseen_ops:  # NOTE [unseen calls]: Jᵀw's derivative needs f's second ones
+            grads = tuple(refused_derivatives(problem, list(grads)))
         update = problem.diff.unflatten_like_args(list(grads),
                                                   as_tuple=not options.single_argnum)
         shaped_weights = shape_block(problem, weights, diagonal=True)

@@ -30,10 +30,13 @@
 # every tensor of the call that requires grad: once TorchScript has run a scripted
 # function a few times with inputs that require grad, its optimised plan gives the backends'
 # ``G`` no graph at all, and ``G``'s term would silently drop out of the user's backward
-# (the review of session 38). The finding is kept with the probe of the call signature
-# (NOTE [probing]); a probe cached by a call that did not look is made again, once. Like the
-# probe's other findings, an ``f`` that starts calling TorchScript later under a cached
-# probe, or only with grad mode on (the probe runs without), is not seen.
+# (the review of session 38). The same holds for ``aggregated_grad``'s update ``Jᵀw``, whose
+# derivative also needs ``f``'s second derivatives (jacobian's kept Jacobian gave it no graph
+# once warmed): its derivative is refused the same way. The finding is kept with the probe
+# of the call signature (NOTE [probing]); a probe cached by a call that did not look is made
+# again, once. Like the probe's other findings, an ``f`` that starts calling TorchScript
+# later under a cached probe, or only with grad mode on (the probe runs without), is not
+# seen.
 """
 
 from __future__ import annotations
