@@ -60,6 +60,23 @@ def _params() -> dict[str, Tensor]:
 IDS = torch.tensor([0, 3, 3, 1])
 
 
+def _warmed(steps: int) -> tuple[Callable[..., Tensor], dict[str, Tensor]]:
+    """Losses through a freshly scripted linear layer, warmed by ``steps`` training steps
+    (backwards with parameters that require grad), and those parameters."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+
+        @torch.jit.script
+        def fresh_linear(h: Tensor, w: Tensor) -> Tensor:
+            return h @ w.t()
+
+    f = _losses(fresh_linear)
+    params = {name: value.clone().requires_grad_() for name, value in _params().items()}
+    for _ in range(steps):
+        f(params, IDS).sum().backward()
+    return f, params
+
+
 def test_unseen_calls_sees_the_ops_of_a_scripted_function_only() -> None:
     params = _params()
     with UnseenCalls() as plain:
@@ -185,17 +202,7 @@ def test_views_and_constants_made_outside_torch_calls_are_not_unseen_calls() -> 
 def test_a_warmed_scripted_function_that_gives_g_no_graph_still_refuses() -> None:
     """TorchScript's optimised plan, after a few runs with inputs that require grad, gave the
     backends' G no graph: its term silently left the user's backward (session 38's review)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-
-        @torch.jit.script
-        def fresh_linear(h: Tensor, w: Tensor) -> Tensor:
-            return h @ w.t()
-
-    f = _losses(fresh_linear)
-    params = {name: value.clone().requires_grad_() for name, value in _params().items()}
-    for _ in range(2):  # ordinary training steps warm the function up
-        f(params, IDS).sum().backward()
+    f, params = _warmed(steps=2)
     G = tg.gramian(f, batch_dim=0)(params, IDS)
     torch.testing.assert_close(G, dense_gramian(f, (params, IDS)).shaped(), rtol=1e-10,
                                atol=1e-12)
@@ -216,17 +223,7 @@ def test_higher_order_operators_pass_through() -> None:
 def test_the_update_of_a_warmed_scripted_function_refuses_its_derivative(backend: str) -> None:
     """``aggregated_grad``'s update with create-graph: once the scripted function had warmed
     up, auto and jacobian returned it without a graph (its term silently left the backward)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-
-        @torch.jit.script
-        def fresh_linear(h: Tensor, w: Tensor) -> Tensor:
-            return h @ w.t()
-
-    f = _losses(fresh_linear)
-    params = {name: value.clone().requires_grad_() for name, value in _params().items()}
-    for _ in range(6):
-        f(params, IDS).sum().backward()
+    f, params = _warmed(steps=6)
     update, _ = tg.aggregated_grad(f, tg.weighting.mean, backend=backend, batch_dim=0)(
         params, IDS)
     with torch.no_grad():

@@ -779,7 +779,7 @@ def _evaluate_probe(api: str, f: Callable[..., Any], args: tuple[Any, ...],
     versions = [_torch_compat.version(leaf) for leaf in copies]
     leaves = tuple(leaf.requires_grad_() for leaf in copies) if with_grad else copies
     census = OpCensus()
-    unseen = [UnseenCalls()]  # the last evaluation's (NOTE [unseen calls])
+    unseen: list[UnseenCalls] = []  # one per evaluation attempt (NOTE [unseen calls])
 
     def look() -> UnseenCalls:
         unseen.append(UnseenCalls())

@@ -78,12 +78,12 @@ class _InFlight(TorchFunctionMode):
 class _Dispatched(TorchDispatchMode):
     """Notes the aten ops dispatched while no torch call is in flight."""
 
+    supports_higher_order_operators = True  # torch.cond, flex_attention: passed through
+
     def __init__(self, in_flight: _InFlight, ops: list[str]) -> None:
         super().__init__()
         self._in_flight = in_flight
         self._ops = ops
-
-    supports_higher_order_operators = True  # torch.cond, flex_attention: passed through
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
