@@ -318,3 +318,27 @@ def test_forward_mode_failures_under_autocast_name_the_other_backends() -> None:
         else:
             torch.testing.assert_close(G, expected, rtol=2e-2,
                                        atol=2e-2 * expected.abs().max().item())
+
+
+def test_forward_mode_failures_on_mixed_dtype_parameters_name_the_other_backends() -> None:
+    """A float32 LayerNorm between bfloat16 layers (a common mixed-precision layout): torch
+    2.13's forward mode gives the norm's output a float32 tangent, and the next bfloat16
+    linear layer raises "expected m1 and m2 to have the same dtype", where the plain call
+    runs. A raw error from ntvp before session 39; now a torchgram error naming the reverse
+    backends, and auto answers."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.LayerNorm(16),
+                                torch.nn.GELU(), torch.nn.Linear(16, 3))
+    fn, params = tg.functionalize(model)
+    params = {name: value.detach().float() if name.startswith("1.")
+              else value.detach().to(torch.bfloat16) for name, value in params.items()}
+    x, y = torch.randn(8, 6).to(torch.bfloat16), torch.arange(8) % 3
+
+    def f(p: dict[str, Tensor], x: Tensor, y: Tensor) -> Tensor:
+        return torch.nn.functional.cross_entropy(fn(p, x).float(), y, reduction="none")
+
+    expected = tg.gramian(f, backend="jacobian", batch_dim=0)(params, x, y)
+    torch.testing.assert_close(tg.gramian(f, batch_dim=0)(params, x, y), expected,
+                               rtol=2e-2, atol=2e-2 * expected.abs().max().item())
+    with pytest.raises(tg.BackendCannotRun, match=r"several dtypes.*backend='jacobian'"):
+        tg.gramian(f, backend="ntvp", batch_dim=0)(params, x, y)

@@ -21,7 +21,7 @@ from torchgram._core.errors import OutputChanged, torch_refusals, unseen_calls_r
 from torchgram._core.options import Options
 from torchgram._core.problem import Problem, build_problem, forget_probe
 from torchgram._core.pytree import detach_tree, leaves_of
-from torchgram._core.result import NO_AUX, BackendResult
+from torchgram._core.result import NO_AUX, BackendResult, RunReport
 from torchgram._core.sink import assemble, shape_block, to_backend_order, to_output_order
 from torchgram._core.unseen import refuse_derivative
 from torchgram.backends import get_backend
@@ -189,6 +189,9 @@ def _refuse_dtensors(options: Options, args: tuple[Any, ...]) -> None:
 
 
 def _run(problem: Problem) -> BackendResult:
+    if problem.num_rows == 0:  # f returned no entries: every block is empty, nothing to run
+        slots = len(problem.leaves) if problem.per_leaf else 1
+        return BackendResult((None,) * slots, RunReport(problem.options.backend, "no rows"))
     try:
         return get_backend(problem.options.backend)(problem)
     except OutputChanged:  # the call starts afresh, from its own random state (NOTE [one draw])
@@ -206,6 +209,12 @@ def compute_cross(problem: CrossProblem) -> CrossResult:
     side's random-number state is left where a plain call of ``f`` leaves it.
     """
     try:
+        if problem.left.num_rows == 0:  # f returns no entries: every block is empty
+            left = problem.left
+            return CrossResult(tuple(
+                torch.zeros(problem.block_shape(index), dtype=left.compute_dtype,
+                            device=left.output.device) for index in range(len(problem.rights))),
+                RunReport(left.options.backend, "no rows"))
         return get_cross_backend(problem.left.options.backend)(problem)
     finally:
         for side in (problem.left, *problem.rights):

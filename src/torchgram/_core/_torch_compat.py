@@ -172,6 +172,8 @@ def reached_leaves(output: Tensor, leaves: Sequence[Tensor],
 
     A tensor is reached when the walk meets its gradient edge's node: its ``AccumulateGrad``
     for a leaf, its ``grad_fn`` otherwise (a view of a parameter that requires gradients).
+    A tensor without entries is never reported: no derivative reaches it through the graph
+    (the structured backend's NOTE [empty leaves]).
 
     Example:
         >>> a, b = torch.ones(2, requires_grad=True), torch.ones(2, requires_grad=True)
@@ -184,8 +186,10 @@ def reached_leaves(output: Tensor, leaves: Sequence[Tensor],
             return [i]
     # A leaf tensor is known by identity from its AccumulateGrad node's variable (asking for
     # its gradient edge would create that node, ~15 µs a leaf), any other by its grad_fn.
-    by_id = {id(leaf): i for i, leaf in enumerate(leaves) if leaf.grad_fn is None}
-    by_node = {leaf.grad_fn: i for i, leaf in enumerate(leaves) if leaf.grad_fn is not None}
+    by_id = {id(leaf): i for i, leaf in enumerate(leaves)
+             if leaf.grad_fn is None and leaf.numel()}
+    by_node = {leaf.grad_fn: i for i, leaf in enumerate(leaves)
+               if leaf.grad_fn is not None and leaf.numel()}
     found = set()
     for node in graph_nodes(output) if nodes is None else nodes:
         if node in by_node:

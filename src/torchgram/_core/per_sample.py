@@ -218,10 +218,10 @@ def compare_pullbacks(problem: Problem, weights: Tensor,
     def compare() -> bool:
         # the batch's products less the parts' own
         difference = pullback(lambda *values: problem.rows(values)[0], weights)
-        scale = [grad.detach().abs().amax() for grad in difference]
+        scale = [_largest(grad) for grad in difference]
         for rows, part_weights in parts:
             for k, grad in enumerate(pullback(rows, part_weights)):
-                scale[k] = torch.maximum(scale[k], grad.detach().abs().amax())
+                scale[k] = torch.maximum(scale[k], _largest(grad))
                 difference[k] = difference[k] - grad
         rtol = tolerance(problem.output.dtype)
         return all(bool((gap.detach().abs() <= rtol * largest).all())
@@ -230,6 +230,17 @@ def compare_pullbacks(problem: Problem, weights: Tensor,
     if not functional.with_grad(compare):
         raise NotPerSample(f"{what} have other derivatives than in the batch: the samples "
                            "interact (e.g. x - x.mean(0))")
+
+
+def _largest(grad: Tensor) -> Tensor:
+    """``max |grad|``, zero for a gradient without entries (a zero-size leaf's).
+
+    Example:
+        >>> _largest(torch.tensor([1.0, -3.0])), _largest(torch.zeros(0, 3))
+        (tensor(3.), tensor(0.))
+    """
+    grad = grad.detach()
+    return grad.abs().amax() if grad.numel() else grad.new_zeros(())
 
 
 def subset_rows(problem: Problem, samples: list[int],
@@ -337,7 +348,7 @@ def check_samples(problem: Problem, sample_rows: Tensor, samples: Tensor,
     expected = full[problem.sample_major_index[samples]]
     actual = sample_rows.detach().reshape(expected.shape).to(expected.dtype)
     rtol = tolerance(problem.output.dtype)
-    bound = expected.abs().add_(full.abs().max()).mul_(rtol)  # rtol (scale + |e|)
+    bound = expected.abs().add_(_largest(full)).mul_(rtol)  # rtol (scale + |e|)
     if not bool((actual - expected).abs_().le(bound).all()):  # NaN: never within
         worst = int(((actual - expected).abs().amax(dim=1)).argmax())
         raise NotPerSample(

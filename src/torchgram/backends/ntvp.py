@@ -286,15 +286,33 @@ def _bytes(tensors: Sequence[Tensor]) -> int:
 
 def _push_forward(problem: Problem, rows_fn: Callable[..., Tensor],
                   primals: Sequence[Tensor], tangents: Tangents) -> Tensor:
-    """``[c, m]``: ``rows_fn``'s jvp at ``primals`` along each of the ``c`` tangents."""
+    """``[c, m]``: ``rows_fn``'s jvp at ``primals`` along each of the ``c`` tangents.
+
+    A primal whose entries share memory (an expanded leaf: a stride 0 across a dim of
+    several entries) is copied first: forward AD writes each tangent into a view of its
+    primal and refuses one that overlaps itself; the copy has the same entries.
+    """
+    primals = tuple(primal.clone() if _overlaps_itself(primal) else primal
+                    for primal in primals)
 
     def push(*tangent: Tensor) -> Tensor:
-        return torch.func.jvp(rows_fn, tuple(primals), tangent)[1]
+        return torch.func.jvp(rows_fn, primals, tangent)[1]
 
     with FORWARD_AD_LOCK, _forward_mode(problem):  # forward AD is process-wide: NOTE [threads]
         if tangents[0].shape[0] == 1:
             return push(*(t[0] for t in tangents)).unsqueeze(0)
         return torch.func.vmap(push)(*tangents)
+
+
+def _overlaps_itself(tensor: Tensor) -> bool:
+    """Whether two entries of ``tensor`` are one memory location (a stride 0, as expand's).
+
+    Example:
+        >>> _overlaps_itself(torch.zeros(3, 1).expand(3, 5)), _overlaps_itself(torch.zeros(3, 5).T)
+        (True, False)
+    """
+    return any(stride == 0 and size > 1
+               for stride, size in zip(tensor.stride(), tensor.shape, strict=True))
 
 
 def _rows_per_chunk(problem: Problem, num_rows: int) -> int:
@@ -345,6 +363,20 @@ def _first_jvp() -> None:
 _ALTERNATIVES = ("jacobian", "graph")
 
 
+def _dtype_mixing(problem: Problem) -> tuple[str, str] | None:
+    """Where ``f`` mixes floating dtypes (autocast, or leaves of several), and the way out.
+
+    Forward mode may then fail where the plain call ran (NOTE [missing forward AD]).
+    """
+    if torch.is_autocast_enabled(problem.output.device.type):
+        return "under torch.autocast", "Or call it outside torch.autocast."
+    dtypes = sorted({str(leaf.dtype) for leaf in problem.leaves})
+    if len(dtypes) > 1:
+        return (f"on parameters of several dtypes ({', '.join(dtypes)})",
+                "Or give every parameter one dtype.")
+    return None
+
+
 @contextlib.contextmanager
 def _forward_mode(problem: Problem) -> Iterator[None]:
     """Run forward-mode AD with attention's math kernel; explain ops that lack forward AD."""
@@ -353,15 +385,18 @@ def _forward_mode(problem: Problem) -> Iterator[None]:
             yield
     except (NotImplementedError, RuntimeError) as err:
         missing = _torch_compat.missing_forward_ad(err)
-        if missing is None and isinstance(err, RuntimeError) \
-                and torch.is_autocast_enabled(problem.output.device.type):
-            # f ran plainly (the probe); torch 2.13's forward mode under autocast does not
-            # always (a grouped conv after a batch norm: "Input type (torch.FloatTensor) and
-            # weight type (CPUBFloat16Type) should be the same", session 26)
+        mixing = _dtype_mixing(problem)
+        if missing is None and isinstance(err, RuntimeError) and mixing is not None:
+            # f ran plainly (the probe); torch 2.13's forward mode with mixed dtypes does not
+            # always: its tangents can take another dtype than their primals (under autocast,
+            # a grouped conv after a batch norm: "Input type (torch.FloatTensor) and weight
+            # type (CPUBFloat16Type) should be the same", session 26; a float32 LayerNorm
+            # between bfloat16 layers: "expected m1 and m2 to have the same dtype", session 39)
+            where, fix = mixing
             raise BackendCannotRun(
-                problem.api, "ntvp", "forward-mode AD that torch runs under torch.autocast",
-                f"torch's error in forward mode under autocast: {str(err).splitlines()[0]}",
-                _ALTERNATIVES, "Or call it outside torch.autocast.") from err
+                problem.api, "ntvp", f"forward-mode AD that torch runs {where}",
+                f"torch's error in forward mode {where}: {str(err).splitlines()[0]}",
+                _ALTERNATIVES, fix) from err
         if missing is None:
             raise
         kind, name = missing

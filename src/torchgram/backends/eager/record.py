@@ -271,7 +271,7 @@ class RecordMode(TorchFunctionMode):
         for value in _tensors_of(args, kwargs):
             ref = self._refs.get(id(value))
             if ref is None and value.is_leaf and value.requires_grad \
-                    and value.is_floating_point():
+                    and value.is_floating_point() and value.numel():  # NOTE [empty leaves]
                 ref = self._refs[id(value)] = LeafRef(len(self.recording.leaves))
                 self.recording.leaves.append(value)
             if ref is not None:

@@ -449,6 +449,16 @@ def describe(func: Any) -> str:
     return name
 
 
+# NOTE [empty leaves]
+# A leaf without entries (numel 0: a device-marker `nn.Parameter(torch.empty(0))`, a rank-0
+# adapter, a pruned layer) has an empty Jacobian, so its block is zero and its update empty.
+# Its uses have a width of 0, which the rules' factor shapes cannot hold (`reshape(..., -1,
+# groups, 0)` is ambiguous): every backend raised torch's errors (session 39). The modes
+# that tap uses (TapMode, the eager RecordMode) leave such a leaf untracked, so it is
+# planned "unused"; the derivative check reads the largest entry of a gradient as 0 when
+# it has none.
+
+
 class TapMode(TorchFunctionMode):
     """Runs ``f`` recognising, tapping and recording the uses of parameter leaves.
 
@@ -506,7 +516,8 @@ class TapMode(TorchFunctionMode):
         self._refs: dict[int, LeafRef] = {}
         self._pins: list[Tensor] = list(leaves)  # keep ids valid for the whole run
         for index, leaf in enumerate(leaves):
-            self._refs.setdefault(id(leaf), LeafRef(index))
+            if leaf.numel():  # a leaf without entries has no uses to tap (NOTE [empty leaves])
+                self._refs.setdefault(id(leaf), LeafRef(index))
         self._plain = list(plain)
         self._tapped = None if tapped is None else frozenset(tapped)
         self._taps = taps
