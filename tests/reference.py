@@ -26,6 +26,7 @@ from typing import Any
 import optree
 import torch
 from torch import Tensor
+from torch.overrides import TorchFunctionMode
 
 
 @dataclass
@@ -95,6 +96,27 @@ def dense_gramian(f: Callable[..., Any], args: Sequence[Any],
     return Dense(jacobian @ jacobian.T, blocks, jacobian, output)
 
 
+class PreluByDefinition(TorchFunctionMode):
+    """``prelu(x, w)`` evaluated as its definition, ``where(x > 0, x, w * x)``.
+
+    For derivatives *through* a Gramian: torch 2.13's double backward of ``prelu`` at
+    ``x = 0`` is not the derivative of its own backward (the backward scales the cotangent by
+    ``w`` there, the double backward differentiates it as if by 1), so second derivatives
+    of ``f`` through a prelu at 0 came out wrong (``tests/core/test_prelu.py``). First derivatives
+    are the same either way.
+    """
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func in (torch.prelu, Tensor.prelu) and len(args) == 2 and not kwargs:
+            x, weight = args
+            slope = weight.reshape(()) if weight.numel() == 1 else \
+                weight.reshape(1, -1, *([1] * (x.dim() - 2)))
+            return torch.where(x > 0, x, slope * x)
+        return func(*args, **kwargs)
+
+
 def dense_gramian_fn(f: Callable[..., Any], argnums: int | tuple[int, ...] = 0, *,
                      chunk_size: int | None = None) -> Callable[..., Tensor]:
     """The oracle as a function of ``f``'s arguments, differentiable and batchable.
@@ -105,13 +127,15 @@ def dense_gramian_fn(f: Callable[..., Any], argnums: int | tuple[int, ...] = 0, 
     returns it (``S + S`` for a tensor output of shape ``S``, ``[m, m]`` for a pytree) in the
     output's dtype; the product is formed in the widest dtype of the Jacobian's columns.
     ``chunk_size=1`` makes ``jacrev`` loop instead of ``vmap`` (the derivatives of batched
-    batch-norm backwards are wrong in torch 2.13).
+    batch-norm backwards are wrong in torch 2.13); prelu runs as its definition
+    (:class:`PreluByDefinition`: its double backward is wrong at 0).
     """
     def gramian(*args: Any) -> Tensor:
         leaves, rebuild = _float_leaves(args, argnums)
 
         def flat_output(*values: Tensor) -> tuple[Tensor, Any]:
-            out = f(*rebuild(values))
+            with PreluByDefinition():
+                out = f(*rebuild(values))
             return torch.cat([leaf.reshape(-1) for leaf in optree.tree_leaves(out)]), out
 
         per_leaf, out = torch.func.jacrev(flat_output, argnums=tuple(range(len(leaves))),

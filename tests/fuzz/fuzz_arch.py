@@ -114,6 +114,20 @@ class Elementwise:
 
 
 @dataclass(frozen=True)
+class Kink:
+    """A nonlinearity at its kink: every other feature made exactly 0 (``h - h.detach()``,
+    whose derivative is ``h``'s), then ``prelu`` with a learned slope, or ``fmax`` / ``fmin``
+    / ``clamp`` against a zero tensor (ties).
+
+    Forward and reverse mode take other derivatives there (NOTE [kinks in forward mode]),
+    and prelu's backward is wrong under nested ``vmap`` (NOTE [prelu as where]).
+    """
+
+    kind: Literal["prelu", "fmax", "fmin", "clamp"] = "prelu"
+    frozen: bool = False
+
+
+@dataclass(frozen=True)
 class Distance:
     """Distances to learned anchors: ``torch.cdist(h, A)``, ``A`` of shape ``[anchors, D]``."""
 
@@ -207,7 +221,7 @@ class FusedRnn:
     bias: bool = True
 
 
-Layer = (Linear | Conv1d | Attention | RnnCell | Norm | Elementwise | Distance | Buffer
+Layer = (Linear | Conv1d | Attention | RnnCell | Norm | Elementwise | Kink | Distance | Buffer
          | Activation | TiedOut | Center | Route | Gate | Dropout | FusedRnn)
 
 
@@ -390,6 +404,9 @@ def walk_shapes(case_input: Features | Tokens, length: int,
                 add(_Param(i, "factor", (2, d), layer.frozen))
             else:
                 add(_Param(i, "gate", (d,), layer.frozen))
+        elif isinstance(layer, Kink):
+            if layer.kind == "prelu":
+                add(_Param(i, "slope", (1,), layer.frozen, "positive"))
         elif isinstance(layer, Distance):
             add(_Param(i, "anchors", (layer.anchors, d), layer.frozen))
             shapes.width = layer.anchors
@@ -531,6 +548,15 @@ def _layer(case: FuzzCase, i: int, layer: Layer, h: Tensor, get: Get) -> Tensor:
             return h * get(i, "scale")[1:-1]
         factor = get(i, "factor")
         return h + 0.5 * h @ (factor.T @ factor)
+    if isinstance(layer, Kink):
+        ties = torch.arange(h.shape[-1], device=h.device) % 2 == 0
+        h = torch.where(ties, h - h.detach(), h)  # every other feature 0, with h's derivative
+        if layer.kind == "prelu":
+            return F.prelu(h, get(i, "slope"))
+        zero = torch.zeros(h.shape[-1], dtype=h.dtype, device=h.device)
+        if layer.kind == "clamp":
+            return torch.clamp(h, min=zero, max=zero + 1)
+        return torch.fmax(h, zero) if layer.kind == "fmax" else torch.fmin(zero, h)
     if isinstance(layer, Distance):
         return torch.cdist(h, get(i, "anchors"), p=layer.p)
     if isinstance(layer, Buffer):
@@ -863,9 +889,9 @@ def _build_function(case: FuzzCase, values: dict[tuple[int, str], Tensor],
     else:
         groups = [_layout(case, trainable)]
     if case.extra_leaves:
-        extra = {"unused": torch.ones(2, dtype=x.dtype if x.is_floating_point()
-                                      else getattr(torch, case.dtype)),
-                 "step": torch.tensor(3), "gain": 0.5, "name": "extra"}
+        dtype = x.dtype if x.is_floating_point() else getattr(torch, case.dtype)
+        extra = {"unused": torch.ones(2, dtype=dtype), "marker": torch.empty(0, dtype=dtype),
+                 "step": torch.tensor(3), "gain": 0.5, "name": "extra"}  # NOTE [empty leaves]
         groups[0] = {"model": groups[0], "extra": extra}
     const_tree = _layout(case, consts)
 

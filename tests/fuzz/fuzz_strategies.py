@@ -38,6 +38,7 @@ from fuzz_arch import (
     FuzzCase,
     Gate,
     Head,
+    Kink,
     Layer,
     Linear,
     Norm,
@@ -99,7 +100,7 @@ def _divisors(n: int) -> list[int]:
 def _layer(draw: st.DrawFn, backend: str, width: int, length: int, tokens: Tokens | None,
            linears: dict[int, tuple[int, int]], batch: int, declared: bool,
            in_place: bool = False) -> Layer:
-    kinds = ["linear", "linear", "conv", "attention", "rnn", "elementwise", "distance",
+    kinds = ["linear", "linear", "conv", "attention", "rnn", "elementwise", "kink", "distance",
              "buffer", "activation", "activation"]
     if width > 1:  # a norm over one value is constant, its float32 gradient only round-off
         kinds.append("norm")
@@ -171,6 +172,9 @@ def _layer(draw: st.DrawFn, backend: str, width: int, length: int, tokens: Token
     if kind == "elementwise":
         return Elementwise(kind=draw(st.sampled_from(["scale_shift", "square_gate", "exp",
                                                       "slice", "gram"])), frozen=frozen)
+    if kind == "kink":
+        return Kink(kind=draw(st.sampled_from(["prelu", "fmax", "fmin", "clamp"])),
+                    frozen=frozen)
     if kind == "distance":  # p = 2 only: other p are not smooth where two points meet
         return Distance(anchors=draw(st.integers(1, 3)), frozen=frozen)
     if kind == "buffer":

@@ -29,6 +29,7 @@ from fuzz_arch import (
     FusedRnn,
     FuzzCase,
     Head,
+    Kink,
     Linear,
     Norm,
     RnnCell,
@@ -722,3 +723,40 @@ def test_gramian_differentiated_through_torchscript(backend: str, mode: str) -> 
         assert outcome.startswith(("answered", "refused")), outcome
         if mode != "vmap":
             assert not outcome.startswith("answered"), outcome
+
+
+@pytest.mark.parametrize("batch_dim", [0, None], ids=["batch0", "dense"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_in_place_change_met_by_fs_own_backward_in_the_probe(backend: str,
+                                                              batch_dim: int | None) -> None:
+    """An ``f`` that differentiates itself (its input gradient) through a ``tanh`` output it
+    then changed in place: torch refuses the backward inside ``f``; the probe, which retries
+    such an ``f`` with gradients, let torch's raw error out before session 39 (found by the
+    fixed-seed fuzz run once its strategy gained the ``Kink`` layer)."""
+    case = FuzzCase(
+        seed=0, batch=1, length=1, input=Features(width=1, flat=False),
+        layers=(Activation(kind="tanh", inplace=False), Activation(kind="tanh", inplace=True),
+                Elementwise(kind="scale_shift", frozen=False)),
+        head=Head(kind="sq_mean", classes=2), dtype="float32", batch_dim=batch_dim,
+        output_dim=0, input_dim=0, as_module=True, input_via="positional", mixed_dtypes=True,
+        layout="flat", consts_via="closure", params_at="first", extra_leaves=False,
+        has_aux=False, diagonal=False, per_leaf=False, chunk_size=None, memory_budget=None,
+        repeat="none", head_extra="input_gradient", requires_grad=True, noncontiguous=True,
+        alias_tied=False, grad_mode="enabled")
+    assert check(case, backend) == "refused (in place, as torch's autograd)"
+
+
+@pytest.mark.parametrize("kind", ["prelu", "fmax", "fmin", "clamp"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kinks_with_as_many_samples_as_rows(backend: str, kind: str) -> None:
+    """NOTE [kinks in forward mode], NOTE [prelu as where]: features exactly at the kink;
+    two samples of two rows each (prelu's backward under nested vmap: wrong values where
+    those sizes are equal)."""
+    case = FuzzCase(
+        seed=1, batch=2, length=1, input=Features(width=3, flat=True),
+        layers=(Linear(out=4, bias=True), Kink(kind=kind), Linear(out=2, bias=True)),
+        head=Head(kind="feat", classes=2), dtype="float64", batch_dim=0, output_dim=0,
+        input_dim=0, as_module=False, input_via="positional", mixed_dtypes=False,
+        layout="flat", consts_via="closure", params_at="first", extra_leaves=False,
+        has_aux=False, diagonal=False, per_leaf=True, chunk_size=None, memory_budget=None)
+    assert check(case, backend) == "answered"

@@ -24,6 +24,7 @@ from torch.overrides import TorchFunctionMode
 
 from torchgram._core import _torch_compat
 from torchgram._core.errors import OutputChanged, gradient_hooks_refused
+from torchgram._core.prelu import PRELU, calls_prelu
 
 _MISSING = object()
 
@@ -134,11 +135,12 @@ class ProbeCheck(TorchFunctionMode):
     """
 
     def __init__(self, unbatched: Collection[str], sparse_embeddings: bool,
-                 differentiates: str | None = None) -> None:
+                 differentiates: str | None = None, decomposed: Collection[str] = ()) -> None:
         super().__init__()
         self._unbatched = unbatched
         self._sparse_embeddings = sparse_embeddings
         self._differentiates = differentiates
+        self._decomposed = decomposed
         self.unseen: list[str] = []
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
@@ -153,6 +155,8 @@ class ProbeCheck(TorchFunctionMode):
             how = _torch_compat.self_differentiation(func)
             if how is not None:
                 self.unseen.append(how)
+        if calls_prelu(func) and PRELU not in self._decomposed:  # NOTE [prelu as where]
+            self.unseen.append(PRELU)
         return func(*args, **kwargs)
 
     def __exit__(self, *exc: Any) -> None:
@@ -219,6 +223,8 @@ class OpCensus(TorchFunctionMode):
             dense one here: NOTE [sparse embedding gradients]).
         differentiates: How ``f`` first differentiated its own computation, or ``None`` (NOTE
             [f that differentiates itself]).
+        decomposed: Calls that torchgram's later evaluations of ``f`` run decomposed (NOTE
+            [prelu as where]).
     """
 
     def __init__(self) -> None:
@@ -228,6 +234,7 @@ class OpCensus(TorchFunctionMode):
         self.hooks = 0
         self.sparse_embeddings = False
         self.differentiates: str | None = None
+        self.decomposed: list[str] = []
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
@@ -246,4 +253,6 @@ class OpCensus(TorchFunctionMode):
         name = _torch_compat.wrong_batched_backward(func)
         if name is not None and name not in self.unbatched:
             self.unbatched.append(name)
+        if calls_prelu(func) and PRELU not in self.decomposed:
+            self.decomposed.append(PRELU)
         return func(*args, **kwargs)

@@ -276,6 +276,28 @@ def in_place_what(error: RuntimeError) -> str:
     return str(error).split(". Hint:")[0]
 
 
+def in_place_refusal(api: str, error: BaseException) -> ValueError | None:
+    """The ``ValueError`` for torch's refusal of a saved tensor modified in place, or ``None``.
+
+    NOTE [in-place modifications]: every backend refuses such an ``f``, and so does the
+    probe when ``f``'s own backward (NOTE [f that differentiates itself]) meets it.
+
+    Example:
+        >>> refusal = in_place_refusal("torchgram.gramian", ModifiedInPlace("h was"))
+        >>> str(refusal)[:66]
+        'torchgram.gramian: expected f that leaves the tensors its differen'
+        >>> in_place_refusal("torchgram.gramian", RuntimeError("other")) is None
+        True
+    """
+    if not isinstance(error, ModifiedInPlace) and not (
+            isinstance(error, RuntimeError) and _torch_compat.is_in_place_error(error)):
+        return None
+    return ValueError(message(
+        api, "f that leaves the tensors its differentiated ops read as they were (torch's "
+        "autograd refuses a backward through a saved tensor changed in place, on every "
+        "backend)", in_place_what(error), IN_PLACE_FIX))
+
+
 _WITHOUT_TRANSFORMS = ("graph", "structured")
 """Backends that can run ``f`` without ``torch.func`` transforms, surest first."""
 
@@ -343,12 +365,8 @@ def torch_refusals(api: str, backend: str, parameters: Sequence[Tensor] = (),
                 f"torch's error: {str(error).splitlines()[0][:120].rstrip('.')}",
                 "Write that op in f with ops whose backward torch differentiates (for "
                 "torch.cdist: ((a[:, None] - b[None]) ** 2).sum(-1).sqrt()).")) from error
-        if isinstance(error, ModifiedInPlace) or _torch_compat.is_in_place_error(error):
-            raise ValueError(message(
-                api, "f that leaves the tensors its differentiated ops read as they were "
-                "(torch's autograd refuses a backward through a saved tensor changed in "
-                "place, on every backend)", in_place_what(error),
-                IN_PLACE_FIX)) from error
+        if (in_place := in_place_refusal(api, error)) is not None:
+            raise in_place from error
         if _torch_compat.is_reentrant_grad_error(error):
             raise ValueError(message(
                 api, "f without torch.utils.checkpoint(..., use_reentrant=True) regions "

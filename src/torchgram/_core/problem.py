@@ -48,9 +48,11 @@ from torchgram._core.errors import (
     draws_refused_by_vmap,
     f_refused_by_vmap,
     forward_mode_refusal,
+    in_place_refusal,
     unseen_calls_refused,
 )
 from torchgram._core.options import InDims, Options
+from torchgram._core.prelu import PRELU, PreluAsWhere
 from torchgram._core.pytree import DiffLeaves, leaves_of, select_diff_leaves
 from torchgram._core.rng import RngState
 from torchgram._core.running_stats import FrozenRunningStats, counters_refused
@@ -293,6 +295,8 @@ class Problem:
         unseen_ops: Ops ``f`` runs through code no mode sees, found where ``G`` carries a
             graph (``Probe.unseen_ops``): ``G``'s derivative is then refused (NOTE [unseen
             calls]).
+        decomposed: Calls of ``f`` that its evaluations run decomposed
+            (``Probe.decomposed``, NOTE [prelu as where]).
     """
 
     f: Callable[..., Any]
@@ -313,6 +317,7 @@ class Problem:
     signature_checks: dict[str, bool] = field(default_factory=dict, compare=False)
     differentiates: str | None = None
     unseen_ops: tuple[str, ...] = ()
+    decomposed: tuple[str, ...] = ()
 
     # -- the options, for short ------------------------------------------------------------
 
@@ -423,7 +428,9 @@ class Problem:
                                 DenseEmbeddingGradients if self.sparse_embeddings
                                 else contextlib.nullcontext,
                                 self._probe_check,
-                                FrozenRunningStats)  # NOTE [frozen running statistics]
+                                FrozenRunningStats,  # NOTE [frozen running statistics]
+                                PreluAsWhere if PRELU in self.decomposed
+                                else contextlib.nullcontext)  # NOTE [prelu as where]
         return split_aux(self.api, result, self.has_aux)
 
     def _evaluation(self) -> contextlib.AbstractContextManager[Any]:
@@ -445,7 +452,8 @@ class Problem:
         """
         if not self.probe_cached or not torch.is_grad_enabled():
             return contextlib.nullcontext()
-        return ProbeCheck(self.unbatched, self.sparse_embeddings, self.differentiates)
+        return ProbeCheck(self.unbatched, self.sparse_embeddings, self.differentiates,
+                          self.decomposed)
 
     def rows(self, leaves: tuple[Tensor, ...]) -> tuple[Tensor, Any]:
         """Evaluate ``f`` on the full inputs; return its output as an ``[m]`` vector and aux."""
@@ -615,6 +623,8 @@ class Probe:
             forward-mode AD), or ``None`` (NOTE [f that differentiates itself]).
         unseen_ops: The aten ops ``f`` ran through code no torch-function mode sees
             (TorchScript), or ``None`` where the probe did not look (NOTE [unseen calls]).
+        decomposed: Calls of ``f`` that every later evaluation runs decomposed (NOTE
+            [prelu as where]).
     """
 
     spec: OutputSpec
@@ -623,6 +633,7 @@ class Probe:
     sparse_embeddings: bool = False
     differentiates: str | None = None
     unseen_ops: tuple[str, ...] | None = None
+    decomposed: tuple[str, ...] = ()
     checks: dict[str, bool] = field(default_factory=dict, compare=False)
     """Checks that passed once for the signature (``"derivatives"``: NOTE [per-sample])."""
 
@@ -703,7 +714,7 @@ def build_problem(options: Options, f: Callable[..., Any], args: tuple[Any, ...]
     return Problem(f, args, kwargs, diff, options, batch, probe.spec, draw, want_pullback,
                    evaluation, probe.unbatched, composition, probe.mutates_leaves,
                    probe.sparse_embeddings, probe_cached, probe.checks, probe.differentiates,
-                   unseen_ops)
+                   unseen_ops, probe.decomposed)
 
 
 def _without_inference_tensors(tree: Any) -> Any:
@@ -810,6 +821,8 @@ def _evaluate_probe(api: str, f: Callable[..., Any], args: tuple[Any, ...],
         except Exception as error:
             if (refusal := forward_mode_refusal(api, error)) is not None:
                 raise refusal from error  # no backend can: f itself lacks forward mode
+            if (in_place := in_place_refusal(api, error)) is not None:
+                raise in_place from error  # f's own backward met a tensor changed in place
             if (refusal := draws_refused_by_vmap(api, error)) is not None:
                 raise refusal from error  # no backend can: f draws under the user's vmap
             if batch is None or whole_batch:
@@ -822,7 +835,8 @@ def _evaluate_probe(api: str, f: Callable[..., Any], args: tuple[Any, ...],
                       for leaf, before in zip(copies, versions, strict=True))
         spec = make_output_spec(api, out, batch, whole_batch=whole_batch)
         probe = Probe(spec, tuple(census.unbatched), mutated, census.sparse_embeddings,
-                      census.differentiates, tuple(unseen[-1].ops) if look_unseen else None)
+                      census.differentiates, tuple(unseen[-1].ops) if look_unseen else None,
+                      tuple(census.decomposed))
         if not with_grad or census.differentiates is not None:  # the backend evaluates f
             return probe, None  # with ops differentiable at any order (Problem._evaluation)
         rows = concat_rows(optree.tree_leaves(out), probe.spec.dtype)

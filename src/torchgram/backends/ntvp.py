@@ -19,7 +19,8 @@ chunk with ``per_leaf=True``), i.e. about ``m`` backward and ``m`` forward passe
   as a primal (the others are constants, which is a zero tangent, without its arithmetic).
 * ``batch_dim``: see NOTE [ntvp per-sample rows].
 * ``diagonal=True``: see NOTE [ntvp diagonal].
-* Forward-mode AD must exist for every op of ``f``: see NOTE [missing forward AD].
+* Forward-mode AD must exist for every op of ``f``: see NOTE [missing forward AD]; at kinks
+  it takes the backward's derivative: see NOTE [kinks in forward mode].
 
 Example:
     >>> import torch, torchgram as tg
@@ -52,6 +53,7 @@ from torchgram._core.threads import FORWARD_AD_LOCK, math_attention
 from torchgram.backends._draws_under_transforms import refuse_draws
 from torchgram.backends._embedding import checked_conventions
 from torchgram.backends._grouping import rows_per_chunk
+from torchgram.backends._kinks import ReverseKinks
 from torchgram.backends._registry import register
 from torchgram.backends._vmap_or_loop import per_sample_or_batch
 from torchgram.backends.jacobian import jacobian_backend, replace_leaves, row_vjps
@@ -379,9 +381,13 @@ def _dtype_mixing(problem: Problem) -> tuple[str, str] | None:
 
 @contextlib.contextmanager
 def _forward_mode(problem: Problem) -> Iterator[None]:
-    """Run forward-mode AD with attention's math kernel; explain ops that lack forward AD."""
+    """Run forward-mode AD with attention's math kernel, the backward's derivatives at kinks.
+
+    NOTE [kinks in forward mode]; explains ops that lack forward AD (NOTE [missing forward
+    AD]).
+    """
     try:
-        with math_attention():
+        with math_attention(), ReverseKinks():
             yield
     except (NotImplementedError, RuntimeError) as err:
         missing = _torch_compat.missing_forward_ad(err)
