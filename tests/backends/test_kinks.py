@@ -160,3 +160,21 @@ def test_derivative_through_the_gramian(activation: str, backend: str) -> None:
                                argnums=argnums)(*leaves)
     for got, want in zip(ours, expected, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prelu_that_a_cached_probe_did_not_see(backend: str) -> None:
+    """NOTE [stale probes]: the same function object switches to prelu on its second call."""
+    params, x = _problem(2)
+    switch = {"prelu": False}
+
+    def f(p: dict[str, Tensor], x: Tensor) -> Tensor:
+        h = x @ p["w"].T
+        h = F.prelu(h, p["slope"]) if switch["prelu"] else torch.tanh(h) + p["slope"] * h
+        return h @ p["v"].T
+
+    gramian = tg.gramian(f, backend=backend, batch_dim=0)
+    gramian(params, x)
+    switch["prelu"] = True
+    torch.testing.assert_close(gramian(params, x).reshape(4, 4),
+                               dense_gramian(f, (params, x)).gramian, rtol=1e-10, atol=1e-12)
