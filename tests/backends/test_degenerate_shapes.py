@@ -173,3 +173,24 @@ def test_output_without_entries(backend: str, options: dict[str, object]) -> Non
     kernel = tg.ntk.empirical_ntk_fn(_no_entries, trace_axes=(), backend=backend)(
         x, x[:2], params)
     assert kernel.shape == (4, 2, 0, 0)
+
+
+@pytest.mark.parametrize("recorded", [True, False], ids=["record", "walk"])
+def test_eager_output_without_entries(recorded: bool) -> None:
+    """``tg.autograd.backward`` of an output without entries: zero ``.grad``, as torch's
+    ``out.backward(zeros)`` (it raised "backward through the graph a second time": the
+    Gramian's pass, which had no rows, freed the graph before the update's backward)."""
+    weight = _weight().requires_grad_()
+    x = _inputs()
+    for call in ("gramian", "backward"):
+        if recorded:
+            with tg.autograd.record():
+                out = torch.tanh(x @ weight.T)[:, :0]
+        else:
+            out = torch.tanh(x @ weight.T)[:, :0]
+        if call == "gramian":
+            assert tg.autograd.gramian(out, [weight], batch_dim=0).shape == (4, 0, 4, 0)
+            continue
+        weights = tg.autograd.backward(out, [weight], tg.weighting.upgrad, batch_dim=0)
+        assert weights.shape == (4, 0)
+        assert weight.grad is not None and weight.grad.shape == (5, 3) and not weight.grad.any()

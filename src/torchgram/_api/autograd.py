@@ -171,8 +171,8 @@ class Call:
                             "sparse parameters), or pass dense ones (p.to_dense()).")
         else:
             result = EagerResult(RunReport("autograd", "no rows"))
-            if not self.retain_graph:
-                release_graph(output_list, plan_graph(output_list, input_list))
+            if not self.retain_graph and not want_pullback:  # else the caller's backward
+                release_graph(output_list, plan_graph(output_list, input_list))  # frees it
         shape = output_list[0].shape if self.as_tensor else (num_rows,)
         diagonal = self.diagonal
         device = output_list[0].device
