@@ -178,3 +178,20 @@ def test_prelu_that_a_cached_probe_did_not_see(backend: str) -> None:
     switch["prelu"] = True
     torch.testing.assert_close(gramian(params, x).reshape(4, 4),
                                dense_gramian(f, (params, x)).gramian, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("batch_dim", [0, None], ids=["batch0", "dense"])
+@pytest.mark.parametrize("backend", ["structured", "graph", "auto"])
+def test_prelu_inside_a_checkpoint_region(backend: str, batch_dim: int | None) -> None:
+    """A non-reentrant checkpoint's backward recomputes its region without torchgram's modes:
+    prelu runs there as it is (written as ``where`` it raised torch's ``CheckpointError``)."""
+    params, x = _problem()
+
+    def f(p: dict[str, Tensor], x: Tensor) -> Tensor:
+        h = torch.utils.checkpoint.checkpoint(F.prelu, x @ p["w"].T, p["slope"],
+                                              use_reentrant=False)
+        return F.prelu(h, p["slope"]) @ p["v"].T
+
+    torch.testing.assert_close(
+        tg.gramian(f, backend=backend, batch_dim=batch_dim)(params, x).reshape(8, 8),
+        dense_gramian(f, (params, x)).gramian, rtol=1e-10, atol=1e-12)

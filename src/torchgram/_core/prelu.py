@@ -21,10 +21,12 @@ shaped to broadcast along the channel dim (dim 1; a single slope for every entry
 same values and, in every mode, the backward's derivatives (the branch ``where`` takes:
 ``w`` at ``x = 0``). Its ops have correct batching rules, and ``w * x`` is an elementwise
 parameter use the structured backend's rules cover. Under ``torch.autocast`` the operands
-are cast as autocast casts prelu's (to the autocast dtype). A call torch refuses (slopes that
-match no channel dim, operands of different dtypes outside autocast) runs unchanged, so
-torch says why. Evaluations under a cached probe that did not see ``prelu`` and then meet
-it start over (NOTE [stale probes]).
+are cast as autocast casts prelu's (to the autocast dtype). Two calls run as they are: one
+torch refuses (slopes that match no channel dim, operands of different dtypes outside
+autocast), so that torch says why, and one inside a non-reentrant ``torch.utils.checkpoint``
+region, whose backward recomputes the region without the mode (torch refuses a
+recomputation that saves other tensors: ``CheckpointError``). Evaluations under a cached
+probe that did not see ``prelu`` and then meet it start over (NOTE [stale probes]).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
+
+from torchgram._core import _torch_compat
 
 PRELU = "torch.prelu"
 """The name under which probes record that ``f`` calls ``prelu``."""
@@ -85,6 +89,11 @@ def prelu_as_where(x: Any, weight: Any) -> Tensor | None:
 class PreluAsWhere(TorchFunctionMode):
     """Runs ``prelu`` as ``torch.where`` (NOTE [prelu as where]); other calls unchanged.
 
+    Not under saved-tensor hooks that were not in force when it was made: a non-reentrant
+    ``torch.utils.checkpoint`` region's backward recomputes the region without this mode,
+    and torch refuses a recomputation that saves other tensors than the forward did
+    (``CheckpointError``); there prelu runs as it is.
+
     Example:
         >>> x = torch.tensor([[-1.0, 0.0, 2.0]], requires_grad=True)
         >>> with PreluAsWhere():
@@ -93,10 +102,14 @@ class PreluAsWhere(TorchFunctionMode):
         (tensor([[-0.2500,  0.0000,  2.0000]]), 'WhereBackward0')
     """
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._hooks_at_entry = _torch_compat.saved_tensor_hooks()
+
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
-        if calls_prelu(func):
+        if calls_prelu(func) and _torch_compat.saved_tensor_hooks() == self._hooks_at_entry:
             x = args[0] if args else kwargs.get("input")
             weight = args[1] if len(args) > 1 else kwargs.get("weight")
             result = prelu_as_where(x, weight)
