@@ -26,7 +26,7 @@ from torchgram._core.checks import resolve_argnums
 from torchgram._core.problem import make_batch_spec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fuzz"))
-from fuzz_arch import Dropout, build  # noqa: E402
+from fuzz_arch import Dropout, Route, build  # noqa: E402
 from fuzz_check import oracle  # noqa: E402
 from fuzz_strategies import cases, profile  # noqa: E402
 
@@ -61,6 +61,10 @@ def test_fuzzed_split_gives_the_single_process_gramian(data: st.DataObject) -> N
     case = data.draw(cases("structured"), label="case")
     assume(case.batch_dim is not None and not case.diagonal and not case.per_leaf)
     assume(not any(isinstance(layer, Dropout) for layer in case.layers))
+    # a Route reads its order modulo the batch size: on a rank's part it is another function
+    # (a permutation of the whole batch can be the identity on each part), so no split can
+    # see that coupling; each rank checks only its own samples (session 39)
+    assume(not any(isinstance(layer, Route) for layer in case.layers))
     assume(case.grad_mode == "enabled")
     built = build(case)
     options = {k: v for k, v in built.options.items() if k != "argnums"}
@@ -81,6 +85,9 @@ def test_fuzzed_split_gives_the_single_process_gramian(data: st.DataObject) -> N
                              argnums=argnums, **options)
     except ValueError as error:  # samples that interact: no split can give the batch's G
         assert "interact" in str(error), error
+        return
+    except NotImplementedError as error:  # an f that differentiates itself: refused, naming
+        assert "differentiate its own computation" in str(error), error  # the way out
         return
     got = got.detach().reshape(expected.shape)
     scale = max(float(expected.abs().max()) if expected.numel() else 0.0, 1e-2)
