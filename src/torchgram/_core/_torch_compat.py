@@ -73,6 +73,16 @@ def slot_metadata(node: Node) -> list[SlotMetadata]:
             for meta in node._input_metadata]
 
 
+def slot_shapes(node: Node) -> tuple[tuple[int, ...], ...]:
+    """The shapes of :func:`slot_metadata`, alone (cheaper: graph signatures read them all).
+
+    Example:
+        >>> slot_shapes(torch.ones(2, 3, requires_grad=True).sum(0).grad_fn)
+        ((3,),)
+    """
+    return tuple(tuple(meta.shape) for meta in node._input_metadata)
+
+
 def creation_order(node: Node) -> int:
     """The engine's priority of ``node``: later-created nodes run first in a backward.
 
@@ -317,6 +327,64 @@ _NO_INT_ROUTES = ("Convolution", "MkldnnConvolution", "CudnnConvolution", "SlowC
 _SELECTIONS = {"WhereBackward0": "condition", "MaskedFillBackward0": "mask",
                "MaskedFillBackward1": "mask"}
 """Row-local nodes whose mask, when broadcast along the samples, selects for all of them."""
+
+
+def graph_signature(order: Sequence[Node]) -> tuple[Hashable, ...]:
+    """What makes two graphs the same computation, for caches keyed by a graph's signature.
+
+    NOTE [graph signatures]: per node of ``order`` (a graph's nodes in an order that is the
+    same for the same graph: creation order, or the walk's from the output), its name, its
+    input shapes, its non-tensor saved arguments (``batch_norm``'s ``training``, a
+    reduction's ``dim``) and **where its edges lead**: the position in ``order`` of each next
+    node, or the ordinal of one not in ``order`` (a leaf's accumulator, numbered as first
+    reached), with the edge's input slot. The caches that decide where the samples are (the
+    eager sample layouts and the graph walk's decisions, keyed by this) and the structured
+    pass's thorough derivative check (run once per signature) must tell apart every graph
+    whose cotangents can move between samples otherwise. Before session 40 they held fewer:
+
+    * the eager layouts only the recorded calls, not the code after the ``record()`` block:
+      ``l - l.mean()`` there, after a call without it, reused its per-sample layouts (1.0
+      off, relative, no error);
+    * the eager layouts and the graph walk the nodes, not their edges: ``s * t.flip(0)
+      .flip(0)`` (per sample) and ``s.flip(0) * t.flip(0)`` (each row another sample's) make
+      the same nodes in the same creation order (0.7 off from the second call, recorded or
+      walked);
+    * the structured pass the node kinds in walk order, which ``s.flip(0).flip(0) * (s * s)``
+      (per sample) and ``s.flip(0) * (s.flip(0) * s)`` (each row mixes samples ``b`` and
+      ``B - 1 - b``, which the value check of samples ``0`` and ``B - 1`` cannot see) share:
+      1.0 off from the second call on ``auto`` and ``structured``.
+
+    The values of index tensors are the other half of such keys (:func:`routing_values`).
+
+    Example:
+        >>> def signature(y):
+        ...     nodes = [node for node in graph_nodes(y)
+        ...              if not is_leaf_accumulator(node)]
+        ...     return graph_signature(sorted(nodes, key=creation_order))
+        >>> x = torch.randn(3, 2, requires_grad=True)
+        >>> s, t = x[:, 0], x[:, 1]
+        >>> per_sample = s * t.flip(0).flip(0)
+        >>> s, t = x[:, 0], x[:, 1]
+        >>> flipped_t = t.flip(0)
+        >>> exchanged = s.flip(0) * flipped_t
+        >>> [name for name, *_ in signature(per_sample)] == [
+        ...     name for name, *_ in signature(exchanged)]
+        True
+        >>> signature(per_sample) == signature(exchanged)
+        False
+    """
+    position: dict[Node, int] = {node: i for i, node in enumerate(order)}
+    leaves: dict[Node, int] = {}
+    described = []
+    for node in order:
+        edges = tuple(
+            None if child is None
+            else (position[child] if child in position
+                  else -1 - leaves.setdefault(child, len(leaves)), input_nr)
+            for child, input_nr in node.next_functions)
+        described.append((node.name(), slot_shapes(node),
+                          saved_arguments(node), edges))
+    return tuple(described)
 
 
 def routing_values(nodes: Iterable[Node], samples: int | None = None) -> tuple[Hashable, ...]:

@@ -185,3 +185,25 @@ def test_a_branch_mixing_the_samples_opened_after_the_first_call(backend, kind):
         x = torch.randn(6, 3, dtype=torch.float64)
         expected = dense_gramian(f, (params, x, gate)).shaped()
         torch.testing.assert_close(gramian(params, x, gate), expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", ["structured", "auto"])
+def test_the_same_node_kinds_wired_to_mix_samples_after_the_first_call(backend):
+    """``s.flip(0).flip(0) * (s * s)`` (per sample), then ``s.flip(0) * (s.flip(0) * s)``
+    (row ``b`` mixes samples ``b`` and ``B - 1 - b``): the same node kinds in the same walk
+    order, and the first and the last sample run apart give the batch's outputs. Before
+    session 40 the thorough derivative check ran once for both (the routing held the kinds,
+    not the wiring): 1.0 off, relative, on the second call (NOTE [graph signatures])."""
+    torch.manual_seed(2)
+    params = {"w": torch.randn(3, 4, dtype=torch.float64),
+              "u": torch.randn(4, 2, dtype=torch.float64)}
+
+    def f(p, x, mixed):
+        s = (torch.tanh(x @ p["w"]) @ p["u"])[:, 0]
+        return s.flip(0) * (s.flip(0) * s) if mixed else s.flip(0).flip(0) * (s * s)
+
+    gramian = tg.gramian(f, backend=backend, batch_dim=0, in_dims=(0, None))
+    for mixed in (False, True, False):
+        x = torch.randn(6, 3, dtype=torch.float64)
+        expected = dense_gramian(f, (params, x, mixed)).shaped()
+        torch.testing.assert_close(gramian(params, x, mixed), expected, rtol=1e-10, atol=1e-12)

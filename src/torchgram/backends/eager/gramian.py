@@ -678,12 +678,14 @@ def _layouts(recording: Recording, graph: GraphIndex, tapped: _Tapped, taps: lis
     met_options = {tap: meeting_options(meeting, recording.taps[tap].shape, samples)
                    for tap, (meeting, _) in meetings.items()}
     met = sorted(met_options)
+    nodes = graph.nodes()
     key = (recording.signature, rows.batch_dim, tuple(out.shape for out in rows.outputs),
            tuple((recording.taps[tap].shape, recording.taps[tap].rule, tuple(options[tap]))
                  for tap in taps),
            tuple((tap, _meeting_key(meetings[tap][0]), tuple(met_options[tap]))
                  for tap in met),
-           _torch_compat.routing_values(graph.nodes(), rows.samples))  # NOTE [routing values]
+           _torch_compat.graph_signature(nodes),  # after the recording too: NOTE [graph signatures]
+           _torch_compat.routing_values(nodes, rows.samples))  # NOTE [routing values]
     choices = LAYOUT_CACHE.get(key)
     if choices is None:
         probed = probe_samples(samples)

@@ -20,9 +20,10 @@ NOTE [sample layouts]: a slot whose candidates the probes leave ambiguous, or wh
 sample's cotangent spreads over the others (the samples interact there, e.g. batch-norm in
 training mode), is expanded, which is always exact. The decisions are cached per signature
 of the graph (its nodes' names and shapes, ``B``), and the probe rows are pushed only when
-there is no cached decision. The signature holds every node's type, input shapes and
-non-tensor saved arguments (``batch_norm``'s ``training``, a reduction's ``dim``) and the
-values of the index tensors that route cotangents (NOTE [routing values]). A slot's decision
+there is no cached decision. The signature holds every node's type, input shapes,
+non-tensor saved arguments (``batch_norm``'s ``training``, a reduction's ``dim``) and edges
+(NOTE [graph signatures] in ``_torch_compat.py``) and the values of the index tensors that route
+cotangents (NOTE [routing values]). A slot's decision
 is kept by the slot, and so is a probe's finding that one edge's rows are not localized
 where an earlier edge put the slot (kept by the edge: the later calls expand that edge's
 rows too; until session 28 they did not, and ``h + softmax(h, dim=0)`` was 1 to 7% off
@@ -62,7 +63,12 @@ from torchgram._core.signature import LruCache
 from torchgram.backends.eager.rows import Rows
 from torchgram.backends.eager.samples import SampleLayout, candidates, choose, probe_samples
 from torchgram.backends.graph.node_rules import expanded_by_rule
-from torchgram.backends.graph.nodes import Edge, NodeCaller, input_slots, node_name
+from torchgram.backends.graph.nodes import (
+    Edge,
+    NodeCaller,
+    input_slots,
+    node_name,
+)
 from torchgram.backends.graph.walk import WalkPlan, _priority
 from torchgram.backends.structured.selections import opened_call
 
@@ -115,10 +121,9 @@ class SparseWalk:
                              if not _torch_compat.is_leaf_accumulator(node)),
                             key=_torch_compat.creation_order)
         self.position = {node: i for i, node in enumerate(self.order)}
-        self.key: Hashable = (rows.samples, rows.batch_dim, tuple(
-            (node_name(node), _shapes(node), _torch_compat.saved_arguments(node))
-            for node in self.order),
-            tuple(sorted(_shapes(node) for node in leaves)),
+        self.key: Hashable = (rows.samples, rows.batch_dim,
+            _torch_compat.graph_signature(self.order),  # NOTE [graph signatures]
+            tuple(sorted(_torch_compat.slot_shapes(node) for node in leaves)),
             tuple(sorted(self.position.get(node, -1) for node in self.plan.targets)),
             _torch_compat.routing_values(self.order, rows.samples))  # NOTE [routing values]
         self.result = SparseResult()
@@ -289,10 +294,6 @@ class SparseWalk:
                 buffer[nr] = _Slot(current.rows + slot.rows, current.layout)
                 return
         buffer[nr] = _Slot(self._expand(current, count) + self._expand(slot, count), None)
-
-
-def _shapes(node: Node) -> tuple[tuple[int, ...], ...]:
-    return tuple(meta.shape for meta in _torch_compat.slot_metadata(node))
 
 
 def expand(compact: Tensor, layout: SampleLayout, samples: int) -> Tensor:

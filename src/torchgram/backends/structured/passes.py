@@ -231,9 +231,10 @@ class Forward:
         merged_acts: ``batched`` only: the activations whose samples are merged in one dim,
             and that dim (their order is checked against samples run without the others).
         routing: ``batched`` only: the routing digest of the run's graph (NOTE [routing
-            values]) and the kinds of its nodes in walk order (code that adds a node mixing
-            the samples, ``h.flip(0)`` behind a Python flag, changes them), read by the
-            derivative checks.
+            values]) and its signature (NOTE [graph signatures]: its nodes, their arguments
+            and how they are wired; code that adds a node mixing the samples, ``h.flip(0)``
+            behind a Python flag, or wires the same nodes otherwise, changes it), read by
+            the derivative checks.
         selections: ``batched`` only: the graph's selection nodes, which the thorough
             derivative check opens (NOTE [opened selections]).
     """
@@ -386,7 +387,7 @@ def batched_forward(problem: Problem, traced: Recording) -> Forward | None:
                    merged_acts={i: axis.dim for i, axis in act_dims.items()
                                 if axis is not None and axis.merged},
                    routing=(_torch_compat.routing_values(nodes, samples),
-                            tuple(type(node) for node in nodes)),
+                            _torch_compat.graph_signature(nodes)),  # NOTE [graph signatures]
                    selections=[node for node in nodes
                                if type(node).__name__ in SELECTION_NODES])
 

@@ -233,8 +233,8 @@ class Recording:
     """Whether the merged sample dims of a batched run of this trace hold each sample's
     entries together (``None``: not checked yet; NOTE [checking the batched pass])."""
     checked_routings: set[Any] = field(default_factory=set, compare=False, repr=False)
-    """The routings (:attr:`Forward.routing`: the batched graph's routing digest and node
-    kinds) on which a run of this trace showed, by the thorough derivative check, that no
+    """The routings (:attr:`Forward.routing`: the batched graph's routing digest and
+    signature) on which a run of this trace showed, by the thorough derivative check, that no
     sample's rows reach another sample's taps (empty: never; NOTE [checking the batched
     pass], NOTE [derivative check]): another routing, another thorough check. At most
     :data:`CHECKED_ROUTINGS` are kept (then it starts afresh)."""
