@@ -7,8 +7,8 @@ and on the *structure* of its arguments, so they are cached under a key made of:
 
 * the function, known by its code object and the identities of its bound instance and of
   its closure's contents (never a reference to them: a key keeps nothing alive);
-* every argument leaf: tensors by shape, dtype, device and ``requires_grad``, other leaves
-  by type;
+* every argument's pytree structure (a dict's keys) and leaves: tensors by shape, dtype,
+  device and ``requires_grad``, other leaves by type;
 * the differentiated positions, ``has_aux`` and the batch structure.
 
 A cached entry may still be stale (``f`` branches on data, or on a module's ``training``
@@ -81,12 +81,23 @@ def call_signature(f: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping
     identity = function_identity(f)
     if identity is None:
         return None
-    described_args = tuple(tuple(_describe(leaf) for leaf in optree.tree_leaves(arg))
-                           for arg in args)
-    described_kwargs = tuple(sorted(
-        (name, tuple(_describe(leaf) for leaf in optree.tree_leaves(value)))
-        for name, value in kwargs.items()))
+    described_args = tuple(_describe_tree(arg) for arg in args)
+    described_kwargs = tuple(sorted((name, _describe_tree(value))
+                                    for name, value in kwargs.items()))
     return identity, described_args, described_kwargs, extra
+
+
+def _describe_tree(tree: Any) -> Hashable:
+    """A pytree argument's structure (its keys: parameter names) and its leaves' descriptions.
+
+    The structure counts since ``f`` is known by identities the garbage collector reuses:
+    two test cases' ``lambda p, x: f(p, x).sum(1)`` around ``{"adapter": [0, 3], "w": [5, 3]}``
+    and ``{"extra": [0, 3], "w": [5, 3]}`` had one key when the second closure took the first's
+    id, and the second call ran the first's trace (one that used ``w`` in ``torch.cat``, a
+    fallback leaf: right, but one sample at a time; session 40).
+    """
+    leaves, structure = optree.tree_flatten(tree)
+    return structure, tuple(_describe(leaf) for leaf in leaves)
 
 
 class LruCache(Generic[Value]):
