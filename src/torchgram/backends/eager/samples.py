@@ -49,8 +49,10 @@ its own; it is read per sample where it meets the batch (:class:`SharedSamples`,
 [eager shared taps]).
 
 Probes cost one more backward, so their outcome is cached per signature of the recording
-(the calls, their shapes and ``B``), like the functional path caches its traces: a training
-loop pays it on its first step only.
+(the calls, their shapes and ``B``) and of the whole graph, the code after the ``record()``
+block included (NOTE [graph signatures] in ``_core/_torch_compat.py``: before session 40 a
+centred loss computed after the block reused a per-sample call's layouts, 1.0 off), like the
+functional path caches its traces: a training loop pays it on its first step only.
 """
 
 from __future__ import annotations

@@ -19,15 +19,15 @@ shape and two probe rows pushed along (the rows of samples ``0`` and ``B - 1``),
 NOTE [sample layouts]: a slot whose candidates the probes leave ambiguous, or where one
 sample's cotangent spreads over the others (the samples interact there, e.g. batch-norm in
 training mode), is expanded, which is always exact. The decisions are cached per signature
-of the graph (its nodes' names and shapes, ``B``), and the probe rows are pushed only when
-there is no cached decision. The signature holds every node's type, input shapes,
-non-tensor saved arguments (``batch_norm``'s ``training``, a reduction's ``dim``) and edges
-(NOTE [graph signatures] in ``_torch_compat.py``) and the values of the index tensors that route
-cotangents (NOTE [routing values]). A slot's decision
-is kept by the slot, and so is a probe's finding that one edge's rows are not localized
-where an earlier edge put the slot (kept by the edge: the later calls expand that edge's
-rows too; until session 28 they did not, and ``h + softmax(h, dim=0)`` was 1 to 7% off
-from its second call).
+of the graph and ``B``, and the probe rows are pushed only when there is no cached
+decision. The signature holds every node's type, input shapes, non-tensor saved arguments
+(``batch_norm``'s ``training``, a reduction's ``dim``) and edges (NOTE [graph signatures]
+in ``_torch_compat.py``; without the edges, two wirings of the same nodes shared one key
+until session 40) and the values of the index tensors that route cotangents (NOTE [routing
+values]). A slot's decision is kept by the slot, and so is a probe's finding that one
+edge's rows are not localized where an earlier edge put the slot (kept by the edge: the
+later calls expand that edge's rows too; until session 28 they did not, and
+``h + softmax(h, dim=0)`` was 1 to 7% off from its second call).
 
 NOTE [routing values]
 A node that routes cotangents by the values of a saved index or mask (``x[perm]``,
