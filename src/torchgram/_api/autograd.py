@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from torchgram._core import _torch_compat, checks
+from torchgram._core.functional import outside_inference_mode
 from torchgram._core.result import RunReport
 from torchgram._core.scratch import scratch_scope
 from torchgram._core.sink import LeafBlocks
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
 _API = "torchgram.autograd.gramian"
 
 
+@outside_inference_mode  # NOTE [inference mode]
 def gramian(
     outputs: Tensor | Iterable[Tensor],
     inputs: Tensor | Iterable[Tensor],
@@ -266,7 +268,8 @@ def _check_outputs(api: str, outputs: list[Tensor]) -> None:
         if not out.requires_grad:
             checks.fail(api, "outputs that require grad", f"{where} with requires_grad=False",
                         "Compute the outputs from tensors that require grad, outside "
-                        "torch.no_grad(), and do not pass detached tensors.")
+                        "torch.no_grad() and torch.inference_mode(), and do not pass "
+                        "detached tensors.")
 
 
 def _check_inputs(api: str, inputs: list[Tensor]) -> None:

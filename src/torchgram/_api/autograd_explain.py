@@ -10,6 +10,7 @@ from torch import Tensor
 
 from torchgram._api.autograd import prepare
 from torchgram._core import checks
+from torchgram._core.functional import outside_inference_mode
 from torchgram._core.result import RunReport
 from torchgram.backends.eager.record import paused
 
@@ -80,6 +81,7 @@ class EagerExplanation:
         return "\n".join(lines)
 
 
+@outside_inference_mode  # NOTE [inference mode]
 def explain(
     outputs: Tensor | Iterable[Tensor],
     inputs: Tensor | Iterable[Tensor] | Iterable[tuple[str, Tensor]] | Mapping[str, Tensor],

@@ -21,6 +21,7 @@ import optree
 from torchgram._core import checks
 from torchgram._core.checks import function_name
 from torchgram._core.errors import BackendCannotRun
+from torchgram._core.functional import outside_inference_mode
 from torchgram._core.options import Options
 from torchgram._core.problem import build_problem
 from torchgram._core.pytree import DiffLeaves
@@ -247,6 +248,7 @@ def explain(
 
     @functools.wraps(f)
     @outside_compile
+    @outside_inference_mode  # NOTE [inference mode]
     def explain_f(*args: Any, **kwargs: Any) -> Explanation:
         from torchgram._api.pipeline import compute
         from torchgram.backends.auto import plan_auto

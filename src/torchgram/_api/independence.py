@@ -22,6 +22,7 @@ from torch import Tensor
 from torchgram._core.census import OpCensus
 from torchgram._core.checks import fail, function_name
 from torchgram._core.errors import OutputChanged
+from torchgram._core.functional import outside_inference_mode
 from torchgram._core.options import Options
 from torchgram._core.per_sample import tolerance
 from torchgram._core.problem import (
@@ -117,6 +118,7 @@ def check_independence(
                                in_dims=in_dims)
 
     @functools.wraps(f)
+    @outside_inference_mode  # NOTE [inference mode]
     def check_f(*args: Any, **kwargs: Any) -> Independence:
         problem = build_problem(options, f, args, kwargs)
         try:

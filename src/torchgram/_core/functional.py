@@ -10,10 +10,23 @@ workspace ("Expected a proper Tensor but got None ... for argument #22 'workspac
 a call of ``tg.gramian`` under ``no_grad`` failed. Backward passes therefore run through
 :func:`with_grad`: grad mode on, and under an outer ``no_grad`` their results detached, so
 that nothing records a graph the caller turned off.
+
+# NOTE [inference mode]
+Inside ``torch.inference_mode()`` autograd records nothing, and ``enable_grad`` does not
+turn it back on: before session 40, ``tg.gramian`` called there gave a zero matrix without
+a word on ``auto``, ``structured`` and ``graph`` when its signature had a cached probe, and
+torch's raw "Inference tensors do not track version counter" on every backend otherwise;
+``tg.autograd.gramian`` and ``backward`` raised raw errors. Every public entry point runs
+its call under ``torch.inference_mode(False)`` (:func:`outside_inference_mode`): a Gramian
+is computed wherever it is asked for, as ``torch.func`` transforms are; tensors the caller
+made inside the mode are cloned before use (``problem._without_inference_tensors``), the
+results are ordinary tensors, and eager outputs computed inside the mode do not require
+grad, which the eager APIs report as such.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
@@ -22,6 +35,7 @@ import torch
 from torch import Tensor
 
 Result = TypeVar("Result")
+Fn = TypeVar("Fn", bound=Callable[..., Any])
 
 VjpFn = Callable[..., tuple[Tensor, ...]]
 """A vector-Jacobian product: cotangent(s) → one gradient per primal."""
@@ -54,6 +68,30 @@ def with_grad(fn: Callable[[], Result]) -> Result:
     tree: Any = result
     return cast(Result, optree.tree_map(
         lambda leaf: leaf.detach() if isinstance(leaf, Tensor) else leaf, tree))
+
+
+def outside_inference_mode(fn: Fn) -> Fn:
+    """``fn`` run under ``torch.inference_mode(False)`` when called inside the mode.
+
+    See NOTE [inference mode].
+
+    Example:
+        >>> @outside_inference_mode
+        ... def tracked():
+        ...     x = torch.ones(2, requires_grad=True)
+        ...     return (x * x).grad_fn is not None
+        >>> with torch.inference_mode():
+        ...     tracked()
+        True
+    """
+    @functools.wraps(fn)
+    def outside(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_inference_mode_enabled():
+            return fn(*args, **kwargs)
+        with torch.inference_mode(False):
+            return fn(*args, **kwargs)
+
+    return cast(Fn, outside)
 
 
 def stack_grads(grads: Sequence[Tensor | None]) -> Tensor | None:

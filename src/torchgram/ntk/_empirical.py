@@ -37,6 +37,7 @@ from torchgram._core import _torch_compat, checks
 from torchgram._core.checks import fail, function_name
 from torchgram._core.cross import CrossProblem, PairSpec, mirror, row_shape
 from torchgram._core.errors import NotPerSample, OutputChanged
+from torchgram._core.functional import outside_inference_mode
 from torchgram._core.options import Options
 from torchgram._core.per_sample import check_tiles, fails_alone
 from torchgram._core.problem import Problem, build_problem, forget_probe, replace_input_leaves
@@ -193,6 +194,7 @@ class EmpiricalNTK:
 
     # -- the call --------------------------------------------------------------------------
 
+    @outside_inference_mode  # NOTE [inference mode]
     def __call__(self, x1: Any, x2: Any, params: Any, **kwargs: Any) -> Tensor:
         """The empirical NTK between ``x1`` and ``x2`` (``None``: ``x1``), NT's layout."""
         try:
