@@ -342,3 +342,26 @@ def test_forward_mode_failures_on_mixed_dtype_parameters_name_the_other_backends
                                rtol=2e-2, atol=2e-2 * expected.abs().max().item())
     with pytest.raises(tg.BackendCannotRun, match=r"several dtypes.*backend='jacobian'"):
         tg.gramian(f, backend="ntvp", batch_dim=0)(params, x, y)
+
+
+@pytest.mark.parametrize("kernel", [False, True], ids=["gramian", "kernel"])
+def test_a_call_inside_a_forward_mode_level_is_declined_by_name(kernel: bool) -> None:
+    """torch nests no forward-mode levels: inside ``forward_ad.dual_level()`` ntvp raised
+    torch's raw "Nested forward mode AD is not supported" (session 40); ``auto`` answers."""
+    w = torch.randn(3, 4, dtype=torch.float64)
+    x = torch.randn(5, 4, dtype=torch.float64)
+
+    def f(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ w.T)
+
+    def call(backend: str) -> torch.Tensor:
+        if kernel:
+            return tg.ntk.empirical_ntk_fn(lambda w, x: f(w, x), trace_axes=(),
+                                           backend=backend)(x, x[:2], w)
+        return tg.gramian(f, backend=backend)(w, x)
+
+    wanted = call("jacobian")
+    with torch.autograd.forward_ad.dual_level():
+        with pytest.raises(tg.BackendCannotRun, match="dual_level"):
+            call("ntvp")
+        torch.testing.assert_close(call("auto"), wanted, rtol=1e-10, atol=1e-12)

@@ -519,6 +519,23 @@ _CUSTOM_FUNCTION = "must implement the jvp function for custom autograd.Function
 _FREED = "backward through the graph a second time"
 
 
+def forward_ad_level_open() -> bool:
+    """Whether the caller opened a ``torch.autograd.forward_ad.dual_level()`` block.
+
+    torch 2.13 nests no forward-mode levels there: a ``torch.func.jvp`` inside one raises
+    "Nested forward mode AD is not supported at the moment". (``torch.func.jvp`` opens such
+    a level too, but nests its own transforms: not counted.)
+
+    Example:
+        >>> with torch.autograd.forward_ad.dual_level():
+        ...     inside = forward_ad_level_open()
+        >>> inside, forward_ad_level_open()
+        (True, False)
+    """
+    level = int(getattr(torch.autograd.forward_ad, "_current_level", -1))
+    return level >= 0 and "jvp" not in functorch_transforms()
+
+
 def missing_forward_ad(error: BaseException) -> tuple[str, str] | None:
     """``("op", name)`` or ``("function", "")`` if ``error`` says forward AD is missing.
 

@@ -158,7 +158,7 @@ def _pairs(gram: Tensor, left: Problem, right: Problem) -> Tensor:
 @register_cross("ntvp")
 def ntvp_cross(problem: CrossProblem) -> CrossResult:
     """Kernel blocks as ``J1 (J2ᵀ e_i)``, side 2's vjps pushed through side 1 (module docstring)."""
-    ntvp_module._prepare_forward_ad()
+    ntvp_module._prepare_forward_ad(problem.left.api)
     # NOTE [gradient hooks inside f], NOTE [embedding conventions]
     with refusing_gradient_hooks(problem.left.api, "ntvp"), \
             checked_conventions(problem.left, "ntvp", write_out=True):

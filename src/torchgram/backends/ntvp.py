@@ -76,7 +76,7 @@ def ntvp_backend(problem: Problem) -> BackendResult:
         result.report.backend = "ntvp"
         result.report.notes.append("diagonal: the jacobian backend's vjps (no forward mode)")
         return result
-    _prepare_forward_ad()
+    _prepare_forward_ad(problem.api)
     # NOTE [gradient hooks inside f], NOTE [embedding conventions]
     with refusing_gradient_hooks(problem.api, "ntvp"), \
             checked_conventions(problem, "ntvp", write_out=True):
@@ -334,7 +334,14 @@ def _rows_per_chunk(problem: Problem, num_rows: int) -> int:
 _forward_ad_ready = False
 
 
-def _prepare_forward_ad() -> None:
+def _prepare_forward_ad(api: str = "torchgram") -> None:
+    """Refuse a call in a forward-mode level (torch nests none); import jvp's decompositions."""
+    if _torch_compat.forward_ad_level_open():
+        raise BackendCannotRun(
+            api, "ntvp", "a call outside torch.autograd.forward_ad.dual_level() (it pushes "
+            "vjps forward with torch.func.jvp, and torch nests no forward-mode levels)",
+            "a call inside a dual level", _ALTERNATIVES,
+            "Or call it outside the dual_level() block.")
     global _forward_ad_ready
     with FORWARD_AD_LOCK:  # once, and never beside another thread's warning filters
         if _forward_ad_ready:
