@@ -54,6 +54,7 @@ from torchgram.backends._draws_under_transforms import refuse_draws
 from torchgram.backends._embedding import checked_conventions
 from torchgram.backends._grouping import rows_per_chunk
 from torchgram.backends._kinks import ReverseKinks
+from torchgram.backends._no_grad_tangents import GradOffInForwardMode, NoGradStopsTangents
 from torchgram.backends._registry import register
 from torchgram.backends._vmap_or_loop import per_sample_or_batch
 from torchgram.backends.jacobian import jacobian_backend, replace_leaves, row_vjps
@@ -300,10 +301,13 @@ def _push_forward(problem: Problem, rows_fn: Callable[..., Tensor],
     def push(*tangent: Tensor) -> Tensor:
         return torch.func.jvp(rows_fn, primals, tangent)[1]
 
-    with FORWARD_AD_LOCK, _forward_mode(problem):  # forward AD is process-wide: NOTE [threads]
-        if tangents[0].shape[0] == 1:
-            return push(*(t[0] for t in tangents)).unsqueeze(0)
-        return torch.func.vmap(push)(*tangents)
+    def pushed() -> Tensor:
+        with FORWARD_AD_LOCK, _forward_mode(problem):  # forward AD is process-wide: NOTE [threads]
+            if tangents[0].shape[0] == 1:
+                return push(*(t[0] for t in tangents)).unsqueeze(0)
+            return torch.func.vmap(push)(*tangents)
+
+    return functional.with_grad(pushed)  # grad mode on: NOTE [no_grad in forward mode]
 
 
 def _overlaps_itself(tensor: Tensor) -> bool:
@@ -335,8 +339,14 @@ _forward_ad_ready = False
 
 
 def _prepare_forward_ad(api: str = "torchgram") -> None:
-    """Refuse a call in a forward-mode level (torch nests none); import jvp's decompositions."""
-    if _torch_compat.forward_ad_level_open():
+    """Refuse a call in a forward-mode level (torch nests none); import jvp's decompositions.
+
+    The level is process-wide: read under :data:`FORWARD_AD_LOCK`, which another thread's
+    ntvp pass holds while its own level is open (NOTE [threads]).
+    """
+    with FORWARD_AD_LOCK:
+        level_open = _torch_compat.forward_ad_level_open()
+    if level_open:
         raise BackendCannotRun(
             api, "ntvp", "a call outside torch.autograd.forward_ad.dual_level() (it pushes "
             "vjps forward with torch.func.jvp, and torch nests no forward-mode levels)",
@@ -390,12 +400,19 @@ def _dtype_mixing(problem: Problem) -> tuple[str, str] | None:
 def _forward_mode(problem: Problem) -> Iterator[None]:
     """Run forward-mode AD with attention's math kernel, the backward's derivatives at kinks.
 
-    NOTE [kinks in forward mode]; explains ops that lack forward AD (NOTE [missing forward
-    AD]).
+    NOTE [kinks in forward mode], NOTE [no_grad in forward mode]; explains ops that lack
+    forward AD (NOTE [missing forward AD]).
     """
     try:
-        with math_attention(), ReverseKinks():
+        stops = NoGradStopsTangents(refuse="jvp" in problem.composition.transforms)
+        with math_attention(), ReverseKinks(), stops:  # NOTE [no_grad in forward mode]
             yield
+    except GradOffInForwardMode as err:
+        raise BackendCannotRun(
+            problem.api, "ntvp", "an f without no_grad regions when G is differentiated in "
+            "forward mode (jvp, jacfwd): its pass cannot stop its own tangents there alone",
+            f"{err} called with grad mode off inside f {problem.composition.describe()}",
+            _ALTERNATIVES, "Or write the stop-gradient as .detach().") from err
     except (NotImplementedError, RuntimeError) as err:
         missing = _torch_compat.missing_forward_ad(err)
         mixing = _dtype_mixing(problem)
