@@ -298,6 +298,33 @@ def in_place_refusal(api: str, error: BaseException) -> ValueError | None:
         "backend)", in_place_what(error), IN_PLACE_FIX))
 
 
+def captured_write_refusal(api: str, error: BaseException) -> ValueError | None:
+    """The ``ValueError`` for ``f`` writing into a tensor it did not make, or ``None``.
+
+    NOTE [captured writes] (``_core/captured_writes.py``): raised by the probe before the
+    write, on every backend.
+
+    Example:
+        >>> from torchgram._core.captured_writes import CapturedWrite
+        >>> str(captured_write_refusal("torchgram.gramian", CapturedWrite("add_")))[:60]
+        'torchgram.gramian: expected f that writes only into tensors '
+    """
+    from torchgram._core.captured_writes import CapturedWrite
+
+    if not isinstance(error, CapturedWrite):
+        return None
+    return ValueError(message(
+        api, "f that writes only into tensors it made (torchgram evaluates f several times "
+        "per call: each write into a tensor f captured or received would change yours and "
+        "make the next evaluation another function)",
+        f"an in-place {error} into a tensor f did not make (a module buffer updated by its "
+        "forward, such as a running average or a counter, when f calls "
+        "torch.func.functional_call(model, ...); or f's own input)",
+        "Use fn, params = tg.functionalize(model): its calls work on copies of the module's "
+        "buffers and leave yours as they are. Or move the update out of f, or write it out "
+        "of place."))
+
+
 _WITHOUT_TRANSFORMS = ("graph", "structured")
 """Backends that can run ``f`` without ``torch.func`` transforms, surest first."""
 

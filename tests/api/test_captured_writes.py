@@ -1,0 +1,122 @@
+"""``f`` writing into tensors it did not make (NOTE [captured writes]).
+
+``torch.func.functional_call(model, p, (x,))`` on a module whose forward updates a buffer in
+place (an EMA of its activations, a step counter): before session 40 ``structured`` and
+``auto`` gave wrong matrices (0.17 and 0.47 off, relative) and ``graph`` the right one, all
+three leaving the caller's buffer updated by each of their evaluations. Now every backend
+refuses before the first write, naming ``tg.functionalize``, which is right everywhere.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import torchgram as tg
+from reference import dense_gramian
+from torchgram._core.signature import clear_caches
+
+DOUBLE = torch.float64
+BACKENDS = ["auto", "structured", "graph", "jacobian", "ntvp"]
+
+
+class _Averaging(nn.Module):
+    """Subtracts a running average of its activations, updated in the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+        self.register_buffer("average", torch.zeros(3))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.linear(x)
+        if self.training:
+            with torch.no_grad():
+                self.average.mul_(0.9).add_(0.1 * h.mean(0))
+                self.steps += 1
+        return h - self.average
+
+
+def _module() -> nn.Module:
+    torch.manual_seed(0)
+    return _Averaging().to(DOUBLE)
+
+
+@pytest.mark.parametrize("batch_dim", [None, 0], ids=["dense", "per-sample"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_captured_module_updating_its_buffers_is_refused(backend: str,
+                                                           batch_dim: int | None) -> None:
+    clear_caches()
+    module = _module()
+    params = {name: p.detach() for name, p in module.named_parameters()}
+    x = torch.randn(5, 4, dtype=DOUBLE)
+
+    def f(p: dict[str, Tensor], x: Tensor) -> Tensor:
+        return torch.func.functional_call(module, p, (x,)).pow(2).sum(1)
+
+    with pytest.raises(ValueError, match="functionalize"):
+        tg.gramian(f, backend=backend, batch_dim=batch_dim)(params, x)
+    assert torch.equal(module.average, torch.zeros(3, dtype=DOUBLE))
+    assert int(module.steps) == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_functionalized_module_is_right_and_keeps_its_buffers(backend: str) -> None:
+    """Each call works on copies of the buffers: the Gramian of one evaluation from them."""
+    clear_caches()
+    module = _module()
+    fn, params = tg.functionalize(module)
+    x = torch.randn(5, 4, dtype=DOUBLE)
+
+    def f(p: dict[str, Tensor], x: Tensor) -> Tensor:
+        return fn(p, x).pow(2).sum(1)
+
+    wanted = dense_gramian(f, (params, x)).shaped()
+    actual = tg.gramian(f, backend=backend, batch_dim=0)(params, x)
+    torch.testing.assert_close(actual, wanted, rtol=1e-10, atol=1e-12)
+    assert torch.equal(module.average, torch.zeros(3, dtype=DOUBLE))
+    assert int(module.steps) == 0
+
+
+def test_an_input_changed_in_place_is_refused_and_kept() -> None:
+    clear_caches()
+    w = torch.randn(3, 4, dtype=DOUBLE)
+    x = torch.randn(5, 4, dtype=DOUBLE)
+    before = x.clone()
+
+    def f(w: Tensor, x: Tensor) -> Tensor:
+        x.clamp_(min=0.0)  # f's own input
+        return torch.tanh(x @ w.T)
+
+    with pytest.raises(ValueError, match="f's own input"):
+        tg.gramian(f, batch_dim=0)(w, x)
+    assert torch.equal(x, before)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_writes_into_what_f_made_and_batch_norm_statistics_are_fine(backend: str) -> None:
+    """In-place activations, item assignment into a fresh tensor, and a captured batch
+    norm in training mode (its running statistics never reach the check: NOTE [frozen running
+    statistics])."""
+    clear_caches()
+    torch.manual_seed(1)
+    module = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU(inplace=True),
+                           nn.Linear(6, 3)).to(DOUBLE)
+    params = {name: p.detach() for name, p in module.named_parameters()}
+    x = torch.randn(5, 4, dtype=DOUBLE)
+
+    def f(p: dict[str, Tensor], x: Tensor) -> Tensor:
+        h = torch.func.functional_call(module, p, (x,))
+        out = torch.zeros_like(h)
+        out[:, :2] = h[:, :2]
+        out[:, 2:] = h[:, 2:].tanh_()
+        return out.sum(1)
+
+    wanted = dense_gramian(f, (params, x)).shaped()  # (the oracle's own run updates them)
+    state = {name: b.clone() for name, b in module.named_buffers()}
+    actual = tg.gramian(f, backend=backend)(params, x)
+    torch.testing.assert_close(actual, wanted, rtol=1e-10, atol=1e-12)
+    for name, value in module.named_buffers():
+        assert torch.equal(value, state[name]), name
