@@ -11,24 +11,30 @@ another function. Before session 40 ``structured`` and ``auto`` gave wrong matri
 all three leaving the caller's buffer updated several times (``jacobian`` and ``ntvp``
 declined: torch refuses such writes under its transforms). The probe, ``f``'s first
 evaluation for a call signature, runs under :class:`CapturedWrites`: a write (a method
-ending in ``_``, ``copy_``, item assignment, an ``out=`` argument) into a tensor that no call
-of this evaluation made -- nor a view of one -- raises :class:`CapturedWrite` before it
-happens, which the API turns into a ``ValueError`` naming the fix (``tg.functionalize``,
-whose calls work on copies of the module's buffers). The leaves' copies that the probe gives
-``f`` count as its own (an embedding's ``max_norm`` renormalises its table in place: NOTE
-[probing]); batch norm's running statistics never reach the mode (NOTE [frozen running
-statistics] drops them first).
+ending in ``_``, ``copy_``, item assignment, an ``out=`` argument) into a tensor ``f``
+captured or received -- or a view of one -- raises :class:`CapturedWrite` before it happens,
+which the API turns into a ``ValueError`` naming the fix (``tg.functionalize``, whose calls
+work on copies of the module's buffers). What ``f`` captured is found before the evaluation
+(:func:`captured_tensors`): the tensors of its arguments, and those its closure, bound
+instance, defaults and the globals its code names hold, through containers, partials,
+nested functions and modules (their parameters and buffers). A first version refused writes
+into every tensor no call of the evaluation made, and so a fresh ``torch.FloatTensor(4)
+.fill_(0.5)`` (legacy constructors make tensors without a torch call). The leaves' copies
+that the probe gives ``f`` are its own (an embedding's ``max_norm`` renormalises its table in
+place: NOTE [probing]); batch norm's running statistics never reach the mode (NOTE [frozen
+running statistics] drops them first).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
+import itertools
+import types
+from collections.abc import Callable, Iterable
 from typing import Any
 
-from torch import Tensor
+from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
-
-from torchgram._core.pytree import leaves_of
 
 _NOT_WRITES = frozenset({"requires_grad_", "retain_grad", "share_memory_", "record_stream",
                          "register_hook", "pin_memory", "__torch_function__"})
@@ -60,40 +66,100 @@ def _root(tensor: Tensor) -> Tensor:
     return tensor
 
 
+_DEPTH = 6
+"""How deep :func:`captured_tensors` follows containers, functions and objects."""
+_WIDTH = 4096
+"""Containers larger than this are not looked into (a global dataset: the probe stays cheap)."""
+
+
+def captured_tensors(f: Any, args: Any, own: Iterable[Tensor] = ()) -> set[int]:
+    """The ids of the tensors (their roots, for views) ``f`` captured or received in ``args``.
+
+    Example:
+        >>> import torch
+        >>> state, x = torch.zeros(3), torch.ones(3)
+        >>> found = captured_tensors(lambda x: x + state, (x,))
+        >>> id(state) in found, id(x) in found, id(torch.zeros(1)) in found
+        (True, True, False)
+    """
+    found: set[int] = set()
+    seen: set[int] = set()
+
+    def visit(obj: Any, depth: int) -> None:
+        if depth > _DEPTH or id(obj) in seen or isinstance(obj, (str, bytes, int, float, bool,
+                                                                 types.ModuleType, type)):
+            return
+        seen.add(id(obj))
+        if isinstance(obj, Tensor):
+            found.add(id(_root(obj)))
+        elif isinstance(obj, nn.Module):
+            found.update(id(_root(t)) for t in itertools.chain(obj.parameters(), obj.buffers()))
+            visit(vars(obj).get("forward"), depth + 1)
+        elif isinstance(obj, dict) and len(obj) <= _WIDTH:
+            for value in obj.values():
+                visit(value, depth + 1)
+        elif isinstance(obj, (list, tuple, set, frozenset)) and len(obj) <= _WIDTH:
+            for value in obj:
+                visit(value, depth + 1)
+        elif isinstance(obj, functools.partial):
+            visit((obj.func, obj.args, obj.keywords), depth + 1)
+        elif isinstance(obj, types.MethodType):
+            visit((obj.__self__, obj.__func__), depth + 1)
+        elif isinstance(obj, types.FunctionType):
+            _visit_function(obj, depth, visit)
+        elif callable(obj) and hasattr(obj, "__dict__"):  # a callable object
+            visit(vars(obj), depth + 1)
+
+    visit(f, 0)
+    visit(args, 0)
+    return found - {id(_root(tensor)) for tensor in own}
+
+
+def _visit_function(func: types.FunctionType, depth: int,
+                    visit: Callable[[Any, int], None]) -> None:
+    """What a plain function holds: closure cells, defaults, the globals its code names."""
+    for cell in func.__closure__ or ():
+        try:
+            visit(cell.cell_contents, depth + 1)
+        except ValueError:  # an empty cell
+            continue
+    visit((func.__defaults__, func.__kwdefaults__), depth + 1)
+    codes = [func.__code__]
+    while codes:  # the names of nested functions' code too (lambdas defined in f)
+        code = codes.pop()
+        for name in code.co_names:
+            if name in func.__globals__:
+                visit(func.__globals__[name], depth + 1)
+        codes.extend(const for const in code.co_consts if isinstance(const, types.CodeType))
+
+
 class CapturedWrites(TorchFunctionMode):
     """Raises :class:`CapturedWrite` before a write into a tensor no call here made.
 
     Args:
-        own: Tensors given to ``f`` that count as its own (the probe's leaf copies).
+        captured: The ids of :func:`captured_tensors` (alive for the whole evaluation, so no
+            tensor made during it takes one of them).
 
     Example:
         >>> import torch
         >>> buffer = torch.zeros(3)
-        >>> with CapturedWrites(()):
-        ...     h = torch.ones(3) * 2
-        ...     h.add_(1)  # made here: fine
+        >>> with CapturedWrites({id(buffer)}):
+        ...     h = torch.FloatTensor(3).fill_(2.0)  # made here (a legacy constructor): fine
         ...     buffer.add_(h)  # captured
         Traceback (most recent call last):
         ...
         torchgram._core.captured_writes.CapturedWrite: add_
     """
 
-    def __init__(self, own: Iterable[Tensor]) -> None:
+    def __init__(self, captured: set[int]) -> None:
         super().__init__()
-        self._own = list(own)  # alive while the mode lives: their ids stay theirs
-        self._made: set[int] = {id(_root(tensor)) for tensor in self._own}
+        self._captured = captured
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         target = _written(func, args, kwargs)
-        if target is not None and id(_root(target)) not in self._made:
+        if target is not None and id(_root(target)) in self._captured:
             raise CapturedWrite(getattr(func, "__name__", "a write"))
-        result = func(*args, **kwargs)
-        # (ids of made tensors need no pins: a tensor that existed before the evaluation keeps
-        # its id throughout, so a freed one's id can only go to another made here)
-        for leaf in leaves_of(result):
-            if isinstance(leaf, Tensor):
-                self._made.add(id(_root(leaf)))
-        return result
+        return func(*args, **kwargs)
 

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from torchgram._core import _torch_compat
-from torchgram._core.captured_writes import CapturedWrites
+from torchgram._core.captured_writes import CapturedWrites, captured_tensors
 from torchgram._core.census import DenseEmbeddingGradients, OpCensus, ProbeCheck
 from torchgram._core.checks import check_not_meta, fail, resolve_argnums
 from torchgram._core.composition import (
@@ -801,11 +801,13 @@ def _evaluate_probe(api: str, f: Callable[..., Any], args: tuple[Any, ...],
     def evaluate(values: tuple[Tensor, ...]) -> Any:
         return f(*diff.rebuild_args(args, values), **kwargs)
 
+    captured = captured_tensors(f, (args, dict(kwargs)), own=leaves)
+
     def evaluate_probe() -> Any:  # the next evaluation starts from the call's state
         return evaluate_f(evaluate, leaves,
                           lambda: draw.evaluation(full=with_grad, restore_after=True),
                           _probe_attention, lambda: census,
-                          lambda: CapturedWrites(leaves),  # NOTE [captured writes]
+                          lambda: CapturedWrites(captured),  # NOTE [captured writes]
                           FrozenRunningStats, look if look_unseen else contextlib.nullcontext)
 
     with torch.set_grad_enabled(with_grad):
@@ -822,8 +824,8 @@ def _evaluate_probe(api: str, f: Callable[..., Any], args: tuple[Any, ...],
         except CounterRead as error:
             raise counter_read_error(api, error) from error
         except Exception as error:
-            if (captured := captured_write_refusal(api, error)) is not None:
-                raise captured from error  # no backend can: each evaluation changes your tensor
+            if (write_refused := captured_write_refusal(api, error)) is not None:
+                raise write_refused from error  # no backend can: each evaluation changes yours
             if (refusal := forward_mode_refusal(api, error)) is not None:
                 raise refusal from error  # no backend can: f itself lacks forward mode
             if (in_place := in_place_refusal(api, error)) is not None:
