@@ -134,7 +134,7 @@ def _visit_function(func: types.FunctionType, depth: int,
 
 
 class CapturedWrites(TorchFunctionMode):
-    """Raises :class:`CapturedWrite` before a write into a tensor no call here made.
+    """Raises :class:`CapturedWrite` before a write into a tensor ``f`` captured or received.
 
     Args:
         captured: The ids of :func:`captured_tensors` (alive for the whole evaluation, so no
