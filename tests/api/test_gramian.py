@@ -396,3 +396,23 @@ def test_a_model_output_object_gets_a_hint() -> None:
     with pytest.raises(TypeError, match="a leaf of type ModelOutput. Return the output's "
                        "tensors: e.g. out.logits, or out.to_tuple"):
         tg.gramian(lambda p, x: ModelOutput(x @ p))(W, X)
+
+
+@pytest.mark.parametrize("api", ["gramian", "aggregated_grad", "kernel"])
+def test_complex_parameters_are_refused_not_dropped(api: str) -> None:
+    """A complex leaf beside real ones was silently left out of G (session 40: G was the
+    real leaves' block alone); now a TypeError naming torch.view_as_real."""
+    params = {"w": torch.randn(3, 4, dtype=torch.complex128),
+              "b": torch.randn(3, dtype=torch.float64)}
+    x = torch.randn(5, 4, dtype=torch.float64)
+
+    def f(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return ((x.to(torch.complex128) @ p["w"].T).abs() + p["b"]).sum(1)
+
+    with pytest.raises(TypeError, match="view_as_real"):
+        if api == "gramian":
+            tg.gramian(f, batch_dim=0)(params, x)
+        elif api == "aggregated_grad":
+            tg.aggregated_grad(f, tg.weighting.upgrad, batch_dim=0)(params, x)
+        else:
+            tg.ntk.empirical_ntk_fn(lambda p, x: f(p, x)[:, None])(x, None, params)

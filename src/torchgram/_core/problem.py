@@ -682,6 +682,14 @@ def build_problem(options: Options, f: Callable[..., Any], args: tuple[Any, ...]
     args, kwargs = _without_inference_tensors((args, dict(kwargs)))
     composition = detect_composition(args, kwargs)
     diff = select_diff_leaves(args, argnums, detach=not composition.differentiable)
+    complex_leaves = [leaf for i in argnums for leaf in leaves_of(args[i])
+                      if isinstance(leaf, Tensor) and leaf.is_complex()]
+    if complex_leaves:  # select_diff_leaves keeps real floating leaves: the rest would be dropped
+        fail(api, f"real floating-point tensor leaves in the differentiated argument(s) "
+             f"{argnums}", f"a complex tensor of shape {tuple(complex_leaves[0].shape)} "
+             f"({complex_leaves[0].dtype})",
+             "Pass its real and imaginary parts as real parameters: torch.view_as_real(p), "
+             "and torch.view_as_complex inside f.", TypeError)
     if not diff.leaves:
         fail(api, f"floating-point tensor leaves in the differentiated argument(s) {argnums}",
              "none (" + ", ".join(type(args[i]).__name__ for i in argnums) + ")",
