@@ -36,13 +36,10 @@ from typing import Any
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-_NOT_WRITES = frozenset({"requires_grad_", "retain_grad", "share_memory_", "record_stream",
-                         "register_hook", "pin_memory", "__torch_function__"})
-"""Methods ending in ``_`` that change no entries (flags, hooks, placement)."""
+from torchgram._core.errors import CapturedWrite
 
-
-class CapturedWrite(RuntimeError):
-    """``f`` was about to write into a tensor it did not make (NOTE [captured writes])."""
+_NOT_WRITES = frozenset({"requires_grad_", "share_memory_"})
+"""Methods ending in ``_`` that change no entries (a flag, the memory's placement)."""
 
 
 def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor | None:
@@ -148,7 +145,7 @@ class CapturedWrites(TorchFunctionMode):
         ...     buffer.add_(h)  # captured
         Traceback (most recent call last):
         ...
-        torchgram._core.captured_writes.CapturedWrite: add_
+        torchgram._core.errors.CapturedWrite: add_
     """
 
     def __init__(self, captured: set[int]) -> None:

@@ -155,6 +155,14 @@ class ModifiedInPlace(RuntimeError):  # noqa: N818
         self.what = what
 
 
+class CapturedWrite(RuntimeError):  # noqa: N818
+    """``f`` was about to write into a tensor it captured or received.
+
+    NOTE [captured writes] (``captured_writes.py``); the probe turns it into
+    :func:`captured_write_refusal`, the ``ValueError`` every backend raises for such an ``f``.
+    """
+
+
 class CounterRead(RuntimeError):  # noqa: N818
     """``f`` used, other than as a number, a counter whose in-place increment was skipped.
 
@@ -305,12 +313,9 @@ def captured_write_refusal(api: str, error: BaseException) -> ValueError | None:
     write, on every backend.
 
     Example:
-        >>> from torchgram._core.captured_writes import CapturedWrite
         >>> str(captured_write_refusal("torchgram.gramian", CapturedWrite("add_")))[:60]
         'torchgram.gramian: expected f that writes only into tensors '
     """
-    from torchgram._core.captured_writes import CapturedWrite
-
     if not isinstance(error, CapturedWrite):
         return None
     return ValueError(message(
