@@ -253,3 +253,17 @@ def test_eager_benchmark_runs_the_real_models_with_their_masks(tmp_path: Path) -
     text = (tmp_path / "eager.md").read_text()
     assert "| `bert`: recorded Gramian ≤ 1.5× backward |" in text
     assert "`bert`: recorded Gramian ≥" not in text  # no torchjd speed-up target for them
+
+
+def test_embedding_ways_times_every_way_and_reports_the_pick(tmp_path: Path) -> None:
+    """``embedding_ways.py --quick``: every point's ways timed, the cost model's pick named."""
+    from benchmarks import embedding_ways
+
+    embedding_ways.main(["--quick", "--threads", "1", "--out", str(tmp_path)])
+    text = (tmp_path / "embedding_ways.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert len(rows) == 4  # the quick grid
+    for row in rows:
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        assert cells[7] in embedding_ways.WAYS and float(cells[8]) >= 1.0
+    assert "mean regret" in text

@@ -45,9 +45,9 @@ rows only for its sample's tokens; summing the cotangents per (row, sample, toke
 
 (``Π`` is exact for uniform tokens, ``SKEW`` allows for frequent ones). Each pair gathers two
 rows and meets them outside any matrix product: ``W =`` :data:`SPARSE_PAIR_WEIGHT`, and the
-sorting and grouping cost :data:`SPARSE_FIXED` (both measured on a CPU against the
-materialized Gram: sparse wins for large vocabularies, loses for tables every sample uses
-whole, like position embeddings, where ``Π ≈ T·B²``).
+sorting and grouping cost :data:`SPARSE_FIXED` (measured on a CPU against the materialized
+and ghost ways by ``benchmarks/embedding_ways.py``: sparse wins for large vocabularies, loses
+for tables every sample uses whole, like position embeddings, where ``Π ≈ T·B²``).
 
 A ghost plan needs every use of the leaf to be a weight with the same factor widths and
 groups; otherwise (or with a bias use, or a fallback part) the leaf is materialized. With
@@ -66,8 +66,12 @@ ELEMENTWISE_WEIGHT = 4.0
 """Cost of one elementwise multiply-add relative to one inside a matrix product."""
 SKEW = 2.0
 """Allowance for frequent tokens in the sparse way's pair count."""
-SPARSE_FIXED = 1.5e7
-"""Fixed cost of the sparse way (sorting and grouping the entries: about a millisecond)."""
+SPARSE_FIXED = 2e6
+"""Fixed cost of the sparse way beyond the other ways' (sorting and grouping the entries).
+
+Fitted in the pipeline by ``benchmarks/embedding_ways.py`` (the value with the least regret
+over its grid; with 1.5e7 before, ghost or materialize where sparse was up to 1.6 times
+faster, the LSTM benchmark's ``1000 × 64`` token table at ``B = 16, T = 32`` among them)."""
 SPARSE_PAIR_WEIGHT = 32.0
 """Cost of one entry of a pair of gathered rows relative to a multiply-add in a matrix product."""
 
