@@ -38,7 +38,7 @@ from fuzz_arch import (
     Tokens,
     build,
 )
-from fuzz_check import check
+from fuzz_check import check, check_eager
 from fuzz_compose import check_composed
 from fuzz_kernels import KernelCase, _as_kernel_case, check_kernel, second_batch_sizes
 from reference import dense_gramian
@@ -760,3 +760,34 @@ def test_kinks_with_as_many_samples_as_rows(backend: str, kind: str) -> None:
         layout="flat", consts_via="closure", params_at="first", extra_leaves=False,
         has_aux=False, diagonal=False, per_leaf=True, chunk_size=None, memory_budget=None)
     assert check(case, backend) == "answered"
+
+
+PRELU_AT_ITS_KINK_DIFFERENTIATED = FuzzCase(
+    seed=0, batch=1, length=1, input=Features(width=1, flat=False),
+    layers=(Kink(kind="prelu", frozen=True), Elementwise(kind="scale_shift", frozen=False)),
+    head=Head(kind="sq_mean", classes=2), dtype="float32", batch_dim=None, output_dim=0,
+    input_dim=0, as_module=True, input_via="positional", mixed_dtypes=True, layout="flat",
+    consts_via="closure", params_at="first", extra_leaves=False, has_aux=False,
+    diagonal=False, per_leaf=False, chunk_size=None, memory_budget=None, repeat="none",
+    head_extra="input_gradient", requires_grad=True, noncontiguous=True, alias_tied=False,
+    grad_mode="enabled")
+"""A long fuzz run's case (session 41): the input's one feature at prelu's kink, and ``f``
+differentiating itself there. torchgram's functional evaluations run prelu as its definition
+(NOTE [prelu as where]); the oracle took torch's double backward, which at 0 is not the
+derivative of torch's own backward (by 1 instead of the slope): ``G`` 1.16 off on graph and
+auto, by the slope squared. The oracle now runs prelu as its definition too."""
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_f_differentiating_itself_at_prelus_kink(backend: str) -> None:
+    outcome = check(PRELU_AT_ITS_KINK_DIFFERENTIATED, backend)
+    if backend in ("graph", "auto"):
+        assert outcome == "answered"
+    else:  # the taps and torch.func transforms cannot run an f that differentiates itself
+        assert outcome.startswith("refused (BackendCannotRun"), outcome
+
+
+@pytest.mark.parametrize("recorded", [True, False], ids=["record", "walk"])
+def test_eager_call_differentiating_itself_at_prelus_kink(recorded: bool) -> None:
+    """The user's own graph holds torch's prelu nodes: the walk takes their derivatives."""
+    assert check_eager(PRELU_AT_ITS_KINK_DIFFERENTIATED, recorded) == "answered"
