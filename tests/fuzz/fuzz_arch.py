@@ -172,6 +172,19 @@ class Center:
 
 
 @dataclass(frozen=True)
+class StopGradient:
+    """``h + 0.5 · tanh(h)`` with the second term computed without gradients: a stop-gradient
+    target (an EMA teacher's output, a detached baseline) whose value depends on the
+    parameters while its derivative is cut (NOTE [no_grad in forward mode]: torch's forward
+    mode would push tangents through a ``no_grad`` block).
+
+    ``form``: a ``torch.no_grad()`` block, ``h.detach()``, or ``torch.set_grad_enabled(False)``.
+    """
+
+    form: Literal["no_grad", "detach", "grad_disabled"] = "no_grad"
+
+
+@dataclass(frozen=True)
 class Route:
     """Rows sent by index values along the batch: ``h[order]`` and the like.
 
@@ -222,7 +235,8 @@ class FusedRnn:
 
 
 Layer = (Linear | Conv1d | Attention | RnnCell | Norm | Elementwise | Kink | Distance | Buffer
-         | Activation | TiedOut | Center | Route | Gate | Dropout | FusedRnn)
+         | Activation | TiedOut | Center | StopGradient | Route | Gate | Dropout
+         | FusedRnn)
 
 
 @dataclass(frozen=True)
@@ -572,6 +586,13 @@ def _layer(case: FuzzCase, i: int, layer: Layer, h: Tensor, get: Get) -> Tensor:
         return h @ get(-1, "table").T
     if isinstance(layer, Center):
         return h - h.mean(0, keepdim=True)
+    if isinstance(layer, StopGradient):
+        if layer.form == "detach":
+            target = torch.tanh(h.detach())
+        else:
+            with torch.no_grad() if layer.form == "no_grad" else torch.set_grad_enabled(False):
+                target = torch.tanh(h)
+        return h + 0.5 * target
     if isinstance(layer, Route):
         order = torch.tensor([k % h.shape[0] for k in layer.order[:h.shape[0]]]
                              + list(range(len(layer.order), h.shape[0])), device=h.device)

@@ -44,6 +44,7 @@ from fuzz_arch import (
     Norm,
     RnnCell,
     Route,
+    StopGradient,
     TiedOut,
     Tokens,
     conv_length,
@@ -109,6 +110,7 @@ def _layer(draw: st.DrawFn, backend: str, width: int, length: int, tokens: Token
                                                           backend)):
         kinds.append("tied_out")
     kinds.append("center")
+    kinds.append("stop_gradient")
     kinds.append("route")
     kinds.append("gate")
     if not known_issue("random_ops_under_functorch", backend):
@@ -185,6 +187,8 @@ def _layer(draw: st.DrawFn, backend: str, width: int, length: int, tokens: Token
         return TiedOut()
     if kind == "center":
         return Center()
+    if kind == "stop_gradient":
+        return StopGradient(form=draw(st.sampled_from(["no_grad", "detach", "grad_disabled"])))
     if kind == "route":  # a permutation (the identity now and then) or repeated samples
         order = draw(st.sampled_from([
             tuple(range(batch)), tuple(reversed(range(batch))),
