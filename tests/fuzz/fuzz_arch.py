@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import optree
@@ -339,6 +339,24 @@ def conv_length(length: int, conv: Conv1d) -> int:
     """The output length of ``conv`` on ``length`` positions (may be < 1: invalid)."""
     span = conv.dilation * (conv.kernel - 1) + 1
     return (length + 2 * conv.padding - span) // conv.stride + 1
+
+
+def without_dropout(case: FuzzCase) -> FuzzCase:
+    """``case`` without its :class:`Dropout` layers, ties pointing at their layers' new indices.
+
+    A linear layer's ``tie`` is an index into ``case.layers``: dropping a layer before the tied
+    one without renumbering crashed the fuzzer's own shape walk (the kernels' property in
+    session 25, the concurrency property in session 41's long run).
+    """
+    kept = [i for i, layer in enumerate(case.layers) if not isinstance(layer, Dropout)]
+    new_index = {old: new for new, old in enumerate(kept)}
+
+    def renumbered(layer: Layer) -> Layer:
+        if isinstance(layer, Linear) and layer.tie is not None:
+            return replace(layer, tie=new_index[layer.tie])
+        return layer
+
+    return replace(case, layers=tuple(renumbered(case.layers[i]) for i in kept))
 
 
 def walk_shapes(case_input: Features | Tokens, length: int,

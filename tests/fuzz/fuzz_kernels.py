@@ -24,14 +24,13 @@ import torchgram as tg
 import torchgram.backends.structured.cross as structured_cross
 from fuzz_arch import (
     Buffer,
-    Dropout,
     Features,
     FuzzCase,
     Head,
-    Linear,
     Norm,
     build,
     walk_shapes,
+    without_dropout,
 )
 from fuzz_check import Snapshot, assert_close
 from fuzz_strategies import cases
@@ -66,21 +65,11 @@ class KernelCase:
 def _as_kernel_case(case: FuzzCase, head_extra: str) -> FuzzCase:
     """``case`` called as ``f(params, x)``: one tensor output, samples on dim 0 of both.
 
-    Dropout is left out: two calls of a kernel draw other masks than the oracle's two calls.
-    A linear layer that ties another's weight then points at that layer's new index (an
-    index into the layers with dropout crashed the fuzzer's own shape walk).
+    Dropout is left out (:func:`fuzz_arch.without_dropout`): two calls of a kernel draw other
+    masks than the oracle's two calls.
     """
-    kept = [i for i, layer in enumerate(case.layers) if not isinstance(layer, Dropout)]
-    new_index = {old: new for new, old in enumerate(kept)}
-
-    def kernel_layer(layer: Any) -> Any:
-        if isinstance(layer, Buffer):
-            return dataclasses.replace(layer, via="closure")
-        if isinstance(layer, Linear) and layer.tie is not None:
-            return dataclasses.replace(layer, tie=new_index[layer.tie])
-        return layer
-
-    layers = tuple(kernel_layer(case.layers[i]) for i in kept)
+    layers = tuple(dataclasses.replace(layer, via="closure") if isinstance(layer, Buffer)
+                   else layer for layer in without_dropout(case).layers)
     head = case.head if case.head.kind in KERNEL_HEADS else Head("feat")
     return dataclasses.replace(
         case, layers=layers, head=head, params_at="first", input_via="positional",

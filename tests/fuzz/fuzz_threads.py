@@ -23,7 +23,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from fuzz_arch import Built, Dropout, FuzzCase, build
+from fuzz_arch import Built, FuzzCase, build, without_dropout
 from fuzz_check import Snapshot, _call, _compare, oracle, run
 from reference import Dense
 
@@ -47,9 +47,7 @@ class Job:
 
 def without_draws(case: FuzzCase) -> FuzzCase:
     """``case`` without its dropout layers and second call (module docstring)."""
-    return dataclasses.replace(
-        case, layers=tuple(layer for layer in case.layers if not isinstance(layer, Dropout)),
-        repeat="none")
+    return dataclasses.replace(without_dropout(case), repeat="none")
 
 
 def check_concurrently(cases: Sequence[FuzzCase], backend: str) -> list[str]:

@@ -41,6 +41,7 @@ from fuzz_arch import (
 from fuzz_check import check, check_eager
 from fuzz_compose import check_composed
 from fuzz_kernels import KernelCase, _as_kernel_case, check_kernel, second_batch_sizes
+from fuzz_threads import check_concurrently
 from reference import dense_gramian
 
 BACKENDS = ["jacobian", "ntvp", "graph", "structured", "auto"]
@@ -791,3 +792,27 @@ def test_f_differentiating_itself_at_prelus_kink(backend: str) -> None:
 def test_eager_call_differentiating_itself_at_prelus_kink(recorded: bool) -> None:
     """The user's own graph holds torch's prelu nodes: the walk takes their derivatives."""
     assert check_eager(PRELU_AT_ITS_KINK_DIFFERENTIATED, recorded) == "answered"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_concurrent_calls_of_a_tied_layer_after_dropout(backend: str) -> None:
+    """A long run of the concurrency property (session 41): the property drops dropout
+    layers before its calls, and a tie pointing past a dropped layer crashed the fuzzer's own
+    shape walk (a ``KeyError``, never a call). Ties are renumbered (``without_dropout``)."""
+    case = FuzzCase(
+        seed=0, batch=1, length=1,
+        input=Tokens(vocab=3, width=2, padding_idx=None, scale_grad_by_freq=False, frozen=True,
+                     sparse=True),
+        layers=(Dropout(p=0.5),
+                Linear(out=1, bias=False, form="linear", tie=None, transposed=False,
+                       frozen=True),
+                Linear(out=2, bias=False, form="linear", tie=1, transposed=True, frozen=False),
+                Elementwise(kind="scale_shift", frozen=False)),
+        head=Head(kind="sq_mean", classes=2), dtype="float32", batch_dim=None, output_dim=0,
+        input_dim=0, as_module=True, input_via="positional", mixed_dtypes=True, layout="flat",
+        consts_via="closure", params_at="first", extra_leaves=False, has_aux=False,
+        diagonal=False, per_leaf=False, chunk_size=None, memory_budget=None, repeat="none",
+        head_extra="none", requires_grad=True, noncontiguous=True, alias_tied=False,
+        grad_mode="enabled")
+    outcomes = check_concurrently([case], backend)
+    assert len(outcomes) == 1
