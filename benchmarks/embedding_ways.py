@@ -20,9 +20,7 @@ import argparse
 import itertools
 import statistics
 import sys
-import time
 from pathlib import Path
-from typing import Any
 
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -31,7 +29,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import Tensor  # noqa: E402
 
-from benchmarks.measure import set_threads  # noqa: E402
+from benchmarks.measure import alternated_medians, set_threads  # noqa: E402
 from benchmarks.run import _commit, _cpu, _load  # noqa: E402
 from torchgram._core.options import Options  # noqa: E402
 from torchgram._core.problem import Problem, build_problem  # noqa: E402
@@ -60,20 +58,6 @@ def _problem(classes: int, width: int, samples: int, positions: int) -> Problem:
     return build_problem(options, _lookup, (params, tokens), {})
 
 
-def _median_seconds(calls: dict[str, Any], rounds: int) -> dict[str, float]:
-    """Each call's median over ``rounds`` alternated turns (after one warm-up call each)."""
-    for call in calls.values():
-        call()
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for turn in range(rounds):
-        names = list(calls) if turn % 2 == 0 else list(calls)[::-1]
-        for name in names:
-            start = time.perf_counter()
-            calls[name]()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in times.items()}
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a tiny grid, one round")
@@ -95,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
         picked = plan_problem(problem).leaves[0].way
         ways = [way for way in WAYS
                 if way != "ghost" or (samples * positions) ** 2 * width <= MAX_GHOST_PAIRS]
-        seconds = _median_seconds({
+        seconds = alternated_medians({
             way: lambda way=way, problem=problem: run_structured(problem, force=way)
             for way in ways}, rounds)
         regret = seconds.get(picked, float("inf")) / min(seconds.values())

@@ -192,6 +192,26 @@ def _timed(call: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - start, result
 
 
+def alternated_medians(calls: dict[str, Callable[[], Any]], rounds: int,
+                       warmups: int = 1) -> dict[str, float]:
+    """Each call's median seconds over ``rounds`` turns, the order reversed every other turn.
+
+    Every call first runs ``warmups`` times untimed; within a turn each call runs once, so
+    load moving on a shared machine falls on all of them alike.
+    """
+    for call in calls.values():
+        for _ in range(warmups):
+            call()
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    order = list(calls)
+    for turn in range(rounds):
+        for name in order if turn % 2 == 0 else order[::-1]:
+            start = time.perf_counter()
+            calls[name]()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
 def error_line(error: BaseException, limit: int = 200) -> str:
     """``"Type: first line of the message"``, at most ``limit`` characters of the message.
 

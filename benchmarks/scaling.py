@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
 import sys
 import tempfile
 import time
@@ -43,7 +42,7 @@ from torch import Tensor, nn  # noqa: E402
 
 import torchgram as tg  # noqa: E402
 from benchmarks import cases  # noqa: E402
-from benchmarks.measure import set_threads  # noqa: E402
+from benchmarks.measure import alternated_medians, set_threads  # noqa: E402
 from benchmarks.run import _commit, _cpu, _load  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -187,20 +186,6 @@ def _point(name: str, sizes: cases.Sizes, diagonal: bool) -> dict[str, Any]:
             "backend": explanation.backend}
 
 
-def _time(calls: dict[str, Call], rounds: int) -> dict[str, float]:
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for call in calls.values():
-        call()
-        call()
-    order = list(calls)
-    for r in range(rounds):
-        for name in order if r % 2 == 0 else order[::-1]:
-            start = time.perf_counter()
-            calls[name]()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in times.items()}
-
-
 GRID = {"mlp": ("mlp_batch", (16, 64, 256, 1024)), "transformer": ("tf_len", (16, 64, 256))}
 QUICK_GRID = {"mlp": ("mlp_batch", (4, 8)), "transformer": ("tf_len", (4, 8))}
 
@@ -231,7 +216,7 @@ def run(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 for diagonal in (False, True):
                     sizes = cases.Sizes(**{**base.__dict__, knob: value})
                     point = _point(name, sizes, diagonal)
-                    times = _time(point.pop("calls"), rounds)
+                    times = alternated_medians(point.pop("calls"), rounds, warmups=2)
                     row = {"case": name, knob: value, "diagonal": diagonal, **times, **point}
                     rows.append(row)
                     print(f"{name:11s} {knob}={value:<5d} diagonal={diagonal!s:5s} "
