@@ -267,3 +267,19 @@ def test_embedding_ways_times_every_way_and_reports_the_pick(tmp_path: Path) -> 
         cells = [cell.strip() for cell in row.strip("|").split("|")]
         assert cells[7] in embedding_ways.WAYS and float(cells[8]) >= 1.0
     assert "mean regret" in text
+
+
+def test_weight_ways_times_both_ways_and_reports_the_pick(tmp_path: Path) -> None:
+    """``weight_ways.py --quick``: both ways timed per point, the cost model's pick named."""
+    from benchmarks import weight_ways
+
+    weight_ways.main(["--quick", "--threads", "1", "--out", str(tmp_path)])
+    text = (tmp_path / "weight_ways.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| conv")
+            or line.startswith("| linear")]
+    assert len(rows) == 4  # the quick grid
+    for row in rows:
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        assert float(cells[4]) > 0 and float(cells[5]) > 0
+        assert cells[8] in weight_ways.WAYS and float(cells[9]) >= 1.0
+    assert "mean regret" in text

@@ -18,7 +18,9 @@ it two ways (DESIGN.md §3):
   from it (the structured backend's batched pass): random draws are then those of one
   plain call, but samples must still not interact; known interacting ops (batch-norm in
   training mode, ``scale_grad_by_freq`` embeddings) are recognised by name and the outputs
-  of samples run alone are compared with the batch's (:func:`check_samples` again).
+  of samples run alone are compared with the batch's (:func:`check_samples` again), with
+  the derivative check below and where the run rewrote a call: NOTE [when the values are
+  compared]).
 
 A backend whose per-sample way does not hold computes the **same matrix from the whole
 batch** (its rows without batch structure): for interacting samples that is the exact

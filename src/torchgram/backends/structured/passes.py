@@ -237,6 +237,8 @@ class Forward:
             the derivative checks.
         selections: ``batched`` only: the graph's selection nodes, which the thorough
             derivative check opens (NOTE [opened selections]).
+        rewrote: ``batched`` only: whether the run rewrote a call (NOTE [rewritten
+            layouts]); its values are then compared with ``f``'s own on every call.
     """
 
     kind: ForwardKind
@@ -254,6 +256,7 @@ class Forward:
     merged_acts: dict[int, int] = field(default_factory=dict)
     routing: tuple[Any, ...] = ()
     selections: list[_torch_compat.Node] = field(default_factory=list)
+    rewrote: bool = False
 
     def take_acts(self) -> list[Tensor]:
         """The activations, handed over: the forward lets go of them (they can be freed)."""
@@ -389,7 +392,8 @@ def batched_forward(problem: Problem, traced: Recording) -> Forward | None:
                    routing=(_torch_compat.routing_values(nodes, samples),
                             _torch_compat.graph_signature(nodes)),  # NOTE [graph signatures]
                    selections=[node for node in nodes
-                               if type(node).__name__ in SELECTION_NODES])
+                               if type(node).__name__ in SELECTION_NODES],
+                   rewrote=mode.rewrote)
 
 
 def _merged_taps_have_acts(run: Recording, tap_dims: Sequence[SampleAxis | None],

@@ -1,0 +1,90 @@
+"""When the batched pass compares outputs with samples run apart.
+
+NOTE [when the values are compared] in ``backends/structured/per_sample.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torchgram as tg
+from reference import dense_gramian
+
+B, D = 5, 4
+
+
+def _params():
+    torch.manual_seed(0)
+    return {"w": torch.randn(D, D, dtype=torch.float64),
+            "v": torch.randn(D, D, dtype=torch.float64)}
+
+
+def _inputs(seed):
+    return torch.randn(B, 3, D, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+
+
+def _mlp(p, x):
+    return torch.tanh(F.linear(torch.tanh(F.linear(x, p["w"])), p["v"])).sum((1, 2))
+
+
+def _einsum(p, x):  # torch.einsum is rewritten under the mode (NOTE [rewritten layouts])
+    return torch.tanh(torch.einsum("btd,ed->bte", torch.tanh(F.linear(x, p["w"])),
+                                   p["v"])).sum((1, 2))
+
+
+def _detached_statistic(p, x):  # samples meet in values only, never in derivatives
+    h = torch.tanh(F.linear(x, p["w"]))
+    return (F.linear(h, p["v"]) * h.detach().mean(0)).sum((1, 2))
+
+
+def _counting(f, sizes):
+    def counted(p, x):
+        sizes.append(x.shape[0])
+        return f(p, x)
+    return counted
+
+
+def _assert_oracle(f, p, x, actual):
+    expected = dense_gramian(f, (p, x)).gramian
+    scale = expected.abs().max()
+    torch.testing.assert_close(actual / scale, expected / scale, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("backend", ["structured", "auto"])
+def test_later_calls_of_a_checked_trace_evaluate_f_once(backend):
+    sizes: list[int] = []
+    f = _counting(_mlp, sizes)
+    gram = tg.gramian(f, backend=backend, batch_dim=0)
+    p = _params()
+    gram(p, _inputs(0))
+    assert 2 in sizes  # the first call compares the first and the last sample's outputs
+    for seed in (1, 2):
+        sizes.clear()
+        x = _inputs(seed)
+        _assert_oracle(_mlp, p, x, gram(p, x))
+        assert sizes == [B]  # the batched run only
+
+
+@pytest.mark.parametrize("backend", ["structured", "auto"])
+def test_calls_that_rewrite_a_call_compare_values_every_time(backend):
+    sizes: list[int] = []
+    f = _counting(_einsum, sizes)
+    gram = tg.gramian(f, backend=backend, batch_dim=0)
+    p = _params()
+    gram(p, _inputs(0))
+    for seed in (1, 2):
+        sizes.clear()
+        x = _inputs(seed)
+        _assert_oracle(_einsum, p, x, gram(p, x))
+        assert sizes.count(B) == 1 and 2 in sizes
+
+
+@pytest.mark.parametrize("backend", ["structured", "auto"])
+def test_samples_that_meet_in_values_only_give_the_oracle_on_every_call(backend):
+    gram = tg.gramian(_detached_statistic, backend=backend, batch_dim=0)
+    p = _params()
+    for seed in (0, 1, 2):
+        x = _inputs(seed)
+        _assert_oracle(_detached_statistic, p, x, gram(p, x))
