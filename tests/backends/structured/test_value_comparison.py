@@ -88,3 +88,39 @@ def test_samples_that_meet_in_values_only_give_the_oracle_on_every_call(backend)
     for seed in (0, 1, 2):
         x = _inputs(seed)
         _assert_oracle(_detached_statistic, p, x, gram(p, x))
+
+
+def _mlp_logits(p, x):
+    return F.linear(torch.tanh(F.linear(x, p["w"])), p["v"])
+
+
+def _dropout_logits(p, x):
+    return F.linear(F.dropout(torch.tanh(F.linear(x, p["w"])), 0.3), p["v"])
+
+
+@pytest.mark.parametrize("draws", [False, True], ids=["deterministic", "dropout"])
+def test_kernels_check_later_calls_only_where_f_draws(monkeypatch, draws):
+    from torchgram.backends.structured import cross
+
+    checked: list[int] = []
+    real = cross.check_leaks
+
+    def counted(*args, **kwargs):
+        checked.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cross, "check_leaks", counted)
+    f = _dropout_logits if draws else _mlp_logits
+    ntk_fn = tg.ntk.empirical_ntk_fn(f, trace_axes=(), backend="structured")
+    p = _params()
+    x = torch.randn(B, D, dtype=torch.float64)
+    ntk_fn(x, None, p)
+    assert checked  # the first call: the thorough check
+    checked.clear()
+    torch.manual_seed(3)
+    kernel = ntk_fn(x, None, p)
+    assert bool(checked) == draws
+    if not draws:
+        expected = dense_gramian(lambda q, z: f(q, z).reshape(-1), (p, x)).gramian
+        torch.testing.assert_close(kernel.permute(0, 2, 1, 3).reshape(B * D, B * D), expected,
+                                   rtol=1e-10, atol=1e-10)
