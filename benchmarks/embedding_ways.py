@@ -16,9 +16,7 @@ one's. Writes ``embedding_ways.md`` to ``--out`` (default: print only).
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import statistics
 import sys
 from pathlib import Path
 
@@ -29,8 +27,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import Tensor  # noqa: E402
 
-from benchmarks.measure import alternated_medians, set_threads  # noqa: E402
-from benchmarks.run import _commit, _cpu, _load  # noqa: E402
+from benchmarks import ways  # noqa: E402
+from benchmarks.measure import alternated_medians  # noqa: E402
 from torchgram._core.options import Options  # noqa: E402
 from torchgram._core.problem import Problem, build_problem  # noqa: E402
 from torchgram.backends.structured import plan_problem, run_structured  # noqa: E402
@@ -59,16 +57,9 @@ def _problem(classes: int, width: int, samples: int, positions: int) -> Problem:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a tiny grid, one round")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args(argv)
-    set_threads(args.threads)
-    grid = QUICK if args.quick else FULL
-    load_before = _load()
-    rounds = 1 if args.quick else args.rounds
+    run = ways.start(argv, __doc__.splitlines()[0], rounds=9)
+    grid = QUICK if run.quick else FULL
+    rounds = run.rounds
     lines = ["| V | d | B | T | sparse (ms) | materialize (ms) | ghost (ms) | picked | regret |",
              "|--:|--:|--:|--:|--:|--:|--:|---|--:|"]
     regrets = []
@@ -77,33 +68,22 @@ def main(argv: list[str] | None = None) -> None:
             continue
         problem = _problem(classes, width, samples, positions)
         picked = plan_problem(problem).leaves[0].way
-        ways = [way for way in WAYS
+        timed_ways = [way for way in WAYS
                 if way != "ghost" or (samples * positions) ** 2 * width <= MAX_GHOST_PAIRS]
         seconds = alternated_medians({
             way: lambda way=way, problem=problem: run_structured(problem, force=way)
-            for way in ways}, rounds)
+            for way in timed_ways}, rounds)
         regret = seconds.get(picked, float("inf")) / min(seconds.values())
         regrets.append(regret)
         cells = " | ".join(f"{seconds[way] * 1e3:.3f}" if way in seconds else "—" for way in WAYS)
         lines.append(f"| {classes} | {width} | {samples} | {positions} | {cells} | {picked} | "
                      f"{regret:.2f} |")
         print(lines[-1], flush=True)
-    summary = (f"\nPoints: {len(regrets)}; mean regret {statistics.fmean(regrets):.3f}, "
-               f"largest {max(regrets):.2f} (1 = the faster way every time).")
-    print(summary)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        header = (
-            "# Embedding tables: sparse, materialized or ghost\n\n"
-            "Written by `python benchmarks/embedding_ways.py"
-            f"{' --quick' if args.quick else ''} --threads {args.threads} --rounds {rounds} "
-            f"--out {args.out}` (see its docstring) at {_commit()}: {_cpu()}, "
-            f"{args.threads} torch thread(s), torch {torch.__version__}; load average "
-            f"{load_before} before, {_load()} after. Times: the per-sample Gramian with the "
-            "table's way forced (ms, medians of alternated turns); *picked*: the cost model's "
-            "way; *regret*: its time over the fastest.\n\n")
-        (args.out / "embedding_ways.md").write_text(header + "\n".join(lines) + "\n" + summary
-                                                    + "\n")
+    ways.finish(run, "embedding_ways.py", "Embedding tables: sparse, materialized or ghost",
+                "Times: the per-sample Gramian with the table's way forced (ms, medians of "
+                "alternated turns); *picked*: the cost model's way; *regret*: its time over "
+                "the fastest.",
+                lines, regrets)
 
 
 if __name__ == "__main__":

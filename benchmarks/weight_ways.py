@@ -20,9 +20,7 @@ no constant fitted here). *Regret*: the picked way's time over the faster one's.
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import statistics
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -33,8 +31,8 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 import torch  # noqa: E402
 from torch import Tensor  # noqa: E402
 
-from benchmarks.measure import alternated_medians, set_threads  # noqa: E402
-from benchmarks.run import _commit, _cpu, _load  # noqa: E402
+from benchmarks import ways  # noqa: E402
+from benchmarks.measure import alternated_medians  # noqa: E402
 from torchgram._core.options import Options  # noqa: E402
 from torchgram._core.problem import Problem, build_problem  # noqa: E402
 from torchgram.backends.structured import plan_problem, run_structured  # noqa: E402
@@ -91,16 +89,9 @@ def _ghost_macs(layer: str, width: int, positions: int, samples: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a tiny grid, one round")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args(argv)
-    set_threads(args.threads)
-    grid = QUICK if args.quick else FULL
-    load_before = _load()
-    rounds = 1 if args.quick else args.rounds
+    run = ways.start(argv, __doc__.splitlines()[0], rounds=7)
+    grid = QUICK if run.quick else FULL
+    rounds = run.rounds
     lines = ["| layer | width | T | B | materialize (ms) | ghost (ms) | est. materialize | "
              "est. ghost | picked | regret |",
              "|---|--:|--:|--:|--:|--:|--:|--:|---|--:|"]
@@ -111,11 +102,11 @@ def main(argv: list[str] | None = None) -> None:
             continue
         problem = _problem(layer, width, positions, samples)
         plan = plan_problem(problem).leaves[0]
-        ways = [way for way in WAYS if way != "ghost"
+        timed_ways = [way for way in WAYS if way != "ghost"
                 or _ghost_macs(layer, width, positions, samples) <= MAX_GHOST_MACS]
         seconds = alternated_medians({
             way: lambda way=way, problem=problem: run_structured(problem, force=way)
-            for way in ways}, rounds)
+            for way in timed_ways}, rounds)
         regret = seconds.get(plan.way, float("inf")) / min(seconds.values())
         regrets.append(regret)
         cells = " | ".join(f"{seconds[way] * 1e3:.3f}" if way in seconds else "—" for way in WAYS)
@@ -123,22 +114,11 @@ def main(argv: list[str] | None = None) -> None:
                      f"{plan.materialize_cost:.3g} | {plan.ghost_cost:.3g} | {plan.way} | "
                      f"{regret:.2f} |")
         print(lines[-1], flush=True)
-    summary = (f"\nPoints: {len(regrets)}; mean regret {statistics.fmean(regrets):.3f}, "
-               f"largest {max(regrets):.2f} (1 = the faster way every time).")
-    print(summary)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        header = (
-            "# Dense weights with positions: ghost or materialized\n\n"
-            "Written by `python benchmarks/weight_ways.py"
-            f"{' --quick' if args.quick else ''} --threads {args.threads} --rounds {rounds} "
-            f"--out {args.out}` (see its docstring) at {_commit()}: {_cpu()}, "
-            f"{args.threads} torch thread(s), torch {torch.__version__}; load average "
-            f"{load_before} before, {_load()} after. Times: the per-sample Gramian with the "
-            "weight's way forced (ms, medians of alternated turns); *est.*: the cost model's "
-            "multiply-adds; *picked*: its way; *regret*: its time over the fastest.\n\n")
-        (args.out / "weight_ways.md").write_text(header + "\n".join(lines) + "\n" + summary
-                                                 + "\n")
+    ways.finish(run, "weight_ways.py", "Dense weights with positions: ghost or materialized",
+                "Times: the per-sample Gramian with the weight's way forced (ms, medians of "
+                "alternated turns); *est.*: the cost model's multiply-adds; *picked*: its "
+                "way; *regret*: its time over the fastest.",
+                lines, regrets)
 
 
 if __name__ == "__main__":
