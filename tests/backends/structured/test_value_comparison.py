@@ -52,32 +52,36 @@ def _assert_oracle(f, p, x, actual):
     torch.testing.assert_close(actual / scale, expected / scale, rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("backend", ["structured", "auto"])
-def test_later_calls_of_a_checked_trace_evaluate_f_once(backend):
+def _calls_sizes(f, backend):
+    """The batch sizes ``f`` was evaluated at: on the first call, then per later call.
+
+    Every later call's Gramian is compared with the oracle.
+    """
     sizes: list[int] = []
-    f = _counting(_mlp, sizes)
-    gram = tg.gramian(f, backend=backend, batch_dim=0)
+    gram = tg.gramian(_counting(f, sizes), backend=backend, batch_dim=0)
     p = _params()
     gram(p, _inputs(0))
-    assert 2 in sizes  # the first call compares the first and the last sample's outputs
+    per_call = [list(sizes)]
     for seed in (1, 2):
         sizes.clear()
         x = _inputs(seed)
-        _assert_oracle(_mlp, p, x, gram(p, x))
+        _assert_oracle(f, p, x, gram(p, x))
+        per_call.append(list(sizes))
+    return per_call
+
+
+@pytest.mark.parametrize("backend", ["structured", "auto"])
+def test_later_calls_of_a_checked_trace_evaluate_f_once(backend):
+    first, *later = _calls_sizes(_mlp, backend)
+    assert 2 in first  # the first call compares the first and the last sample's outputs
+    for sizes in later:
         assert sizes == [B]  # the batched run only
 
 
 @pytest.mark.parametrize("backend", ["structured", "auto"])
 def test_calls_that_rewrite_a_call_compare_values_every_time(backend):
-    sizes: list[int] = []
-    f = _counting(_einsum, sizes)
-    gram = tg.gramian(f, backend=backend, batch_dim=0)
-    p = _params()
-    gram(p, _inputs(0))
-    for seed in (1, 2):
-        sizes.clear()
-        x = _inputs(seed)
-        _assert_oracle(_einsum, p, x, gram(p, x))
+    _, *later = _calls_sizes(_einsum, backend)
+    for sizes in later:
         assert sizes.count(B) == 1 and 2 in sizes
 
 

@@ -282,7 +282,7 @@ def _checked_chunks(problem: Problem, forward: Forward, recording: Recording,
     thorough = routing not in recording.checked_routings
     # later calls of a checked trace and routing: none for an f that draws nothing and whose
     # run rewrote nothing (NOTE [when the values are compared], per_sample.py)
-    later = 0 if not (problem.draw.random or forward.rewrote) else len(even_odd(samples))
+    later = len(even_odd(samples)) if problem.draw.random or forward.rewrote else 0
     checks = len(separating_groups(samples)) if thorough else later
     for start in range(0, total, per_pass):
         stop = min(start + per_pass, total)
