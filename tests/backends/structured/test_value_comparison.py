@@ -18,7 +18,11 @@ B, D = 5, 4
 def _params():
     torch.manual_seed(0)
     return {"w": torch.randn(D, D, dtype=torch.float64),
-            "v": torch.randn(D, D, dtype=torch.float64)}
+            "v": torch.randn(D, D, dtype=torch.float64),
+            "w4": torch.randn(4 * D, D, dtype=torch.float64) / 2,
+            "v4": torch.randn(4 * D, D, dtype=torch.float64) / 2,
+            "w3": torch.randn(3 * D, D, dtype=torch.float64) / 2,
+            "v3": torch.randn(3 * D, D, dtype=torch.float64) / 2}
 
 
 def _inputs(seed):
@@ -32,6 +36,19 @@ def _mlp(p, x):
 def _einsum(p, x):  # torch.einsum is rewritten under the mode (NOTE [rewritten layouts])
     return torch.tanh(torch.einsum("btd,ed->bte", torch.tanh(F.linear(x, p["w"])),
                                    p["v"])).sum((1, 2))
+
+
+def _lstm(p, x):  # torch.lstm is rewritten into its cells (NOTE [recurrent rewrite])
+    zeros = x.new_zeros(1, x.shape[0], D)
+    out, *_ = torch.lstm(x, (zeros, zeros),
+                        [p["w4"], p["v4"]], False, 1, 0.0, False, False, True)
+    return torch.tanh(F.linear(out, p["v"])).sum((1, 2))
+
+
+def _gru(p, x):
+    out, _ = torch.gru(x, x.new_zeros(1, x.shape[0], D), [p["w3"], p["v3"]], False, 1, 0.0, False,
+                       False, True)
+    return torch.tanh(F.linear(out, p["v"])).sum((1, 2))
 
 
 def _detached_statistic(p, x):  # samples meet in values only, never in derivatives
@@ -71,8 +88,10 @@ def _calls_sizes(f, backend):
 
 
 @pytest.mark.parametrize("backend", ["structured", "auto"])
-def test_later_calls_of_a_checked_trace_evaluate_f_once(backend):
-    first, *later = _calls_sizes(_mlp, backend)
+@pytest.mark.parametrize("f", [_mlp, _lstm, _gru], ids=["mlp", "lstm", "gru"])
+def test_later_calls_of_a_checked_trace_evaluate_f_once(f, backend):
+    """Recurrent rewrites too: the trace settles them (``rules.SETTLED_PER_TRACE``)."""
+    first, *later = _calls_sizes(f, backend)
     assert 2 in first  # the first call compares the first and the last sample's outputs
     for sizes in later:
         assert sizes == [B]  # the batched run only

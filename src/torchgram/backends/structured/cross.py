@@ -265,8 +265,9 @@ def derivative_check_cheaper(forward_flops: float, samples: int) -> bool:
 # samples is cheaper) the value check of tg.gramian's batched way runs instead:
 # derivative_check_cheaper compares the two from the plan's forward cost. Later calls of a
 # checked trace and routing run the even and odd directions only where f draws random numbers
-# or its run rewrote a call; otherwise none (session 42: NOTE [when the values are compared]
-# in per_sample.py says why the thorough check's verdict holds for them).
+# or its run rewrote a call outside rules.SETTLED_PER_TRACE; otherwise none (session 42: NOTE
+# [when the values are compared] in per_sample.py says why the thorough check's verdict holds
+# for them).
 
 
 def _checked_chunks(problem: Problem, forward: Forward, recording: Recording,
@@ -281,8 +282,8 @@ def _checked_chunks(problem: Problem, forward: Forward, recording: Recording,
     # groups separating every pair: once per trace and routing (NOTE [derivative check])
     thorough = routing not in recording.checked_routings
     # later calls of a checked trace and routing: none for an f that draws nothing and whose
-    # run rewrote nothing (NOTE [when the values are compared], per_sample.py)
-    later = len(even_odd(samples)) if problem.draw.random or forward.rewrote else 0
+    # run rewrote nothing the trace does not settle (NOTE [when the values are compared])
+    later = len(even_odd(samples)) if problem.draw.random or forward.recheck_values else 0
     checks = len(separating_groups(samples)) if thorough else later
     for start in range(0, total, per_pass):
         stop = min(start + per_pass, total)

@@ -237,8 +237,10 @@ class Forward:
             the derivative checks.
         selections: ``batched`` only: the graph's selection nodes, which the thorough
             derivative check opens (NOTE [opened selections]).
-        rewrote: ``batched`` only: whether the run rewrote a call (NOTE [rewritten
-            layouts]); its values are then compared with ``f``'s own on every call.
+        recheck_values: ``batched`` only: whether the run rewrote a call whose agreement with
+            the original one call per trace does not settle (NOTE [rewritten layouts],
+            ``rules.SETTLED_PER_TRACE``); its values are then compared with ``f``'s own on
+            every call.
     """
 
     kind: ForwardKind
@@ -256,7 +258,7 @@ class Forward:
     merged_acts: dict[int, int] = field(default_factory=dict)
     routing: tuple[Any, ...] = ()
     selections: list[_torch_compat.Node] = field(default_factory=list)
-    rewrote: bool = False
+    recheck_values: bool = False
 
     def take_acts(self) -> list[Tensor]:
         """The activations, handed over: the forward lets go of them (they can be freed)."""
@@ -393,7 +395,7 @@ def batched_forward(problem: Problem, traced: Recording) -> Forward | None:
                             _torch_compat.graph_signature(nodes)),  # NOTE [graph signatures]
                    selections=[node for node in nodes
                                if type(node).__name__ in SELECTION_NODES],
-                   rewrote=mode.rewrote)
+                   recheck_values=mode.recheck_values)
 
 
 def _merged_taps_have_acts(run: Recording, tap_dims: Sequence[SampleAxis | None],

@@ -99,7 +99,7 @@ from torchgram._core.errors import DifferentiatesItself, ModifiedInPlace
 from torchgram._core.layouts import laid_out_like
 from torchgram._core.pytree import leaves_of
 from torchgram.backends._embedding import embedding_with_conventions
-from torchgram.backends.structured.rules import rewrite_for, rule_for
+from torchgram.backends.structured.rules import SETTLED_PER_TRACE, rewrite_for, rule_for
 from torchgram.backends.structured.rules.base import Layout, Match, UseShape
 
 Role = Literal["weight", "bias"]
@@ -477,7 +477,9 @@ class TapMode(TorchFunctionMode):
         keep_graph: Record the activations with their autograd graph (a differentiable
             ``G``, NOTE [composition]) instead of detached.
         original_layouts: Give each rewritten call's output the original call's strides
-            (NOTE [rewritten layouts]); ``rewrote`` says afterwards whether any call was.
+            (NOTE [rewritten layouts]); ``rewrote`` says afterwards whether any call was,
+            ``recheck_values`` whether one outside ``rules.SETTLED_PER_TRACE`` was (its values
+            are compared with ``f``'s own on every call: NOTE [when the values are compared]).
         probe: In a trace, add a zero tap to every tapped call's output too (kept in
             ``probes`` with its tap's index), so that a backward of the traced rows can show
             which positions they reach (NOTE [dead positions]).
@@ -513,6 +515,7 @@ class TapMode(TorchFunctionMode):
         self.probes: list[tuple[int, Tensor]] = []
         self._original_layouts = original_layouts
         self.rewrote = False
+        self.recheck_values = False
         self._refs: dict[int, LeafRef] = {}
         self._pins: list[Tensor] = list(leaves)  # keep ids valid for the whole run
         for index, leaf in enumerate(leaves):
@@ -750,6 +753,7 @@ class TapMode(TorchFunctionMode):
             result = rewrite(args, kwargs, self)  # (NOTE [attention rewrite])
             if result is not NotImplemented:
                 self.rewrote = True
+                self.recheck_values = self.recheck_values or func not in SETTLED_PER_TRACE
                 if self._original_layouts:  # NOTE [rewritten layouts]
                     with torch.no_grad():
                         original = func(*args, **kwargs)

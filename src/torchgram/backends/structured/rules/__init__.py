@@ -58,6 +58,14 @@ REWRITES: dict[Any, Rewrite] = {
 }
 """Composite functions re-expressed (under the mode) in ops the rules see, when possible."""
 
+SETTLED_PER_TRACE: frozenset[Any] = frozenset({torch.lstm, torch.gru, torch.rnn_tanh,
+                                               torch.rnn_relu})
+"""Rewrites whose agreement with the original call one comparison per trace settles: the
+recurrent cells' equations hold whatever the values of the call's tensors, and what else the
+rewrite depends on (shapes, dtypes, which weights it taps) a replay of the trace checks. The
+others (self-attention's masks, einsum's layouts) are compared on every call (NOTE [when the
+values are compared])."""
+
 
 def rule_for(func: Any) -> Rule | None:
     """The rule that handles the torch function ``func``, if any.
@@ -83,5 +91,5 @@ def rewrite_for(func: Any) -> Rewrite | None:
         return None
 
 
-__all__ = ["REWRITES", "RULES", "Layout", "Match", "Operand", "Rule", "UseShape", "rewrite_for",
-           "rule_for"]
+__all__ = ["REWRITES", "RULES", "SETTLED_PER_TRACE", "Layout", "Match", "Operand", "Rule",
+           "UseShape", "rewrite_for", "rule_for"]
