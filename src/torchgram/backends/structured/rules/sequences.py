@@ -88,20 +88,59 @@ def step_inputs(out: Tensor, h0: Tensor, *, dim: int, reverse: bool) -> Tensor:
 
 
 class _Saved:
-    """What a node's forward keeps of every step it runs, saved stacked for its backward."""
+    """What a node's forward keeps of every step it runs, written into stacked buffers.
 
-    def __init__(self, count: int) -> None:
-        self._per_step: list[list[Tensor]] = [[] for _ in range(count)]
+    Each kind's buffer ``[steps, *value]`` is allocated at the first step and every step's
+    value copied into its row: a list of per-step values stacked at the end would hold every
+    value twice at that moment (2 MiB more at the peak of the LSTM of ``real_cases.py``, whose
+    plain backward peaks at 5 MiB).
+    """
+
+    def __init__(self, steps: int) -> None:
+        self._steps = steps
+        self._buffers: list[Tensor] = []
+        self._written = 0
 
     def append(self, *values: Tensor) -> None:
         """One step's values (in processing order), one per kind."""
-        for kept, value in zip(self._per_step, values, strict=True):
-            kept.append(value)
+        if not self._buffers:
+            self._buffers = [value.new_empty((self._steps, *value.shape)) for value in values]
+        for buffer, value in zip(self._buffers, values, strict=True):
+            buffer[self._written].copy_(value)
+        self._written += 1
 
     def save(self, ctx: FunctionCtx, weight_t: Tensor, dim: int, reverse: bool) -> None:
-        """Each kind stacked along a new first dim (processing order), then ``weight_t``."""
-        ctx.save_for_backward(*(torch.stack(kept) for kept in self._per_step), weight_t)
+        """Each kind's buffer (processing order along its first dim), then ``weight_t``."""
+        assert self._written == self._steps
+        ctx.save_for_backward(*self._buffers, weight_t)
         ctx.dim, ctx.reverse = dim, reverse  # type: ignore[attr-defined]
+
+
+class _StepGrads:
+    """A backward's per-step cotangents, written into their stacked tensor as they come.
+
+    ``stacked`` has the steps along ``dim`` (``torch.stack(values, dim)``'s layout); it is
+    made like the first value put (``new_empty``: batched too under ``is_grads_batched``),
+    so no list of per-step values is held beside it.
+    """
+
+    def __init__(self, steps: int, dim: int) -> None:
+        self._steps, self._dim = steps, dim
+        self._stacked: Tensor | None = None
+
+    def put(self, step: int, value: Tensor) -> None:
+        """Step ``step``'s cotangent."""
+        if self._stacked is None:
+            shape = list(value.shape)
+            shape.insert(self._dim, self._steps)
+            self._stacked = value.new_empty(shape)
+        self._stacked.select(self._dim, step).copy_(value)
+
+    @property
+    def stacked(self) -> Tensor:
+        """Every step's cotangent, stacked (all steps put)."""
+        assert self._stacked is not None
+        return self._stacked
 
 
 class LSTMSequence(torch.autograd.Function):
@@ -128,7 +167,7 @@ class LSTMSequence(torch.autograd.Function):
         hidden = h0.shape[-1]
         h, c = h0, c0
         outputs: list[Tensor] = [h0] * len(steps)  # placeholders, all replaced
-        saved = _Saved(5)  # σ(gates), g, c_{t-1}, tanh(c_t), h_{t-1}
+        saved = _Saved(len(steps))  # σ(gates), g, c_{t-1}, tanh(c_t), h_{t-1}
         for t in _processing_order(len(steps), reverse):
             gates = torch.addmm(steps[t], h, weight_t)
             if bias is not None:
@@ -152,25 +191,30 @@ class LSTMSequence(torch.autograd.Function):
         hidden = g.shape[-1]
         i, f = sigmoids[..., :hidden], sigmoids[..., hidden:2 * hidden]
         o = sigmoids[..., 3 * hidden:]
-        # per processed step k: δ = [dc, dc, dc, dh] ⊙ coefficients (gates i, f, g, o)
-        coefficients = torch.cat((g * i * (1 - i), cells * f * (1 - f), i * (1 - g * g),
-                                  o * (1 - o) * tanh_cells), dim=-1)
+        # per processed step k: δ = [dc, dc, dc, dh] ⊙ coefficients (gates i, f, g, o), each
+        # block written in place (no four blocks beside their concatenation)
+        coefficients = torch.empty_like(sigmoids)
+        blocks = coefficients.split(hidden, dim=-1)
+        torch.mul(g, i * (1 - i), out=blocks[0])
+        torch.mul(cells, f * (1 - f), out=blocks[1])
+        torch.mul(i, 1 - g * g, out=blocks[2])
+        torch.mul(o * (1 - o), tanh_cells, out=blocks[3])
         dc_of_dh = o * (1 - tanh_cells * tanh_cells)
         steps = len(sigmoids)
         out_grads = grad_out.unbind(ctx.dim)
         weight = weight_t.t()
-        deltas: list[Tensor] = [grad_h] * steps  # placeholders, all replaced
+        deltas = _StepGrads(steps, ctx.dim)
         dh, dc = grad_h, grad_c
         for k in range(steps - 1, -1, -1):  # processed steps, last first
             t = steps - 1 - k if ctx.reverse else k
             dh = out_grads[t] + dh
             dc = torch.addcmul(dc, dh, dc_of_dh[k])
             delta = torch.cat((dc, dc, dc, dh), dim=-1) * coefficients[k]
-            deltas[t] = delta
+            deltas.put(t, delta)
             dc = dc * f[k]
             dh = delta @ weight
         grad_weight, grad_bias = _recurrent_grads(ctx, 3, inputs, deltas)
-        return torch.stack(deltas, ctx.dim), dh, dc, grad_weight, grad_bias, None, None
+        return deltas.stacked, dh, dc, grad_weight, grad_bias, None, None
 
 
 class GRUSequence(torch.autograd.Function):
@@ -195,7 +239,7 @@ class GRUSequence(torch.autograd.Function):
         hidden = h0.shape[-1]
         h = h0
         outputs: list[Tensor] = [h0] * len(steps)  # placeholders, all replaced
-        saved = _Saved(5)  # h_{t-1}, r, z, n, hh_n
+        saved = _Saved(len(steps))  # h_{t-1}, r, z, n, hh_n
         for t in _processing_order(len(steps), reverse):
             hh = h @ weight_t if tap_steps is None else torch.addmm(tap_steps[t], h, weight_t)
             if bias is not None:
@@ -221,8 +265,8 @@ class GRUSequence(torch.autograd.Function):
         steps = len(inputs)
         out_grads = grad_out.unbind(ctx.dim)
         weight = weight_t.t()
-        grad_steps: list[Tensor] = [grad_h] * steps  # placeholders, all replaced
-        grad_hh: list[Tensor] = [grad_h] * steps
+        grad_steps, grad_hh = _StepGrads(steps, ctx.dim), _StepGrads(steps, ctx.dim)
+        keep_hh = any(ctx.needs_input_grad[2:5])  # W_hhᵀ, b_hh, the tap
         dh = grad_h
         for k in range(steps - 1, -1, -1):  # processed steps, last first
             t = steps - 1 - k if ctx.reverse else k
@@ -230,12 +274,14 @@ class GRUSequence(torch.autograd.Function):
             d_new = dh * of_new[k]
             d_update = dh * of_update[k]
             d_reset = d_new * of_reset[k]
-            grad_steps[t] = torch.cat((d_reset, d_update, d_new), dim=-1)
-            grad_hh[t] = torch.cat((d_reset, d_update, d_new * reset[k]), dim=-1)
-            dh = torch.addmm(dh * update[k], grad_hh[t], weight)
-        grad_tap = torch.stack(grad_hh, ctx.dim) if ctx.needs_input_grad[4] else None
+            grad_steps.put(t, torch.cat((d_reset, d_update, d_new), dim=-1))
+            hh_t = torch.cat((d_reset, d_update, d_new * reset[k]), dim=-1)
+            if keep_hh:
+                grad_hh.put(t, hh_t)
+            dh = torch.addmm(dh * update[k], hh_t, weight)
+        grad_tap = grad_hh.stacked if ctx.needs_input_grad[4] else None
         grad_weight, grad_bias = _recurrent_grads(ctx, 2, inputs, grad_hh)
-        return torch.stack(grad_steps, ctx.dim), dh, grad_weight, grad_bias, grad_tap, None, None
+        return grad_steps.stacked, dh, grad_weight, grad_bias, grad_tap, None, None
 
 
 def _refuse_a_graph(kind: str) -> None:
@@ -252,15 +298,17 @@ def _refuse_a_graph(kind: str) -> None:
 
 
 def _recurrent_grads(ctx: Any, weight_index: int, inputs: Tensor,
-                     grad_hh: list[Tensor]) -> tuple[Tensor | None, Tensor | None]:
+                     grad_hh: _StepGrads) -> tuple[Tensor | None, Tensor | None]:
     """``W_hhᵀ``'s and ``b_hh``'s gradients where asked (not in a tapped pass: plain copies).
 
-    ``Σ_t h_{t-1}ᵀ ∂hh_t`` and ``Σ_t ∂hh_t`` (``inputs`` in processing order, ``grad_hh`` in
-    step order).
+    ``Σ_t h_{t-1}ᵀ ∂hh_t`` and ``Σ_t ∂hh_t`` (``inputs`` in processing order along dim 0,
+    ``grad_hh`` in step order along ``ctx.dim``).
     """
     if not (ctx.needs_input_grad[weight_index] or ctx.needs_input_grad[weight_index + 1]):
         return None, None
-    processed = torch.stack(grad_hh[::-1] if ctx.reverse else grad_hh)
+    processed = grad_hh.stacked.movedim(ctx.dim, 0)
+    if ctx.reverse:
+        processed = processed.flip(0)
     processed = processed.reshape(-1, processed.shape[-1])
     grad_weight = (inputs.reshape(-1, inputs.shape[-1]).t() @ processed
                    if ctx.needs_input_grad[weight_index] else None)
