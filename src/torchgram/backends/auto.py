@@ -58,6 +58,7 @@ from torchgram.backends._draws_under_transforms import REFUSING_BACKENDS
 from torchgram.backends._embedding import collected_conventions
 from torchgram.backends._registry import first_that_runs, get_backend, register
 from torchgram.backends.structured import StructuredPlan, plan_problem, run_structured
+from torchgram.backends.structured.cost import held_memory
 from torchgram.backends.structured.passes import Forward, cached_trace, dense_forward, keep_trace
 
 STRUCTURED_FIXED = 2.5e7
@@ -120,7 +121,8 @@ def estimate_backends(problem: Problem, plan: StructuredPlan) -> dict[str, Estim
                   if vmap else 0.0)
     structured_time = (forward * (1 + directions) + plan.contraction_cost + STRUCTURED_FIXED
                        + STRUCTURED_PER_USE * uses + vmap_extra)
-    structured_memory = sum(p.memory for p in plan.leaves)
+    structured_memory = sum(p.memory if problem.want_pullback else held_memory(p, sizes)
+                            for p in plan.leaves)
     estimates["structured"] = Estimate("structured", structured_time, structured_memory,
                                        budget is None or structured_memory <= budget)
 

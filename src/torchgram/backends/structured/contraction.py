@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from torchgram._core.scratch import give_back, scratch_bmm
-from torchgram.backends.structured.cost import LeafPlan
+from torchgram.backends.structured.cost import MIN_JACOBIAN_CHUNK_BYTES, LeafPlan
 from torchgram.backends.structured.lifetimes import Lifetimes
 from torchgram.backends.structured.trace import UseRecord
 from torchgram.backends.structured.workspace import Workspace
@@ -409,9 +409,6 @@ def per_sample_operands(factors: UseFactors) -> tuple[Tensor, Tensor] | None:
 # into memory used before), so reusing one buffer is also what makes the late convolutions
 # fast. A leaf with a carrier or with uses of several kinds, and factors kept for ``Jᵀw``,
 # still form the whole Jacobian.
-
-MIN_JACOBIAN_CHUNK_BYTES = 2**20
-"""The smallest bound on a chunk of a materialized Jacobian (NOTE [Gram by column chunks])."""
 
 
 def chunked_gram_applies(use: UseRecord, factors: UseFactors) -> bool:

@@ -11,7 +11,8 @@ of them the activation ``a``, the other the cotangent ``c`` (NOTE [factors]).
 
     build:  Σ_u R·B·T_u·P          (R·B·T_u·c for an embedding's scatter, a bias, a norm)
     Gram:   (R·B)²·P               (R·B·P with diagonal=True)
-    memory: R·B·P entries
+    memory: R·B·P entries; what the Gramian's contraction holds at once is one chunk of
+            them where it takes the Gram by column chunks (:func:`held_memory`)
 
 **Ghost** (never forms a Jacobian; sums over every ordered pair of uses ``(u, v)`` of the
 leaf, which gives the cross terms of tied / reused weights)::
@@ -240,6 +241,32 @@ def ghost_memory(uses: Sequence[UseRecord], sizes: Sizes) -> float:
     acts = sum(positions(use) * use.shape.groups * use.shape.act_width
                for use in uses if not use.shape.act_is_index)
     return float(sizes.samples * (sizes.rows * per_row + acts) * sizes.itemsize)
+
+
+MIN_JACOBIAN_CHUNK_BYTES = 2**20
+"""The smallest bound on a chunk of a materialized Jacobian (NOTE [Gram by column chunks])."""
+
+
+def held_memory(plan: LeafPlan, sizes: Sizes) -> float:
+    """Bytes of per-row Jacobian the Gramian's contraction holds at once for a planned leaf.
+
+    :attr:`LeafPlan.memory`, but one chunk of a materialized Jacobian where the contraction
+    takes its Gram by column chunks: one row per sample (every row in one pass) and weights
+    of one factor shape (as a ghost plan needs; NOTE [Gram by column chunks] in
+    ``contraction.py``), unless the Jacobians are kept for ``Jᵀw`` (not counted here: the
+    caller's). Before session 44 ``auto`` counted the whole Jacobian there too, so under a
+    ``memory_budget`` it left a recurrent model's structured pass (~9 MiB of peak) for the
+    jacobian backend's per-sample ``vmap`` (~36 MiB).
+
+    Example:
+        >>> sizes = Sizes(samples=16, rows=1, diagonal=False, itemsize=4)
+        >>> plan = LeafPlan(0, "unused", (), (), (), None, 0.0, 0.0, "")
+        >>> held_memory(plan, sizes)
+        0.0
+    """
+    if plan.way != "materialize" or sizes.rows != 1 or not ghost_compatible(plan.uses):
+        return plan.memory
+    return min(plan.memory, max(float(MIN_JACOBIAN_CHUNK_BYTES), ghost_memory(plan.uses, sizes)))
 
 
 def plan_leaf(leaf: int, numel: int, recording: Recording, sizes: Sizes, *,
