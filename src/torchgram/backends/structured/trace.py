@@ -101,6 +101,11 @@ from torchgram._core.pytree import leaves_of
 from torchgram.backends._embedding import embedding_with_conventions
 from torchgram.backends.structured.rules import SETTLED_PER_TRACE, rewrite_for, rule_for
 from torchgram.backends.structured.rules.base import Layout, Match, UseShape
+from torchgram.backends.structured.rules.recurrent_saves import (
+    RECURRENT_KERNELS,
+    call_tensors,
+    fused_call_refuses,
+)
 
 Role = Literal["weight", "bias"]
 """How a recognised call uses a leaf."""
@@ -529,6 +534,10 @@ class TapMode(TorchFunctionMode):
         self.recording = Recording()
         self.acts: list[Tensor] = []
         self._act_versions: list[tuple[Tensor, int, str]] = []  # NOTE [in-place modifications]
+        # NOTE [recurrent tensors modified in place]: each rewritten recurrent call, with the
+        # versions of its tensors after it
+        self._recurrent_calls: list[tuple[Any, tuple[Any, ...], dict[str, Any],
+                                          list[tuple[Tensor, int] | None]]] = []
         self._next_act = 0
         self.made_taps: list[Tensor | GradientEdge] = []
         self._samples = samples
@@ -564,6 +573,14 @@ class TapMode(TorchFunctionMode):
                 raise ModifiedInPlace(
                     f"an input of a {rule} call that uses a parameter, modified in place "
                     f"after that call (version {version} then, {now} at the end)")
+        for func, args, kwargs, kept in self._recurrent_calls:
+            modified = [i for i, owned in enumerate(kept)
+                        if owned is not None and _torch_compat.version(owned[0]) != owned[1]]
+            if modified and fused_call_refuses(func, args, kwargs, modified):
+                raise ModifiedInPlace(
+                    f"a tensor of a {describe(func)} call (an nn.LSTM, nn.GRU or nn.RNN), "
+                    "modified in place after that call: torch's kernel keeps it for its "
+                    "backward (NOTE [recurrent tensors modified in place])")
 
     # -- bookkeeping ------------------------------------------------------------------------
 
@@ -754,6 +771,9 @@ class TapMode(TorchFunctionMode):
             if result is not NotImplemented:
                 self.rewrote = True
                 self.recheck_values = self.recheck_values or func not in SETTLED_PER_TRACE
+                if func in RECURRENT_KERNELS:  # NOTE [recurrent tensors modified in place]
+                    self._recurrent_calls.append((func, args, kwargs, [
+                        _torch_compat.version_of(t) for t in call_tensors(args, kwargs, result)]))
                 if self._original_layouts:  # NOTE [rewritten layouts]
                     with torch.no_grad():
                         original = func(*args, **kwargs)

@@ -39,6 +39,7 @@ from torchgram.backends.structured.rules.recurrent import (
     rewrite_rnn_relu,
     rewrite_rnn_tanh,
 )
+from torchgram.backends.structured.rules.recurrent_saves import RECURRENT_KERNELS
 
 RULES: tuple[Rule, ...] = (LinearRule(), MatmulRule(), AddmmRule(), BmmRule(), ConvRule(),
                            EmbeddingRule(), LayerNormRule(), GroupNormRule(), RMSNormRule(),
@@ -58,8 +59,7 @@ REWRITES: dict[Any, Rewrite] = {
 }
 """Composite functions re-expressed (under the mode) in ops the rules see, when possible."""
 
-SETTLED_PER_TRACE: frozenset[Any] = frozenset({torch.lstm, torch.gru, torch.rnn_tanh,
-                                               torch.rnn_relu})
+SETTLED_PER_TRACE: frozenset[Any] = RECURRENT_KERNELS
 """Rewrites whose agreement with the original call one comparison per trace settles: the
 recurrent cells' equations hold whatever the values of the call's tensors, and what else the
 rewrite depends on (shapes, dtypes, which weights it taps) a replay of the trace checks. The
