@@ -573,7 +573,8 @@ class TapMode(TorchFunctionMode):
                 raise ModifiedInPlace(
                     f"an input of a {rule} call that uses a parameter, modified in place "
                     f"after that call (version {version} then, {now} at the end)")
-        for func, args, kwargs, kept in self._recurrent_calls:
+        calls, self._recurrent_calls = self._recurrent_calls, []  # (their tensors let go)
+        for func, args, kwargs, kept in calls:
             modified = [i for i, owned in enumerate(kept)
                         if owned is not None and _torch_compat.version(owned[0]) != owned[1]]
             if modified and fused_call_refuses(func, args, kwargs, modified):
