@@ -23,6 +23,15 @@
 # `where`'s derivative in both modes is that of the branch it takes, hence the backward's
 # convention in forward mode too. Values are unchanged, NaN included (fmax/fmin skip a NaN,
 # clamp propagates x's). The rewrite only runs inside ntvp's forward-mode pass.
+#
+# Under an enclosing forward-mode transform (the caller's ``jvp`` / ``jacfwd`` through ``G``)
+# the `where` also gives the *caller's* tangent the backward's branch, where torch's forward
+# mode, and so the oracle under that transform, gives it the other operand's: the caller's
+# tangent of ``G`` then mixes the conventions (0.034 off with ``fmax(h, 0)`` after a GRU cell,
+# fuzz seed 4444, session 45; up to 0.54 on other draws). Nothing takes ntvp's own level alone
+# (as with NOTE [no_grad in forward mode]), so there a call whose conventions differ at its
+# values (a tie) raises :class:`TieInForwardMode` and ntvp declines, naming the backends that
+# can; the other calls take one derivative in every convention and run on.
 """
 
 from __future__ import annotations
@@ -35,6 +44,10 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from torchgram._core.census import _argument
+
+
+class TieInForwardMode(RuntimeError):
+    """A rewritten call at a tie while the caller's forward mode differentiates ``G``."""
 
 
 def _fmax_or_fmin(keeps_first: Callable[[Tensor, Tensor], Tensor]
@@ -107,11 +120,62 @@ _REWRITES: dict[Any, Callable[[tuple[Any, ...], dict[str, Any]], Tensor | None]]
 }
 """The calls whose forward-mode derivative at a kink is not the backward's (NOTE above)."""
 
+_OUT_OF_PLACE: dict[Any, Any] = {
+    Tensor.clamp_: torch.clamp, Tensor.clip_: torch.clamp, torch.clamp_: torch.clamp,
+    torch.clip_: torch.clamp, Tensor.clamp_min_: torch.clamp_min,
+    Tensor.clamp_max_: torch.clamp_max,
+}
+"""In-place calls of :data:`_REWRITES`, checked as their out-of-place forms."""
+
+
+def _modes_differ(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether torch's forward mode takes another derivative than the backward at these values.
+
+    One small jvp of the plain call and of the rewrite per floating tensor argument.
+
+    Measured rather than tabled: in torch 2.13 ``fmax`` at a tie and ``clamp`` with one tensor
+    bound at it differ, ``fmin``, ``clamp`` with two and ``clamp_min`` / ``clamp_max`` do not.
+    Where the values cannot be read (batched under ``vmap``), as if they differed.
+    """
+    func = _OUT_OF_PLACE.get(func, func)
+    rewrite = _REWRITES[func]
+    if rewrite(args, kwargs) is None:  # not rewritten (number bounds, out=): torch's own
+        return False
+    slots = [i for i, value in enumerate(args)
+             if isinstance(value, Tensor) and value.is_floating_point()]
+    names = [name for name, value in kwargs.items()
+             if isinstance(value, Tensor) and value.is_floating_point()]
+    every_slot: list[int | str] = [*slots, *names]
+    for slot in every_slot:
+        value = args[slot] if isinstance(slot, int) else kwargs[slot]
+
+        def call(op: Callable[..., Any], replaced: Tensor, slot: int | str = slot) -> Any:
+            call_args, call_kwargs = list(args), dict(kwargs)
+            if isinstance(slot, int):
+                call_args[slot] = replaced
+            else:
+                call_kwargs[slot] = replaced
+            return op(tuple(call_args), call_kwargs)
+
+        tangent = (torch.ones_like(value),)
+        try:
+            plain = torch.func.jvp(lambda v: call(lambda a, k: func(*a, **k), v), (value,),
+                                   tangent)[1]
+            ours = torch.func.jvp(lambda v: call(rewrite, v), (value,), tangent)[1]
+            if not torch.equal(plain.nan_to_num(), ours.nan_to_num()):
+                return True
+        except RuntimeError:  # data-dependent control flow under vmap
+            return True
+    return False
+
 
 class ReverseKinks(TorchFunctionMode):
     """Computes the calls of :data:`_REWRITES` with the backward's derivative at kinks.
 
     NOTE [kinks in forward mode]. Same values; other calls run unchanged.
+
+    ``refuse_ties``: raise :class:`TieInForwardMode` at a call with a tie instead (the
+    caller's forward mode differentiates the pass).
 
     Example:
         >>> x = torch.tensor([-1.0, 0.0, 2.0], requires_grad=True)
@@ -121,6 +185,10 @@ class ReverseKinks(TorchFunctionMode):
         (tensor([0., 0., 2.]), 'WhereBackward0')
     """
 
+    def __init__(self, *, refuse_ties: bool = False) -> None:
+        super().__init__()
+        self._refuse_ties = refuse_ties
+
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
@@ -128,6 +196,9 @@ class ReverseKinks(TorchFunctionMode):
             rewrite = _REWRITES.get(func)
         except TypeError:  # unhashable callables
             rewrite = None
+        if rewrite is not None and self._refuse_ties \
+                and _modes_differ(func, args, kwargs):
+            raise TieInForwardMode(getattr(func, "__name__", "a call"))
         if rewrite is not None:
             result = rewrite(args, kwargs)
             if result is not None:

@@ -53,7 +53,7 @@ from torchgram._core.threads import FORWARD_AD_LOCK, math_attention
 from torchgram.backends._draws_under_transforms import refuse_draws
 from torchgram.backends._embedding import checked_conventions
 from torchgram.backends._grouping import rows_per_chunk
-from torchgram.backends._kinks import ReverseKinks
+from torchgram.backends._kinks import ReverseKinks, TieInForwardMode
 from torchgram.backends._no_grad_tangents import GradOffInForwardMode, NoGradStopsTangents
 from torchgram.backends._registry import register
 from torchgram.backends._vmap_or_loop import per_sample_or_batch
@@ -404,9 +404,20 @@ def _forward_mode(problem: Problem) -> Iterator[None]:
     forward AD (NOTE [missing forward AD]).
     """
     try:
-        stops = NoGradStopsTangents(refuse="jvp" in problem.composition.transforms)
-        with math_attention(), ReverseKinks(), stops:  # NOTE [no_grad in forward mode]
+        composed_forward = "jvp" in problem.composition.transforms
+        stops = NoGradStopsTangents(refuse=composed_forward)
+        kinks = ReverseKinks(refuse_ties=composed_forward)
+        with math_attention(), kinks, stops:  # NOTE [no_grad in forward mode]
             yield
+    except TieInForwardMode as err:
+        raise BackendCannotRun(
+            problem.api, "ntvp", "an f without ties at fmax or at clamp with a tensor bound "
+            "when G is differentiated in forward mode (jvp, jacfwd): torch's forward mode takes "
+            "another derivative there than its backward, and ntvp's pass cannot take the "
+            "backward's for its own tangents alone",
+            f"{err} with an input equal to its bound inside f "
+            f"{problem.composition.describe()}", _ALTERNATIVES,
+            "Or differentiate G in reverse mode (grad, vjp).") from err
     except GradOffInForwardMode as err:
         raise BackendCannotRun(
             problem.api, "ntvp", "an f without no_grad regions when G is differentiated in "
