@@ -235,8 +235,10 @@ class DecomposedNorms(TorchFunctionMode):
         result = decomposition(args, kwargs)
         x = _arg(args, kwargs, 0, "input")
         if isinstance(x, Tensor) and result.dim() > 1 and _decomposed(func, args, kwargs):
-            # the fused kernel's strides: a random op after it lays its draws out along them
-            with torch.no_grad():
+            # the fused kernel's strides: a random op after it lays its draws out along them;
+            # unseen by the modes below (ntvp's refuses calls with grad off under the caller's
+            # jvp: every layer norm declined, naming no_grad regions f did not have)
+            with torch.no_grad(), torch._C.DisableTorchFunction():
                 original = _LAYOUT_PROBES[func](x.detach(), args, kwargs)
             result = laid_out_like(result, original)
         return result

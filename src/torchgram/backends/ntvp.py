@@ -56,6 +56,10 @@ from torchgram.backends._grouping import rows_per_chunk
 from torchgram.backends._kinks import ReverseKinks, TieInForwardMode
 from torchgram.backends._no_grad_tangents import GradOffInForwardMode, NoGradStopsTangents
 from torchgram.backends._registry import register
+from torchgram.backends._second_order import (
+    ForwardDerivativeNotDifferentiable,
+    RefuseUndifferentiableTangents,
+)
 from torchgram.backends._vmap_or_loop import per_sample_or_batch
 from torchgram.backends.jacobian import jacobian_backend, replace_leaves, row_vjps
 
@@ -407,8 +411,17 @@ def _forward_mode(problem: Problem) -> Iterator[None]:
         composed_forward = "jvp" in problem.composition.transforms
         stops = NoGradStopsTangents(refuse=composed_forward)
         kinks = ReverseKinks(refuse_ties=composed_forward)
-        with math_attention(), kinks, stops:  # NOTE [no_grad in forward mode]
+        second_order = RefuseUndifferentiableTangents() \
+            if problem.composition.may_be_differentiated else contextlib.nullcontext()
+        with math_attention(), kinks, stops, second_order:  # NOTE [no_grad in forward mode]
             yield
+    except ForwardDerivativeNotDifferentiable as err:
+        raise BackendCannotRun(
+            problem.api, "ntvp", "an f without ops whose forward-mode derivative torch cannot "
+            "differentiate again (determinants, linear solves, householder_product, "
+            "cholesky_inverse, cumprod of a tensor holding zeros) when G is differentiated",
+            f"{err} in f ({problem.composition.describe()})", _ALTERNATIVES,
+            "Or compute G outside the differentiation.") from err
     except TieInForwardMode as err:
         raise BackendCannotRun(
             problem.api, "ntvp", "an f without ties at fmax or at clamp with a tensor bound "
