@@ -180,6 +180,22 @@ def test_cdist_batched_backward_is_still_wrong() -> None:
     assert f(h.requires_grad_()).grad_fn.next_functions[0][0].name() in compat.WRONG_BATCHED_NODES
 
 
+def test_lu_solve_batched_backward_is_still_wrong() -> None:
+    """NOTE [wrong batching rules]: when torch fixes this, drop lu_solve from the list."""
+    torch.manual_seed(0)
+    x = torch.randn(16, dtype=torch.float64)
+
+    def f(y: Tensor) -> Tensor:
+        a = y[:9].reshape(3, 3)
+        return torch.linalg.lu_solve(*torch.linalg.lu_factor(a), a[:, :1]).reshape(-1)
+
+    looped = torch.stack([torch.func.jacrev(f)(y) for y in (x, 2 * x)])
+    vmapped = torch.func.vmap(torch.func.jacrev(f))(torch.stack([x, 2 * x]))
+    assert not torch.allclose(looped, vmapped), "torch fixed lu_solve's batching rule"
+    assert compat.wrong_batched_backward(torch.linalg.lu_solve) == "torch.linalg.lu_solve"
+    assert f(x.requires_grad_()).grad_fn.next_functions[0][0].name() in compat.WRONG_BATCHED_NODES
+
+
 def test_version_counts_in_place_writes() -> None:
     x = torch.zeros(3)
     before = compat.version(x)

@@ -856,8 +856,14 @@ def is_freed_graph_error(error: BaseException) -> bool:
 # (and the graph walk calls those nodes row by row). tests/core/test_torch_compat.py checks
 # that the bug is still there: when a torch release fixes it, that test fails, and the entry
 # can go.
-_WRONG_BATCHED_BACKWARD = {torch.cdist: "torch.cdist"}
-WRONG_BATCHED_NODES = frozenset({"CdistBackward0", "EuclideanDistBackward0"})
+# torch.linalg.lu_solve likewise (session 45's hunt of ops under vmap): the per-sample Gramian
+# of a network solving with each sample's LU factors was 1.7e6 off (relative) on jacobian
+# with batch_dim=0, and 4.5e5 under the caller's vmap on every composing backend.
+_WRONG_BATCHED_BACKWARD = {torch.cdist: "torch.cdist",
+                           torch.linalg.lu_solve: "torch.linalg.lu_solve",
+                           torch.lu_solve: "torch.lu_solve"}
+WRONG_BATCHED_NODES = frozenset({"CdistBackward0", "EuclideanDistBackward0",
+                                 "LinalgLuSolveBackward0"})
 """Autograd node names whose backward ``vmap`` gets wrong (NOTE [wrong batching rules])."""
 
 

@@ -52,14 +52,11 @@ from torchgram._core.result import BackendResult, RunReport
 from torchgram._core.threads import FORWARD_AD_LOCK, math_attention
 from torchgram.backends._draws_under_transforms import refuse_draws
 from torchgram.backends._embedding import checked_conventions
+from torchgram.backends._forward_mode_faults import RefuseWrongTangents, WrongForwardDerivative
 from torchgram.backends._grouping import rows_per_chunk
 from torchgram.backends._kinks import ReverseKinks, TieInForwardMode
 from torchgram.backends._no_grad_tangents import GradOffInForwardMode, NoGradStopsTangents
 from torchgram.backends._registry import register
-from torchgram.backends._second_order import (
-    ForwardDerivativeNotDifferentiable,
-    RefuseUndifferentiableTangents,
-)
 from torchgram.backends._vmap_or_loop import per_sample_or_batch
 from torchgram.backends.jacobian import jacobian_backend, replace_leaves, row_vjps
 
@@ -386,6 +383,11 @@ def _first_jvp() -> None:
 _ALTERNATIVES = ("jacobian", "graph")
 
 
+def _alternatives(problem: Problem) -> tuple[str, ...]:
+    """The backends that can run this call where ntvp declines: not graph inside transforms."""
+    return ("jacobian",) if problem.composition.transforms else _ALTERNATIVES
+
+
 def _dtype_mixing(problem: Problem) -> tuple[str, str] | None:
     """Where ``f`` mixes floating dtypes (autocast, or leaves of several), and the way out.
 
@@ -404,6 +406,10 @@ def _dtype_mixing(problem: Problem) -> tuple[str, str] | None:
 def _forward_mode(problem: Problem) -> Iterator[None]:
     """Run forward-mode AD with attention's math kernel, the backward's derivatives at kinks.
 
+    Where ``G`` may be differentiated or the caller's ``vmap`` batches the primals, ops whose
+    forward-mode derivative torch gets wrong there are refused (NOTE [forward-mode
+    derivatives torch gets wrong]).
+
     NOTE [kinks in forward mode], NOTE [no_grad in forward mode]; explains ops that lack
     forward AD (NOTE [missing forward AD]).
     """
@@ -411,17 +417,26 @@ def _forward_mode(problem: Problem) -> Iterator[None]:
         composed_forward = "jvp" in problem.composition.transforms
         stops = NoGradStopsTangents(refuse=composed_forward)
         kinks = ReverseKinks(refuse_ties=composed_forward)
-        second_order = RefuseUndifferentiableTangents() \
-            if problem.composition.may_be_differentiated else contextlib.nullcontext()
-        with math_attention(), kinks, stops, second_order:  # NOTE [no_grad in forward mode]
+        faults = RefuseWrongTangents(
+            differentiated=problem.composition.may_be_differentiated,
+            batched="vmap" in problem.composition.transforms)
+        with math_attention(), kinks, stops, faults:  # NOTE [no_grad in forward mode]
             yield
-    except ForwardDerivativeNotDifferentiable as err:
+    except WrongForwardDerivative as err:
+        if err.differentiated:
+            situation = "when G is differentiated"
+            ops = ("determinants, linear solves, householder_product, cholesky_inverse, cumprod "
+                   "of a tensor holding zeros")
+            fix = "Or compute G outside the differentiation."
+        else:
+            situation = "under torch.func.vmap"
+            ops = "determinants, linear solves, lu_solve"
+            fix = "Or loop over the batch instead of vmap."
         raise BackendCannotRun(
-            problem.api, "ntvp", "an f without ops whose forward-mode derivative torch cannot "
-            "differentiate again (determinants, linear solves, householder_product, "
-            "cholesky_inverse, cumprod of a tensor holding zeros) when G is differentiated",
-            f"{err} in f ({problem.composition.describe()})", _ALTERNATIVES,
-            "Or compute G outside the differentiation.") from err
+            problem.api, "ntvp", f"an f without ops whose forward-mode derivative torch gets "
+            f"wrong {situation} ({ops})",
+            f"{err.call} in f ({problem.composition.describe()})", _alternatives(problem),
+            fix) from err
     except TieInForwardMode as err:
         raise BackendCannotRun(
             problem.api, "ntvp", "an f without ties at fmax or at clamp with a tensor bound "
@@ -429,14 +444,14 @@ def _forward_mode(problem: Problem) -> Iterator[None]:
             "another derivative there than its backward, and ntvp's pass cannot take the "
             "backward's for its own tangents alone",
             f"{err} with an input equal to its bound inside f "
-            f"{problem.composition.describe()}", _ALTERNATIVES,
+            f"{problem.composition.describe()}", _alternatives(problem),
             "Or differentiate G in reverse mode (grad, vjp).") from err
     except GradOffInForwardMode as err:
         raise BackendCannotRun(
             problem.api, "ntvp", "an f without no_grad regions when G is differentiated in "
             "forward mode (jvp, jacfwd): its pass cannot stop its own tangents there alone",
             f"{err} called with grad mode off inside f {problem.composition.describe()}",
-            _ALTERNATIVES, "Or write the stop-gradient as .detach().") from err
+            _alternatives(problem), "Or write the stop-gradient as .detach().") from err
     except (NotImplementedError, RuntimeError) as err:
         missing = _torch_compat.missing_forward_ad(err)
         mixing = _dtype_mixing(problem)

@@ -1,14 +1,16 @@
-"""Differentiating ``G`` through ops whose forward-mode derivative torch cannot differentiate.
+"""Where torch's forward-mode derivatives are wrong for ntvp's composed ``G``.
 
-NOTE [forward-mode derivatives that are not differentiable]: ntvp's ``G`` is made of
-forward-mode derivatives, and torch 2.13 gets the derivatives of some of those wrong
-(determinants, linear solves, ``householder_product``, ``cholesky_inverse``, ``cumprod`` of a
-tensor holding zeros): before session 45, ntvp's gradients of the Gramians below were
-0.0025 (slogdet) to 0.38 (cholesky_inverse) off the oracle, NaN for cumprod. Where ``G``
-may be differentiated ntvp now declines at those calls, and the other backends agree with
-the oracle. Also here: layer norm under
-the caller's ``jvp`` on ntvp, which declined naming "no_grad regions" ``f`` did not have (the
-decomposition's own layout probe ran with grad off where ntvp's mode saw it).
+NOTE [forward-mode derivatives torch gets wrong]: ntvp's ``G`` is made of forward-mode
+derivatives, and torch 2.13 gets some of those wrong once differentiated (determinants,
+linear solves, ``householder_product``, ``cholesky_inverse``, ``cumprod`` of a tensor holding
+zeros: before session 45, ntvp's gradients of the Gramians below were 0.0025 (slogdet) to
+0.38 (cholesky_inverse) off the oracle, NaN for cumprod) or batched twice under the caller's
+``vmap`` (determinants, solves, ``lu_solve``: 0.2 to 280 off). There ntvp now declines, and
+the other backends agree with the oracle. Also here: layer norm under the caller's ``jvp``
+on ntvp, which declined naming "no_grad regions" ``f`` did not have (the decomposition's own
+layout probe ran with grad off where ntvp's mode saw it), and ``lu_solve`` on the jacobian
+backend (its batched backward is wrong: NOTE [wrong batching rules]; 1.7e6 off with
+``batch_dim=0`` before).
 """
 
 from __future__ import annotations
@@ -75,7 +77,8 @@ def test_gradient_through_the_gramian(mixer: str, backend: str) -> None:
     f = _f(MIXERS[mixer])
     gramian = tg.gramian(f, backend=backend, batch_dim=0)
     if backend == "ntvp":
-        with pytest.raises(tg.BackendCannotRun, match="differentiate again.*jacobian"):
+        with pytest.raises(tg.BackendCannotRun,
+                           match="gets wrong when G is differentiated.*jacobian"):
             _gradient_of_gramian(gramian, params, x)
         return
     expected = _gradient_of_gramian(dense_gramian_fn(f, chunk_size=1), params, x)
@@ -87,7 +90,7 @@ def test_gradient_through_the_gramian(mixer: str, backend: str) -> None:
 def test_eager_create_graph_declines_on_ntvp(mixer: str) -> None:
     params, x = _problem()
     leaves = {name: value.clone().requires_grad_() for name, value in params.items()}
-    with pytest.raises(tg.BackendCannotRun, match="differentiate again"):
+    with pytest.raises(tg.BackendCannotRun, match="gets wrong when G is differentiated"):
         tg.gramian(_f(MIXERS[mixer]), backend="ntvp")(leaves, x)
 
 
@@ -103,6 +106,55 @@ def test_cumprod_without_zeros_and_plain_gramians_answer_on_ntvp() -> None:
     torch.testing.assert_close(tg.gramian(g, backend="ntvp")(params, x),
                                dense_gramian_fn(g, chunk_size=1)(params, x),
                                rtol=1e-10, atol=1e-12)
+
+
+BATCHED_TWICE: dict[str, Callable[[Tensor], Tensor]] = {
+    "det": lambda h: torch.linalg.det(h[:4].reshape(2, 2)),
+    "slogdet": lambda h: torch.linalg.slogdet(h[:4].reshape(2, 2)).logabsdet,
+    "logdet": lambda h: torch.logdet(_spd(h[None])[0]),
+    "solve": lambda h: torch.linalg.solve(h[:4].reshape(2, 2), h[4:6]).sum(),
+    "lu_solve": lambda h: torch.linalg.lu_solve(*torch.linalg.lu_factor(h[:4].reshape(2, 2)),
+                                                h[4:6, None]).sum(),
+}
+"""Ops of one example (``h`` of shape ``[6]``) that ntvp refuses under the caller's vmap."""
+
+
+@pytest.mark.parametrize("backend", ["jacobian", "ntvp", "auto"])
+@pytest.mark.parametrize("op", list(BATCHED_TWICE))
+def test_vmap_over_gramians(op: str, backend: str) -> None:
+    """An ensemble of Gramians with ``vmap`` over parameters, one example each."""
+    generator = torch.Generator().manual_seed(3)
+    ensemble = {"w": torch.randn(3, 6, 3, dtype=DTYPE, generator=generator)}
+    x = torch.randn(3, dtype=DTYPE, generator=generator)
+
+    def f(p: dict[str, Tensor], x: Tensor) -> Tensor:
+        h = p["w"] @ x
+        return torch.stack([BATCHED_TWICE[op](h), h[5]])
+
+    gramian = tg.gramian(f, backend=backend)
+    if backend == "ntvp":
+        with pytest.raises(tg.BackendCannotRun, match="gets wrong under torch.func.vmap"):
+            torch.func.vmap(lambda p: gramian(p, x))(ensemble)
+        return
+    expected = torch.stack([dense_gramian_fn(f, chunk_size=1)({"w": w}, x)
+                            for w in ensemble["w"]])
+    torch.testing.assert_close(torch.func.vmap(lambda p: gramian(p, x))(ensemble), expected,
+                               rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("batch_dim", [0, None], ids=["batch0", "dense"])
+@pytest.mark.parametrize("backend", ["jacobian", "ntvp", "graph", "structured", "auto"])
+def test_lu_solve_per_sample(backend: str, batch_dim: int | None) -> None:
+    params, x = _problem()
+
+    def f(p: dict[str, Tensor], x: Tensor) -> Tensor:
+        h = x @ p["w"].T
+        lu = torch.linalg.lu_factor(h[:, :4].reshape(-1, 2, 2))
+        return torch.linalg.lu_solve(*lu, h[:, 4:6, None])[..., 0] * h[:, :1]
+
+    torch.testing.assert_close(tg.gramian(f, backend=backend, batch_dim=batch_dim)(params, x),
+                               dense_gramian_fn(f, chunk_size=1)(params, x),
+                               rtol=1e-9, atol=1e-11)
 
 
 @pytest.mark.parametrize("norm", ["layer", "batch", "instance"])
