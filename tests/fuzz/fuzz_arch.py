@@ -137,6 +137,22 @@ class Distance:
 
 
 @dataclass(frozen=True)
+class Linalg:
+    """A learned 3×3 matrix per position, ``M = diag(2, 2.5, 3) + tanh(h Aᵀ)[1:] / 4``, through
+    ``kind``: ``det`` / ``slogdet`` scale ``h``; ``solve`` / ``lu_solve`` add the sum of
+    ``M⁻¹ (h Bᵀ)`` to it. torch gets these ops' forward-mode derivatives wrong once
+    differentiated or batched twice, and ``lu_solve``'s batched backward (session 45). ``M``
+    is a view at an offset (the layout those batched derivatives get wrong) and well
+    conditioned, with distinct singular values where ``h = 0``: torch differentiates a
+    functorch ``det`` backward through an SVD, NaN where singular values repeat (``2 I``, an
+    orthogonal matrix), the oracle's ``G``'s derivative included.
+    """
+
+    kind: Literal["det", "slogdet", "solve", "lu_solve"] = "det"
+    frozen: bool = False
+
+
+@dataclass(frozen=True)
 class Buffer:
     """A constant broadcast along the batch: ``[D]`` (feature) or ``[1, T, D]`` (token)."""
 
@@ -234,8 +250,8 @@ class FusedRnn:
     bias: bool = True
 
 
-Layer = (Linear | Conv1d | Attention | RnnCell | Norm | Elementwise | Kink | Distance | Buffer
-         | Activation | TiedOut | Center | StopGradient | Route | Gate | Dropout
+Layer = (Linear | Conv1d | Attention | RnnCell | Norm | Elementwise | Kink | Distance | Linalg
+         | Buffer | Activation | TiedOut | Center | StopGradient | Route | Gate | Dropout
          | FusedRnn)
 
 
@@ -442,6 +458,10 @@ def walk_shapes(case_input: Features | Tokens, length: int,
         elif isinstance(layer, Distance):
             add(_Param(i, "anchors", (layer.anchors, d), layer.frozen))
             shapes.width = layer.anchors
+        elif isinstance(layer, Linalg):
+            add(_Param(i, "mix", (10, d), layer.frozen))
+            if layer.kind in ("solve", "lu_solve"):
+                add(_Param(i, "rhs", (3, d), layer.frozen))
         elif isinstance(layer, Buffer):
             shape = (d,) if layer.shape == "feature" else (1, shapes.length, d)
             add(_Param(i, "buffer", shape, True, "positive" if layer.op == "mul" else "weight"))
@@ -591,6 +611,17 @@ def _layer(case: FuzzCase, i: int, layer: Layer, h: Tensor, get: Get) -> Tensor:
         return torch.fmax(h, zero) if layer.kind == "fmax" else torch.fmin(zero, h)
     if isinstance(layer, Distance):
         return torch.cdist(h, get(i, "anchors"), p=layer.p)
+    if isinstance(layer, Linalg):
+        base = torch.diag(torch.tensor([2.0, 2.5, 3.0], dtype=h.dtype, device=h.device))
+        m = base + torch.tanh(h @ get(i, "mix").T)[..., 1:].unflatten(-1, (3, 3)) / 4
+        if layer.kind == "det":
+            return h * torch.linalg.det(m)[..., None]
+        if layer.kind == "slogdet":
+            return h * torch.linalg.slogdet(m).logabsdet[..., None]
+        b = (h @ get(i, "rhs").T)[..., None]
+        x = torch.linalg.solve(m, b) if layer.kind == "solve" \
+            else torch.linalg.lu_solve(*torch.linalg.lu_factor(m), b)
+        return h + x.sum((-2, -1))[..., None]
     if isinstance(layer, Buffer):
         buffer = get(i, "buffer")
         return h + buffer if layer.op == "add" else h * buffer

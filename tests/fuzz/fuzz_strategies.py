@@ -40,6 +40,7 @@ from fuzz_arch import (
     Head,
     Kink,
     Layer,
+    Linalg,
     Linear,
     Norm,
     RnnCell,
@@ -102,7 +103,7 @@ def _layer(draw: st.DrawFn, backend: str, width: int, length: int, tokens: Token
            linears: dict[int, tuple[int, int]], batch: int, declared: bool,
            in_place: bool = False) -> Layer:
     kinds = ["linear", "linear", "conv", "attention", "rnn", "elementwise", "kink", "distance",
-             "buffer", "activation", "activation"]
+             "linalg", "buffer", "activation", "activation"]
     if width > 1:  # a norm over one value is constant, its float32 gradient only round-off
         kinds.append("norm")
     if tokens is not None and width == tokens.width and (
@@ -179,6 +180,9 @@ def _layer(draw: st.DrawFn, backend: str, width: int, length: int, tokens: Token
                     frozen=frozen)
     if kind == "distance":  # p = 2 only: other p are not smooth where two points meet
         return Distance(anchors=draw(st.integers(1, 3)), frozen=frozen)
+    if kind == "linalg":
+        return Linalg(kind=draw(st.sampled_from(["det", "slogdet", "solve", "lu_solve"])),
+                      frozen=frozen)
     if kind == "buffer":
         return Buffer(shape=draw(st.sampled_from(["feature", "token"])),
                       op=draw(st.sampled_from(["add", "mul"])),
