@@ -39,7 +39,13 @@ from reference import dense_gramian_fn
 Mode = Literal["grad", "jvp", "vmap", "create_graph"]
 MODES: tuple[Mode, ...] = ("grad", "jvp", "vmap", "create_graph")
 TOLERANCE = 1e-8
-"""Relative to the largest entry of each expected leaf (everything runs in float64)."""
+"""Relative to the largest entry of each expected leaf (everything runs in float64), floored
+at 1e-2 and at :data:`LEAF_FLOOR` times the largest entry of all leaves."""
+LEAF_FLOOR = 1e-4
+"""A leaf whose derivative is exactly zero gets the round-off of the others: the bias before a
+batch norm in training mode over 3 values (the norm removes it) had 1.8e-10 in the oracle's
+gradient of ``G`` against entries of 8e3 elsewhere, and every backend's exact 0 failed at 1e-8
+relative to the 1e-2 floor (long run, ``--hypothesis-seed=4545``, session 45)."""
 
 
 def composable(case: FuzzCase) -> FuzzCase:
@@ -105,8 +111,10 @@ def check_composed(case: FuzzCase, backend: str, mode: Mode) -> str:
                           torch.Generator().manual_seed(case.seed))
     except Exception as error:  # noqa: BLE001 -- torch lacks a derivative the oracle needs
         return f"answered, unchecked (the oracle raised {type(error).__name__})"
+    largest = max((e.abs().max().item() for e in optree.tree_leaves(expected) if e.numel()),
+                  default=0.0)
     for a, e in zip(optree.tree_leaves(actual), optree.tree_leaves(expected), strict=True):
-        scale = max(e.abs().max().item() if e.numel() else 0.0, 1e-2)
+        scale = max(e.abs().max().item() if e.numel() else 0.0, 1e-2, LEAF_FLOOR * largest)
         error = (a.double() - e).abs().max().item() / scale if e.numel() else 0.0
         assert error == error and error <= TOLERANCE, f"{mode}: relative error {error:.3g}"
     return "answered"
