@@ -141,13 +141,11 @@ def _modes_differ(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> b
     rewrite = _REWRITES[func]
     if rewrite(args, kwargs) is None:  # not rewritten (number bounds, out=): torch's own
         return False
-    slots = [i for i, value in enumerate(args)
-             if isinstance(value, Tensor) and value.is_floating_point()]
-    names = [name for name, value in kwargs.items()
-             if isinstance(value, Tensor) and value.is_floating_point()]
-    every_slot: list[int | str] = [*slots, *names]
+    every_slot: list[int | str] = [*range(len(args)), *kwargs]
     for slot in every_slot:
         value = args[slot] if isinstance(slot, int) else kwargs[slot]
+        if not isinstance(value, Tensor) or not value.is_floating_point():
+            continue
 
         def call(op: Callable[..., Any], replaced: Tensor, slot: int | str = slot) -> Any:
             call_args, call_kwargs = list(args), dict(kwargs)
