@@ -10,7 +10,11 @@ statistics) — and of their forward-mode derivatives — treat the batch statis
 constants. ``layer_norm``, ``batch_norm`` in training mode and ``instance_norm`` are affected
 (``group_norm`` and ``rms_norm`` are decomposed by torch itself and are right); the
 ``jacobian`` and ``ntvp`` backends and the dense ``jacrev`` oracle inherit the error (up to
-6× on a transformer's ``G`` gradient), while loops without ``vmap`` are right.
+6× on a transformer's ``G`` gradient), while loops without ``vmap`` are right. One order
+higher, not even loops are: the third derivatives of the fused ``layer_norm`` and training
+``batch_norm`` are wrong in plain nested autograd (0.29 and 0.88 off, relative), so a
+derivative of a derivative of ``G`` (``d/dx ‖∇ₓ tr G‖²``) was 1.3 off on the oracle and is
+right here (session 46; ``tests/core/test_norms.py``, ``tests/api/test_compose.py``).
 
 So while a differentiable ``G`` is computed, :class:`DecomposedNorms` (a
 ``TorchFunctionMode``) runs those three functions as the same arithmetic written with
