@@ -134,6 +134,7 @@ def test_torch_still_gets_third_norm_derivatives_wrong_without_vmap(norm: str) -
     fused = third(x)
     with DecomposedNorms():
         decomposed = third(x)
-    torch.testing.assert_close(decomposed, central, rtol=1e-6, atol=1e-6 * central.abs().max().item())
+    torch.testing.assert_close(decomposed, central, rtol=1e-6,
+                               atol=1e-6 * central.abs().max().item())
     assert not torch.allclose(fused, central, rtol=1e-3), \
         "torch fixed the third derivatives of layer_norm / batch_norm"
