@@ -38,6 +38,13 @@ def _einsum(p, x):  # torch.einsum is rewritten under the mode (NOTE [rewritten 
                                    p["v"])).sum((1, 2))
 
 
+def _attention(p, x):  # self-attention is rewritten under the mode (NOTE [attention rewrite])
+    h = torch.tanh(F.linear(x, p["w"])).transpose(0, 1)  # [T, B, D]
+    out, _ = F.multi_head_attention_forward(h, h, h, D, 2, p["w3"], None, None, None, False, 0.0,
+                                            p["v"], None, need_weights=False)
+    return torch.tanh(out).sum((0, 2))
+
+
 def _lstm(p, x):  # torch.lstm is rewritten into its cells (NOTE [recurrent rewrite])
     zeros = x.new_zeros(1, x.shape[0], D)
     out, *_ = torch.lstm(x, (zeros, zeros),
@@ -88,9 +95,10 @@ def _calls_sizes(f, backend):
 
 
 @pytest.mark.parametrize("backend", ["structured", "auto"])
-@pytest.mark.parametrize("f", [_mlp, _lstm, _gru], ids=["mlp", "lstm", "gru"])
+@pytest.mark.parametrize("f", [_mlp, _lstm, _gru, _attention, _einsum],
+                         ids=["mlp", "lstm", "gru", "attention", "einsum"])
 def test_later_calls_of_a_checked_trace_evaluate_f_once(f, backend):
-    """Recurrent rewrites too: the trace settles them (``rules.SETTLED_PER_TRACE``)."""
+    """Rewritten calls too: the trace settles them (``rules.SETTLED_PER_TRACE``)."""
     first, *later = _calls_sizes(f, backend)
     assert 2 in first  # the first call compares the first and the last sample's outputs
     for sizes in later:
@@ -98,7 +106,12 @@ def test_later_calls_of_a_checked_trace_evaluate_f_once(f, backend):
 
 
 @pytest.mark.parametrize("backend", ["structured", "auto"])
-def test_calls_that_rewrite_a_call_compare_values_every_time(backend):
+def test_calls_that_rewrite_a_call_not_settled_per_trace_compare_values_every_time(
+        backend, monkeypatch):
+    """A rewrite left out of ``SETTLED_PER_TRACE`` (the default for a new one)."""
+    from torchgram.backends.structured import trace
+
+    monkeypatch.setattr(trace, "SETTLED_PER_TRACE", trace.SETTLED_PER_TRACE - {torch.einsum})
     _, *later = _calls_sizes(_einsum, backend)
     for sizes in later:
         assert sizes.count(B) == 1 and 2 in sizes

@@ -137,10 +137,11 @@ def _check_batched(problem: Problem, forward: Forward, traced: Recording) -> boo
     NOTE [when the values are compared]: the outputs are compared with the thorough
     derivative check (once per trace and routing), while a merged order is unverified, and
     on every call whose run rewrote a call (NOTE [rewritten layouts]: the rewrite's values
-    against the original composite's) -- but for the recurrent rewrites
-    (``rules.SETTLED_PER_TRACE``), which hold for any values: the first call of a trace
-    compares them, a replay checks the shapes and taps they depend on (session 44; 1 ms of
-    the LSTM case's 12.4 ms, 4.5 of the GRU's 48). Other calls of a checked trace and
+    against the original composite's) -- but for the rewrites that hold for any values
+    (``rules.SETTLED_PER_TRACE``: the recurrent cells, session 44, 1 ms of the LSTM case's
+    12.4 ms, 4.5 of the GRU's 48; self-attention and einsum, session 46, 3.5 ms of the
+    benchmark transformer's 108): the first call of a trace compares them, a replay checks
+    the shapes and taps they depend on. Other calls of a checked trace and
     routing skip the evaluation of the two samples (session 42; ~0.7 ms of the benchmark
     MLP's 3.8 ms, 6 ms of ResNet-18's 81): what decides the per-sample Gramian is that no
     row reaches another sample's taps, which the derivative check proves from the graph,

@@ -59,12 +59,16 @@ REWRITES: dict[Any, Rewrite] = {
 }
 """Composite functions re-expressed (under the mode) in ops the rules see, when possible."""
 
-SETTLED_PER_TRACE: frozenset[Any] = RECURRENT_KERNELS
-"""Rewrites whose agreement with the original call one comparison per trace settles: the
-recurrent cells' equations hold whatever the values of the call's tensors, and what else the
-rewrite depends on (shapes, dtypes, which weights it taps) a replay of the trace checks. The
-others (self-attention's masks, einsum's layouts) are compared on every call (NOTE [when the
-values are compared])."""
+SETTLED_PER_TRACE: frozenset[Any] = RECURRENT_KERNELS | {F.multi_head_attention_forward,
+                                                         torch.einsum}
+"""Rewrites whose agreement with the original call one comparison per trace settles: each
+writes the same equations as the original (the recurrent cells; self-attention's projections
+and ``scaled_dot_product_attention`` without masks, extra biases or dropout, which
+``_supported`` checks on every call; einsum's matrix products), so they agree whatever the
+values of the call's tensors, and what else the rewrite depends on (shapes, dtypes, options,
+which weights it taps) a replay of the trace checks. Strides, which only random draws see, are
+NOTE [rewritten layouts]'s. A rewrite added to ``REWRITES`` and not listed here has its values
+compared on every call (NOTE [when the values are compared])."""
 
 
 def rule_for(func: Any) -> Rule | None:
