@@ -9,6 +9,7 @@ answers.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -554,43 +555,56 @@ def _normed_rows(norm: str) -> Callable[[dict[str, Tensor], Tensor], Tensor]:
     return rows
 
 
-@pytest.mark.parametrize("transform", ["torch.func", "eager-create-graph"])
+def _trace_gradient_norm(G: Callable[..., Tensor], params: dict[str, Tensor], x: Tensor) -> Tensor:
+    """``‖∇ₓ tr G(params, x)‖²`` (``G`` of rows ``[5, 2]``)."""
+    return torch.func.grad(lambda x: G(params, x).reshape(10, 10).trace())(x).square().sum()
+
+
+@functools.cache
+def _normed_problem(norm: str) -> tuple[dict[str, Tensor], Tensor, Tensor]:
+    """Parameters, inputs and the central differences of :func:`_trace_gradient_norm`.
+
+    The differences are of the oracle's second derivatives, which are right where it loops
+    over rows (``chunk_size=1``).
+    """
+    generator = torch.Generator().manual_seed(3)
+    shapes = {"w1": (3, 4), "b1": (4,), "gamma": (4,), "w2": (4, 2)}
+    params = {k: torch.randn(*s, generator=generator, dtype=DOUBLE) for k, s in shapes.items()}
+    x = torch.randn(5, 3, generator=generator, dtype=DOUBLE)
+    oracle = dense_gramian_fn(_normed_rows(norm), chunk_size=1)
+    step, central = 1e-5, torch.zeros_like(x)
+    for i in range(x.numel()):
+        shift = torch.zeros(x.numel(), dtype=DOUBLE)
+        shift[i] = step
+        shift = shift.reshape(x.shape)
+        central.view(-1)[i] = (_trace_gradient_norm(oracle, params, x + shift)
+                               - _trace_gradient_norm(oracle, params, x - shift)) / (2 * step)
+    return params, x, central
+
+
+@pytest.mark.parametrize(("backend", "transform"), [
+    *((backend, "torch.func") for backend in BACKENDS if backend not in DECLARED),
+    *((backend, "eager-create-graph") for backend in BACKENDS)])
 @pytest.mark.parametrize("norm", ["layer_norm", "batch_norm-train"])
-@pytest.mark.parametrize("backend", ["auto", "jacobian", "ntvp"])
 def test_third_derivatives_through_norms_match_finite_differences(
         backend: str, norm: str, transform: str) -> None:
     """``d/dx ‖∇ₓ tr G‖²``: third derivatives of ``f`` through its norm layers.
 
     torch 2.13's own third derivatives of the fused ``layer_norm`` and training
     ``batch_norm`` are wrong even without ``vmap`` (0.3 and 0.9 off, relative:
-    ``tests/core/test_norms.py``), and so is the oracle's; NOTE [decomposed norms] makes them
-    right here. The reference is central differences of the same quantity's second
-    derivatives from the oracle (which are right when it loops over rows).
+    ``tests/core/test_norms.py``), and so is the oracle's (1.3 off here); NOTE [decomposed
+    norms] makes them right. The reference is central differences (:func:`_normed_problem`).
     """
-    generator = torch.Generator().manual_seed(3)
-    shapes = {"w1": (3, 4), "b1": (4,), "gamma": (4,), "w2": (4, 2)}
-    params = {k: torch.randn(*s, generator=generator, dtype=DOUBLE) for k, s in shapes.items()}
-    x = torch.randn(5, 3, generator=generator, dtype=DOUBLE)
-    f = _normed_rows(norm.removesuffix("-train"))
-    batch_dim = 0 if norm == "layer_norm" else None
-
-    def trace_gradient_norm(G: Callable[..., Tensor], x: Tensor) -> Tensor:
-        return torch.func.grad(lambda x: G(params, x).reshape(10, 10).trace())(x).square().sum()
-
-    oracle = dense_gramian_fn(f, chunk_size=1)
-    step, expected = 1e-5, torch.zeros_like(x)
-    for i in range(x.numel()):
-        shift = torch.zeros(x.numel(), dtype=DOUBLE)
-        shift[i] = step
-        shift = shift.reshape(x.shape)
-        expected.view(-1)[i] = (trace_gradient_norm(oracle, x + shift)
-                                - trace_gradient_norm(oracle, x - shift)) / (2 * step)
-    G = tg.gramian(f, backend=backend, batch_dim=batch_dim)
+    kind = norm.removesuffix("-train")
+    params, x, expected = _normed_problem(kind)
+    G = tg.gramian(_normed_rows(kind), backend=backend,
+                   batch_dim=0 if kind == "layer_norm" else None)
     if transform == "torch.func":
-        actual = torch.func.grad(lambda x: trace_gradient_norm(G, x))(x)
+        actual = torch.func.grad(lambda x: _trace_gradient_norm(G, params, x))(x)
     else:
         leaf = x.clone().requires_grad_()
         trace = G(params, leaf).reshape(10, 10).trace()
         inner = torch.autograd.grad(trace, leaf, create_graph=True)[0]
         actual = torch.autograd.grad(inner.square().sum(), leaf)[0]
-    torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6 * expected.abs().max().item())
+    torch.testing.assert_close(actual, expected, rtol=1e-6,
+                               atol=1e-6 * expected.abs().max().item())
