@@ -67,12 +67,20 @@ def open_grads(grad_inputs: Sequence[Tensor | None], grad_output: Tensor | None
     """
     if grad_output is None:
         return tuple(grad_inputs)
-    nan_only = torch.where(grad_output.isnan(), grad_output,
-                           torch.zeros((), dtype=grad_output.dtype, device=grad_output.device))
-    return tuple(None if grad is None else
-                 grad + (nan_only if grad.shape == nan_only.shape
-                         else nan_only.sum_to_size(grad.shape)).to(grad.dtype)
-                 for grad in grad_inputs)
+    nan = grad_output.isnan()
+    nan_only: Tensor | None = None
+    opened: list[Tensor | None] = []
+    for grad in grad_inputs:
+        if grad is None:
+            opened.append(None)
+        elif grad.shape == grad_output.shape:  # one select: NaN there, the gradient elsewhere
+            opened.append(torch.where(nan, grad_output.to(grad.dtype), grad))
+        else:  # a broadcast input: the NaN entries summed to its shape
+            if nan_only is None:
+                nan_only = torch.where(nan, grad_output, torch.zeros(
+                    (), dtype=grad_output.dtype, device=grad_output.device))
+            opened.append(grad + nan_only.sum_to_size(grad.shape).to(grad.dtype))
+    return tuple(opened)
 
 
 def _hook(grad_inputs: tuple[Tensor | None, ...], grad_outputs: tuple[Tensor | None, ...]
