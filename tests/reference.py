@@ -158,6 +158,21 @@ def dense_gramian_fn(f: Callable[..., Any], argnums: int | tuple[int, ...] = 0, 
     return gramian
 
 
+def central_differences(fn: Callable[[Tensor], Tensor], x: Tensor, step: float = 1e-5) -> Tensor:
+    """The gradient of the scalar ``fn`` at ``x``, entry by entry, by central differences.
+
+    The reference where torch's own derivative of that order is wrong (third derivatives
+    through the fused norm kernels: ``tests/core/test_norms.py``).
+    """
+    gradient = torch.zeros_like(x)
+    for i in range(x.numel()):
+        shift = torch.zeros(x.numel(), dtype=x.dtype, device=x.device)
+        shift[i] = step
+        shift = shift.reshape(x.shape)
+        gradient.view(-1)[i] = (fn(x + shift) - fn(x - shift)).detach() / (2 * step)
+    return gradient
+
+
 def dense_cross_gramian(f: Callable[..., Any], params: Any, x1: Any, x2: Any | None,
                         kwargs: dict[str, Any] | None = None) -> Tensor:
     """``J(x1) J(x2)ᵀ`` of ``f(params, x)`` from two dense Jacobians, shaped ``S1 + S2``."""

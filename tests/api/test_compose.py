@@ -21,7 +21,7 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import torchgram as tg
-from reference import dense_gramian_fn
+from reference import central_differences, dense_gramian_fn
 from torchgram._core.errors import BackendCannotRun
 from torchgram._core.signature import clear_caches
 from torchgram.backends.ntvp import _prepare_forward_ad
@@ -572,14 +572,7 @@ def _normed_problem(norm: str) -> tuple[dict[str, Tensor], Tensor, Tensor]:
     params = {k: torch.randn(*s, generator=generator, dtype=DOUBLE) for k, s in shapes.items()}
     x = torch.randn(5, 3, generator=generator, dtype=DOUBLE)
     oracle = dense_gramian_fn(_normed_rows(norm), chunk_size=1)
-    step, central = 1e-5, torch.zeros_like(x)
-    for i in range(x.numel()):
-        shift = torch.zeros(x.numel(), dtype=DOUBLE)
-        shift[i] = step
-        shift = shift.reshape(x.shape)
-        central.view(-1)[i] = (_trace_gradient_norm(oracle, params, x + shift)
-                               - _trace_gradient_norm(oracle, params, x - shift)) / (2 * step)
-    return params, x, central
+    return params, x, central_differences(lambda x: _trace_gradient_norm(oracle, params, x), x)
 
 
 @pytest.mark.parametrize(("backend", "transform"), [
