@@ -417,9 +417,10 @@ def _forward_mode(problem: Problem) -> Iterator[None]:
         composed_forward = "jvp" in problem.composition.transforms
         stops = NoGradStopsTangents(refuse=composed_forward)
         kinks = ReverseKinks(refuse_ties=composed_forward)
-        faults = RefuseWrongTangents(
-            differentiated=problem.composition.may_be_differentiated,
-            batched="vmap" in problem.composition.transforms)
+        differentiated = problem.composition.may_be_differentiated
+        batched = "vmap" in problem.composition.transforms
+        faults = RefuseWrongTangents(differentiated=differentiated, batched=batched) \
+            if differentiated or batched else contextlib.nullcontext()  # no mode on plain calls
         with math_attention(), kinks, stops, faults:  # NOTE [no_grad in forward mode]
             yield
     except WrongForwardDerivative as err:
