@@ -98,6 +98,18 @@ def bert(attn: str, *, dropout: float = 0.0) -> ModelCase:
                       "BertForSequenceClassification, padded samples + attention mask")
 
 
+def gpt2_dropout() -> ModelCase:
+    """GPT-2 in train mode with dropout 0.1 (embeddings, attention, residuals): ``Conv1D``
+    merges the tokens of every sample into one dim, and every call draws."""
+    config = GPT2Config(vocab_size=VOCAB, n_positions=8, n_embd=8, n_layer=1, n_head=2,
+                        n_inner=16, resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1,
+                        bos_token_id=1, eos_token_id=1, attn_implementation="eager")
+    model = GPT2LMHeadModel(config).to(torch.float64).train()
+    return causal_lm("gpt2-dropout", config, GPT2LMHeadModel,
+                     "GPT2LMHeadModel, train mode, dropout 0.1, padded + mask, LM loss",
+                     model=model, seed=4321)
+
+
 def gpt2(attn: str, *, masked: bool) -> ModelCase:
     config = GPT2Config(vocab_size=VOCAB, n_positions=8, n_embd=8, n_layer=1, n_head=2,
                         n_inner=16, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
@@ -184,10 +196,11 @@ def classifier(name: str, config: PretrainedConfig, model_class: type[PreTrained
 
 def causal_lm(name: str, config: PretrainedConfig, model_class: type[PreTrainedModel],
               note: str, *, rtol: float | None = None, dtype: torch.dtype = torch.float64,
-              model: PreTrainedModel | None = None) -> ModelCase:
+              model: PreTrainedModel | None = None, seed: int | None = None) -> ModelCase:
     """``model(ids, attention_mask=mask).logits`` → per-sample LM loss over the real tokens.
 
-    ``model``: one already built (and set up), instead of ``model_class(config)`` in eval mode.
+    ``model``: one already built (and set up), instead of ``model_class(config)`` in eval mode;
+    ``seed``: a random model (dropout), one draw per call from that seed.
     """
     model = model_class(config).to(dtype).eval() if model is None else model
     fn, params = tg.functionalize(model)
@@ -198,7 +211,7 @@ def causal_lm(name: str, config: PretrainedConfig, model_class: type[PreTrainedM
 
     options = {} if rtol is None else {"rtol": rtol}
     return ModelCase(name, f, params, (ids,), {"attention_mask": mask}, output_shape=(BATCH,),
-                     module=model, note=note, **options)
+                     module=model, note=note, seed=seed, **options)
 
 
 _ENCODER = {"vocab_size": VOCAB, "hidden_size": 8, "num_hidden_layers": 1,
@@ -319,6 +332,7 @@ BUILDERS: dict[str, Callable[[], ModelCase]] = {
     "gpt2-eager": lambda: gpt2("eager", masked=False),
     "gpt2-mask-eager": lambda: gpt2("eager", masked=True),
     "gpt2-mask-sdpa": lambda: gpt2("sdpa", masked=True),
+    "gpt2-dropout": gpt2_dropout,
     "llama-mask-eager": lambda: llama("eager"),
     "llama-mask-sdpa": lambda: llama("sdpa"),
     "vit-eager": lambda: vit("eager"),

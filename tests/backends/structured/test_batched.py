@@ -130,6 +130,58 @@ def test_a_random_f_with_independent_samples_stays_batched():
     torch.testing.assert_close(actual / scale, expected / scale, rtol=1e-10, atol=1e-10)
 
 
+def test_later_calls_of_a_random_f_run_no_derivative_check(monkeypatch):
+    """NOTE [later calls that draw]: the trace's first call checks, later ones replay."""
+    from torchgram.backends.structured import per_sample
+
+    checks: list[int] = []
+    real = per_sample._check_derivatives
+    monkeypatch.setattr(per_sample, "_check_derivatives",
+                        lambda *args: checks.append(1) or real(*args))
+    params = _params()
+
+    def f(p, x):
+        return F.dropout(torch.tanh(F.linear(x, p["w"])), 0.5).pow(2).sum(-1)
+
+    gramian = tg.gramian(f, backend="structured", batch_dim=0)
+    for seed in range(4):
+        x = torch.randn(B, D, dtype=torch.float64)
+        torch.manual_seed(seed)
+        expected = dense_gramian(f, (params, x)).gramian
+        torch.manual_seed(seed)
+        torch.testing.assert_close(gramian(params, x), expected, rtol=1e-10, atol=1e-12)
+    assert len(checks) == 1
+
+
+@pytest.mark.parametrize("backend", ["structured", "auto"])
+@pytest.mark.parametrize("coupling", ["gated-mean", "drawn-flip", "drawn-order"])
+def test_a_coupling_that_draws_decide_is_seen_on_every_call(backend, coupling):
+    """Draws that open a coupling on some calls only: a per-sample gate (opened in the
+    check), a flag broadcast along the samples and a drawn permutation (both in the routing
+    digest). Each call is its own draw's Gramian, the first one's gate shut included."""
+    params = _params()
+
+    def f(p, x):
+        h = torch.tanh(F.linear(x, p["w"]))
+        if coupling == "gated-mean":
+            h = torch.where(torch.rand(h.shape[0], 1) < 0.3, h - h.mean(0), h)
+        elif coupling == "drawn-flip":
+            h = torch.where(torch.rand(()) < 0.5, h.flip(0), h)
+        else:
+            h = h[torch.randperm(h.shape[0])]
+        return F.linear(h, p["w"]).pow(2).sum(-1)
+
+    gramian = tg.gramian(f, backend=backend, batch_dim=0)
+    for seed in range(6):
+        x = torch.randn(B, D, dtype=torch.float64)
+        torch.manual_seed(seed)
+        expected = dense_gramian(f, (params, x)).gramian
+        torch.manual_seed(seed)
+        actual = gramian(params, x)
+        scale = expected.abs().max()
+        torch.testing.assert_close(actual / scale, expected / scale, rtol=1e-10, atol=1e-10)
+
+
 @pytest.mark.parametrize("backend", ["structured", "auto"])
 @pytest.mark.parametrize("random_f", [False, True], ids=["plain", "with-dropout"])
 def test_rows_sorted_by_value_are_checked_again_when_the_order_changes(backend, random_f):

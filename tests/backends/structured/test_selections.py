@@ -189,15 +189,16 @@ def test_selections_of_independent_samples_stay_batched() -> None:
 # -- the routing: node kinds, walked through the opened nodes -------------------------------
 
 def _thorough_checks(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
-    """Spy on tg.gramian's derivative checks: one entry per check, ``True`` if thorough."""
+    """Spy on tg.gramian's derivative checks: one ``True`` per check (each separates every
+    pair of samples with the selections opened)."""
     from torchgram.backends.structured import per_sample
 
     calls: list[bool] = []
     check = per_sample._check_derivatives
 
-    def spy(problem, forward, *, thorough):  # noqa: ANN001, ANN202
-        calls.append(thorough)
-        return check(problem, forward, thorough=thorough)
+    def spy(problem, forward):  # noqa: ANN001, ANN202
+        calls.append(True)
+        return check(problem, forward)
 
     monkeypatch.setattr(per_sample, "_check_derivatives", spy)
     return calls

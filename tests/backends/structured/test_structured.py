@@ -183,6 +183,32 @@ def test_per_sample_forward_runs_batched_when_shapes_say_where_samples_are():
            dense_gramian(interleaved, args).gramian)
 
 
+@pytest.mark.parametrize(("order", "way"), [("sample-major", "batched"),
+                                             ("interleaved", "dense")])
+def test_merged_sample_dims_of_a_random_f_are_checked_by_derivatives(order, way):
+    """With dropout the samples cannot run apart: the derivative check finds the order (NOTE
+    [merged order from derivatives]); every call, the first and later ones, the oracle's."""
+    params = {"w": torch.randn(3, 4, dtype=torch.float64), "b": torch.randn(3, dtype=torch.float64)}
+
+    def f(p, x):
+        merged = x.reshape(-1, 4) if order == "sample-major" else x.transpose(0, 1).reshape(-1, 4)
+        h = F.dropout(torch.addmm(p["b"], merged, p["w"].T), 0.3, training=True)
+        if order == "interleaved":
+            return h.reshape(x.shape[1], x.shape[0], -1).transpose(0, 1).reshape(x.shape[0], -1)\
+                .tanh().sum(-1)
+        return h.reshape(x.shape[0], -1).tanh().sum(-1)
+
+    transform = tg.gramian(f, backend="structured", batch_dim=0)
+    for seed in range(3):
+        args = (params, torch.randn(5, 2, 4, dtype=torch.float64))
+        torch.manual_seed(seed)
+        assert _forward_kind(f, args) == way
+        torch.manual_seed(seed)
+        expected = dense_gramian(f, args).gramian
+        torch.manual_seed(seed)
+        _close(transform(*args), expected)
+
+
 def test_a_cached_trace_that_no_longer_fits_is_caught():
     state = {"square": False}
     params = {"w": torch.randn(3, 4, dtype=torch.float64)}

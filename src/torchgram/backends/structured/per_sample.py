@@ -126,8 +126,8 @@ def _check_batched(problem: Problem, forward: Forward, traced: Recording) -> boo
     batched run of a trace (later runs replay the same calls and shapes); a trace whose
     order does not hold is not used batched again. When ``f`` draws random numbers the
     samples cannot run apart with the batch's draws (NOTE [per-sample]): derivatives of the
-    same forward are checked instead (:func:`_check_derivatives`), and merged dims are not
-    used until a run without draws has checked their order. The derivatives are also checked
+    same forward are checked instead (:func:`_check_derivatives`), merged orders included
+    (NOTE [merged order from derivatives]). The derivatives are also checked
     on the first batched run of every trace: outputs can agree whatever the coupling (samples
     that are the same where they meet, e.g. every sample's one token the padding id, give the
     same ``x - x.mean(0)`` alone and in the batch), while the batch's graph carries every
@@ -170,11 +170,7 @@ def _check_batched(problem: Problem, forward: Forward, traced: Recording) -> boo
     # the thorough derivative check: once per trace and routing (NOTE [routing values])
     thorough = routing not in traced.checked_routings
     if problem.draw.random:  # samples cannot run apart with the batch's draws
-        if forward.merged_acts and not traced.merged_order:
-            return False
-        _check_derivatives(problem, forward, thorough=thorough)
-        traced.note_checked(routing)
-        return True
+        return _check_derivatives_of_draws(problem, forward, traced, thorough=thorough)
     verify = bool(forward.merged_acts) and traced.merged_order is None
     if not (thorough or verify or forward.recheck_values):  # NOTE [when the values are compared]
         return True
@@ -190,45 +186,80 @@ def _check_batched(problem: Problem, forward: Forward, traced: Recording) -> boo
     if verify:
         traced.merged_order = same
     if same and thorough:  # outputs can hide a coupling
-        _check_derivatives(problem, forward, thorough=True)
+        _check_derivatives(problem, forward)
         traced.note_checked(routing)
     return same
 
 
-def _check_derivatives(problem: Problem, forward: Forward, *, thorough: bool) -> None:
+def _check_derivatives_of_draws(problem: Problem, forward: Forward, traced: Recording, *,
+                                thorough: bool) -> bool:
+    """:func:`_check_batched` for an ``f`` that draws: the derivatives alone decide.
+
+    NOTE [merged order from derivatives]: an unverified merged order is checked by the
+    thorough derivative check of the same forward (the same draw), which reads each tap's
+    cotangents through the sample-major view of its merged dim: every row that a sample's
+    outputs reach must lie in that sample's slice. Where it does, the per-sample factors
+    (row ``r`` of the activation with row ``r`` of the tap, each sample's slice summed) are
+    exact whatever rows the other slices hold; where the order is another (``[T, B]``
+    flattened), a sample's rows lie in other slices and the check finds them. A leak then
+    sends the call to the other per-sample way (which finds a coupling its own way), and
+    the trace is not used batched again. Before session 47 merged dims waited for a run
+    without draws (GPT-2 from ``transformers`` in train mode with dropout, whose ``Conv1D``
+    merges the tokens of the samples: every call ran per sample, ~12x its backward).
+
+    NOTE [later calls that draw]: like those of an ``f`` that draws nothing (NOTE [when the
+    values are compared]), later calls of a checked trace and routing run no check. A draw
+    changes values, not paths: a dropout mask multiplies (NaN goes through its zeros), a
+    drawn condition selects (opened in the check), drawn indices route (in the routing
+    digest, which sends the call to the check again) and a drawn Python branch changes the
+    graph's signature. Before session 47 every such call ran two more backwards to its taps
+    (the even- and the odd-numbered samples): GPT-2 with dropout 2.5x its backward, 1.56x
+    without them (B=16, T=32, 1 thread).
+    """
+    verify = bool(forward.merged_acts) and not traced.merged_order
+    if not (thorough or verify):  # NOTE [later calls that draw]
+        return True
+    try:
+        _check_derivatives(problem, forward)
+    except NotPerSample:
+        if not verify:
+            raise
+        traced.merged_order = False
+        return False
+    if verify:
+        traced.merged_order = True
+    traced.note_checked(forward.routing)
+    return True
+
+
+def _check_derivatives(problem: Problem, forward: Forward) -> None:
     """Raise :class:`NotPerSample` if rows of one group of samples reach another's taps.
 
-    ``thorough`` (the first check of a trace): the groups separate every pair of samples
-    (:func:`separating_groups`); otherwise the even- and the odd-numbered samples. Before
-    session 28 every check was the latter, which missed samples exchanged within a group
-    where the values could not tell (``h[order]`` exchanging samples 0 and 2, whose tokens
-    were both the padding id, then per-sample labels: ``G`` 1.57 off, relative, on
-    structured, auto and the kernels; a Gramian fuzz case). A coupling is a property of the
-    code, so the thorough check runs once per trace; an ``f`` that draws, checked on every
-    call, runs the cheap one after that.
-
-    For an ``f`` that draws, whose samples cannot run apart with the batch's draws: one more
-    backward of the same forward (the same draw) in two directions, with NaN on the rows of
-    the even-numbered samples in one and of the odd-numbered ones in the other (NaN goes
-    through zero factors, and the first check's run has its selections opened: NOTE [opened
-    selections]), must leave every tapped output of the other group without gradient. An output
-    row that depends on another sample's tapped activations (``x - x.mean(0)`` after a
-    layer) has one there, and the batched pass's per-sample factors would then miss its
-    cross-sample terms (found by the fuzzer: a wrong matrix). Interactions before every tap
-    (centering the inputs) leave the per-sample Gramian exact and pass. The two groups take
-    in every sample: the first and the last sample alone, as checked before session 23, saw
+    One more backward of the same forward (the same draw, where ``f`` draws) per group of
+    :func:`separating_groups` (every pair of samples is separated by one), with NaN on the
+    rows of the group's samples (NaN goes through zero factors, and the selections are
+    opened: NOTE [opened selections]), must leave every tapped output of the other samples
+    without gradient. An output row that depends on another sample's tapped activations
+    (``x - x.mean(0)`` after a layer) has one there, and the batched pass's per-sample
+    factors would then miss its cross-sample terms (found by the fuzzer: a wrong matrix).
+    Interactions before every tap (centering the inputs) leave the per-sample Gramian exact
+    and pass. Before session 23 the first and the last sample alone were weighed, and saw
     nothing when a dropout had zeroed both their outputs (a Gramian hunt case: ``G`` 957
-    times off). Samples that interact only with others of their group (``0`` and ``2``
-    alone) are not seen; a batch statistic, in-batch negatives or neighbours are.
+    times off); before session 28 the even- and the odd-numbered samples, which missed
+    samples exchanged within a group where the values could not tell (``h[order]``
+    exchanging samples 0 and 2, whose tokens were both the padding id, then per-sample
+    labels: ``G`` 1.57 off, relative, on structured, auto and the kernels; a Gramian fuzz
+    case). A coupling is a property of the code, so the check runs once per trace and
+    routing (NOTE [when the values are compared], NOTE [later calls that draw]).
     """
     rows, taps = forward.outputs[0], forward.taps[0]
     samples = forward.samples
     if not rows.requires_grad or not taps or samples < 2:
         return
     cot, outside = group_directions(rows, problem.sample_major_index, samples,
-                                    separating_groups(samples) if thorough else None)
+                                    separating_groups(samples))
     inputs: Any = list(taps)  # tensors and gradient edges
-    with opened_nodes(forward.selections if thorough else ()):  # NOTE [opened selections]
+    with opened_nodes(forward.selections):  # NOTE [opened selections]
         for direction, where_zero in zip(cot, outside, strict=True):  # NOTE [checks one by one]
             grads = torch.autograd.grad(rows, inputs, direction.reshape(rows.shape),
                                         retain_graph=True, allow_unused=True)
