@@ -20,6 +20,9 @@ here, with the layer lists of the papers / torchvision). A case's rows are per-s
 * ``lstm``: embedding 64 → ``nn.LSTM`` 128 → linear head on the last step;
 * ``gru``: embedding 64 → 2-layer bidirectional ``nn.GRU`` 128 → head on the final hidden
   states.
+
+Training-mode cases (:data:`TRAINING`, measured by ``real_models.py`` only): ``gpt2-train``,
+``gpt2`` in train mode with its three dropouts at 0.1 (a draw per call: ``RealCase.seed``).
 """
 
 from __future__ import annotations
@@ -73,6 +76,8 @@ class RealCase:
         inputs: Positional inputs, samples along dim 0.
         kw_inputs: Keyword inputs (``attention_mask``), samples along dim 0.
         rows: ``rows(model, *inputs, **kw_inputs) -> [B]`` per-sample losses.
+        seed: For a model that draws (dropout): the seed to set before every call, so that
+            every method sees the same draw; ``None`` for the others.
     """
 
     name: str
@@ -81,6 +86,7 @@ class RealCase:
     inputs: tuple[Tensor, ...]
     rows: Callable[..., Tensor]
     kw_inputs: dict[str, Tensor] = field(default_factory=dict)
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         self._fn, self.params = tg.functionalize(self.module)
@@ -130,17 +136,20 @@ def _images_ce(model: Callable[..., Any], images: Tensor, labels: Tensor) -> Ten
     return F.cross_entropy(logits, labels, reduction="none")
 
 
-def gpt2(s: Sizes) -> RealCase:
+def gpt2(s: Sizes, *, dropout: float = 0.0) -> RealCase:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(vocab_size=s.vocab, n_positions=max(64, s.tokens), n_embd=s.hidden,
-                        n_layer=s.layers, n_head=s.heads, resid_pdrop=0.0, embd_pdrop=0.0,
-                        attn_pdrop=0.0, bos_token_id=1, eos_token_id=1)
-    model = GPT2LMHeadModel(config).eval()
+                        n_layer=s.layers, n_head=s.heads, resid_pdrop=dropout,
+                        embd_pdrop=dropout, attn_pdrop=dropout, bos_token_id=1, eos_token_id=1)
+    model = GPT2LMHeadModel(config).train(dropout > 0)
     ids, mask = _padded(s)
-    return RealCase("gpt2", f"GPT2LMHeadModel {s.layers} layers d={s.hidden} {s.heads} heads, "
-                    f"tied embeddings, T={s.tokens} right-padded + mask, LM loss",
-                    model, (ids,), _lm_losses, {"attention_mask": mask})
+    title = (f"GPT2LMHeadModel {s.layers} layers d={s.hidden} {s.heads} heads, tied embeddings, "
+             f"T={s.tokens} right-padded + mask, LM loss")
+    if dropout:
+        return RealCase("gpt2-train", f"{title}; train mode, dropout {dropout}", model, (ids,),
+                        _lm_losses, {"attention_mask": mask}, seed=0)
+    return RealCase("gpt2", title, model, (ids,), _lm_losses, {"attention_mask": mask})
 
 
 def llama(s: Sizes) -> RealCase:
@@ -385,10 +394,16 @@ BUILDERS: dict[str, Callable[[Sizes], RealCase]] = {
 }
 NAMES: tuple[str, ...] = tuple(BUILDERS)
 
+TRAINING: dict[str, Callable[[Sizes], RealCase]] = {
+    "gpt2-train": lambda s: gpt2(s, dropout=0.1),
+}
+"""Models in train mode that draw (dropout): ``real_models.py`` measures them too."""
+
 
 def build(name: str, sizes: Sizes = FULL) -> RealCase:
-    """Build case ``name`` deterministically."""
-    if name not in BUILDERS:
-        raise ValueError(f"benchmarks: expected a model in {list(NAMES)}, but got {name!r}.")
+    """Build case ``name`` (of :data:`BUILDERS` or :data:`TRAINING`) deterministically."""
+    builders = {**BUILDERS, **TRAINING}
+    if name not in builders:
+        raise ValueError(f"benchmarks: expected a model in {list(builders)}, but got {name!r}.")
     torch.manual_seed(0)
-    return BUILDERS[name](sizes)
+    return builders[name](sizes)

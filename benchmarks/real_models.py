@@ -4,7 +4,8 @@
 [--threads 1] [--rounds 7] [--out DIR]``
 
 For every model of :mod:`benchmarks.real_cases` (GPT-2, LLaMA, BERT with attention masks,
-ViT, ResNet-18, MobileNetV3-small, LSTM, GRU; float32, B=16, T=32) it times, in one
+ViT, ResNet-18, MobileNetV3-small, LSTM, GRU; float32, B=16, T=32; and GPT-2 in train mode
+with dropout, every call re-seeded so that every method sees one draw) it times, in one
 process and in alternated turns (round ``r`` calls every method once, in reverse order
 every other round), the median of:
 
@@ -216,7 +217,7 @@ def measure_model(name: str, sizes: real_cases.Sizes, methods: list[str], rounds
         rec = MethodRecord(method)
         record.methods.append(rec)
         try:
-            call = METHODS[method](case)
+            call = _seeded(METHODS[method](case), case.seed)
             rec.first_call_s, result = _timed(call)
             _timed(call)  # warm-up
             calls[method] = call
@@ -241,14 +242,28 @@ def measure_model(name: str, sizes: real_cases.Sizes, methods: list[str], rounds
     return record
 
 
+def _seeded(call: Call, seed: int | None) -> Call:
+    """``call``, after ``torch.manual_seed(seed)`` when the case draws (the same draw each)."""
+    if seed is None:
+        return call
+
+    def seeded() -> Any:
+        torch.manual_seed(seed)
+        return call()
+
+    return seeded
+
+
 def _check_agreement(case: real_cases.RealCase, record: ModelRecord) -> None:
     reference = record.get(REFERENCE)
     expected = reference.result if reference is not None else None
     if expected is None:  # vmap cannot run this model: torchgram's reference backend
+        # jacobian refuses an f that draws (NOTE [draws under torch.func]); graph walks it
+        backend = "jacobian" if case.seed is None else "graph"
         try:
-            expected = _flat(tg.gramian(case.f, backend="jacobian", batch_dim=0)(
-                case.params, *case.inputs, **case.kw_inputs), case.batch)
-            record.notes.append("reference: torchgram[jacobian]")
+            expected = _flat(_seeded(lambda: tg.gramian(case.f, backend=backend, batch_dim=0)(
+                case.params, *case.inputs, **case.kw_inputs), case.seed)(), case.batch)
+            record.notes.append(f"reference: torchgram[{backend}]")
         except Exception as error:  # noqa: BLE001
             record.notes.append(f"no reference ({type(error).__name__})")
             return
@@ -260,8 +275,8 @@ def _check_agreement(case: real_cases.RealCase, record: ModelRecord) -> None:
 
 def _explain(case: real_cases.RealCase, record: ModelRecord) -> None:
     try:
-        report = tg.explain(case.f, batch_dim=0, run=True)(case.params, *case.inputs,
-                                                           **case.kw_inputs)
+        report = _seeded(lambda: tg.explain(case.f, batch_dim=0, run=True)(
+            case.params, *case.inputs, **case.kw_inputs), case.seed)()
     except Exception as error:  # noqa: BLE001
         record.notes.append(f"explain failed: {type(error).__name__}: {str(error)[:120]}")
         return
@@ -343,7 +358,7 @@ def markdown(records: list[ModelRecord], env: dict[str, Any]) -> str:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Time the per-sample Gramian of real models.")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one round (smoke)")
-    parser.add_argument("--models", default=",".join(real_cases.NAMES))
+    parser.add_argument("--models", default=",".join((*real_cases.NAMES, *real_cases.TRAINING)))
     parser.add_argument("--methods", default="",
                         help="comma-separated substrings of method names (backward always kept)")
     parser.add_argument("--threads", type=int, default=1)
