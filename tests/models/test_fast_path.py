@@ -7,7 +7,8 @@ token-type id buffers and an attention mask, GPT-2's ``Conv1D`` (``addmm`` on me
 dims), LLaMA's RMSNorm, ViT's cls token and position embedding, batch-norm in eval mode, and
 the fused recurrent kernels (rewritten into their cells). The matrix it returns is the dense
 float64 oracle's. Models that draw (dropout in train mode) run it too, GPT-2's merged sample
-dims included (NOTE [merged order from derivatives]), on the first call and on later ones.
+dims (NOTE [merged order from derivatives]) and a stacked LSTM's inter-layer dropout (NOTE
+[inter-layer dropout]) included, on the first call and on later ones.
 """
 
 from __future__ import annotations
@@ -43,17 +44,21 @@ def test_batched_without_fallback(suite: str, name: str) -> None:
     compare(report.gramian, expected, case.rtol)
 
 
-@pytest.mark.parametrize("name", ["bert-dropout", "gpt2-dropout"])
+RANDOM = {"bert-dropout": transformers_models.BUILDERS,
+          "gpt2-dropout": transformers_models.BUILDERS, "lstm-dropout": recurrent.BUILDERS}
+
+
+@pytest.mark.parametrize("name", list(RANDOM))
 def test_random_models_batched_on_every_call(name: str) -> None:
-    builders = transformers_models.BUILDERS
+    builders = RANDOM[name]
     case = build(builders, name)
     assert case.seed is not None
     expected, _ = oracle(builders, name)
-    transform = tg.gramian(case.f, backend="structured", batch_dim=0)
+    transform = tg.gramian(case.f, backend="structured", batch_dim=0, in_dims=case.in_dims)
     for _ in range(3):  # the first call checks the trace, later ones replay it
         torch.manual_seed(case.seed)
-        report = tg.explain(case.f, backend="structured", batch_dim=0, run=True)(
-            *case.args, **case.kw_inputs)
+        report = tg.explain(case.f, backend="structured", batch_dim=0, in_dims=case.in_dims,
+                            run=True)(*case.args, **case.kw_inputs)
         assert report.ran is not None
         assert (report.ran.way, report.fallback) == ("batched", ()), report.ran.notes
         compare(report.gramian, expected, case.rtol)

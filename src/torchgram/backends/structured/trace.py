@@ -71,7 +71,9 @@ did and ``f`` drew random numbers, the run is repeated from the call's random st
 ``original_layouts``: each rewrite's output is then given the strides of the original call's
 output (computed without gradients beside it), so every draw after it is the plain call's.
 A function that draws nothing, or rewrites nothing, runs once as before. The recurrent
-rewrite knows the fused kernel's layout and gives it always (NOTE [recurrent rewrite]).
+rewrite knows the fused kernel's layout and gives it always (NOTE [recurrent rewrite]), and
+draws its inter-layer dropout as the kernel does (NOTE [inter-layer dropout]): it neither asks
+for the second run nor runs the kernel beside it (whose draws would move every later one).
 """
 
 from __future__ import annotations
@@ -482,7 +484,8 @@ class TapMode(TorchFunctionMode):
         keep_graph: Record the activations with their autograd graph (a differentiable
             ``G``, NOTE [composition]) instead of detached.
         original_layouts: Give each rewritten call's output the original call's strides
-            (NOTE [rewritten layouts]); ``rewrote`` says afterwards whether any call was,
+            (NOTE [rewritten layouts]); ``rewrote`` says afterwards whether any call but a
+            recurrent kernel was,
             ``recheck_values`` whether one outside ``rules.SETTLED_PER_TRACE`` was (its values
             are compared with ``f``'s own on every call: NOTE [when the values are compared]).
         probe: In a trace, add a zero tap to every tapped call's output too (kept in
@@ -770,12 +773,13 @@ class TapMode(TorchFunctionMode):
         if rewrite is not None:  # it enters the mode where the rules must see its calls
             result = rewrite(args, kwargs, self)  # (NOTE [attention rewrite])
             if result is not NotImplemented:
-                self.rewrote = True
+                recurrent = func in RECURRENT_KERNELS  # gives the kernel's layout and draws
+                self.rewrote = self.rewrote or not recurrent  # NOTE [rewritten layouts]
                 self.recheck_values = self.recheck_values or func not in SETTLED_PER_TRACE
-                if func in RECURRENT_KERNELS:  # NOTE [recurrent tensors modified in place]
+                if recurrent:  # NOTE [recurrent tensors modified in place]
                     self._recurrent_calls.append((func, args, kwargs, [
                         _torch_compat.version_of(t) for t in call_tensors(args, kwargs, result)]))
-                if self._original_layouts:  # NOTE [rewritten layouts]
+                elif self._original_layouts:  # NOTE [rewritten layouts]
                     with torch.no_grad():
                         original = func(*args, **kwargs)
                     result = optree.tree_map(laid_out_like, result, original, none_is_leaf=True)

@@ -7,9 +7,12 @@ import torch
 from torch import nn
 
 import torchgram as tg
+from reference import dense_gramian
 from torchgram.backends.structured.rules.recurrent import (
+    _dropout_reproducible,
     rewrite_gru,
     rewrite_lstm,
+    rewrite_rnn_relu,
     rewrite_rnn_tanh,
 )
 
@@ -70,13 +73,10 @@ def test_recurrent_weights_are_structured_and_batched(name):
     assert "fallback" not in report.ran.leaf_ways
 
 
-def test_dropout_in_training_mode_and_packed_sequences_keep_the_fused_call(check):
-    f, params, x, in_dims = _model("lstm", num_layers=2, dropout=0.5)
-    assert tg.explain(f, backend="structured")(params, x).fallback  # train mode: dropout 0.5
+def test_packed_sequences_keep_the_fused_call():
     zeros = torch.zeros(1, B, H, dtype=torch.float64)
     flat = [torch.randn(4 * H, F_IN), torch.randn(4 * H, H)]
-    assert rewrite_lstm((x, (zeros, zeros), flat, False, 1, 0.5, True, False, False), {}) \
-        is NotImplemented
+    x = torch.randn(T, B, F_IN, dtype=torch.float64)
     assert rewrite_gru((x, torch.tensor([2, 1]), zeros, flat, False, 1, 0.0, False, False),
                        {}) is NotImplemented
     rnn = nn.GRU(F_IN, H).double()
@@ -89,6 +89,95 @@ def test_dropout_in_training_mode_and_packed_sequences_keep_the_fused_call(check
 
     report = tg.explain(packed, backend="structured")(params, x)
     assert len(report.fallback) == len(params)
+
+
+DROPOUT_CONFIGS = {
+    "lstm_2_layers": ("lstm", {"num_layers": 2}),
+    "lstm_bidirectional_batch_first_3_layers": ("lstm", {"num_layers": 3, "bidirectional": True,
+                                                         "batch_first": True}),
+    "lstm_proj": ("lstm", {"num_layers": 2, "proj_size": 2, "batch_first": True}),
+    "gru_bidirectional_2_layers": ("gru", {"num_layers": 2, "bidirectional": True}),
+    "rnn_relu_batch_first": ("rnn", {"num_layers": 2, "nonlinearity": "relu",
+                                     "batch_first": True}),
+}
+
+
+@pytest.mark.filterwarnings("ignore:LSTM with projections is not supported with oneDNN")
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("name", list(DROPOUT_CONFIGS))
+def test_rewrite_draws_the_fused_kernels_inter_layer_dropout(name, dtype):
+    """NOTE [inter-layer dropout]: the same outputs and the same random state after, as the
+    fused call from the same state (float32 LSTMs run oneDNN's kernel)."""
+    kind, options = DROPOUT_CONFIGS[name]
+    torch.manual_seed(0)
+    rnn = {"lstm": nn.LSTM, "gru": nn.GRU, "rnn": nn.RNN}[kind](F_IN, H, dropout=0.4,
+                                                              **options).to(dtype).train()
+    x = torch.randn(B, T, F_IN, dtype=dtype)
+    if not options.get("batch_first", False):
+        x = x.transpose(0, 1).contiguous()
+    torch.manual_seed(7)
+    expected, after = rnn(x)[0], torch.rand(4)
+    directions = 2 if options.get("bidirectional", False) else 1
+    layers = options["num_layers"]
+    hidden = torch.zeros(layers * directions, B, options.get("proj_size", 0) or H, dtype=dtype)
+    args = (x, hidden, rnn._flat_weights, True, layers, 0.4, True, directions == 2,
+            options.get("batch_first", False))
+    if kind == "lstm":
+        cell = torch.zeros(layers * directions, B, H, dtype=dtype)
+        args = (x, (hidden, cell), *args[2:])
+    rewrite = {"lstm": rewrite_lstm, "gru": rewrite_gru,
+               "rnn": lambda *a: rewrite_rnn_relu(*a)}[kind]
+    torch.manual_seed(7)
+    out = rewrite(args, {})
+    assert out is not NotImplemented
+    torch.testing.assert_close(out[0], expected, rtol=1e-5 if dtype == torch.float32 else 1e-12,
+                               atol=1e-6 if dtype == torch.float32 else 1e-14)
+    assert torch.equal(torch.rand(4), after)  # later draws are the plain call's
+
+
+@pytest.mark.parametrize("backend", ["structured", "auto"])
+@pytest.mark.parametrize("name", list(DROPOUT_CONFIGS))
+def test_recurrent_with_inter_layer_dropout_is_batched_and_matches_oracle(name, backend):
+    """Stacked recurrent layers with dropout in training mode, a dropout after them too: the
+    batched pass without fallback, every call the Gramian of its plain call's draw (the rows
+    of the whole batch, ~5x slower, before session 47)."""
+    kind, options = DROPOUT_CONFIGS[name]
+    torch.manual_seed(0)
+    rnn = {"lstm": nn.LSTM, "gru": nn.GRU, "rnn": nn.RNN}[kind](F_IN, H, dropout=0.4,
+                                                              **options).double().train()
+    fn, params = tg.functionalize(rnn)
+    batch_first = options.get("batch_first", False)
+
+    def f(p, x):
+        out = torch.nn.functional.dropout(fn(p, x)[0], 0.3)
+        return torch.tanh(out[:, -1] if batch_first else out[-1]).sum(-1)
+
+    in_dims = 0 if batch_first else 1
+    gramian = tg.gramian(f, backend=backend, batch_dim=0, in_dims=in_dims)
+    for seed in range(3):
+        x = torch.randn((B, T, F_IN) if batch_first else (T, B, F_IN), dtype=torch.float64)
+        torch.manual_seed(seed)
+        expected = dense_gramian(f, (params, x)).gramian
+        torch.manual_seed(seed)
+        actual = gramian(params, x)
+        scale = expected.abs().max()
+        torch.testing.assert_close(actual / scale, expected / scale, rtol=1e-10, atol=1e-10)
+    torch.manual_seed(0)
+    report = tg.explain(f, backend="structured", batch_dim=0, in_dims=in_dims,
+                        run=True)(params, x)
+    assert report.fallback == ()
+    assert report.ran is not None and report.ran.way == "batched", report.ran.notes
+
+
+def test_dropout_on_an_accelerator_keeps_the_fused_call():
+    """cuDNN and MIOpen draw their masks with dropout states of their own (NOTE [inter-layer
+    dropout]): only CPU kernels are rewritten with dropout in training mode."""
+    on_cpu, elsewhere = torch.zeros(T, B, F_IN), torch.zeros(T, B, F_IN, device="meta")
+    assert _dropout_reproducible(on_cpu, 0.5, True)
+    assert not _dropout_reproducible(elsewhere, 0.5, True)
+    assert _dropout_reproducible(elsewhere, 0.5, False)  # eval mode: no draw
+    assert _dropout_reproducible(elsewhere, 0.0, True)
+    assert not _dropout_reproducible(on_cpu, 1.0, True)  # everything dropped: kept fused
 
 
 # NOTE [step taps]: the recurrent weight is tapped once for all steps, one use of T positions,

@@ -34,12 +34,14 @@ dims included, ``_core/layouts``): a random op after it (``F.dropout``) lays its
 along its input's strides, and ops between lay their outputs out by them (``torch.einsum``),
 so other strides would drop other entries than in the call being differentiated (NOTE
 [draws under torch.func]).
-Only the unpacked form with no active inter-layer dropout, outside autocast, is rewritten
-(the fused kernel draws its dropout masks differently from ``F.dropout``, and autocast casts
-its cells otherwise than the rewrite's ``F.linear``: on CPU a GRU's stay float32, where the
-rewrite's bfloat16 gates would not even meet its float32 state); a ``PackedSequence``,
-dropout in training mode or an autocast region keeps the fused call, and its weights the
-fallback. Results are exact either way; the oracle tests compare both.
+Only the unpacked form outside autocast is rewritten (autocast casts its cells otherwise than
+the rewrite's ``F.linear``: on CPU a GRU's stay float32, where the rewrite's bfloat16 gates
+would not even meet its float32 state), with inter-layer dropout in training mode only on CPU,
+where the rewrite draws the kernel's own masks (NOTE [inter-layer dropout]; before session 47
+such a call kept the fused kernel, and a function that draws then ran the rows of the whole
+batch, ~5x slower); a ``PackedSequence``, an autocast region or dropout on another device
+keeps the fused call, and its weights the fallback. Results are exact either way; the oracle
+tests compare both.
 """
 
 from __future__ import annotations
@@ -177,11 +179,13 @@ class _Recurrence:
 
 def _run(cell: Cell, x: Tensor, initial: Sequence[State], params: Sequence[Tensor],
          has_biases: bool, num_layers: int, bidirectional: bool, batch_first: bool,
-         per_direction: int, mode: AbstractContextManager[Any] | None) -> tuple[Tensor,
-                                                                                list[State]]:
+         per_direction: int, mode: AbstractContextManager[Any] | None,
+         dropout: float = 0.0) -> tuple[Tensor, list[State]]:
     """The layers and directions of a recurrent net, step by step; output and final states.
 
-    The projections run in ``mode`` (the tapping mode, when given), the rest without it.
+    The projections run in ``mode`` (the tapping mode, when given), the rest without it;
+    ``dropout``: the probability of the inter-layer dropout in training mode (NOTE [inter-layer
+    dropout]), 0 when none.
     """
     taps = getattr(getattr(mode, "recording", None), "taps", None)
 
@@ -223,10 +227,37 @@ def _run(cell: Cell, x: Tensor, initial: Sequence[State], params: Sequence[Tenso
             outputs.append(torch.stack(out, dim=dim))
             finals.append(state)
         x = outputs[0] if directions == 1 else torch.cat(outputs, dim=-1)
+        if dropout > 0 and layer < num_layers - 1:
+            x = x * _kernel_dropout_noise(x, batch_first, dropout)
     if batch_first:  # the fused kernel's layout: time-major storage seen batch-first
         batch, width = x.shape[0], x.shape[2]
         x = with_strides(x, (width, batch * width, 1))
     return x, finals
+
+
+def _kernel_dropout_noise(x: Tensor, batch_first: bool, p: float) -> Tensor:
+    """The fused kernel's inter-layer dropout factors for a layer's output ``x``.
+
+    NOTE [inter-layer dropout]: between layers, torch's CPU kernels (``_rnn_impl`` and the
+    oneDNN LSTM) call ``at::dropout(output, p, train=True)`` on the layer's output, held
+    time-major and contiguous (``[T, B, D·H]``, ``batch_first`` or not): that fills a new
+    contiguous tensor of the same shape and dtype with ``bernoulli(1 - p)`` and divides it by
+    ``1 - p``. ``torch.dropout`` of ones of that shape, layout and dtype, from the same random
+    state, consumes the same draws and returns exactly those factors; nothing else in the
+    kernel draws. The rewrite multiplies its own layer output by them (seen batch-first where
+    the input is), so the masks are the plain call's and later draws start where they would.
+    Only CPU kernels are rewritten with dropout (:func:`_dropout_reproducible`): cuDNN and
+    MIOpen draw their masks with their own dropout states.
+    """
+    steps, batch = (x.shape[1], x.shape[0]) if batch_first else (x.shape[0], x.shape[1])
+    ones = torch.ones(steps, batch, x.shape[2], dtype=x.dtype, device=x.device)
+    noise = torch.dropout(ones, p, True)
+    return noise.transpose(0, 1) if batch_first else noise
+
+
+def _dropout_reproducible(x: Tensor, dropout: float, train: bool) -> bool:
+    """Whether the rewrite gives the fused call's inter-layer dropout (NOTE above)."""
+    return not (train and dropout > 0) or (x.device.type == "cpu" and 0 < dropout < 1)
 
 
 def _unpacked(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -263,12 +294,12 @@ def rewrite_lstm(args: tuple[Any, ...], kwargs: dict[str, Any],
     x, hx, params, has_biases, layers, dropout, train, bidirectional, batch_first = args
     directions = 2 if bidirectional else 1
     per = _per_direction(params, has_biases, layers, directions)
-    if per is None or (train and dropout > 0) or len(hx) != 2:
+    if per is None or not _dropout_reproducible(x, dropout, train) or len(hx) != 2:
         return NotImplemented
     h0, c0 = hx
     initial = [(h0[i], c0[i]) for i in range(layers * directions)]
     out, finals = _run(_lstm_cell, x, initial, params, has_biases, layers, bidirectional,
-                       batch_first, per, mode)
+                       batch_first, per, mode, dropout if train else 0.0)
     return out, torch.stack([s[0] for s in finals]), torch.stack([s[1] for s in finals])
 
 
@@ -280,11 +311,11 @@ def _rewrite_single_state(cell: Cell) -> Callable[..., Any]:
         x, h0, params, has_biases, layers, dropout, train, bidirectional, batch_first = args
         directions = 2 if bidirectional else 1
         per = _per_direction(params, has_biases, layers, directions)
-        if per is None or per in (3, 5) or (train and dropout > 0):
+        if per is None or per in (3, 5) or not _dropout_reproducible(x, dropout, train):
             return NotImplemented
         initial = [(h0[i],) for i in range(layers * directions)]
         out, finals = _run(cell, x, initial, params, has_biases, layers, bidirectional,
-                           batch_first, per, mode)
+                           batch_first, per, mode, dropout if train else 0.0)
         return out, torch.stack([s[0] for s in finals])
 
     return rewrite
