@@ -21,8 +21,9 @@ here, with the layer lists of the papers / torchvision). A case's rows are per-s
 * ``gru``: embedding 64 → 2-layer bidirectional ``nn.GRU`` 128 → head on the final hidden
   states.
 
-Training-mode cases (:data:`TRAINING`, measured by ``real_models.py`` only): ``gpt2-train``,
-``gpt2`` in train mode with its three dropouts at 0.1 (a draw per call: ``RealCase.seed``).
+Training-mode cases (:data:`TRAINING`, measured by ``real_models.py`` only), a draw per call
+(``RealCase.seed``): ``gpt2-train``, ``gpt2`` in train mode with its three dropouts at 0.1;
+``gru-train``, ``gru`` in train mode with dropout 0.2 between its layers.
 """
 
 from __future__ import annotations
@@ -379,13 +380,18 @@ def lstm(s: Sizes) -> RealCase:
                     f"T={s.tokens}", model, (ids, labels), _tokens_ce)
 
 
-def gru(s: Sizes) -> RealCase:
-    rnn = nn.GRU(s.rnn_embed, s.rnn_hidden, num_layers=2, bidirectional=True, batch_first=True)
-    model = RNNClassifier(rnn, s, True)
+def gru(s: Sizes, *, dropout: float = 0.0) -> RealCase:
+    rnn = nn.GRU(s.rnn_embed, s.rnn_hidden, num_layers=2, bidirectional=True, batch_first=True,
+                 dropout=dropout)
+    model = RNNClassifier(rnn, s, True).train(dropout > 0)
     ids = torch.randint(0, s.vocab, (s.batch, s.tokens))
     labels = torch.randint(0, s.classes, (s.batch,))
-    return RealCase("gru", f"embedding {s.rnn_embed} → 2-layer bidirectional nn.GRU "
-                    f"{s.rnn_hidden} → head, T={s.tokens}", model, (ids, labels), _tokens_ce)
+    title = (f"embedding {s.rnn_embed} → 2-layer bidirectional nn.GRU {s.rnn_hidden} → head, "
+             f"T={s.tokens}")
+    if dropout:
+        return RealCase("gru-train", f"{title}; train mode, dropout {dropout} between the layers",
+                        model, (ids, labels), _tokens_ce, seed=0)
+    return RealCase("gru", title, model, (ids, labels), _tokens_ce)
 
 
 BUILDERS: dict[str, Callable[[Sizes], RealCase]] = {
@@ -396,6 +402,7 @@ NAMES: tuple[str, ...] = tuple(BUILDERS)
 
 TRAINING: dict[str, Callable[[Sizes], RealCase]] = {
     "gpt2-train": lambda s: gpt2(s, dropout=0.1),
+    "gru-train": lambda s: gru(s, dropout=0.2),
 }
 """Models in train mode that draw (dropout): ``real_models.py`` measures them too."""
 
