@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import torchgram as tg
+from reference import dense_gramian
 from zoo import build
 
 
@@ -128,3 +129,29 @@ def test_displays_as_a_table_in_notebooks() -> None:
     html = report._repr_html_()
     assert html.startswith("<div>") and "<table>" in html and "<th" in html
     assert "ran: backend" in html and "'" not in html.split("<table>")[0].replace("&#x27;", "")
+
+
+def test_a_stale_probe_met_while_planning_is_probed_afresh() -> None:
+    """NOTE [stale probes]: a switch makes ``f`` call ``prelu`` where its cached probe saw
+    none (a lambda re-made in a loop does the same at a reused signature). ``explain`` plans
+    by evaluating ``f`` when its samples interact (the rows of the whole batch), and that
+    evaluation's check raised torchgram's internal ``OutputChanged`` to the user (session 47,
+    a hand hunt over modules); it now probes afresh, as ``tg.gramian`` does."""
+    switch = {"prelu": False}
+    p = {"w": torch.randn(3, 4, dtype=torch.float64), "a": torch.rand(3, dtype=torch.float64)}
+
+    def f(p, x):
+        h = F.batch_norm(x @ p["w"].T, None, None, training=True)  # planned on the batch's rows
+        h = F.prelu(h, p["a"]) if switch["prelu"] else torch.tanh(h) * p["a"]
+        return h.pow(2).sum(-1)
+
+    x = torch.randn(5, 4, dtype=torch.float64)
+    for run in (False, True):
+        switch["prelu"] = False
+        tg.explain(f, batch_dim=0, run=run)(p, x)
+        switch["prelu"] = True
+        report = tg.explain(f, batch_dim=0, run=run)(p, x)
+        assert [leaf.name for leaf in report.leaves] == ["a", "w"]
+        if run:
+            torch.testing.assert_close(report.gramian, dense_gramian(f, (p, x)).shaped(),
+                                       rtol=1e-10, atol=1e-12)

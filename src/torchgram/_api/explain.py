@@ -20,10 +20,10 @@ import optree
 
 from torchgram._core import checks
 from torchgram._core.checks import function_name
-from torchgram._core.errors import BackendCannotRun
+from torchgram._core.errors import BackendCannotRun, OutputChanged
 from torchgram._core.functional import outside_inference_mode
 from torchgram._core.options import Options
-from torchgram._core.problem import build_problem
+from torchgram._core.problem import build_problem, forget_probe
 from torchgram._core.pytree import DiffLeaves
 from torchgram._core.result import RunReport
 
@@ -262,7 +262,12 @@ def explain(
         names = leaf_names(problem.diff, args)
         plan, declined = None, None
         try:
-            plan = plan_auto(problem)
+            try:
+                plan = plan_auto(problem)
+            except OutputChanged:  # a cached probe went stale (NOTE [stale probes]): once more
+                forget_probe(problem)
+                problem = build_problem(options, f, args, kwargs, planning=True, fresh=True)
+                plan = plan_auto(problem)
         except BackendCannotRun as refusal:  # the structured backend cannot trace f (it
             declined = refusal  # differentiates itself, calls torchgram, uses sparse tensors)
         ran, gramian = None, None
