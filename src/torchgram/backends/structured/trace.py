@@ -72,8 +72,12 @@ did and ``f`` drew random numbers, the run is repeated from the call's random st
 output (computed without gradients beside it), so every draw after it is the plain call's.
 A function that draws nothing, or rewrites nothing, runs once as before. The recurrent
 rewrite knows the fused kernel's layout and gives it always (NOTE [recurrent rewrite]), and
-draws its inter-layer dropout as the kernel does (NOTE [inter-layer dropout]): it neither asks
-for the second run nor runs the kernel beside it (whose draws would move every later one).
+draws its inter-layer dropout as the kernel does (NOTE [inter-layer dropout]), and so does the
+attention rewrite with dropout, which takes the call's own steps (NOTE [attention dropout]):
+those neither ask for the second run nor run the original beside them
+(``rules.rewrite_keeps_layout``). Any rewrite draws what its call draws, so an original call
+run beside a rewrite for its layout runs from the generators' state after the rewrite and
+puts that state back: its draws would move every later one (session 47).
 """
 
 from __future__ import annotations
@@ -100,8 +104,14 @@ from torchgram._core.composition import tapped_evaluation
 from torchgram._core.errors import DifferentiatesItself, ModifiedInPlace
 from torchgram._core.layouts import laid_out_like
 from torchgram._core.pytree import leaves_of
+from torchgram._core.rng import RngState
 from torchgram.backends._embedding import embedding_with_conventions
-from torchgram.backends.structured.rules import SETTLED_PER_TRACE, rewrite_for, rule_for
+from torchgram.backends.structured.rules import (
+    SETTLED_PER_TRACE,
+    rewrite_for,
+    rewrite_keeps_layout,
+    rule_for,
+)
 from torchgram.backends.structured.rules.base import Layout, Match, UseShape
 from torchgram.backends.structured.rules.recurrent_saves import (
     RECURRENT_KERNELS,
@@ -773,15 +783,19 @@ class TapMode(TorchFunctionMode):
         if rewrite is not None:  # it enters the mode where the rules must see its calls
             result = rewrite(args, kwargs, self)  # (NOTE [attention rewrite])
             if result is not NotImplemented:
-                recurrent = func in RECURRENT_KERNELS  # gives the kernel's layout and draws
-                self.rewrote = self.rewrote or not recurrent  # NOTE [rewritten layouts]
+                keeps_layout = rewrite_keeps_layout(func, args, kwargs)
+                self.rewrote = self.rewrote or not keeps_layout  # NOTE [rewritten layouts]
                 self.recheck_values = self.recheck_values or func not in SETTLED_PER_TRACE
-                if recurrent:  # NOTE [recurrent tensors modified in place]
+                if func in RECURRENT_KERNELS:  # NOTE [recurrent tensors modified in place]
                     self._recurrent_calls.append((func, args, kwargs, [
                         _torch_compat.version_of(t) for t in call_tensors(args, kwargs, result)]))
-                elif self._original_layouts:  # NOTE [rewritten layouts]
+                if self._original_layouts and not keeps_layout:  # NOTE [rewritten layouts]
+                    devices = [t.device for t in call_tensors(args, kwargs, result)
+                               if t.device.type != "cpu"]
+                    state = RngState.capture(devices)  # the rewrite drew what the call draws
                     with torch.no_grad():
                         original = func(*args, **kwargs)
+                    state.restore()
                     result = optree.tree_map(laid_out_like, result, original, none_is_leaf=True)
                 return result
         rule = rule_for(func)

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import torchgram as tg
+from reference import dense_gramian
 from torchgram.backends.structured.rules.attention import rewrite_multi_head_attention
 
 B, T, E = 3, 4, 6
@@ -91,9 +92,98 @@ def test_rewrite_declines_what_it_does_not_cover():
             mha.out_proj.weight, mha.out_proj.bias)
     assert rewrite_multi_head_attention(base, {"need_weights": False}) is not NotImplemented
     dropout = base[:10] + (0.1,) + base[11:]
-    assert rewrite_multi_head_attention(dropout, {}) is NotImplemented
+    assert rewrite_multi_head_attention(dropout, {}) is not NotImplemented  # torch's own steps
     assert rewrite_multi_head_attention(dropout, {"training": False}) is not NotImplemented
     assert rewrite_multi_head_attention(base, {"is_causal": True}) is NotImplemented
     assert rewrite_multi_head_attention(base[:1] + (x.clone(),) + base[2:], {}) \
         is NotImplemented
     assert rewrite_multi_head_attention(base[:5], {}) is NotImplemented  # cannot bind
+
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize(("need_weights", "average"), [(False, False), (True, False),
+                                                       (True, True)],
+                         ids=["sdpa", "weights", "mean-weights"])
+@pytest.mark.parametrize("batched", [True, False], ids=["batched", "unbatched"])
+def test_rewrite_with_dropout_draws_what_the_call_draws(dtype, need_weights, average, batched):
+    """NOTE [attention dropout]: from the same random state, the rewrite's outputs, weights and
+    strides are the call's, and the state after it too (later draws are the plain call's)."""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(E, 2, dropout=0.3).to(dtype)
+    x = torch.randn((T, B, E) if batched else (T, E), dtype=dtype)
+    args = (x, x, x, E, 2, mha.in_proj_weight, mha.in_proj_bias, None, None, False, 0.3,
+            mha.out_proj.weight, mha.out_proj.bias)
+    options = {"training": True, "need_weights": need_weights, "average_attn_weights": average}
+    torch.manual_seed(7)
+    expected, expected_weights = torch.nn.functional.multi_head_attention_forward(*args,
+                                                                                  **options)
+    after = torch.rand(4)
+    torch.manual_seed(7)
+    out, weights = rewrite_multi_head_attention(args, options)
+    assert torch.equal(torch.rand(4), after)
+    tolerance = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-12,
+                                                                             "atol": 1e-14}
+    torch.testing.assert_close(out, expected, **tolerance)
+    assert out.stride() == expected.stride()
+    if need_weights:
+        torch.testing.assert_close(weights, expected_weights, **tolerance)
+        assert weights.stride() == expected_weights.stride()
+
+
+def _encoder_with_dropout(batch_first: bool, norm_first: bool):
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(E, 2, dim_feedforward=8, dropout=0.2,
+                                       batch_first=batch_first, norm_first=norm_first)
+    fn, params = tg.functionalize(layer.double().train())
+
+    def f(p, x):
+        h = torch.nn.functional.dropout(fn(p, x), 0.1)
+        return torch.tanh(h).sum((1, 2) if batch_first else (0, 2))
+
+    return f, params
+
+
+@pytest.mark.parametrize("backend", ["structured", "auto"])
+@pytest.mark.parametrize("norm_first", [False, True], ids=["post-norm", "pre-norm"])
+@pytest.mark.parametrize("batch_first", [True, False], ids=["batch-first", "sequence-first"])
+def test_encoder_layer_with_dropout_is_batched_and_matches_oracle(backend, batch_first,
+                                                                  norm_first):
+    """``nn.TransformerEncoderLayer`` in training mode with its default kind of dropout (on the
+    attention weights and after each block) and one more after it: every call the Gramian
+    of its plain call's draw, on the batched pass without fallback (before session 47, the
+    rows of the whole batch: ~34x the backward on the benchmark transformer)."""
+    f, params = _encoder_with_dropout(batch_first, norm_first)
+    in_dims = 0 if batch_first else 1
+    gramian = tg.gramian(f, backend=backend, batch_dim=0, in_dims=in_dims)
+    for seed in range(3):
+        x = torch.randn((B, T, E) if batch_first else (T, B, E), dtype=torch.float64)
+        torch.manual_seed(seed)
+        expected = dense_gramian(f, (params, x)).gramian
+        torch.manual_seed(seed)
+        actual = gramian(params, x)
+        scale = expected.abs().max()
+        torch.testing.assert_close(actual / scale, expected / scale, rtol=1e-10, atol=1e-10)
+    torch.manual_seed(0)
+    report = tg.explain(f, backend="structured", batch_dim=0, in_dims=in_dims,
+                        run=True)(params, x)
+    assert report.fallback == ()
+    assert report.ran is not None and report.ran.way == "batched", report.ran.notes
+
+
+def test_an_original_run_beside_a_rewrite_leaves_the_draws_alone(monkeypatch):
+    """NOTE [rewritten layouts]: where a rewrite's layout is not known to be the call's, the
+    call runs again beside it for its layout; if that call draws, the generators are put back
+    after it, so later draws stay the plain call's (here the attention rewrite with dropout is
+    made to ask for that run)."""
+    from torchgram.backends.structured import trace
+
+    monkeypatch.setattr(trace, "rewrite_keeps_layout", lambda *args: False)
+    f, params = _encoder_with_dropout(True, False)
+    x = torch.randn(B, T, E, dtype=torch.float64)
+    torch.manual_seed(3)
+    expected = dense_gramian(f, (params, x)).gramian
+    torch.manual_seed(3)
+    actual = tg.gramian(f, backend="structured", batch_dim=0)(params, x)
+    scale = expected.abs().max()
+    torch.testing.assert_close(actual / scale, expected / scale, rtol=1e-10, atol=1e-10)

@@ -19,7 +19,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from torchgram.backends.structured.rules.attention import rewrite_multi_head_attention
+from torchgram.backends.structured.rules.attention import (
+    rewrite_multi_head_attention,
+    takes_torch_steps,
+)
 from torchgram.backends.structured.rules.base import Layout, Match, Operand, Rule, UseShape
 from torchgram.backends.structured.rules.bmm import BmmRule
 from torchgram.backends.structured.rules.conv import ConvRule
@@ -63,12 +66,12 @@ SETTLED_PER_TRACE: frozenset[Any] = RECURRENT_KERNELS | {F.multi_head_attention_
                                                          torch.einsum}
 """Rewrites whose agreement with the original call one comparison per trace settles: each
 writes the same equations as the original (the recurrent cells; self-attention's projections
-and ``scaled_dot_product_attention`` without masks, extra biases or dropout, which
-``_supported`` checks on every call; einsum's matrix products), so they agree whatever the
-values of the call's tensors, and what else the rewrite depends on (shapes, dtypes, options,
-which weights it taps) a replay of the trace checks. Strides, which only random draws see, are
-NOTE [rewritten layouts]'s. A rewrite added to ``REWRITES`` and not listed here has its values
-compared on every call (NOTE [when the values are compared])."""
+and ``scaled_dot_product_attention`` without masks or extra biases, which ``_supported``
+checks on every call, and with dropout torch's own steps; einsum's matrix products), so they
+agree whatever the values of the call's tensors, and what else the rewrite depends on
+(shapes, dtypes, options, which weights it taps) a replay of the trace checks. Strides, which
+only random draws see, are NOTE [rewritten layouts]'s. A rewrite added to ``REWRITES`` and not
+listed here has its values compared on every call (NOTE [when the values are compared])."""
 
 
 def rule_for(func: Any) -> Rule | None:
@@ -87,6 +90,18 @@ def rule_for(func: Any) -> Rule | None:
         return None
 
 
+def rewrite_keeps_layout(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether the rewrite of this call gives the call's own output layout and draws.
+
+    The recurrent rewrites (NOTE [recurrent rewrite], NOTE [inter-layer dropout]) and the
+    attention rewrite with dropout, which takes torch's own steps (NOTE [attention dropout]):
+    they need no run with the original layouts (NOTE [rewritten layouts]).
+    """
+    if func in RECURRENT_KERNELS:
+        return True
+    return func is F.multi_head_attention_forward and takes_torch_steps(args, kwargs)
+
+
 def rewrite_for(func: Any) -> Rewrite | None:
     """The rewrite of the composite function ``func``, if any (NOTE [attention rewrite])."""
     try:
@@ -96,4 +111,4 @@ def rewrite_for(func: Any) -> Rewrite | None:
 
 
 __all__ = ["REWRITES", "RULES", "SETTLED_PER_TRACE", "Layout", "Match", "Operand", "Rule",
-           "UseShape", "rewrite_for", "rule_for"]
+           "UseShape", "rewrite_for", "rewrite_keeps_layout", "rule_for"]
