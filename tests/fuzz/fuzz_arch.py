@@ -76,13 +76,19 @@ class Conv1d:
 
 @dataclass(frozen=True)
 class Attention:
-    """Self-attention over ``T``: ``sdpa`` (four projections) or ``mha`` (packed in-proj)."""
+    """Self-attention over ``T``: ``sdpa`` (four projections) or ``mha`` (packed in-proj).
+
+    ``mha`` only: ``dropout``, on the attention weights in training mode (a random op);
+    ``weights``: ``need_weights=True`` (torch's ``bmm`` path, the weights dropped).
+    """
 
     heads: int = 1
     form: Literal["sdpa", "mha"] = "sdpa"
     causal: bool = False
     bias: bool = True
     frozen: bool = False
+    dropout: float = 0.0
+    weights: bool = False
 
 
 @dataclass(frozen=True)
@@ -241,13 +247,24 @@ class FusedRnn:
     """``torch.gru`` / ``torch.lstm`` over ``T``: one fused kernel for the whole sequence.
 
     ``bidirectional``: a second direction over the reversed steps (outputs side by side,
-    width ``2 * hidden``); ``bias``: ``b_ih`` and ``b_hh``.
+    width ``2 * hidden``); ``bias``: ``b_ih`` and ``b_hh``; ``layers`` stacked, with
+    ``dropout`` between them in training mode (a random op when ``layers > 1``).
     """
 
     hidden: int
     kind: Literal["gru", "lstm"] = "gru"
     bidirectional: bool = False
     bias: bool = True
+    layers: int = 1
+    dropout: float = 0.0
+
+
+def draws(case: FuzzCase) -> bool:
+    """Whether the case's ``f`` draws random numbers (dropout layers, or inside a call)."""
+    return any(isinstance(layer, Dropout)
+               or (isinstance(layer, Attention) and layer.dropout > 0)
+               or (isinstance(layer, FusedRnn) and layer.dropout > 0 and layer.layers > 1)
+               for layer in case.layers)
 
 
 Layer = (Linear | Conv1d | Attention | RnnCell | Norm | Elementwise | Kink | Distance | Linalg
@@ -358,7 +375,8 @@ def conv_length(length: int, conv: Conv1d) -> int:
 
 
 def without_dropout(case: FuzzCase) -> FuzzCase:
-    """``case`` without its :class:`Dropout` layers, ties pointing at their layers' new indices.
+    """``case`` without its :class:`Dropout` layers (and dropout inside attention and stacked
+    recurrent layers), ties pointing at their layers' new indices.
 
     A linear layer's ``tie`` is an index into ``case.layers``: dropping a layer before the tied
     one without renumbering crashed the fuzzer's own shape walk (the kernels' property in
@@ -370,6 +388,8 @@ def without_dropout(case: FuzzCase) -> FuzzCase:
     def renumbered(layer: Layer) -> Layer:
         if isinstance(layer, Linear) and layer.tie is not None:
             return replace(layer, tie=new_index[layer.tie])
+        if isinstance(layer, Attention | FusedRnn) and layer.dropout > 0:  # dropout inside
+            return replace(layer, dropout=0.0)
         return layer
 
     return replace(case, layers=tuple(renumbered(case.layers[i]) for i in kept))
@@ -427,12 +447,18 @@ def walk_shapes(case_input: Features | Tokens, length: int,
             gates = {"rnn_tanh": 1, "gru": 3, "lstm": 4}[layer.kind]
             frozen = getattr(layer, "frozen", False)
             directions = 2 if getattr(layer, "bidirectional", False) else 1
-            for suffix in ("", "_reverse")[:directions]:
-                add(_Param(i, f"w_ih{suffix}", (gates * layer.hidden, d), frozen))
-                add(_Param(i, f"w_hh{suffix}", (gates * layer.hidden, layer.hidden), frozen))
-                if layer.bias:
-                    add(_Param(i, f"b_ih{suffix}", (gates * layer.hidden,), frozen, "zeros"))
-                    add(_Param(i, f"b_hh{suffix}", (gates * layer.hidden,), frozen, "zeros"))
+            for stacked in range(getattr(layer, "layers", 1)):
+                width = d if stacked == 0 else layer.hidden * directions
+                for suffix in ("", "_reverse")[:directions]:
+                    suffix = _rnn_suffix(stacked, suffix)
+                    add(_Param(i, f"w_ih{suffix}", (gates * layer.hidden, width), frozen))
+                    add(_Param(i, f"w_hh{suffix}", (gates * layer.hidden, layer.hidden),
+                               frozen))
+                    if layer.bias:
+                        add(_Param(i, f"b_ih{suffix}", (gates * layer.hidden,), frozen,
+                                   "zeros"))
+                        add(_Param(i, f"b_hh{suffix}", (gates * layer.hidden,), frozen,
+                                   "zeros"))
             shapes.width = layer.hidden * directions
         elif isinstance(layer, Norm):
             if layer.affine:
@@ -579,9 +605,11 @@ def _layer(case: FuzzCase, i: int, layer: Layer, h: Tensor, get: Get) -> Tensor:
     if isinstance(layer, FusedRnn):
         names = ("w_ih", "w_hh", "b_ih", "b_hh") if layer.bias else ("w_ih", "w_hh")
         suffixes = ("", "_reverse") if layer.bidirectional else ("",)
-        weights = [get(i, name + suffix) for suffix in suffixes for name in names]
-        hx = h.new_zeros(len(suffixes), h.shape[0], layer.hidden)
-        flags = (layer.bias, 1, 0.0, False, layer.bidirectional, True)
+        weights = [get(i, name + _rnn_suffix(stacked, suffix)) for stacked in range(layer.layers)
+                   for suffix in suffixes for name in names]
+        hx = h.new_zeros(len(suffixes) * layer.layers, h.shape[0], layer.hidden)
+        flags = (layer.bias, layer.layers, layer.dropout, layer.dropout > 0,
+                 layer.bidirectional, True)
         if layer.kind == "gru":
             out, _ = torch.gru(h, hx, weights, *flags)
         else:
@@ -657,6 +685,11 @@ def _layer(case: FuzzCase, i: int, layer: Layer, h: Tensor, get: Get) -> Tensor:
     raise TypeError(layer)
 
 
+def _rnn_suffix(stacked: int, direction: str) -> str:
+    """A fused recurrent weight's name suffix: ``""``/``"_reverse"``, ``_l1`` from layer 1."""
+    return direction if stacked == 0 else f"_l{stacked}{direction}"
+
+
 def _has_bias(case: FuzzCase, owner: int) -> bool:
     layer = case.layers[owner]
     return isinstance(layer, Linear) and layer.bias
@@ -684,8 +717,8 @@ def _attention(layer: Attention, i: int, h: Tensor, get: Get) -> Tensor:
         mask = torch.triu(torch.full((length, length), float("-inf"), dtype=h.dtype), 1)
     y, _ = F.multi_head_attention_forward(
         seq, seq, seq, d, heads, get(i, "in_proj_weight"), bias("in_proj_bias"), None, None,
-        False, 0.0, get(i, "out_proj_weight"), bias("out_proj_bias"), training=False,
-        need_weights=False, attn_mask=mask)
+        False, layer.dropout, get(i, "out_proj_weight"), bias("out_proj_bias"),
+        training=layer.dropout > 0, need_weights=layer.weights, attn_mask=mask)
     return y.transpose(0, 1)
 
 

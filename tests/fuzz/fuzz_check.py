@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 import torchgram as tg
-from fuzz_arch import Built, Dropout, FuzzCase, Route, build, rescaled
+from fuzz_arch import Built, FuzzCase, Route, build, draws, rescaled
 from reference import Dense, PreluByDefinition, dense_gramian
 
 REPEAT_SCALE = 1.5
@@ -118,7 +118,7 @@ def oracle(case: FuzzCase, *, repeated: bool = False, in_case_dtype: bool = Fals
     # ... in the case's own dtype: a float32 and a float64 run of the same layers may lay the
     # same random numbers out differently (hunt 7: a float64 oracle of a float32 case with
     # dropout after a grouped conv was another draw; the backends matched the float32 call)
-    random = any(isinstance(layer, Dropout) for layer in case.layers)
+    random = draws(case)
     built = build(case, None if random or in_case_dtype else torch.float64)
     if repeated and case.repeat == "values":
         built = rescaled(built, REPEAT_SCALE)

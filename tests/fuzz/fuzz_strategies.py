@@ -149,16 +149,21 @@ def _layer(draw: st.DrawFn, backend: str, width: int, length: int, tokens: Token
             return Conv1d(out=out, groups=groups, bias=conv.bias, frozen=frozen)
         return conv
     if kind == "attention":
-        return Attention(heads=draw(st.sampled_from(_divisors(width))),
-                         form=draw(st.sampled_from(["sdpa", "mha"])), causal=draw(st.booleans()),
-                         bias=draw(st.booleans()), frozen=frozen)
+        form = draw(st.sampled_from(["sdpa", "mha"]))
+        return Attention(heads=draw(st.sampled_from(_divisors(width))), form=form,
+                         causal=draw(st.booleans()), bias=draw(st.booleans()), frozen=frozen,
+                         dropout=draw(st.sampled_from([0.0, 0.0, 0.3])) if form == "mha" else 0.0,
+                         weights=draw(st.booleans()) if form == "mha" else False)
     if kind == "rnn":
         return RnnCell(hidden=draw(st.integers(1, 4)),
                        kind=draw(st.sampled_from(["rnn_tanh", "gru", "lstm"])),
                        bias=draw(st.booleans()), frozen=frozen)
     if kind == "fused_rnn":
+        layers = draw(st.integers(1, 2))
         return FusedRnn(hidden=draw(st.integers(1, 4)), kind=draw(st.sampled_from(["gru", "lstm"])),
-                        bidirectional=draw(st.booleans()), bias=draw(st.booleans()))
+                        bidirectional=draw(st.booleans()), bias=draw(st.booleans()),
+                        layers=layers,
+                        dropout=draw(st.sampled_from([0.0, 0.4])) if layers > 1 else 0.0)
     if kind == "norm":
         kinds_norm = ["layer", "group", "rms", "batch_eval"]
         if batch * length > 1 and (length > 1 or not declared
