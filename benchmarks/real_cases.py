@@ -23,7 +23,9 @@ here, with the layer lists of the papers / torchvision). A case's rows are per-s
 
 Training-mode cases (:data:`TRAINING`, measured by ``real_models.py`` only), a draw per call
 (``RealCase.seed``): ``gpt2-train``, ``gpt2`` in train mode with its three dropouts at 0.1;
-``gru-train``, ``gru`` in train mode with dropout 0.2 between its layers.
+``gru-train``, ``gru`` in train mode with dropout 0.2 between its layers; ``encoder-train``,
+``nn.TransformerEncoder`` (2 layers, d=128, 4 heads) with its default dropout 0.1, over token
+embeddings and a learned position table, mean-pooled, in train mode.
 """
 
 from __future__ import annotations
@@ -394,6 +396,31 @@ def gru(s: Sizes, *, dropout: float = 0.0) -> RealCase:
     return RealCase("gru", title, model, (ids, labels), _tokens_ce)
 
 
+class TokenEncoder(nn.Module):
+    """Embedding + positions → ``nn.TransformerEncoder`` (its defaults: dropout 0.1, post-norm)
+    → mean over the tokens → linear head."""
+
+    def __init__(self, s: Sizes) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(s.vocab, s.hidden)
+        self.positions = nn.Parameter(torch.randn(s.tokens, s.hidden) * 0.02)
+        layer = nn.TransformerEncoderLayer(s.hidden, s.heads, 4 * s.hidden, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, s.layers, enable_nested_tensor=False)
+        self.head = nn.Linear(s.hidden, s.classes)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.head(self.encoder(self.embed(ids) + self.positions).mean(1))
+
+
+def torch_encoder_train(s: Sizes) -> RealCase:
+    model = TokenEncoder(s).train()
+    ids = torch.randint(0, s.vocab, (s.batch, s.tokens))
+    labels = torch.randint(0, s.classes, (s.batch,))
+    return RealCase("encoder-train", f"nn.TransformerEncoder {s.layers} layers d={s.hidden} "
+                    f"{s.heads} heads, T={s.tokens}; train mode, its default dropout 0.1",
+                    model, (ids, labels), _tokens_ce, seed=0)
+
+
 BUILDERS: dict[str, Callable[[Sizes], RealCase]] = {
     "gpt2": gpt2, "llama": llama, "bert": bert, "vit": vit, "resnet18": resnet18,
     "mobilenet": mobilenet, "lstm": lstm, "gru": gru,
@@ -403,6 +430,7 @@ NAMES: tuple[str, ...] = tuple(BUILDERS)
 TRAINING: dict[str, Callable[[Sizes], RealCase]] = {
     "gpt2-train": lambda s: gpt2(s, dropout=0.1),
     "gru-train": lambda s: gru(s, dropout=0.2),
+    "encoder-train": torch_encoder_train,
 }
 """Models in train mode that draw (dropout): ``real_models.py`` measures them too."""
 

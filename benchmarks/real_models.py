@@ -4,10 +4,10 @@
 [--threads 1] [--rounds 7] [--out DIR]``
 
 For every model of :mod:`benchmarks.real_cases` (GPT-2, LLaMA, BERT with attention masks,
-ViT, ResNet-18, MobileNetV3-small, LSTM, GRU; float32, B=16, T=32; and GPT-2 and the GRU in
-train mode with dropout, every call re-seeded so that every method sees one draw) it times,
-in one process and in alternated turns (round ``r`` calls every method once, in reverse
-order every other round), the median of:
+ViT, ResNet-18, MobileNetV3-small, LSTM, GRU; float32, B=16, T=32; and GPT-2, the GRU and an
+``nn.TransformerEncoder`` in train mode with dropout, every call re-seeded so that every method
+sees one draw) it times, in one process and in alternated turns (round ``r`` calls every
+method once, in reverse order every other round), the median of:
 
 * ``backward``: ``losses.sum().backward()`` on the module (the floor of every ratio);
 * ``torchgram[auto]`` and ``torchgram[structured]``: ``tg.gramian(f, batch_dim=0)``;
