@@ -336,7 +336,10 @@ _IN_PLACE = frozenset({torch.Tensor.__iadd__, torch.Tensor.__isub__, torch.Tenso
 _EXPANDS = frozenset({torch.Tensor.expand, torch.Tensor.expand_as})
 
 
-_UNBATCHABLE = frozenset({torch.lstm, torch.gru, torch.rnn_tanh, torch.rnn_relu})
+_UNBATCHABLE = frozenset({torch.lstm, torch.gru, torch.rnn_tanh, torch.rnn_relu, torch.lstm_cell,
+                          torch.gru_cell, torch.rnn_tanh_cell, torch.rnn_relu_cell})
+"""Calls ``vmap`` runs once per sample (or refuses), rewritten or not (the other backends run
+them as called)."""
 
 
 # NOTE [metadata calls]: most calls a model makes under the mode only read a tensor's

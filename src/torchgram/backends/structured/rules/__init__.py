@@ -25,6 +25,13 @@ from torchgram.backends.structured.rules.attention import (
 )
 from torchgram.backends.structured.rules.base import Layout, Match, Operand, Rule, UseShape
 from torchgram.backends.structured.rules.bmm import BmmRule
+from torchgram.backends.structured.rules.cells import (
+    CELL_KERNELS,
+    rewrite_gru_cell,
+    rewrite_lstm_cell,
+    rewrite_rnn_relu_cell,
+    rewrite_rnn_tanh_cell,
+)
 from torchgram.backends.structured.rules.conv import ConvRule
 from torchgram.backends.structured.rules.einsum import rewrite_einsum
 from torchgram.backends.structured.rules.elementwise import AddRule, ExpandRule, MulRule
@@ -59,14 +66,18 @@ REWRITES: dict[Any, Rewrite] = {
     torch.rnn_tanh: rewrite_rnn_tanh,
     torch.rnn_relu: rewrite_rnn_relu,
     torch.einsum: rewrite_einsum,
+    torch.lstm_cell: rewrite_lstm_cell,
+    torch.gru_cell: rewrite_gru_cell,
+    torch.rnn_tanh_cell: rewrite_rnn_tanh_cell,
+    torch.rnn_relu_cell: rewrite_rnn_relu_cell,
 }
 """Composite functions re-expressed (under the mode) in ops the rules see, when possible."""
 
-SETTLED_PER_TRACE: frozenset[Any] = RECURRENT_KERNELS | {F.multi_head_attention_forward,
-                                                         torch.einsum}
+SETTLED_PER_TRACE: frozenset[Any] = RECURRENT_KERNELS | CELL_KERNELS | {
+    F.multi_head_attention_forward, torch.einsum}
 """Rewrites whose agreement with the original call one comparison per trace settles: each
-writes the same equations as the original (the recurrent cells; self-attention's projections
-and ``scaled_dot_product_attention`` without masks or extra biases, which ``_supported``
+writes the same equations as the original (the recurrent layers and cells; self-attention's
+projections and ``scaled_dot_product_attention`` without masks or extra biases, which ``_supported``
 checks on every call, and with dropout torch's own steps; einsum's matrix products), so they
 agree whatever the values of the call's tensors, and what else the rewrite depends on
 (shapes, dtypes, options, which weights it taps) a replay of the trace checks. Strides, which
@@ -93,11 +104,12 @@ def rule_for(func: Any) -> Rule | None:
 def rewrite_keeps_layout(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether the rewrite of this call gives the call's own output layout and draws.
 
-    The recurrent rewrites (NOTE [recurrent rewrite], NOTE [inter-layer dropout]) and the
-    attention rewrite with dropout, which takes torch's own steps (NOTE [attention dropout]):
-    they need no run with the original layouts (NOTE [rewritten layouts]).
+    The recurrent rewrites (NOTE [recurrent rewrite], NOTE [inter-layer dropout]), the cells'
+    (NOTE [cell rewrite]) and the attention rewrite with dropout, which takes torch's own
+    steps (NOTE [attention dropout]): they need no run with the original layouts (NOTE
+    [rewritten layouts]).
     """
-    if func in RECURRENT_KERNELS:
+    if func in RECURRENT_KERNELS or func in CELL_KERNELS:
         return True
     return func is F.multi_head_attention_forward and takes_torch_steps(args, kwargs)
 

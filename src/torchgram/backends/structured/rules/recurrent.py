@@ -67,8 +67,9 @@ Cell = Callable[[Linear, Tensor, Tensor | None, State, Tensor | None], State]
 add them (LSTM, RNN: :data:`_ADDITIVE`) ``hh_t`` may be ``None``: ``xs_t`` is then the sum."""
 
 
-def _lstm_cell(linear: Linear, xs_t: Tensor, hh_t: Tensor | None, state: State,
-               w_hr: Tensor | None) -> State:
+def lstm_cell(linear: Linear, xs_t: Tensor, hh_t: Tensor | None, state: State,
+              w_hr: Tensor | None) -> State:
+    """An LSTM cell's next ``(h, c)`` (:data:`Cell`; ``w_hr``: the projection of ``h``)."""
     _, c = state
     gates = xs_t if hh_t is None else xs_t + hh_t
     i, f, _, o = torch.sigmoid(gates).chunk(4, dim=-1)  # one call for the three σ gates
@@ -78,8 +79,9 @@ def _lstm_cell(linear: Linear, xs_t: Tensor, hh_t: Tensor | None, state: State,
     return (h if w_hr is None else linear(h, w_hr, None)), c
 
 
-def _gru_cell(linear: Linear, xs_t: Tensor, hh_t: Tensor | None, state: State,
-              w_hr: Tensor | None) -> State:
+def gru_cell(linear: Linear, xs_t: Tensor, hh_t: Tensor | None, state: State,
+             w_hr: Tensor | None) -> State:
+    """A GRU cell's next ``(h,)`` (:data:`Cell`)."""
     del linear, w_hr
     (h,) = state
     assert hh_t is not None
@@ -210,8 +212,8 @@ def _run(cell: Cell, x: Tensor, initial: Sequence[State], params: Sequence[Tenso
             xs_tap = before if cell in _ADDITIVE and taps is not None \
                 and len(taps) == (before or 0) + 1 else None
             state = initial[index]
-            fused_cell = "lstm" if cell is _lstm_cell and w_hr is None \
-                else "gru" if cell is _gru_cell else None
+            fused_cell = "lstm" if cell is lstm_cell and w_hr is None \
+                else "gru" if cell is gru_cell else None
             recurrence = _Recurrence(linear, mode, w_hh, b_hh, xs, dim, state[0], xs_tap,
                                      fused_cell=fused_cell)
             if recurrence.fused:
@@ -298,7 +300,7 @@ def rewrite_lstm(args: tuple[Any, ...], kwargs: dict[str, Any],
         return NotImplemented
     h0, c0 = hx
     initial = [(h0[i], c0[i]) for i in range(layers * directions)]
-    out, finals = _run(_lstm_cell, x, initial, params, has_biases, layers, bidirectional,
+    out, finals = _run(lstm_cell, x, initial, params, has_biases, layers, bidirectional,
                        batch_first, per, mode, dropout if train else 0.0)
     return out, torch.stack([s[0] for s in finals]), torch.stack([s[1] for s in finals])
 
@@ -321,13 +323,13 @@ def _rewrite_single_state(cell: Cell) -> Callable[..., Any]:
     return rewrite
 
 
-_rnn_tanh_cell, _rnn_relu_cell = _rnn_cell(torch.tanh), _rnn_cell(torch.relu)
-_ADDITIVE = frozenset({_lstm_cell, _rnn_tanh_cell, _rnn_relu_cell})
+rnn_tanh_cell, rnn_relu_cell = _rnn_cell(torch.tanh), _rnn_cell(torch.relu)
+_ADDITIVE = frozenset({lstm_cell, rnn_tanh_cell, rnn_relu_cell})
 """The cells whose gates are ``xs_t + hh_t`` (both projections share one cotangent)."""
 
-rewrite_gru = _rewrite_single_state(_gru_cell)
+rewrite_gru = _rewrite_single_state(gru_cell)
 """``torch.gru(input, h0, params, ...)`` step by step, or ``NotImplemented``."""
-rewrite_rnn_tanh = _rewrite_single_state(_rnn_tanh_cell)
+rewrite_rnn_tanh = _rewrite_single_state(rnn_tanh_cell)
 """``torch.rnn_tanh(input, h0, params, ...)`` step by step, or ``NotImplemented``."""
-rewrite_rnn_relu = _rewrite_single_state(_rnn_relu_cell)
+rewrite_rnn_relu = _rewrite_single_state(rnn_relu_cell)
 """``torch.rnn_relu(input, h0, params, ...)`` step by step, or ``NotImplemented``."""
