@@ -241,3 +241,15 @@ def differentiable_cross_kernel(f: Callable[..., Any], params: Any, x1: Any, x2:
     second, shape2 = (first, shape1) if x2 is None else flat_jacobian(x2)
     gram = (first @ second.T).reshape(*shape1, *shape2)
     return nt_layout(gram, trace_axes, diagonal_axes)
+
+
+def assert_oracle_of_the_draw(f: Callable[..., Any], args: Sequence[Any],
+                              call: Callable[..., Tensor], seed: int) -> None:
+    """``call(*args)`` from ``torch.manual_seed(seed)`` is the oracle's Gramian of ``f`` from
+    the same seed (one draw for a random ``f``), to 1e-10 of the largest entry."""
+    torch.manual_seed(seed)
+    expected = dense_gramian(f, args).gramian
+    torch.manual_seed(seed)
+    actual = call(*args)
+    scale = expected.abs().max()
+    torch.testing.assert_close(actual / scale, expected / scale, rtol=1e-10, atol=1e-10)
