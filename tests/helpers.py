@@ -25,3 +25,20 @@ def flat_gramian(problem: Problem, result: BackendResult) -> torch.Tensor:
     """A backend's summed result as the sink assembles it: ``[m, m]`` (``[m]``), output order."""
     blocks = assemble(problem, result)
     return blocks[0] if len(blocks) == 1 else torch.stack(blocks).sum(0)
+
+
+def assert_batched_on_every_draw(f: Callable[..., Any], params: Any, inputs: list[Any], *,
+                                 backend: str, in_dims: int = 0) -> None:
+    """``tg.gramian(f, batch_dim=0)`` on each input, seeded ``0, 1, …``, is the oracle's Gramian
+    of that draw, and the structured backend runs the last one batched without fallback."""
+    import torchgram as tg
+    from reference import assert_oracle_of_the_draw
+
+    gramian = tg.gramian(f, backend=backend, batch_dim=0, in_dims=in_dims)
+    for seed, x in enumerate(inputs):
+        assert_oracle_of_the_draw(f, (params, x), gramian, seed)
+    torch.manual_seed(0)
+    report = tg.explain(f, backend="structured", batch_dim=0, in_dims=in_dims,
+                        run=True)(params, inputs[-1])
+    assert report.fallback == ()
+    assert report.ran is not None and report.ran.way == "batched", report.ran.notes

@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 import torchgram as tg
-from reference import assert_oracle_of_the_draw, dense_gramian
+from helpers import assert_batched_on_every_draw
+from reference import dense_gramian
 from torchgram.backends.structured.rules.attention import rewrite_multi_head_attention
 
 B, T, E = 3, 4, 6
@@ -154,16 +155,10 @@ def test_encoder_layer_with_dropout_is_batched_and_matches_oracle(backend, batch
     of its plain call's draw, on the batched pass without fallback (before session 47, the
     rows of the whole batch: ~34x the backward on the benchmark transformer)."""
     f, params = _encoder_with_dropout(batch_first, norm_first)
-    in_dims = 0 if batch_first else 1
-    gramian = tg.gramian(f, backend=backend, batch_dim=0, in_dims=in_dims)
-    for seed in range(3):
-        x = torch.randn((B, T, E) if batch_first else (T, B, E), dtype=torch.float64)
-        assert_oracle_of_the_draw(f, (params, x), gramian, seed)
-    torch.manual_seed(0)
-    report = tg.explain(f, backend="structured", batch_dim=0, in_dims=in_dims,
-                        run=True)(params, x)
-    assert report.fallback == ()
-    assert report.ran is not None and report.ran.way == "batched", report.ran.notes
+    shape = (B, T, E) if batch_first else (T, B, E)
+    assert_batched_on_every_draw(f, params, [torch.randn(shape, dtype=torch.float64)
+                                             for _ in range(3)],
+                                 backend=backend, in_dims=0 if batch_first else 1)
 
 
 def test_an_original_run_beside_a_rewrite_leaves_the_draws_alone(monkeypatch):

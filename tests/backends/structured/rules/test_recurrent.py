@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import torchgram as tg
-from reference import assert_oracle_of_the_draw
+from helpers import assert_batched_on_every_draw
 from torchgram.backends.structured.rules.recurrent import (
     _dropout_reproducible,
     rewrite_gru,
@@ -152,16 +152,10 @@ def test_recurrent_with_inter_layer_dropout_is_batched_and_matches_oracle(name, 
         out = torch.nn.functional.dropout(fn(p, x)[0], 0.3)
         return torch.tanh(out[:, -1] if batch_first else out[-1]).sum(-1)
 
-    in_dims = 0 if batch_first else 1
-    gramian = tg.gramian(f, backend=backend, batch_dim=0, in_dims=in_dims)
-    for seed in range(3):
-        x = torch.randn((B, T, F_IN) if batch_first else (T, B, F_IN), dtype=torch.float64)
-        assert_oracle_of_the_draw(f, (params, x), gramian, seed)
-    torch.manual_seed(0)
-    report = tg.explain(f, backend="structured", batch_dim=0, in_dims=in_dims,
-                        run=True)(params, x)
-    assert report.fallback == ()
-    assert report.ran is not None and report.ran.way == "batched", report.ran.notes
+    shape = (B, T, F_IN) if batch_first else (T, B, F_IN)
+    assert_batched_on_every_draw(f, params, [torch.randn(shape, dtype=torch.float64)
+                                             for _ in range(3)],
+                                 backend=backend, in_dims=0 if batch_first else 1)
 
 
 def test_dropout_on_an_accelerator_keeps_the_fused_call():
