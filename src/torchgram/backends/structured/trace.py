@@ -113,6 +113,7 @@ from torchgram.backends.structured.rules import (
     rule_for,
 )
 from torchgram.backends.structured.rules.base import Layout, Match, UseShape
+from torchgram.backends.structured.rules.embedding import row_gather
 from torchgram.backends.structured.rules.recurrent_saves import (
     RECURRENT_KERNELS,
     call_tensors,
@@ -773,6 +774,10 @@ class TapMode(TorchFunctionMode):
                 self._refs[id(result)] = LeafRef(ref.index, not ref.transposed)
                 self._pins.append(result)
                 return result
+            gather = None if ref.transposed or ref.view_shape is not None \
+                else row_gather(func, args, kwargs)
+            if gather is not None:  # NOTE [row gathers]
+                return self.__torch_function__(F.embedding, types, gather, {})
             if not ref.transposed and not kwargs and (
                     func in _RESHAPE_METHODS or func is torch.Tensor.__getitem__):
                 result = func(*args, **kwargs)

@@ -40,7 +40,18 @@ CASES = {
         F.linear(torch.tanh(F.embedding(i, p["e"], padding_idx=0)), p["e"]), -1)[..., 1].sum(1)
     + torch.sin(p["e"]).sum() * i.double().mean(1),
     "lookup_and_unknown_use": lambda p, i: torch.tanh(F.embedding(i, p["e"])).sum((1, 2))
-    * torch.cos(p["e"][i[:, 0]]).sum(1),
+    * torch.cos(p["e"][i[:, 0], 1:]).sum(1),
+    # rows read by indexing the table (NOTE [row gathers]): per-sample indices, negative ones,
+    # a tuple index, index_select along the rows, and a lookup shared by the samples (a
+    # relative position bias) that meets the batch later
+    "row_gather": lambda p, i: torch.tanh(p["e"][i]).sum((1, 2)),
+    "row_gather_negative": lambda p, i: (p["e"][i - V] * p["e"][i]).sum((1, 2)),
+    "row_gather_tuple": lambda p, i: torch.sin(p["e"][i, ...]).sum((1, 2))
+    + p["e"][i[:, :2], :].pow(2).sum((1, 2)),
+    "index_select": lambda p, i: p["e"].index_select(0, i.reshape(-1)).reshape(i.shape[0], -1)
+    .tanh().sum(1),
+    "shared_row_gather": lambda p, i: (F.embedding(i, p["e"])
+                                       + p["e"][torch.arange(T - 1, -1, -1)]).tanh().sum((1, 2)),
 }
 
 
@@ -64,6 +75,17 @@ def test_embedding_plans(ways):
     params = {"e": torch.randn(V, D, dtype=torch.float64)}
     assert ways(CASES["tied_head"], (params, _tokens()), batch_dim=0) != ["fallback"]
     assert ways(CASES["scale_grad_by_freq"], (params, _tokens())) == ["fallback"]
+
+
+def test_row_gathers_are_lookups_and_masks_are_not(ways):
+    params = {"e": torch.randn(V, D, dtype=torch.float64)}
+    for name in ("row_gather", "row_gather_negative", "row_gather_tuple", "index_select",
+                 "shared_row_gather"):
+        assert ways(CASES[name], (params, _tokens()), batch_dim=0) != ["fallback"], name
+    masked = lambda p, i: p["e"][p["e"][:, 0] > 0].sum() * i.double().sum(1)  # noqa: E731
+    column = lambda p, i: p["e"][:, i[:, 0]].sum(0)  # noqa: E731
+    for f in (masked, column):
+        assert ways(f, (params, _tokens()), batch_dim=0) == ["fallback"]
 
 
 def test_embedding_rule_declines_options_it_cannot_express():

@@ -10,12 +10,23 @@ and every inner product involving the one-hot is an index comparison or a gather
 ``padding_idx`` get no gradient (as in ``F.embedding``'s backward): their cotangent is masked.
 ``max_norm`` (which renormalises the weight in place), ``scale_grad_by_freq`` and ``sparse``
 are left to the fallback.
+
+# NOTE [row gathers]
+Models also read rows of a parameter table by indexing it: Swin's and BEiT's relative
+position bias, ``table[index.view(-1)]`` with a buffer of indices, and ``index_select`` along
+the rows. That is ``F.embedding(index, table)`` (negative indices counted from the end, as
+indexing does), so the tapping mode hands such a call to this rule (:func:`row_gather`) rather
+than leaving the table to the fallback, whose per-row Jacobians need the per-sample pass for
+the whole model. Only whole rows of a 2-D table at an integer tensor on the table's device;
+a boolean mask, a slice or a column index keep the call as it is. (BEiT interpolates its
+table before the lookup: that table stays with the fallback.)
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -86,3 +97,53 @@ class EmbeddingRule(Rule):
             return F.embedding(index, w, padding_idx, None, float(norm_type or 2.0), False, False)
 
         return Match(self.name, (Operand(weight, layout, act=index),), compute)
+
+
+_ROW_GATHERS = frozenset({torch.Tensor.__getitem__, torch.Tensor.index_select,
+                          torch.index_select})
+
+
+def _whole_rows(index: Any) -> Any:
+    """The row index of ``table[index]`` when it selects whole rows (``None`` otherwise)."""
+    if not isinstance(index, tuple):
+        return index
+    if index and all(i is Ellipsis or (isinstance(i, slice) and i == slice(None))
+                     for i in index[1:]) \
+            and sum(i is Ellipsis for i in index[1:]) <= 1 and len(index) <= 2:
+        return index[0]
+    return None
+
+
+def row_gather(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+               ) -> tuple[Tensor, Tensor] | None:
+    """``(index, table)`` where the call is ``F.embedding(index, table)`` (NOTE [row gathers]).
+
+    Example:
+        >>> table, index = torch.randn(5, 3), torch.tensor([[4, -1], [0, 2]])
+        >>> found = row_gather(torch.Tensor.__getitem__, (table, index), {})
+        >>> torch.equal(F.embedding(*found), table[index])
+        True
+        >>> row_gather(torch.Tensor.__getitem__, (table, index > 0), {}) is None  # a mask
+        True
+        >>> row_gather(torch.Tensor.__getitem__, (table, (slice(None), index)), {}) is None
+        True
+    """
+    try:
+        if func not in _ROW_GATHERS:
+            return None
+    except TypeError:  # unhashable func
+        return None
+    if func is torch.Tensor.__getitem__:
+        if len(args) != 2 or kwargs:
+            return None
+        table, index = args[0], _whole_rows(args[1])
+    else:
+        names = ("input", "dim", "index")
+        values = dict(zip(names, args, strict=False)) | kwargs
+        if set(values) != set(names) or values["dim"] not in (0, -2):
+            return None
+        table, index = values["input"], values["index"]
+    if not (isinstance(table, Tensor) and isinstance(index, Tensor)) or table.dim() != 2 \
+            or index.dtype not in (torch.long, torch.int) or index.device != table.device:
+        return None
+    return torch.where(index < 0, index + table.shape[0], index), table
