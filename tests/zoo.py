@@ -120,6 +120,27 @@ def embedding() -> Case:
     return _module_case("embedding", Bag(), (tokens,), tags={"ntk", "embedding"})
 
 
+def positions() -> Case:
+    """Token and learned position embeddings added as BERT and GPT-2 add them; the position
+    lookup, shared by the samples, meets the batch twice (NOTE [shared taps])."""
+
+    class Positions(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tok = nn.Embedding(9, 4)
+            self.pos = nn.Embedding(6, 4)
+            self.proj = nn.Linear(4, 3)
+            self.register_buffer("position_ids", torch.arange(6)[None], persistent=False)
+
+        def forward(self, tokens: Tensor) -> Tensor:
+            pos = self.pos(self.position_ids[:, :tokens.shape[1]])
+            hidden = torch.tanh(self.tok(tokens) + pos)
+            return self.proj(hidden + pos).mean(1)
+
+    tokens = torch.randint(0, 9, (BATCH, 5))
+    return _module_case("positions", Positions(), (tokens,), tags={"ntk", "embedding"})
+
+
 def tied_lm() -> Case:
     class TinyLM(nn.Module):
         def __init__(self) -> None:
@@ -256,8 +277,8 @@ def coupled_batch() -> Case:
 
 BUILDERS: dict[str, Callable[[], Case]] = {
     builder.__name__: builder
-    for builder in (mlp, mlp_logits, cnn, conv_variants, transformer, embedding, tied_lm,
-                    reused_module, frozen_norm, elementwise, nested_pytree, raw_matmul,
+    for builder in (mlp, mlp_logits, cnn, conv_variants, transformer, embedding, positions,
+                    tied_lm, reused_module, frozen_norm, elementwise, nested_pytree, raw_matmul,
                     batch_on_dim1, attention, pytree_output, coupled_batch)
 }
 NAMES = tuple(BUILDERS)

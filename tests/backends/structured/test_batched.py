@@ -45,6 +45,10 @@ def _shape_checked(pos):
     return pos
 
 
+def _met_twice(tokens, pos):
+    return ((tokens + pos).tanh() + (2 * tokens + pos).sin()).sum((1, 2))
+
+
 CASES = {
     # the position embedding [1, T, D] meets the [B, T, D] tokens in `+`: tapped there
     "bert_like": (lambda p, ids: _encode(p, ids, F.embedding(POSITION_IDS, p["pos"])),
@@ -60,6 +64,14 @@ CASES = {
                       "vmap"),
     "scaled_first": (lambda p, ids: _encode(p, ids, 2 * F.embedding(POSITION_IDS, p["pos"])),
                      "vmap"),
+    # meets the batch twice: both take the one tapped expansion (they ran as called and lost
+    # their cotangent: G 0.67 off, session 48)
+    "met_twice": (lambda p, ids: _met_twice(F.embedding(ids, p["tok"]),
+                                            F.embedding(POSITION_IDS, p["pos"])), "batched"),
+    # used by another op after it met the batch (0.81 off): the per-sample pass instead
+    "used_after_meeting": (lambda p, ids: _encode(p, ids, pos := F.embedding(POSITION_IDS,
+                                                                             p["pos"]))
+                           + pos.pow(2).sum(), "vmap"),
     # never meets the batch along a dim of its own: a regulariser added to every loss
     "shared_regulariser": (lambda p, ids: F.embedding(ids, p["tok"]).sum((1, 2))
                            + F.linear(p["pos"], p["w"]).pow(2).sum(), "vmap"),
