@@ -49,6 +49,12 @@ def _met_twice(tokens, pos):
     return ((tokens + pos).tanh() + (2 * tokens + pos).sin()).sum((1, 2))
 
 
+def _written_after_meeting(tokens, pos):
+    hidden = (tokens + pos).tanh()
+    pos.mul_(2)
+    return (hidden + pos).sum((1, 2))
+
+
 CASES = {
     # the position embedding [1, T, D] meets the [B, T, D] tokens in `+`: tapped there
     "bert_like": (lambda p, ids: _encode(p, ids, F.embedding(POSITION_IDS, p["pos"])),
@@ -72,6 +78,17 @@ CASES = {
     "used_after_meeting": (lambda p, ids: _encode(p, ids, pos := F.embedding(POSITION_IDS,
                                                                              p["pos"]))
                            + pos.pow(2).sum(), "vmap"),
+    # written in place before it meets the batch, or after: the tap would sit after the write,
+    # the lookup's factors before it (0.07-0.25 off, session 48): the per-sample pass instead
+    "scaled_in_place": (lambda p, ids: _encode(p, ids, F.embedding(POSITION_IDS, p["pos"])
+                                                .mul_(2)), "vmap"),
+    "relu_in_place": (lambda p, ids: _encode(p, ids, F.relu(F.embedding(POSITION_IDS, p["pos"]),
+                                                            inplace=True)), "vmap"),
+    "written_after_meeting": (lambda p, ids: _written_after_meeting(
+        F.embedding(ids, p["tok"]), F.embedding(POSITION_IDS, p["pos"])), "vmap"),
+    # returned unchanged by an in-place call that writes nothing: still pending
+    "in_place_dropout_in_eval": (lambda p, ids: _encode(p, ids, F.dropout(
+        F.embedding(POSITION_IDS, p["pos"]), 0.1, training=False, inplace=True)), "batched"),
     # never meets the batch along a dim of its own: a regulariser added to every loss
     "shared_regulariser": (lambda p, ids: F.embedding(ids, p["tok"]).sum((1, 2))
                            + F.linear(p["pos"], p["w"]).pow(2).sum(), "vmap"),

@@ -372,6 +372,12 @@ def reads_metadata(func: Any) -> bool:
         return False
 
 
+def _written(kept: tuple[Tensor, int]) -> bool:
+    """Whether the storage of ``kept`` (:func:`_torch_compat.version_of`) was written since."""
+    owner, version = kept
+    return _torch_compat.version(owner) != version
+
+
 def _unbatchable(func: Any) -> bool:
     """Whether ``vmap`` cannot batch ``func`` (it then runs once per sample)."""
     try:
@@ -560,8 +566,9 @@ class TapMode(TorchFunctionMode):
         self._samples = samples
         self._keep_acts = keep_acts or taps != "trace"
         self._pending: dict[int, tuple[int, Tensor]] = {}
-        # NOTE [shared taps]: a pending output once it met the batch -> (dim, size, tapped)
-        self._met: dict[int, tuple[int, int, Tensor]] = {}
+        # NOTE [shared taps]: a pending output once it met the batch -> (dim, size, tapped
+        # expansion, (storage owner, version) then)
+        self._met: dict[int, tuple[int, int, Tensor, tuple[Tensor, int]]] = {}
         self.not_batched: str | None = None
         self._contexts: list[contextlib.ExitStack] = []
         self._grad_at_entry = True
@@ -632,7 +639,10 @@ class TapMode(TorchFunctionMode):
     # call that uses it again meets the batch the same way (``x + pe`` then ``2 * x + pe``)
     # and takes the same tapped expansion, or stops the batched run. (It used to run as
     # called, its cotangent lost to the tap: ``G`` 0.67 off for two additions of one
-    # position embedding, 0.81 for ``(x + pe).sum() + pe.sum()``; session 48.)
+    # position embedding, 0.81 for ``(x + pe).sum() + pe.sum()``; session 48.) A call that
+    # returns it written in place (``pe.mul_(2)``, ``F.relu(pe, inplace=True)``) changed it:
+    # the tap would sit after that change, the rule's factors before it (0.07-0.25 off,
+    # session 48), so that stops the batched run too, as does a write after it met the batch.
 
     def _is_shared(self, tap_index: int, shape: Sequence[int]) -> bool:
         expected = self._expected
@@ -655,9 +665,10 @@ class TapMode(TorchFunctionMode):
         except TypeError:
             known = False
         if not known or nested != len(pending) or (func in _IN_PLACE and 0 in pending):
+            kept = _torch_compat.version_of(args[pending[0]]) if len(pending) == 1 else None
             result = func(*args, **kwargs)
-            if len(pending) == 1 and result is args[pending[0]]:  # unchanged: still pending
-                return args, result
+            if kept is not None and result is args[pending[0]] and not _written(kept):
+                return args, result  # unchanged (not written in place): still pending
             raise self._give_up(f"a tapped output shared by the samples is used by "
                                 f"{describe(func)}, where it does not meet the batch")
         tensors = [a for a in args if isinstance(a, Tensor)]
@@ -677,13 +688,18 @@ class TapMode(TorchFunctionMode):
                                     f"in {describe(func)} along {len(dims)} candidate dims")
             met = self._met.get(id(y))
             if met is None:
+                kept = _torch_compat.version_of(y)
+                if kept is None:
+                    raise self._give_up("a tapped output shared by the samples keeps no "
+                                        "version counter")
                 new_args[i] = self._expand_shared(y, dims[0])
-                self._met[id(y)] = (dims[0], self._samples, new_args[i])
-            elif met[:2] == (dims[0], self._samples):
+                self._met[id(y)] = (dims[0], self._samples, new_args[i], kept)
+            elif met[:2] == (dims[0], self._samples) and not _written(met[3]):
                 new_args[i] = met[2]
             else:
                 raise self._give_up("a tapped output shared by the samples meets the batch "
-                                    f"again in {describe(func)}, along another dim")
+                                    f"again in {describe(func)}, along another dim or "
+                                    "written in place since")
         return tuple(new_args), NotImplemented
 
     def _is_shared_output(self, value: Any) -> bool:
