@@ -168,6 +168,23 @@ class Buffer:
 
 
 @dataclass(frozen=True)
+class Positions:
+    """A learned table ``[T, D]`` read at positions shared by the samples, added to ``h``.
+
+    BERT's and GPT-2's position embeddings (NOTE [shared taps]): ``lookup`` is ``F.embedding``
+    of ``[1, T]`` ids, ``table[ids]`` (a row gather, NOTE [row gathers]) or ``table[arange(T)]``
+    unsqueezed (a layout call before it meets the batch); ``uses``: ``once`` (``h + pos``),
+    ``twice`` (``tanh(h + pos) + pos``) or ``regularised`` (``h + pos + pos.pow(2).sum()``, a
+    use that does not meet the batch); ``write``: ``pos`` is scaled in place first.
+    """
+
+    lookup: Literal["embedding", "index", "unsqueeze"] = "embedding"
+    uses: Literal["once", "twice", "regularised"] = "once"
+    write: bool = False
+    frozen: bool = False
+
+
+@dataclass(frozen=True)
 class Activation:
     """A parameter-free nonlinearity; ``inplace``: applied in place (``torch.relu_``, ...).
 
@@ -268,8 +285,8 @@ def draws(case: FuzzCase) -> bool:
 
 
 Layer = (Linear | Conv1d | Attention | RnnCell | Norm | Elementwise | Kink | Distance | Linalg
-         | Buffer | Activation | TiedOut | Center | StopGradient | Route | Gate | Dropout
-         | FusedRnn)
+         | Buffer | Positions | Activation | TiedOut | Center | StopGradient | Route | Gate
+         | Dropout | FusedRnn)
 
 
 @dataclass(frozen=True)
@@ -491,6 +508,8 @@ def walk_shapes(case_input: Features | Tokens, length: int,
         elif isinstance(layer, Buffer):
             shape = (d,) if layer.shape == "feature" else (1, shapes.length, d)
             add(_Param(i, "buffer", shape, True, "positive" if layer.op == "mul" else "weight"))
+        elif isinstance(layer, Positions):
+            add(_Param(i, "table", (shapes.length, d), layer.frozen))
         elif isinstance(layer, TiedOut):
             if not isinstance(case_input, Tokens) or d != case_input.width:
                 raise ValueError(f"layer {i}: TiedOut needs the embedding's width")
@@ -653,6 +672,8 @@ def _layer(case: FuzzCase, i: int, layer: Layer, h: Tensor, get: Get) -> Tensor:
     if isinstance(layer, Buffer):
         buffer = get(i, "buffer")
         return h + buffer if layer.op == "add" else h * buffer
+    if isinstance(layer, Positions):
+        return _positions(layer, get(i, "table"), h)
     if isinstance(layer, Activation):
         if layer.inplace and layer.kind in IN_PLACE_KINDS:
             return F.silu(h, inplace=True) if layer.kind == "silu" \
@@ -683,6 +704,22 @@ def _layer(case: FuzzCase, i: int, layer: Layer, h: Tensor, get: Get) -> Tensor:
     if isinstance(layer, Dropout):
         return F.dropout(h, layer.p, training=True)
     raise TypeError(layer)
+
+
+def _positions(layer: Positions, table: Tensor, h: Tensor) -> Tensor:
+    ids = torch.arange(h.shape[1], device=h.device)
+    if layer.lookup == "embedding":
+        pos = F.embedding(ids[None], table)
+    elif layer.lookup == "index":
+        pos = table[ids[None]]
+    else:
+        pos = table[ids].unsqueeze(0)
+    if layer.write:
+        pos = pos.mul_(1.5)
+    out = h + pos
+    if layer.uses == "twice":
+        return torch.tanh(out) + pos
+    return out + pos.pow(2).sum() if layer.uses == "regularised" else out
 
 
 def _rnn_suffix(stacked: int, direction: str) -> str:

@@ -43,6 +43,7 @@ from fuzz_arch import (
     Linalg,
     Linear,
     Norm,
+    Positions,
     RnnCell,
     Route,
     StopGradient,
@@ -103,7 +104,7 @@ def _layer(draw: st.DrawFn, backend: str, width: int, length: int, tokens: Token
            linears: dict[int, tuple[int, int]], batch: int, declared: bool,
            in_place: bool = False) -> Layer:
     kinds = ["linear", "linear", "conv", "attention", "rnn", "elementwise", "kink", "distance",
-             "linalg", "buffer", "activation", "activation"]
+             "linalg", "buffer", "positions", "activation", "activation"]
     if width > 1:  # a norm over one value is constant, its float32 gradient only round-off
         kinds.append("norm")
     if tokens is not None and width == tokens.width and (
@@ -192,6 +193,10 @@ def _layer(draw: st.DrawFn, backend: str, width: int, length: int, tokens: Token
         return Buffer(shape=draw(st.sampled_from(["feature", "token"])),
                       op=draw(st.sampled_from(["add", "mul"])),
                       via=draw(st.sampled_from(["closure", "positional", "keyword"])))
+    if kind == "positions":
+        return Positions(lookup=draw(st.sampled_from(["embedding", "index", "unsqueeze"])),
+                         uses=draw(st.sampled_from(["once", "twice", "regularised"])),
+                         write=draw(st.integers(0, 3)) == 0, frozen=frozen)
     if kind == "tied_out":
         return TiedOut()
     if kind == "center":

@@ -20,7 +20,7 @@ def _way(f, args, **options):
 
 def _check(f, args):
     expected = dense_gramian(f, args).gramian
-    actual = tg.gramian(f, backend="structured", batch_dim=0)(*args)
+    actual = tg.gramian(f, backend="structured", batch_dim=0)(*args).reshape(expected.shape)
     scale = expected.abs().max()
     torch.testing.assert_close(actual / scale, expected / scale, rtol=1e-10, atol=1e-10)
 
@@ -78,6 +78,17 @@ CASES = {
     "used_after_meeting": (lambda p, ids: _encode(p, ids, pos := F.embedding(POSITION_IDS,
                                                                              p["pos"]))
                            + pos.pow(2).sum(), "vmap"),
+    # [T, D] positions of `arange(T)` (nanoGPT's): broadcasting prepends the samples' dim,
+    # which the tap merges into the positions (they ran the per-sample vmap pass before)
+    "prepended": (lambda p, ids: _met_twice(F.embedding(ids, p["tok"]),
+                                            F.embedding(torch.arange(T), p["pos"])), "batched"),
+    "prepended_4d": (lambda p, ids: _encode(p, ids[:, None], F.embedding(torch.arange(T),
+                                                                            p["pos"])),
+                        "batched"),
+    # the samples reordered where they meet it: the derivative check finds each sample's rows
+    # on another's tap, and the rows of the batch give the matrix
+    "prepended_reordered": (lambda p, ids: _met_twice(
+        F.embedding(ids, p["tok"]).flip(0), F.embedding(torch.arange(T), p["pos"])), "dense"),
     # written in place before it meets the batch, or after: the tap would sit after the write,
     # the lookup's factors before it (0.07-0.25 off, session 48): the per-sample pass instead
     "scaled_in_place": (lambda p, ids: _encode(p, ids, F.embedding(POSITION_IDS, p["pos"])

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -382,7 +382,7 @@ def batched_forward(problem: Problem, traced: Recording) -> Forward | None:
             act_dims[r.act] = _sample_dim(t.act_shape, r.act_shape, samples, shared_ok=True)
     if _NO_DIM in tap_dims or _NO_DIM in act_dims.values() or len(act_dims) != len(mode.acts):
         return None
-    if not _merged_taps_have_acts(run, tap_dims, act_dims):
+    if not _merged_taps_have_acts(run, tap_dims, act_dims, mode.built_taps):
         return None
     acts = [per_sample_view(act, act_dims[i], 0, samples) for i, act in enumerate(mode.acts)]
     per_sample = rows.numel() // samples
@@ -399,14 +399,16 @@ def batched_forward(problem: Problem, traced: Recording) -> Forward | None:
 
 
 def _merged_taps_have_acts(run: Recording, tap_dims: Sequence[SampleAxis | None],
-                           act_dims: dict[int, SampleAxis | None]) -> bool:
+                           act_dims: dict[int, SampleAxis | None],
+                           built: Collection[int] = ()) -> bool:
     """Whether every tap with merged samples has a weight use whose activation is merged too.
 
     The order of a merged axis (each sample's entries together, not interleaved) is checked
     on the activations (:func:`merged_acts`); a tap's output rows follow its activation's.
+    ``built``: taps whose merged order the tapping mode made (NOTE [shared taps]).
     """
     for tap, axis in enumerate(tap_dims):
-        if axis is None or not axis.merged:
+        if axis is None or not axis.merged or tap in built:
             continue
         acts = [use.act for use in run.uses if use.tap == tap and use.act is not None]
         if not acts or any(act_dims[a] is None or not act_dims[a].merged  # type: ignore[union-attr]

@@ -566,9 +566,12 @@ class TapMode(TorchFunctionMode):
         self._samples = samples
         self._keep_acts = keep_acts or taps != "trace"
         self._pending: dict[int, tuple[int, Tensor]] = {}
-        # NOTE [shared taps]: a pending output once it met the batch -> (dim, size, tapped
-        # expansion, (storage owner, version) then)
-        self._met: dict[int, tuple[int, int, Tensor, tuple[Tensor, int]]] = {}
+        # NOTE [shared taps]: a pending output once it met the batch -> (the samples' dim
+        # counted from the end, the tapped expansion, (storage owner, version) then)
+        self._met: dict[int, tuple[int, Tensor, tuple[Tensor, int]]] = {}
+        self.built_taps: set[int] = set()
+        """Taps whose merged samples are laid out by the mode, not by ``f`` (their order
+        needs no check of ``f``'s activations: :meth:`_expand_shared`)."""
         self.not_batched: str | None = None
         self._contexts: list[contextlib.ExitStack] = []
         self._grad_at_entry = True
@@ -630,8 +633,11 @@ class TapMode(TorchFunctionMode):
     # embeddings. Its cotangent is the sum over the samples, which is not the per-sample
     # factor. Such an output gets no tap at first; where it meets the batch in a
     # broadcasting op (``+``, ``-``, ``*``, ``/``, ``expand``) whose result has ``B`` in
-    # exactly one of its size-1 dims, it is expanded along that dim and tapped there, so the
-    # tap holds every sample's own cotangent. Ops that return it unchanged (``.to(device)``,
+    # exactly one of its size-1 dims, or in exactly one dim that broadcasting prepends to it
+    # (nanoGPT's ``[T, d]`` positions of ``arange(T)`` against ``[B, T, d]`` tokens: they ran
+    # the per-sample vmap pass before session 48, ~1.9x a backward against ~1.5x), it is
+    # expanded along that dim and tapped there, so the tap holds every sample's own
+    # cotangent. Ops that return it unchanged (``.to(device)``,
     # dropout in eval mode) keep it pending; any other use, several candidate dims, an
     # in-place op on it, or a run that ends with it pending, stops the batched run
     # (:class:`NotBatched`), and the backend takes the per-sample ``vmap`` way instead.
@@ -681,21 +687,23 @@ class TapMode(TorchFunctionMode):
         for i in pending:
             y = args[i]
             offset = len(out) - y.dim()
-            dims = [d for d in range(y.dim()) if y.shape[d] == 1 and offset >= 0
-                    and out[offset + d] == self._samples]
-            if len(dims) != 1:
+            # the samples' dim, counted from the end: one broadcasting prepends, or one of y's
+            places = [len(out) - q for q in range(max(offset, 0)) if out[q] == self._samples]
+            places += [y.dim() - d for d in range(y.dim()) if y.shape[d] == 1 and offset >= 0
+                       and out[offset + d] == self._samples]
+            if len(places) != 1 or (places[0] > y.dim() and y.dim() == 0):
                 raise self._give_up("a tapped output shared by the samples meets the batch "
-                                    f"in {describe(func)} along {len(dims)} candidate dims")
+                                    f"in {describe(func)} along {len(places)} candidate dims")
             met = self._met.get(id(y))
             if met is None:
                 kept = _torch_compat.version_of(y)
                 if kept is None:
                     raise self._give_up("a tapped output shared by the samples keeps no "
                                         "version counter")
-                new_args[i] = self._expand_shared(y, dims[0])
-                self._met[id(y)] = (dims[0], self._samples, new_args[i], kept)
-            elif met[:2] == (dims[0], self._samples) and not _written(met[3]):
-                new_args[i] = met[2]
+                new_args[i] = self._expand_shared(y, places[0])
+                self._met[id(y)] = (places[0], new_args[i], kept)
+            elif met[0] == places[0] and not _written(met[2]):
+                new_args[i] = met[1]
             else:
                 raise self._give_up("a tapped output shared by the samples meets the batch "
                                     f"again in {describe(func)}, along another dim or "
@@ -707,18 +715,36 @@ class TapMode(TorchFunctionMode):
         return isinstance(value, Tensor) and (id(value) in self._pending
                                               or id(value) in self._met)
 
-    def _expand_shared(self, y: Tensor, dim: int) -> Tensor:
+    def _expand_shared(self, y: Tensor, place: int) -> Tensor:
+        """``y`` expanded along the samples' dim (``place``, counted from the end), tapped.
+
+        A dim of ``y`` of size 1 takes the samples, and so does the tap. A dim that
+        broadcasting prepends to ``y`` (``x + pe`` of ``[B, T, d]`` and ``[T, d]``, as
+        nanoGPT adds its positions) has no place in the trace's rank: the tap merges the
+        samples into ``y``'s first dim, each sample's entries together (so built, not read
+        from ``f``: :attr:`built_taps`), and is viewed with the samples first.
+        """
         tap_index, _ = self._pending.pop(id(y))
-        assert self._samples is not None
-        shape = (*y.shape[:dim], self._samples, *y.shape[dim + 1:])
-        tap = zero_tap(shape, y.dtype, y.device)
+        samples = self._samples
+        assert samples is not None
+        if place <= y.dim():
+            dim = y.dim() - place
+            shape = (*y.shape[:dim], samples, *y.shape[dim + 1:])
+            tap = zero_tap(shape, y.dtype, y.device)
+            expanded = y.expand(shape) + tap
+        else:
+            shape = (samples * y.shape[0], *y.shape[1:])
+            tap = zero_tap(shape, y.dtype, y.device)
+            stacked = y.unsqueeze(0).expand(samples, *y.shape).reshape(shape) + tap
+            expanded = stacked.view(samples, *(1,) * (place - y.dim() - 1), *y.shape)
+            self.built_taps.add(tap_index)
         self.made_taps[tap_index] = tap
         record = self.recording.taps[tap_index]
         self.recording.taps[tap_index] = TapRecord(shape, record.dtype, record.rule)
         numel = math.prod(shape)
         self.recording.uses = [dataclasses.replace(use, shape=use.layout.shape(numel))
                                if use.tap == tap_index else use for use in self.recording.uses]
-        return y.expand(shape) + tap
+        return expanded
 
     def note_rows(self, rows: Tensor) -> None:
         """Note a leaf that ``f`` returned as its output, itself or a view of it.
