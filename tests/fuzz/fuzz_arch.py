@@ -172,13 +172,14 @@ class Positions:
     """A learned table ``[T, D]`` read at positions shared by the samples, added to ``h``.
 
     BERT's and GPT-2's position embeddings (NOTE [shared taps]): ``lookup`` is ``F.embedding``
-    of ``[1, T]`` ids, ``table[ids]`` (a row gather, NOTE [row gathers]) or ``table[arange(T)]``
+    of ``[1, T]`` ids, of ``[T]`` ids (``flat``: nanoGPT's, the samples' dim prepended where
+    it meets ``h``), ``table[ids]`` (a row gather, NOTE [row gathers]) or ``table[arange(T)]``
     unsqueezed (a layout call before it meets the batch); ``uses``: ``once`` (``h + pos``),
     ``twice`` (``tanh(h + pos) + pos``) or ``regularised`` (``h + pos + pos.pow(2).sum()``, a
     use that does not meet the batch); ``write``: ``pos`` is scaled in place first.
     """
 
-    lookup: Literal["embedding", "index", "unsqueeze"] = "embedding"
+    lookup: Literal["embedding", "flat", "index", "unsqueeze"] = "embedding"
     uses: Literal["once", "twice", "regularised"] = "once"
     write: bool = False
     frozen: bool = False
@@ -708,8 +709,8 @@ def _layer(case: FuzzCase, i: int, layer: Layer, h: Tensor, get: Get) -> Tensor:
 
 def _positions(layer: Positions, table: Tensor, h: Tensor) -> Tensor:
     ids = torch.arange(h.shape[1], device=h.device)
-    if layer.lookup == "embedding":
-        pos = F.embedding(ids[None], table)
+    if layer.lookup in ("embedding", "flat"):
+        pos = F.embedding(ids[None] if layer.lookup == "embedding" else ids, table)
     elif layer.lookup == "index":
         pos = table[ids[None]]
     else:

@@ -194,7 +194,8 @@ def _layer(draw: st.DrawFn, backend: str, width: int, length: int, tokens: Token
                       op=draw(st.sampled_from(["add", "mul"])),
                       via=draw(st.sampled_from(["closure", "positional", "keyword"])))
     if kind == "positions":
-        return Positions(lookup=draw(st.sampled_from(["embedding", "index", "unsqueeze"])),
+        return Positions(lookup=draw(st.sampled_from(["embedding", "flat", "index",
+                                                      "unsqueeze"])),
                          uses=draw(st.sampled_from(["once", "twice", "regularised"])),
                          write=draw(st.integers(0, 3)) == 0, frozen=frozen)
     if kind == "tied_out":
