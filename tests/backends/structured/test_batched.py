@@ -29,7 +29,8 @@ def _params():
     torch.manual_seed(0)
     return {"tok": torch.randn(V, D, dtype=torch.float64),
             "pos": torch.randn(T, D, dtype=torch.float64),
-            "w": torch.randn(D, D, dtype=torch.float64)}
+            "w": torch.randn(D, D, dtype=torch.float64),
+            "rel": torch.randn(2 * T - 1, D, dtype=torch.float64)}
 
 
 POSITION_IDS = torch.arange(T)[None]  # a [1, T] buffer, as BERT and GPT-2 keep it
@@ -43,6 +44,16 @@ def _shape_checked(pos):
     if pos.dim() != 3 or pos.shape[-1] != D or pos.size(1) != T or len(pos) != 1:
         raise ValueError(f"unexpected position embedding shape {tuple(pos.shape)}")
     return pos
+
+
+def _relative_bias(p):  # [1, D, T, T] from a [2T - 1, D] table, as Swin builds its bias
+    index = (torch.arange(T)[:, None] - torch.arange(T)[None] + T - 1).reshape(-1)
+    return F.embedding(index, p["rel"]).view(T, T, -1).permute(2, 0, 1).contiguous().unsqueeze(0)
+
+
+def _scores(tokens, bias):
+    scores = torch.einsum("btd,bsd->bdts", tokens, tokens) + bias
+    return (scores.softmax(-1) * scores).sum((1, 2, 3))
 
 
 def _met_twice(tokens, pos):
@@ -65,9 +76,18 @@ CASES = {
     # only its metadata read first (NOTE [metadata calls]): still pending, tapped at `+`
     "metadata_first": (lambda p, ids: _encode(p, ids, _shape_checked(
         F.embedding(POSITION_IDS, p["pos"]))), "batched"),
-    # used by another op before meeting the batch: the per-sample vmap pass instead
+    # laid out anew before it meets the batch (indexed, unsqueezed, a Swin-style bias table
+    # viewed and permuted): the tap sits on the lookup, the layout calls run per sample
     "indexed_first": (lambda p, ids: _encode(p, ids, F.embedding(POSITION_IDS, p["pos"])[0]),
-                      "vmap"),
+                      "batched"),
+    "unsqueezed_first": (lambda p, ids: _encode(p, ids, F.embedding(torch.arange(T), p["pos"])
+                                                .unsqueeze(0)), "batched"),
+    "relative_bias": (lambda p, ids: _scores(F.embedding(ids, p["tok"]), _relative_bias(p)),
+                      "batched"),
+    # two views of it meet the batch: the per-sample vmap pass
+    "two_views_meet": (lambda p, ids: _met_twice(F.embedding(ids, p["tok"]), (pos := F.embedding(
+        torch.arange(T), p["pos"]))[None]) + (pos.unsqueeze(0) * 2).sum(), "vmap"),
+    # used by another op before meeting the batch: the per-sample vmap pass instead
     "scaled_first": (lambda p, ids: _encode(p, ids, 2 * F.embedding(POSITION_IDS, p["pos"])),
                      "vmap"),
     # meets the batch twice: both take the one tapped expansion (they ran as called and lost

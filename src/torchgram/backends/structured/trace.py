@@ -372,6 +372,37 @@ def reads_metadata(func: Any) -> bool:
         return False
 
 
+_LayoutCall = tuple[Any, tuple[Any, ...], dict[str, Any]]
+"""A call on a shared output: ``(func, the arguments after the tensor, kwargs)``."""
+
+_LAYOUT_CALLS = frozenset({
+    torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.unsqueeze,
+    torch.unsqueeze, torch.Tensor.squeeze, torch.squeeze, torch.Tensor.permute, torch.permute,
+    torch.Tensor.transpose, torch.transpose, torch.Tensor.swapaxes, torch.Tensor.swapdims,
+    torch.Tensor.t, torch.t, torch.Tensor.contiguous, torch.Tensor.flatten, torch.flatten,
+    torch.Tensor.unflatten, torch.Tensor.movedim, torch.movedim, torch.Tensor.__getitem__,
+})
+
+
+def _is_layout_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                    result: Any) -> bool:
+    """Whether ``result = func(*args, **kwargs)`` lays out ``args[0]``'s entries anew.
+
+    Views, reshapes, permutations and basic indexing (full slices, ``None``, ``...``, an int
+    or a slice with a step): calls that depend on no other tensor and draw nothing, so they
+    can run again on every sample's copy (NOTE [shared taps]).
+    """
+    try:
+        if func not in _LAYOUT_CALLS:
+            return False
+    except TypeError:  # unhashable func
+        return False
+    if not isinstance(result, Tensor) or result.dtype != args[0].dtype:
+        return False
+    others = leaves_of((args[1:], kwargs))
+    return not any(isinstance(value, Tensor) for value in others)
+
+
 def _written(kept: tuple[Tensor, int]) -> bool:
     """Whether the storage of ``kept`` (:func:`_torch_compat.version_of`) was written since."""
     owner, version = kept
@@ -565,11 +596,13 @@ class TapMode(TorchFunctionMode):
         self.made_taps: list[Tensor | GradientEdge] = []
         self._samples = samples
         self._keep_acts = keep_acts or taps != "trace"
-        self._pending: dict[int, tuple[int, Tensor]] = {}
+        # NOTE [shared taps]: id -> (tap index, the tapped output, the layout calls since)
+        self._pending: dict[int, tuple[int, Tensor, tuple[_LayoutCall, ...]]] = {}
         # NOTE [shared taps]: a pending output once it met the batch -> (the samples' dim
         # counted from the end, the tapped expansion, (storage owner, version) then)
         self._met: dict[int, tuple[int, Tensor, tuple[Tensor, int]]] = {}
         self.built_taps: set[int] = set()
+        self._met_taps: set[int] = set()
         """Taps whose merged samples are laid out by the mode, not by ``f`` (their order
         needs no check of ``f``'s activations: :meth:`_expand_shared`)."""
         self.not_batched: str | None = None
@@ -623,7 +656,8 @@ class TapMode(TorchFunctionMode):
             if len(self.recording.taps) != len(self._taps):
                 raise TraceMismatch(f"the run tapped {len(self.recording.taps)} calls, the "
                                     f"trace {len(self._taps)}")
-        if self._pending and self.not_batched is None:
+        met = {tap for tap, _, _ in self._pending.values()} <= self._met_taps
+        if not met and self.not_batched is None:
             self.not_batched = "a tapped output shared by the samples never met the batch"
 
     # -- NOTE [shared taps] -------------------------------------------------------------------
@@ -675,6 +709,13 @@ class TapMode(TorchFunctionMode):
             result = func(*args, **kwargs)
             if kept is not None and result is args[pending[0]] and not _written(kept):
                 return args, result  # unchanged (not written in place): still pending
+            entry = self._pending.get(id(args[0])) if pending == [0] and nested == 1 else None
+            if entry is not None and kept is not None and not _written(kept) \
+                    and _is_layout_call(func, args, kwargs, result):
+                tap_index, root, chain = entry
+                self._pending[id(result)] = (tap_index, root, (*chain, (func, args[1:], kwargs)))
+                self._pins.append(result)
+                return args, result
             raise self._give_up(f"a tapped output shared by the samples is used by "
                                 f"{describe(func)}, where it does not meet the batch")
         tensors = [a for a in args if isinstance(a, Tensor)]
@@ -724,9 +765,15 @@ class TapMode(TorchFunctionMode):
         samples into ``y``'s first dim, each sample's entries together (so built, not read
         from ``f``: :attr:`built_taps`), and is viewed with the samples first.
         """
-        tap_index, _ = self._pending.pop(id(y))
+        tap_index, root, chain = self._pending.pop(id(y))
         samples = self._samples
         assert samples is not None
+        if tap_index in self._met_taps:
+            raise self._give_up("a tapped output shared by the samples meets the batch through "
+                                "two of its views")
+        self._met_taps.add(tap_index)
+        if chain:
+            return self._expand_through(tap_index, root, chain, y, place)
         if place <= y.dim():
             dim = y.dim() - place
             shape = (*y.shape[:dim], samples, *y.shape[dim + 1:])
@@ -738,13 +785,47 @@ class TapMode(TorchFunctionMode):
             stacked = y.unsqueeze(0).expand(samples, *y.shape).reshape(shape) + tap
             expanded = stacked.view(samples, *(1,) * (place - y.dim() - 1), *y.shape)
             self.built_taps.add(tap_index)
+        self._set_tap(tap_index, tap)
+        return expanded
+
+    def _expand_through(self, tap_index: int, root: Tensor, chain: tuple[_LayoutCall, ...],
+                        y: Tensor, place: int) -> Tensor:
+        """:meth:`_expand_shared` of ``y``, made from the tapped output ``root`` by ``chain``.
+
+        The tap sits on ``root`` (the rule's factors are in its layout), its samples merged
+        into ``root``'s first dim (:meth:`_expand_shared`'s prepended case), and the layout
+        calls run on every sample's copy (``vmap``), which gives ``y`` with the samples first.
+        """
+        samples = self._samples
+        assert samples is not None
+        if root.dim() == 0:
+            raise self._give_up("a tapped scalar shared by the samples is reshaped before it "
+                                "meets the batch")
+        shape = (samples * root.shape[0], *root.shape[1:])
+        tap = zero_tap(shape, root.dtype, root.device)
+        stacked = root.unsqueeze(0).expand(samples, *root.shape).reshape(shape) + tap
+        self.built_taps.add(tap_index)
+        self._set_tap(tap_index, tap)
+
+        def replay(value: Tensor) -> Tensor:
+            for func, rest, kwargs in chain:
+                value = func(value, *rest, **kwargs)
+            return value
+
+        per_sample = torch.vmap(replay)(stacked.view(samples, *root.shape))  # [B, *y.shape]
+        if place <= y.dim():
+            dim = y.dim() - place
+            return per_sample.squeeze(dim + 1).movedim(0, dim)
+        return per_sample.view(samples, *(1,) * (place - y.dim() - 1), *y.shape)
+
+    def _set_tap(self, tap_index: int, tap: Tensor) -> None:
+        """Make ``tap`` the tap of shared output ``tap_index``, its shape the recorded one."""
         self.made_taps[tap_index] = tap
         record = self.recording.taps[tap_index]
-        self.recording.taps[tap_index] = TapRecord(shape, record.dtype, record.rule)
-        numel = math.prod(shape)
+        self.recording.taps[tap_index] = TapRecord(tuple(tap.shape), record.dtype, record.rule)
+        numel = tap.numel()
         self.recording.uses = [dataclasses.replace(use, shape=use.layout.shape(numel))
                                if use.tap == tap_index else use for use in self.recording.uses]
-        return expanded
 
     def note_rows(self, rows: Tensor) -> None:
         """Note a leaf that ``f`` returned as its output, itself or a view of it.
@@ -934,7 +1015,7 @@ class TapMode(TorchFunctionMode):
         record = TapRecord(tuple(y.shape), y.dtype, match.rule)
         if self._taps == "lazy" and self._is_shared(tap_index, y.shape):  # NOTE [shared taps]
             self.made_taps.append(y)  # replaced by the tap where y meets the batch
-            self._pending[id(y)] = (tap_index, y)
+            self._pending[id(y)] = (tap_index, y, ())
             self._pins.append(y)
         elif self._taps == "lazy" and y.grad_fn is not None \
                 and (plain := _not_a_view(y))._base is None:  # NOTE [tap edges]
