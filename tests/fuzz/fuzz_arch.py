@@ -175,12 +175,14 @@ class Positions:
     of ``[1, T]`` ids, of ``[T]`` ids (``flat``: nanoGPT's, the samples' dim prepended where
     it meets ``h``), ``table[ids]`` (a row gather, NOTE [row gathers]) or ``table[arange(T)]``
     unsqueezed (a layout call before it meets the batch); ``uses``: ``once`` (``h + pos``),
-    ``twice`` (``tanh(h + pos) + pos``) or ``regularised`` (``h + pos + pos.pow(2).sum()``, a
-    use that does not meet the batch); ``write``: ``pos`` is scaled in place first.
+    ``twice`` (``tanh(h + pos) + pos``), ``regularised`` (``h + pos + pos.pow(2).sum()``, a
+    use that does not meet the batch) or ``merged`` (its first row added to ``h`` flattened to
+    ``[B·T, D]``: the samples merged with the positions, as Swin's windows); ``write``:
+    ``pos`` is scaled in place first.
     """
 
     lookup: Literal["embedding", "flat", "index", "unsqueeze"] = "embedding"
-    uses: Literal["once", "twice", "regularised"] = "once"
+    uses: Literal["once", "twice", "regularised", "merged"] = "once"
     write: bool = False
     frozen: bool = False
 
@@ -717,6 +719,8 @@ def _positions(layer: Positions, table: Tensor, h: Tensor) -> Tensor:
         pos = table[ids].unsqueeze(0)
     if layer.write:
         pos = pos.mul_(1.5)
+    if layer.uses == "merged":
+        return (h.reshape(-1, h.shape[-1]) + pos.reshape(-1, pos.shape[-1])[:1]).reshape(h.shape)
     out = h + pos
     if layer.uses == "twice":
         return torch.tanh(out) + pos

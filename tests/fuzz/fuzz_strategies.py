@@ -196,7 +196,8 @@ def _layer(draw: st.DrawFn, backend: str, width: int, length: int, tokens: Token
     if kind == "positions":
         return Positions(lookup=draw(st.sampled_from(["embedding", "flat", "index",
                                                       "unsqueeze"])),
-                         uses=draw(st.sampled_from(["once", "twice", "regularised"])),
+                         uses=draw(st.sampled_from(["once", "twice", "regularised",
+                                                    "merged"])),
                          write=draw(st.integers(0, 3)) == 0, frozen=frozen)
     if kind == "tied_out":
         return TiedOut()

@@ -56,6 +56,23 @@ def _scores(tokens, bias):
     return (scores.softmax(-1) * scores).sum((1, 2, 3))
 
 
+def _windows(tokens, bias, *, interleaved):
+    scores = torch.einsum("btd,bsd->bdts", tokens, tokens)
+    windows = torch.stack([scores, scores.flip(-1)], 1)  # [B, 2, D, T, T]
+    if interleaved:
+        merged = windows.transpose(0, 1).reshape(-1, D, T, T) + bias
+        windows = merged.reshape(2, -1, D, T, T).transpose(0, 1)
+    else:
+        windows = (windows.reshape(-1, D, T, T) + bias).reshape(-1, 2, D, T, T)
+    return (windows.softmax(-1) * windows).sum((1, 2, 3, 4))
+
+
+def _attended(tokens, bias):
+    heads = tokens[:, None].expand(-1, D, -1, -1)  # [B, D, T, D]: D heads
+    return F.scaled_dot_product_attention(heads, heads, heads, attn_mask=bias).pow(2).sum(
+        (1, 2, 3))
+
+
 def _met_twice(tokens, pos):
     return ((tokens + pos).tanh() + (2 * tokens + pos).sin()).sum((1, 2))
 
@@ -84,6 +101,16 @@ CASES = {
                                                 .unsqueeze(0)), "batched"),
     "relative_bias": (lambda p, ids: _scores(F.embedding(ids, p["tok"]), _relative_bias(p)),
                       "batched"),
+    # ... meeting B·W windows, the samples merged sample-major (Swin), or window-major: the
+    # derivative check finds each sample's rows on another's slice, the rows of the batch
+    "relative_bias_windows": (lambda p, ids: _windows(F.embedding(ids, p["tok"]),
+                                                      _relative_bias(p), interleaved=False),
+                              "batched"),
+    "relative_bias_windows_interleaved": (lambda p, ids: _windows(
+        F.embedding(ids, p["tok"]), _relative_bias(p), interleaved=True), "dense"),
+    # ... or passed as the mask of scaled_dot_product_attention, where it meets the scores
+    "relative_bias_as_mask": (lambda p, ids: _attended(F.embedding(ids, p["tok"]),
+                                                       _relative_bias(p)), "batched"),
     # two views of it meet the batch: the per-sample vmap pass
     "two_views_meet": (lambda p, ids: _met_twice(F.embedding(ids, p["tok"]), (pos := F.embedding(
         torch.arange(T), p["pos"]))[None]) + (pos.unsqueeze(0) * 2).sum(), "vmap"),

@@ -403,6 +403,26 @@ def _is_layout_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
     return not any(isinstance(value, Tensor) for value in others)
 
 
+def _attention_mask(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+                    ) -> tuple[int | str, Tensor, tuple[int, ...]] | None:
+    """``(where, mask, scores shape)`` of a ``scaled_dot_product_attention`` call's tensor mask.
+
+    ``where``: its position in ``args`` or its keyword. The mask broadcasts against the
+    scores ``[*batch, L, S]`` (NOTE [shared taps]: a relative position bias passed as the
+    mask meets the batch there).
+    """
+    if func is not F.scaled_dot_product_attention or len(args) < 3:
+        return None
+    query, key = args[0], args[1]
+    where: int | str = 3 if len(args) > 3 else "attn_mask"
+    mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+    if not (isinstance(mask, Tensor) and isinstance(query, Tensor) and isinstance(key, Tensor)) \
+            or mask.dtype == torch.bool or query.dim() < 2 or key.dim() < 2:
+        return None
+    batch = torch.broadcast_shapes(query.shape[:-2], key.shape[:-2])
+    return where, mask, (*batch, query.shape[-2], key.shape[-2])
+
+
 def _written(kept: tuple[Tensor, int]) -> bool:
     """Whether the storage of ``kept`` (:func:`_torch_compat.version_of`) was written since."""
     owner, version = kept
@@ -600,7 +620,7 @@ class TapMode(TorchFunctionMode):
         self._pending: dict[int, tuple[int, Tensor, tuple[_LayoutCall, ...]]] = {}
         # NOTE [shared taps]: a pending output once it met the batch -> (the samples' dim
         # counted from the end, the tapped expansion, (storage owner, version) then)
-        self._met: dict[int, tuple[int, Tensor, tuple[Tensor, int]]] = {}
+        self._met: dict[int, tuple[tuple[int, int], Tensor, tuple[Tensor, int]]] = {}
         self.built_taps: set[int] = set()
         self._met_taps: set[int] = set()
         """Taps whose merged samples are laid out by the mode, not by ``f`` (their order
@@ -694,12 +714,19 @@ class TapMode(TorchFunctionMode):
         return NotBatched(why)
 
     def _meet_batch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
-                    leaves: list[Any]) -> tuple[tuple[Any, ...], Any]:
-        """``args`` with pending shared outputs expanded and tapped, or a result to return."""
+                    leaves: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
+        """``args`` and ``kwargs``, pending shared outputs expanded and tapped; or a result."""
         pending = [i for i, a in enumerate(args) if self._is_shared_output(a)]
         nested = sum(self._is_shared_output(a) for a in leaves)
         if not nested:
-            return args, NotImplemented
+            return args, kwargs, NotImplemented
+        mask = _attention_mask(func, args, kwargs)
+        if mask is not None and self._is_shared_output(mask[1]) and nested == 1:
+            where, y, out = mask  # NOTE [shared taps]: a mask meets the scores' batch
+            expanded = self._meet(func, y, out)
+            if isinstance(where, int):
+                return (*args[:where], expanded, *args[where + 1:]), kwargs, NotImplemented
+            return args, {**kwargs, where: expanded}, NotImplemented
         try:
             known = func in _BROADCASTING or func in _EXPANDS
         except TypeError:
@@ -708,14 +735,14 @@ class TapMode(TorchFunctionMode):
             kept = _torch_compat.version_of(args[pending[0]]) if len(pending) == 1 else None
             result = func(*args, **kwargs)
             if kept is not None and result is args[pending[0]] and not _written(kept):
-                return args, result  # unchanged (not written in place): still pending
+                return args, kwargs, result  # unchanged (not written in place): still pending
             entry = self._pending.get(id(args[0])) if pending == [0] and nested == 1 else None
             if entry is not None and kept is not None and not _written(kept) \
                     and _is_layout_call(func, args, kwargs, result):
                 tap_index, root, chain = entry
                 self._pending[id(result)] = (tap_index, root, (*chain, (func, args[1:], kwargs)))
                 self._pins.append(result)
-                return args, result
+                return args, kwargs, result
             raise self._give_up(f"a tapped output shared by the samples is used by "
                                 f"{describe(func)}, where it does not meet the batch")
         tensors = [a for a in args if isinstance(a, Tensor)]
@@ -723,47 +750,55 @@ class TapMode(TorchFunctionMode):
             out = tuple(func(*args, **kwargs).shape)  # a view
         else:
             out = tuple(torch.broadcast_shapes(*(t.shape for t in tensors)))
-        assert self._samples is not None
         new_args = list(args)
         for i in pending:
-            y = args[i]
-            offset = len(out) - y.dim()
-            # the samples' dim, counted from the end: one broadcasting prepends, or one of y's
-            places = [len(out) - q for q in range(max(offset, 0)) if out[q] == self._samples]
-            places += [y.dim() - d for d in range(y.dim()) if y.shape[d] == 1 and offset >= 0
-                       and out[offset + d] == self._samples]
-            if len(places) != 1 or (places[0] > y.dim() and y.dim() == 0):
-                raise self._give_up("a tapped output shared by the samples meets the batch "
-                                    f"in {describe(func)} along {len(places)} candidate dims")
-            met = self._met.get(id(y))
-            if met is None:
-                kept = _torch_compat.version_of(y)
-                if kept is None:
-                    raise self._give_up("a tapped output shared by the samples keeps no "
-                                        "version counter")
-                new_args[i] = self._expand_shared(y, places[0])
-                self._met[id(y)] = (places[0], new_args[i], kept)
-            elif met[0] == places[0] and not _written(met[2]):
-                new_args[i] = met[1]
-            else:
-                raise self._give_up("a tapped output shared by the samples meets the batch "
-                                    f"again in {describe(func)}, along another dim or "
-                                    "written in place since")
-        return tuple(new_args), NotImplemented
+            new_args[i] = self._meet(func, args[i], out)
+        return tuple(new_args), kwargs, NotImplemented
+
+    def _meet(self, func: Any, y: Tensor, out: tuple[int, ...]) -> Tensor:
+        """Shared output ``y`` expanded and tapped where it meets the batch in ``out``.
+
+        The samples' dim (counted from the end) is the one dim of ``out`` that is ``B`` where
+        ``y`` has size 1 or none (broadcasting prepends it); failing that, the one such dim
+        that is a multiple ``B·k`` (the samples merged with ``k`` entries each, sample after
+        sample: Swin's windows; the first run's derivative check finds another order).
+        """
+        samples = self._samples
+        assert samples is not None
+        offset = len(out) - y.dim()
+        candidates = [(len(out) - q, out[q]) for q in range(max(offset, 0))]
+        candidates += [(y.dim() - d, out[offset + d]) for d in range(y.dim())
+                       if y.shape[d] == 1 and offset >= 0]
+        places = [c for c in candidates if c[1] == samples] or \
+            [c for c in candidates if c[1] > samples and c[1] % samples == 0]
+        if len(places) != 1 or (places[0][0] > y.dim() and y.dim() == 0):
+            raise self._give_up("a tapped output shared by the samples meets the batch in "
+                                f"{describe(func)} along {len(places)} candidate dims")
+        place = places[0]
+        met = self._met.get(id(y))
+        if met is None:
+            kept = _torch_compat.version_of(y)
+            if kept is None:
+                raise self._give_up("a tapped output shared by the samples keeps no version "
+                                    "counter")
+            expanded = self._expand_shared(y, *place)
+            self._met[id(y)] = (place, expanded, kept)
+            return expanded
+        if met[0] == place and not _written(met[2]):
+            return met[1]
+        raise self._give_up("a tapped output shared by the samples meets the batch again in "
+                            f"{describe(func)}, along another dim or written in place since")
 
     def _is_shared_output(self, value: Any) -> bool:
         """Whether ``value`` is a shared tapped output, pending or met (NOTE [shared taps])."""
         return isinstance(value, Tensor) and (id(value) in self._pending
                                               or id(value) in self._met)
 
-    def _expand_shared(self, y: Tensor, place: int) -> Tensor:
-        """``y`` expanded along the samples' dim (``place``, counted from the end), tapped.
+    def _expand_shared(self, y: Tensor, place: int, size: int) -> Tensor:
+        """``y`` expanded to ``size`` along the samples' dim (``place``, from the end), tapped.
 
-        A dim of ``y`` of size 1 takes the samples, and so does the tap. A dim that
-        broadcasting prepends to ``y`` (``x + pe`` of ``[B, T, d]`` and ``[T, d]``, as
-        nanoGPT adds its positions) has no place in the trace's rank: the tap merges the
-        samples into ``y``'s first dim, each sample's entries together (so built, not read
-        from ``f``: :attr:`built_taps`), and is viewed with the samples first.
+        Where a dim of ``y`` of size 1 takes exactly the samples, so does the tap. Otherwise
+        (:meth:`_expand_built`) the tap is built on the tapped output itself.
         """
         tap_index, root, chain = self._pending.pop(id(y))
         samples = self._samples
@@ -772,35 +807,31 @@ class TapMode(TorchFunctionMode):
             raise self._give_up("a tapped output shared by the samples meets the batch through "
                                 "two of its views")
         self._met_taps.add(tap_index)
-        if chain:
-            return self._expand_through(tap_index, root, chain, y, place)
-        if place <= y.dim():
-            dim = y.dim() - place
-            shape = (*y.shape[:dim], samples, *y.shape[dim + 1:])
-            tap = zero_tap(shape, y.dtype, y.device)
-            expanded = y.expand(shape) + tap
-        else:
-            shape = (samples * y.shape[0], *y.shape[1:])
-            tap = zero_tap(shape, y.dtype, y.device)
-            stacked = y.unsqueeze(0).expand(samples, *y.shape).reshape(shape) + tap
-            expanded = stacked.view(samples, *(1,) * (place - y.dim() - 1), *y.shape)
-            self.built_taps.add(tap_index)
+        if chain or place > y.dim() or size != samples:
+            return self._expand_built(tap_index, root, chain, y, place, size)
+        dim = y.dim() - place
+        shape = (*y.shape[:dim], samples, *y.shape[dim + 1:])
+        tap = zero_tap(shape, y.dtype, y.device)
         self._set_tap(tap_index, tap)
-        return expanded
+        return y.expand(shape) + tap
 
-    def _expand_through(self, tap_index: int, root: Tensor, chain: tuple[_LayoutCall, ...],
-                        y: Tensor, place: int) -> Tensor:
+    def _expand_built(self, tap_index: int, root: Tensor, chain: tuple[_LayoutCall, ...],
+                      y: Tensor, place: int, size: int) -> Tensor:
         """:meth:`_expand_shared` of ``y``, made from the tapped output ``root`` by ``chain``.
 
         The tap sits on ``root`` (the rule's factors are in its layout), its samples merged
-        into ``root``'s first dim (:meth:`_expand_shared`'s prepended case), and the layout
-        calls run on every sample's copy (``vmap``), which gives ``y`` with the samples first.
+        into ``root``'s first dim, each sample's entries together (laid out here, not by
+        ``f``: :attr:`built_taps`); the layout calls run on every sample's copy (``vmap``),
+        which gives ``y`` with the samples first. They go where ``y`` meets the batch: a dim
+        of ``y`` of size 1, or one that broadcasting prepends (``x + pe`` of ``[B, T, d]`` and
+        ``[T, d]``, as nanoGPT adds its positions), each sample repeated ``size / B`` times
+        there where the samples are merged with other entries (Swin's ``B·nW`` windows).
         """
         samples = self._samples
         assert samples is not None
         if root.dim() == 0:
-            raise self._give_up("a tapped scalar shared by the samples is reshaped before it "
-                                "meets the batch")
+            raise self._give_up("a tapped scalar shared by the samples meets the batch "
+                                "without a dim of its own")
         shape = (samples * root.shape[0], *root.shape[1:])
         tap = zero_tap(shape, root.dtype, root.device)
         stacked = root.unsqueeze(0).expand(samples, *root.shape).reshape(shape) + tap
@@ -812,11 +843,18 @@ class TapMode(TorchFunctionMode):
                 value = func(value, *rest, **kwargs)
             return value
 
-        per_sample = torch.vmap(replay)(stacked.view(samples, *root.shape))  # [B, *y.shape]
-        if place <= y.dim():
+        per_sample = stacked.view(samples, *root.shape)
+        if chain:
+            per_sample = torch.vmap(replay)(per_sample)  # [B, *y.shape]
+        if place <= y.dim():  # y's size-1 dim, after the samples' dim 0 here
             dim = y.dim() - place
-            return per_sample.squeeze(dim + 1).movedim(0, dim)
-        return per_sample.view(samples, *(1,) * (place - y.dim() - 1), *y.shape)
+            per_sample = per_sample.movedim(0, dim)  # [..., B, 1, ...]
+        else:
+            dim = 0
+            per_sample = per_sample.view(samples, *(1,) * (place - y.dim()), *y.shape)
+        repeated = per_sample.expand(*per_sample.shape[:dim + 1], size // samples,
+                                     *per_sample.shape[dim + 2:])
+        return repeated.flatten(dim, dim + 1)
 
     def _set_tap(self, tap_index: int, tap: Tensor) -> None:
         """Make ``tap`` the tap of shared output ``tap_index``, its shape the recorded one."""
@@ -896,7 +934,7 @@ class TapMode(TorchFunctionMode):
             recording.unbatchable.append(describe(func))
         leaves = _leaves(args, kwargs)
         if self._pending or self._met:  # NOTE [shared taps]
-            args, result = self._meet_batch(func, args, kwargs, leaves)
+            args, kwargs, result = self._meet_batch(func, args, kwargs, leaves)
             if result is not NotImplemented:
                 return result
             leaves = _leaves(args, kwargs)
