@@ -13,6 +13,11 @@ here, with the layer lists of the papers / torchvision). A case's rows are per-s
   attention mask, cross-entropy;
 * ``vit``: ``ViTForImageClassification``, 2 layers, d=128, 4 heads, 24×24 images in 4×4
   patches (37 tokens);
+* ``swin``: ``SwinForImageClassification``, two stages of 2 blocks (d=64 then 128, 2 then 4
+  heads), 4×4 windows with shifts and a relative position bias, 32×32 images in 2×2 patches;
+* ``nanogpt``: a nanoGPT-style decoder written here (token + ``[T, d]`` position embeddings of
+  ``arange(T)``, 2 pre-norm blocks with a fused qkv projection and causal
+  ``scaled_dot_product_attention``, tied head), d=128, 4 heads, LM loss;
 * ``resnet18``: ResNet-18 (BasicBlock ×[2, 2, 2, 2], CIFAR stem), widths 16-128, eval-mode
   batch-norm, 32×32 images;
 * ``mobilenet``: MobileNetV3-small (11 inverted residuals, squeeze-excite, hardswish),
@@ -54,6 +59,8 @@ class Sizes:
     classes: int = 10
     vit_image: int = 24
     vit_patch: int = 4
+    swin_image: int = 32
+    swin_window: int = 4
     resnet_image: int = 32
     resnet_width: int = 16
     mobilenet_image: int = 64
@@ -64,8 +71,8 @@ class Sizes:
 
 FULL = Sizes()
 QUICK = Sizes(batch=3, tokens=6, hidden=16, layers=1, heads=2, vocab=30, classes=3, vit_image=8,
-              vit_patch=4, resnet_image=8, resnet_width=4, mobilenet_image=32,
-              mobilenet_width=0.25, rnn_embed=8, rnn_hidden=8)
+              vit_patch=4, swin_image=8, swin_window=2, resnet_image=8, resnet_width=4,
+              mobilenet_image=32, mobilenet_width=0.25, rnn_embed=8, rnn_hidden=8)
 
 
 @dataclass
@@ -201,6 +208,72 @@ def vit(s: Sizes) -> RealCase:
     return RealCase("vit", f"ViTForImageClassification {s.layers} layers d={s.hidden} "
                     f"{s.heads} heads, {s.vit_image}×{s.vit_image} images ({tokens} tokens)",
                     model, (images, labels), _images_ce)
+
+
+def swin(s: Sizes) -> RealCase:
+    from transformers import SwinConfig, SwinForImageClassification
+
+    config = SwinConfig(image_size=s.swin_image, patch_size=2, num_channels=3,
+                        embed_dim=s.hidden // 2, depths=[2, 2], num_heads=[s.heads // 2, s.heads],
+                        window_size=s.swin_window, mlp_ratio=4.0, num_labels=s.classes,
+                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                        drop_path_rate=0.0)
+    model = SwinForImageClassification(config).eval()
+    images = torch.randn(s.batch, 3, s.swin_image, s.swin_image)
+    labels = torch.randint(0, s.classes, (s.batch,))
+    return RealCase("swin", f"SwinForImageClassification 2+2 blocks d={s.hidden // 2}-{s.hidden}, "
+                    f"{s.swin_window}×{s.swin_window} windows, {s.swin_image}×{s.swin_image} "
+                    "images", model, (images, labels), _images_ce)
+
+
+class NanoBlock(nn.Module):
+    """A nanoGPT block: pre-norm causal self-attention (fused qkv) and a GELU MLP."""
+
+    def __init__(self, s: Sizes) -> None:
+        super().__init__()
+        self.heads = s.heads
+        self.norm1, self.norm2 = nn.LayerNorm(s.hidden), nn.LayerNorm(s.hidden)
+        self.qkv, self.proj = nn.Linear(s.hidden, 3 * s.hidden), nn.Linear(s.hidden, s.hidden)
+        self.up, self.down = nn.Linear(s.hidden, 4 * s.hidden), nn.Linear(4 * s.hidden, s.hidden)
+
+    def forward(self, x: Tensor) -> Tensor:
+        batch, tokens, width = x.shape
+        q, k, v = (t.view(batch, tokens, self.heads, -1).transpose(1, 2)
+                   for t in self.qkv(self.norm1(x)).split(width, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(batch, tokens, width))
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+class NanoGPT(nn.Module):
+    """nanoGPT's model: ``wte(idx) + wpe(arange(T))``, blocks, final norm, tied head."""
+
+    def __init__(self, s: Sizes) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(s.vocab, s.hidden), nn.Embedding(s.tokens, s.hidden)
+        self.blocks = nn.ModuleList(NanoBlock(s) for _ in range(s.layers))
+        self.norm = nn.LayerNorm(s.hidden)
+        self.head = nn.Linear(s.hidden, s.vocab, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, ids: Tensor) -> Tensor:
+        x = self.wte(ids) + self.wpe(torch.arange(ids.shape[1], device=ids.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def _next_token_losses(model: Callable[..., Tensor], ids: Tensor) -> Tensor:
+    logits = model(ids)[:, :-1]
+    return F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none").mean(1)
+
+
+def nanogpt(s: Sizes) -> RealCase:
+    model = NanoGPT(s).eval()
+    ids = torch.randint(0, s.vocab, (s.batch, s.tokens))
+    return RealCase("nanogpt", f"nanoGPT-style decoder {s.layers} blocks d={s.hidden} "
+                    f"{s.heads} heads, T={s.tokens}, positions of arange(T), tied head",
+                    model, (ids,), _next_token_losses)
 
 
 # -- vision: ResNet-18 and MobileNetV3-small ------------------------------------------------------
@@ -422,8 +495,8 @@ def torch_encoder_train(s: Sizes) -> RealCase:
 
 
 BUILDERS: dict[str, Callable[[Sizes], RealCase]] = {
-    "gpt2": gpt2, "llama": llama, "bert": bert, "vit": vit, "resnet18": resnet18,
-    "mobilenet": mobilenet, "lstm": lstm, "gru": gru,
+    "gpt2": gpt2, "llama": llama, "bert": bert, "vit": vit, "swin": swin, "nanogpt": nanogpt,
+    "resnet18": resnet18, "mobilenet": mobilenet, "lstm": lstm, "gru": gru,
 }
 NAMES: tuple[str, ...] = tuple(BUILDERS)
 
