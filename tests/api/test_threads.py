@@ -233,7 +233,7 @@ def test_math_attention_is_released_on_interrupt(backend: str) -> None:
     def f(w: Tensor, x: Tensor) -> Tensor:
         if not torch.backends.cuda.flash_sdp_enabled():  # inside the math-attention pass
             raise Interrupt
-        q = x @ w + w[0]  # w[0]: a use no rule knows, so structured runs f under vmap
+        q = x @ w + w[:, 0]  # w[:, 0]: a use no rule knows, so structured runs f under vmap
         return F.scaled_dot_product_attention(q, q, q).sum((1, 2))
 
     with pytest.raises(Interrupt):

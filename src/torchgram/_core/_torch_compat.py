@@ -484,6 +484,11 @@ def _holds_indices(value: Any) -> bool:
 def _index_digest(tensor: Tensor) -> tuple[Any, ...]:
     if tensor.layout != torch.strided:  # sparse or nested: its shape and layout only
         return tensor.dtype, tuple(tensor.shape), str(tensor.layout)
+    if tensor.dim() == 0:
+        # read as a number: a wrapped Python scalar (the 4 of ``x * 4``) fails torch ops
+        # under a dispatch mode (the data-parallel phase's NoCollectives: "aten::detach()
+        # Expected a value of type 'Tensor' ... found type 'int'", a fuzzed split; session 48)
+        return tensor.dtype, (), tensor.tolist()
     held = tensor.detach().cpu().reshape(-1).contiguous()
     content = hashlib.blake2b(held.view(torch.uint8).numpy().tobytes() if held.numel() else b"",
                               digest_size=16)

@@ -113,7 +113,7 @@ from torchgram.backends.structured.rules import (
     rule_for,
 )
 from torchgram.backends.structured.rules.base import Layout, Match, UseShape
-from torchgram.backends.structured.rules.embedding import row_gather
+from torchgram.backends.structured.rules.embedding import row_gather, row_slice
 from torchgram.backends.structured.rules.recurrent_saves import (
     RECURRENT_KERNELS,
     call_tensors,
@@ -958,6 +958,12 @@ class TapMode(TorchFunctionMode):
                 else row_gather(func, args, kwargs)
             if gather is not None:  # NOTE [row gathers]
                 return self.__torch_function__(F.embedding, types, gather, {})
+            rows = None if ref.transposed or ref.view_shape is not None \
+                else row_slice(func, args, kwargs)
+            if rows is not None:  # NOTE [row gathers]: whole rows of the table [-1, d]
+                table = args[0] if args[0].dim() == 2 else self.__torch_function__(
+                    torch.Tensor.reshape, types, (args[0], -1, args[0].shape[-1]), {})
+                return self.__torch_function__(F.embedding, types, (rows, table), {})
             if not ref.transposed and not kwargs and (
                     func in _RESHAPE_METHODS or func is torch.Tensor.__getitem__):
                 result = func(*args, **kwargs)
@@ -1012,7 +1018,9 @@ class TapMode(TorchFunctionMode):
             if operand.layout is not None:
                 # an elementwise use sees entries one by one: a reshaped view is the same
                 # use, a transpose is not; other rules need the leaf's own layout
-                if not ref.transposed if operand.layout.elementwise else ref.view_shape is None:
+                # (and a lookup, whose table a row-major view keeps in the leaf's order)
+                if not ref.transposed if operand.layout.elementwise or \
+                        operand.layout.act_is_index else ref.view_shape is None:
                     chosen.append((i, ref, "weight"))
             elif operand.bias_of is not None and not ref.transposed:
                 chosen.append((i, ref, "bias"))

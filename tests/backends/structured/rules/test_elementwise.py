@@ -84,9 +84,10 @@ def test_elementwise_parameters_are_structured(ways, name):
     assert "fallback" not in ways(f, (params, _randn(*x_shape)), batch_dim=0)
 
 
-def test_in_place_and_indexed_uses_stay_on_the_fallback(ways):
+def test_in_place_uses_stay_on_the_fallback_and_indexed_rows_are_lookups(ways):
     for name, expected in (("in_place_add", ["ghost", "fallback"]),
-                           ("scale_and_linear", ["fallback"])):
+                           # W[0]: a row of W read as a lookup (NOTE [row gathers])
+                           ("scale_and_linear", ["materialize"])):
         f, shapes, x_shape = CASES[name]
         params = {k: _randn(*s) for k, s in sorted(shapes.items())}
         assert ways(f, (params, _randn(*x_shape)), batch_dim=0) == expected

@@ -103,3 +103,40 @@ def test_large_vocabulary_prefers_ghost(ways):
     tokens = torch.randint(0, 5000, (8, 3))
     f = lambda p, i: F.embedding(i, p["e"]).sum((1, 2))  # noqa: E731
     assert ways(f, (params, tokens), batch_dim=0) == ["ghost"]
+
+
+SLICES = {
+    # whole rows of a table sliced (NOTE [row gathers]): Whisper's weight[:T], minGPT's
+    # pos_emb[:, :T, :] of a [1, block, d] parameter, narrow, a step
+    "rows": lambda p, i: torch.tanh(F.embedding(i, p["e"]) + p["e"][:T]).sum((1, 2)),
+    "rows_of_3d": lambda p, i: torch.tanh(F.embedding(i, p["e"]) + p["pos"][:, :T, :])
+    .sum((1, 2)),
+    "rows_of_3d_ellipsis": lambda p, i: (F.embedding(i, p["e"]) * p["pos"][0, 1:T + 1, ...])
+    .sum((1, 2)),
+    "narrow": lambda p, i: torch.sin(F.embedding(i, p["e"]) - p["e"].narrow(0, 1, T))
+    .sum((1, 2)),
+    "step": lambda p, i: torch.tanh(F.embedding(i[:, :3], p["e"]) + p["pos"][:, ::3]).sum((1, 2)),
+    # and the table's other uses: the lookup of the tokens and a tied head
+    "rows_and_head": lambda p, i: F.log_softmax(
+        F.linear(torch.tanh(F.embedding(i, p["e"]) + p["e"][2:T + 2]), p["e"]), -1)[..., 0]
+    .sum(1),
+}
+
+
+@pytest.mark.parametrize("batch_dim", [None, 0], ids=["dense", "batch"])
+@pytest.mark.parametrize("way", WAYS)
+@pytest.mark.parametrize("name", list(SLICES))
+def test_row_slices_match_oracle(check, name, way, batch_dim):
+    torch.manual_seed(0)
+    params = {"e": torch.randn(V, D, dtype=torch.float64),
+              "pos": torch.randn(1, V, D, dtype=torch.float64)}
+    check(SLICES[name], (params, _tokens()), force=way, batch_dim=batch_dim)
+
+
+def test_row_slices_are_lookups_and_column_slices_are_not(ways):
+    params = {"e": torch.randn(V, D, dtype=torch.float64),
+              "pos": torch.randn(1, V, D, dtype=torch.float64)}
+    for name in SLICES:
+        assert "fallback" not in ways(SLICES[name], (params, _tokens()), batch_dim=0), name
+    columns = lambda p, i: (F.embedding(i, p["e"])[..., :2] + p["e"][:T, :2]).sum((1, 2))  # noqa: E731
+    assert ways(columns, (params, _tokens()), batch_dim=0)[0] == "fallback"

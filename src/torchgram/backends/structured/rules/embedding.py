@@ -18,8 +18,11 @@ the rows. That is ``F.embedding(index, table)`` (negative indices counted from t
 indexing does), so the tapping mode hands such a call to this rule (:func:`row_gather`) rather
 than leaving the table to the fallback, whose per-row Jacobians need the per-sample pass for
 the whole model. Only whole rows of a 2-D table at an integer tensor on the table's device;
-a boolean mask, a slice or a column index keep the call as it is. (BEiT interpolates its
-table before the lookup: that table stays with the fallback.)
+a boolean mask or a column index keep the call as it is. (BEiT interpolates its table before
+the lookup: that table stays with the fallback.) Slices of whole rows are lookups too
+(:func:`row_slice`): minGPT's ``pos_emb[:, :T, :]`` of a ``[1, block, d]`` parameter,
+Whisper's ``weight[:T]``, ``narrow``, ``[a:b:step]``; the table is then the parameter viewed
+as ``[rows, d]`` (its entries in the same order).
 """
 
 from __future__ import annotations
@@ -147,3 +150,68 @@ def row_gather(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
             or index.dtype not in (torch.long, torch.int) or index.device != table.device:
         return None
     return torch.where(index < 0, index + table.shape[0], index), table
+
+
+_NARROWS = frozenset({torch.Tensor.narrow, torch.narrow})
+
+
+def _basic_key(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
+    """The index of a basic indexing call (ints, slices, ``None``, ``...``), as a tuple."""
+    if func is torch.Tensor.__getitem__ and len(args) == 2 and not kwargs:
+        key = args[1] if isinstance(args[1], tuple) else (args[1],)
+    elif func in _NARROWS and len(args) == 4 and not kwargs \
+            and all(isinstance(a, int) and not isinstance(a, bool) for a in args[1:]):
+        dim = args[1] % max(args[0].dim(), 1)
+        key = (*(slice(None),) * dim, slice(args[2], args[2] + args[3]))
+    else:
+        return None
+    if not all(k is None or k is Ellipsis or (isinstance(k, int | slice)
+                                               and not isinstance(k, bool)) for k in key):
+        return None
+    return key
+
+
+def row_slice(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor | None:
+    """The rows read by a basic indexing of ``args[0]`` that keeps its last dim whole.
+
+    Row ``r`` is ``args[0].reshape(-1, d)[r]`` (``d`` its last size): the call is then
+    ``F.embedding(rows, args[0].reshape(-1, d))`` (NOTE [row gathers]); ``None`` where the
+    call is another (or reads no row).
+
+    Example:
+        >>> table = torch.randn(1, 6, 4)
+        >>> rows = row_slice(torch.Tensor.__getitem__, (table, (slice(None), slice(1, 5, 2))),
+        ...                  {})
+        >>> rows
+        tensor([[1, 3]])
+        >>> torch.equal(F.embedding(rows, table.reshape(-1, 4)), table[:, 1:5:2])
+        True
+        >>> row_slice(torch.Tensor.__getitem__, (table, (..., slice(0, 2))), {}) is None
+        True
+    """
+    try:
+        if func is not torch.Tensor.__getitem__ and func not in _NARROWS:
+            return None
+    except TypeError:  # unhashable func
+        return None
+    table = args[0] if args else None
+    if not isinstance(table, Tensor) or table.dim() < 2 or table.shape[-1] == 0:
+        return None
+    key = _basic_key(func, args, kwargs)
+    if key is None or sum(k is Ellipsis for k in key) > 1:
+        return None
+    consumed = sum(k is not None and k is not Ellipsis for k in key)
+    if consumed > table.dim():
+        return None
+    full = (slice(None),) * (table.dim() - consumed)
+    if any(k is Ellipsis for k in key):
+        at = next(i for i, k in enumerate(key) if k is Ellipsis)
+        key = (*key[:at], *full, *key[at + 1:])
+    else:
+        key = (*key, *full)
+    if not (isinstance(key[-1], slice) and key[-1] == slice(None)):
+        return None
+    width = table.shape[-1]
+    rows = torch.arange(table.numel() // width, device=table.device).view(table.shape[:-1])
+    rows = rows[key[:-1]]
+    return rows if rows.numel() else None
