@@ -173,15 +173,15 @@ class Positions:
 
     BERT's and GPT-2's position embeddings (NOTE [shared taps]): ``lookup`` is ``F.embedding``
     of ``[1, T]`` ids, of ``[T]`` ids (``flat``: nanoGPT's, the samples' dim prepended where
-    it meets ``h``), ``table[ids]`` (a row gather, NOTE [row gathers]) or ``table[arange(T)]``
-    unsqueezed (a layout call before it meets the batch); ``uses``: ``once`` (``h + pos``),
-    ``twice`` (``tanh(h + pos) + pos``), ``regularised`` (``h + pos + pos.pow(2).sum()``, a
-    use that does not meet the batch) or ``merged`` (its first row added to ``h`` flattened to
-    ``[B·T, D]``: the samples merged with the positions, as Swin's windows); ``write``:
-    ``pos`` is scaled in place first.
+    it meets ``h``), ``table[ids]`` (a row gather, NOTE [row gathers]), ``table[arange(T)]``
+    unsqueezed (a layout call before it meets the batch) or ``table[:T]`` (a row slice);
+    ``uses``: ``once`` (``h + pos``), ``twice`` (``tanh(h + pos) + pos``), ``regularised``
+    (``h + pos + pos.pow(2).sum()``, a use that does not meet the batch) or ``merged`` (its
+    first row added to ``h`` flattened to ``[B·T, D]``: the samples merged with the
+    positions, as Swin's windows); ``write``: ``pos`` is scaled in place first.
     """
 
-    lookup: Literal["embedding", "flat", "index", "unsqueeze"] = "embedding"
+    lookup: Literal["embedding", "flat", "index", "unsqueeze", "slice"] = "embedding"
     uses: Literal["once", "twice", "regularised", "merged"] = "once"
     write: bool = False
     frozen: bool = False
@@ -715,6 +715,8 @@ def _positions(layer: Positions, table: Tensor, h: Tensor) -> Tensor:
         pos = F.embedding(ids[None] if layer.lookup == "embedding" else ids, table)
     elif layer.lookup == "index":
         pos = table[ids[None]]
+    elif layer.lookup == "slice":
+        pos = table[:h.shape[1]]
     else:
         pos = table[ids].unsqueeze(0)
     if layer.write:

@@ -12,6 +12,7 @@ layout independently) or a torchgram error, and the call leaves the inputs as th
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,7 @@ from torch import Tensor
 
 import torchgram as tg
 import torchgram.backends.structured.cross as structured_cross
+from fuzz_aggregate import OWN_ROUND_OFF
 from fuzz_arch import (
     Buffer,
     Features,
@@ -32,7 +34,7 @@ from fuzz_arch import (
     walk_shapes,
     without_dropout,
 )
-from fuzz_check import Snapshot, assert_close
+from fuzz_check import TOLERANCE, Snapshot, assert_close
 from fuzz_strategies import cases
 from reference import dense_cross_kernel
 
@@ -132,10 +134,12 @@ def kernel_cases(draw: st.DrawFn, backend: str) -> KernelCase:
                       labels_via=draw(st.sampled_from(["x", "keyword"])))
 
 
-def _output(case: FuzzCase, batch: int, shift: int = 0) -> tuple[Any, Any, Tensor]:
+def _output(case: FuzzCase, batch: int, shift: int = 0,
+            dtype: torch.dtype | None = None) -> tuple[Any, Any, Tensor]:
     """``(f, (params, x), output)`` of ``case`` on ``batch`` samples; ``shift`` draws other
-    inputs (the same parameters: they are drawn before the inputs)."""
-    built = build(dataclasses.replace(case, batch=batch))
+    inputs (the same parameters: they are drawn before the inputs); ``dtype``: every float
+    built in it (``None``: the case's)."""
+    built = build(dataclasses.replace(case, batch=batch), dtype)
     params, *inputs = built.args
     if shift:
         generator = torch.Generator().manual_seed(case.seed + shift)
@@ -197,6 +201,26 @@ def check_kernel(kernel: KernelCase, backend: str) -> str:
               if isinstance(leaf, Tensor) and leaf.is_floating_point()]
     single = case.dtype == "float64" and not case.mixed_dtypes and all(
         leaf.dtype == torch.float64 for leaf in leaves)
-    assert_close(result, expected.to(torch.float64), result.dtype, "kernel",
-                 precision=torch.float64 if single else torch.float32)
+    try:
+        assert_close(result, expected.to(torch.float64), result.dtype, "kernel",
+                     precision=torch.float64 if single else torch.float32)
+    except AssertionError:
+        if single or not _within_own_round_off(kernel, result, expected):
+            raise
     return "answered"
+
+
+def _within_own_round_off(kernel: KernelCase, result: Tensor, expected: Tensor) -> bool:
+    """Whether a float32 kernel is off the float64 one by at most :data:`OWN_ROUND_OFF` times
+    the float32 dense kernel's own error (an ill-conditioned case: norms over two values after
+    a determinant, where the float32 oracle itself is 1e-3 off; as ``fuzz_aggregate`` does)."""
+    case = kernel.case
+    f, (params, x1), _ = _output(case, case.batch, dtype=torch.float64)
+    x2 = None if kernel.batch2 is None else \
+        _output(case, kernel.batch2, shift=1, dtype=torch.float64)[1][1]
+    reference = dense_cross_kernel(f, params, x1, x2, kernel.trace_axes, kernel.diagonal_axes)
+    own = (expected.double() - reference).abs().max().item()
+    error = (result.double() - reference).abs().max().item()
+    scale = max(reference.abs().max().item() if reference.numel() else 0.0, 1e-2)
+    return math.isfinite(error) and error <= max(TOLERANCE[torch.float32] * scale,
+                                                 OWN_ROUND_OFF * own)

@@ -195,7 +195,7 @@ def _layer(draw: st.DrawFn, backend: str, width: int, length: int, tokens: Token
                       via=draw(st.sampled_from(["closure", "positional", "keyword"])))
     if kind == "positions":
         return Positions(lookup=draw(st.sampled_from(["embedding", "flat", "index",
-                                                      "unsqueeze"])),
+                                                      "unsqueeze", "slice"])),
                          uses=draw(st.sampled_from(["once", "twice", "regularised",
                                                     "merged"])),
                          write=draw(st.integers(0, 3)) == 0, frozen=frozen)
