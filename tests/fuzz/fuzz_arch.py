@@ -178,7 +178,8 @@ class Positions:
     ``uses``: ``once`` (``h + pos``), ``twice`` (``tanh(h + pos) + pos``), ``regularised``
     (``h + pos + pos.pow(2).sum()``, a use that does not meet the batch) or ``merged`` (its
     first row added to ``h`` flattened to ``[B·T, D]``: the samples merged with the
-    positions, as Swin's windows); ``write``: ``pos`` is scaled in place first.
+    positions, as Swin's windows); ``write``: ``pos`` is scaled in place first (not a slice,
+    a view of the table).
     """
 
     lookup: Literal["embedding", "flat", "index", "unsqueeze", "slice"] = "embedding"

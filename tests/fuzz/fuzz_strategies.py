@@ -194,11 +194,13 @@ def _layer(draw: st.DrawFn, backend: str, width: int, length: int, tokens: Token
                       op=draw(st.sampled_from(["add", "mul"])),
                       via=draw(st.sampled_from(["closure", "positional", "keyword"])))
     if kind == "positions":
-        return Positions(lookup=draw(st.sampled_from(["embedding", "flat", "index",
-                                                      "unsqueeze", "slice"])),
+        lookup = draw(st.sampled_from(["embedding", "flat", "index", "unsqueeze", "slice"]))
+        return Positions(lookup=lookup,
                          uses=draw(st.sampled_from(["once", "twice", "regularised",
                                                     "merged"])),
-                         write=draw(st.integers(0, 3)) == 0, frozen=frozen)
+                         # a slice is a view of the table: a write would change the parameter
+                         write=lookup != "slice" and draw(st.integers(0, 3)) == 0,
+                         frozen=frozen)
     if kind == "tied_out":
         return TiedOut()
     if kind == "center":
