@@ -622,9 +622,9 @@ class TapMode(TorchFunctionMode):
         # counted from the end, the tapped expansion, (storage owner, version) then)
         self._met: dict[int, tuple[tuple[int, int], Tensor, tuple[Tensor, int]]] = {}
         self.built_taps: set[int] = set()
-        self._met_taps: set[int] = set()
         """Taps whose merged samples are laid out by the mode, not by ``f`` (their order
-        needs no check of ``f``'s activations: :meth:`_expand_shared`)."""
+        needs no check of ``f``'s activations: :meth:`_expand_built`)."""
+        self._met_taps: set[int] = set()  # shared taps already expanded where they met it
         self.not_batched: str | None = None
         self._contexts: list[contextlib.ExitStack] = []
         self._grad_at_entry = True
@@ -658,7 +658,7 @@ class TapMode(TorchFunctionMode):
         calls, self._recurrent_calls = self._recurrent_calls, []  # (their tensors let go)
         for func, args, kwargs, kept in calls:
             modified = [i for i, owned in enumerate(kept)
-                        if owned is not None and _torch_compat.version(owned[0]) != owned[1]]
+                        if owned is not None and _written(owned)]
             if modified and fused_call_refuses(func, args, kwargs, modified):
                 raise ModifiedInPlace(
                     f"a tensor of a {describe(func)} call (an nn.LSTM, nn.GRU or nn.RNN), "
@@ -691,10 +691,23 @@ class TapMode(TorchFunctionMode):
     # (nanoGPT's ``[T, d]`` positions of ``arange(T)`` against ``[B, T, d]`` tokens: they ran
     # the per-sample vmap pass before session 48, ~1.9x a backward against ~1.5x), it is
     # expanded along that dim and tapped there, so the tap holds every sample's own
-    # cotangent. Ops that return it unchanged (``.to(device)``,
-    # dropout in eval mode) keep it pending; any other use, several candidate dims, an
-    # in-place op on it, or a run that ends with it pending, stops the batched run
-    # (:class:`NotBatched`), and the backend takes the per-sample ``vmap`` way instead.
+    # cotangent. Ops that return it unchanged (``.to(device)``, dropout in eval mode) keep it
+    # pending; so do calls that lay its entries out anew (``unsqueeze``, ``view``,
+    # ``permute``, basic indexing: :func:`_is_layout_call`), which are remembered: where such
+    # a view meets the batch, the tap sits on the tapped output itself (where the rule's
+    # factors are), its samples merged into its first dim sample after sample (laid out by
+    # the mode: :attr:`TapMode.built_taps`), and the layout calls run again on every
+    # sample's copy under ``vmap`` (a Swin-style relative position bias, gathered, viewed,
+    # permuted and unsqueezed before it is added to the scores). The same built tap serves a
+    # meeting where the samples are merged with other entries in one dim (Swin adds its bias
+    # to ``B·nW`` windows: each sample's copy repeated along it, sample after sample), and
+    # one inside ``scaled_dot_product_attention``, whose ``attn_mask`` broadcasts against the
+    # scores (Swin's blocks without a shift mask pass the bias there); where the samples are
+    # laid out otherwise, the first run's derivative check finds a sample's rows on another's
+    # slice. (HF's Swin ran the per-sample vmap pass before session 48.) Any other use,
+    # several candidate dims, an in-place op on it, two of its views meeting the batch, or a
+    # run that ends with it pending, stops the batched run (:class:`NotBatched`), and the
+    # backend takes the per-sample ``vmap`` way instead.
     # Once it met the batch, the output itself still holds no sample's cotangent: a later
     # call that uses it again meets the batch the same way (``x + pe`` then ``2 * x + pe``)
     # and takes the same tapped expansion, or stops the batched run. (It used to run as
@@ -954,16 +967,15 @@ class TapMode(TorchFunctionMode):
                 self._refs[id(result)] = LeafRef(ref.index, not ref.transposed)
                 self._pins.append(result)
                 return result
-            gather = None if ref.transposed or ref.view_shape is not None \
-                else row_gather(func, args, kwargs)
-            if gather is not None:  # NOTE [row gathers]
-                return self.__torch_function__(F.embedding, types, gather, {})
-            rows = None if ref.transposed or ref.view_shape is not None \
-                else row_slice(func, args, kwargs)
-            if rows is not None:  # NOTE [row gathers]: whole rows of the table [-1, d]
-                table = args[0] if args[0].dim() == 2 else self.__torch_function__(
-                    torch.Tensor.reshape, types, (args[0], -1, args[0].shape[-1]), {})
-                return self.__torch_function__(F.embedding, types, (rows, table), {})
+            if not ref.transposed and ref.view_shape is None:  # NOTE [row gathers]
+                gather = row_gather(func, args, kwargs)
+                if gather is not None:
+                    return self.__torch_function__(F.embedding, types, gather, {})
+                rows = row_slice(func, args, kwargs)
+                if rows is not None:  # whole rows of the table viewed [-1, d]
+                    table = args[0] if args[0].dim() == 2 else self.__torch_function__(
+                        torch.Tensor.reshape, types, (args[0], -1, args[0].shape[-1]), {})
+                    return self.__torch_function__(F.embedding, types, (rows, table), {})
             if not ref.transposed and not kwargs and (
                     func in _RESHAPE_METHODS or func is torch.Tensor.__getitem__):
                 result = func(*args, **kwargs)
