@@ -9,6 +9,8 @@ refuses before the first write, naming ``tg.functionalize``, which is right ever
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import Tensor, nn
@@ -116,7 +118,69 @@ def test_writes_into_what_f_made_and_batch_norm_statistics_are_fine(backend: str
 
     wanted = dense_gramian(f, (params, x)).shaped()  # (the oracle's own run updates them)
     state = {name: b.clone() for name, b in module.named_buffers()}
-    actual = tg.gramian(f, backend=backend)(params, x)
-    torch.testing.assert_close(actual, wanted, rtol=1e-10, atol=1e-12)
+    for _ in range(2):  # the second under the cached probe (NOTE [writes under a cached probe])
+        actual = tg.gramian(f, backend=backend)(params, x)
+        torch.testing.assert_close(actual, wanted, rtol=1e-10, atol=1e-12)
     for name, value in module.named_buffers():
         assert torch.equal(value, state[name]), name
+
+
+# NOTE [writes under a cached probe]: module-level functions that read their model from a
+# global, as a notebook's or a sweep's do; the call signature is the same for every model.
+_SWEEP: dict[str, Any] = {}
+
+
+def _table_losses(p: dict[str, Tensor], ids: Tensor) -> Tensor:
+    return _SWEEP["fn"](p, ids).pow(2).sum(1)
+
+
+def _module_losses(p: dict[str, Tensor], x: Tensor) -> Tensor:
+    return torch.func.functional_call(_SWEEP["module"], p, (x,)).pow(2).sum(1)
+
+
+class _Table(nn.Module):
+    def __init__(self, max_norm: float | None) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(10, 4, max_norm=max_norm)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.head(self.embedding(ids).tanh().mean(1))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_another_models_cached_probe_never_lets_max_norm_change_the_table(backend: str) -> None:
+    """A table renormalised in place (``max_norm``) after a model without it, same signature:
+    before session 49 every call changed the caller's table (the probe that works on copies
+    was the other model's)."""
+    clear_caches()
+    ids = torch.randint(0, 10, (5, 3), generator=torch.Generator().manual_seed(0))
+    for max_norm in (None, 0.5):
+        torch.manual_seed(0)
+        module = _Table(max_norm).to(DOUBLE)
+        fn, params = tg.functionalize(module)
+        _SWEEP["fn"] = fn
+        table = module.embedding.weight.detach().clone()
+        actual = tg.gramian(_table_losses, backend=backend, batch_dim=0)(params, ids)
+        assert torch.equal(module.embedding.weight, table)
+        wanted = dense_gramian(_table_losses, (params, ids)).shaped()  # renormalises it
+        torch.testing.assert_close(actual, wanted, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_another_modules_cached_probe_never_lets_f_write_into_buffers(backend: str) -> None:
+    """The module that updates its buffers in its forward, after one in eval mode that does
+    not (same signature): refused as on a fresh probe, its buffers untouched."""
+    clear_caches()
+    x = torch.randn(5, 4, dtype=DOUBLE)
+    quiet = _module().eval()
+    _SWEEP["module"] = quiet
+    params = {name: p.detach() for name, p in quiet.named_parameters()}
+    tg.gramian(_module_losses, backend=backend, batch_dim=0)(params, x)
+    writer = _module()
+    _SWEEP["module"] = writer
+    params = {name: p.detach() for name, p in writer.named_parameters()}
+    with pytest.raises(ValueError, match="functionalize"):
+        tg.gramian(_module_losses, backend=backend, batch_dim=0)(params, x)
+    assert torch.equal(writer.average, torch.zeros(3, dtype=DOUBLE))
+    assert int(writer.steps) == 0

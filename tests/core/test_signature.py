@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from torchgram._core.signature import call_signature
+from torchgram._core.signature import call_signature, identity
 
 
 def _rows(f):
@@ -30,3 +30,32 @@ def test_keyword_structure_is_part_of_the_key() -> None:
     x = torch.zeros(4, 3)
     assert call_signature(rows, (x,), {"mask": (x, x)}) != \
         call_signature(rows, (x,), {"mask": [x, x]})
+
+
+class _Model:
+    pass
+
+
+def test_a_new_object_never_takes_a_dead_ones_identity() -> None:
+    """Python gives a new object the id of one that died; its identity in a key is its own
+    (NOTE [identities]): before session 49 a sweep's lambda over a rebuilt model ran under the
+    previous model's probe whenever the ids matched."""
+    first = _Model()
+    dead_id, dead_identity = id(first), identity(first)
+    assert identity(first) == dead_identity
+    del first
+    later = [_Model() for _ in range(64)]
+    reused = [obj for obj in later if id(obj) == dead_id]
+    assert reused, "CPython reuses a freed object's id for the next one of its size"
+    assert identity(reused[0]) != dead_identity
+    assert identity(3) == ("id", id(3))
+
+
+def test_a_rebuilt_closure_over_a_new_object_has_a_new_key() -> None:
+    x = torch.zeros(4, 3)
+    rows = _rows(_Model())  # the closure's content dies with it
+    first = call_signature(rows, (x,), {})
+    del rows
+    for _ in range(64):
+        rows = _rows(_Model())
+        assert call_signature(rows, (x,), {}) != first

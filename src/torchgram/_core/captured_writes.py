@@ -23,6 +23,19 @@ into every tensor no call of the evaluation made, and so a fresh ``torch.FloatTe
 that the probe gives ``f`` are its own (an embedding's ``max_norm`` renormalises its table in
 place: NOTE [probing]); batch norm's running statistics never reach the mode (NOTE [frozen
 running statistics] drops them first).
+
+NOTE [writes under a cached probe]
+Later calls of a call signature reuse its probe (NOTE [call signatures]), and a probe may be
+another f's: a module-level function reads the model from a global that now names another
+model; a sweep rebuilds the model per configuration. Such a call ran without the probe's
+checks of writes: an embedding with ``max_norm`` after a model without one renormalised the
+caller's table in place on every call, and a module updating its own buffer in its forward
+changed it, where a fresh probe works on copies or refuses (session 49). Evaluations under a
+cached probe therefore run under :class:`StaleWrites`: before a write into the memory of a
+tensor that ``f`` captured or received (the parameters included, through any alias such as
+``weight.detach()``), it raises ``OutputChanged``, and the call probes afresh and starts
+over. What ``f`` captured is looked up at the first write of the call only (in-place
+activations, ``x += h``, are common; most evaluations make no write).
 """
 
 from __future__ import annotations
@@ -33,17 +46,29 @@ import types
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from torchgram._core.errors import CapturedWrite
+from torchgram._core.errors import CapturedWrite, OutputChanged
 
 _NOT_WRITES = frozenset({"requires_grad_", "share_memory_"})
 """Methods ending in ``_`` that change no entries (a flag, the memory's placement)."""
 
 
+_RENORMING = {F.embedding: 3, F.embedding_bag: 3}
+"""Calls that renormalise rows of their weight (``args[1]``) in place given ``max_norm``
+(its position): the write happens inside them, where no torch-function mode sees it."""
+
+
 def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor | None:
     """The tensor ``func`` writes into, or ``None`` for a call that writes into none."""
+    renorm_at = _RENORMING.get(func)
+    if renorm_at is not None:
+        max_norm = args[renorm_at] if len(args) > renorm_at else kwargs.get("max_norm")
+        weight = args[1] if len(args) > 1 else kwargs.get("weight")
+        return weight if max_norm is not None and isinstance(weight, Tensor) else None
     out = kwargs.get("out")
     if isinstance(out, Tensor):
         return out
@@ -72,6 +97,8 @@ _WIDTH = 4096
 def captured_tensors(f: Any, args: Any, own: Iterable[Tensor] = ()) -> set[int]:
     """The ids of the tensors (their roots, for views) ``f`` captured or received in ``args``.
 
+    ``own``'s roots excluded (:func:`captured_roots` gives the tensors themselves).
+
     Example:
         >>> import torch
         >>> state, x = torch.zeros(3), torch.ones(3)
@@ -79,8 +106,17 @@ def captured_tensors(f: Any, args: Any, own: Iterable[Tensor] = ()) -> set[int]:
         >>> id(state) in found, id(x) in found, id(torch.zeros(1)) in found
         (True, True, False)
     """
-    found: set[int] = set()
+    return set(captured_roots(f, args)) - {id(_root(tensor)) for tensor in own}
+
+
+def captured_roots(f: Any, args: Any) -> dict[int, Tensor]:
+    """The tensors (roots, by id) ``f`` captured or received: see :func:`captured_tensors`."""
+    found: dict[int, Tensor] = {}
     seen: set[int] = set()
+
+    def add(tensor: Tensor) -> None:
+        root = _root(tensor)
+        found[id(root)] = root
 
     def visit(obj: Any, depth: int) -> None:
         if depth > _DEPTH or id(obj) in seen or isinstance(obj, (str, bytes, int, float, bool,
@@ -88,9 +124,10 @@ def captured_tensors(f: Any, args: Any, own: Iterable[Tensor] = ()) -> set[int]:
             return
         seen.add(id(obj))
         if isinstance(obj, Tensor):
-            found.add(id(_root(obj)))
+            add(obj)
         elif isinstance(obj, nn.Module):
-            found.update(id(_root(t)) for t in itertools.chain(obj.parameters(), obj.buffers()))
+            for tensor in itertools.chain(obj.parameters(), obj.buffers()):
+                add(tensor)
             visit(vars(obj).get("forward"), depth + 1)
         elif isinstance(obj, dict) and len(obj) <= _WIDTH:
             for value in obj.values():
@@ -109,7 +146,7 @@ def captured_tensors(f: Any, args: Any, own: Iterable[Tensor] = ()) -> set[int]:
 
     visit(f, 0)
     visit(args, 0)
-    return found - {id(_root(tensor)) for tensor in own}
+    return found
 
 
 def _visit_function(func: types.FunctionType, depth: int,
@@ -160,3 +197,60 @@ class CapturedWrites(TorchFunctionMode):
             raise CapturedWrite(getattr(func, "__name__", "a write"))
         return func(*args, **kwargs)
 
+
+
+def _storage(tensor: Tensor) -> int:
+    """Where ``tensor``'s memory starts (functorch wrappers unwrapped), or 0 where unknown."""
+    while torch._C._functorch.is_functorch_wrapped_tensor(tensor):
+        tensor = torch._C._functorch.get_unwrapped(tensor)
+    try:
+        return int(tensor.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):  # no storage (a sparse or nested tensor)
+        return 0
+
+
+class StaleWrites(TorchFunctionMode):
+    """Raises ``OutputChanged`` before a write into memory ``f`` captured or received.
+
+    NOTE [writes under a cached probe]. ``captured`` gives the tensors to protect (called at
+    the first write only: :func:`captured_tensors`' walk costs a pass over the modules).
+
+    Example:
+        >>> import torch
+        >>> table = torch.ones(3)
+        >>> with StaleWrites(lambda: [table]):
+        ...     h = torch.zeros(3).add_(1.0)  # made here: fine
+        ...     table.detach().mul_(2)  # the caller's memory, through an alias
+        Traceback (most recent call last):
+        ...
+        torchgram._core.errors.OutputChanged: f wrote into a tensor it captured or received ...
+    """
+
+    def __init__(self, captured: Callable[[], Iterable[Tensor]]) -> None:
+        super().__init__()
+        self._captured = captured
+        self._storages: set[int] | None = None
+        self.written: str | None = None
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        target = _written(func, args, kwargs)
+        if target is not None and self._protects(target):
+            self.written = getattr(func, "__name__", "a write")
+            raise OutputChanged(self._message())
+        return func(*args, **kwargs)
+
+    def _protects(self, target: Tensor) -> bool:
+        if self._storages is None:
+            self._storages = {_storage(t) for t in self._captured()} - {0}
+        return _storage(target) in self._storages
+
+    def _message(self) -> str:
+        return (f"f wrote into a tensor it captured or received ({self.written}), which its "
+                "cached probe did not see")
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        if self.written is not None and exc[0] is None:  # f caught what we raised
+            raise OutputChanged(self._message())

@@ -15,14 +15,16 @@ evaluation of the whole batch that per-sample ways check against):
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from torchgram._core import _torch_compat
+from torchgram._core.captured_writes import StaleWrites
 from torchgram._core.errors import OutputChanged, gradient_hooks_refused
 from torchgram._core.prelu import PRELU, calls_prelu
 
@@ -127,16 +129,18 @@ class DenseEmbeddingGradients(TorchFunctionMode):
 # as for a changed output.
 
 
-class ProbeCheck(TorchFunctionMode):
+class ProbeCheck(StaleWrites):
     """Raise :class:`OutputChanged` after an evaluation a cached probe did not describe.
 
     See NOTE [stale probes]. ``unbatched``, ``sparse_embeddings`` and ``differentiates`` are
-    the probe's.
+    the probe's; ``captured`` as for :class:`StaleWrites` (NOTE [writes under a cached
+    probe]), whose check it makes too.
     """
 
     def __init__(self, unbatched: Collection[str], sparse_embeddings: bool,
-                 differentiates: str | None = None, decomposed: Collection[str] = ()) -> None:
-        super().__init__()
+                 differentiates: str | None = None, decomposed: Collection[str] = (),
+                 captured: Callable[[], Iterable[Tensor]] = tuple) -> None:
+        super().__init__(captured)
         self._unbatched = unbatched
         self._sparse_embeddings = sparse_embeddings
         self._differentiates = differentiates
@@ -157,7 +161,7 @@ class ProbeCheck(TorchFunctionMode):
                 self.unseen.append(how)
         if calls_prelu(func) and PRELU not in self._decomposed:  # NOTE [prelu as where]
             self.unseen.append(PRELU)
-        return func(*args, **kwargs)
+        return super().__torch_function__(func, types, args, kwargs)  # writes, then the call
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)

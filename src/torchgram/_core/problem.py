@@ -33,7 +33,12 @@ import torch
 from torch import Tensor
 
 from torchgram._core import _torch_compat
-from torchgram._core.captured_writes import CapturedWrites, captured_tensors
+from torchgram._core.captured_writes import (
+    CapturedWrites,
+    StaleWrites,
+    captured_roots,
+    captured_tensors,
+)
 from torchgram._core.census import DenseEmbeddingGradients, OpCensus, ProbeCheck
 from torchgram._core.checks import check_not_meta, fail, resolve_argnums
 from torchgram._core.composition import (
@@ -446,16 +451,23 @@ class Problem:
             return differentiable_evaluation()
         return self.composition.evaluation()
 
-    def _probe_check(self) -> contextlib.AbstractContextManager[Any]:
-        """Where the probe came from the cache, the check of NOTE [stale probes].
+    @functools.cached_property
+    def _captured(self) -> list[Tensor]:
+        """The tensors ``f`` captured or received (the caller's, not the leaves' copies)."""
+        return list(captured_roots(self.f, (self.args, dict(self.kwargs))).values())
 
-        Not for evaluations without gradients (the per-sample checks): what the check looks
-        for matters only to backward passes.
+    def _probe_check(self) -> contextlib.AbstractContextManager[Any]:
+        """Where the probe came from the cache: NOTE [stale probes], [writes under a cached probe].
+
+        Evaluations without gradients (the per-sample checks) get only the second: what the
+        first looks for matters only to backward passes.
         """
-        if not self.probe_cached or not torch.is_grad_enabled():
+        if not self.probe_cached:
             return contextlib.nullcontext()
+        if not torch.is_grad_enabled():
+            return StaleWrites(lambda: self._captured)
         return ProbeCheck(self.unbatched, self.sparse_embeddings, self.differentiates,
-                          self.decomposed)
+                          self.decomposed, lambda: self._captured)
 
     def rows(self, leaves: tuple[Tensor, ...]) -> tuple[Tensor, Any]:
         """Evaluate ``f`` on the full inputs; return its output as an ``[m]`` vector and aux."""

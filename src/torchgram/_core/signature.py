@@ -6,7 +6,9 @@ which ops use which parameter) cost a forward pass each. Both depend only on the
 and on the *structure* of its arguments, so they are cached under a key made of:
 
 * the function, known by its code object and the identities of its bound instance and of
-  its closure's contents (never a reference to them: a key keeps nothing alive);
+  its closure's contents (never a reference to them: a key keeps nothing alive). An
+  identity is a serial number given to the object for its lifetime (NOTE [identities]), so
+  a function made after another died never takes the dead one's entries;
 * every argument's pytree structure (a dict's keys) and leaves: tensors by shape, dtype,
   device and ``requires_grad``, other leaves by type;
 * the differentiated positions, ``has_aux`` and the batch structure.
@@ -20,6 +22,8 @@ can cost time but never correctness.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import threading
 import weakref
 from collections import OrderedDict
@@ -32,11 +36,65 @@ from torch import Tensor
 Value = TypeVar("Value")
 
 
-def function_identity(f: Callable[..., Any]) -> tuple[Any, ...] | None:
-    """``f``'s code object, the id of its bound instance and of its closure's contents.
+# NOTE [identities]
+# A key names the objects f is made of (its closure's contents, its bound instance) without
+# holding them. Their ids alone were not enough: Python gives a new object the id of one that
+# died, so in a sweep over models -- `for config in configs: model = build(config); fn, params
+# = tg.functionalize(model); tg.gramian(lambda p, x: loss(fn(p, x)), ...)` -- each iteration's
+# lambda had the last one's key whenever the new `fn` took the dead one's id, and its call ran
+# under the dead function's probe: a model whose embedding renormalises its rows in place
+# (max_norm) after one that does not had its table changed by every call, and a module writing
+# into its own buffer ran where a fresh probe refuses it (session 49; the key was the same in
+# 20 of 20 iterations). An object that takes a weak reference now gets a serial number the
+# first time a key names it, kept until it dies and never given again; the others (ints,
+# strings, tuples, lists, dicts) are named by their id as before.
 
-    ``None`` when ``f`` has no code object to key on (e.g. a builtin): such calls are not
-    cached.
+_serials = itertools.count(1)
+_SERIALS: dict[int, tuple[weakref.ref[Any], int]] = {}
+_SERIALS_LOCK = threading.RLock()  # a collection inside may run a callback that takes it
+
+
+def identity(obj: Any) -> int | tuple[str, int]:
+    """``obj``'s identity in a key (NOTE [identities]): a serial number for its lifetime.
+
+    Objects that take no weak reference are named by ``("id", id(obj))``.
+
+    Example:
+        >>> class Model:
+        ...     pass
+        >>> model = Model()
+        >>> identity(model) == identity(model) != identity(Model())
+        True
+        >>> identity(3)
+        ('id', ...)
+    """
+    key = id(obj)
+    with _SERIALS_LOCK:
+        known = _SERIALS.get(key)
+        if known is not None and known[0]() is obj:
+            return known[1]
+        try:
+            ref = weakref.ref(obj, functools.partial(_forget_serial, key))
+        except TypeError:  # ints, strings, tuples, lists, dicts
+            return ("id", key)
+        serial = next(_serials)
+        _SERIALS[key] = (ref, serial)
+        return serial
+
+
+def _forget_serial(key: int, ref: weakref.ref[Any]) -> None:
+    """Weak-reference callback: ``ref``'s object died; free its id's entry (if still its)."""
+    with _SERIALS_LOCK:
+        known = _SERIALS.get(key)
+        if known is not None and known[0] is ref:
+            del _SERIALS[key]
+
+
+def function_identity(f: Callable[..., Any]) -> tuple[Any, ...] | None:
+    """``f``'s code object, the identities of its bound instance and closure's contents.
+
+    Identities as :func:`identity` gives them (NOTE [identities]). ``None`` when ``f`` has no
+    code object to key on (e.g. a builtin): such calls are not cached.
 
     Example:
         >>> function_identity(lambda x: x)[1:]
@@ -46,23 +104,23 @@ def function_identity(f: Callable[..., Any]) -> tuple[Any, ...] | None:
     """
     code = getattr(f, "__code__", None)
     if code is not None:
-        return code, 0, _closure_ids(f)
+        return code, 0, _closure_identities(f)
     func = getattr(f, "__func__", None)
     if func is not None and getattr(func, "__code__", None) is not None:
-        return func.__code__, id(getattr(f, "__self__", None)), _closure_ids(func)
+        return func.__code__, identity(getattr(f, "__self__", None)), _closure_identities(func)
     method = type(f).__call__ if callable(f) else None  # a callable object
     call = getattr(method, "__code__", None)
-    return None if call is None else (call, id(f), ())
+    return None if call is None else (call, identity(f), ())
 
 
-def _closure_ids(func: Any) -> tuple[int, ...]:
-    ids = []
+def _closure_identities(func: Any) -> tuple[Any, ...]:
+    identities: list[Any] = []
     for cell in getattr(func, "__closure__", None) or ():
         try:
-            ids.append(id(cell.cell_contents))
+            identities.append(identity(cell.cell_contents))
         except ValueError:  # an empty cell
-            ids.append(0)
-    return tuple(ids)
+            identities.append(0)
+    return tuple(identities)
 
 
 def _describe(leaf: Any) -> Hashable:
@@ -160,9 +218,9 @@ def clear_caches() -> None:
     """Forget every cached probe, trace and decision (NOTE [call signatures]).
 
     Entries are checked on use, so this changes no result; it gives the next calls the cold
-    start of a fresh process (tests that compare predictions with runs use it: a key holds
-    ids, which Python reuses once their objects are collected, so a later function can hit an
-    earlier one's entry and be re-planned only when it runs).
+    start of a fresh process (tests that compare predictions with runs use it: a key may hold
+    ids, which Python reuses once their objects are collected (NOTE [identities]), so a later
+    function can hit an earlier one's entry and be re-planned only when it runs).
     """
     for cache in list(_CACHES):
         cache.clear()
