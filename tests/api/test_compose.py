@@ -517,18 +517,29 @@ def _fused_rnn() -> Callable[[dict[str, Tensor], Tensor], Tensor]:
     return lambda p, x: fn(p, x)[0].sum((-2, -1))
 
 
+def _max_norm_embedding() -> tuple[Callable[[dict[str, Tensor], Tensor], Tensor],
+                                    dict[str, Tensor]]:
+    torch.manual_seed(0)
+    fn, params = tg.functionalize(torch.nn.Embedding(7, 3, max_norm=0.5).to(DOUBLE))
+    return lambda p, ids: fn(p, ids).tanh().sum((-2, -1)), params
+
+
 @pytest.mark.parametrize("kind", ["gramian", "ntk"])
-@pytest.mark.parametrize("model", ["control-flow", "fused-rnn"])
+@pytest.mark.parametrize("model", ["control-flow", "fused-rnn", "max-norm"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_f_that_vmap_cannot_run_over_input_sets_is_a_torchgram_error(
         backend: str, model: str, kind: str) -> None:
     """torch.func.vmap of f itself fails the same way (no backend can): torch's raw errors
     ("data-dependent control flow", a fused RNN writing batched values into its unbatched
-    initial state) reached the user before session 31."""
+    initial state) reached the user before session 31; an embedding with ``max_norm``
+    (renormalising the rows of batched indices in its unbatched table) before session 49."""
     if model == "control-flow":
         f: Callable[..., Tensor] = _branches_on_values
         params: Any = torch.randn(3, 2, dtype=DOUBLE)
-        input_sets = torch.randn(2, 4, 3, dtype=DOUBLE)
+        input_sets: Tensor = torch.randn(2, 4, 3, dtype=DOUBLE)
+    elif model == "max-norm":
+        f, params = _max_norm_embedding()
+        input_sets = torch.randint(0, 7, (2, 4, 5), generator=torch.Generator().manual_seed(0))
     else:
         f = _fused_rnn()
         params = {k: v.detach() for k, v in

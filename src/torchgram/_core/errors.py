@@ -238,10 +238,13 @@ def f_refused_by_vmap(api: str, error: BaseException) -> NotImplementedError | N
         "no .item(); torch.func.vmap(f) shows the same error)."))
 
 
-_VMAP_REFUSALS = ("vmap: It looks like you're", "doesn't match the broadcast shape")
+_VMAP_REFUSALS = ("vmap: It looks like you're", "doesn't match the broadcast shape",
+                  "in extra_args that has more elements than `self`")
 """torch's messages for what ``vmap`` cannot run besides a missing batching rule
 (``_torch_compat.missing_batching_rule``): data-dependent control flow, and an in-place write
-of a batched value into an unbatched tensor."""
+of a batched value into an unbatched tensor (through a broadcasting op, or through an op that
+takes the batched values as extra arguments: an embedding's ``max_norm`` renormalises the rows
+of batched indices in its unbatched table, session 49)."""
 
 
 def counter_read_error(api: str, error: CounterRead) -> ValueError:
