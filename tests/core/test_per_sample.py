@@ -17,7 +17,7 @@ import torch.nn.functional as F  # noqa: N812 -- torch's own spelling
 from torch import Tensor
 
 import torchgram as tg
-from reference import dense_gramian
+from reference import dense_cross_kernel, dense_gramian
 
 B = 5
 
@@ -80,3 +80,25 @@ def test_middle_samples_coupled_where_values_do_not_show(kind: str, backend: str
     kernel = tg.ntk.empirical_ntk_fn(lambda p, xs: f(p, *xs), trace_axes=(), backend=backend)
     torch.testing.assert_close(kernel((x, MIDDLE), None, params),
                                expected.reshape(6, 6), rtol=1e-10, atol=1e-12)
+
+
+def _round_off_leaf(p: dict[str, Tensor], x: Tensor) -> Tensor:
+    """Rows whose leaf ``tiny`` has products of round-off size that depend on the batch."""
+    return torch.tanh(x @ p["w"]).sum(-1) + p["tiny"] * (1e-30 * x.shape[0])
+
+
+@pytest.mark.parametrize("backend", ["graph", "jacobian", "ntvp", "auto"])
+def test_a_leaf_whose_products_are_round_off_is_no_coupling(backend: str) -> None:
+    """NOTE [leaves without a gradient]: the derivative check compared each leaf's products
+    with that leaf's own scale, so a leaf whose products are round-off alone (an attention's
+    key bias) made BERT's samples look coupled; a kernel between two input sets on graph was
+    declined (BackendCannotRun) before session 49."""
+    generator = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(4, 3, dtype=torch.float64, generator=generator),
+              "tiny": torch.ones((), dtype=torch.float64)}
+    x1 = torch.randn(3, 4, dtype=torch.float64, generator=generator)
+    x2 = torch.randn(4, 4, dtype=torch.float64, generator=generator)
+    kernel = tg.ntk.empirical_ntk_fn(lambda p, x: _round_off_leaf(p, x)[:, None], trace_axes=(),
+                                     backend=backend)(x1, x2, params)
+    expected = dense_cross_kernel(lambda p, x: _round_off_leaf(p, x)[:, None], params, x1, x2)
+    torch.testing.assert_close(kernel, expected, rtol=1e-10, atol=1e-12)
