@@ -185,3 +185,107 @@ def test_another_modules_cached_probe_never_lets_f_write_into_buffers(backend: s
         tg.gramian(_module_losses, backend=backend, batch_dim=0)(params, x)
     assert torch.equal(writer.average, torch.zeros(3, dtype=DOUBLE))
     assert int(writer.steps) == 0
+
+
+class _Summing(nn.Module):
+    """Sums its activations into a buffer through aliases without a base (``.detach()``,
+    ``.data``)."""
+
+    def __init__(self, alias: str) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+        self.alias = alias
+        self.register_buffer("total", torch.zeros(3))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.linear(x)
+        total = self.total.detach() if self.alias == "detach" else self.total.data
+        total.add_(h.detach().sum(0))
+        return h - self.total
+
+
+@pytest.mark.parametrize("alias", ["detach", "data"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_write_through_an_alias_without_a_base_is_refused(backend: str, alias: str) -> None:
+    """The probe compared tensors by their root, and ``.detach()`` and ``.data`` have none:
+    before session 49 the caller's buffer took every evaluation's sum."""
+    clear_caches()
+    module = _Summing(alias).to(DOUBLE)
+    params = {name: p.detach() for name, p in module.named_parameters()}
+    x = torch.randn(5, 4, dtype=DOUBLE)
+
+    def f(p: dict[str, Tensor], x: Tensor) -> Tensor:
+        return torch.func.functional_call(module, p, (x,)).pow(2).sum(1)
+
+    with pytest.raises(ValueError, match="functionalize"):
+        tg.gramian(f, backend=backend, batch_dim=0)(params, x)
+    assert torch.equal(module.total, torch.zeros(3, dtype=DOUBLE))
+
+
+def _frozen_table() -> nn.Module:
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Embedding(10, 4, max_norm=0.5), nn.Flatten(), nn.Linear(12, 2))
+    module[0].weight.requires_grad_(False)
+    return module.to(DOUBLE)
+
+
+def test_a_frozen_renormalised_table_f_captured_is_refused_naming_what_to_do() -> None:
+    clear_caches()
+    module = _frozen_table()
+    table = module[0].weight.detach().clone()
+    params = {k: v.detach() for k, v in module.named_parameters() if v.requires_grad}
+    ids = torch.randint(0, 10, (5, 3), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="max_norm.*Pass the table among the parameters"):
+        tg.gramian(lambda p, ids: torch.func.functional_call(module, p, (ids,)).pow(2).sum(1),
+                   batch_dim=0)(params, ids)
+    assert torch.equal(module[0].weight, table)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_functionalize_gives_a_frozen_renormalised_table_a_copy(backend: str) -> None:
+    """NOTE [frozen renormalised tables]: before session 49 every evaluation renormalised
+    the module's frozen table in place."""
+    clear_caches()
+    module = _frozen_table()
+    table = module[0].weight.detach().clone()
+    fn, params = tg.functionalize(module)
+    ids = torch.randint(0, 10, (5, 3), generator=torch.Generator().manual_seed(0))
+
+    def f(p: dict[str, Tensor], ids: Tensor) -> Tensor:
+        return fn(p, ids).pow(2).sum(1)
+
+    for _ in range(2):
+        actual = tg.gramian(f, backend=backend, batch_dim=0)(params, ids)
+        assert torch.equal(module[0].weight, table)
+    plain = {k: v.detach() for k, v in module.named_parameters() if v.requires_grad}
+    wanted = dense_gramian(  # the module's own call, which renormalises its table
+        lambda p, ids: torch.func.functional_call(module, p, (ids,)).pow(2).sum(1),
+        (plain, ids)).shaped()
+    torch.testing.assert_close(actual, wanted, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_renormalised_table_through_functional_call_is_probed_once(
+        backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What f captured is found before the evaluation: found at the first write (session 49's
+    first version), ``functional_call`` had the call's copies in the module, the write the
+    probe allowed looked stale, and every call probed again."""
+    from torchgram._core import problem
+
+    clear_caches()
+    probes = []
+    probe = problem._probe
+    monkeypatch.setattr(problem, "_probe", lambda *a, **k: probes.append(1) or probe(*a, **k))
+    torch.manual_seed(0)
+    module = _Table(0.5).to(DOUBLE)
+    table = module.embedding.weight.detach().clone()
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    ids = torch.randint(0, 10, (5, 3), generator=torch.Generator().manual_seed(0))
+
+    def f(p: dict[str, Tensor], ids: Tensor) -> Tensor:
+        return torch.func.functional_call(module, p, (ids,)).pow(2).sum(1)
+
+    for _ in range(3):
+        tg.gramian(f, backend=backend, batch_dim=0)(params, ids)
+    assert len(probes) == 1
+    assert torch.equal(module.embedding.weight, table)

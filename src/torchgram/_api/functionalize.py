@@ -133,6 +133,8 @@ class _Slots:
         self.where: dict[str, list[Slot]] = {}
         """Every parameter name, and all the places its tensor is held."""
         self.buffers: list[Slot] = []
+        self.renormalised: list[Slot] = []
+        """The tables of embeddings with ``max_norm`` (NOTE [frozen renormalised tables])."""
         self.held: list[tuple[dict[str, Any], tuple[Any, ...]]] = []
         """Each submodule's children and parameters, and the objects they were."""
         self.named: list[tuple[dict[str, Any], tuple[str, ...]]] = []
@@ -141,6 +143,10 @@ class _Slots:
 
     def _scan(self) -> None:
         self.held, self.named, self.where, self.buffers = [], [], {}, []
+        self.renormalised = [
+            (owner._parameters, "weight") for owner in self.module.modules()
+            if isinstance(owner, (nn.Embedding, nn.EmbeddingBag))
+            and owner.max_norm is not None and owner._parameters.get("weight") is not None]
         for owner in self.module.modules():
             self.held += [(owner._modules, tuple(owner._modules.values())),
                           (owner._parameters, tuple(owner._parameters.values()))]
@@ -190,6 +196,11 @@ class _Slots:
                     saved.append((holder, attr, holder[attr]))
                     holder[attr] = value
             copies: dict[int, Tensor] = {}  # a buffer held in several places: one copy
+            for holder, attr in self.renormalised:  # NOTE [frozen renormalised tables]
+                table = holder[attr]
+                if not any(table is value for value in params.values()):
+                    saved.append((holder, attr, table))
+                    holder[attr] = copies.setdefault(id(table), table.detach().clone())
             for holder, attr in self.buffers:
                 buffer = holder[attr]
                 copy = copies.get(id(buffer))
@@ -202,6 +213,14 @@ class _Slots:
             for holder, attr, original in reversed(saved):
                 holder[attr] = original
 
+
+# NOTE [frozen renormalised tables]
+# An embedding with max_norm renormalises the rows it reads in its own table, in place. A
+# differentiated table is the call's (the probe sees the write and every call works on copies:
+# NOTE [probing]); a frozen one (requires_grad=False: not among fn's params) is the module's,
+# and each evaluation renormalised the caller's table (session 49's review). A call now gives
+# such a module a copy of its table, as it does for buffers: the rows are renormalised as a
+# plain call renormalises them, in the copy.
 
 # NOTE [FSDP2 replica]
 # fully_shard swaps a module's class for an FSDP subclass, registers forward hooks that

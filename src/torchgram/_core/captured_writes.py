@@ -12,10 +12,15 @@ all three leaving the caller's buffer updated several times (``jacobian`` and ``
 declined: torch refuses such writes under its transforms). The probe, ``f``'s first
 evaluation for a call signature, runs under :class:`CapturedWrites`: a write (a method
 ending in ``_``, ``copy_``, item assignment, an ``out=`` argument) into a tensor ``f``
-captured or received -- or a view of one -- raises :class:`CapturedWrite` before it happens,
-which the API turns into a ``ValueError`` naming the fix (``tg.functionalize``, whose calls
-work on copies of the module's buffers). What ``f`` captured is found before the evaluation
-(:func:`captured_tensors`): the tensors of its arguments, and those its closure, bound
+captured or received -- or into its memory through any alias: a view, ``.detach()``,
+``.data`` (by storage since session 49; a ``.detach()`` alias, which has no base, used to get
+through) -- raises :class:`CapturedWrite` before it happens, which the API turns into a
+``ValueError`` naming the fix (``tg.functionalize``, whose calls work on copies of the
+module's buffers; for an embedding's ``max_norm`` on a table that is not differentiated, the
+table among the parameters, or renormalised once beforehand). An ``F.embedding`` or
+``F.embedding_bag`` with ``max_norm`` counts as a write into its table (the renormalisation
+runs inside it, where no torch-function mode sees it). What ``f`` captured is found before
+the evaluation (:func:`captured_memory`): the tensors of its arguments, and those its closure, bound
 instance, defaults and the globals its code names hold, through containers, partials,
 nested functions and modules (their parameters and buffers). A first version refused writes
 into every tensor no call of the evaluation made, and so a fresh ``torch.FloatTensor(4)
@@ -34,8 +39,9 @@ changed it, where a fresh probe works on copies or refuses (session 49). Evaluat
 cached probe therefore run under :class:`StaleWrites`: before a write into the memory of a
 tensor that ``f`` captured or received (the parameters included, through any alias such as
 ``weight.detach()``), it raises ``OutputChanged``, and the call probes afresh and starts
-over. What ``f`` captured is looked up at the first write of the call only (in-place
-activations, ``x += h``, are common; most evaluations make no write).
+over. What ``f`` captured is found once per call, before its first evaluation (during one,
+``torch.func.functional_call`` has the call's own copies in the module: found then, they
+made every write the probe allowed look stale, and every call probe again).
 """
 
 from __future__ import annotations
@@ -68,6 +74,9 @@ def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor
     if renorm_at is not None:
         max_norm = args[renorm_at] if len(args) > renorm_at else kwargs.get("max_norm")
         weight = args[1] if len(args) > 1 else kwargs.get("weight")
+        if isinstance(weight, Tensor) and not weight.is_floating_point() and args \
+                and isinstance(args[0], Tensor) and args[0].is_floating_point():
+            weight = args[0]  # embedding_bag's deprecated (weight, input) order, which it swaps
         return weight if max_norm is not None and isinstance(weight, Tensor) else None
     out = kwargs.get("out")
     if isinstance(out, Tensor):
@@ -89,28 +98,33 @@ def _root(tensor: Tensor) -> Tensor:
 
 
 _DEPTH = 6
-"""How deep :func:`captured_tensors` follows containers, functions and objects."""
+"""How deep :func:`captured_roots` follows containers, functions and objects."""
 _WIDTH = 4096
 """Containers larger than this are not looked into (a global dataset: the probe stays cheap)."""
 
 
-def captured_tensors(f: Any, args: Any, own: Iterable[Tensor] = ()) -> set[int]:
-    """The ids of the tensors (their roots, for views) ``f`` captured or received in ``args``.
+def captured_memory(f: Any, args: Any, own: Iterable[Tensor] = ()) -> frozenset[int]:
+    """Where the memory of the tensors ``f`` captured or received in ``args`` starts.
 
-    ``own``'s roots excluded (:func:`captured_roots` gives the tensors themselves).
+    One address per storage (:func:`memory_of`), so that a write through any alias of such a
+    tensor is seen: a view, ``.detach()``, ``.data``. ``own``'s memory is excluded (the
+    probe's copies of the parameters), and so are tensors without memory.
 
     Example:
         >>> import torch
         >>> state, x = torch.zeros(3), torch.ones(3)
-        >>> found = captured_tensors(lambda x: x + state, (x,))
-        >>> id(state) in found, id(x) in found, id(torch.zeros(1)) in found
-        (True, True, False)
+        >>> found = captured_memory(lambda x: x + state, (x,))
+        >>> memory_of(state.detach()) in found, memory_of(x[1:]) in found
+        (True, True)
+        >>> memory_of(torch.zeros(1)) in found
+        False
     """
-    return set(captured_roots(f, args)) - {id(_root(tensor)) for tensor in own}
+    excluded = {memory_of(tensor) for tensor in own} | {0}
+    return frozenset(memory_of(root) for root in captured_roots(f, args).values()) - excluded
 
 
 def captured_roots(f: Any, args: Any) -> dict[int, Tensor]:
-    """The tensors (roots, by id) ``f`` captured or received: see :func:`captured_tensors`."""
+    """The tensors (roots, by id) ``f`` captured or received: see :func:`captured_memory`."""
     found: dict[int, Tensor] = {}
     seen: set[int] = set()
 
@@ -168,24 +182,24 @@ def _visit_function(func: types.FunctionType, depth: int,
 
 
 class CapturedWrites(TorchFunctionMode):
-    """Raises :class:`CapturedWrite` before a write into a tensor ``f`` captured or received.
+    """Raises :class:`CapturedWrite` before a write into memory ``f`` captured or received.
 
     Args:
-        captured: The ids of :func:`captured_tensors` (alive for the whole evaluation, so no
-            tensor made during it takes one of them).
+        captured: :func:`captured_memory`'s addresses (their tensors alive for the whole
+            evaluation, so no tensor made during it takes their memory).
 
     Example:
         >>> import torch
         >>> buffer = torch.zeros(3)
-        >>> with CapturedWrites({id(buffer)}):
+        >>> with CapturedWrites(captured_memory(lambda: buffer, ())):
         ...     h = torch.FloatTensor(3).fill_(2.0)  # made here (a legacy constructor): fine
-        ...     buffer.add_(h)  # captured
+        ...     buffer.detach().add_(h)  # captured, through an alias
         Traceback (most recent call last):
         ...
         torchgram._core.errors.CapturedWrite: add_
     """
 
-    def __init__(self, captured: set[int]) -> None:
+    def __init__(self, captured: frozenset[int]) -> None:
         super().__init__()
         self._captured = captured
 
@@ -193,14 +207,20 @@ class CapturedWrites(TorchFunctionMode):
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         target = _written(func, args, kwargs)
-        if target is not None and id(_root(target)) in self._captured:
+        if target is not None and memory_of(target) in self._captured:
             raise CapturedWrite(getattr(func, "__name__", "a write"))
         return func(*args, **kwargs)
 
 
+def memory_of(tensor: Tensor) -> int:
+    """Where ``tensor``'s storage starts (functorch wrappers unwrapped), or 0 where none.
 
-def _storage(tensor: Tensor) -> int:
-    """Where ``tensor``'s memory starts (functorch wrappers unwrapped), or 0 where unknown."""
+    Example:
+        >>> import torch
+        >>> table = torch.ones(4, 2)
+        >>> memory_of(table[1:]) == memory_of(table.detach()) == memory_of(table) != 0
+        True
+    """
     while torch._C._functorch.is_functorch_wrapped_tensor(tensor):
         tensor = torch._C._functorch.get_unwrapped(tensor)
     try:
@@ -212,13 +232,14 @@ def _storage(tensor: Tensor) -> int:
 class StaleWrites(TorchFunctionMode):
     """Raises ``OutputChanged`` before a write into memory ``f`` captured or received.
 
-    NOTE [writes under a cached probe]. ``captured`` gives the tensors to protect (called at
-    the first write only: :func:`captured_tensors`' walk costs a pass over the modules).
+    NOTE [writes under a cached probe]. ``captured``: :func:`captured_memory`'s addresses,
+    found before the evaluation (during it, ``torch.func.functional_call`` has swapped the
+    call's own tensors into the module).
 
     Example:
         >>> import torch
         >>> table = torch.ones(3)
-        >>> with StaleWrites(lambda: [table]):
+        >>> with StaleWrites(captured_memory(lambda: table, ())):
         ...     h = torch.zeros(3).add_(1.0)  # made here: fine
         ...     table.detach().mul_(2)  # the caller's memory, through an alias
         Traceback (most recent call last):
@@ -226,25 +247,19 @@ class StaleWrites(TorchFunctionMode):
         torchgram._core.errors.OutputChanged: f wrote into a tensor it captured or received ...
     """
 
-    def __init__(self, captured: Callable[[], Iterable[Tensor]]) -> None:
+    def __init__(self, captured: frozenset[int]) -> None:
         super().__init__()
         self._captured = captured
-        self._storages: set[int] | None = None
         self.written: str | None = None
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         target = _written(func, args, kwargs)
-        if target is not None and self._protects(target):
+        if target is not None and memory_of(target) in self._captured:
             self.written = getattr(func, "__name__", "a write")
             raise OutputChanged(self._message())
         return func(*args, **kwargs)
-
-    def _protects(self, target: Tensor) -> bool:
-        if self._storages is None:
-            self._storages = {_storage(t) for t in self._captured()} - {0}
-        return _storage(target) in self._storages
 
     def _message(self) -> str:
         return (f"f wrote into a tensor it captured or received ({self.written}), which its "

@@ -15,12 +15,11 @@ evaluation of the whole batch that per-sample ways check against):
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Collection, Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from torchgram._core import _torch_compat
@@ -139,7 +138,7 @@ class ProbeCheck(StaleWrites):
 
     def __init__(self, unbatched: Collection[str], sparse_embeddings: bool,
                  differentiates: str | None = None, decomposed: Collection[str] = (),
-                 captured: Callable[[], Iterable[Tensor]] = tuple) -> None:
+                 captured: frozenset[int] = frozenset()) -> None:
         super().__init__(captured)
         self._unbatched = unbatched
         self._sparse_embeddings = sparse_embeddings

@@ -321,6 +321,17 @@ def captured_write_refusal(api: str, error: BaseException) -> ValueError | None:
     """
     if not isinstance(error, CapturedWrite):
         return None
+    if str(error) in ("embedding", "embedding_bag"):  # max_norm: NOTE [captured writes]
+        return ValueError(message(
+            api, "f that writes only into tensors it made (torchgram evaluates f several "
+            "times per call: each write into a tensor f captured or received would change "
+            "yours)",
+            f"an {error} with max_norm, which renormalises rows of a table f did not get "
+            "among the differentiated parameters, in place",
+            "Pass the table among the parameters (torchgram then renormalises its own copy "
+            "and leaves yours as it is), or renormalise it once before the call (e.g. "
+            "torch.embedding_renorm_(table, indices, max_norm, 2.0) under torch.no_grad()) "
+            "and call the embedding without max_norm."))
     return ValueError(message(
         api, "f that writes only into tensors it made (torchgram evaluates f several times "
         "per call: each write into a tensor f captured or received would change yours and "

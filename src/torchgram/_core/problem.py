@@ -36,8 +36,7 @@ from torchgram._core import _torch_compat
 from torchgram._core.captured_writes import (
     CapturedWrites,
     StaleWrites,
-    captured_roots,
-    captured_tensors,
+    captured_memory,
 )
 from torchgram._core.census import DenseEmbeddingGradients, OpCensus, ProbeCheck
 from torchgram._core.checks import check_not_meta, fail, resolve_argnums
@@ -452,9 +451,12 @@ class Problem:
         return self.composition.evaluation()
 
     @functools.cached_property
-    def _captured(self) -> list[Tensor]:
-        """The tensors ``f`` captured or received (the caller's, not the leaves' copies)."""
-        return list(captured_roots(self.f, (self.args, dict(self.kwargs))).values())
+    def _captured(self) -> frozenset[int]:
+        """The memory of what ``f`` captured or received (the caller's tensors, not copies).
+
+        Found at the first evaluation, before ``f`` runs (NOTE [writes under a cached probe]).
+        """
+        return captured_memory(self.f, (self.args, dict(self.kwargs)))
 
     def _probe_check(self) -> contextlib.AbstractContextManager[Any]:
         """Where the probe came from the cache: NOTE [stale probes], [writes under a cached probe].
@@ -465,9 +467,9 @@ class Problem:
         if not self.probe_cached:
             return contextlib.nullcontext()
         if not torch.is_grad_enabled():
-            return StaleWrites(lambda: self._captured)
+            return StaleWrites(self._captured)
         return ProbeCheck(self.unbatched, self.sparse_embeddings, self.differentiates,
-                          self.decomposed, lambda: self._captured)
+                          self.decomposed, self._captured)
 
     def rows(self, leaves: tuple[Tensor, ...]) -> tuple[Tensor, Any]:
         """Evaluate ``f`` on the full inputs; return its output as an ``[m]`` vector and aux."""
@@ -821,7 +823,7 @@ def _evaluate_probe(api: str, f: Callable[..., Any], args: tuple[Any, ...],
     def evaluate(values: tuple[Tensor, ...]) -> Any:
         return f(*diff.rebuild_args(args, values), **kwargs)
 
-    captured = captured_tensors(f, (args, dict(kwargs)), own=leaves)
+    captured = captured_memory(f, (args, dict(kwargs)), own=leaves)
 
     def evaluate_probe() -> Any:  # the next evaluation starts from the call's state
         return evaluate_f(evaluate, leaves,

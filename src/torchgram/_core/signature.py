@@ -7,8 +7,10 @@ and on the *structure* of its arguments, so they are cached under a key made of:
 
 * the function, known by its code object and the identities of its bound instance and of
   its closure's contents (never a reference to them: a key keeps nothing alive). An
-  identity is a serial number given to the object for its lifetime (NOTE [identities]), so
-  a function made after another died never takes the dead one's entries;
+  object that takes a weak reference (a function, a module, a tensor) is named by a serial
+  number given to it for its lifetime (NOTE [identities]), so a function over such objects
+  never takes the entries of one that died; ints, strings, tuples, lists and dicts are named
+  by their id, which Python reuses;
 * every argument's pytree structure (a dict's keys) and leaves: tensors by shape, dtype,
   device and ``requires_grad``, other leaves by type;
 * the differentiated positions, ``has_aux`` and the batch structure.
