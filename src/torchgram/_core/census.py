@@ -15,7 +15,7 @@ evaluation of the whole batch that per-sample ways check against):
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import torch
@@ -138,7 +138,7 @@ class ProbeCheck(StaleWrites):
 
     def __init__(self, unbatched: Collection[str], sparse_embeddings: bool,
                  differentiates: str | None = None, decomposed: Collection[str] = (),
-                 captured: frozenset[int] = frozenset()) -> None:
+                 captured: Callable[[], frozenset[int]] = frozenset) -> None:
         super().__init__(captured)
         self._unbatched = unbatched
         self._sparse_embeddings = sparse_embeddings

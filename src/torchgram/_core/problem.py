@@ -303,6 +303,8 @@ class Problem:
             calls]).
         decomposed: Calls of ``f`` that its evaluations run decomposed
             (``Probe.decomposed``, NOTE [prelu as where]).
+        writes: Whether the probe saw ``f`` write into any tensor (``Probe.writes``, NOTE
+            [writes under a cached probe]).
     """
 
     f: Callable[..., Any]
@@ -324,6 +326,7 @@ class Problem:
     differentiates: str | None = None
     unseen_ops: tuple[str, ...] = ()
     decomposed: tuple[str, ...] = ()
+    writes: bool = True
 
     # -- the options, for short ------------------------------------------------------------
 
@@ -454,9 +457,17 @@ class Problem:
     def _captured(self) -> frozenset[int]:
         """The memory of what ``f`` captured or received (the caller's tensors, not copies).
 
-        Found at the first evaluation, before ``f`` runs (NOTE [writes under a cached probe]).
+        Found before ``f`` runs where its probe saw writes, else at a first write (NOTE
+        [writes under a cached probe]).
         """
         return captured_memory(self.f, (self.args, dict(self.kwargs)))
+
+    def _protected(self) -> Callable[[], frozenset[int]]:
+        """What :class:`StaleWrites` protects, found now where the probe saw ``f`` write."""
+        if self.writes:
+            captured = self._captured
+            return lambda: captured
+        return lambda: self._captured
 
     def _probe_check(self) -> contextlib.AbstractContextManager[Any]:
         """Where the probe came from the cache: NOTE [stale probes], [writes under a cached probe].
@@ -467,9 +478,9 @@ class Problem:
         if not self.probe_cached:
             return contextlib.nullcontext()
         if not torch.is_grad_enabled():
-            return StaleWrites(self._captured)
+            return StaleWrites(self._protected())
         return ProbeCheck(self.unbatched, self.sparse_embeddings, self.differentiates,
-                          self.decomposed, self._captured)
+                          self.decomposed, self._protected())
 
     def rows(self, leaves: tuple[Tensor, ...]) -> tuple[Tensor, Any]:
         """Evaluate ``f`` on the full inputs; return its output as an ``[m]`` vector and aux."""
@@ -641,6 +652,8 @@ class Probe:
             (TorchScript), or ``None`` where the probe did not look (NOTE [unseen calls]).
         decomposed: Calls of ``f`` that every later evaluation runs decomposed (NOTE
             [prelu as where]).
+        writes: Whether ``f`` wrote into any tensor, its own included (NOTE [writes under a
+            cached probe]).
     """
 
     spec: OutputSpec
@@ -650,6 +663,7 @@ class Probe:
     differentiates: str | None = None
     unseen_ops: tuple[str, ...] | None = None
     decomposed: tuple[str, ...] = ()
+    writes: bool = True
     checks: dict[str, bool] = field(default_factory=dict, compare=False)
     """Checks that passed once for the signature (``"derivatives"``: NOTE [per-sample])."""
 
@@ -738,7 +752,7 @@ def build_problem(options: Options, f: Callable[..., Any], args: tuple[Any, ...]
     return Problem(f, args, kwargs, diff, options, batch, probe.spec, draw, want_pullback,
                    evaluation, probe.unbatched, composition, probe.mutates_leaves,
                    probe.sparse_embeddings, probe_cached, probe.checks, probe.differentiates,
-                   unseen_ops, probe.decomposed)
+                   unseen_ops, probe.decomposed, probe.writes)
 
 
 def _without_inference_tensors(tree: Any) -> Any:
@@ -823,13 +837,13 @@ def _evaluate_probe(api: str, f: Callable[..., Any], args: tuple[Any, ...],
     def evaluate(values: tuple[Tensor, ...]) -> Any:
         return f(*diff.rebuild_args(args, values), **kwargs)
 
-    captured = captured_memory(f, (args, dict(kwargs)), own=leaves)
+    writes = CapturedWrites(captured_memory(f, (args, dict(kwargs)), own=leaves))
 
     def evaluate_probe() -> Any:  # the next evaluation starts from the call's state
         return evaluate_f(evaluate, leaves,
                           lambda: draw.evaluation(full=with_grad, restore_after=True),
                           _probe_attention, lambda: census,
-                          lambda: CapturedWrites(captured),  # NOTE [captured writes]
+                          lambda: writes,  # NOTE [captured writes]
                           FrozenRunningStats, look if look_unseen else contextlib.nullcontext)
 
     with torch.set_grad_enabled(with_grad):
@@ -865,7 +879,7 @@ def _evaluate_probe(api: str, f: Callable[..., Any], args: tuple[Any, ...],
         spec = make_output_spec(api, out, batch, whole_batch=whole_batch)
         probe = Probe(spec, tuple(census.unbatched), mutated, census.sparse_embeddings,
                       census.differentiates, tuple(unseen[-1].ops) if look_unseen else None,
-                      tuple(census.decomposed))
+                      tuple(census.decomposed), writes.wrote)
         if not with_grad or census.differentiates is not None:  # the backend evaluates f
             return probe, None  # with ops differentiable at any order (Problem._evaluation)
         rows = concat_rows(optree.tree_leaves(out), probe.spec.dtype)
