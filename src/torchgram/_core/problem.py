@@ -879,7 +879,7 @@ def _evaluate_probe(api: str, f: Callable[..., Any], args: tuple[Any, ...],
         spec = make_output_spec(api, out, batch, whole_batch=whole_batch)
         probe = Probe(spec, tuple(census.unbatched), mutated, census.sparse_embeddings,
                       census.differentiates, tuple(unseen[-1].ops) if look_unseen else None,
-                      tuple(census.decomposed), writes.wrote)
+                      tuple(census.decomposed), writes.wrote or mutated)
         if not with_grad or census.differentiates is not None:  # the backend evaluates f
             return probe, None  # with ops differentiable at any order (Problem._evaluation)
         rows = concat_rows(optree.tree_leaves(out), probe.spec.dtype)
