@@ -311,6 +311,7 @@ class Tokens:
     scale_grad_by_freq: bool = False
     frozen: bool = False
     sparse: bool = False  # the table's gradient sparse (NOTE [sparse embedding gradients])
+    max_norm: float | None = None  # rows renormalised in place (NOTE [probing])
 
 
 @dataclass(frozen=True)
@@ -537,7 +538,8 @@ def forward(case: FuzzCase, get: Get, x: Tensor, labels: Tensor | None, *,
     inp = case.input
     if isinstance(inp, Tokens):
         h = F.embedding(x, get(-1, "table"), padding_idx=inp.padding_idx,
-                        scale_grad_by_freq=inp.scale_grad_by_freq, sparse=inp.sparse)
+                        max_norm=inp.max_norm, scale_grad_by_freq=inp.scale_grad_by_freq,
+                        sparse=inp.sparse)
     else:
         h = x if not inp.flat else x[:, None]
         if any(isinstance(layer, Activation) and layer.inplace for layer in case.layers):

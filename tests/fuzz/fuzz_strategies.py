@@ -243,11 +243,14 @@ def cases(draw: st.DrawFn, backend: str, in_place: bool = False) -> FuzzCase:
         by_freq = not known_issue("scale_grad_by_freq", backend) and not (
             declared and known_issue("scale_grad_by_freq_with_batch_dim", backend)) \
             and draw(st.booleans())
+        frozen = draw(st.integers(0, 4)) == 0
         case_input = Tokens(vocab=vocab, width=draw(st.integers(1, 4)),
                             padding_idx=draw(st.sampled_from([None, 0, vocab - 1])),
-                            scale_grad_by_freq=by_freq, frozen=draw(st.integers(0, 4)) == 0,
+                            scale_grad_by_freq=by_freq, frozen=frozen,
                             # torch refuses sparse gradients scaled by frequency
-                            sparse=not by_freq and draw(st.integers(0, 3)) == 0)
+                            sparse=not by_freq and draw(st.integers(0, 3)) == 0,
+                            # renormalised in place: a frozen table that f captured is refused
+                            max_norm=None if frozen or draw(st.integers(0, 3)) else 1.0)
     tokens = case_input if isinstance(case_input, Tokens) else None
     layers: list[Layer] = []
     shapes = walk_shapes(case_input, length, ())
