@@ -857,3 +857,64 @@ def test_zero_derivative_of_a_bias_before_a_training_batch_norm(backend: str) ->
         outcome = check_composed(case, backend, mode)  # type: ignore[arg-type]
         assert outcome.startswith("refused" if backend in ("graph", "structured")
                                   and mode == "grad" or backend == "ntvp" else "answered"), outcome
+
+
+RENORMALISED_CASES = {
+    "tied-rnn-chunked": FuzzCase(
+        seed=0, batch=3, length=2,
+        input=Tokens(vocab=5, width=1, padding_idx=4, scale_grad_by_freq=True, frozen=False,
+                     sparse=False, max_norm=1.0),
+        layers=(TiedOut(), RnnCell(hidden=4, kind="rnn_tanh", bias=False, frozen=False)),
+        head=Head(kind="sq_mean", classes=3), dtype="float32", batch_dim=0, output_dim=0,
+        input_dim=0, as_module=True, input_via="positional", mixed_dtypes=True, layout="flat",
+        consts_via="closure", params_at="first", extra_leaves=False, has_aux=False,
+        diagonal=False, per_leaf=False, chunk_size=None, memory_budget=8, repeat="none",
+        head_extra="constant", requires_grad=True, noncontiguous=True, alias_tied=False,
+        grad_mode="no_grad"),
+    "attention-tied-split": FuzzCase(
+        seed=542, batch=1, length=2,
+        input=Tokens(vocab=6, width=2, padding_idx=0, scale_grad_by_freq=False, frozen=False,
+                     sparse=False, max_norm=1.0),
+        layers=(Attention(heads=2, form="sdpa", causal=True, bias=True, frozen=False,
+                          dropout=0.0, weights=False),
+                Elementwise(kind="slice", frozen=False), TiedOut()),
+        head=Head(kind="feat", classes=3), dtype="float64", batch_dim=None, output_dim=1,
+        input_dim=-1, as_module=False, input_via="positional", mixed_dtypes=False,
+        layout="list", consts_via="closure", params_at="split", extra_leaves=False,
+        has_aux=False, diagonal=False, per_leaf=False, chunk_size=3, memory_budget=64,
+        repeat="none", head_extra="none", requires_grad=True, noncontiguous=False,
+        alias_tied=True, grad_mode="enabled"),
+    "lstm-tuple-sparse": FuzzCase(
+        seed=68, batch=4, length=1,
+        input=Tokens(vocab=3, width=2, padding_idx=None, scale_grad_by_freq=False, frozen=False,
+                     sparse=True, max_norm=1.0),
+        layers=(RnnCell(hidden=4, kind="lstm", bias=True, frozen=True),
+                Activation(kind="gelu", inplace=False)),
+        head=Head(kind="tuple", classes=3), dtype="float32", batch_dim=-1, output_dim=-1,
+        input_dim=0, as_module=False, input_via="positional", mixed_dtypes=True, layout="list",
+        consts_via="positional", params_at="first", extra_leaves=False, has_aux=True,
+        diagonal=False, per_leaf=True, chunk_size=1, memory_budget=8, repeat="none",
+        head_extra="constant", requires_grad=True, noncontiguous=False, alias_tied=True,
+        grad_mode="no_grad"),
+}
+
+
+@pytest.mark.parametrize("name", list(RENORMALISED_CASES))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_table_renormalised_in_place_over_several_evaluations(backend: str, name: str) -> None:
+    """Session 49 (the fuzzer's new max_norm tables, a targeted run): each evaluation of a
+    call renormalised the call's copy of the table again, bumping its version counter, and a
+    backward through an earlier evaluation that saved the table (a tied head) failed torch's
+    check of saved tensors: jacobian and auto refused (a torchgram error naming an in-place
+    write f does not make) where graph answered. Calls now renormalise only where a row needs
+    it (NOTE [renormalised once]). The targeted run also reported a concurrency example 0.87
+    off (relative) that depended on earlier examples' state; it did not recur once the
+    writes were gone, and it is not isolated here."""
+    assert check(RENORMALISED_CASES[name], backend).startswith("answered")
+
+
+@pytest.mark.parametrize("backend", ["auto", "structured"])
+def test_tables_renormalised_in_place_from_threads(backend: str) -> None:
+    """The three cases of session 49's failing concurrency example, alone then from threads."""
+    outcomes = check_concurrently(list(RENORMALISED_CASES.values()), backend)
+    assert all(outcome.startswith("answered") for outcome in outcomes), outcomes

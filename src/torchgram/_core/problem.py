@@ -35,6 +35,7 @@ from torch import Tensor
 from torchgram._core import _torch_compat
 from torchgram._core.captured_writes import (
     CapturedWrites,
+    RenormalisedOnce,
     StaleWrites,
     captured_memory,
 )
@@ -439,7 +440,9 @@ class Problem:
                                 self._probe_check,
                                 FrozenRunningStats,  # NOTE [frozen running statistics]
                                 PreluAsWhere if PRELU in self.decomposed
-                                else contextlib.nullcontext)  # NOTE [prelu as where]
+                                else contextlib.nullcontext,  # NOTE [prelu as where]
+                                RenormalisedOnce if self.mutates_leaves
+                                else contextlib.nullcontext)  # NOTE [renormalised once]
         return split_aux(self.api, result, self.has_aux)
 
     def _evaluation(self) -> contextlib.AbstractContextManager[Any]:
