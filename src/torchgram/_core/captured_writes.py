@@ -74,11 +74,16 @@ _RENORMING = {F.embedding: 3, F.embedding_bag: 3}
 (its position): the write happens inside them, where no torch-function mode sees it."""
 
 
+def _max_norm(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The ``max_norm`` a call of :data:`_RENORMING` was given (``None``: none)."""
+    position = _RENORMING[func]
+    return args[position] if len(args) > position else kwargs.get("max_norm")
+
+
 def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor | None:
     """The tensor ``func`` writes into, or ``None`` for a call that writes into none."""
-    renorm_at = _RENORMING.get(func)
-    if renorm_at is not None:
-        max_norm = args[renorm_at] if len(args) > renorm_at else kwargs.get("max_norm")
+    if func in _RENORMING:
+        max_norm = _max_norm(func, args, kwargs)
         weight = args[1] if len(args) > 1 else kwargs.get("weight")
         if isinstance(weight, Tensor) and not weight.is_floating_point() and args \
                 and isinstance(args[0], Tensor) and args[0].is_floating_point():
@@ -187,12 +192,41 @@ def _visit_function(func: types.FunctionType, depth: int,
         codes.extend(const for const in code.co_consts if isinstance(const, types.CodeType))
 
 
-class CapturedWrites(TorchFunctionMode):
+class _WriteGuard(TorchFunctionMode):
+    """Refuses, before it happens, a write into memory ``f`` captured or received.
+
+    ``captured`` gives :func:`captured_memory`'s addresses (called at each write: a caller
+    that looks them up lazily memoises them); subclasses say how to refuse.
+    """
+
+    def __init__(self, captured: Callable[[], frozenset[int]]) -> None:
+        super().__init__()
+        self._captured = captured
+        self.wrote = False
+        """Whether ``f`` wrote into any tensor (its own included)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        target = _written(func, args, kwargs)
+        if target is not None:
+            self.wrote = True
+            if memory_of(target) in self._captured():
+                self._refuse(getattr(func, "__name__", "a write"))
+        return func(*args, **kwargs)
+
+    def _refuse(self, write: str) -> None:
+        raise NotImplementedError
+
+
+class CapturedWrites(_WriteGuard):
     """Raises :class:`CapturedWrite` before a write into memory ``f`` captured or received.
 
     Args:
         captured: :func:`captured_memory`'s addresses (their tensors alive for the whole
             evaluation, so no tensor made during it takes their memory).
+
+    ``wrote`` (whether ``f`` wrote into any tensor) is ``Probe.writes``.
 
     Example:
         >>> import torch
@@ -206,20 +240,10 @@ class CapturedWrites(TorchFunctionMode):
     """
 
     def __init__(self, captured: frozenset[int]) -> None:
-        super().__init__()
-        self._captured = captured
-        self.wrote = False
-        """Whether ``f`` wrote into any tensor (its own included): ``Probe.writes``."""
+        super().__init__(lambda: captured)
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
-                           kwargs: dict[str, Any] | None = None) -> Any:
-        kwargs = kwargs or {}
-        target = _written(func, args, kwargs)
-        if target is not None:
-            self.wrote = True
-            if memory_of(target) in self._captured:
-                raise CapturedWrite(getattr(func, "__name__", "a write"))
-        return func(*args, **kwargs)
+    def _refuse(self, write: str) -> None:
+        raise CapturedWrite(write)
 
 
 def memory_of(tensor: Tensor) -> int:
@@ -239,7 +263,7 @@ def memory_of(tensor: Tensor) -> int:
         return 0
 
 
-class StaleWrites(TorchFunctionMode):
+class StaleWrites(_WriteGuard):
     """Raises ``OutputChanged`` before a write into memory ``f`` captured or received.
 
     NOTE [writes under a cached probe]. ``captured`` gives :func:`captured_memory`'s
@@ -257,18 +281,12 @@ class StaleWrites(TorchFunctionMode):
     """
 
     def __init__(self, captured: Callable[[], frozenset[int]]) -> None:
-        super().__init__()
-        self._captured = captured
+        super().__init__(captured)
         self.written: str | None = None
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
-                           kwargs: dict[str, Any] | None = None) -> Any:
-        kwargs = kwargs or {}
-        target = _written(func, args, kwargs)
-        if target is not None and memory_of(target) in self._captured():
-            self.written = getattr(func, "__name__", "a write")
-            raise OutputChanged(self._message())
-        return func(*args, **kwargs)
+    def _refuse(self, write: str) -> None:
+        self.written = write
+        raise OutputChanged(self._message())
 
     def _message(self) -> str:
         return (f"f wrote into a tensor it captured or received ({self.written}), which its "
@@ -325,8 +343,7 @@ class RenormalisedOnce(TorchFunctionMode):
 def _needs_renorm(func: Any, weight: Tensor, args: tuple[Any, ...],
                   kwargs: dict[str, Any]) -> bool:
     """Whether a row the call reads is above its ``max_norm`` (``True`` where unknown)."""
-    position = _RENORMING[func]
-    max_norm = args[position] if len(args) > position else kwargs.get("max_norm")
+    max_norm, position = _max_norm(func, args, kwargs), _RENORMING[func]
     norm_type = args[position + 1] if len(args) > position + 1 else kwargs.get("norm_type", 2.0)
     indices = next((a for a in (*args[:2], kwargs.get("input")) if isinstance(a, Tensor)
                     and a is not weight and not a.is_floating_point()), None)
