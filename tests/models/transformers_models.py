@@ -21,30 +21,64 @@ from torch import Tensor
 from transformers import (
     AlbertConfig,
     AlbertForSequenceClassification,
+    BeitConfig,
+    BeitForImageClassification,
     BertConfig,
     BertForSequenceClassification,
     BloomConfig,
     BloomForCausalLM,
+    ConvBertConfig,
+    ConvBertForSequenceClassification,
+    ConvNextConfig,
+    ConvNextForImageClassification,
     DebertaV2Config,
     DebertaV2ForSequenceClassification,
+    Dinov2Config,
+    Dinov2ForImageClassification,
     DistilBertConfig,
     DistilBertForSequenceClassification,
+    FNetConfig,
+    FNetForSequenceClassification,
+    FunnelConfig,
+    FunnelForSequenceClassification,
+    GemmaConfig,
+    GemmaForCausalLM,
     GPT2Config,
     GPT2LMHeadModel,
     GPTNeoXConfig,
     GPTNeoXForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    MambaConfig,
+    MambaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
+    MobileBertConfig,
+    MobileBertForSequenceClassification,
+    MobileNetV2Config,
+    MobileNetV2ForImageClassification,
+    NystromformerConfig,
+    NystromformerForSequenceClassification,
     OPTConfig,
     OPTForCausalLM,
+    PhiConfig,
+    PhiForCausalLM,
+    PoolFormerConfig,
+    PoolFormerForImageClassification,
     PretrainedConfig,
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
     RobertaConfig,
     RobertaForSequenceClassification,
+    SegformerConfig,
+    SegformerForImageClassification,
+    SqueezeBertConfig,
+    SqueezeBertForSequenceClassification,
+    StableLmConfig,
+    StableLmForCausalLM,
     SwinConfig,
     SwinForImageClassification,
     T5Config,
@@ -176,10 +210,11 @@ def vit(attn: str) -> ModelCase:
 # -- more architectures: the same two calls, each model's own quirks -------------------------
 
 def classifier(name: str, config: PretrainedConfig, model_class: type[PreTrainedModel],
-               note: str, *, seed: int | None = None) -> ModelCase:
+               note: str, *, seed: int | None = None, rtol: float | None = None) -> ModelCase:
     """``model(ids, attention_mask=mask).logits`` → per-sample cross-entropy, padded samples.
 
-    ``seed``: a random model (dropout), in train mode, one draw per call from that seed.
+    ``seed``: a random model (dropout), in train mode, one draw per call from that seed;
+    ``rtol``: a looser tolerance than the case's default, for models that round inside.
     """
     model = model_class(config).to(torch.float64).train(seed is not None)
     fn, params = tg.functionalize(model)
@@ -190,8 +225,9 @@ def classifier(name: str, config: PretrainedConfig, model_class: type[PreTrained
         logits = fn(p, ids, attention_mask=attention_mask).logits
         return F.cross_entropy(logits, labels, reduction="none")
 
+    options = {} if rtol is None else {"rtol": rtol}
     return ModelCase(name, f, params, (ids, labels), {"attention_mask": mask},
-                     output_shape=(BATCH,), module=model, seed=seed, note=note)
+                     output_shape=(BATCH,), module=model, seed=seed, note=note, **options)
 
 
 def causal_lm(name: str, config: PretrainedConfig, model_class: type[PreTrainedModel],
@@ -339,3 +375,106 @@ BUILDERS: dict[str, Callable[[], ModelCase]] = {
     "vit-sdpa": lambda: vit("sdpa"),
     **MORE,
 }
+
+
+# -- session 50: more mechanisms people bring, each architecture for what it does differently --
+
+FUNNEL_RTOL = 1e-7
+"""Funnel takes its attention scores to float32 (``attn_score.float()``) inside a float64
+model: forward- and reverse-mode derivatives through that rounding (``ntvp`` against the
+oracle) agree to 2.5e-10 of the largest entry, not to float64's round-off."""
+
+_IMAGE = {"num_channels": 3, "num_labels": LABELS}
+
+BUILDERS.update({
+    "phi": lambda: causal_lm(
+        "phi", PhiConfig(**_GQA, partial_rotary_factor=0.5), PhiForCausalLM,
+        "PhiForCausalLM: parallel attention and MLP, partial rotary", rtol=LLAMA_RTOL),
+    "mistral": lambda: causal_lm(
+        "mistral", MistralConfig(**_GQA, sliding_window=2), MistralForCausalLM,
+        "MistralForCausalLM: sliding-window attention (window 2) with padding",
+        rtol=LLAMA_RTOL),
+    "gemma": lambda: causal_lm(
+        "gemma", GemmaConfig(**_GQA, head_dim=4), GemmaForCausalLM,
+        "GemmaForCausalLM: embeddings scaled by sqrt(d), RMSNorm with (1 + w)",
+        rtol=LLAMA_RTOL),
+    "stablelm": lambda: causal_lm(
+        "stablelm", StableLmConfig(**_GQA, qk_layernorm=True, use_qkv_bias=True),
+        StableLmForCausalLM, "StableLmForCausalLM: a LayerNorm per head on queries and keys",
+        rtol=LLAMA_RTOL),
+    # selective scan by the reference PyTorch path; the model returns float32 logits
+    "mamba": lambda: causal_lm(
+        "mamba", MambaConfig(vocab_size=VOCAB, hidden_size=8, state_size=4,
+                             num_hidden_layers=1, expand=2, conv_kernel=2, use_mambapy=False),
+        MambaForCausalLM, "MambaForCausalLM: causal conv1d, selective scan (float32 output)",
+        rtol=MORE_RTOL_FLOAT32),
+    "mobilebert": lambda: classifier(
+        "mobilebert", MobileBertConfig(**_ENCODER, embedding_size=8, intra_bottleneck_size=8,
+                                       true_hidden_size=8, num_feedforward_networks=2),
+        MobileBertForSequenceClassification,
+        "MobileBertForSequenceClassification: NoNorm (elementwise affine), bottlenecks, "
+        "two FFNs"),
+    "funnel": lambda: classifier(
+        "funnel", FunnelConfig(vocab_size=VOCAB, block_sizes=[1, 1], d_model=8, n_head=2,
+                               d_head=4, d_inner=16, num_labels=LABELS, pad_token_id=PAD),
+        FunnelForSequenceClassification,
+        "FunnelForSequenceClassification: pooled sequence, relative attention, float32 "
+        "scores", rtol=FUNNEL_RTOL),
+    "convbert": lambda: classifier(
+        "convbert", ConvBertConfig(**_ENCODER, embedding_size=8, conv_kernel_size=3,
+                                   head_ratio=2),
+        ConvBertForSequenceClassification,
+        "ConvBertForSequenceClassification: span-based dynamic convolution"),
+    "squeezebert": lambda: classifier(
+        "squeezebert", SqueezeBertConfig(**_ENCODER, embedding_size=8, q_groups=2, k_groups=2,
+                                         v_groups=2, post_attention_groups=2,
+                                         intermediate_groups=2, output_groups=2),
+        SqueezeBertForSequenceClassification,
+        "SqueezeBertForSequenceClassification: grouped 1x1 convolutions"),
+    "fnet": lambda: classifier(
+        "fnet", FNetConfig(vocab_size=VOCAB, hidden_size=8, num_hidden_layers=1,
+                           intermediate_size=16, max_position_embeddings=16, num_labels=LABELS,
+                           pad_token_id=PAD, use_tpu_fourier_optimizations=False),
+        FNetForSequenceClassification, "FNetForSequenceClassification: FFT token mixing"),
+    "nystromformer": lambda: classifier(
+        "nystromformer", NystromformerConfig(**_ENCODER, num_landmarks=5,
+                                             segment_means_seq_len=5),
+        NystromformerForSequenceClassification,
+        "NystromformerForSequenceClassification: landmark attention, iterative pseudo-inverse"),
+    "convnext": lambda: image_classifier(
+        "convnext", ConvNextConfig(**_IMAGE, patch_size=2, num_stages=2, hidden_sizes=[8, 16],
+                                   depths=[1, 1], layer_scale_init_value=0.5),
+        ConvNextForImageClassification,
+        "ConvNextForImageClassification: depthwise 7x7, channels-last LayerNorm, layer scale"),
+    "beit": lambda: image_classifier(
+        "beit", BeitConfig(**_IMAGE, image_size=8, patch_size=4, hidden_size=8,
+                           num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
+                           use_relative_position_bias=True, layer_scale_init_value=0.5,
+                           use_mean_pooling=True),
+        BeitForImageClassification,
+        "BeitForImageClassification: relative position bias table, layer scale"),
+    "segformer": lambda: image_classifier(
+        "segformer", SegformerConfig(**_IMAGE, num_encoder_blocks=2, depths=[1, 1],
+                                     sr_ratios=[2, 1], hidden_sizes=[8, 16],
+                                     patch_sizes=[3, 3], strides=[2, 2],
+                                     num_attention_heads=[1, 2], mlp_ratios=[2, 2]),
+        SegformerForImageClassification,
+        "SegformerForImageClassification: attention over a strided-conv reduction, "
+        "depthwise mix-FFN"),
+    "dinov2": lambda: image_classifier(
+        "dinov2", Dinov2Config(**_IMAGE, image_size=8, patch_size=4, hidden_size=8,
+                               num_hidden_layers=1, num_attention_heads=2, mlp_ratio=2,
+                               layerscale_value=0.5),
+        Dinov2ForImageClassification,
+        "Dinov2ForImageClassification: interpolated position embeddings, layer scale"),
+    "poolformer": lambda: image_classifier(
+        "poolformer", PoolFormerConfig(**_IMAGE, hidden_sizes=[8, 16], depths=[1, 1],
+                                       patch_sizes=[3, 3], strides=[2, 2], padding=[1, 1],
+                                       num_encoder_blocks=2),
+        PoolFormerForImageClassification,
+        "PoolFormerForImageClassification: average-pool token mixer, GroupNorm, layer scale"),
+    "mobilenetv2": lambda: image_classifier(
+        "mobilenetv2", MobileNetV2Config(**_IMAGE, image_size=8, depth_multiplier=0.25),
+        MobileNetV2ForImageClassification,
+        "MobileNetV2ForImageClassification: inverted residuals, eval-mode batch-norm, ReLU6"),
+})
