@@ -52,11 +52,14 @@ before this change too -- an open limitation, not this node's.)
 A/B in one process (1 thread, ``benchmarks/real_cases.py``' FULL sizes, medians of 15-31
 alternated calls): the per-sample Gramian of the LSTM 0.85 to 0.90 times the time (4.06× a
 backward → 3.46×), of the two-layer bidirectional GRU 0.81 to 0.86 times (1.69-1.80× →
-1.45-1.46×).
+1.45-1.46×). Session 50 (NOTE [steps written in place], and the backwards' per-step views
+made once): the LSTM 0.90 to 0.95 times again (3.11-3.37× → 2.86-3.04×), the GRU 0.90 to
+0.95 (1.37-1.40× → 1.27-1.33×); the same matrices to the last bit.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -87,33 +90,45 @@ def step_inputs(out: Tensor, h0: Tensor, *, dim: int, reverse: bool) -> Tensor:
     return torch.cat((first, out.narrow(dim, 0, steps - 1)), dim)
 
 
-class _Saved:
-    """What a node's forward keeps of every step it runs, written into stacked buffers.
+# NOTE [steps written in place]
+# The forward of a node runs eight small ops per step (B × 4H for an LSTM), so what costs is
+# the number of ops, not their arithmetic: each step's values are written by the ops that make
+# them (``out=``, in-place updates) into their rows of buffers stacked over the steps, which the
+# backward reads as they are, and the next step reads its ``h_{t-1}`` (and ``c_{t-1}``) from
+# the row the step before wrote. Copying each value into a stacked buffer afterwards (and
+# stacking the outputs at the end) took as many ops again. The buffers hold every step once:
+# the node's outputs are copies (the stacked ``h_t`` in step order, the final ``h`` and ``c``),
+# so that nothing the caller does to them touches what the backward reads.
 
-    Each kind's buffer ``[steps, *value]`` is allocated at the first step and every step's
-    value copied into its row: a list of per-step values stacked at the end would hold every
-    value twice at that moment (2 MiB more at the peak of the LSTM of ``real_cases.py``, whose
-    plain backward peaks at 5 MiB).
+
+class _StepBuffers:
+    """The stacked per-step buffers of a node's forward (NOTE [steps written in place]).
+
+    Each :meth:`rows` call allocates one buffer ``[steps, *shape]`` (``[steps + 1, ...]``
+    with ``first``, its row 0) like ``like`` (dtype, device) and returns its rows, views in
+    processing order; :attr:`stacked` gives the buffers, in the order they were made.
     """
 
-    def __init__(self, steps: int) -> None:
-        self._steps = steps
-        self._buffers: list[Tensor] = []
-        self._written = 0
+    def __init__(self, like: Tensor, steps: int) -> None:
+        self._like, self._steps = like, steps
+        self.stacked: list[Tensor] = []
 
-    def append(self, *values: Tensor) -> None:
-        """One step's values (in processing order), one per kind."""
-        if not self._buffers:
-            self._buffers = [value.new_empty((self._steps, *value.shape)) for value in values]
-        for buffer, value in zip(self._buffers, values, strict=True):
-            buffer[self._written].copy_(value)
-        self._written += 1
+    def rows(self, shape: Sequence[int], first: Tensor | None = None) -> tuple[Tensor, ...]:
+        """A new buffer's rows (one more, holding ``first``, where it is given)."""
+        buffer = self._like.new_empty((self._steps + (first is not None), *shape))
+        if first is not None:
+            buffer[0].copy_(first)
+        self.stacked.append(buffer)
+        return buffer.unbind(0)
 
-    def save(self, ctx: FunctionCtx, weight_t: Tensor, dim: int, reverse: bool) -> None:
-        """Each kind's buffer (processing order along its first dim), then ``weight_t``."""
-        assert self._written == self._steps
-        ctx.save_for_backward(*self._buffers, weight_t)
-        ctx.dim, ctx.reverse = dim, reverse  # type: ignore[attr-defined]
+
+def _outputs(states: Tensor, dim: int, reverse: bool) -> Tensor:
+    """The outputs ``h_1 .. h_T`` of ``states`` ``[T + 1, ...]`` (processing order).
+
+    A new tensor, with the steps along ``dim`` in step order (``torch.stack``'s layout).
+    """
+    processed = states[1:]
+    return (processed.flip(0) if reverse else processed).movedim(0, dim).contiguous()
 
 
 class _StepGrads:
@@ -162,25 +177,38 @@ class LSTMSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx: FunctionCtx, xs: Tensor, h0: Tensor, c0: Tensor, weight_t: Tensor,
                 bias: Tensor | None, dim: int, reverse: bool) -> tuple[Tensor, Tensor, Tensor]:
-        """The steps without autograd recording; saves what the backward reads."""
+        """The steps without autograd recording; saves what the backward reads.
+
+        Every step writes its values straight into their rows of the stacked buffers (NOTE
+        [steps written in place]): σ(gates), g, the cells ``c_0 .. c_T``, tanh(c_t) and the
+        hidden states ``h_0 .. h_T``, in processing order.
+        """
         steps = xs.unbind(dim)
         hidden = h0.shape[-1]
-        h, c = h0, c0
-        outputs: list[Tensor] = [h0] * len(steps)  # placeholders, all replaced
-        saved = _Saved(len(steps))  # σ(gates), g, c_{t-1}, tanh(c_t), h_{t-1}
-        for t in _processing_order(len(steps), reverse):
-            gates = torch.addmm(steps[t], h, weight_t)
+        order = _processing_order(len(steps), reverse)
+        gates = torch.addmm(steps[order[0]], h0, weight_t)  # the first step's: dtype, device
+        buffers = _StepBuffers(gates, len(steps))
+        sigmoids, g_rows = buffers.rows(gates.shape), buffers.rows(h0.shape)
+        cells, tanh_cells = buffers.rows(h0.shape, first=c0), buffers.rows(h0.shape)
+        states = buffers.rows(h0.shape, first=h0)
+        i, f, o = (buffers.stacked[0][..., block * hidden:(block + 1) * hidden].unbind(0)
+                   for block in (0, 1, 3))  # views made once, not a slice per step
+        gates_g = gates[:, 2 * hidden:3 * hidden]  # gates is written in place at every step
+        for k, t in enumerate(order):
+            if k:
+                torch.addmm(steps[t], states[k], weight_t, out=gates)
             if bias is not None:
                 gates += bias
-            sigmoid = torch.sigmoid(gates)
-            g = torch.tanh(gates[:, 2 * hidden:3 * hidden])
-            c_prev, h_prev = c, h
-            c = torch.addcmul(sigmoid[:, hidden:2 * hidden] * c, sigmoid[:, :hidden], g)
-            tanh_cell = torch.tanh(c)
-            h = outputs[t] = sigmoid[:, 3 * hidden:] * tanh_cell
-            saved.append(sigmoid, g, c_prev, tanh_cell, h_prev)
-        saved.save(ctx, weight_t, dim, reverse)
-        return torch.stack(outputs, dim), h, c
+            torch.sigmoid(gates, out=sigmoids[k])
+            g = torch.tanh(gates_g, out=g_rows[k])
+            torch.mul(f[k], cells[k], out=cells[k + 1]).addcmul_(i[k], g)
+            torch.mul(o[k], torch.tanh(cells[k + 1], out=tanh_cells[k]), out=states[k + 1])
+        sigmoid_all, g_all, cell_all, tanh_all, state_all = buffers.stacked
+        ctx.save_for_backward(sigmoid_all, g_all, cell_all[:-1], tanh_all, state_all[:-1],
+                              weight_t)
+        ctx.dim, ctx.reverse = dim, reverse  # type: ignore[attr-defined]
+        return (_outputs(state_all, dim, reverse), state_all[-1].clone(),
+                cell_all[-1].clone())
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor, grad_h: Tensor,
@@ -205,13 +233,14 @@ class LSTMSequence(torch.autograd.Function):
         weight = weight_t.t()
         deltas = _StepGrads(steps, ctx.dim)
         dh, dc = grad_h, grad_c
-        for k in range(steps - 1, -1, -1):  # processed steps, last first
-            t = steps - 1 - k if ctx.reverse else k
+        per_step = zip(dc_of_dh.unbind(0), coefficients.unbind(0), f.unbind(0), strict=True)
+        for k, (dc_per_dh, coefficient, forget) in reversed(list(enumerate(per_step))):
+            t = steps - 1 - k if ctx.reverse else k  # processed steps, last first
             dh = out_grads[t] + dh
-            dc = torch.addcmul(dc, dh, dc_of_dh[k])
-            delta = torch.cat((dc, dc, dc, dh), dim=-1) * coefficients[k]
+            dc = torch.addcmul(dc, dh, dc_per_dh)
+            delta = torch.cat((dc, dc, dc, dh), dim=-1) * coefficient
             deltas.put(t, delta)
-            dc = dc * f[k]
+            dc = dc * forget
             dh = delta @ weight
         grad_weight, grad_bias = _recurrent_grads(ctx, 3, inputs, deltas)
         return deltas.stacked, dh, dc, grad_weight, grad_bias, None, None
@@ -233,26 +262,45 @@ class GRUSequence(torch.autograd.Function):
     def forward(ctx: FunctionCtx, xs: Tensor, h0: Tensor, weight_t: Tensor,
                 bias: Tensor | None, tap: Tensor | None, dim: int,
                 reverse: bool) -> tuple[Tensor, Tensor]:
-        """The steps without autograd recording; saves what the backward reads."""
+        """The steps without autograd recording; saves what the backward reads.
+
+        Every step writes its values straight into their rows of the stacked buffers (NOTE
+        [steps written in place]): the recurrent projections ``hh_t``, σ of the reset and
+        update gates, n, and the hidden states ``h_0 .. h_T``, in processing order.
+        """
         steps = xs.unbind(dim)
         tap_steps = None if tap is None else tap.unbind(dim)
         hidden = h0.shape[-1]
-        h = h0
-        outputs: list[Tensor] = [h0] * len(steps)  # placeholders, all replaced
-        saved = _Saved(len(steps))  # h_{t-1}, r, z, n, hh_n
-        for t in _processing_order(len(steps), reverse):
-            hh = h @ weight_t if tap_steps is None else torch.addmm(tap_steps[t], h, weight_t)
+        order = _processing_order(len(steps), reverse)
+
+        def projection(t: int, h: Tensor, out: Tensor | None = None) -> Tensor:
+            if tap_steps is None:
+                return torch.mm(h, weight_t, out=out)
+            return torch.addmm(tap_steps[t], h, weight_t, out=out)
+
+        first = projection(order[0], h0)  # the first step's: dtype, device
+        buffers = _StepBuffers(first, len(steps))
+        projections, gates = buffers.rows(first.shape), buffers.rows((*h0.shape[:-1], 2 * hidden))
+        news, states = buffers.rows(h0.shape), buffers.rows(h0.shape, first=h0)
+        projections[0].copy_(first)
+        projection_all, gate_all, new_all, state_all = buffers.stacked
+        # views made once, not slices per step
+        x_gates, x_new = xs[..., :2 * hidden].unbind(dim), xs[..., 2 * hidden:].unbind(dim)
+        hh_gates = projection_all[..., :2 * hidden].unbind(0)
+        hh_new = projection_all[..., 2 * hidden:].unbind(0)
+        reset, update = gate_all[..., :hidden].unbind(0), gate_all[..., hidden:].unbind(0)
+        for k, t in enumerate(order):
+            if k:
+                projection(t, states[k], out=projections[k])
             if bias is not None:
-                hh += bias
-            x = steps[t]
-            reset_update = torch.sigmoid(x[:, :2 * hidden] + hh[:, :2 * hidden])
-            reset, update = reset_update[:, :hidden], reset_update[:, hidden:]
-            hidden_new = hh[:, 2 * hidden:]
-            new = torch.tanh(torch.addcmul(x[:, 2 * hidden:], reset, hidden_new))
-            saved.append(h, reset, update, new, hidden_new)
-            h = outputs[t] = torch.lerp(new, h, update)
-        saved.save(ctx, weight_t, dim, reverse)
-        return torch.stack(outputs, dim), h
+                projections[k].add_(bias)
+            torch.add(x_gates[t], hh_gates[k], out=gates[k]).sigmoid_()
+            new = torch.addcmul(x_new[t], reset[k], hh_new[k], out=news[k]).tanh_()
+            torch.lerp(new, states[k], update[k], out=states[k + 1])
+        ctx.save_for_backward(state_all[:-1], gate_all[..., :hidden], gate_all[..., hidden:],
+                              new_all, projection_all[..., 2 * hidden:], weight_t)
+        ctx.dim, ctx.reverse = dim, reverse  # type: ignore[attr-defined]
+        return _outputs(state_all, dim, reverse), state_all[-1].clone()
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor, grad_h: Tensor) -> tuple[Tensor | None, ...]:
@@ -268,17 +316,19 @@ class GRUSequence(torch.autograd.Function):
         grad_steps, grad_hh = _StepGrads(steps, ctx.dim), _StepGrads(steps, ctx.dim)
         keep_hh = any(ctx.needs_input_grad[2:5])  # W_hhᵀ, b_hh, the tap
         dh = grad_h
-        for k in range(steps - 1, -1, -1):  # processed steps, last first
-            t = steps - 1 - k if ctx.reverse else k
+        per_step = zip(of_new.unbind(0), of_update.unbind(0), of_reset.unbind(0),
+                       reset.unbind(0), update.unbind(0), strict=True)
+        for k, (new_k, update_k, reset_k, r, z) in reversed(list(enumerate(per_step))):
+            t = steps - 1 - k if ctx.reverse else k  # processed steps, last first
             dh = out_grads[t] + dh
-            d_new = dh * of_new[k]
-            d_update = dh * of_update[k]
-            d_reset = d_new * of_reset[k]
+            d_new = dh * new_k
+            d_update = dh * update_k
+            d_reset = d_new * reset_k
             grad_steps.put(t, torch.cat((d_reset, d_update, d_new), dim=-1))
-            hh_t = torch.cat((d_reset, d_update, d_new * reset[k]), dim=-1)
+            hh_t = torch.cat((d_reset, d_update, d_new * r), dim=-1)
             if keep_hh:
                 grad_hh.put(t, hh_t)
-            dh = torch.addmm(dh * update[k], hh_t, weight)
+            dh = torch.addmm(dh * z, hh_t, weight)
         grad_tap = grad_hh.stacked if ctx.needs_input_grad[4] else None
         grad_weight, grad_bias = _recurrent_grads(ctx, 2, inputs, grad_hh)
         return grad_steps.stacked, dh, grad_weight, grad_bias, grad_tap, None, None
