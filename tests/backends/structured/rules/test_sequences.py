@@ -95,6 +95,27 @@ def test_node_matches_the_steps_and_their_derivatives(kind: str, layout: str,
         torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("kind", list(NODES))
+def test_outputs_changed_in_place_leave_the_backward_right(kind: str, layout: str) -> None:
+    """The outputs are copies of what the backward reads (NOTE [steps written in place]):
+    ``f`` writing into them (``out[0] = 0``, ``h.mul_(2)``) changes nothing it saved."""
+    node, steps_of = NODES[kind]
+    dim = LAYOUTS[layout]
+    inputs = _inputs(kind, dim)
+
+    def changed(outputs: tuple[Tensor, ...]) -> Tensor:
+        out, last = outputs[0], outputs[1]
+        out.select(dim, 0).zero_()
+        last.mul_(2.0)
+        return out.sum() + last.pow(2).sum()
+
+    fused = torch.autograd.grad(changed(node.apply(*inputs, dim, False)), inputs)
+    steps = torch.autograd.grad(changed(steps_of(*inputs, dim, False)), inputs)
+    for actual, expected in zip(fused, steps, strict=True):
+        torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
 @pytest.mark.parametrize("kind", list(NODES))
 def test_batched_directions_and_nan_stay_in_their_sample(kind: str, reverse: bool) -> None:

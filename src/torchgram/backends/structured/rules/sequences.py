@@ -125,10 +125,13 @@ class _StepBuffers:
 def _outputs(states: Tensor, dim: int, reverse: bool) -> Tensor:
     """The outputs ``h_1 .. h_T`` of ``states`` ``[T + 1, ...]`` (processing order).
 
-    A new tensor, with the steps along ``dim`` in step order (``torch.stack``'s layout).
+    A new tensor, with the steps along ``dim`` in step order (``torch.stack``'s layout): a
+    copy even where a view would have that layout, since ``states`` is saved for the backward
+    (an in-place change of the outputs must not reach it).
     """
     processed = states[1:]
-    return (processed.flip(0) if reverse else processed).movedim(0, dim).contiguous()
+    return (processed.flip(0) if reverse else processed).movedim(0, dim).clone(
+        memory_format=torch.contiguous_format)
 
 
 class _StepGrads:
