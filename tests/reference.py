@@ -96,6 +96,27 @@ def dense_gramian(f: Callable[..., Any], args: Sequence[Any],
     return Dense(jacobian @ jacobian.T, blocks, jacobian, output)
 
 
+def weighted_backward(f: Callable[..., Any], args: Sequence[Any],
+                      argnums: int | tuple[int, ...], weights: Tensor) -> Tensor:
+    """``Jᵀ w`` by one plain backward of ``Σ_r w_r out_r``, in ``f``'s own dtype (float64 out).
+
+    What a user's ``losses.backward(w)`` gives, with the rows flattened as
+    :func:`dense_gramian` flattens them and the gradients concatenated in its leaf order
+    (zeros for a leaf the rows do not reach). Not an oracle: the round-off of one float32
+    backward, which a float32 update cannot be asked to beat.
+    """
+    originals, rebuild = _float_leaves(args, argnums)
+    leaves = [leaf.detach().requires_grad_() for leaf in originals]
+    with torch.enable_grad():
+        out = f(*rebuild(leaves))
+        rows = torch.cat([leaf.reshape(-1) for leaf in optree.tree_leaves(out)])
+    grads = torch.autograd.grad(rows, leaves, weights.to(rows.dtype), allow_unused=True) \
+        if rows.requires_grad else (None,) * len(leaves)
+    return torch.cat([(torch.zeros_like(leaf) if grad is None else grad.to_dense()
+                       if grad.is_sparse else grad).reshape(-1).double()
+                      for leaf, grad in zip(leaves, grads, strict=True)])
+
+
 class PreluByDefinition(TorchFunctionMode):
     """``prelu(x, w)`` evaluated as its definition, ``where(x > 0, x, w * x)``.
 

@@ -21,7 +21,7 @@ from torch import Tensor
 
 import torchgram as tg
 from fuzz_arch import Built, FuzzCase, build
-from fuzz_check import TOLERANCE, Snapshot, eager_rows, fresh_leaves, oracle
+from fuzz_check import TOLERANCE, Snapshot, eager_rows, fresh_leaves, oracle, plain_update
 from reference import Dense
 
 
@@ -67,9 +67,11 @@ def _assert_update(case: FuzzCase, leaves: list[Tensor], expected: Dense) -> Non
     """``leaves`` (the update per differentiated leaf, in order) against the oracle's ``Jᵀw``.
 
     A float32 update may be as far off as the oracle's own float32 update (``jacrev`` in the
-    case's dtype): where ``J`` is zero or nearly so analytically and round-off is all a float32
-    evaluation gives (batch-norm in training mode over three values, update hunt 3), no
-    backend can do better, and the Gramian's squared entries hide it.
+    case's dtype) or as one plain float32 backward of the weighted rows
+    (:func:`fuzz_check.plain_update`): where ``J`` is zero or nearly so analytically and
+    round-off is all a float32 evaluation gives (batch-norm in training mode over three
+    values, update hunt 3; over two samples that look up the same row, seed 5001), no backend
+    can do better, and the Gramian's squared entries hide it.
     """
     weights = weighting(expected.gramian)
     want = expected.jacobian.T @ weights.to(expected.jacobian.dtype)
@@ -86,7 +88,9 @@ def _assert_update(case: FuzzCase, leaves: list[Tensor], expected: Dense) -> Non
         in_case_dtype = oracle(case, in_case_dtype=True)
         assert in_case_dtype is not None
         own = in_case_dtype.jacobian.double().T @ weighting(in_case_dtype.gramian.double())
-        allowed = max(allowed, OWN_ROUND_OFF * (own - want).abs().max().item())
+        plain = plain_update(case, weights)
+        allowed = max(allowed, OWN_ROUND_OFF * max((own - want).abs().max().item(),
+                                                   (plain - want).abs().max().item()))
     assert math.isfinite(error) and error <= allowed, \
         f"update: relative error {error / scale:.3g} > {allowed / scale:.3g}"
 

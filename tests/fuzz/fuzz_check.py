@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 import torchgram as tg
 from fuzz_arch import Built, FuzzCase, Route, build, draws, rescaled
-from reference import Dense, PreluByDefinition, dense_gramian
+from reference import Dense, PreluByDefinition, dense_gramian, weighted_backward
 
 REPEAT_SCALE = 1.5
 """``case.repeat == "values"``: the second call's parameters, relative to the first's."""
@@ -133,6 +133,24 @@ def oracle(case: FuzzCase, *, repeated: bool = False, in_case_dtype: bool = Fals
     by_definition = case.head_extra == "input_gradient" and not eager
     with PreluByDefinition() if by_definition else contextlib.nullcontext():
         return dense_gramian(g, args, argnums)
+
+
+def plain_update(case: FuzzCase, weights: Tensor) -> Tensor:
+    """``Jᵀ w`` by one plain backward in the case's own dtype (``weighted_backward``).
+
+    Where ``J`` is zero analytically because per-sample terms cancel (batch-norm in training
+    mode over samples that look up the same embedding row: each row of ``f`` moves them by
+    opposite amounts), the row-by-row float32 oracle can come out exactly zero while one
+    backward of the weighted rows, torch's own or a backend's, leaves the round-off of the
+    cancellation, amplified by ``1 / sqrt(eps)`` (long fuzz run, seed 5001: 8.7e-6 on terms
+    of about 1). Prelu as the oracle runs it (:func:`oracle`).
+    """
+    torch.manual_seed(case.seed)  # random ops: the oracle and the call see the same draw
+    built = build(case)
+    g, args = built.oracle()
+    with PreluByDefinition() if case.head_extra == "input_gradient" else \
+            contextlib.nullcontext():
+        return weighted_backward(g, args, built.argnums, weights)
 
 
 class RefusedInPlace:

@@ -918,3 +918,25 @@ def test_tables_renormalised_in_place_from_threads(backend: str) -> None:
     """The three cases of session 49's failing concurrency example, alone then from threads."""
     outcomes = check_concurrently(list(RENORMALISED_CASES.values()), backend)
     assert all(outcome.startswith("answered") for outcome in outcomes), outcomes
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_update_whose_terms_cancel_across_samples_in_float32(backend: str) -> None:
+    """Session 50's long run (seed 5001): two samples look up the same (renormalised) row,
+    then batch-norm in training mode over the two. ``J`` is zero analytically (a change of the
+    row moves both samples alike); the row-by-row float32 oracle is exactly zero too, while
+    one backward of the weighted rows (graph's and ntvp's ``Jᵀw``, torch's own
+    ``losses.backward(w)`` alike) leaves the cancellation's round-off, 8.7e-6 after the
+    ``1 / sqrt(eps)`` of the norm. The property now allows a float32 update the round-off of
+    that plain backward (``fuzz_check.plain_update``); a wrong update stays far outside."""
+    case = FuzzCase(
+        seed=0, batch=2, length=1,
+        input=Tokens(vocab=3, width=1, padding_idx=None, scale_grad_by_freq=False,
+                     frozen=False, sparse=True, max_norm=1.0),
+        layers=(Linear(out=2, bias=False, form="linear", tie=None, transposed=False,
+                       frozen=True),
+                Activation(kind="tanh", inplace=False), Activation(kind="tanh", inplace=False),
+                Norm(kind="batch_train", affine=False, groups=1, frozen=True)),
+        head=Head(kind="feat", classes=2), dtype="float32", batch_dim=None, output_dim=0,
+        input_dim=0, noncontiguous=True)
+    assert check_aggregated(case, backend) == "answered"
