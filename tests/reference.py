@@ -71,22 +71,46 @@ def _float_leaves(args: Sequence[Any], argnums: int | tuple[int, ...]
     return [flat[n][0][j] for n, j in positions], rebuild
 
 
-def dense_gramian(f: Callable[..., Any], args: Sequence[Any],
-                  argnums: int | tuple[int, ...] = 0) -> Dense:
-    """Dense reference Gramian of ``f(*args)`` w.r.t. the float leaves at ``argnums``."""
+def _plain_rows(f: Callable[..., Any], args: Sequence[Any],
+                argnums: int | tuple[int, ...]) -> tuple[list[Tensor], Any, Tensor]:
+    """One plain evaluation of ``f`` on fresh leaves that require grad (the float leaves at
+    ``argnums``): the leaves, the output, and its rows (every output leaf flattened row-major,
+    concatenated), recorded by autograd."""
     originals, rebuild = _float_leaves(args, argnums)
     leaves = [leaf.detach().requires_grad_() for leaf in originals]
     with torch.enable_grad():  # one plain evaluation: with random ops, the draw it sees
         out = f(*rebuild(leaves))
         rows = torch.cat([leaf.reshape(-1) for leaf in optree.tree_leaves(out)])
-        per_row = []
-        for i in range(rows.numel()):
-            grads = torch.autograd.grad(rows[i], leaves, retain_graph=True, allow_unused=True) \
-                if rows.requires_grad else (None,) * len(leaves)
-            per_row.append(torch.cat([  # a sparse gradient (embedding(sparse=True)), dense
-                (torch.zeros_like(leaf) if grad is None else grad.to_dense() if grad.is_sparse
-                 else grad).reshape(-1).to(rows.dtype)
-                for leaf, grad in zip(leaves, grads, strict=True)]))
+    return leaves, out, rows
+
+
+def _flat_gradient(leaves: Sequence[Tensor], grads: Sequence[Tensor | None],
+                   dtype: torch.dtype) -> Tensor:
+    """The gradients with respect to ``leaves``, flattened and concatenated in ``dtype``:
+    zeros for a leaf not reached, a sparse gradient (``embedding(sparse=True)``) dense."""
+    return torch.cat([
+        (torch.zeros_like(leaf) if grad is None else grad.to_dense() if grad.is_sparse
+         else grad).reshape(-1).to(dtype)
+        for leaf, grad in zip(leaves, grads, strict=True)])
+
+
+def _grads(rows: Tensor, leaves: Sequence[Tensor], cotangent: Tensor,
+           retain_graph: bool = False) -> Sequence[Tensor | None]:
+    """``torch.autograd.grad`` of ``rows`` (``None`` for every leaf where nothing is recorded)."""
+    if not rows.requires_grad:
+        return (None,) * len(leaves)
+    return torch.autograd.grad(rows, leaves, cotangent, retain_graph=retain_graph,
+                               allow_unused=True)
+
+
+def dense_gramian(f: Callable[..., Any], args: Sequence[Any],
+                  argnums: int | tuple[int, ...] = 0) -> Dense:
+    """Dense reference Gramian of ``f(*args)`` w.r.t. the float leaves at ``argnums``."""
+    leaves, out, rows = _plain_rows(f, args, argnums)
+    with torch.enable_grad():  # a row of the recorded output: rows[i] recorded too
+        per_row = [_flat_gradient(leaves, _grads(rows[i], leaves, torch.ones_like(rows[i]),
+                                                 retain_graph=True), rows.dtype)
+                   for i in range(rows.numel())]
     output = optree.tree_map(lambda t: t.detach(), out)
     widths = [leaf.numel() for leaf in leaves]
     full = torch.stack(per_row) if per_row else rows.new_zeros(0, sum(widths))
@@ -105,16 +129,8 @@ def weighted_backward(f: Callable[..., Any], args: Sequence[Any],
     (zeros for a leaf the rows do not reach). Not an oracle: the round-off of one float32
     backward, which a float32 update cannot be asked to beat.
     """
-    originals, rebuild = _float_leaves(args, argnums)
-    leaves = [leaf.detach().requires_grad_() for leaf in originals]
-    with torch.enable_grad():
-        out = f(*rebuild(leaves))
-        rows = torch.cat([leaf.reshape(-1) for leaf in optree.tree_leaves(out)])
-    grads = torch.autograd.grad(rows, leaves, weights.to(rows.dtype), allow_unused=True) \
-        if rows.requires_grad else (None,) * len(leaves)
-    return torch.cat([(torch.zeros_like(leaf) if grad is None else grad.to_dense()
-                       if grad.is_sparse else grad).reshape(-1).double()
-                      for leaf, grad in zip(leaves, grads, strict=True)])
+    leaves, _, rows = _plain_rows(f, args, argnums)
+    return _flat_gradient(leaves, _grads(rows, leaves, weights.to(rows.dtype)), torch.float64)
 
 
 class PreluByDefinition(TorchFunctionMode):
