@@ -190,24 +190,27 @@ class _Slots:
                     f"names {first[0]!r} and {name!r} (one tensor in the module). Pass one "
                     "of them.")
         saved: list[tuple[dict[str, Any], str, Any]] = []
+        copies: dict[int, Tensor] = {}  # a tensor held in several places: one copy
+
+        def hold_copy(holder: dict[str, Any], attr: str,
+                      copy_of: Callable[[Tensor], Tensor]) -> None:
+            original = holder[attr]
+            copy = copies.get(id(original))
+            if copy is None:
+                copy = copies[id(original)] = copy_of(original)
+            saved.append((holder, attr, original))
+            holder[attr] = copy
+
         try:
             for name, value in params.items():
                 for holder, attr in self.where[name]:
                     saved.append((holder, attr, holder[attr]))
                     holder[attr] = value
-            copies: dict[int, Tensor] = {}  # a buffer held in several places: one copy
             for holder, attr in self.renormalised:  # NOTE [frozen renormalised tables]
-                table = holder[attr]
-                if not any(table is value for value in params.values()):
-                    saved.append((holder, attr, table))
-                    holder[attr] = copies.setdefault(id(table), table.detach().clone())
+                if not any(holder[attr] is value for value in params.values()):
+                    hold_copy(holder, attr, lambda table: table.detach().clone())
             for holder, attr in self.buffers:
-                buffer = holder[attr]
-                copy = copies.get(id(buffer))
-                if copy is None:
-                    copy = copies[id(buffer)] = buffer.clone()
-                saved.append((holder, attr, buffer))
-                holder[attr] = copy
+                hold_copy(holder, attr, Tensor.clone)
             return self.module(*args, **kwargs)
         finally:
             for holder, attr, original in reversed(saved):
