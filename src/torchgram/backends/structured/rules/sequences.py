@@ -194,7 +194,8 @@ class LSTMSequence(torch.autograd.Function):
         sigmoids, g_rows = buffers.rows(gates.shape), buffers.rows(h0.shape)
         cells, tanh_cells = buffers.rows(h0.shape, first=c0), buffers.rows(h0.shape)
         states = buffers.rows(h0.shape, first=h0)
-        i, f, o = (buffers.stacked[0][..., block * hidden:(block + 1) * hidden].unbind(0)
+        sigmoid_all, g_all, cell_all, tanh_all, state_all = buffers.stacked
+        i, f, o = (sigmoid_all[..., block * hidden:(block + 1) * hidden].unbind(0)
                    for block in (0, 1, 3))  # views made once, not a slice per step
         gates_g = gates[:, 2 * hidden:3 * hidden]  # gates is written in place at every step
         for k, t in enumerate(order):
@@ -206,7 +207,6 @@ class LSTMSequence(torch.autograd.Function):
             g = torch.tanh(gates_g, out=g_rows[k])
             torch.mul(f[k], cells[k], out=cells[k + 1]).addcmul_(i[k], g)
             torch.mul(o[k], torch.tanh(cells[k + 1], out=tanh_cells[k]), out=states[k + 1])
-        sigmoid_all, g_all, cell_all, tanh_all, state_all = buffers.stacked
         ctx.save_for_backward(sigmoid_all, g_all, cell_all[:-1], tanh_all, state_all[:-1],
                               weight_t)
         ctx.dim, ctx.reverse = dim, reverse  # type: ignore[attr-defined]
