@@ -303,7 +303,10 @@ _ROW_LOCAL_ROUTING = frozenset({
 })
 """Nodes whose saved index or mask tensors route a cotangent within its own row: a target
 class (losses), a position (masks), a table's row (embeddings, by prefix), a pooling
-window (by prefix), the attention or RNN kernels' random state (by prefix)."""
+window (by prefix), the attention or RNN kernels' random state (by prefix). Left out of the
+digest, so a later call's indices may choose other entries of a row than the checked call's:
+the derivative checks open these nodes, every entry of a row at once (NOTE [opened
+selections] in ``backends/structured/selections.py``)."""
 _ROW_LOCAL_PREFIXES = ("EmbeddingBackward", "EmbeddingDenseBackward", "MaxPool",
                        "AdaptiveMaxPool", "FractionalMaxPool", "MaxUnpool", "ScaledDotProduct",
                        "CudnnRnn", "MiopenRnn", "Mkldnn")

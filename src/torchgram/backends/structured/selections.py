@@ -30,16 +30,34 @@ backward) are unchanged: they are finite, and an infinite cotangent is not turne
 The hooks are removed when the pass ends, so the graph (the user's, with ``record()``) is
 left as it was. Cost: two elementwise ops per selection node in the checking pass only.
 
-Left to other checks: selections that route rather than select (an index, ``masked_select``,
-sorting) are in the routing digest (NOTE [routing values]); ``max``/``min`` over a dim and
-pooling select one entry by value.
+A node that routes by value **within a row** selects too: a max-pooling (or adaptive,
+fractional) window's maximum, an unpooling's positions, a classification loss's target class
+(``nll_loss``, ``cross_entropy``, the margin losses, CTC), an embedding's table row. Their index
+tensors are new every batch, so they are left out of the routing digest (NOTE [routing
+values]: ``_ROW_LOCAL_*`` in ``_core/_torch_compat.py``), and their backward sends a row's
+cotangent to the entries this call's indices chose, exact zeros elsewhere. So the check must
+see every entry another call's indices could choose: opened, such a node gives NaN to **every
+entry of each input row** whose output row has one (:data:`ROW_ROUTES`: a pooling's
+``(N, C)`` plane, a loss's classes of one sample, for an embedding the whole table). Before
+session 51 they were not opened, and a row that holds a coupled entry and an uncoupled one
+(``max_pool1d`` over ``h`` and ``h - h.mean(0) + t``, the centred branch winning only for
+later calls' ``t``; ``F.embedding`` of a batch's activations, ``max_unpool1d`` or ``nll_loss``
+laid out across the samples, their indices exchanging samples 1 and 2 from the second call)
+gave wrong matrices without a word from the second call on: 0.12 to 0.16 off on structured
+and auto (a helper's hunt). A layout whose rows span samples (an unpooling over the
+flattened batch) now reads as samples that interact: the exact matrix of the whole batch.
+
+Left to other checks: selections that route across rows (an index, ``masked_select``,
+sorting, ``max``/``min`` over a dim with their indices, ``gather``) are in the routing digest
+(NOTE [routing values]).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -47,26 +65,88 @@ from torch import Tensor
 
 from torchgram.backends.graph.nodes import NodeCaller
 
+# The masks below work on the trailing dims (the op's own): a walk calls a node with its
+# check directions as leading dims of every cotangent, and each direction must stay apart.
+
+def _pooled_rows(node: Any, nan: Tensor, shape: torch.Size, spatial: int) -> Tensor:
+    """The ``(N, C)`` planes (the dims before the last ``spatial``) that have NaN (pooling)."""
+    del node
+    planes = nan.reshape(*nan.shape[:-spatial], -1).any(-1)  # (no flatten under vmap)
+    return planes.reshape(*shape[:-spatial], *(1,) * spatial)
+
+
+def _class_rows(node: Any, nan: Tensor, shape: torch.Size, classes: int) -> Tensor:
+    """The samples whose loss has NaN, along the classes (dim ``classes``, from the end)."""
+    if getattr(node, "_saved_reduction", 0) != 0:  # reduced: one loss for every sample
+        return nan.reshape(*nan.shape, *(1,) * (len(shape) - nan.dim()))
+    return nan.unsqueeze(classes)
+
+
+def _ctc_rows(node: Any, nan: Tensor, shape: torch.Size) -> Tensor:
+    """``log_probs [T, N, C]``' entries of the samples whose loss ``[N]`` has NaN."""
+    del node, shape
+    return nan.unsqueeze(-1).unsqueeze(-3)
+
+
+def _table_rows(node: Any, nan: Tensor, shape: torch.Size) -> Tensor:
+    """Every row of an embedding's table ``[V, d]``, where any looked-up row has NaN."""
+    del node
+    lead = nan.shape[:len(shape) - 2]
+    return nan.reshape(*lead, -1).any(-1).reshape(*lead, 1, 1)
+
+
+ROW_ROUTES: dict[str, Callable[[Any, Tensor, torch.Size], Tensor]] = {
+    **{f"{kind}{nd}DBackward0": functools.partial(_pooled_rows, spatial=nd)
+       for kind in ("MaxPool", "AdaptiveMaxPool", "FractionalMaxPool", "MaxUnpool")
+       for nd in (2, 3)},
+    **{f"MaxPool{nd}DWithIndicesBackward0": functools.partial(_pooled_rows, spatial=nd)
+       for nd in (2, 3)},
+    **dict.fromkeys(("NllLossBackward0", "MultiMarginLossBackward0",
+                     "MultilabelMarginLossBackward0"),
+                    functools.partial(_class_rows, classes=-1)),
+    "NllLoss2DBackward0": functools.partial(_class_rows, classes=-3),  # [N, C, H, W]
+    "CtcLossBackward0": _ctc_rows,
+    "EmbeddingBackward0": _table_rows,
+}
+"""Nodes that route a cotangent within a row by value, and, from the node, the NaN entries of
+its output's cotangent and an input's shape, the entries of that input (broadcastable) that
+another call's indices could send them to (NOTE [opened selections]). The 1-D poolings run
+as 2-D ones. A mask that does not fit the input's shape opens all of it."""
+
 SELECTION_NODES: frozenset[str] = frozenset({
     "WhereBackward0", "MaskedFillBackward0", "MaskedFillBackward1", "ReluBackward0",
     "ThresholdBackward0", "ClampBackward0", "ClampBackward1", "ClampMinBackward0",
     "ClampMaxBackward0", "HardtanhBackward0", "HardsigmoidBackward0", "HardswishBackward0",
     "HardshrinkBackward0", "SoftshrinkBackward0", "MaximumBackward0", "MinimumBackward0",
-    "FmaxBackward0", "FminBackward0",
+    "FmaxBackward0", "FminBackward0", *ROW_ROUTES,
 })
 """The autograd nodes whose backward selects by value (NOTE [opened selections])."""
 
 
-def open_grads(grad_inputs: Sequence[Tensor | None], grad_output: Tensor | None
-               ) -> tuple[Tensor | None, ...]:
+def open_grads(grad_inputs: Sequence[Tensor | None], grad_output: Tensor | None,
+               node: Any = None) -> tuple[Tensor | None, ...]:
     """``grad_inputs`` plus ``grad_output``'s NaN entries (summed to each one's shape).
+
+    For a ``node`` that routes within rows (its type in :data:`ROW_ROUTES`): NaN on every
+    entry of each input row whose output row has one.
 
     Example:
         >>> open_grads([torch.zeros(2), None], torch.tensor([math.nan, 1.0]))
         (tensor([nan, 0.]), None)
+        >>> x = torch.zeros(2, 1, 1, 4, requires_grad=True)
+        >>> pool = torch.nn.functional.max_pool2d(x, (1, 2))  # [2, 1, 1, 2]
+        >>> nan_on_sample_0 = torch.tensor([math.nan, 0.0, 0.0, 0.0]).reshape(2, 1, 1, 2)
+        >>> pooled = open_grads([torch.zeros(2, 1, 1, 4)], nan_on_sample_0, pool.grad_fn)[0]
+        >>> pooled.isnan().reshape(2, 4)  # sample 0's whole plane, not sample 1's
+        tensor([[ True,  True,  True,  True],
+                [False, False, False, False]])
     """
     if grad_output is None:
         return tuple(grad_inputs)
+    rows = ROW_ROUTES.get(type(node).__name__)
+    if rows is not None:
+        return tuple(None if grad is None else _opened_rows(grad, node, rows, grad_output)
+                     for grad in grad_inputs)
     nan = grad_output.isnan()
     nan_only: Tensor | None = None
     opened: list[Tensor | None] = []
@@ -83,9 +163,24 @@ def open_grads(grad_inputs: Sequence[Tensor | None], grad_output: Tensor | None
     return tuple(opened)
 
 
-def _hook(grad_inputs: tuple[Tensor | None, ...], grad_outputs: tuple[Tensor | None, ...]
-          ) -> tuple[Tensor | None, ...]:
-    return open_grads(grad_inputs, grad_outputs[0])
+def _opened_rows(grad: Tensor, node: Any, rows: Callable[[Any, Tensor, torch.Size], Tensor],
+                 grad_output: Tensor) -> Tensor:
+    """``grad`` with NaN on the entries ``rows`` opens (all of it where the mask does not fit)."""
+    if grad.layout != torch.strided:  # an embedding's sparse gradient
+        grad = grad.to_dense()
+    nan = grad_output.isnan()
+    try:
+        mask = rows(node, nan, grad.shape)
+        torch.broadcast_shapes(mask.shape, grad.shape)
+    except RuntimeError:  # a layout the mask does not know: every entry
+        mask = nan.any()
+    return torch.where(mask, torch.full((), math.nan, dtype=grad.dtype, device=grad.device),
+                       grad)
+
+
+def _hook(node: Any, grad_inputs: tuple[Tensor | None, ...],
+          grad_outputs: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
+    return open_grads(grad_inputs, grad_outputs[0], node)
 
 
 @contextlib.contextmanager
@@ -103,8 +198,8 @@ def opened_nodes(nodes: Iterable[Any]) -> Iterator[int]:
         >>> torch.autograd.grad(y, h, torch.tensor([1.0, math.nan]))  # the hook is gone
         (tensor([1., 0.]),)
     """
-    handles = [node.register_hook(_hook) for node in nodes
-               if type(node).__name__ in SELECTION_NODES]
+    handles = [node.register_hook(functools.partial(_hook, node))
+               for node in nodes if type(node).__name__ in SELECTION_NODES]
     try:
         yield len(handles)
     finally:
@@ -121,7 +216,7 @@ def opened_call(node: Any, grads: Sequence[Tensor | None],
     """
     if type(node).__name__ not in SELECTION_NODES:
         return outs
-    return list(open_grads(outs, grads[0]))
+    return list(open_grads(outs, grads[0], node))
 
 
 class OpenedCaller(NodeCaller):
