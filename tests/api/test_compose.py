@@ -524,15 +524,18 @@ def _max_norm_embedding() -> tuple[Callable[[dict[str, Tensor], Tensor], Tensor]
     return lambda p, ids: fn(p, ids).tanh().sum((-2, -1)), params
 
 
+@pytest.mark.parametrize("plain_first", [False, True], ids=["vmap-first", "after-a-plain-call"])
 @pytest.mark.parametrize("kind", ["gramian", "ntk"])
 @pytest.mark.parametrize("model", ["control-flow", "fused-rnn", "max-norm"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_f_that_vmap_cannot_run_over_input_sets_is_a_torchgram_error(
-        backend: str, model: str, kind: str) -> None:
+        backend: str, model: str, kind: str, plain_first: bool) -> None:
     """torch.func.vmap of f itself fails the same way (no backend can): torch's raw errors
     ("data-dependent control flow", a fused RNN writing batched values into its unbatched
     initial state) reached the user before session 31; an embedding with ``max_norm``
-    (renormalising the rows of batched indices in its unbatched table) before session 49."""
+    (renormalising the rows of batched indices in its unbatched table) before session 49;
+    after a plain call of the same signature, whose cached probe the vmapped call took,
+    before session 51 (auto, jacobian, ntvp; a helper's hunt)."""
     if model == "control-flow":
         f: Callable[..., Tensor] = _branches_on_values
         params: Any = torch.randn(3, 2, dtype=DOUBLE)
@@ -552,6 +555,8 @@ def test_f_that_vmap_cannot_run_over_input_sets_is_a_torchgram_error(
                 x, None, params)
         return tg.gramian(f, backend=backend, batch_dim=0)(params, x)
 
+    if plain_first:
+        one(input_sets[0])
     with pytest.raises(NotImplementedError, match="f that runs under the torch.func.vmap "
                        "around the call.*in a loop instead of vmap"):
         torch.func.vmap(one)(input_sets)

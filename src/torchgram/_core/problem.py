@@ -734,7 +734,7 @@ def build_problem(options: Options, f: Callable[..., Any], args: tuple[Any, ...]
              else make_batch_spec(api, args, argnums, options.batch_dim, options.in_dims,
                                   kwargs))
     draw = Draw.capture(_devices(args, kwargs))
-    key = _probe_key(f, args, kwargs, diff, options.has_aux, batch)
+    key = _probe_key(f, args, kwargs, diff, options.has_aux, batch, composition)
     probe = None if fresh else _PROBES.get(key)
     look_unseen = composition.may_be_differentiated  # NOTE [unseen calls]
     if probe is not None and look_unseen and probe.unseen_ops is None:
@@ -777,16 +777,25 @@ def _without_inference_tensors(tree: Any) -> Any:
 
 
 def _probe_key(f: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any],
-               diff: DiffLeaves, has_aux: bool, batch: BatchSpec | None) -> Hashable | None:
+               diff: DiffLeaves, has_aux: bool, batch: BatchSpec | None,
+               composition: Composition) -> Hashable | None:
+    """The probe cache's key: the call's signature, and the transforms around the call.
+
+    Inside ``torch.func.vmap`` the batched arguments show the shapes of a plain call's, and
+    the probe's evaluation is where an ``f`` that ``vmap`` refuses gets the torchgram error
+    (``errors.f_refused_by_vmap``): before session 51, a call under ``vmap`` after a plain
+    call of the same signature took the plain call's probe and gave torch's raw error (an
+    ``nn.LSTM``, BERT's mask code; a helper's hunt). So each stack of transforms probes apart.
+    """
     return call_signature(f, args, kwargs, diff.positions, has_aux,
                           None if batch is None else (batch.batch_dim, batch.positions,
-                                                      batch.dims))
+                                                      batch.dims), composition.transforms)
 
 
 def forget_probe(problem: Problem) -> None:
     """Drop the cached probe of this call's signature (it was stale)."""
     _PROBES.pop(_probe_key(problem.f, problem.args, problem.kwargs, problem.diff,
-                           problem.has_aux, problem.batch))
+                           problem.has_aux, problem.batch, problem.composition))
 
 
 def _devices(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[torch.device]:
