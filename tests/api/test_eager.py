@@ -283,14 +283,25 @@ def test_non_reentrant_checkpoint_works_and_reentrant_is_refused(recorded: bool)
     assert all(p.grad is None for p in model.parameters())
 
 
+ROWS = [pytest.param(0, False, id="one-row-per-sample"),
+        pytest.param(None, False, id="no-batch_dim"),  # one pass of every row
+        pytest.param(0, True, id="three-rows-per-sample")]  # one pass of three seeds
+
+
 @pytest.mark.parametrize("recorded", WAYS)
 @pytest.mark.parametrize("retain_graph", [True, False], ids=["retain", "free"])
-def test_retain_graph_both_ways(recorded: bool, retain_graph: bool) -> None:
+@pytest.mark.parametrize(("batch_dim", "logits"), ROWS)
+def test_retain_graph_both_ways(recorded: bool, retain_graph: bool, batch_dim: int | None,
+                                logits: bool) -> None:
     model, x, y = mlp()
-    out = forward(lambda: F.cross_entropy(model(x), y, reduction="none"), recorded)
-    G = tg.autograd.gramian(out, list(model.parameters()), batch_dim=0,
+
+    def rows(m: Callable[[Tensor], Tensor]) -> Tensor:
+        return m(x).pow(2) if logits else F.cross_entropy(m(x), y, reduction="none")
+
+    out = forward(lambda: rows(model), recorded)
+    G = tg.autograd.gramian(out, list(model.parameters()), batch_dim=batch_dim,
                             retain_graph=retain_graph)
-    assert_close(G, oracle_of(model, lambda m: F.cross_entropy(m(x), y, reduction="none")))
+    assert_close(G, oracle_of(model, rows))
     assert all(p.grad is None for p in model.parameters())
     if retain_graph:
         out.sum().backward()
@@ -380,7 +391,9 @@ def test_distributed_data_parallel_single_process() -> None:
 
 @pytest.mark.parametrize("recorded", WAYS)
 @pytest.mark.parametrize("retain_graph", [True, False], ids=["retain", "free"])
-def test_backward_accumulates_like_a_plain_backward(recorded: bool, retain_graph: bool) -> None:
+@pytest.mark.parametrize("batch_dim", [0, None], ids=["batch_dim0", "no-batch_dim"])
+def test_backward_accumulates_like_a_plain_backward(recorded: bool, retain_graph: bool,
+                                                    batch_dim: int | None) -> None:
     model, x, y = mlp()
     counts = {"leaf": 0, "accumulated": 0}
     model[0].weight.register_hook(lambda g: counts.__setitem__("leaf", counts["leaf"] + 1))
@@ -390,13 +403,33 @@ def test_backward_accumulates_like_a_plain_backward(recorded: bool, retain_graph
         p.grad = torch.ones_like(p)  # accumulated into, as torch does
     out = forward(lambda: F.cross_entropy(model(x), y, reduction="none"), recorded)
     w, info = tg.autograd.backward(out, list(model.parameters()), tg.weighting.upgrad,
-                                   batch_dim=0, retain_graph=retain_graph, with_info=True)
+                                   batch_dim=batch_dim, retain_graph=retain_graph,
+                                   with_info=True)
     assert counts == {"leaf": 1, "accumulated": 1}
     assert info.report is not None and (info.report.way.startswith("recorded") == recorded)
     expected = torch.autograd.grad(F.cross_entropy(model(x), y, reduction="none"),
                                    list(model.parameters()), w)
     for p, g in zip(model.parameters(), expected, strict=True):
         assert_close(p.grad, g + 1)
+    if not retain_graph:
+        with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+            out.sum().backward()
+
+
+@pytest.mark.parametrize("retain_graph", [True, False], ids=["retain", "free"])
+def test_backward_with_a_hook_in_the_block_runs_its_own_backward(retain_graph: bool) -> None:
+    model, x, y = mlp()
+    with tg.autograd.record():  # a hook the recording sees: its passes are walked
+        h = model[0](x)
+        h.register_hook(lambda g: g)
+        out = F.cross_entropy(model[2](torch.tanh(h)), y, reduction="none")
+    w, info = tg.autograd.backward(out, list(model.parameters()), tg.weighting.upgrad,
+                                   batch_dim=0, retain_graph=retain_graph, with_info=True)
+    assert info.report is not None and info.report.way == "recorded taps (walked pass)"
+    expected = torch.autograd.grad(F.cross_entropy(model(x), y, reduction="none"),
+                                   list(model.parameters()), w)
+    for p, g in zip(model.parameters(), expected, strict=True):
+        assert_close(p.grad, g)  # the backward ran on a graph the Gramian left whole
     if not retain_graph:
         with pytest.raises(RuntimeError, match="backward through the graph a second time"):
             out.sum().backward()

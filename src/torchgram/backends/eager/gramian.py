@@ -83,8 +83,9 @@ class EagerResult:
 
     Attributes:
         report: What ran (ways per input, notes, nodes called per row).
-        pullback: ``w ↦ Jᵀ w`` from the recorded factors, when every input was tapped and
-            the factors were kept (``want_pullback``).
+        pullback: ``w ↦ Jᵀ w`` from the recorded factors, when every input was tapped by an
+            engine pass and the factors were kept (``want_pullback``). Without it, the graph
+            is left for the caller's backward pass.
         graph_freed: Whether the passes already freed the graph (``retain_graph=False``).
         engine: Whether the tapped inputs' cotangents came from an engine pass (no hook in
             the graph that torchgram could see, NOTE [eager taps]).
@@ -377,6 +378,9 @@ def _contract(api: str, recording: Recording, graph: GraphIndex, tapped: _Tapped
     """Blocks of the tapped inputs from one pass per row direction (NOTE [imperative Gramian])."""
     del api
     engine = not (recording.hooks or graph.module_hooks)
+    # Jᵀw from the factors only without hooks (NOTE [Jᵀw from the recording]): else the
+    # caller's backward runs them, and the graph must be left to it, unfreed
+    want_pullback = want_pullback and engine
     caller = NodeCaller(chunk_size)
     taps = sorted(tapped.slots)
 
