@@ -242,6 +242,44 @@ def test_a_backward_of_the_recorded_graph_on_another_thread_is_seen() -> None:
         lambda p: residual(lambda a: fn(p, a), inputs, grad_of), (params,)).shaped())
 
 
+@pytest.mark.parametrize("api", ["gramian", "backward"])
+@pytest.mark.parametrize("retain_graph", [True, False], ids=["retain", "free"])
+def test_a_call_that_frees_the_graph_releases_the_activations(api: str,
+                                                               retain_graph: bool) -> None:
+    model, x, y = mlp()
+    params = list(model.parameters())
+    with tg.autograd.record() as recording:
+        losses = F.cross_entropy(model(x), y, reduction="none")
+    unrelated = F.cross_entropy(model(x), y, reduction="none")
+    tg.autograd.gramian(unrelated, params, batch_dim=0, retain_graph=False)
+    assert not recording.expired  # another graph went: the recording is not its
+    if api == "gramian":
+        G = tg.autograd.gramian(losses, params, batch_dim=0, retain_graph=retain_graph)
+    else:
+        _, info = tg.autograd.backward(losses, params, tg.weighting.upgrad, batch_dim=0,
+                                       retain_graph=retain_graph, with_info=True)
+        G = info.gramian
+    assert_close(G, oracle_of(model, lambda m: F.cross_entropy(m(x), y, reduction="none")))
+    if retain_graph:
+        assert not recording.expired and recording.acts and current_recording() is recording
+    else:  # NOTE [eager recording]: its graph is freed, nothing can use them any more
+        assert recording.expired and not recording.acts and current_recording() is None
+
+
+def test_a_call_that_frees_the_graph_inside_the_block_ends_the_recording() -> None:
+    model, x, y = mlp()
+    with tg.autograd.record() as recording:
+        losses = F.cross_entropy(model(x), y, reduction="none")
+        tg.autograd.gramian(losses, list(model.parameters()), batch_dim=0, retain_graph=False)
+        calls = recording.calls
+        again = F.cross_entropy(model(x), y, reduction="none")  # not recorded any more
+    assert recording.expired and recording.calls == calls and not recording.acts
+    report = tg.autograd.explain(again, model.named_parameters(), batch_dim=0)
+    assert report.walked == ("0.weight", "0.bias", "2.weight", "2.bias")
+    assert_close(report.gramian, oracle_of(model, lambda m: F.cross_entropy(
+        m(x), y, reduction="none")))
+
+
 def test_uses_the_recording_did_not_see_are_walked() -> None:
     model, x, y = mlp()
     before = model[0](x)  # used before the block

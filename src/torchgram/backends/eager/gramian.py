@@ -124,10 +124,13 @@ def eager_gramian(api: str, outputs: Sequence[Tensor], inputs: Sequence[Tensor],
     if duplicates:  # one block per tensor, then each counted as often as it is passed
         blocks = LeafBlocks(len(inputs), per_leaf=True, diagonal=diagonal, dtype=final.dtype)
     result = EagerResult(report)
+    consumed = None  # the recording of a graph this call frees: released at the end
     if recording is not None:
         graph = index_graph(outputs)
         if graph.reentrant:
             _fail_reentrant(api)
+        if not retain_graph and _made(recording, graph):
+            consumed = recording
         tapped = _select(api, recording, graph, inputs, walked, report)
         if tapped.inputs:
             others = [i for i in walked if i not in set(tapped.inputs)]
@@ -149,6 +152,8 @@ def eager_gramian(api: str, outputs: Sequence[Tensor], inputs: Sequence[Tensor],
             if block is not None:
                 final.add(i, block)
     report.leaf_ways = tuple(ways)
+    if consumed is not None:  # NOTE [eager recording]: the graph goes, so do its activations
+        consumed.close()  # (a pullback holds the views it needs)
     if want_pullback and result.pullback is None:
         return result  # the caller's backward pass frees the graph
     if not retain_graph and not result.graph_freed:
@@ -156,6 +161,12 @@ def eager_gramian(api: str, outputs: Sequence[Tensor], inputs: Sequence[Tensor],
 
         release_graph(list(outputs), plan_graph(outputs, inputs))
     return result
+
+
+def _made(recording: Recording, graph: GraphIndex) -> bool:
+    """Whether a call the recording tapped is in ``graph`` (NOTE [recorded nodes])."""
+    return any(graph.node(tap.seq, tap.node_name, recording) is not None
+               for tap in recording.taps if tap.steps is None or tap.steps)
 
 
 def _fail_reentrant(api: str) -> None:

@@ -46,8 +46,10 @@ a per-thread slot), so it lives exactly as long as the recorded graph: dropping 
 frees it. The activations it holds are released earlier when they cannot be used any more:
 when the next ``record()`` starts on the same thread (one live recording per thread: so a
 training loop never holds two steps' activations), after a ``tg.autograd.gramian`` /
-``tg.autograd.backward`` call with ``retain_graph=False``, or on :meth:`Recording.close`.
-An expired recording is simply not used: the Gramian is then computed by the graph walk.
+``tg.autograd.backward`` call with ``retain_graph=False`` on a graph that holds a call it
+tapped (the call frees that graph: nothing can use them any more), or on
+:meth:`Recording.close`. An expired recording is simply not used (nor extended, if the block
+is still running): the Gramian is then computed by the graph walk, exactly.
 
 # NOTE [recorded nodes]
 A sequence number names a node only within its thread: each thread counts from zero, so a
@@ -233,9 +235,10 @@ class Recording:
         return None
 
     def close(self) -> None:
-        """Release the activations; the recording is not used by later calls."""
+        """Release the activations; the recording is not used (nor extended) any more."""
         self.expired = True
         self.acts = []
+        self.act_versions = []
 
     def owns(self, node: Any) -> bool:
         """Whether this recording noted ``node`` (NOTE [recorded nodes])."""
@@ -314,7 +317,7 @@ class RecordMode(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
-        if _STATE.paused:
+        if _STATE.paused or self.recording.expired:  # closed: nothing more is recorded
             return func(*args, **kwargs)
         recording = self.recording
         recording.calls += 1
@@ -670,7 +673,8 @@ def record() -> Iterator[Recording]:
 
     Yields the :class:`Recording` (``with tg.autograd.record() as rec``); it is found by
     ``tg.autograd.gramian`` / ``backward`` without being passed. Starting a block releases
-    the activations of this thread's previous recording.
+    the activations of this thread's previous recording, as does a ``gramian`` /
+    ``backward`` call with ``retain_graph=False`` on the recorded graph.
 
     Nothing is installed on the user's modules or tensors: the recording lives in the
     recorded graph and is freed with it. Hooks on the graph's tensors (``register_hook``,
