@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import os
 import tempfile
+import threading
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 import torchgram as tg
 from models.test_eager_models import eager_leaves
 from reference import dense_gramian
+from torchgram.backends.eager.graph_index import index_graph
 from torchgram.backends.eager.record import current_recording
 from zoo import NAMES, build
 
@@ -133,6 +135,149 @@ def test_next_recording_releases_the_previous_activations() -> None:
     assert report.walked == ("0.weight", "0.bias", "2.weight", "2.bias")
     assert_close(report.gramian, oracle_of(model, lambda m: F.cross_entropy(m(x), y,
                                                                              reduction="none")))
+
+
+def _in_thread(run: Callable[[], Any]) -> Any:
+    """``run()`` in a fresh thread (its nodes' sequence numbers count from its own start)."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = run()
+        except BaseException as error:  # noqa: BLE001 -- re-raised in the caller's thread
+            box["error"] = error
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+@pytest.mark.parametrize("there", ["plain", "recorded"], ids=["unrecorded", "own-recording"])
+@pytest.mark.parametrize("batch_dim", [0, None], ids=["batch_dim0", "no-batch_dim"])
+def test_a_graph_of_another_thread_is_walked(there: str, batch_dim: int | None) -> None:
+    model, x, y = mlp()
+    other_x = torch.randn_like(x)
+
+    def losses_of(inputs: Tensor) -> Tensor:
+        return F.cross_entropy(model(inputs), y, reduction="none")
+
+    def other() -> Tensor:  # the same forward on other data, in a fresh thread
+        return forward(lambda: losses_of(other_x), there == "recorded")
+
+    def here() -> tuple[Any, ...]:  # a fresh thread too: both count from the same number
+        with tg.autograd.record() as recording:
+            recorded = losses_of(x)
+        losses = _in_thread(other)
+        named = {(node._sequence_nr(), node.name()) for node in index_graph([losses]).every}
+        assert {(tap.seq, tap.node_name) for tap in recording.taps} <= named  # they collide
+        params = list(model.parameters())
+        G = tg.autograd.gramian(losses, params, batch_dim=batch_dim)
+        report = tg.autograd.explain(losses, model.named_parameters(), batch_dim=batch_dim)
+        w = tg.autograd.backward(losses, params, tg.weighting.upgrad, batch_dim=batch_dim,
+                                 retain_graph=True)
+        assert current_recording() is recording  # still live, used on its own graph:
+        mine = tg.autograd.explain(recorded, model.named_parameters(), batch_dim=batch_dim)
+        return G, report, w, [p.grad for p in params], mine
+
+    G, report, w, grads, mine = _in_thread(here)
+    assert_close(G, oracle_of(model, lambda m: F.cross_entropy(m(other_x), y,
+                                                               reduction="none")))
+    assert report.walked == ("0.weight", "0.bias", "2.weight", "2.bias")
+    assert {item.why for item in report.inputs} == {
+        "the graph uses it where the recording did not see it"}
+    expected = torch.autograd.grad(losses_of(other_x), list(model.parameters()), w)
+    for grad, g in zip(grads, expected, strict=True):
+        assert_close(grad, g)
+    assert mine.walked == ()
+    assert_close(mine.gramian, oracle_of(model, lambda m: F.cross_entropy(m(x), y,
+                                                                          reduction="none")))
+
+
+def test_a_forward_after_the_block_is_walked() -> None:
+    model, x, y = mlp()
+    other_x = torch.randn_like(x)
+    with tg.autograd.record():
+        recorded = F.cross_entropy(model(x), y, reduction="none")
+    later = F.cross_entropy(model(other_x), y, reduction="none")  # same model, not recorded
+    report = tg.autograd.explain(later, model.named_parameters(), batch_dim=0)
+    assert report.walked == ("0.weight", "0.bias", "2.weight", "2.bias")
+    assert_close(report.gramian, oracle_of(model, lambda m: F.cross_entropy(
+        m(other_x), y, reduction="none")))
+    both = tg.autograd.explain([recorded, later], model.named_parameters())
+    assert both.walked == ("0.weight", "0.bias", "2.weight", "2.bias")
+    assert_close(both.gramian, oracle_of(model, lambda m: torch.cat([
+        F.cross_entropy(m(x), y, reduction="none"),
+        F.cross_entropy(m(other_x), y, reduction="none")])))
+
+
+def test_a_backward_of_the_recorded_graph_on_another_thread_is_seen() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2, 6), nn.Tanh(), nn.Linear(6, 1)).to(DOUBLE)
+    x = torch.randn(5, 2, dtype=DOUBLE)
+
+    def residual(m: Callable[[Tensor], Tensor], inputs: Tensor, derivative: Callable[
+            [Tensor, Tensor], Tensor]) -> Tensor:
+        u = m(inputs)
+        return u.squeeze(1) + derivative(u, inputs).pow(2).sum(1)
+
+    def grad_of(u: Tensor, inputs: Tensor) -> Tensor:
+        return torch.autograd.grad(u.sum(), inputs, create_graph=True)[0]
+
+    def here() -> Any:  # ∂u/∂x taken on another thread: its nodes count from their own start
+        inputs = x.clone().requires_grad_()
+        with tg.autograd.record():
+            u = model(inputs)
+        du = _in_thread(lambda: grad_of(u, inputs))
+        return tg.autograd.explain(u.squeeze(1) + du.pow(2).sum(1),
+                                   model.named_parameters(), batch_dim=0)
+
+    report = _in_thread(here)
+    assert "2.weight" in report.walked  # used by ∂u/∂x through the recorded call's W.T
+    fn, params = tg.functionalize(model)
+    inputs = x.clone().requires_grad_()
+    assert_close(report.gramian, dense_gramian(
+        lambda p: residual(lambda a: fn(p, a), inputs, grad_of), (params,)).shaped())
+
+
+@pytest.mark.parametrize("api", ["gramian", "backward"])
+@pytest.mark.parametrize("retain_graph", [True, False], ids=["retain", "free"])
+def test_a_call_that_frees_the_graph_releases_the_activations(api: str,
+                                                               retain_graph: bool) -> None:
+    model, x, y = mlp()
+    params = list(model.parameters())
+    with tg.autograd.record() as recording:
+        losses = F.cross_entropy(model(x), y, reduction="none")
+    unrelated = F.cross_entropy(model(x), y, reduction="none")
+    tg.autograd.gramian(unrelated, params, batch_dim=0, retain_graph=False)
+    assert not recording.expired  # another graph went: the recording is not its
+    if api == "gramian":
+        G = tg.autograd.gramian(losses, params, batch_dim=0, retain_graph=retain_graph)
+    else:
+        _, info = tg.autograd.backward(losses, params, tg.weighting.upgrad, batch_dim=0,
+                                       retain_graph=retain_graph, with_info=True)
+        G = info.gramian
+    assert_close(G, oracle_of(model, lambda m: F.cross_entropy(m(x), y, reduction="none")))
+    if retain_graph:
+        assert not recording.expired and recording.acts and current_recording() is recording
+    else:  # NOTE [eager recording]: its graph is freed, nothing can use them any more
+        assert recording.expired and not recording.acts and current_recording() is None
+
+
+def test_a_call_that_frees_the_graph_inside_the_block_ends_the_recording() -> None:
+    model, x, y = mlp()
+    with tg.autograd.record() as recording:
+        losses = F.cross_entropy(model(x), y, reduction="none")
+        tg.autograd.gramian(losses, list(model.parameters()), batch_dim=0, retain_graph=False)
+        calls = recording.calls
+        again = F.cross_entropy(model(x), y, reduction="none")  # not recorded any more
+    assert recording.expired and recording.calls == calls and not recording.acts
+    report = tg.autograd.explain(again, model.named_parameters(), batch_dim=0)
+    assert report.walked == ("0.weight", "0.bias", "2.weight", "2.bias")
+    assert_close(report.gramian, oracle_of(model, lambda m: F.cross_entropy(
+        m(x), y, reduction="none")))
 
 
 def test_uses_the_recording_did_not_see_are_walked() -> None:
@@ -283,14 +428,25 @@ def test_non_reentrant_checkpoint_works_and_reentrant_is_refused(recorded: bool)
     assert all(p.grad is None for p in model.parameters())
 
 
+ROWS = [pytest.param(0, False, id="one-row-per-sample"),
+        pytest.param(None, False, id="no-batch_dim"),  # one pass of every row
+        pytest.param(0, True, id="three-rows-per-sample")]  # one pass of three seeds
+
+
 @pytest.mark.parametrize("recorded", WAYS)
 @pytest.mark.parametrize("retain_graph", [True, False], ids=["retain", "free"])
-def test_retain_graph_both_ways(recorded: bool, retain_graph: bool) -> None:
+@pytest.mark.parametrize(("batch_dim", "logits"), ROWS)
+def test_retain_graph_both_ways(recorded: bool, retain_graph: bool, batch_dim: int | None,
+                                logits: bool) -> None:
     model, x, y = mlp()
-    out = forward(lambda: F.cross_entropy(model(x), y, reduction="none"), recorded)
-    G = tg.autograd.gramian(out, list(model.parameters()), batch_dim=0,
+
+    def rows(m: Callable[[Tensor], Tensor]) -> Tensor:
+        return m(x).pow(2) if logits else F.cross_entropy(m(x), y, reduction="none")
+
+    out = forward(lambda: rows(model), recorded)
+    G = tg.autograd.gramian(out, list(model.parameters()), batch_dim=batch_dim,
                             retain_graph=retain_graph)
-    assert_close(G, oracle_of(model, lambda m: F.cross_entropy(m(x), y, reduction="none")))
+    assert_close(G, oracle_of(model, rows))
     assert all(p.grad is None for p in model.parameters())
     if retain_graph:
         out.sum().backward()
@@ -380,7 +536,9 @@ def test_distributed_data_parallel_single_process() -> None:
 
 @pytest.mark.parametrize("recorded", WAYS)
 @pytest.mark.parametrize("retain_graph", [True, False], ids=["retain", "free"])
-def test_backward_accumulates_like_a_plain_backward(recorded: bool, retain_graph: bool) -> None:
+@pytest.mark.parametrize("batch_dim", [0, None], ids=["batch_dim0", "no-batch_dim"])
+def test_backward_accumulates_like_a_plain_backward(recorded: bool, retain_graph: bool,
+                                                    batch_dim: int | None) -> None:
     model, x, y = mlp()
     counts = {"leaf": 0, "accumulated": 0}
     model[0].weight.register_hook(lambda g: counts.__setitem__("leaf", counts["leaf"] + 1))
@@ -390,13 +548,33 @@ def test_backward_accumulates_like_a_plain_backward(recorded: bool, retain_graph
         p.grad = torch.ones_like(p)  # accumulated into, as torch does
     out = forward(lambda: F.cross_entropy(model(x), y, reduction="none"), recorded)
     w, info = tg.autograd.backward(out, list(model.parameters()), tg.weighting.upgrad,
-                                   batch_dim=0, retain_graph=retain_graph, with_info=True)
+                                   batch_dim=batch_dim, retain_graph=retain_graph,
+                                   with_info=True)
     assert counts == {"leaf": 1, "accumulated": 1}
     assert info.report is not None and (info.report.way.startswith("recorded") == recorded)
     expected = torch.autograd.grad(F.cross_entropy(model(x), y, reduction="none"),
                                    list(model.parameters()), w)
     for p, g in zip(model.parameters(), expected, strict=True):
         assert_close(p.grad, g + 1)
+    if not retain_graph:
+        with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+            out.sum().backward()
+
+
+@pytest.mark.parametrize("retain_graph", [True, False], ids=["retain", "free"])
+def test_backward_with_a_hook_in_the_block_runs_its_own_backward(retain_graph: bool) -> None:
+    model, x, y = mlp()
+    with tg.autograd.record():  # a hook the recording sees: its passes are walked
+        h = model[0](x)
+        h.register_hook(lambda g: g)
+        out = F.cross_entropy(model[2](torch.tanh(h)), y, reduction="none")
+    w, info = tg.autograd.backward(out, list(model.parameters()), tg.weighting.upgrad,
+                                   batch_dim=0, retain_graph=retain_graph, with_info=True)
+    assert info.report is not None and info.report.way == "recorded taps (walked pass)"
+    expected = torch.autograd.grad(F.cross_entropy(model(x), y, reduction="none"),
+                                   list(model.parameters()), w)
+    for p, g in zip(model.parameters(), expected, strict=True):
+        assert_close(p.grad, g)  # the backward ran on a graph the Gramian left whole
     if not retain_graph:
         with pytest.raises(RuntimeError, match="backward through the graph a second time"):
             out.sum().backward()

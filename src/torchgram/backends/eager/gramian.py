@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from torchgram._core import _torch_compat
+from torchgram._core._torch_compat import Node
 from torchgram._core.checks import fail
 from torchgram._core.result import RunReport
 from torchgram._core.scratch import give_back, scratch_bmm
@@ -83,8 +84,9 @@ class EagerResult:
 
     Attributes:
         report: What ran (ways per input, notes, nodes called per row).
-        pullback: ``w ↦ Jᵀ w`` from the recorded factors, when every input was tapped and
-            the factors were kept (``want_pullback``).
+        pullback: ``w ↦ Jᵀ w`` from the recorded factors, when every input was tapped by an
+            engine pass and the factors were kept (``want_pullback``). Without it, the graph
+            is left for the caller's backward pass.
         graph_freed: Whether the passes already freed the graph (``retain_graph=False``).
         engine: Whether the tapped inputs' cotangents came from an engine pass (no hook in
             the graph that torchgram could see, NOTE [eager taps]).
@@ -122,10 +124,13 @@ def eager_gramian(api: str, outputs: Sequence[Tensor], inputs: Sequence[Tensor],
     if duplicates:  # one block per tensor, then each counted as often as it is passed
         blocks = LeafBlocks(len(inputs), per_leaf=True, diagonal=diagonal, dtype=final.dtype)
     result = EagerResult(report)
+    consumed = None  # the recording of a graph this call frees: released at the end
     if recording is not None:
         graph = index_graph(outputs)
         if graph.reentrant:
             _fail_reentrant(api)
+        if not retain_graph and _made(recording, graph):
+            consumed = recording
         tapped = _select(api, recording, graph, inputs, walked, report)
         if tapped.inputs:
             others = [i for i in walked if i not in set(tapped.inputs)]
@@ -147,6 +152,8 @@ def eager_gramian(api: str, outputs: Sequence[Tensor], inputs: Sequence[Tensor],
             if block is not None:
                 final.add(i, block)
     report.leaf_ways = tuple(ways)
+    if consumed is not None:  # NOTE [eager recording]: the graph goes, so do its activations
+        consumed.close()  # (a pullback holds the views it needs)
     if want_pullback and result.pullback is None:
         return result  # the caller's backward pass frees the graph
     if not retain_graph and not result.graph_freed:
@@ -154,6 +161,12 @@ def eager_gramian(api: str, outputs: Sequence[Tensor], inputs: Sequence[Tensor],
 
         release_graph(list(outputs), plan_graph(outputs, inputs))
     return result
+
+
+def _made(recording: Recording, graph: GraphIndex) -> bool:
+    """Whether a call the recording tapped is in ``graph`` (NOTE [recorded nodes])."""
+    return any(graph.node(tap.seq, tap.node_name, recording) is not None
+               for tap in recording.taps if tap.steps is None or tap.steps)
 
 
 def _fail_reentrant(api: str) -> None:
@@ -201,10 +214,11 @@ def _select(api: str, recording: Recording, graph: GraphIndex, inputs: Sequence[
             _walked(report, i, "used outside the rules in "
                     + ", ".join(recording.unrecognised[leaf]))
             continue
-        in_graph = graph.holders(tensor)
-        uses = [use for use in recording.uses if use.leaf == leaf and use.holders & in_graph]
+        in_graph = graph.holders(tensor, recording)  # NOTE [recorded nodes]
+        uses = [use for use in recording.uses
+                if use.leaf == leaf and in_graph is not None and use.holders & in_graph]
         seen = set().union(*(use.holders for use in uses)) if uses else set()
-        if not in_graph <= seen:
+        if in_graph is None or not in_graph <= seen:
             _walked(report, i, "the graph uses it where the recording did not see it")
             continue
         if _called_from_outside(graph, recording, tensor, uses):
@@ -213,7 +227,7 @@ def _select(api: str, recording: Recording, graph: GraphIndex, inputs: Sequence[
             continue
         slots = {}
         for use in uses:
-            slot = _slot(recording.taps[use.tap], graph)
+            slot = _slot(recording.taps[use.tap], graph, recording)
             if slot is None:
                 break
             slots[use.tap] = slot
@@ -241,16 +255,24 @@ def _called_from_outside(graph: GraphIndex, recording: Recording, leaf: Tensor,
     recorded calls' own nodes in the recorded forward; a backward of the recorded code taken
     with ``create_graph`` after the block (a physics-informed residual's ``∂u/∂x``) adds
     edges into them: uses of the leaf that no tap sees (session 37's review: 0.17-0.56 off,
-    relative).
+    relative). Only the recording's own nodes are the calls' (NOTE [recorded nodes]): a node
+    of another thread with one of their numbers is not.
     """
-    callers = [use.callers for use in uses]
     outputs = set()  # the calls' outputs, which the code after them uses as it likes
     for use in uses:
         tap = recording.taps[use.tap]
         outputs |= {tap.seq, *(seq for seq, _, _ in tap.steps or ())}
+
+    def own(node: Node, seq: int) -> bool:  # one of the recorded calls' nodes
+        if recording.owns(node):
+            return any(seq in use.callers for use in uses)
+        # a step tap's steps, known by their numbers only: NOTE [recorded nodes]
+        return graph.unique(seq) and any(isinstance(use.callers, range) and seq in use.callers
+                                         for use in uses)
+
     parents = graph.parents()
-    frontier = [node for seq in set().union(*(use.holders for use in uses)) - outputs
-                if (node := graph.by_seq.get(seq)) is not None
+    frontier = [node for node in graph.into.get(id(leaf), ())  # the holders: all owned
+                if _torch_compat.creation_order(node) not in outputs
                 and graph.of_leaf_only(node, leaf)]
     seen = set(frontier)
     while frontier:
@@ -259,23 +281,23 @@ def _called_from_outside(graph: GraphIndex, recording: Recording, leaf: Tensor,
                 continue
             seen.add(parent)
             seq = _torch_compat.creation_order(parent)
-            if seq in outputs:
+            if seq in outputs and recording.owns(parent):
                 continue
             if graph.of_leaf_only(parent, leaf):
                 frontier.append(parent)
-            elif not any(seq in own for own in callers):
+            elif not own(parent, seq):
                 return True
     return False
 
 
-def _slot(tap: EagerTap, graph: GraphIndex) -> TapSlot | None:
+def _slot(tap: EagerTap, graph: GraphIndex, recording: Recording) -> TapSlot | None:
     """Where ``tap``'s cotangent is read in ``graph`` (NOTE [eager step taps]), if it is there."""
     if tap.steps is None:
-        node = graph.node(tap.seq, tap.node_name)
+        node = graph.node(tap.seq, tap.node_name, recording)
         return None if node is None else (node, tap.output_nr)
     edges = []
     for seq, name, output_nr in tap.steps:
-        node = graph.node(seq, name)
+        node = graph.node(seq, name, recording)
         if node is None:
             return None
         edges.append((node, output_nr))
@@ -377,6 +399,9 @@ def _contract(api: str, recording: Recording, graph: GraphIndex, tapped: _Tapped
     """Blocks of the tapped inputs from one pass per row direction (NOTE [imperative Gramian])."""
     del api
     engine = not (recording.hooks or graph.module_hooks)
+    # Jᵀw from the factors only without hooks (NOTE [Jᵀw from the recording]): else the
+    # caller's backward runs them, and the graph must be left to it, unfreed
+    want_pullback = want_pullback and engine
     caller = NodeCaller(chunk_size)
     taps = sorted(tapped.slots)
 

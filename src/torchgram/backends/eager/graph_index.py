@@ -1,7 +1,8 @@
 """One pass over an eager graph: its nodes by sequence number, the edges into its leaves.
 
 The imperative Gramian walks the graph below the outputs once, before any differentiation,
-to find the nodes a recording tapped (NOTE [eager recording]: by sequence number), every
+to find the nodes a recording tapped (NOTE [eager recording]: by sequence number, and only
+among the nodes it owns, NOTE [recorded nodes]), every
 node holding an edge into a leaf's ``AccumulateGrad`` (to check that the recording saw every
 use of a leaf), and what makes the fast pass impossible: module backward hooks (their
 ``BackwardHookFunction`` nodes) and reentrant checkpoints.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from torch import Tensor
 from torch.autograd.graph import get_gradient_edge
@@ -18,14 +20,17 @@ from torch.autograd.graph import get_gradient_edge
 from torchgram._core import _torch_compat
 from torchgram._core._torch_compat import Node
 
+if TYPE_CHECKING:
+    from torchgram.backends.eager.record import Recording
+
 
 @dataclass
 class GraphIndex:
     """The graph below some outputs (see module docstring).
 
     Attributes:
-        by_seq: Every node but the leaves' accumulators, by sequence number (a number seen
-            twice, possible across threads, is dropped).
+        by_seq: Every node but the leaves' accumulators, by sequence number (several for a
+            number: nodes of different threads, NOTE [recorded nodes]).
         into: For each leaf (by ``id`` of the tensor), the nodes with an edge into its
             ``AccumulateGrad``.
         module_hooks: Whether a module backward hook sits in the graph.
@@ -34,7 +39,7 @@ class GraphIndex:
         every: Every node but the leaves' accumulators, duplicated numbers included.
     """
 
-    by_seq: dict[int, Node] = field(default_factory=dict)
+    by_seq: dict[int, list[Node]] = field(default_factory=dict)
     into: dict[int, list[Node]] = field(default_factory=dict)
     module_hooks: bool = False
     reentrant: bool = False
@@ -43,10 +48,20 @@ class GraphIndex:
     _parents: dict[Node, list[Node]] | None = field(default=None, repr=False)
     _leaf_only: dict[tuple[Node, int], bool] = field(default_factory=dict, repr=False)
 
-    def node(self, seq: int, name: str) -> Node | None:
-        """The node with sequence number ``seq`` and name ``name``, if it is in the graph."""
-        node = self.by_seq.get(seq)
-        return node if node is not None and node.name() == name else None
+    def node(self, seq: int, name: str, recording: Recording) -> Node | None:
+        """The node of ``recording`` with sequence number ``seq`` and name ``name``, if any.
+
+        Only a node the recording owns is found (NOTE [recorded nodes]): another thread's
+        node with the same number and name is not the one it recorded.
+        """
+        for node in self.by_seq.get(seq, ()):
+            if node.name() == name and recording.owns(node):
+                return node
+        return None
+
+    def unique(self, seq: int) -> bool:
+        """Whether a single node of the graph has the sequence number ``seq``."""
+        return len(self.by_seq.get(seq, ())) == 1
 
     def nodes(self) -> list[Node]:
         """Every node but the leaves' accumulators, in creation order."""
@@ -74,15 +89,21 @@ class GraphIndex:
             self._leaf_only[key] = known
         return known
 
-    def holders(self, leaf: Tensor) -> set[int]:
-        """Sequence numbers of the nodes with an edge into ``leaf``'s accumulator."""
-        return {_torch_compat.creation_order(node) for node in self.into.get(id(leaf), ())}
+    def holders(self, leaf: Tensor, recording: Recording) -> set[int] | None:
+        """Sequence numbers of the nodes with an edge into ``leaf``'s accumulator.
+
+        ``None`` if one of them is not ``recording``'s (NOTE [recorded nodes]): that use of
+        the leaf is one the recording did not see, whatever its number.
+        """
+        nodes = self.into.get(id(leaf), ())
+        if not all(recording.owns(node) for node in nodes):
+            return None
+        return {_torch_compat.creation_order(node) for node in nodes}
 
 
 def index_graph(outputs: Sequence[Tensor]) -> GraphIndex:
     """Index the graph below ``outputs`` (each requiring grad), iteratively."""
     index = GraphIndex()
-    duplicated: set[int] = set()
     stack = [get_gradient_edge(out).node for out in outputs]
     seen: set[Node] = set()
     while stack:
@@ -94,9 +115,7 @@ def index_graph(outputs: Sequence[Tensor]) -> GraphIndex:
             continue
         seq = _torch_compat.creation_order(node)
         index.every.append(node)
-        if seq in index.by_seq and index.by_seq[seq] is not node:
-            duplicated.add(seq)
-        index.by_seq[seq] = node
+        index.by_seq.setdefault(seq, []).append(node)
         if _torch_compat.is_reentrant_checkpoint(node):
             index.reentrant = True
         if _torch_compat.is_module_hook_node(node):
@@ -108,7 +127,5 @@ def index_graph(outputs: Sequence[Tensor]) -> GraphIndex:
                 index.into.setdefault(id(_torch_compat.leaf_of(child)), []).append(node)
             if child not in seen:
                 stack.append(child)
-    for seq in duplicated:
-        del index.by_seq[seq]
     index.size = len(seen)
     return index

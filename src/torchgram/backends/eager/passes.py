@@ -19,6 +19,18 @@ cannot be seen (autograd gives no way to ask a node for its hooks): they run dur
 pass, as they would in ``torch.autograd.grad``, and a tensor that called ``retain_grad()``
 after the block receives a ``.grad`` (the pass's cotangent). Documented in
 ``tg.autograd.gramian`` and ``tg.autograd.record``.
+
+# NOTE [freeing from a vectorized pass]
+An engine pass asked to free the graph (``retain_graph=False``, the last pass) frees it as
+``torch.autograd.grad`` does: the nodes it runs release their saved tensors, and a later
+backward through them raises torch's "Trying to backward through the graph a second time".
+With several seeds vmapped in one pass (``is_grads_batched``), that pass must keep the
+graph: if ``vmap`` fails on a node half-way (NOTE [vmap fallback]), the nodes it ran would
+already be freed and the seeds' loop could not run. So all seeds but the last are vmapped
+with the graph kept, and the last seed runs alone, freeing it: the same work as one pass
+of all the seeds, and the graph is freed exactly where a plain pass would free it (one
+``retain_graph=True`` pass of all the seeds, as before, left it whole while the Gramian
+reported it freed: a later ``backward`` went through).
 """
 
 from __future__ import annotations
@@ -40,7 +52,8 @@ def engine_cotangents(outputs: Sequence[Tensor], slots: Sequence[Edge],
     """``[c, *slot]`` cotangents at ``slots`` for ``c`` seeds ``[c, *output]`` per output.
 
     Several seeds are vmapped (``is_grads_batched``) when ``vectorize``, else (or when
-    ``vmap`` cannot run the backward) looped. ``None`` where no output reaches a slot.
+    ``vmap`` cannot run the backward) looped. ``None`` where no output reaches a slot. Without
+    ``retain_graph`` the pass frees the graph (NOTE [freeing from a vectorized pass]).
     """
     edges = [GradientEdge(node, nr) for node, nr in slots]
     count = seeds[0].shape[0]
@@ -50,13 +63,31 @@ def engine_cotangents(outputs: Sequence[Tensor], slots: Sequence[Edge],
                                         allow_unused=True)
                     for i in range(count)]
         return [stack_grads([grads[j] for grads in per_seed]) for j in range(len(edges))]
+    vmapped = count if retain_graph else count - 1  # NOTE [freeing from a vectorized pass]
     try:
-        grads = torch.autograd.grad(list(outputs), edges, list(seeds), retain_graph=True,
-                                    allow_unused=True, is_grads_batched=True)
+        grads = torch.autograd.grad(list(outputs), edges, [s[:vmapped] for s in seeds],
+                                    retain_graph=True, allow_unused=True,
+                                    is_grads_batched=True)
     except Exception:  # noqa: BLE001 -- NOTE [vmap fallback]: a backward vmap cannot batch
         return engine_cotangents(outputs, slots, seeds, retain_graph=retain_graph,
                                  vectorize=False)
-    return list(grads)
+    if retain_graph:
+        return list(grads)
+    last = torch.autograd.grad(list(outputs), edges, [s[-1] for s in seeds],
+                               retain_graph=False, allow_unused=True)
+    return [_appended(batched, one, vmapped) for batched, one in zip(grads, last, strict=True)]
+
+
+def _appended(batched: Tensor | None, last: Tensor | None, count: int) -> Tensor | None:
+    """``[count + 1, *slot]``: the ``count`` vmapped seeds' cotangents, then the last one's."""
+    if batched is None and last is None:
+        return None
+    if last is None:
+        assert batched is not None
+        last = torch.zeros_like(batched[0])
+    if batched is None:
+        batched = last.new_zeros(count, *last.shape)
+    return torch.cat([batched, last.unsqueeze(0)])
 
 
 def walk_cotangents(outputs: Sequence[Tensor], slots: Sequence[Edge], seeds: Sequence[Tensor],

@@ -22,6 +22,9 @@ it is used):
   recording did not see (before the ``with`` block, inside a custom ``autograd.Function``, in
   an op no rule covers) can never be missed: that leaf goes to the graph walk instead.
 
+Every node the recording names is also marked as its own (NOTE [recorded nodes]): a node of
+the graph is taken for a recorded one only if it carries that mark.
+
 A recognised call's output that is later broadcast against other tensors by ``+`` / ``-``
 / ``*`` / ``expand`` is noted there too (an :class:`EagerMeeting`): a position embedding looked up
 with ``[1, T]`` ids meets the batch where it is added to the ``[B, T, d]`` token embeddings
@@ -43,8 +46,28 @@ a per-thread slot), so it lives exactly as long as the recorded graph: dropping 
 frees it. The activations it holds are released earlier when they cannot be used any more:
 when the next ``record()`` starts on the same thread (one live recording per thread: so a
 training loop never holds two steps' activations), after a ``tg.autograd.gramian`` /
-``tg.autograd.backward`` call with ``retain_graph=False``, or on :meth:`Recording.close`.
-An expired recording is simply not used: the Gramian is then computed by the graph walk.
+``tg.autograd.backward`` call with ``retain_graph=False`` on a graph that holds a call it
+tapped (the call frees that graph: nothing can use them any more), or on
+:meth:`Recording.close`. An expired recording is simply not used (nor extended, if the block
+is still running): the Gramian is then computed by the graph walk, exactly.
+
+# NOTE [recorded nodes]
+A sequence number names a node only within its thread: each thread counts from zero, so a
+graph built by another thread (the same model on other data, a ``DataParallel`` replica,
+the nodes a CUDA backward with ``create_graph=True`` makes on the device's thread) has nodes
+with the recording's numbers and names. Matching by number alone, the recording's
+activations were contracted with that graph's cotangents (a hunt found 0.11 off,
+relative, and ``.grad`` 1.78 off). So the recording marks every node it names: the taps'
+and the steps' outputs, the meetings, and every node of a recognised call (its holders and
+callers, at most :data:`_HOLDER_SEARCH`), by adding itself to the list under
+:data:`METADATA_KEY` in the node's ``metadata`` (a list: nested blocks may both mark a
+node). :meth:`Recording.owns` reads it back, and the Gramian takes a node for a recorded one
+only if the recording owns it: a graph the recording did not make, or the part of a graph
+another thread or a later forward added, has no node it owns, and its leaves are walked.
+The nodes a step tap's steps made (NOTE [eager step taps]) are known only as a range of
+numbers (the rewrite makes them outside the mode); one of them is taken for a step's own
+only if no other node of the graph has its number (a node of another thread with that
+number would share it with the step's own node, which is in the graph whenever its tap is).
 """
 
 from __future__ import annotations
@@ -69,7 +92,8 @@ from torchgram.backends.structured.rules.base import Layout, Match
 from torchgram.backends.structured.trace import LeafRef, StepTap, _is_transpose, describe
 
 METADATA_KEY = "torchgram.record"
-"""Key of the recording in the ``metadata`` dict of the nodes it tapped."""
+"""Key of the recordings in the ``metadata`` dict of the nodes they noted (NOTE [recorded
+nodes]): a list, since nested blocks may both note a node."""
 
 _HOLDER_SEARCH = 64
 """Most nodes searched inside one recognised call for the edges into its leaves."""
@@ -211,9 +235,21 @@ class Recording:
         return None
 
     def close(self) -> None:
-        """Release the activations; the recording is not used by later calls."""
+        """Release the activations; the recording is not used (nor extended) any more."""
         self.expired = True
         self.acts = []
+        self.act_versions = []
+
+    def owns(self, node: Any) -> bool:
+        """Whether this recording noted ``node`` (NOTE [recorded nodes])."""
+        marks = node.metadata.get(METADATA_KEY)
+        return marks is not None and any(mark is self for mark in marks)
+
+    def mark(self, node: Any) -> None:
+        """Note ``node`` as one of this recording's (NOTE [recorded nodes])."""
+        marks = node.metadata.setdefault(METADATA_KEY, [])
+        if not any(mark is self for mark in marks):
+            marks.append(self)
 
     def stale_acts(self) -> set[int]:
         """Indices of activations changed in place since they were recorded."""
@@ -281,7 +317,7 @@ class RecordMode(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
-        if _STATE.paused:
+        if _STATE.paused or self.recording.expired:  # closed: nothing more is recorded
             return func(*args, **kwargs)
         recording = self.recording
         recording.calls += 1
@@ -367,7 +403,7 @@ class RecordMode(TorchFunctionMode):
         for i, ref, _ in chosen:  # an alias per leaf: its node alone holds the steps' edges
             values[i] = values[i].view_as(values[i])
             node: Any = values[i].grad_fn
-            node.metadata[METADATA_KEY] = self.recording
+            self.recording.mark(node)
             holders[ref.index] = _torch_compat.creation_order(node)
         if share is None:
             share = len(self.recording.taps)
@@ -383,7 +419,7 @@ class RecordMode(TorchFunctionMode):
         slots = self._steps.get(step_tap.index)
         node: Any = y.grad_fn
         if slots is not None and node is not None:
-            node.metadata[METADATA_KEY] = self.recording
+            self.recording.mark(node)
             slots[t] = (_torch_compat.creation_order(node), node.name(), y.output_nr)
         return y
 
@@ -450,13 +486,17 @@ class RecordMode(TorchFunctionMode):
         searched = _holders(y, args, kwargs, self._refs)
         if searched is None:
             return set()
-        holders, callers = searched
+        holder_nodes, call_nodes = searched
+        for marked in (*call_nodes, *(holder for _, holder in holder_nodes)):
+            recording.mark(marked)  # y's node among them: NOTE [recorded nodes]
+        holders = [(index, _torch_compat.creation_order(holder))
+                   for index, holder in holder_nodes]
+        callers = frozenset(_torch_compat.creation_order(caller) for caller in call_nodes)
         node: Any = y.grad_fn
         tap = EagerTap(_torch_compat.creation_order(node), node.name(), y.output_nr,
                        tuple(y.shape), y.dtype, match.rule)
         tap_index = len(recording.taps)
         recording.taps.append(tap)
-        node.metadata[METADATA_KEY] = recording
         self._outputs[id(y)] = (weakref.ref(y), tap_index)
         acts: dict[int, int] = {}
         for i, ref, role in chosen:
@@ -514,7 +554,7 @@ class RecordMode(TorchFunctionMode):
             scale = {("add", 0): 1.0, ("add", 1): float(alpha), ("sub", 0): 1.0,
                      ("sub", 1): -float(alpha), ("rsub", 0): -float(alpha), ("rsub", 1): 1.0,
                      ("mul", 0): 1.0, ("mul", 1): 1.0, ("expand", 0): 1.0}[kind, position]
-            node.metadata[METADATA_KEY] = self.recording
+            self.recording.mark(node)
             self.recording.meetings.append(EagerMeeting(
                 entry[1], _torch_compat.creation_order(node), node.name(), z.output_nr,
                 tuple(z.shape), scale, factor))
@@ -536,10 +576,10 @@ _MEETS: dict[Any, str] = {
 
 
 def _holders(y: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any],
-             refs: dict[int, LeafRef]) -> tuple[list[tuple[int, int]], frozenset[int]] | None:
-    """The edges into leaves one call made, and the sequence numbers of its nodes.
+             refs: dict[int, LeafRef]) -> tuple[list[tuple[int, Any]], set[Any]] | None:
+    """The edges into leaves one call made, and its nodes.
 
-    The edges as ``(leaf, holder sequence number)``. Searches the nodes the call created,
+    The edges as ``(leaf, holder node)``. Searches the nodes the call created,
     from its output's node down to the nodes of its tensor arguments; ``None`` if that does
     not end within :data:`_HOLDER_SEARCH` nodes. A transposed view of a leaf made under the
     mode (``W.T``) holds the leaf's edge for the call.
@@ -565,15 +605,15 @@ def _holders(y: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any],
             if child in stop:
                 leaf = stop[child]
                 if leaf is not None:  # ``W.T`` made by the user: its node holds W's edge
-                    found.append((leaf, _torch_compat.creation_order(child)))
+                    found.append((leaf, child))
                 continue
             if _torch_compat.is_leaf_accumulator(child):
                 ref = refs.get(id(_torch_compat.leaf_of(child)))
                 if ref is not None:
-                    found.append((ref.index, _torch_compat.creation_order(node)))
+                    found.append((ref.index, node))
                 continue
             stack.append(child)
-    return found, frozenset(_torch_compat.creation_order(node) for node in seen)
+    return found, seen
 
 
 _NO_END = 2**62
@@ -633,7 +673,8 @@ def record() -> Iterator[Recording]:
 
     Yields the :class:`Recording` (``with tg.autograd.record() as rec``); it is found by
     ``tg.autograd.gramian`` / ``backward`` without being passed. Starting a block releases
-    the activations of this thread's previous recording.
+    the activations of this thread's previous recording, as does a ``gramian`` /
+    ``backward`` call with ``retain_graph=False`` on the recorded graph.
 
     Nothing is installed on the user's modules or tensors: the recording lives in the
     recorded graph and is freed with it. Hooks on the graph's tensors (``register_hook``,

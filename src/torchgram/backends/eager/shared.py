@@ -60,7 +60,7 @@ def sole_meetings(recording: Recording, graph: GraphIndex, outputs: Sequence[Ten
     for meeting in recording.meetings:
         if meeting.tap not in slots:
             continue
-        node = graph.node(meeting.seq, meeting.node_name)
+        node = graph.node(meeting.seq, meeting.node_name, recording)
         if node is not None:
             met.setdefault(meeting.tap, []).append((meeting, (node, meeting.output_nr)))
     if not met:
