@@ -39,10 +39,12 @@ they meet (``h = x·w`` equal for every sample, one token each with the same id)
 ``h - h.mean(0)`` alone and in the batch, while its derivative in ``w`` is ``x_b - mean(x)``
 in the batch and zero alone (kernel hunt 2: jacobian and ntvp 0.5 off, relative). So the
 evaluation of the whole batch that the per-sample ways compare with is also a **derivative
-check** (:func:`check_derivatives`): one vector-Jacobian product of the batch's rows, with
-random positive weights on the rows of the first and the last sample, must equal the same
-product of those samples run apart (as one batch of two, or each alone for ``B = 2``). The
-structured backend's batched pass has its own (NOTE [checking the batched pass]).
+check** (:func:`check_derivatives`), on every call, of that call's values (NOTE [the
+derivative check on every call]): one vector-Jacobian product of the batch's rows, with
+random positive weights on all rows, must equal the sum of the same products of each sample
+run alone (one ``vmap`` over the samples; where ``vmap`` cannot run ``f``, each of
+:func:`separating_groups`' groups runs apart instead). The structured backend's batched pass
+has its own (NOTE [checking the batched pass]).
 """
 
 from __future__ import annotations
@@ -139,27 +141,89 @@ def even_odd(samples: int) -> tuple[tuple[int, ...], ...]:
 
 
 def check_derivatives(problem: Problem, *, eager: bool = False) -> None:
-    """Raise :class:`NotPerSample` unless samples run apart have the batch's derivatives.
+    """Raise :class:`NotPerSample` unless samples run alone have the batch's derivatives.
 
-    The rows of the first and the last sample (NOTE [per-sample]): run apart as one batch of
-    two (each alone for ``B = 2``), through :func:`compare_pullbacks`. The first check of a
-    call signature is thorough: each of :func:`separating_groups`' groups runs apart, so a
-    coupling among middle samples that their values do not show (``h + m·Σ_c m_c (h_c -
-    h_c.detach())`` on samples 1 and 2) is seen: jacobian 0.52 and ntvp 0.32 off before
-    session 28 (a helper's hunt).
+    On every call, for this call's values (NOTE [the derivative check on every call]): the
+    vector-Jacobian product of the batch's rows with random positive weights on all of them
+    must equal the sum over samples of each sample's own product with the same weights, the
+    samples run alone under one ``vmap`` (:func:`_samples_alone`), through
+    :func:`compare_pullbacks`. Where ``vmap`` cannot run ``f`` (or the call's vjps run one at
+    a time: ``chunk_size=1``, NOTE [wrong batching rules]) each of :func:`separating_groups`'
+    groups runs apart instead (:func:`_compare_group`). Either way a coupling among middle
+    samples that their values do not show (``h + m·Σ_c m_c (h_c - h_c.detach())`` on samples
+    1 and 2) is seen: jacobian 0.52 and ntvp 0.32 off before session 28, and again on a later
+    call of the signature (its first call with ``m = 0``: 0.50 and 0.25 off) while only the
+    signature's first call was thorough.
     """
     batch = problem.batch
     if batch is None or batch.size < 2 or not problem.leaves:
         return
     index = problem.sample_major_index  # [B, K]: each sample's rows in the output order
-    if not problem.signature_checks.get("derivatives"):
-        for group in separating_groups(batch.size):
-            _compare_group(problem, index, list(group), [list(group)], eager)
-        problem.signature_checks["derivatives"] = True
-        return
-    samples = [0, batch.size - 1]
-    _compare_group(problem, index, samples,
-                   [[0], [1]] if batch.size == 2 else [samples], eager)
+    if not problem.loops_only:
+        weights = positive_weights(tuple(index.shape), index.device, problem.output.dtype)
+        spread = torch.zeros(index.numel(), dtype=weights.dtype, device=weights.device)
+        spread[index.reshape(-1)] = weights.reshape(-1)
+        try:
+            compare_pullbacks(problem, spread,
+                              [(lambda *values: _samples_alone(problem, values), weights)],
+                              "the samples run alone", eager=eager)
+            return
+        except (NotPerSample, OutputChanged, BackendCannotRun):
+            raise
+        except Exception:  # noqa: BLE001 -- NOTE [vmap or loop]: the groups need no vmap
+            pass
+    for group in separating_groups(batch.size):
+        _compare_group(problem, index, list(group), [list(group)], eager)
+
+
+def _samples_alone(problem: Problem, leaves: tuple[Tensor, ...]) -> Tensor:
+    """Each sample's rows ``[B, K]``, ``f`` on it alone (a batch of one), under one ``vmap``.
+
+    The evaluation the per-sample ways of the jacobian and ntvp backends make (there with
+    the rows' vjps inside).
+    """
+    batch = problem.batch
+    assert batch is not None
+    count = len(leaves)
+
+    def one_sample(*values: Tensor) -> Tensor:
+        sample = tuple(x.unsqueeze(d) for x, d in zip(values[count:], batch.dims, strict=True))
+        return problem.sample_rows(values[:count], sample)
+
+    return torch.func.vmap(one_sample, in_dims=(None,) * count + batch.dims)(*leaves,
+                                                                            *batch.tensors)
+
+
+# NOTE [the derivative check on every call]
+# The check compares the batch's derivatives with those of the samples run alone for the
+# values of the call it runs in, so it runs on every call. It ran thoroughly only on a call
+# signature's first call, and later calls ran apart only samples 0 and B - 1: a coupling of
+# middle samples that depends on the values (flags in an input, a global list f reads, a
+# Python attribute of a model switched between calls) and was absent on the first call was
+# missed, and jacobian and ntvp returned a wrong matrix, their kernels and aggregated_grad
+# too (0.50 and 0.25 off, relative; a helper's hunt after session 50). Running the separating
+# groups on every call would cost a third more per call on jacobian and ntvp (benchmarks'
+# mlp, B = 64, one thread: 8 groups of 32, each a backward of the batch and one of the
+# group; +30% to +41% over no check, two runs) and 2.6 times as much on jacobian for the
+# cnn (+216%); the check is now one comparison for the whole batch:
+#
+#   D(w) = J_batchᵀ w − Σ_b J_bᵀ w_b,
+#
+# J_batch the Jacobian of the batch's rows, J_b that of sample b's rows with b run alone,
+# w the weights of all rows. D is linear in w, and the zero map exactly when every sample
+# alone has the batch's derivatives of its rows (D(e_(b,k)) is the difference of row (b, k)'s
+# two gradients), which makes the per-sample Gramian G. Otherwise the w with D(w) = 0 form a
+# proper subspace, of measure zero, which the weights (a fixed draw from [0.5, 1.5), as the
+# groups' are) miss unless f is built around that draw. Each sample runs alone (a batch of
+# one under vmap, what the per-sample ways evaluate), so no coupling can hide inside a part
+# run together, which is what made parts of the batch need separating groups. The cost is a
+# vmapped evaluation of the B samples and one backward, beside the batch's backward: +4% to
+# +8% over no check on that mlp, about what the two samples apart cost (+3% to +6%), and
+# +38% on the cnn's jacobian (+22%; ntvp +2%, against +3%). Where vmap cannot run f, or the
+# call's vjps run one at a time (chunk_size=1, NOTE [wrong batching rules]), the separating
+# groups run apart (complete too, without vmap). An output of another structure for a
+# sample alone raises OutputChanged, as the per-sample ways' own evaluation does: the call
+# is probed afresh, and the probe (a batch of one) reports it, as on a first call.
 
 
 def _compare_group(problem: Problem, index: Tensor, samples: list[int],

@@ -296,7 +296,6 @@ class Problem:
             (``Probe.sparse_embeddings``): its evaluations get dense ones.
         probe_cached: Whether the probe came from the cache: evaluations then check that it
             still describes ``f`` (NOTE [stale probes]).
-        signature_checks: The probe's record of the checks passed once for the signature.
         differentiates: How ``f`` differentiates its own computation (``Probe.differentiates``):
             the structured backend declines (NOTE [f that differentiates itself]).
         unseen_ops: Ops ``f`` runs through code no mode sees, found where ``G`` carries a
@@ -323,7 +322,6 @@ class Problem:
     mutates_leaves: bool = False
     sparse_embeddings: bool = False
     probe_cached: bool = field(default=False, compare=False)
-    signature_checks: dict[str, bool] = field(default_factory=dict, compare=False)
     differentiates: str | None = None
     unseen_ops: tuple[str, ...] = ()
     decomposed: tuple[str, ...] = ()
@@ -667,8 +665,6 @@ class Probe:
     unseen_ops: tuple[str, ...] | None = None
     decomposed: tuple[str, ...] = ()
     writes: bool = True
-    checks: dict[str, bool] = field(default_factory=dict, compare=False)
-    """Checks that passed once for the signature (``"derivatives"``: NOTE [per-sample])."""
 
 
 _PROBES = LruCache[Probe](maxsize=256)
@@ -754,7 +750,7 @@ def build_problem(options: Options, f: Callable[..., Any], args: tuple[Any, ...]
         diff = diff.replace_leaves(tuple(leaf.clone() for leaf in diff.leaves))
     return Problem(f, args, kwargs, diff, options, batch, probe.spec, draw, want_pullback,
                    evaluation, probe.unbatched, composition, probe.mutates_leaves,
-                   probe.sparse_embeddings, probe_cached, probe.checks, probe.differentiates,
+                   probe.sparse_embeddings, probe_cached, probe.differentiates,
                    unseen_ops, probe.decomposed, probe.writes)
 
 
