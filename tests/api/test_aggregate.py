@@ -90,3 +90,48 @@ def test_info_reports_where_the_step_time_went() -> None:
     assert times.gramian > 0 and times.weighting > 0 and times.pullback >= 0
     assert times.total == times.gramian + times.weighting + times.pullback
     assert "Gramian" in str(times) and "Jᵀw" in str(times)
+
+
+@pytest.mark.parametrize("change", ["write", "output"])
+@pytest.mark.parametrize("batch_dim", [None, 0], ids=["dense", "per-sample"])
+@pytest.mark.parametrize("backend", ["auto", "structured", "graph", "jacobian", "ntvp"])
+def test_a_stale_probe_met_by_the_pullback_starts_the_call_afresh(backend: str,
+                                                                   batch_dim: int | None,
+                                                                   change: str) -> None:
+    """NOTE [evaluations after the backend]: graph and ntvp keep no pullback, and the vjp of
+    ``Jᵀw`` evaluates ``f`` once more, after the retry of a stale probe: a write into a
+    captured tensor or another output there raised torchgram's internal ``OutputChanged`` to
+    the user. Now the whole step is made again; the update is right, the buffer kept."""
+    from torchgram._core.signature import clear_caches
+
+    torch.manual_seed(0)
+    w, x = torch.randn(3, 2, dtype=torch.float64), torch.randn(6, 3, dtype=torch.float64)
+    counts = torch.zeros(3, dtype=torch.float64)
+    state = {"calls": 0, "at": -1}
+
+    def f(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        state["calls"] += 1
+        out = torch.tanh(x @ w)
+        if state["calls"] == state["at"]:  # once, in the last evaluation of a call
+            if change == "write":
+                counts.add_(1.0)
+            else:
+                return out[:, :1]
+        return out
+
+    def uniform(G: torch.Tensor) -> torch.Tensor:
+        return torch.ones(G.shape[0], dtype=G.dtype)
+
+    step = tg.aggregated_grad(f, uniform, backend=backend, batch_dim=batch_dim)
+    clear_caches()
+    step(w, x)
+    before = state["calls"]
+    step(w, x)  # under the cached probe: how many evaluations a call makes
+    state["at"] = 2 * state["calls"] - before
+    update, info = step(w, x)
+    assert state["calls"] > state["at"]  # the change was met, and the step made again
+    dense = dense_gramian(f, (w, x))
+    torch.testing.assert_close(update.reshape(-1), dense.jacobian.T @ uniform(dense.gramian),
+                               rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(info.output, torch.tanh(x @ w), rtol=0, atol=0)
+    assert torch.equal(counts, torch.zeros(3, dtype=torch.float64))

@@ -289,3 +289,114 @@ def test_a_renormalised_table_through_functional_call_is_probed_once(
         tg.gramian(f, backend=backend, batch_dim=0)(params, ids)
     assert len(probes) == 1
     assert torch.equal(module.embedding.weight, table)
+
+
+# NOTE [writes its probe did not see]: with batch_dim the probe evaluates one sample; an f
+# that writes only on larger batches, or only for some samples' values, wrote into the
+# caller's tensors on every backend after a fresh probe (structured and auto: 0.044 off).
+
+
+class _Tracking(nn.Module):
+    """Keeps an average of its batches' inputs, skipped for a single sample."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 2)
+        self.register_buffer("average", torch.zeros(3))
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.shape[0] > 1:
+            with torch.no_grad():
+                self.average.mul_(0.9).add_(0.1 * x.mean(0))
+        return torch.tanh(self.linear(x - self.average))
+
+
+@pytest.mark.parametrize("batch_dim", [None, 0], ids=["dense", "per-sample"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_write_only_on_larger_batches_is_refused_before_it_happens(
+        backend: str, batch_dim: int | None) -> None:
+    """Refused as without ``batch_dim``: before, the one-sample probe saw no write and every
+    backend changed the buffer (jacobian and ntvp twice, then declined)."""
+    clear_caches()
+    torch.manual_seed(0)
+    module = _Tracking().to(DOUBLE)
+    params = {name: p.detach() for name, p in module.named_parameters()}
+    x = torch.randn(6, 3, dtype=DOUBLE)
+
+    def f(p: dict[str, Tensor], x: Tensor) -> Tensor:
+        return torch.func.functional_call(module, p, (x,))
+
+    for _ in range(2):  # the second call: no probe was cached by the refusal
+        with pytest.raises(ValueError, match="functionalize"):
+            tg.gramian(f, backend=backend, batch_dim=batch_dim)(params, x)
+        assert torch.equal(module.average, torch.zeros(3, dtype=DOUBLE))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_write_for_one_samples_values_is_refused_before_it_happens(backend: str) -> None:
+    """A counter of out-of-range inputs where only sample 3 is out of range: sample 0, which
+    the probe evaluates, does not write."""
+    clear_caches()
+    overflow = torch.zeros((), dtype=DOUBLE)
+    w = torch.randn(3, 2, dtype=DOUBLE)
+    x = torch.randn(6, 3, dtype=DOUBLE).clamp(-3.0, 3.0)
+    x[3, 0] = 5.0
+
+    def f(w: Tensor, x: Tensor) -> Tensor:
+        if bool((x.abs() > 4).any()):
+            overflow.add_(1)
+        return torch.tanh(x @ w)
+
+    with pytest.raises(ValueError, match="functionalize"):
+        tg.gramian(f, backend=backend, batch_dim=0)(w, x)
+    assert float(overflow) == 0.0
+
+
+@pytest.mark.parametrize("batch_dim", [None, 0], ids=["dense", "per-sample"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_write_the_probes_never_make_is_refused_before_it_happens(
+        backend: str, batch_dim: int | None) -> None:
+    """``f`` writes only where gradients are on, and every probe runs without them (but the
+    graph walk's dense one): the evaluation after the second probe writes again, and the call
+    raises the refusal, never torchgram's internal ``UnseenWrite``. Before, the counter moved
+    on graph, structured and auto, and jacobian and ntvp declined (torch refuses the write
+    under their transforms)."""
+    clear_caches()
+    calls = torch.zeros((), dtype=DOUBLE)
+    w = torch.randn(3, 2, dtype=DOUBLE)
+    x = torch.randn(6, 3, dtype=DOUBLE)
+
+    def f(w: Tensor, x: Tensor) -> Tensor:
+        if torch.is_grad_enabled():
+            calls.add_(1)
+        return torch.tanh(x @ w)
+
+    with pytest.raises(ValueError, match="functionalize"):
+        tg.gramian(f, backend=backend, batch_dim=batch_dim)(w, x)
+    assert float(calls) == 0.0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_renormalisation_only_on_larger_batches_works_on_copies(backend: str) -> None:
+    """An embedding that renormalises its table (a parameter) only for batches of more than
+    one sample: the probe of the whole batch, made after the write was refused, sees it, and
+    the call works on copies of the table (NOTE [probing]) -- right, the caller's table kept.
+    Before, every evaluation renormalised the caller's table."""
+    clear_caches()
+    torch.manual_seed(0)
+    table = torch.randn(10, 4, dtype=DOUBLE)
+    head = torch.randn(3, 4, dtype=DOUBLE)
+    params = {"table": table, "head": head}
+    kept = table.clone()
+    ids = torch.randint(0, 10, (5, 3), generator=torch.Generator().manual_seed(0))
+
+    def f(p: dict[str, Tensor], ids: Tensor) -> Tensor:
+        max_norm = 0.5 if ids.shape[0] > 1 else None
+        rows = torch.nn.functional.embedding(ids, p["table"], max_norm=max_norm)
+        return rows.tanh().mean(1) @ p["head"].T
+
+    wanted = dense_gramian(f, ({"table": table.clone(), "head": head}, ids)).shaped()
+    for _ in range(2):  # then under the cached probe of the whole batch
+        actual = tg.gramian(f, backend=backend, batch_dim=0)(params, ids)
+        torch.testing.assert_close(actual, wanted, rtol=1e-10, atol=1e-12)
+        assert torch.equal(table, kept)

@@ -155,3 +155,30 @@ def test_a_stale_probe_met_while_planning_is_probed_afresh() -> None:
         if run:
             torch.testing.assert_close(report.gramian, dense_gramian(f, (p, x)).shaped(),
                                        rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("batch_dim", [None, 0], ids=["dense", "per-sample"])
+def test_an_f_no_probe_describes_raises_the_public_errors(batch_dim: int | None) -> None:
+    """``f`` writes into a captured tensor, or returns another output, only where gradients
+    are on, and the probes run without them: planning after the second probe met it again
+    and raised torchgram's internal ``OutputChanged``. Now ``tg.gramian``'s errors, nothing
+    written (NOTE [writes its probe did not see])."""
+    calls = torch.zeros((), dtype=torch.float64)
+    w = torch.randn(3, 2, dtype=torch.float64)
+    x = torch.randn(6, 3, dtype=torch.float64)
+
+    def writes(w, x):
+        if torch.is_grad_enabled():
+            calls.add_(1)
+        return torch.tanh(x @ w)
+
+    def reshapes(w, x):
+        out = torch.tanh(x @ w)
+        return out[:, :1] if torch.is_grad_enabled() else out
+
+    with pytest.raises(ValueError, match="functionalize"):
+        tg.explain(writes, batch_dim=batch_dim)(w, x)
+    assert float(calls) == 0.0
+    with pytest.raises(RuntimeError, match="outputs of the same structure") as caught:
+        tg.explain(reshapes, batch_dim=batch_dim)(w, x)
+    assert type(caught.value) is RuntimeError

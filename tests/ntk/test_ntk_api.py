@@ -203,3 +203,33 @@ def test_kernel_functions_and_runs_display_as_tables() -> None:
     assert run is not None
     assert "kernel shape" in repr(run) and "[4]" in repr(run)
     assert "<th" in run._repr_html_()
+
+
+@pytest.mark.parametrize("vmap_axes", [0, None], ids=["per-sample", "dense"])
+@pytest.mark.parametrize("backend", ["auto", "structured", "graph", "jacobian", "ntvp"])
+def test_an_f_no_probe_describes_raises_the_public_errors(backend: str,
+                                                           vmap_axes: int | None) -> None:
+    """``f`` writes into a captured tensor, or returns another output, only where gradients
+    are on, and the probes run without them: the evaluations after the second probe meet it
+    again. The kernel raised torchgram's internal ``OutputChanged`` (and a write moved the
+    counter on graph, structured and auto); now the errors of ``tg.gramian``, nothing written
+    (NOTE [writes its probe did not see])."""
+    calls = torch.zeros((), dtype=torch.float64)
+    w = torch.randn(3, 2, dtype=torch.float64)
+    x = torch.randn(6, 3, dtype=torch.float64)
+
+    def writes(w: Tensor, x: Tensor) -> Tensor:
+        if torch.is_grad_enabled():
+            calls.add_(1)
+        return torch.tanh(x @ w)
+
+    def reshapes(w: Tensor, x: Tensor) -> Tensor:
+        out = torch.tanh(x @ w)
+        return out[:, :1] if torch.is_grad_enabled() else out
+
+    with pytest.raises(ValueError, match="functionalize"):
+        tg.ntk.empirical_ntk_fn(writes, vmap_axes=vmap_axes, backend=backend)(x, None, w)
+    assert float(calls) == 0.0
+    with pytest.raises(RuntimeError, match="outputs of the same structure") as caught:
+        tg.ntk.empirical_ntk_fn(reshapes, vmap_axes=vmap_axes, backend=backend)(x, None, w)
+    assert type(caught.value) is RuntimeError

@@ -9,7 +9,12 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from torchgram._api.pipeline import compute, outside_compile, refused_derivatives
+from torchgram._api.pipeline import (
+    Computation,
+    compute_then,
+    outside_compile,
+    refused_derivatives,
+)
 from torchgram._api.step_times import StepTimes, Stopwatch
 from torchgram._api.weights import call_weighting, check_weighting
 from torchgram._core import checks
@@ -107,22 +112,27 @@ def aggregated_grad(
     @outside_inference_mode  # NOTE [inference mode]
     def aggregated_grad_of_f(*args: Any, **kwargs: Any) -> tuple[Any, Aggregation]:
         watch = Stopwatch(_device(args))
-        with scratch_scope():  # NOTE [scratch memory]: the Jacobians kept for Jᵀw
-            computation = compute(options, f, args, kwargs, want_pullback=True)
+
+        def step(computation: Computation) -> _Step:  # NOTE [evaluations after the backend]
             blocks = computation.blocks
             matrix = blocks[0] if len(blocks) == 1 else torch.stack(blocks).sum(0)
             gramian_time = watch.lap()
             weights = call_weighting(_API, weighting, matrix)
             weighting_time = watch.lap()
             grads = computation.pullback(weights)  # fresh tensors: nothing of the scope
-        times = StepTimes(gramian_time, weighting_time, watch.lap())
+            times = StepTimes(gramian_time, weighting_time, watch.lap())
+            return _Step(computation, weights, grads, computation.output(), times)
+
+        with scratch_scope():  # NOTE [scratch memory]: the Jacobians kept for Jᵀw
+            computation, weights, grads, output, times = compute_then(
+                options, f, args, kwargs, step, want_pullback=True)
         problem = computation.problem
         if problem.unseen_ops:  # NOTE [unseen calls]: Jᵀw's derivative needs f's second ones
             grads = tuple(refused_derivatives(problem, list(grads)))
         update = problem.diff.unflatten_like_args(list(grads),
                                                   as_tuple=not options.single_argnum)
         shaped_weights = shape_block(problem, weights, diagonal=True)
-        return update, Aggregation(computation.value(), shaped_weights, computation.output(),
+        return update, Aggregation(computation.value(), shaped_weights, output,
                                    computation.aux, times)
 
     aggregated_grad_of_f.__doc__ = (
@@ -131,6 +141,16 @@ def aggregated_grad(
         f"torchgram.aggregated_grad."
     )
     return aggregated_grad_of_f
+
+
+class _Step(NamedTuple):
+    """What one step computed: the computation, its weights, ``Jᵀw``, the output, the times."""
+
+    computation: Computation
+    weights: Tensor
+    grads: tuple[Tensor, ...]
+    output: Any
+    times: StepTimes
 
 
 def _device(args: tuple[Any, ...]) -> torch.device:

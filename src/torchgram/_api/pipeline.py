@@ -17,7 +17,12 @@ from torchgram._core import _torch_compat, functional
 from torchgram._core.checks import fail
 from torchgram._core.composition import graph_leaf, refuse_inside_taps
 from torchgram._core.cross import CrossProblem, CrossResult
-from torchgram._core.errors import OutputChanged, torch_refusals, unseen_calls_refused
+from torchgram._core.errors import (
+    OutputChanged,
+    output_changed_refusal,
+    torch_refusals,
+    unseen_calls_refused,
+)
 from torchgram._core.options import Options
 from torchgram._core.problem import Problem, build_problem, forget_probe
 from torchgram._core.pytree import detach_tree, leaves_of
@@ -118,6 +123,7 @@ def _plain_vjp(problem: Problem, cotangent: Tensor) -> tuple[Tensor, ...]:
 # code before and after it, or use mode="reduce-overhead" without fullgraph.
 
 Fn = TypeVar("Fn", bound=Callable[..., Any])
+T = TypeVar("T")
 
 
 def outside_compile(fn: Fn) -> Fn:
@@ -128,24 +134,55 @@ def outside_compile(fn: Fn) -> Fn:
 def compute(options: Options, f: Callable[..., Any], args: tuple[Any, ...],
             kwargs: Mapping[str, Any], *, want_pullback: bool = False) -> Computation:
     """Build the call's problem, run the backend, assemble its blocks; compute aux if needed."""
+    return compute_then(options, f, args, kwargs, _itself, want_pullback=want_pullback)
+
+
+def _itself(computation: Computation) -> Computation:
+    return computation
+
+
+# NOTE [evaluations after the backend]
+# OutputChanged means that a probe no longer describes f (NOTE [stale probes], NOTE [writes
+# its probe did not see]): the call probes afresh and starts over, once. Evaluations of f
+# after the backend's -- aux where the backend never evaluated the whole batch, the output
+# and the vjp of Jᵀw where the backend kept no pullback (graph, ntvp) -- raised it outside that
+# retry, and the internal error reached the user (aggregated_grad on graph and ntvp, a hunt
+# after session 50). compute_then runs them inside the retry: a caller hands it what it does
+# with the computation (weighting G, the pullback, the output), and all of it is done again
+# after the fresh probe. The weighting runs again then, on the new G.
+
+
+def compute_then(options: Options, f: Callable[..., Any], args: tuple[Any, ...],
+                 kwargs: Mapping[str, Any], then: Callable[[Computation], T], *,
+                 want_pullback: bool = False) -> T:
+    """``then`` of the call's :class:`Computation`, both inside the retry of a stale probe.
+
+    NOTE [evaluations after the backend]: ``then`` may evaluate ``f`` again (a pullback, the
+    output); where that raises ``OutputChanged``, the whole call starts afresh, once.
+    """
     refuse_inside_taps(options.api)  # NOTE [composition]: nested in a structured call
     _refuse_dtensors(options, args)
     probe_with_grad = options.backend == "graph"
     problem = build_problem(options, f, args, kwargs, want_pullback=want_pullback,
                             probe_with_grad=probe_with_grad)
     try:
-        result = _run(problem)
-    except OutputChanged:  # a cached probe went stale: probe afresh, once
+        return then(_computation(problem))
+    except OutputChanged:  # a probe went stale: probe afresh, once
+        problem.draw.rewind()  # the call starts afresh, from its own random state
         forget_probe(problem)
         problem = build_problem(options, f, args, kwargs, want_pullback=want_pullback,
                                 probe_with_grad=probe_with_grad, fresh=True)
         try:
-            result = _run(problem)
-        except OutputChanged:
-            fail(options.api, "f to return outputs of the same structure on every evaluation",
-                 "outputs whose shapes or dtypes change from one evaluation to the next",
-                 "Make the output's structure a function of the inputs' shapes only.",
-                 RuntimeError)
+            return then(_computation(problem))
+        except OutputChanged as error:
+            problem.draw.rewind()
+            raise output_changed_refusal(options.api, error) from error
+
+
+def _computation(problem: Problem) -> Computation:
+    """Run the backend on ``problem``, compute aux if needed, assemble the blocks."""
+    result = _run(problem)
+    options = problem.options
     aux = None
     if options.has_aux:  # differentiable where G is (NOTE [composition]), else detached
         differentiable = problem.composition.differentiable

@@ -9,8 +9,10 @@ candidate of its plan (``torchgram.explain(..., run=True)`` shows the attempts);
 the user chose explicitly lets it reach the user, whose message then names the fix.
 
 :class:`OutputChanged` is internal: an evaluation of ``f`` returned an output whose
-structure differs from the one the call was planned for (a cached probe gone stale); the
-pipeline drops its caches and plans the call afresh, once.
+structure differs from the one the call was planned for (a cached probe gone stale), or did
+what its probe did not see (:class:`UnseenWrite`); the pipeline drops its caches and plans
+the call afresh, once, and raises :func:`output_changed_refusal` where that happens again:
+it never reaches the user itself.
 
 # NOTE [old-style autograd.Functions]
 A custom ``autograd.Function`` whose ``forward`` takes ``ctx`` (no ``setup_context``
@@ -120,6 +122,46 @@ def self_differentiation_refused(api: str, backend: str, how: str) -> BackendCan
 
 class OutputChanged(RuntimeError):  # noqa: N818
     """An evaluation of ``f`` did not return the output structure the call was planned for."""
+
+
+class UnseenWrite(OutputChanged):
+    """An evaluation of ``f`` was about to write into a tensor ``f`` captured or received.
+
+    NOTE [writes its probe did not see] (``captured_writes.py``): raised before the write,
+    where the call's probe saw none; the call then probes the whole batch afresh.
+
+    Attributes:
+        write: The writing call (``add_``, ``copy_``, ``embedding``...), for the message.
+    """
+
+    def __init__(self, write: str, message: str) -> None:
+        super().__init__(message)
+        self.write = write
+
+
+def output_changed_refusal(api: str, error: OutputChanged) -> Exception:
+    """The public error for an ``f`` that a fresh probe still did not describe.
+
+    The pipeline probes afresh once after :class:`OutputChanged`; where an evaluation after
+    that probe raises it again, ``f`` writes into a tensor it did not make (the ``ValueError``
+    of :func:`captured_write_refusal`) or changes its output's structure from one evaluation
+    to the next (a ``RuntimeError``).
+
+    Example:
+        >>> error = UnseenWrite("add_", "f wrote ...")
+        >>> type(output_changed_refusal("torchgram.gramian", error)).__name__
+        'ValueError'
+        >>> type(output_changed_refusal("torchgram.gramian", OutputChanged("..."))).__name__
+        'RuntimeError'
+    """
+    if isinstance(error, UnseenWrite):
+        refusal = captured_write_refusal(api, CapturedWrite(error.write))
+        assert refusal is not None
+        return refusal
+    return RuntimeError(message(
+        api, "f to return outputs of the same structure on every evaluation",
+        "outputs whose shapes or dtypes change from one evaluation to the next",
+        "Make the output's structure a function of the inputs' shapes only."))
 
 
 class NotPerSample(RuntimeError):  # noqa: N818

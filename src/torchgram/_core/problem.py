@@ -50,6 +50,7 @@ from torchgram._core.errors import (
     CounterRead,
     NotPerSample,
     OutputChanged,
+    UnseenWrite,
     captured_write_refusal,
     counter_read_error,
     draws_refused_by_vmap,
@@ -295,7 +296,8 @@ class Problem:
         sparse_embeddings: Whether ``f`` asks embeddings for sparse gradients
             (``Probe.sparse_embeddings``): its evaluations get dense ones.
         probe_cached: Whether the probe came from the cache: evaluations then check that it
-            still describes ``f`` (NOTE [stale probes]).
+            still describes ``f`` (NOTE [stale probes]); they check writes after any probe
+            (NOTE [writes its probe did not see]).
         differentiates: How ``f`` differentiates its own computation (``Probe.differentiates``):
             the structured backend declines (NOTE [f that differentiates itself]).
         unseen_ops: Ops ``f`` runs through code no mode sees, found where ``G`` carries a
@@ -305,6 +307,9 @@ class Problem:
             (``Probe.decomposed``, NOTE [prelu as where]).
         writes: Whether the probe saw ``f`` write into any tensor (``Probe.writes``, NOTE
             [writes under a cached probe]).
+        unseen_writes: The writes into captured tensors that evaluations refused (NOTE
+            [writes its probe did not see]): :func:`forget_probe` then has the next probe
+            evaluate the whole batch.
     """
 
     f: Callable[..., Any]
@@ -326,6 +331,7 @@ class Problem:
     unseen_ops: tuple[str, ...] = ()
     decomposed: tuple[str, ...] = ()
     writes: bool = True
+    unseen_writes: list[str] = field(default_factory=list, compare=False, repr=False)
 
     # -- the options, for short ------------------------------------------------------------
 
@@ -429,18 +435,22 @@ class Problem:
         def evaluate(values: tuple[Tensor, ...]) -> Any:
             return self.f(*self.diff.rebuild_args(given, values), **keywords)
 
-        with counters_refused(self.api):
-            result = evaluate_f(evaluate, leaves,
-                                lambda: self.draw.evaluation(full=full, check=check_draw),
-                                self._evaluation,  # NOTE [decomposed norms]
-                                DenseEmbeddingGradients if self.sparse_embeddings
-                                else contextlib.nullcontext,
-                                self._probe_check,
-                                FrozenRunningStats,  # NOTE [frozen running statistics]
-                                PreluAsWhere if PRELU in self.decomposed
-                                else contextlib.nullcontext,  # NOTE [prelu as where]
-                                RenormalisedOnce if self.mutates_leaves
-                                else contextlib.nullcontext)  # NOTE [renormalised once]
+        try:
+            with counters_refused(self.api):
+                result = evaluate_f(evaluate, leaves,
+                                    lambda: self.draw.evaluation(full=full, check=check_draw),
+                                    self._evaluation,  # NOTE [decomposed norms]
+                                    DenseEmbeddingGradients if self.sparse_embeddings
+                                    else contextlib.nullcontext,
+                                    self._probe_check,
+                                    FrozenRunningStats,  # NOTE [frozen running statistics]
+                                    PreluAsWhere if PRELU in self.decomposed
+                                    else contextlib.nullcontext,  # NOTE [prelu as where]
+                                    RenormalisedOnce if self.mutates_leaves
+                                    else contextlib.nullcontext)  # NOTE [renormalised once]
+        except UnseenWrite as error:  # NOTE [writes its probe did not see]
+            self.unseen_writes.append(error.write)
+            raise
         return split_aux(self.api, result, self.has_aux)
 
     def _evaluation(self) -> contextlib.AbstractContextManager[Any]:
@@ -471,14 +481,14 @@ class Problem:
         return lambda: self._captured
 
     def _probe_check(self) -> contextlib.AbstractContextManager[Any]:
-        """Where the probe came from the cache: NOTE [stale probes], [writes under a cached probe].
+        """The checks that the probe still describes ``f``.
 
-        Evaluations without gradients (the per-sample checks) get only the second: what the
-        first looks for matters only to backward passes.
+        After any probe, writes (NOTE [writes under a cached probe], NOTE [writes its probe
+        did not see]); after a cached one, with gradients, also the calls of NOTE [stale
+        probes] (what they look for matters only to backward passes; a fresh probe was
+        ``f``'s own).
         """
-        if not self.probe_cached:
-            return contextlib.nullcontext()
-        if not torch.is_grad_enabled():
+        if not self.probe_cached or not torch.is_grad_enabled():
             return StaleWrites(self._protected())
         return ProbeCheck(self.unbatched, self.sparse_embeddings, self.differentiates,
                           self.decomposed, self._protected())
@@ -669,6 +679,9 @@ class Probe:
 
 _PROBES = LruCache[Probe](maxsize=256)
 
+_WHOLE_BATCH = LruCache[bool](maxsize=256)
+"""Signatures whose next probe evaluates the whole batch (NOTE [writes its probe did not see])."""
+
 
 # NOTE [probing]
 # A problem is built from one evaluation of f, the probe: its output gives the OutputSpec,
@@ -682,6 +695,9 @@ _PROBES = LruCache[Probe](maxsize=256)
 # (Problem.evaluation) so that f runs once. Probes are cached per call signature (NOTE [call
 # signatures]): a cached probe means no evaluation before dispatch; every later evaluation
 # checks its output against the spec, and a stale one is probed afresh (OutputChanged).
+# Where an evaluation was about to write into a tensor f did not make, which the probe did
+# not see, the signature's next probe evaluates the whole batch (NOTE [writes its probe did
+# not see]).
 
 def build_problem(options: Options, f: Callable[..., Any], args: tuple[Any, ...],
                   kwargs: Mapping[str, Any], *, want_pullback: bool = False,
@@ -741,7 +757,8 @@ def build_problem(options: Options, f: Callable[..., Any], args: tuple[Any, ...]
         probe, evaluation = _probe(api, f, args, kwargs, diff, batch, options.has_aux, draw,
                                    with_grad=probe_with_grad and batch is None
                                    and not composition.differentiable,
-                                   look_unseen=look_unseen)
+                                   look_unseen=look_unseen,
+                                   whole_batch=_WHOLE_BATCH.get(key) is not None)
         _PROBES.put(key, probe)
     unseen_ops = probe.unseen_ops if look_unseen and probe.unseen_ops else ()
     if unseen_ops and composition.differentiated_by_transforms:  # no backend can
@@ -789,9 +806,16 @@ def _probe_key(f: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str
 
 
 def forget_probe(problem: Problem) -> None:
-    """Drop the cached probe of this call's signature (it was stale)."""
-    _PROBES.pop(_probe_key(problem.f, problem.args, problem.kwargs, problem.diff,
-                           problem.has_aux, problem.batch, problem.composition))
+    """Drop the cached probe of this call's signature (it was stale).
+
+    Where the problem's evaluations met a write its probe did not see, the signature's next
+    probe evaluates the whole batch (NOTE [writes its probe did not see]).
+    """
+    key = _probe_key(problem.f, problem.args, problem.kwargs, problem.diff, problem.has_aux,
+                     problem.batch, problem.composition)
+    _PROBES.pop(key)
+    if problem.unseen_writes and problem.batch is not None:
+        _WHOLE_BATCH.put(key, True)
 
 
 def _devices(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[torch.device]:
@@ -801,7 +825,8 @@ def _devices(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[torch.dev
 
 def _probe(api: str, f: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any],
            diff: DiffLeaves, batch: BatchSpec | None, has_aux: bool, draw: Draw, *,
-           with_grad: bool, look_unseen: bool = False) -> tuple[Probe, Evaluation | None]:
+           with_grad: bool, look_unseen: bool = False,
+           whole_batch: bool = False) -> tuple[Probe, Evaluation | None]:
     """Evaluate ``f`` once (NOTE [probing]): what it found, and the evaluation to reuse.
 
     With ``batch`` the probe evaluates one sample; if ``f`` fails on a batch of one
@@ -809,10 +834,14 @@ def _probe(api: str, f: Callable[..., Any], args: tuple[Any, ...], kwargs: Mappi
     instead, and raises what that raises: the backends' per-sample ways then fail the same
     way and use the rows of the whole batch (NOTE [per-sample]). ``look_unseen``: also note
     the ops ``f`` runs where no torch-function mode sees them (NOTE [unseen calls]).
+    ``whole_batch``: evaluate the whole batch anyway (NOTE [writes its probe did not see]).
     """
     if batch is None:
         return _evaluate_probe(api, f, args, kwargs, diff, None, has_aux, draw,
                                with_grad=with_grad, look_unseen=look_unseen)
+    if whole_batch:
+        return _evaluate_probe(api, f, args, kwargs, diff, batch, has_aux, draw,
+                               with_grad=False, whole_batch=True, look_unseen=look_unseen)
     one_args, one_kwargs = replace_input_leaves(args, kwargs, batch.positions,
                                                 batch.narrow(0, 1))
     try:

@@ -10,7 +10,7 @@ import optree
 import torch
 from torch import Tensor
 
-from torchgram._api.pipeline import compute
+from torchgram._api.pipeline import Computation, compute, compute_then
 from torchgram._api.step_times import StepTimes, Stopwatch
 from torchgram._api.weights import call_weighting, check_weighting
 from torchgram._core import _torch_compat, checks
@@ -406,13 +406,18 @@ def _local_step(options: Options, f: Callable[..., Any],
                 kwargs: Mapping[str, Any], group: Group,
                 watch: Stopwatch) -> tuple[Any, Aggregation]:
     """``cross_rank="local"``: each rank weights its own block; the updates are averaged."""
-    computation = compute(options, f, args, kwargs, want_pullback=True)
-    blocks = computation.blocks
-    matrix = blocks[0] if len(blocks) == 1 else torch.stack(blocks).sum(0)
-    gramian_time = watch.lap()
-    weights = call_weighting(options.api, weighting, matrix)
-    weighting_time = watch.lap()
-    grads = computation.pullback(weights)
+    def step(computation: Computation) -> tuple[Computation, Tensor, tuple[Tensor, ...],
+                                                Any, float, float]:
+        blocks = computation.blocks  # NOTE [evaluations after the backend]: before any
+        matrix = blocks[0] if len(blocks) == 1 else torch.stack(blocks).sum(0)  # collective
+        gramian_time = watch.lap()
+        weights = call_weighting(options.api, weighting, matrix)
+        weighting_time = watch.lap()
+        grads = computation.pullback(weights)
+        return computation, weights, grads, computation.output(), gramian_time, weighting_time
+
+    computation, weights, grads, output, gramian_time, weighting_time = compute_then(
+        options, f, args, kwargs, step, want_pullback=True)
     flat = torch.cat([g.reshape(-1) for g in grads])
     flat = group.all_reduce(flat) / group.size
     leaves = computation.problem.leaves
@@ -422,7 +427,7 @@ def _local_step(options: Options, f: Callable[..., Any],
     problem = computation.problem
     update = problem.diff.unflatten_like_args(list(grads), as_tuple=not options.single_argnum)
     shaped = shape_block(problem, weights, diagonal=True)
-    return update, Aggregation(computation.value(), shaped, computation.output(),
+    return update, Aggregation(computation.value(), shaped, output,
                                computation.aux, times, _local_report(group))
 
 
