@@ -90,3 +90,18 @@ class RouteSaved(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
         (perm,) = ctx.saved_tensors
         return torch.zeros_like(grad).index_add(0, perm, grad), None
+
+
+class NumpySquare(torch.autograd.Function):
+    """``x²`` with its backward through numpy: vmap cannot batch it, so walks and passes that
+    vectorize over rows fall back to loops (NOTE [vmap fallback])."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        ctx.save_for_backward(x)
+        return x**2
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        (x,) = ctx.saved_tensors
+        return torch.from_numpy(2 * x.numpy() * grad.numpy())

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 import torchgram as tg
+from custom_functions import NumpySquare
 from reference import dense_gramian
 from torchgram._core.result import RunReport
 from torchgram._core.sink import LeafBlocks
@@ -186,18 +187,6 @@ class Cube(torch.autograd.Function):
         return grad * ctx.power * x ** (ctx.power - 1), None, grad
 
 
-class NumpySquare(torch.autograd.Function):
-    """Backward through numpy: cannot run under vmap, so the walk loops over rows."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor) -> Tensor:
-        ctx.save_for_backward(x)
-        return x**2
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tensor:
-        (x,) = ctx.saved_tensors
-        return torch.from_numpy(2 * x.numpy() * grad.numpy())
 
 
 class SplitHalves(torch.autograd.Function):

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 import torchgram as tg
+from custom_functions import NumpySquare
 from models.test_eager_models import eager_leaves
 from reference import dense_gramian
 from torchgram.backends.eager.graph_index import index_graph
@@ -691,18 +692,6 @@ def test_zoo_backward_is_the_weighted_gradient(name: str, recorded: bool) -> Non
 # -- reports --------------------------------------------------------------------------------
 
 
-class NumpySquare(torch.autograd.Function):
-    """Backward through numpy: vmap cannot batch it, so the walk loops over rows."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor) -> Tensor:
-        ctx.save_for_backward(x)
-        return x**2
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tensor:
-        (x,) = ctx.saved_tensors
-        return torch.from_numpy(2 * x.numpy() * grad.numpy())
 
 
 def test_explain_reports_ways_and_nodes_called_per_row() -> None:

@@ -7,30 +7,17 @@ vectorized pass]), also when ``vmap`` cannot batch a node and the seeds are loop
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge
 
+from custom_functions import NumpySquare
 from torchgram.backends.eager.passes import engine_cotangents
 
 DOUBLE = torch.float64
 
 
-class NumpySquare(torch.autograd.Function):
-    """Backward through numpy: vmap cannot batch it (NOTE [vmap fallback])."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor) -> Tensor:
-        ctx.save_for_backward(x)
-        return x**2
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tensor:
-        (x,) = ctx.saved_tensors
-        return torch.from_numpy(2 * x.numpy() * grad.numpy())
 
 
 def _graph(numpy: bool) -> tuple[Tensor, Tensor]:
