@@ -86,6 +86,10 @@ ROW_ROUTES = {  # func of one input [3 samples, ...], the input's shape, whether
         x, 2, output_size=2, _random_samples=torch.full((3, 2, 2), 0.5, dtype=DOUBLE)),
         (3, 2, 4, 4), True),
     "max_unpool2d": (_max_unpooled, (3, 2, 4, 4), True),
+    "Tensor.max() per sample": (lambda x: torch.stack([row.max() for row in x.unbind(0)]),
+                                (3, 4), True),
+    "Tensor.min() per sample": (lambda x: torch.stack([row.min() for row in x.unbind(0)]),
+                                (3, 4), True),
     "nll_loss": (lambda x: F.nll_loss(x, torch.tensor([0, 3, 1]), reduction="none"), (3, 4),
                  True),
     "nll_loss[N,C,T]": (lambda x: F.nll_loss(x, torch.tensor([[0, 1], [3, 3], [1, 0]]),
@@ -109,7 +113,7 @@ def test_an_opened_route_within_rows_opens_the_whole_row_of_its_sample(name: str
     torch.manual_seed(0)
     leaf = torch.randn(shape, dtype=DOUBLE, requires_grad=True)
     out = func(leaf * 1.0)
-    graph = [out.grad_fn, *(edge for edge, _ in out.grad_fn.next_functions if edge)]
+    graph = [out.grad_fn, *(edge for edge, _ in out.grad_fn.next_functions if edge)]  # 1 level
     finite = torch.randn_like(out)
     cotangent = torch.zeros_like(out)
     cotangent[1] = NAN
@@ -356,6 +360,13 @@ def _pooled(h: Tensor, route: Tensor) -> Tensor:
     return F.max_pool1d(pairs.reshape(len(h), 1, -1), 2).reshape(len(h), -1)
 
 
+def _largest(h: Tensor, route: Tensor) -> Tensor:
+    """As :func:`_pooled`, each pair's ``Tensor.max()`` (a whole tensor's: ``MaxBackward1``)."""
+    pairs = torch.stack([h, h - h.mean(0) + route[:, None]], -1)  # [B, 4, 2]
+    return torch.stack([torch.stack([pair.max() for pair in sample.unbind(0)])
+                        for sample in pairs.unbind(0)])
+
+
 def _unpooled(h: Tensor, route: Tensor) -> Tensor:
     """``max_unpool1d`` over the batch flattened into one row: ``route`` places the entries."""
     positions = torch.arange(h.numel()).reshape(len(h), -1)[route.long() % len(h)]
@@ -375,6 +386,8 @@ def _class_of_samples(h: Tensor, route: Tensor) -> Tensor:
 ROUTES = {  # coupling, the first call's route (closed), a later call's (samples 1, 2 mixed)
     "max_pool1d": (_pooled, torch.full((B,), -10.0),
                    torch.tensor([-10.0, 10.0, 10.0, -10.0, -10.0, -10.0])),
+    "Tensor.max()": (_largest, torch.full((B,), -10.0),
+                     torch.tensor([-10.0, 10.0, 10.0, -10.0, -10.0, -10.0])),
     "embedding of activations": (lambda h, route: F.embedding(route.long() % len(h), h),
                                  torch.arange(B), torch.tensor([0, 2, 1, 3, 4, 5])),
     "max_unpool1d": (_unpooled, torch.arange(B), torch.tensor([0, 2, 1, 3, 4, 5])),

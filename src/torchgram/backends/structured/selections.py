@@ -31,8 +31,9 @@ The hooks are removed when the pass ends, so the graph (the user's, with ``recor
 left as it was. Cost: two elementwise ops per selection node in the checking pass only.
 
 A node that routes by value **within a row** selects too: a max-pooling (or adaptive,
-fractional) window's maximum, an unpooling's positions, a classification loss's target class
-(``nll_loss``, ``cross_entropy``, the margin losses, CTC), an embedding's table row. Their index
+fractional) window's maximum, a whole tensor's ``max()`` or ``min()``, an unpooling's
+positions, a classification loss's target class (``nll_loss``, ``cross_entropy``, the margin
+losses, CTC), an embedding's table row. Their index
 tensors are new every batch, so they are left out of the routing digest (NOTE [routing
 values]: ``_ROW_LOCAL_*`` in ``_core/_torch_compat.py``), and their backward sends a row's
 cotangent to the entries this call's indices chose, exact zeros elsewhere. So the check must
@@ -82,6 +83,12 @@ def _class_rows(node: Any, nan: Tensor, shape: torch.Size, classes: int) -> Tens
     return nan.unsqueeze(classes)
 
 
+def _reduced_rows(node: Any, nan: Tensor, shape: torch.Size) -> Tensor:
+    """All of the input of a full reduction (``Tensor.max()``) whose one output has NaN."""
+    del node
+    return nan.reshape(*nan.shape, *(1,) * (len(shape) - nan.dim()))
+
+
 def _ctc_rows(node: Any, nan: Tensor, shape: torch.Size) -> Tensor:
     """``log_probs [T, N, C]``' entries of the samples whose loss ``[N]`` has NaN."""
     del node, shape
@@ -99,8 +106,10 @@ ROW_ROUTES: dict[str, Callable[[Any, Tensor, torch.Size], Tensor]] = {
     **{f"{kind}{nd}DBackward0": functools.partial(_pooled_rows, spatial=nd)
        for kind in ("MaxPool", "AdaptiveMaxPool", "FractionalMaxPool", "MaxUnpool")
        for nd in (2, 3)},
-    **{f"MaxPool{nd}DWithIndicesBackward0": functools.partial(_pooled_rows, spatial=nd)
-       for nd in (2, 3)},
+    **{f"{kind}{nd}D{suffix}Backward0": functools.partial(_pooled_rows, spatial=nd)
+       for kind, suffix in (("MaxPool", "WithIndices"), ("MkldnnMaxPool", "")) for nd in (2, 3)},
+    # Tensor.max() / .min() of a whole tensor (the CPU backward gives the others zeros)
+    **dict.fromkeys(("MaxBackward1", "MinBackward1"), _reduced_rows),
     **dict.fromkeys(("NllLossBackward0", "MultiMarginLossBackward0",
                      "MultilabelMarginLossBackward0"),
                     functools.partial(_class_rows, classes=-1)),
@@ -111,7 +120,8 @@ ROW_ROUTES: dict[str, Callable[[Any, Tensor, torch.Size], Tensor]] = {
 """Nodes that route a cotangent within a row by value, and, from the node, the NaN entries of
 its output's cotangent and an input's shape, the entries of that input (broadcastable) that
 another call's indices could send them to (NOTE [opened selections]). The 1-D poolings run
-as 2-D ones. A mask that does not fit the input's shape opens all of it."""
+as 2-D ones. Where a mask does not fit the input's shape, each leading index the cotangent
+and the input share (a walk's directions) opens all of its entries, apart from the others."""
 
 SELECTION_NODES: frozenset[str] = frozenset({
     "WhereBackward0", "MaskedFillBackward0", "MaskedFillBackward1", "ReluBackward0",
@@ -172,8 +182,13 @@ def _opened_rows(grad: Tensor, node: Any, rows: Callable[[Any, Tensor, torch.Siz
     try:
         mask = rows(node, nan, grad.shape)
         torch.broadcast_shapes(mask.shape, grad.shape)
-    except RuntimeError:  # a layout the mask does not know: every entry
-        mask = nan.any()
+    except (RuntimeError, IndexError):  # a layout the mask does not know: per shared index
+        shared = 0
+        while (shared < min(nan.dim(), grad.dim())
+               and nan.shape[shared] == grad.shape[shared]):
+            shared += 1
+        lead = nan.shape[:shared]
+        mask = nan.reshape(*lead, -1).any(-1).reshape(*lead, *(1,) * (grad.dim() - shared))
     return torch.where(mask, torch.full((), math.nan, dtype=grad.dtype, device=grad.device),
                        grad)
 
