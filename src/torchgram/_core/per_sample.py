@@ -221,7 +221,11 @@ def _samples_alone(problem: Problem, leaves: tuple[Tensor, ...]) -> Tensor:
 # +8% over no check on that mlp, about what the two samples apart cost (+3% to +6%), and
 # +38% on the cnn's jacobian (+22%; ntvp +2%, against +3%). Where vmap cannot run f, or the
 # call's vjps run one at a time (chunk_size=1, NOTE [wrong batching rules]), the separating
-# groups run apart (complete too, without vmap). An output of another structure for a
+# groups run apart (complete too, without vmap), on every call: that costs more there (a
+# review, an MLP whose f branches on .item(), one thread, loaded machine: jacobian 36-42 ->
+# 55-59 ms, ntvp 113-131 -> 152-159 ms; with chunk_size=1, 49 -> 56 and 122 -> 135 ms), the
+# price of checking this call's values on the paths that are slow already. An output of
+# another structure for a
 # sample alone raises OutputChanged, as the per-sample ways' own evaluation does: the call
 # is probed afresh, and the probe (a batch of one) reports it, as on a first call.
 
