@@ -400,3 +400,40 @@ def test_a_renormalisation_only_on_larger_batches_works_on_copies(backend: str) 
         actual = tg.gramian(f, backend=backend, batch_dim=0)(params, ids)
         torch.testing.assert_close(actual, wanted, rtol=1e-10, atol=1e-12)
         assert torch.equal(table, kept)
+
+
+class _Counters:
+    """A plain object holding state: what a helper of ``f`` updates through a global."""
+
+    def __init__(self) -> None:
+        self.buffers = [torch.zeros(2, dtype=DOUBLE)]
+
+
+COUNTERS = _Counters()
+
+
+def _count_batches(x: Tensor) -> None:
+    if x.shape[0] > 1:  # not for a batch of one (the per-sample probe)
+        COUNTERS.buffers[0].add_(1.0)
+
+
+def _counting_rows(p: Tensor, x: Tensor) -> Tensor:
+    _count_batches(x)
+    return (x @ p).pow(2).sum(1)
+
+
+@pytest.mark.parametrize("batch_dim", [None, 0], ids=["dense", "per-sample"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_write_through_a_plain_objects_attributes_is_refused(
+        backend: str, batch_dim: int | None) -> None:
+    """``f`` reaches the tensor through a helper's global, a plain object (not a module, a
+    container or a callable): it was not looked into, the write was taken for one into f's
+    own tensors, and every backend changed the caller's buffer, with ``batch_dim=None`` too
+    (before session 51; a review)."""
+    clear_caches()
+    COUNTERS.buffers[0].zero_()
+    p = torch.randn(3, 2, dtype=DOUBLE)
+    with pytest.raises(ValueError, match="writes only into tensors it made"):
+        tg.gramian(_counting_rows, backend=backend, batch_dim=batch_dim)(
+            p, torch.randn(4, 3, dtype=DOUBLE))
+    assert torch.equal(COUNTERS.buffers[0], torch.zeros(2, dtype=DOUBLE))

@@ -187,8 +187,8 @@ def captured_roots(f: Any, args: Any) -> dict[int, Tensor]:
             visit((obj.__self__, obj.__func__), depth + 1)
         elif isinstance(obj, types.FunctionType):
             _visit_function(obj, depth, visit)
-        elif callable(obj) and hasattr(obj, "__dict__"):  # a callable object
-            visit(vars(obj), depth + 1)
+        elif hasattr(obj, "__dict__"):  # a callable object, or one holding state (a helper
+            visit(vars(obj), depth + 1)  # of f keeping buffers in a global object's list)
 
     visit(f, 0)
     visit(args, 0)
