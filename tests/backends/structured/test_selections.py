@@ -90,6 +90,17 @@ ROW_ROUTES = {  # func of one input [3 samples, ...], the input's shape, whether
                                 (3, 4), True),
     "Tensor.min() per sample": (lambda x: torch.stack([row.min() for row in x.unbind(0)]),
                                 (3, 4), True),
+    "median() per sample": (lambda x: torch.stack([row.median() for row in x.unbind(0)]),
+                            (3, 4), True),
+    # reductions whose formulas drop NaN only at some values (std 0, two zeros, norm 0)
+    "std(1)": (lambda x: x.std(1), (3, 4), False),
+    "prod(1)": (lambda x: x.prod(1), (3, 4), False),
+    "prod() per sample": (lambda x: torch.stack([row.prod() for row in x.unbind(0)]), (3, 4),
+                          False),
+    "vector_norm(ord=3, dim=(1, 2))": (lambda x: torch.linalg.vector_norm(x, 3, dim=(1, 2)),
+                                       (3, 2, 2), False),
+    "cdist to a point": (lambda x: torch.cdist(x, torch.zeros(3, 1, 2, dtype=DOUBLE)),
+                         (3, 4, 2), False),
     "nll_loss": (lambda x: F.nll_loss(x, torch.tensor([0, 3, 1]), reduction="none"), (3, 4),
                  True),
     "nll_loss[N,C,T]": (lambda x: F.nll_loss(x, torch.tensor([[0, 1], [3, 3], [1, 0]]),
@@ -383,11 +394,30 @@ def _class_of_samples(h: Tensor, route: Tensor) -> Tensor:
 
 # The routes are taken modulo the batch size: a batch of one (the probe, samples run apart)
 # must run, or the call goes to the rows of the whole batch, which hides nothing.
+def _median_of_three(h: Tensor, route: Tensor) -> Tensor:
+    """Each sample's median of ``h0 ∓ 1`` and its centred ``h0 + route``: the centred entry is
+    the median where ``route`` is near 0."""
+    three = torch.stack([h[:, 0] - 1, h[:, 0] + 1, (h - h.mean(0))[:, 0] + route], -1)
+    return h + torch.stack([row.median() for row in three.unbind(0)])[:, None]
+
+
+ZEROS, MIDDLE_ONES = torch.zeros(B), MIDDLE.to(torch.float32)
 ROUTES = {  # coupling, the first call's route (closed), a later call's (samples 1, 2 mixed)
     "max_pool1d": (_pooled, torch.full((B,), -10.0),
                    torch.tensor([-10.0, 10.0, 10.0, -10.0, -10.0, -10.0])),
     "Tensor.max()": (_largest, torch.full((B,), -10.0),
                      torch.tensor([-10.0, 10.0, 10.0, -10.0, -10.0, -10.0])),
+    # formulas that give exact zeros at the first call's values (NaN does not go through)
+    "std of gated rows": (lambda h, gate: h + (gate[:, None] * h).std(0), ZEROS, MIDDLE_ONES),
+    "power of a gated exponent": (lambda h, gate: h + (h - h.mean(0) + 2) ** gate[:, None],
+                                  ZEROS, MIDDLE_ONES),
+    "prod of gated entries": (lambda h, gate: h + 0.1 * (gate * h[:, 0]).prod(), ZEROS,
+                              torch.ones(B)),
+    "median": (_median_of_three, torch.full((B,), -5.0), -5 + 5 * MIDDLE_ONES),
+    "vector_norm(ord=3) of gated rows": (lambda h, gate: h + torch.linalg.vector_norm(
+        gate[:, None] * h, ord=3), ZEROS, MIDDLE_ONES),
+    "cdist of gated rows": (lambda h, gate: h + torch.cdist(
+        gate[:, None] * h, torch.zeros(1, h.shape[1], dtype=h.dtype)).sum(), ZEROS, MIDDLE_ONES),
     "embedding of activations": (lambda h, route: F.embedding(route.long() % len(h), h),
                                  torch.arange(B), torch.tensor([0, 2, 1, 3, 4, 5])),
     "max_unpool1d": (_unpooled, torch.arange(B), torch.tensor([0, 2, 1, 3, 4, 5])),

@@ -48,6 +48,15 @@ gave wrong matrices without a word from the second call on: 0.12 to 0.16 off on 
 and auto (a helper's hunt). A layout whose rows span samples (an unpooling over the
 flattened batch) now reads as samples that interact: the exact matrix of the whole batch.
 
+Some backward formulas drop NaN at particular values, as a selection does: ``std`` where it
+is 0, a power whose tensor exponent is 0, a ``prod`` with two zeros, a vector norm or a
+``cdist`` distance of 0 (a helper's hunt in session 51: a mask input all zero on the first
+call hid a coupling behind them, 0.0008 to 13 off from the second call on structured, auto
+and ``record()``). The powers are opened entry by entry; the reductions (and ``median()``,
+which gives the entries it did not choose zeros) as rows: every entry reduced into an output
+entry with NaN (:data:`ROW_ROUTES`). Others of the kind may remain: the walk of the graph
+backend and the jacobian and ntvp backends check every call's own values.
+
 Left to other checks: selections that route across rows (an index, ``masked_select``,
 sorting, ``max``/``min`` over a dim with their indices, ``gather``) are in the routing digest
 (NOTE [routing values]).
@@ -69,40 +78,66 @@ from torchgram.backends.graph.nodes import NodeCaller
 # The masks below work on the trailing dims (the op's own): a walk calls a node with its
 # check directions as leading dims of every cotangent, and each direction must stay apart.
 
-def _pooled_rows(node: Any, nan: Tensor, shape: torch.Size, spatial: int) -> Tensor:
+def _pooled_rows(node: Any, nan: Tensor, shape: torch.Size, index: int, spatial: int) -> Tensor:
     """The ``(N, C)`` planes (the dims before the last ``spatial``) that have NaN (pooling)."""
-    del node
+    del node, index
     planes = nan.reshape(*nan.shape[:-spatial], -1).any(-1)  # (no flatten under vmap)
     return planes.reshape(*shape[:-spatial], *(1,) * spatial)
 
 
-def _class_rows(node: Any, nan: Tensor, shape: torch.Size, classes: int) -> Tensor:
+def _class_rows(node: Any, nan: Tensor, shape: torch.Size, index: int, classes: int) -> Tensor:
     """The samples whose loss has NaN, along the classes (dim ``classes``, from the end)."""
+    del index
     if getattr(node, "_saved_reduction", 0) != 0:  # reduced: one loss for every sample
         return nan.reshape(*nan.shape, *(1,) * (len(shape) - nan.dim()))
     return nan.unsqueeze(classes)
 
 
-def _reduced_rows(node: Any, nan: Tensor, shape: torch.Size) -> Tensor:
+def _reduced_rows(node: Any, nan: Tensor, shape: torch.Size, index: int) -> Tensor:
     """All of the input of a full reduction (``Tensor.max()``) whose one output has NaN."""
-    del node
+    del node, index
     return nan.reshape(*nan.shape, *(1,) * (len(shape) - nan.dim()))
 
 
-def _ctc_rows(node: Any, nan: Tensor, shape: torch.Size) -> Tensor:
+def _ctc_rows(node: Any, nan: Tensor, shape: torch.Size, index: int) -> Tensor:
     """``log_probs [T, N, C]``' entries of the samples whose loss ``[N]`` has NaN."""
-    del node, shape
+    del node, shape, index
     return nan.unsqueeze(-1).unsqueeze(-3)
 
 
-def _table_rows(node: Any, nan: Tensor, shape: torch.Size) -> Tensor:
+def _dims_rows(node: Any, nan: Tensor, shape: torch.Size, index: int) -> Tensor:
+    """What a reduction over ``node``'s saved ``dim`` (``None``: all) gathers into NaN entries.
+
+    ``std``, ``prod``, ``linalg.vector_norm``...: each output entry with NaN opens the input
+    entries reduced into it.
+    """
+    del index
+    dims = getattr(node, "_saved_dim", None)
+    dims = (dims,) if isinstance(dims, int) else tuple(dims or ())
+    if not dims:  # a full reduction
+        return _reduced_rows(node, nan, shape, 0)
+    if getattr(node, "_saved_keepdim", False):  # the reduced dims are there, of size 1
+        return nan
+    rank = node._saved_self.dim()  # the op's input (a walk's directions lead the shapes)
+    for dim in sorted((d % rank - rank for d in dims), reverse=True):  # from the end
+        nan = nan.unsqueeze(dim)
+    return nan
+
+
+def _distance_rows(node: Any, nan: Tensor, shape: torch.Size, index: int) -> Tensor:
+    """The rows of ``x1 [P, M]`` (``index`` 0) or ``x2 [R, M]`` with a NaN distance ``[P, R]``."""
+    del node, shape
+    return nan.any(-1, keepdim=True) if index == 0 else nan.any(-2).unsqueeze(-1)
+
+
+def _table_rows(node: Any, nan: Tensor, shape: torch.Size, index: int) -> Tensor:
     """Every row of an embedding's table ``[V, d]``, where any looked-up row has NaN."""
-    del node
+    del node, index
     lead = nan.shape[:len(shape) - 2]
     return nan.reshape(*lead, -1).any(-1).reshape(*lead, 1, 1)
 
 
-ROW_ROUTES: dict[str, Callable[[Any, Tensor, torch.Size], Tensor]] = {
+ROW_ROUTES: dict[str, Callable[[Any, Tensor, torch.Size, int], Tensor]] = {
     **{f"{kind}{nd}DBackward0": functools.partial(_pooled_rows, spatial=nd)
        for kind in ("MaxPool", "AdaptiveMaxPool", "FractionalMaxPool", "MaxUnpool")
        for nd in (2, 3)},
@@ -115,11 +150,19 @@ ROW_ROUTES: dict[str, Callable[[Any, Tensor, torch.Size], Tensor]] = {
                     functools.partial(_class_rows, classes=-1)),
     "NllLoss2DBackward0": functools.partial(_class_rows, classes=-3),  # [N, C, H, W]
     "CtcLossBackward0": _ctc_rows,
+    # reductions whose backward formula gives exact zeros at some values (std 0, a product
+    # with two zeros, a norm 0, a distance 0, the entries a median did not choose)
+    **dict.fromkeys(("StdBackward0", "StdMeanBackward0", "ProdBackward1",
+                     "LinalgVectorNormBackward0", "NormBackward1", "NormBackward3"), _dims_rows),
+    **dict.fromkeys(("ProdBackward0", "MedianBackward0", "NanmedianBackward0", "NormBackward0",
+                     "NormBackward2", "DistBackward0"), _reduced_rows),
+    "CdistBackward0": _distance_rows,
     "EmbeddingBackward0": _table_rows,
 }
-"""Nodes that route a cotangent within a row by value, and, from the node, the NaN entries of
-its output's cotangent and an input's shape, the entries of that input (broadcastable) that
-another call's indices could send them to (NOTE [opened selections]). The 1-D poolings run
+"""Nodes that route a cotangent within a row by value, or whose backward formula drops it at
+some values, and, from the node, the NaN entries of its output's cotangent, an input's shape
+and its index, the entries of that input (broadcastable) that another call's values could
+send them to (NOTE [opened selections]). The 1-D poolings run
 as 2-D ones. Where a mask does not fit the input's shape, each leading index the cotangent
 and the input share (a walk's directions) opens all of its entries, apart from the others."""
 
@@ -129,6 +172,7 @@ SELECTION_NODES: frozenset[str] = frozenset({
     "ClampMaxBackward0", "HardtanhBackward0", "HardsigmoidBackward0", "HardswishBackward0",
     "HardshrinkBackward0", "SoftshrinkBackward0", "MaximumBackward0", "MinimumBackward0",
     "FmaxBackward0", "FminBackward0", *ROW_ROUTES,
+    "PowBackward1", "PowBackward2",  # zeros where the exponent is 0 (the base 0), NaN or not
 })
 """The autograd nodes whose backward selects by value (NOTE [opened selections])."""
 
@@ -155,8 +199,8 @@ def open_grads(grad_inputs: Sequence[Tensor | None], grad_output: Tensor | None,
         return tuple(grad_inputs)
     rows = ROW_ROUTES.get(type(node).__name__)
     if rows is not None:
-        return tuple(None if grad is None else _opened_rows(grad, node, rows, grad_output)
-                     for grad in grad_inputs)
+        return tuple(None if grad is None else _opened_rows(grad, node, rows, grad_output, index)
+                     for index, grad in enumerate(grad_inputs))
     nan = grad_output.isnan()
     nan_only: Tensor | None = None
     opened: list[Tensor | None] = []
@@ -173,14 +217,15 @@ def open_grads(grad_inputs: Sequence[Tensor | None], grad_output: Tensor | None,
     return tuple(opened)
 
 
-def _opened_rows(grad: Tensor, node: Any, rows: Callable[[Any, Tensor, torch.Size], Tensor],
-                 grad_output: Tensor) -> Tensor:
+def _opened_rows(grad: Tensor, node: Any,
+                 rows: Callable[[Any, Tensor, torch.Size, int], Tensor], grad_output: Tensor,
+                 index: int) -> Tensor:
     """``grad`` with NaN on the entries ``rows`` opens (all of it where the mask does not fit)."""
     if grad.layout != torch.strided:  # an embedding's sparse gradient
         grad = grad.to_dense()
     nan = grad_output.isnan()
     try:
-        mask = rows(node, nan, grad.shape)
+        mask = rows(node, nan, grad.shape, index)
         torch.broadcast_shapes(mask.shape, grad.shape)
     except (RuntimeError, IndexError):  # a layout the mask does not know: per shared index
         shared = 0
