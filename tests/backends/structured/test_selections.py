@@ -141,6 +141,22 @@ def test_an_opened_route_within_rows_opens_the_whole_row_of_its_sample(name: str
     assert selects != bool(grad(cotangent, opened=False)[1].isnan().all())
 
 
+def test_an_input_the_op_broadcast_keeps_its_shape_when_opened() -> None:
+    """``cdist`` of a batched ``x1`` and an unbatched ``x2``: opened, ``x2``'s gradient keeps
+    its shape (NaN on the rows a NaN distance reached); the first version gave it the
+    batch's shape, which a walk's node call passes on."""
+    x1 = torch.randn(2, 3, 4, dtype=DOUBLE, requires_grad=True)
+    x2 = torch.randn(5, 4, dtype=DOUBLE, requires_grad=True)
+    out = torch.cdist(x1 * 1.0, x2 * 1.0)  # [2, 3, 5]
+    cotangent = torch.zeros_like(out)
+    cotangent[1, 0, 2] = NAN
+    with opened_nodes([out.grad_fn]):
+        grad1, grad2 = torch.autograd.grad(out, [x1, x2], cotangent)
+    assert grad1.shape == x1.shape and grad2.shape == x2.shape
+    assert grad1.isnan().any(-1).tolist() == [[False] * 3, [True, False, False]]
+    assert grad2.isnan().any(-1).tolist() == [False, False, True, False, False]
+
+
 def test_an_opened_table_lookup_opens_the_whole_table() -> None:
     """Any looked-up row with NaN may be any row of the table on another call."""
     table = torch.randn(5, 3, dtype=DOUBLE, requires_grad=True)

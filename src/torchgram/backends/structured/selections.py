@@ -225,8 +225,7 @@ def _opened_rows(grad: Tensor, node: Any,
         grad = grad.to_dense()
     nan = grad_output.isnan()
     try:
-        mask = rows(node, nan, grad.shape, index)
-        torch.broadcast_shapes(mask.shape, grad.shape)
+        mask = _fitted(rows(node, nan, grad.shape, index), grad.shape)
     except (RuntimeError, IndexError):  # a layout the mask does not know: per shared index
         shared = 0
         while (shared < min(nan.dim(), grad.dim())
@@ -236,6 +235,24 @@ def _opened_rows(grad: Tensor, node: Any,
         mask = nan.reshape(*lead, -1).any(-1).reshape(*lead, *(1,) * (grad.dim() - shared))
     return torch.where(mask, torch.full((), math.nan, dtype=grad.dtype, device=grad.device),
                        grad)
+
+
+def _fitted(mask: Tensor, shape: torch.Size) -> Tensor:
+    """``mask`` reduced (any) until it broadcasts to ``shape``.
+
+    An input the op broadcast (``cdist``'s unbatched ``x2`` beside a batched ``x1``) gets the
+    NaN of every entry it reached. Raises ``RuntimeError`` when it cannot (a layout the mask
+    does not know).
+    """
+    extra = mask.dim() - len(shape)
+    if extra > 0:
+        mask = mask.reshape(-1, *mask.shape[extra:]).any(0)
+    for dim, (size, target) in enumerate(zip(mask.shape[-len(shape):], shape, strict=False)):
+        if target == 1 and size != 1:
+            mask = mask.any(dim - min(mask.dim(), len(shape)), keepdim=True)
+    if torch.broadcast_shapes(mask.shape, shape) != shape:
+        raise RuntimeError("the mask does not fit the input")
+    return mask
 
 
 def _hook(node: Any, grad_inputs: tuple[Tensor | None, ...],
