@@ -164,6 +164,19 @@ def output_changed_refusal(api: str, error: OutputChanged) -> Exception:
         "Make the output's structure a function of the inputs' shapes only."))
 
 
+@contextlib.contextmanager
+def output_changes_refused(api: str) -> Iterator[None]:
+    """Inside the block, :class:`OutputChanged` becomes :func:`output_changed_refusal`'s error.
+
+    For the evaluations after a fresh probe, the retry's second try: never the internal
+    error (NOTE [evaluations after the backend] in ``_api/pipeline.py``).
+    """
+    try:
+        yield
+    except OutputChanged as error:
+        raise output_changed_refusal(api, error) from error
+
+
 class NotPerSample(RuntimeError):  # noqa: N818
     """Evaluating ``f`` one sample at a time does not give its Gramian (NOTE [per-sample]).
 

@@ -161,10 +161,8 @@ def check_derivatives(problem: Problem, *, eager: bool = False) -> None:
     index = problem.sample_major_index  # [B, K]: each sample's rows in the output order
     if not problem.loops_only:
         weights = positive_weights(tuple(index.shape), index.device, problem.output.dtype)
-        spread = torch.zeros(index.numel(), dtype=weights.dtype, device=weights.device)
-        spread[index.reshape(-1)] = weights.reshape(-1)
         try:
-            compare_pullbacks(problem, spread,
+            compare_pullbacks(problem, _on_rows(index.numel(), index, weights),
                               [(lambda *values: _samples_alone(problem, values), weights)],
                               "the samples run alone", eager=eager)
             return
@@ -225,9 +223,16 @@ def _samples_alone(problem: Problem, leaves: tuple[Tensor, ...]) -> Tensor:
 # review, an MLP whose f branches on .item(), one thread, loaded machine: jacobian 36-42 ->
 # 55-59 ms, ntvp 113-131 -> 152-159 ms; with chunk_size=1, 49 -> 56 and 122 -> 135 ms), the
 # price of checking this call's values on the paths that are slow already. An output of
-# another structure for a
-# sample alone raises OutputChanged, as the per-sample ways' own evaluation does: the call
-# is probed afresh, and the probe (a batch of one) reports it, as on a first call.
+# another structure for a sample alone raises OutputChanged, as the per-sample ways' own
+# evaluation does: the call is probed afresh, and the probe (a batch of one) reports it, as
+# on a first call.
+
+
+def _on_rows(count: int, rows: Tensor, weights: Tensor) -> Tensor:
+    """``[count]`` weights: ``weights`` at the rows ``rows`` (same shape) names, else zero."""
+    spread = torch.zeros(count, dtype=weights.dtype, device=weights.device)
+    spread[rows.reshape(-1)] = weights.reshape(-1)
+    return spread
 
 
 def _compare_group(problem: Problem, index: Tensor, samples: list[int],
@@ -235,9 +240,7 @@ def _compare_group(problem: Problem, index: Tensor, samples: list[int],
     """:func:`compare_pullbacks` of ``samples``' rows, run apart as ``subsets``."""
     weights = positive_weights((len(samples), index.shape[1]), index.device,
                                problem.output.dtype)
-    spread = torch.zeros(index.numel(), dtype=weights.dtype, device=weights.device)
-    spread[index[samples].reshape(-1)] = weights.reshape(-1)
-    compare_pullbacks(problem, spread, [
+    compare_pullbacks(problem, _on_rows(index.numel(), index[samples], weights), [
         (lambda *values, subset=subset: subset_rows(problem, subset, values),
          weights[[samples.index(sample) for sample in subset]])
         for subset in subsets], f"samples {samples} run apart", eager=eager)

@@ -36,7 +36,7 @@ from torch import Tensor
 from torchgram._core import _torch_compat, checks
 from torchgram._core.checks import fail, function_name
 from torchgram._core.cross import CrossProblem, PairSpec, mirror, row_shape
-from torchgram._core.errors import NotPerSample, OutputChanged, output_changed_refusal
+from torchgram._core.errors import NotPerSample, OutputChanged, output_changes_refused
 from torchgram._core.functional import outside_inference_mode
 from torchgram._core.options import Options
 from torchgram._core.per_sample import check_tiles, fails_alone
@@ -200,10 +200,8 @@ class EmpiricalNTK:
         try:
             return self._call(x1, x2, params, kwargs, fresh=False)
         except OutputChanged:  # a cached probe went stale: probe afresh, once
-            try:
+            with output_changes_refused(_API):
                 return self._call(x1, x2, params, kwargs, fresh=True)
-            except OutputChanged as error:  # never the internal error (NOTE [evaluations
-                raise output_changed_refusal(_API, error) from error  # after the backend])
 
     def _options(self, kwargs: Mapping[str, Any]) -> Options:
         vmap = self.vmap_axes

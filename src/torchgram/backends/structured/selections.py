@@ -87,9 +87,8 @@ def _pooled_rows(node: Any, nan: Tensor, shape: torch.Size, index: int, spatial:
 
 def _class_rows(node: Any, nan: Tensor, shape: torch.Size, index: int, classes: int) -> Tensor:
     """The samples whose loss has NaN, along the classes (dim ``classes``, from the end)."""
-    del index
     if getattr(node, "_saved_reduction", 0) != 0:  # reduced: one loss for every sample
-        return nan.reshape(*nan.shape, *(1,) * (len(shape) - nan.dim()))
+        return _reduced_rows(node, nan, shape, index)
     return nan.unsqueeze(classes)
 
 
