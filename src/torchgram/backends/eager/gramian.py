@@ -264,11 +264,7 @@ def _called_from_outside(graph: GraphIndex, recording: Recording, leaf: Tensor,
         outputs |= {tap.seq, *(seq for seq, _, _ in tap.steps or ())}
 
     def own(node: Node, seq: int) -> bool:  # one of the recorded calls' nodes
-        if recording.owns(node):
-            return any(seq in use.callers for use in uses)
-        # a step tap's steps, known by their numbers only: NOTE [recorded nodes]
-        return graph.unique(seq) and any(isinstance(use.callers, range) and seq in use.callers
-                                         for use in uses)
+        return recording.owns(node) and any(seq in use.callers for use in uses)
 
     parents = graph.parents()
     frontier = [node for node in graph.into.get(id(leaf), ())  # the holders: all owned

@@ -59,10 +59,6 @@ class GraphIndex:
                 return node
         return None
 
-    def unique(self, seq: int) -> bool:
-        """Whether a single node of the graph has the sequence number ``seq``."""
-        return len(self.by_seq.get(seq, ())) == 1
-
     def nodes(self) -> list[Node]:
         """Every node but the leaves' accumulators, in creation order."""
         return sorted(self.every, key=_torch_compat.creation_order)

@@ -171,9 +171,16 @@ class _Recurrence:
         self._mode.record_steps(step_tap, self._match(inputs))
         return out, final
 
-    def finish(self, reverse: bool) -> None:
-        """Record the uses of the step tap, with every step's input (in step order)."""
+    def finish(self, reverse: bool, results: Sequence[Tensor]) -> None:
+        """Record the uses of the step tap, with every step's input (in step order).
+
+        ``results``: every step's state, for a mode that marks the nodes the steps made
+        (``steps_made``: the eager recording's, NOTE [recorded nodes]).
+        """
         if self._step_tap is not None:
+            steps_made = getattr(self._mode, "steps_made", None)
+            if steps_made is not None:
+                steps_made(self._step_tap, results)
             inputs = self._inputs[::-1] if reverse else self._inputs
             self._mode.record_steps(self._step_tap,
                                     self._match(torch.stack(inputs, dim=self._dim)))
@@ -225,7 +232,7 @@ def _run(cell: Cell, x: Tensor, initial: Sequence[State], params: Sequence[Tenso
             for t in (range(steps) if direction == 0 else reversed(range(steps))):
                 state = cell(linear, *recurrence.step(t, state[0]), state, w_hr)
                 out[t] = state[0]
-            recurrence.finish(reverse=direction == 1)
+            recurrence.finish(reverse=direction == 1, results=[*out, *state])
             outputs.append(torch.stack(out, dim=dim))
             finals.append(state)
         x = outputs[0] if directions == 1 else torch.cat(outputs, dim=-1)
