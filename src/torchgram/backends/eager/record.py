@@ -65,8 +65,9 @@ node). :meth:`Recording.owns` reads it back, and the Gramian takes a node for a 
 only if the recording owns it: a graph the recording did not make, or the part of a graph
 another thread or a later forward added, has no node it owns, and its leaves are walked.
 The nodes a step tap's steps made (NOTE [eager step taps]) are made by the rewrite outside
-the mode; :meth:`RecordMode.steps_made` marks them once the steps are done: those below the
-steps' states that reach a leaf's alias. (Until session 52 they were known by a range of
+the mode; the rewrite tells the mode of those with an edge into an alias (or into ``W_hhᵀ``),
+the only ones the check of uses after the block asks about, and :meth:`RecordMode.steps_made`
+marks them. (Until session 52 they were known by a range of
 numbers only, and a node of another thread's graph with one of those numbers was taken for a
 step's: a recorded ``nn.RNN`` whose ``∂out/∂x`` was taken on another thread, ``G`` 0.039 off.)
 """
@@ -301,7 +302,6 @@ class RecordMode(TorchFunctionMode):
         self._outputs: dict[int, tuple[weakref.ReferenceType[Tensor], int]] = {}  # taps' y
         self._steps: dict[int, list[tuple[int, str, int] | None]] = {}  # step taps' slots
         self._step_holders: dict[int, dict[int, int]] = {}  # by id of the StepTap: aliases
-        self._step_aliases: dict[int, list[Any]] = {}  # the aliases' nodes, by the same id
 
     def _found(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[Tensor,
                                                                                    LeafRef]]:
@@ -402,13 +402,11 @@ class RecordMode(TorchFunctionMode):
             return None
         values: list[Any] = [operand.value for operand in match.operands]
         holders: dict[int, int] = {}
-        aliases = []
         for i, ref, _ in chosen:  # an alias per leaf: its node alone holds the steps' edges
             values[i] = values[i].view_as(values[i])
             node: Any = values[i].grad_fn
             self.recording.mark(node)
             holders[ref.index] = _torch_compat.creation_order(node)
-            aliases.append(node)
         if share is None:
             share = len(self.recording.taps)
             self.recording.taps.append(EagerTap(-1, "", 0, shape, dtype, match.rule, steps=(),
@@ -416,7 +414,6 @@ class RecordMode(TorchFunctionMode):
             self._steps[share] = [None] * steps
         step_tap = StepTap(share, tuple(values), None)
         self._step_holders[id(step_tap)] = holders
-        self._step_aliases[id(step_tap)] = aliases
         return step_tap
 
     def step_output(self, step_tap: StepTap, t: int, y: Tensor) -> Tensor:
@@ -428,39 +425,20 @@ class RecordMode(TorchFunctionMode):
             slots[t] = (_torch_compat.creation_order(node), node.name(), y.output_nr)
         return y
 
-    def steps_made(self, step_tap: StepTap, results: Sequence[Tensor]) -> None:
-        """Mark the nodes the steps of ``step_tap`` made; ``results``: every step's state.
+    def steps_made(self, step_tap: StepTap, y: Tensor) -> None:
+        """Mark ``y``'s node: the rewrite made it for ``step_tap``'s steps, outside the mode.
 
-        NOTE [recorded nodes]: the rewrite makes the steps' calls outside the mode, so their
-        nodes are found here, before the block goes on: those below the steps' states that
-        reach a leaf's alias (nothing else can reach it: the alias is the rewrite's own).
-        Nodes made before the aliases cannot reach them and are not searched.
+        NOTE [recorded nodes]: the steps' nodes with an edge into an alias (or ``W_hhᵀ``) are
+        the only ones the check of uses after the block asks about; ``step_output`` marks the
+        others' outputs.
         """
-        aliases = self._step_aliases.pop(id(step_tap), [])
-        if not aliases:
-            return
-        floor = min(_torch_compat.creation_order(alias) for alias in aliases)
-        reaches: dict[Any, bool] = dict.fromkeys(aliases, True)
-        stack: list[tuple[Any, bool]] = [(result.grad_fn, False) for result in results
-                                         if result.grad_fn is not None]
-        while stack:  # depth first, children before their parent; a DAG: no cycles
-            node, children_done = stack.pop()
-            if children_done:
-                reaches[node] = any(reaches.get(child, False)
-                                    for child, _ in node.next_functions if child is not None)
-                if reaches[node]:
-                    self.recording.mark(node)
-            elif node not in reaches:
-                reaches[node] = False  # until its children are done (or for good, if older)
-                if _torch_compat.creation_order(node) > floor:
-                    stack.append((node, True))
-                    stack.extend((child, False) for child, _ in node.next_functions
-                                 if child is not None and child not in reaches)
+        del step_tap
+        if y.grad_fn is not None:
+            self.recording.mark(y.grad_fn)
 
     def record_steps(self, step_tap: StepTap, match: Match) -> None:
         """Record the uses of a step tap; ``match`` has every step's activation stacked."""
         recording = self.recording
-        self._step_aliases.pop(id(step_tap), None)  # no steps_made: nothing is marked
         holders = self._step_holders.pop(id(step_tap))
         slots = self._steps.pop(step_tap.index, None)
         if slots is not None:

@@ -136,10 +136,23 @@ class _Recurrence:
                 and not _torch_compat.functorch_transforms():
             self.fused = fused_cell
         elif self._step_tap is not None and xs_tap is not None:
-            self.gates = (xs if self._plain_bias is None
-                          else xs + self._plain_bias).unbind(dim)
+            gates = xs if self._plain_bias is None else self._made(xs + self._plain_bias)
+            self.gates = gates.unbind(dim)
         else:  # one backward node for all steps: NOTE [recurrent rewrite]
             self.xs = xs.unbind(dim)
+
+    def _made(self, y: Tensor) -> Tensor:
+        """``y``, a result of the step tap's aliases made outside the mode, noted to it.
+
+        A mode that marks its nodes (``steps_made``: the eager recording's, NOTE [recorded
+        nodes]) is told of every node the rewrite makes with an edge into an alias (or into
+        ``W_hhᵀ``) without the mode: the gates' bias and each step's ``addmm`` here, each
+        step's output through ``step_output`` otherwise.
+        """
+        steps_made = getattr(self._mode, "steps_made", None)
+        if steps_made is not None:
+            steps_made(self._step_tap, y)
+        return y
 
     def _match(self, h: Tensor) -> Any:
         from torchgram.backends.structured.rules.linear import LinearRule
@@ -153,7 +166,7 @@ class _Recurrence:
             return self.xs[t], self._linear(h, self._weight, self._bias)
         self._inputs.append(h)
         if self.gates is not None:
-            return torch.addmm(self.gates[t], h, self._weight_t), None
+            return self._made(torch.addmm(self.gates[t], h, self._weight_t)), None
         return self.xs[t], self._mode.step_output(step_tap, t, F.linear(h, *step_tap.values))
 
     def run_fused(self, state: State, reverse: bool) -> tuple[Tensor, State]:
@@ -171,16 +184,9 @@ class _Recurrence:
         self._mode.record_steps(step_tap, self._match(inputs))
         return out, final
 
-    def finish(self, reverse: bool, results: Sequence[Tensor]) -> None:
-        """Record the uses of the step tap, with every step's input (in step order).
-
-        ``results``: every step's state, for a mode that marks the nodes the steps made
-        (``steps_made``: the eager recording's, NOTE [recorded nodes]).
-        """
+    def finish(self, reverse: bool) -> None:
+        """Record the uses of the step tap, with every step's input (in step order)."""
         if self._step_tap is not None:
-            steps_made = getattr(self._mode, "steps_made", None)
-            if steps_made is not None:
-                steps_made(self._step_tap, results)
             inputs = self._inputs[::-1] if reverse else self._inputs
             self._mode.record_steps(self._step_tap,
                                     self._match(torch.stack(inputs, dim=self._dim)))
@@ -232,7 +238,7 @@ def _run(cell: Cell, x: Tensor, initial: Sequence[State], params: Sequence[Tenso
             for t in (range(steps) if direction == 0 else reversed(range(steps))):
                 state = cell(linear, *recurrence.step(t, state[0]), state, w_hr)
                 out[t] = state[0]
-            recurrence.finish(reverse=direction == 1, results=[*out, *state])
+            recurrence.finish(reverse=direction == 1)
             outputs.append(torch.stack(out, dim=dim))
             finals.append(state)
         x = outputs[0] if directions == 1 else torch.cat(outputs, dim=-1)
