@@ -45,6 +45,16 @@ SELECTIONS = {  # func, its arguments after the input, its keywords
     "hardswish": (F.hardswish, (), {}),
     "threshold": (F.threshold, (0.5, 0.0), {}),
     "softshrink": (F.softshrink, (1.0,), {}),
+    # formulas with exact zeros at some values (session 52's hunt); closed where h <= 0
+    "sinc at 0": (lambda h: torch.sinc(h * (h > 0)), (), {}),
+    "xlogy(0, x <= 0)": (lambda h: torch.xlogy(h * (h > 0), h.detach()), (), {}),
+    "xlogy(0, 0.0)": (lambda h: torch.xlogy(h * (h > 0), 0.0), (), {}),
+    "xlog1py(0, x <= -1)": (lambda h: torch.special.xlog1py(h * (h > 0), h.detach() - 1), (),
+                            {}),
+    "logit(eps)": (lambda h: torch.logit(0.5 + 0.1 * h, eps=0.35), (), {}),
+    "threshold_": (F.threshold, (0.5, 0.0, True), {}),
+    "clamp_min(tensor)": (torch.clamp_min, (torch.full((4,), 0.1, dtype=DOUBLE),), {}),
+    "clamp_max(tensor)": (torch.clamp_max, (torch.full((4,), 0.1, dtype=DOUBLE),), {}),
 }
 
 
@@ -112,6 +122,23 @@ ROW_ROUTES = {  # func of one input [3 samples, ...], the input's shape, whether
         x, torch.tensor([[0, -1, 0, 0], [3, 1, -1, 0], [1, -1, 0, 0]]), reduction="none"),
         (3, 4), False),
     "ctc_loss": (lambda x: _ctc(x.transpose(0, 1)), (3, 4, 3), False),
+    # session 52's hunt: scans, segments, slices, pairs, sampling grids, a PReLU
+    "cumprod(1)": (lambda x: x.cumprod(1), (3, 4), False),
+    "logcumsumexp(1)": (lambda x: torch.logcumsumexp(x, 1), (3, 4), True),  # drops NaN always
+    "segment_reduce(max, axis=1)": (lambda x: torch.segment_reduce(
+        x, "max", lengths=torch.full((3, 2), 2), axis=1), (3, 4), True),
+    "renorm(dim=0)": (lambda x: x.renorm(2, 0, 1.0), (3, 4), False),
+    "pdist per sample": (lambda x: torch.stack([F.pdist(row) for row in x.unbind(0)]),
+                         (3, 3, 2), False),
+    "cdist of many rows": (lambda x: torch.cdist(x, torch.zeros(3, 1, 2, dtype=DOUBLE)),
+                           (3, 30, 2), False),
+    "grid_sample": (lambda x: F.grid_sample(x, torch.linspace(-1.3, 1.3, 3 * 8, dtype=DOUBLE)
+                                            .reshape(3, 2, 2, 2), align_corners=False),
+                    (3, 2, 4, 4), True),
+    "grid_sample 3-D": (lambda x: F.grid_sample(x, torch.linspace(
+        -1.3, 1.3, 3 * 12, dtype=DOUBLE).reshape(3, 1, 2, 2, 3), align_corners=False),
+        (3, 2, 2, 4, 4), True),
+    "prelu": (lambda x: F.prelu(x, torch.tensor([0.25, 0.5], dtype=DOUBLE)), (3, 2, 4), False),
 }
 
 
@@ -418,6 +445,26 @@ def _median_of_three(h: Tensor, route: Tensor) -> Tensor:
 
 
 ZEROS, MIDDLE_ONES = torch.zeros(B), MIDDLE.to(torch.float32)
+ONES, SHUT = torch.ones(B), torch.full((B,), -5.0)
+OPENED = SHUT + 10 * MIDDLE_ONES  # samples 1, 3 and 4 opened
+
+
+def _sampled(h: Tensor, t: Tensor) -> Tensor:
+    """Each sample's row of the centred ``h`` read by ``grid_sample`` at ``t`` (out of bounds:
+    the zeros padding, for ``t = 5``)."""
+    grid = torch.stack([t, torch.zeros_like(t)], -1).to(h.dtype)[:, None, None, :]
+    return F.grid_sample((h - h.mean(0))[:, None, None, :], grid, align_corners=True)[:, 0, 0]
+
+
+def _segment_max(h: Tensor, t: Tensor) -> Tensor:
+    """Each sample's max of ``h0`` and its centred ``h0 + t`` by ``segment_reduce``."""
+    pairs = torch.stack([h[:, 0], (h - h.mean(0))[:, 0] + t], -1).reshape(-1)
+    return h + torch.segment_reduce(pairs, "max", lengths=torch.full((len(h),), 2))[:, None]
+
+
+def _prelu_of_batch(h: Tensor, t: Tensor) -> Tensor:
+    """A PReLU whose weight's derivative couples the samples (its value is 0.25)."""
+    return h + F.prelu(h - t[:, None], 0.25 + 0.5 * (h - h.detach()).mean(0)[:1])
 ROUTES = {  # coupling, the first call's route (closed), a later call's (samples 1, 2 mixed)
     "max_pool1d": (_pooled, torch.full((B,), -10.0),
                    torch.tensor([-10.0, 10.0, 10.0, -10.0, -10.0, -10.0])),
@@ -439,6 +486,34 @@ ROUTES = {  # coupling, the first call's route (closed), a later call's (samples
     "max_unpool1d": (_unpooled, torch.arange(B), torch.tensor([0, 2, 1, 3, 4, 5])),
     "nll_loss over samples": (_class_of_samples, torch.arange(B),
                               torch.tensor([0, 2, 1, 3, 4, 5])),
+    # session 52's hunt: 0.015 to 2.0 off from the second call before it
+    "sinc of gated rows": (lambda h, gate: h + torch.sinc(gate[:, None] * (h - h.mean(0))),
+                           ZEROS, MIDDLE_ONES),
+    "xlogy of gated rows": (lambda h, gate: h + torch.xlogy(
+        gate[:, None] * (h - h.mean(0)), 2 * gate[:, None]), ZEROS, MIDDLE_ONES),
+    "logit outside eps": (lambda h, t: h + torch.logit(
+        0.5 + 0.4 * torch.tanh(h - h.mean(0)) - t[:, None], eps=0.1), ONES, 1 - MIDDLE_ONES),
+    "cumprod after a gate": (lambda h, gate: h + torch.stack(
+        [gate.to(h.dtype), (h - h.mean(0))[:, 0]], 1).cumprod(1)[:, 1:], ZEROS, MIDDLE_ONES),
+    "pdist of gated rows": (lambda h, gate: h + torch.stack([F.pdist(torch.stack(
+        [row, torch.zeros_like(row)])) for row in gate[:, None] * (h - h.mean(0))]),
+        ZEROS, MIDDLE_ONES),
+    "cdist of many gated rows": (lambda h, gate: h + torch.cdist(
+        (gate[:, None] * (h - h.mean(0)))[:, None].expand(-1, 30, -1),
+        torch.zeros(len(h), 1, h.shape[1], dtype=h.dtype)).sum(1), ZEROS, MIDDLE_ONES),
+    "grid_sample out of bounds": (lambda h, t: h + _sampled(h, t), 5 * ONES,
+                                  5 - 5 * MIDDLE_ONES),
+    "segment_reduce max": (_segment_max, SHUT, OPENED),
+    "threshold in place": (lambda h, t: h + F.threshold(h - h.mean(0) + t[:, None], 0.0, 0.0,
+                                                        inplace=True), SHUT, OPENED),
+    "clamp_min by a tensor": (lambda h, t: h + torch.clamp_min(
+        h[:, :1], (h - h.mean(0))[:, :1] + t[:, None]), SHUT, OPENED),
+    "renorm below its bound": (lambda h, s: h + (s[:, None] * h).renorm(2, 1, 1.0),
+                               0.01 * ONES, 10 * ONES),
+    "prelu weight of the batch": (_prelu_of_batch, SHUT, OPENED),
+    # drops NaN at every value: a coupling it ends was not seen on the first call either
+    "logcumsumexp over samples": (lambda h, _: h + torch.logcumsumexp(h, 0)
+                                  - torch.logcumsumexp(h, 0).detach(), ONES, ONES),
 }
 
 
@@ -486,6 +561,33 @@ def test_routes_within_the_rows_of_independent_samples_stay_batched() -> None:
     for _ in range(2):
         args = (params, torch.randn(B, 2, 6, 6, dtype=DOUBLE), torch.randint(0, 7, (B, 2)),
                 torch.randint(0, 4, (B,)))
+        report = tg.explain(f, backend="structured", batch_dim=0, run=True)(*args)
+        assert report.ran is not None and report.ran.way == "batched", report.ran.notes
+        torch.testing.assert_close(report.gramian, dense_gramian(f, args).shaped(),
+                                   rtol=1e-10, atol=1e-12)
+
+
+def test_formulas_opened_on_independent_samples_stay_batched() -> None:
+    """Session 52's opened formulas within each sample (a PReLU weight, scans and a renorm
+    along the features, a spatial transformer's grid from its own image, tensor bounds of the
+    same sample): the opened check passes them (no false alarm)."""
+    torch.manual_seed(3)
+    params = {"conv": torch.randn(2, 1, 3, 3, dtype=DOUBLE), "slope": torch.rand(2, dtype=DOUBLE),
+              "theta": 0.05 * torch.randn(32, 6, dtype=DOUBLE),
+              "head": torch.randn(3, 8, dtype=DOUBLE)}
+
+    def f(p: dict[str, Tensor], images: Tensor) -> Tensor:
+        h = F.prelu(F.conv2d(images, p["conv"], padding=1), p["slope"])  # [B, 2, 4, 4]
+        grid = F.affine_grid((h.flatten(1) @ p["theta"]).reshape(-1, 2, 3), list(h.shape),
+                             align_corners=False)
+        h = F.grid_sample(h, grid, align_corners=False).flatten(1)[:, :8]  # [B, 8]
+        h = torch.logcumsumexp(h, 1) + h.cumprod(1) + h.renorm(2, 0, 1.0)
+        h = torch.sinc(h) + torch.clamp_min(h, h.mean(1, keepdim=True)) + torch.logit(
+            torch.sigmoid(h), eps=0.2)
+        return (h @ p["head"].T).pow(2).sum(1)
+
+    for _ in range(2):
+        args = (params, torch.randn(B, 1, 4, 4, dtype=DOUBLE))
         report = tg.explain(f, backend="structured", batch_dim=0, run=True)(*args)
         assert report.ran is not None and report.ran.way == "batched", report.ran.notes
         torch.testing.assert_close(report.gramian, dense_gramian(f, args).shaped(),

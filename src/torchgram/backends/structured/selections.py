@@ -54,8 +54,16 @@ is 0, a power whose tensor exponent is 0, a ``prod`` with two zeros, a vector no
 call hid a coupling behind them, 0.0008 to 13 off from the second call on structured, auto
 and ``record()``). The powers are opened entry by entry; the reductions (and ``median()``,
 which gives the entries it did not choose zeros) as rows: every entry reduced into an output
-entry with NaN (:data:`ROW_ROUTES`). Others of the kind may remain: the walk of the graph
-backend and the jacobian and ntvp backends check every call's own values.
+entry with NaN (:data:`ROW_ROUTES`). A second hunt (session 52) found fifteen more, 0.015 to
+2.0 off the same way: ``sinc`` at 0, ``xlogy`` / ``xlog1py`` where ``self`` is 0, ``logit``
+outside ``[eps, 1 - eps]``, an in-place ``threshold``, ``clamp_min`` / ``clamp_max`` with a
+tensor bound (entry by entry); ``cumprod`` after a zero, a segment's max, ``renorm`` below its
+bound (the whole slice it norms), ``pdist`` and ``cdist``'s matrix-product path at distance 0,
+``grid_sample`` out of bounds or nearest (each sample's whole input and grid), a PReLU weight
+where the input is positive (by channel); and ``logcumsumexp``, whose formula drops NaN at
+every value (``where(grad > 0, log|grad|, lowest)``), so that a coupling behind it was missed
+on the first call too. Others of the kind may remain: the walk of the graph backend and the
+jacobian and ntvp backends check every call's own values.
 
 Left to other checks: selections that route across rows (an index, ``masked_select``,
 sorting, ``max``/``min`` over a dim with their indices, ``gather``) are in the routing digest
@@ -129,6 +137,62 @@ def _distance_rows(node: Any, nan: Tensor, shape: torch.Size, index: int) -> Ten
     return nan.any(-1, keepdim=True) if index == 0 else nan.any(-2).unsqueeze(-1)
 
 
+def _own_dim(node: Any, dim: int, saved: str) -> int:
+    """``node``'s ``dim`` counted from the end of its input ``saved`` (a walk's directions lead)."""
+    rank = max(1, getattr(node, saved).dim())
+    return dim % rank - rank
+
+
+def _dim_rows(node: Any, nan: Tensor, shape: torch.Size, index: int, dim: str = "_saved_dim",
+              saved: str = "_saved_self") -> Tensor:
+    """Every entry along ``node``'s ``dim`` where any output entry along it has NaN.
+
+    A scan (``cumprod``, ``logcumsumexp``) or a segment reduction along that dim: each output
+    entry reads entries along it that the values choose.
+    """
+    del shape, index
+    return nan.any(_own_dim(node, getattr(node, dim), saved), keepdim=True)
+
+
+def _slice_rows(node: Any, nan: Tensor, shape: torch.Size, index: int) -> Tensor:
+    """``renorm``'s slices ``select(dim, i)`` (normed as a whole) where any entry has NaN."""
+    del shape, index
+    rank = node._saved_self.dim()
+    dim = _own_dim(node, node._saved_dim, "_saved_self")
+    others = tuple(d for d in range(-rank, 0) if d != dim)
+    return nan.any(others, keepdim=True) if others else nan
+
+
+def _pair_rows(node: Any, nan: Tensor, shape: torch.Size, index: int) -> Tensor:
+    """All of ``pdist``'s input ``[N, M]`` where any distance ``[N (N - 1) / 2]`` has NaN."""
+    del node, shape, index
+    return nan.any(-1).reshape(*nan.shape[:-1], 1, 1)
+
+
+def _sampled_rows(node: Any, nan: Tensor, shape: torch.Size, index: int,
+                  spatial: int) -> Tensor:
+    """All of ``grid_sample``'s input and grid of each sample whose output has NaN.
+
+    The input ``[N, C, *in]``, the grid ``[N, *out, spatial]``, the output ``[N, C, *out]``:
+    the grid's values pick the pixels.
+    """
+    del node, shape, index
+    samples = nan.reshape(*nan.shape[:-(spatial + 1)], -1).any(-1)
+    return samples.reshape(*samples.shape, *(1,) * (spatial + 1))
+
+
+def _prelu_rows(node: Any, nan: Tensor, shape: torch.Size, index: int) -> Tensor:
+    """``prelu``'s input entry by entry; its weight ``[C]`` (or ``[1]``) by channel (dim 1)."""
+    if index == 0:
+        return nan
+    rank = node._saved_self.dim()
+    lead = nan.shape[:nan.dim() - rank]
+    if shape[-1] == 1 or rank < 2:  # one weight for every channel
+        return nan.reshape(*lead, -1).any(-1).reshape(*lead, 1)
+    channels = nan.movedim(1 - rank, -1)
+    return channels.reshape(*lead, -1, channels.shape[-1]).any(-2)
+
+
 def _table_rows(node: Any, nan: Tensor, shape: torch.Size, index: int) -> Tensor:
     """Every row of an embedding's table ``[V, d]``, where any looked-up row has NaN."""
     del node, index
@@ -155,8 +219,18 @@ ROW_ROUTES: dict[str, Callable[[Any, Tensor, torch.Size, int], Tensor]] = {
                      "LinalgVectorNormBackward0", "NormBackward1", "NormBackward3"), _dims_rows),
     **dict.fromkeys(("ProdBackward0", "MedianBackward0", "NanmedianBackward0", "NormBackward0",
                      "NormBackward2", "DistBackward0"), _reduced_rows),
-    "CdistBackward0": _distance_rows,
+    **dict.fromkeys(("CdistBackward0", "EuclideanDistBackward0"), _distance_rows),
     "EmbeddingBackward0": _table_rows,
+    # found by a helper's hunt in session 52: scans, pair distances, a grid's sampling, a
+    # segment's max, a renorm below its bound, a PReLU weight where the input is positive
+    **dict.fromkeys(("CumprodBackward0", "LogcumsumexpBackward0"), _dim_rows),
+    "SegmentReduceBackward0": functools.partial(_dim_rows, dim="_saved_axis",
+                                                saved="_saved_data"),
+    "RenormBackward0": _slice_rows,
+    "PdistBackward0": _pair_rows,
+    **{f"GridSampler{nd}DBackward0": functools.partial(_sampled_rows, spatial=nd)
+       for nd in (2, 3)},
+    "PreluKernelBackward0": _prelu_rows,
 }
 """Nodes that route a cotangent within a row by value, or whose backward formula drops it at
 some values, and, from the node, the NaN entries of its output's cotangent, an input's shape
@@ -172,6 +246,11 @@ SELECTION_NODES: frozenset[str] = frozenset({
     "HardshrinkBackward0", "SoftshrinkBackward0", "MaximumBackward0", "MinimumBackward0",
     "FmaxBackward0", "FminBackward0", *ROW_ROUTES,
     "PowBackward1", "PowBackward2",  # zeros where the exponent is 0 (the base 0), NaN or not
+    # zeros at some values (session 52's hunt): sinc at 0, xlogy / xlog1py where self is 0,
+    # logit outside [eps, 1 - eps], an in-place threshold, clamps with a tensor bound
+    "SincBackward0", "XlogyBackward0", "XlogyBackward2", "SpecialXlog1PyBackward0",
+    "SpecialXlog1PyBackward2", "LogitBackward0", "ThresholdBackward1", "ClampMinBackward1",
+    "ClampMaxBackward1",
 })
 """The autograd nodes whose backward selects by value (NOTE [opened selections])."""
 
