@@ -55,6 +55,7 @@ SELECTIONS = {  # func, its arguments after the input, its keywords
     "threshold_": (F.threshold, (0.5, 0.0, True), {}),
     "clamp_min(tensor)": (torch.clamp_min, (torch.full((4,), 0.1, dtype=DOUBLE),), {}),
     "clamp_max(tensor)": (torch.clamp_max, (torch.full((4,), 0.1, dtype=DOUBLE),), {}),
+    "nextafter(x, x)": (lambda h: torch.nextafter(h, h.detach() * (h > 0)), (), {}),
 }
 
 

@@ -251,6 +251,7 @@ SELECTION_NODES: frozenset[str] = frozenset({
     "SincBackward0", "XlogyBackward0", "XlogyBackward2", "SpecialXlog1PyBackward0",
     "SpecialXlog1PyBackward2", "LogitBackward0", "ThresholdBackward1", "ClampMinBackward1",
     "ClampMaxBackward1",
+    "NextafterBackward0",  # where self == other (a systematic scan of torch's OpInfos)
 })
 """The autograd nodes whose backward selects by value (NOTE [opened selections])."""
 
