@@ -593,3 +593,25 @@ def test_formulas_opened_on_independent_samples_stay_batched() -> None:
         assert report.ran is not None and report.ran.way == "batched", report.ran.notes
         torch.testing.assert_close(report.gramian, dense_gramian(f, args).shaped(),
                                    rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("way", ["structured", "auto", "record", "walk"])
+def test_a_reduction_of_a_0_dim_tensor_over_its_dim_opens(way: str) -> None:
+    """``prod(0)`` of each sample's 0-dim sum: its opened rows read the dim of a 0-dim input
+    as one of size 1 (``record()`` raised a ZeroDivisionError before)."""
+    params = _params()
+
+    def f(p: dict[str, Tensor], x: Tensor) -> Tensor:
+        sums = [torch.tanh(row @ p["w"]).sum().prod(0) for row in x]
+        return torch.stack(sums) * (1 + x[:, 0])
+
+    x = torch.randn(B, 3, dtype=DOUBLE)
+    if way in ("structured", "auto"):
+        actual = tg.gramian(f, backend=way, batch_dim=0)(params, x)
+    else:
+        leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
+        with tg.autograd.record() if way == "record" else contextlib.nullcontext():
+            rows = f(leaves, x)
+        actual = tg.autograd.gramian(rows, list(leaves.values()), batch_dim=0)
+    torch.testing.assert_close(actual, dense_gramian(f, (params, x)).shaped(), rtol=1e-10,
+                               atol=1e-12)

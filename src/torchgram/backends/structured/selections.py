@@ -112,6 +112,15 @@ def _ctc_rows(node: Any, nan: Tensor, shape: torch.Size, index: int) -> Tensor:
     return nan.unsqueeze(-1).unsqueeze(-3)
 
 
+def _own_dim(node: Any, dim: int, saved: str) -> int:
+    """``node``'s ``dim`` counted from the end of its input ``saved`` (a walk's directions lead).
+
+    A 0-dim input reduces over its dim 0 or -1 as if it had one dim of size 1.
+    """
+    rank = max(1, getattr(node, saved).dim())
+    return dim % rank - rank
+
+
 def _dims_rows(node: Any, nan: Tensor, shape: torch.Size, index: int) -> Tensor:
     """What a reduction over ``node``'s saved ``dim`` (``None``: all) gathers into NaN entries.
 
@@ -125,8 +134,7 @@ def _dims_rows(node: Any, nan: Tensor, shape: torch.Size, index: int) -> Tensor:
         return _reduced_rows(node, nan, shape, 0)
     if getattr(node, "_saved_keepdim", False):  # the reduced dims are there, of size 1
         return nan
-    rank = node._saved_self.dim()  # the op's input (a walk's directions lead the shapes)
-    for dim in sorted((d % rank - rank for d in dims), reverse=True):  # from the end
+    for dim in sorted((_own_dim(node, d, "_saved_self") for d in dims), reverse=True):
         nan = nan.unsqueeze(dim)
     return nan
 
@@ -135,12 +143,6 @@ def _distance_rows(node: Any, nan: Tensor, shape: torch.Size, index: int) -> Ten
     """The rows of ``x1 [P, M]`` (``index`` 0) or ``x2 [R, M]`` with a NaN distance ``[P, R]``."""
     del node, shape
     return nan.any(-1, keepdim=True) if index == 0 else nan.any(-2).unsqueeze(-1)
-
-
-def _own_dim(node: Any, dim: int, saved: str) -> int:
-    """``node``'s ``dim`` counted from the end of its input ``saved`` (a walk's directions lead)."""
-    rank = max(1, getattr(node, saved).dim())
-    return dim % rank - rank
 
 
 def _dim_rows(node: Any, nan: Tensor, shape: torch.Size, index: int, dim: str = "_saved_dim",
