@@ -118,6 +118,8 @@ class _Recurrence:
         self._dim = dim  # the steps' dim of xs, of the step tap and of the activations
         self._step_tap = None
         self._inputs: list[Tensor] = []
+        # a mode that marks the step nodes made outside it (the eager recording's): _made
+        self._steps_made = getattr(mode, "steps_made", None)
         if hasattr(mode, "tap_steps") and h0.dtype == weight.dtype:
             self._step_tap = mode.tap_steps(self._match(h0), xs.shape[dim],
                                             (*h0.shape[:-1], weight.shape[0]), h0.dtype,
@@ -149,9 +151,8 @@ class _Recurrence:
         ``W_hhᵀ``) without the mode: the gates' bias and each step's ``addmm`` here, each
         step's output through ``step_output`` otherwise.
         """
-        steps_made = getattr(self._mode, "steps_made", None)
-        if steps_made is not None:
-            steps_made(self._step_tap, y)
+        if self._steps_made is not None:
+            self._steps_made(self._step_tap, y)
         return y
 
     def _match(self, h: Tensor) -> Any:
