@@ -196,6 +196,52 @@ def _tensor_parallel(rank: int) -> dict[str, Any]:
             "digest": digest(gramian) + digest(info.weights)}
 
 
+def _tp_change_after_the_gramian(rank: int) -> dict[str, Any]:
+    """NOTE [evaluations after the backend]: ``f`` changes in its last evaluation of a step,
+    after the Gramian was reduced over the mesh. That evaluation raised torchgram's internal
+    ``OutputChanged``; now each rank raises the user's error, and no write lands."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    model, x, y, _, _ = _setup(rank)
+    parallelize_module(model, init_device_mesh("cpu", (2,)),
+                       {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    fn, params = tg.functionalize(model)
+    counts = torch.zeros(3, dtype=torch.float64)
+
+    def attempt(change: str) -> tuple[str, str]:
+        state = {"calls": 0, "at": -1}
+
+        def f(p: Any, x: Tensor, y: Tensor) -> Tensor:
+            state["calls"] += 1
+            losses = _losses(fn(p, x), y)
+            if state["calls"] == state["at"]:  # the step's last evaluation
+                if change == "write":
+                    counts.add_(1.0)
+                else:
+                    return losses[:-1]
+            return losses
+
+        step = tg.distributed.aggregated_grad(f, tg.weighting.upgrad, batch_dim=0)
+        step(params, x, y)
+        before = state["calls"]
+        step(params, x, y)  # under the cached probe: how many evaluations a step makes
+        state["at"] = 2 * state["calls"] - before
+        try:
+            step(params, x, y)
+        except Exception as error:  # noqa: BLE001 -- the test reads its type
+            return type(error).__name__, str(error)
+        return "no error", ""
+
+    out: dict[str, Any] = {change: attempt(change) for change in ("output", "write")}
+    out["counts"] = counts.tolist()
+    return out
+
+
 def _two_dim_mesh(rank: int) -> tuple[str, str]:
     """A DTensor parameter on a 2-D mesh: a clear error on every rank, before any exchange."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -218,6 +264,7 @@ def worker(checks: Checks, rank: int, world: int) -> None:
     checks.run("fsdp", lambda: _fsdp(rank))
     checks.run("fsdp internals", lambda: _fsdp_internals(rank))
     checks.run("tensor parallel", lambda: _tensor_parallel(rank))
+    checks.run("tensor parallel change", lambda: _tp_change_after_the_gramian(rank))
     checks.run("2-D mesh", lambda: _two_dim_mesh(rank))
 
 
@@ -277,6 +324,17 @@ def test_tensor_parallel_sums_shard_blocks_and_counts_replicas_once(
         assert value["gramian"] < TOL and value["per leaf"] < TOL and value["update"] < TOL
     assert first["update types"] == ["DTensor"]
     assert first["digest"] == second["digest"]
+
+
+def test_tensor_parallel_change_after_the_gramian_is_the_users_error(
+        results: Results) -> None:
+    for value in outcome(results, "tensor parallel change"):
+        kind, text = value["output"]
+        assert kind == "RuntimeError" and "same structure on every evaluation" in text, text
+        assert "torchgram.distributed.aggregated_grad" in text, text
+        kind, text = value["write"]
+        assert kind == "ValueError" and "torchgram.distributed.aggregated_grad" in text, text
+        assert value["counts"] == [0.0, 0.0, 0.0]
 
 
 def test_tensor_parallel_on_a_2d_mesh_is_refused_clearly(results: Results) -> None:

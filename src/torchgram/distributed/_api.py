@@ -14,6 +14,7 @@ from torchgram._api.pipeline import Computation, compute, compute_then
 from torchgram._api.step_times import StepTimes, Stopwatch
 from torchgram._api.weights import call_weighting, check_weighting
 from torchgram._core import _torch_compat, checks
+from torchgram._core.errors import output_changes_refused
 from torchgram._core.functional import outside_inference_mode
 from torchgram._core.options import Options
 from torchgram._core.pytree import DiffLeaves, leaves_of
@@ -441,12 +442,17 @@ def _tp_step(options: Options, f: Callable[..., Any], weighting: Callable[[Tenso
     gramian_time = watch.lap()
     weights = broadcast_weights(options.api, weighting, matrix, call.group)
     weighting_time = watch.lap()
-    grads = dtensor_grads(call, sharded_pullback(call, weights))
-    times = StepTimes(gramian_time, weighting_time, watch.lap())
+    # NOTE [evaluations after the backend]: the pullback and the output evaluate f again. A
+    # rank cannot start the step afresh alone (G was reduced over the mesh), so a change met
+    # there is the user's error, never torchgram's internal one.
+    with output_changes_refused(options.api):
+        grads = dtensor_grads(call, sharded_pullback(call, weights))
+        times = StepTimes(gramian_time, weighting_time, watch.lap())
+        output = call.computation.output()
     computation = call.computation
     update = call.diff.unflatten_like_args(grads, as_tuple=not options.single_argnum)
     shaped = shape_block(computation.problem, weights, diagonal=True)
-    return update, Aggregation(sharded_value(options, call, blocks), shaped, computation.output(),
+    return update, Aggregation(sharded_value(options, call, blocks), shaped, output,
                                computation.aux, times, _tp_report(call.group))
 
 
