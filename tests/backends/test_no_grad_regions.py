@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 import torchgram as tg
@@ -140,3 +141,68 @@ def test_forward_mode_through_g_declines_ntvp_by_name(transform: str) -> None:
     assert torch.is_grad_enabled()  # f's no_grad region, left by the refusal, restored it
     torch.testing.assert_close(derivative("auto"), derivative("jacobian"), rtol=1e-10,
                                atol=1e-12)
+
+
+def _gaussian_head() -> tuple[Callable[..., Tensor], dict[str, Tensor], Tensor]:
+    """A heteroscedastic regression head whose variance is below ``eps`` on some samples.
+
+    ``F.gaussian_nll_loss`` clamps the variance in place under ``no_grad`` inside itself
+    (NOTE [no_grad inside torch's own functions]); the samples with ``x[:, 0] < 0`` get a
+    variance far below ``eps = 1``.
+    """
+    net_fn, params = tg.functionalize(_network())
+
+    def f(p: dict[str, Tensor], x: Tensor) -> Tensor:
+        out = net_fn(p, x)
+        var = torch.exp(out[:, 1:2] + 9.0 * torch.sign(x[:, :1]))
+        return F.gaussian_nll_loss(out[:, :1], x[:, 1:2], var, reduction="none",
+                                   eps=1.0)[:, 0]
+
+    torch.manual_seed(1)
+    x = torch.randn(6, 4, dtype=DOUBLE)
+    x[:, 0] = x[:, 0].abs() * torch.tensor([-1.0, 1.0], dtype=DOUBLE).repeat(3)
+    return f, params, x
+
+
+@pytest.mark.parametrize("batch_dim", [None, 0], ids=["dense", "per-sample"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_variance_clamped_inside_gaussian_nll_loss(backend: str,
+                                                     batch_dim: int | None) -> None:
+    """ntvp's forward mode took the derivative of the loss's inner ``no_grad`` clamp, 0 for
+    every clamped variance: G 0.99 off (session 53's hunt). Every backend is the oracle's."""
+    f, params, x = _gaussian_head()
+    wanted = dense_gramian(f, (params, x)).shaped()
+    actual = tg.gramian(f, backend=backend, batch_dim=batch_dim)(params, x)
+    torch.testing.assert_close(actual, wanted, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", ["ntvp", "auto"])
+def test_a_variance_clamped_inside_gaussian_nll_loss_in_a_kernel(backend: str) -> None:
+    f, params, x = _gaussian_head()
+    kernel = tg.ntk.empirical_ntk_fn(lambda p, x: f(p, x)[:, None], trace_axes=(),
+                                     backend=backend)
+    wanted = tg.ntk.empirical_ntk_fn(lambda p, x: f(p, x)[:, None], trace_axes=(),
+                                     backend="graph")
+    torch.testing.assert_close(kernel(x, x[1:4] * 2, params), wanted(x, x[1:4] * 2, params),
+                               rtol=1e-10, atol=1e-12)
+
+
+def test_forward_mode_through_gaussian_nll_loss_declines_ntvp_by_name() -> None:
+    f, params, x = _gaussian_head()
+
+    def g(scale: Tensor) -> Tensor:
+        scaled = {name: value * scale for name, value in params.items()}
+        return tg.gramian(f, backend="ntvp", batch_dim=0)(scaled, x).sum()
+
+    one = torch.ones((), dtype=DOUBLE)
+    with pytest.raises(tg.BackendCannotRun, match="gaussian_nll_loss"):
+        torch.func.jvp(g, (one,), (one,))
+
+
+def test_the_straight_through_variance_keeps_the_loss() -> None:
+    f, params, x = _gaussian_head()
+    from torchgram.backends._no_grad_tangents import NoGradStopsTangents
+
+    with NoGradStopsTangents():
+        inside = f(params, x)
+    torch.testing.assert_close(inside, f(params, x), rtol=0, atol=0)

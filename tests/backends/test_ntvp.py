@@ -365,3 +365,93 @@ def test_a_call_inside_a_forward_mode_level_is_declined_by_name(kernel: bool) ->
         with pytest.raises(tg.BackendCannotRun, match="dual_level"):
             call("ntvp")
         torch.testing.assert_close(call("auto"), wanted, rtol=1e-10, atol=1e-12)
+
+
+# -- non-finite forward-mode derivatives (NOTE [non-finite pushes]) ---------------------------
+
+def _lp_pool_after_relu() -> tuple[Any, dict[str, Tensor], Tensor]:
+    """``LPPool2d`` over windows of exact zeros (a closed ReLU on part of the image)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 1), torch.nn.ReLU(),
+                                torch.nn.LPPool2d(2, 2), torch.nn.Flatten(),
+                                torch.nn.Linear(2, 1)).double()
+    with torch.no_grad():
+        model[0].bias.fill_(-10.0)
+        model[0].weight.copy_(torch.tensor([1.0, -1.0], dtype=torch.float64).reshape(2, 1, 1, 1))
+    fn, params = tg.functionalize(model)
+    x = torch.randn(3, 1, 2, 2, dtype=torch.float64) * 8
+    x[0] = 20.0  # sample 0: channel 0 open, channel 1 closed (its window is all zeros)
+    return lambda p, x: fn(p, x)[:, 0], params, x
+
+
+def _distance_beyond_a_radius() -> tuple[Any, dict[str, Tensor], Tensor]:
+    """``sqrt(clamp_min(d² - r², 0))``, sample 0 on a centre (inside the radius)."""
+    torch.manual_seed(0)
+    params = {"w": torch.randn(2, 2, dtype=torch.float64),
+              "c": torch.randn(3, 2, dtype=torch.float64)}
+    x = torch.randn(3, 2, dtype=torch.float64)
+    x[0] = torch.linalg.solve(params["w"].T, params["c"][0])
+
+    def f(p: dict[str, Tensor], x: Tensor) -> Tensor:
+        h = x @ p["w"]
+        d2 = (h * h).sum(-1, keepdim=True) + (p["c"] * p["c"]).sum(-1) - 2 * h @ p["c"].T
+        return (d2 - 0.25).clamp_min(0).sqrt()
+
+    return f, params, x
+
+
+SELECTED_ZEROS = {"lp-pool-after-relu": _lp_pool_after_relu,
+                  "distance-beyond-a-radius": _distance_beyond_a_radius}
+
+
+@pytest.mark.parametrize("batch_dim", [None, 0], ids=["dense", "per-sample"])
+@pytest.mark.parametrize("case", list(SELECTED_ZEROS))
+def test_forward_mode_nan_where_the_backward_selects_a_zero_declines(
+        case: str, batch_dim: int | None) -> None:
+    """Forward mode multiplies a selected zero by an infinite derivative (``0 · inf``) where the
+    backward selects: ntvp's G held NaN where the oracle's is finite (session 53's hunt). Now
+    ntvp declines naming the backends that can, and ``auto`` answers with the oracle's G."""
+    f, params, x = SELECTED_ZEROS[case]()
+    wanted = dense_gramian(f, (params, x)).shaped()
+    assert bool(wanted.isfinite().all())
+    with pytest.raises(tg.BackendCannotRun, match="non-finite entries of G") as caught:
+        tg.gramian(f, backend="ntvp", batch_dim=batch_dim)(params, x)
+    assert "backend='jacobian'" in str(caught.value)
+    assert_matches(tg.gramian(f, batch_dim=batch_dim)(params, x), wanted)
+
+
+@pytest.mark.parametrize("case", list(SELECTED_ZEROS))
+def test_forward_mode_nan_in_a_cross_kernel_declines(case: str) -> None:
+    """The same through ``empirical_ntk_fn``: a block whose forward pass meets the zero declines;
+    where only side 2 holds it (reverse mode only there: the distance's sample 0; every
+    sample of the pool has a closed channel), the block runs."""
+    f, params, x = SELECTED_ZEROS[case]()
+    other = x[1:].flip(0) * 1.5
+
+    def g(p: dict[str, Tensor], x: Tensor) -> Tensor:
+        return f(p, x).reshape(x.shape[0], -1)
+
+    ntvp = tg.ntk.empirical_ntk_fn(g, trace_axes=(), backend="ntvp")
+    oracle = tg.ntk.empirical_ntk_fn(g, trace_axes=(), backend="jacobian")
+    with pytest.raises(tg.BackendCannotRun, match="non-finite entries of G"):
+        ntvp(x, other, params)
+    if case == "distance-beyond-a-radius":
+        assert_matches(ntvp(other, x, params), oracle(other, x, params))
+    assert_matches(tg.ntk.empirical_ntk_fn(g, trace_axes=())(x, other, params),
+                   oracle(x, other, params))
+
+
+def test_a_non_finite_jacobian_is_not_declined() -> None:
+    """Where the backward's own derivatives are not finite (sqrt at 0, nothing selected: the
+    batch's backward spreads its NaN to every row), G is NaN for every backend, the oracle's
+    included: ntvp returns it as they do."""
+    params = {"w": torch.tensor([[1.0], [0.0]], dtype=torch.float64)}
+    x = torch.tensor([[0.0, 1.0], [2.0, 1.0]], dtype=torch.float64)
+
+    def f(p: dict[str, Tensor], x: Tensor) -> Tensor:
+        return (x @ p["w"]).sqrt()[:, 0]
+
+    wanted = dense_gramian(f, (params, x)).shaped()
+    actual = tg.gramian(f, backend="ntvp")(params, x)
+    assert not bool(wanted.isfinite().any())
+    assert not bool(actual.isfinite().any())

@@ -841,11 +841,28 @@ def version_of(tensor: Tensor) -> tuple[Tensor, int] | None:
         >>> owner._version > version
         True
     """
-    while torch._C._functorch.is_functorch_wrapped_tensor(tensor):
-        tensor = torch._C._functorch.get_unwrapped(tensor)
+    tensor = innermost(tensor)
     if tensor.is_inference():
         return None
     return tensor, version(tensor)
+
+
+def innermost(tensor: Tensor) -> Tensor:
+    """``tensor`` without its functorch wrappers (under ``vmap``: every batch entry, as stored).
+
+    Example:
+        >>> seen = []
+        >>> _ = torch.func.vmap(lambda row: seen.append(innermost(row).shape) or row)(
+        ...     torch.ones(2, 3))
+        >>> seen
+        [torch.Size([2, 3])]
+        >>> x = torch.ones(3)
+        >>> innermost(x) is x
+        True
+    """
+    while torch._C._functorch.is_functorch_wrapped_tensor(tensor):
+        tensor = torch._C._functorch.get_unwrapped(tensor)
+    return tensor
 
 
 def is_freed_graph_error(error: BaseException) -> bool:

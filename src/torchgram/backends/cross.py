@@ -217,7 +217,10 @@ def _ntvp_block(left: Problem, right: Problem, report: RunReport, loop: bool) ->
                 rows_of_columns.append(index[first:first + count, k0:k1].reshape(-1))
                 columns.append(push(vjps))
             order = torch.argsort(torch.cat(rows_of_columns))
-            return torch.cat(columns)[order].T
+            block = torch.cat(columns)[order].T
+            # NOTE [non-finite pushes]: forward mode's NaN at a zero the backward selects
+            ntvp_module.refuse_forward_mode_non_finite([block], left, right)
+            return block
         except NotPerSample as why:
             report.notes.append(f"per-sample evaluation does not hold ({why.reason}): rows of "
                                 "the whole batch instead")
@@ -226,7 +229,9 @@ def _ntvp_block(left: Problem, right: Problem, report: RunReport, loop: bool) ->
     for start in range(0, m2, chunk):
         stop = min(start + chunk, m2)
         columns.append(push(jacobian_module.row_vjps(vjp_fn, rows, start, stop)))
-    return torch.cat(columns).T
+    block = torch.cat(columns).T
+    ntvp_module.refuse_forward_mode_non_finite([block], left, right)
+    return block
 
 
 # -- graph -----------------------------------------------------------------------------------

@@ -210,6 +210,23 @@ def _sample_vjps(problem: Problem, inputs: tuple[Tensor, ...], k_start: int, k_s
 
 # -- pushing forward -------------------------------------------------------------------------
 
+# NOTE [non-finite pushes]
+# Forward mode may give a non-finite derivative where the backward gives a finite one: at a
+# kink the backward selects (``threshold_backward``, ``where``) and so drops the infinite
+# derivative of a later ``sqrt`` or ``pow(·, 1/p)`` at 0, where forward mode multiplies the
+# selected 0 by it: ``0 · inf = NaN``. ``F.lp_pool2d`` over a window of zeros after a ReLU,
+# ``sqrt(clamp_min(d² - r², 0))`` for a point inside the radius, ``atan2`` at (0, 0): ntvp's
+# G held NaN where the oracle's is finite (session 53's hunt of ``nn`` modules). Entry
+# ``(i, j)`` of the oracle's G is finite wherever rows ``i`` and ``j`` of ``J`` are, and row
+# ``i`` of ``J`` is the vjp ``Jᵀ e_i``: so a non-finite entry of ntvp's G between two finite
+# vjps is forward mode's, and ntvp declines, naming the backends that can. (Under the
+# caller's ``vmap`` the rows of the stored values are not those of G: there ntvp declines on
+# any non-finite entry when every vjp is finite.) The check costs one host synchronisation
+# per call where G is finite; where it is not, the vjps of the batch's rows are computed
+# again to tell (a pass over every chunk's vjps cost more than ntvp's own pushes: 90 against
+# 25 ms for the MLP 784-512-512-10 at B = 16).
+
+
 class _Columns:
     """The ``[m, m]`` result(s), filled ``c`` rows at a time by pushing vjps forward.
 
@@ -269,7 +286,12 @@ class _Columns:
         self._pieces[block].append((rows, pushed))
 
     def blocks(self) -> tuple[Tensor, ...]:
-        """The filled blocks (not yet symmetric)."""
+        """The filled blocks (not yet symmetric); refuses forward mode's non-finite entries."""
+        blocks = self._assembled()
+        refuse_forward_mode_non_finite(blocks, self.problem)  # NOTE [non-finite pushes]
+        return blocks
+
+    def _assembled(self) -> tuple[Tensor, ...]:
         if self._pieces is None:
             return tuple(self._blocks)
         num_rows = self.problem.num_rows
@@ -282,6 +304,56 @@ class _Columns:
             order = torch.cat([rows for rows, _ in pieces])
             blocks.append(torch.cat([pushed for _, pushed in pieces])[torch.argsort(order)])
         return tuple(blocks)
+
+
+def refuse_forward_mode_non_finite(blocks: Sequence[Tensor], rows: Problem,
+                                   columns: Problem | None = None) -> None:
+    """Decline where forward mode made an entry of ``blocks`` non-finite.
+
+    NOTE [non-finite pushes]. ``rows`` and ``columns`` (default: ``rows``) are the problems
+    of the blocks' rows and columns. One host synchronisation where every entry is finite;
+    the rows' vjps are computed again only where one is not.
+    """
+    if bool(torch.stack([_torch_compat.innermost(block).isfinite().all()
+                         for block in blocks]).all()):
+        return
+    finite_rows = _finite_vjps(rows)
+    finite_columns = finite_rows if columns is None else _finite_vjps(columns)
+    if finite_rows.dim() == 0:  # under vmap: whether every vjp is finite
+        pairs = finite_rows & finite_columns
+    else:
+        pairs = finite_rows[:, None] & finite_columns[None, :]
+    if bool(torch.stack([(~_torch_compat.innermost(block).isfinite() & pairs).any()
+                         for block in blocks]).any()):
+        raise BackendCannotRun(
+            rows.api, "ntvp", "forward-mode derivatives that are finite where the "
+            "backward's are (it pushes vjps forward with torch.func.jvp)",
+            "non-finite entries of G between rows whose gradients are finite: forward mode "
+            "multiplied an infinite derivative by a zero that the backward selects (e.g. "
+            "sqrt or pow(x, 1/p) at 0 after relu or clamp, lp_pool over zeros, atan2 at "
+            "(0, 0))", _alternatives(rows),
+            "Or keep those inputs away from 0 (add a small eps).")
+
+
+def _finite_vjps(problem: Problem) -> Tensor:
+    """``[m]``: whether each row's vjp through the whole batch (the oracle's row of J) is finite.
+
+    Under the caller's ``vmap``, ``[]``: whether all are (the stored rows are not G's).
+    """
+    batched = "vmap" in problem.composition.transforms
+    num_rows = problem.num_rows
+    rows, vjp_fn = functional.vjp(lambda *leaves: problem.rows(leaves)[0], *problem.leaves)
+    chunk = _rows_per_chunk(problem, num_rows)
+    finite = []
+    for start in range(0, num_rows, chunk):
+        values = [_torch_compat.innermost(vjp)
+                  for vjp in row_vjps(vjp_fn, rows, start, min(start + chunk, num_rows))]
+        if batched:
+            finite.append(torch.stack([value.isfinite().all() for value in values]).all())
+        else:
+            finite.append(torch.stack([value.isfinite().reshape(value.shape[0], -1).all(1)
+                                       for value in values]).all(0))
+    return torch.stack(finite).all() if batched else torch.cat(finite)
 
 
 def _bytes(tensors: Sequence[Tensor]) -> int:
