@@ -182,3 +182,27 @@ def test_an_f_no_probe_describes_raises_the_public_errors(batch_dim: int | None)
     with pytest.raises(RuntimeError, match="outputs of the same structure") as caught:
         tg.explain(reshapes, batch_dim=batch_dim)(w, x)
     assert type(caught.value) is RuntimeError
+
+
+def test_a_stale_probe_of_a_random_f_starts_from_the_calls_own_draw() -> None:
+    """NOTE [one draw]: a random ``f`` whose cached probe went stale while planning. The
+    failed attempt's draws moved the generator on: the fresh plan, and with ``run=True`` the
+    Gramian, must still see the draw of one plain call from the caller's state."""
+    switch = {"prelu": False}
+    p = {"w": torch.randn(3, 4, dtype=torch.float64), "a": torch.rand(3, dtype=torch.float64)}
+
+    def f(p, x):
+        h = F.batch_norm(F.dropout(x, 0.3) @ p["w"].T, None, None, training=True)
+        h = F.prelu(h, p["a"]) if switch["prelu"] else torch.tanh(h) * p["a"]
+        return h.pow(2).sum(-1)
+
+    x = torch.randn(5, 4, dtype=torch.float64)
+    tg.explain(f, batch_dim=0, run=True)(p, x)
+    switch["prelu"] = True
+    torch.manual_seed(3)
+    wanted = dense_gramian(f, (p, x)).shaped()
+    after_one_call = torch.get_rng_state()
+    torch.manual_seed(3)
+    report = tg.explain(f, batch_dim=0, run=True)(p, x)
+    torch.testing.assert_close(report.gramian, wanted, rtol=1e-10, atol=1e-12)
+    assert torch.equal(torch.get_rng_state(), after_one_call)

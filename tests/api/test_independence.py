@@ -65,3 +65,26 @@ def test_a_stale_probe_is_noticed() -> None:
     switch["pytree"] = True
     report = check(w, x)
     assert report.independent, str(report)
+
+
+def test_a_stale_probe_of_a_random_f_leaves_the_generator_as_one_call_would() -> None:
+    """A random ``f`` whose cached probe went stale: the check starts afresh from the call's
+    own random state, as ``tg.gramian`` does (NOTE [one draw]). The failed attempt's draws
+    moved the generator on, and the retry left it further than one plain call of ``f``."""
+    switch = {"pytree": False}
+    w = torch.randn(3, 3, dtype=torch.float64)
+
+    def f(w: torch.Tensor, x: torch.Tensor) -> object:
+        out = torch.nn.functional.dropout(x, 0.5) @ w
+        return {"a": out[:, :1], "b": out[:, 1:]} if switch["pytree"] else out
+
+    x = torch.randn(4, 3, dtype=torch.float64)
+    check = tg.check_independence(f)
+    check(w, x)
+    switch["pytree"] = True
+    torch.manual_seed(7)
+    f(w, x)
+    after_one_call = torch.get_rng_state()
+    torch.manual_seed(7)
+    check(w, x)
+    assert torch.equal(torch.get_rng_state(), after_one_call)
