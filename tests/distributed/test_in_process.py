@@ -293,3 +293,31 @@ def test_an_f_that_differentiates_itself_is_refused_before_any_exchange() -> Non
     assert "a call of torch.autograd.grad inside f" in str(local.error)
     assert "cross_rank='local'" in str(local.error)
     assert local.summary is not None and local.summary.error is not None
+
+
+def test_a_stale_probe_of_a_random_f_starts_from_the_ranks_own_draw() -> None:
+    """NOTE [one draw]: a rank's cached probe of a random ``f`` went stale (``f`` now calls
+    ``prelu``, which the probe did not see). The failed attempt's draws had moved the
+    generator on, and the rank's rows were those of another draw than its plain call's."""
+    w = torch.randn(3, 3, dtype=torch.float64)
+    a = torch.rand(3, dtype=torch.float64)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    switch = {"prelu": False}
+
+    def noisy(p: dict[str, Tensor], x: Tensor) -> Tensor:
+        h = F.dropout(x, 0.5) @ p["w"]
+        h = F.prelu(h, p["a"]) if switch["prelu"] else torch.tanh(h) * p["a"]
+        return h.sum(-1)
+
+    params = {"w": w, "a": a}
+    simulate(noisy, params, [(x[:2],), (x[2:],)], seeds=[0, 1], batch_dim=0)
+    switch["prelu"] = True
+
+    def both(p: dict[str, Tensor]) -> Tensor:
+        torch.manual_seed(0)
+        first = noisy(p, x[:2])
+        torch.manual_seed(1)
+        return torch.cat([first, noisy(p, x[2:])])
+
+    got = simulate(noisy, params, [(x[:2],), (x[2:],)], seeds=[0, 1], batch_dim=0)
+    torch.testing.assert_close(got, dense_gramian(both, (params,)).gramian, atol=TOL, rtol=0)
