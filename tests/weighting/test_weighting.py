@@ -505,7 +505,21 @@ BAD_GRAMIANS = [
     pytest.param(
         torch.tensor([[1.0, 0.0], [0.0, -1.0]]), "negative diagonal", id="negative-diagonal"
     ),
+    pytest.param(  # eigenvalues 3 and -1: no J has it as J Jᵀ (was weighted without a word)
+        torch.tensor([[1.0, 2.0], [2.0, 1.0]]), r"\|G\[0, 1\]\| = 2 above sqrt", id="indefinite"
+    ),
 ]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_rank_deficient_gramians_in_float32_are_accepted(dtype: torch.dtype) -> None:
+    """Duplicated and opposite rows meet ``|G[i, j]| = sqrt(G[i, i] G[j, j])`` exactly, up to
+    round-off: the Cauchy-Schwarz check leaves them (and their round-off) alone."""
+    torch.manual_seed(0)
+    J = torch.randn(6, 50, dtype=dtype) * torch.logspace(-3, 3, 6, dtype=dtype)[:, None]
+    J[1], J[2], J[4] = J[0], -3 * J[0], 1e-4 * J[3]
+    for name in ALL:
+        assert ALL[name](J @ J.T).isfinite().all()
 
 
 @pytest.mark.parametrize(("G", "message"), BAD_GRAMIANS)

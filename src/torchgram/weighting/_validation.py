@@ -24,7 +24,7 @@ def symmetry_rtol(dtype: torch.dtype) -> float:
 
 
 def check_gramian(G: object, name: str) -> Tensor:
-    """Checks that ``G`` is a finite, square, symmetric floating-point matrix.
+    """Checks that ``G`` is a finite, square, symmetric floating-point matrix that may be a Gramian.
 
     The value checks (finite entries, symmetry, non-negative diagonal) cost one host
     synchronisation in total; they are reduced to a single boolean tensor first.
@@ -39,8 +39,9 @@ def check_gramian(G: object, name: str) -> Tensor:
     Raises:
         TypeError: If ``G`` is not a real floating-point tensor with the dense layout.
         ValueError: If ``G`` is on the meta device (no values), is not square and 2-D, has
-            NaN or infinite entries, is not symmetric up to :func:`symmetry_rtol`, or has a
-            negative diagonal entry.
+            NaN or infinite entries, is not symmetric up to :func:`symmetry_rtol`, has a
+            negative diagonal entry or an entry larger than its row's and column's norms allow
+            (``|G[i, j]| > sqrt(G[i, i] G[j, j])``, up to the same tolerance).
     """
     api = _PREFIX + name
     if not isinstance(G, Tensor):
@@ -72,14 +73,16 @@ def check_gramian(G: object, name: str) -> Tensor:
         return G
     scale = G.abs().amax()
     tol = symmetry_rtol(G.dtype) * scale
+    norms = G.diagonal().clamp_min(0).sqrt()
     bad = torch.stack(
         [
             ~torch.isfinite(G).all(),
             (G - G.T).abs().amax() > tol,
             (G.diagonal() < -tol).any(),
+            (G.abs() > norms[:, None] * norms[None, :] + tol).any(),
         ]
     )
-    not_finite, not_symmetric, negative_diagonal = bad.tolist()  # The one host sync.
+    not_finite, not_symmetric, negative_diagonal, too_large = bad.tolist()  # The one sync.
     if not_finite:
         raise ValueError(
             f"{api}: expected a Gramian with finite entries, got NaN or infinite "
@@ -97,6 +100,14 @@ def check_gramian(G: object, name: str) -> Tensor:
         raise ValueError(
             f"{api}: expected a positive semi-definite Gramian, got the negative "
             f"diagonal entry {low:.3g} (G[i, i] = |J[i]|² >= 0). {_HOW_TO}"
+        )
+    if too_large:  # Cauchy-Schwarz: |G[i, j]| = |<J[i], J[j]>| <= |J[i]| |J[j]|
+        excess = G.abs() - norms[:, None] * norms[None, :]
+        i, j = divmod(int(excess.argmax()), G.shape[0])
+        raise ValueError(
+            f"{api}: expected a positive semi-definite Gramian, got |G[{i}, {j}]| = "
+            f"{float(G[i, j].abs()):.3g} above sqrt(G[{i}, {i}] G[{j}, {j}]) = "
+            f"{float(norms[i] * norms[j]):.3g} (|<J[i], J[j]>| <= |J[i]| |J[j]|). {_HOW_TO}"
         )
     return G + (G.T - G) / 2  # (G + Gᵀ) / 2 without overflow near the dtype's largest value.
 
