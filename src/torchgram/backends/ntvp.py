@@ -491,11 +491,15 @@ def _forward_mode(problem: Problem) -> Iterator[None]:
         kinks = ReverseKinks(refuse_ties=composed_forward)
         differentiated = problem.composition.may_be_differentiated
         batched = "vmap" in problem.composition.transforms
-        faults = RefuseWrongTangents(differentiated=differentiated, batched=batched) \
-            if differentiated or batched else contextlib.nullcontext()  # no mode on plain calls
+        faults = RefuseWrongTangents(differentiated=differentiated, batched=batched)
         with math_attention(), kinks, stops, faults:  # NOTE [no_grad in forward mode]
             yield
     except WrongForwardDerivative as err:
+        if err.first_order:
+            raise BackendCannotRun(
+                problem.api, "ntvp", "an f without ops whose forward-mode derivative torch "
+                "gets wrong (cholesky_inverse, logcumsumexp)", f"{err.call} in f",
+                _alternatives(problem), "Or replace that operation.") from err
         if err.differentiated:
             situation = "when G is differentiated"
             ops = ("determinants, linear solves, householder_product, cholesky_inverse, cumprod "
