@@ -20,7 +20,7 @@ import optree
 
 from torchgram._core import checks
 from torchgram._core.checks import function_name
-from torchgram._core.errors import BackendCannotRun, OutputChanged, output_changed_refusal
+from torchgram._core.errors import BackendCannotRun, OutputChanged, output_changes_refused
 from torchgram._core.functional import outside_inference_mode
 from torchgram._core.options import Options
 from torchgram._core.problem import build_problem, forget_probe
@@ -268,11 +268,8 @@ def explain(
                 problem.draw.rewind()  # the call starts afresh, from its own random state
                 forget_probe(problem)
                 problem = build_problem(options, f, args, kwargs, planning=True, fresh=True)
-                try:
+                with output_changes_refused(_API, problem.draw.rewind):
                     plan = plan_auto(problem)
-                except OutputChanged as error:
-                    problem.draw.rewind()
-                    raise output_changed_refusal(_API, error) from error
         except BackendCannotRun as refusal:  # the structured backend cannot trace f (it
             declined = refusal  # differentiates itself, calls torchgram, uses sparse tensors)
         ran, gramian = None, None

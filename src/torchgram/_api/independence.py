@@ -21,7 +21,7 @@ from torch import Tensor
 
 from torchgram._core.census import OpCensus
 from torchgram._core.checks import fail, function_name
-from torchgram._core.errors import OutputChanged, output_changed_refusal
+from torchgram._core.errors import OutputChanged, output_changes_refused
 from torchgram._core.functional import outside_inference_mode
 from torchgram._core.options import Options
 from torchgram._core.per_sample import tolerance
@@ -127,11 +127,8 @@ def check_independence(
             problem.draw.rewind()  # the call starts afresh, from its own random state
             forget_probe(problem)
             problem = build_problem(options, f, args, kwargs, fresh=True)
-            try:
+            with output_changes_refused(_API, problem.draw.rewind):
                 return _check(problem)
-            except OutputChanged as error:
-                problem.draw.rewind()
-                raise output_changed_refusal(_API, error) from error
 
     def _check(problem: Problem) -> Independence:
         batch = problem.batch

@@ -19,7 +19,7 @@ from torchgram._core.composition import graph_leaf, refuse_inside_taps
 from torchgram._core.cross import CrossProblem, CrossResult
 from torchgram._core.errors import (
     OutputChanged,
-    output_changed_refusal,
+    output_changes_refused,
     torch_refusals,
     unseen_calls_refused,
 )
@@ -172,11 +172,8 @@ def compute_then(options: Options, f: Callable[..., Any], args: tuple[Any, ...],
         forget_probe(problem)
         problem = build_problem(options, f, args, kwargs, want_pullback=want_pullback,
                                 probe_with_grad=probe_with_grad, fresh=True)
-        try:
+        with output_changes_refused(options.api, problem.draw.rewind):
             return then(_computation(problem))
-        except OutputChanged as error:
-            problem.draw.rewind()
-            raise output_changed_refusal(options.api, error) from error
 
 
 def _computation(problem: Problem) -> Computation:

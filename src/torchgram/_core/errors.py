@@ -37,7 +37,7 @@ becomes a torchgram ``ValueError`` naming the fix (``use_reentrant=False``).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -165,15 +165,19 @@ def output_changed_refusal(api: str, error: OutputChanged) -> Exception:
 
 
 @contextlib.contextmanager
-def output_changes_refused(api: str) -> Iterator[None]:
+def output_changes_refused(api: str,
+                           rewind: Callable[[], None] | None = None) -> Iterator[None]:
     """Inside the block, :class:`OutputChanged` becomes :func:`output_changed_refusal`'s error.
 
     For the evaluations after a fresh probe, the retry's second try: never the internal
-    error (NOTE [evaluations after the backend] in ``_api/pipeline.py``).
+    error (NOTE [evaluations after the backend] in ``_api/pipeline.py``). ``rewind``: puts
+    the call's generators back where it started before the refusal (NOTE [one draw]).
     """
     try:
         yield
     except OutputChanged as error:
+        if rewind is not None:
+            rewind()
         raise output_changed_refusal(api, error) from error
 
 

@@ -37,7 +37,7 @@ from torchgram._api.pipeline import compute
 from torchgram._core import checks
 from torchgram._core.census import OpCensus
 from torchgram._core.checks import resolve_argnums
-from torchgram._core.errors import NotPerSample, OutputChanged, output_changed_refusal
+from torchgram._core.errors import NotPerSample, OutputChanged, output_changes_refused
 from torchgram._core.options import Options
 from torchgram._core.per_sample import tolerance
 from torchgram._core.problem import (
@@ -193,11 +193,8 @@ def _local_work(local: Local, options: Options, f: Callable[..., Any], args: tup
             forget_probe(problem)
             problem = build_problem(options, f, args, kwargs, want_pullback=True, fresh=True)
             local.problem = problem
-            try:
+            with output_changes_refused(api, problem.draw.rewind):
                 payloads = pass_payloads(problem)
-            except OutputChanged as error:
-                problem.draw.rewind()
-                raise output_changed_refusal(api, error) from error
     except NotPerSample as why:
         if not why.random:
             _coupled(api, _named_coupling(f, args, kwargs) or why.reason)
