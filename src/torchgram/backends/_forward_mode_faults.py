@@ -103,6 +103,9 @@ _WRONG_AT_FIRST_ORDER = frozenset(
      Tensor.logcumsumexp])
 """The third fault of the NOTE above."""
 
+_WATCHED = _WRONG_AT_FIRST_ORDER | frozenset(_WRONG_ONCE_DIFFERENTIATED) | _WRONG_BATCHED_TWICE
+"""Every call one of the faults may refuse (the others run after one set lookup)."""
+
 
 class RefuseWrongTangents(TorchFunctionMode):
     """Raises :class:`WrongForwardDerivative` at the calls the situation makes wrong.
@@ -125,14 +128,12 @@ class RefuseWrongTangents(TorchFunctionMode):
         super().__init__()
         self._differentiated = differentiated
         self._batched = batched
-        self._watched = (_WRONG_AT_FIRST_ORDER | frozenset(_WRONG_ONCE_DIFFERENTIATED)
-                         | _WRONG_BATCHED_TWICE)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         try:
-            if func not in self._watched:  # most calls: one lookup
+            if func not in _WATCHED:  # most calls: one lookup
                 return func(*args, **kwargs)
         except TypeError:  # unhashable callables
             return func(*args, **kwargs)

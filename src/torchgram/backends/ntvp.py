@@ -314,8 +314,8 @@ def refuse_forward_mode_non_finite(blocks: Sequence[Tensor], rows: Problem,
     of the blocks' rows and columns. One host synchronisation where every entry is finite;
     the rows' vjps are computed again only where one is not.
     """
-    if bool(torch.stack([_torch_compat.innermost(block).isfinite().all()
-                         for block in blocks]).all()):
+    non_finite = [~_torch_compat.innermost(block).isfinite() for block in blocks]
+    if not bool(torch.stack([entries.any() for entries in non_finite]).any()):
         return
     finite_rows = _finite_vjps(rows)
     finite_columns = finite_rows if columns is None else _finite_vjps(columns)
@@ -323,8 +323,7 @@ def refuse_forward_mode_non_finite(blocks: Sequence[Tensor], rows: Problem,
         pairs = finite_rows & finite_columns
     else:
         pairs = finite_rows[:, None] & finite_columns[None, :]
-    if bool(torch.stack([(~_torch_compat.innermost(block).isfinite() & pairs).any()
-                         for block in blocks]).any()):
+    if bool(torch.stack([(entries & pairs).any() for entries in non_finite]).any()):
         raise BackendCannotRun(
             rows.api, "ntvp", "forward-mode derivatives that are finite where the "
             "backward's are (it pushes vjps forward with torch.func.jvp)",

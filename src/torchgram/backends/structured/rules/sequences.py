@@ -107,12 +107,8 @@ def step_inputs(out: Tensor, h0: Tensor, *, dim: int, reverse: bool) -> Tensor:
 # transposed right-hand operand at these sizes (``[16, 512] @ [512, 128]``: 31 µs against 11
 # µs). ``W_hhᵀ`` comes in as a transposed view of the parameter, so the forward's products
 # and, for a caller that passes a row-major ``W_hhᵀ``, the backward's would all be of that
-# kind: each node makes its weight row-major once (one copy of ``kH × H``) instead.
-
-
-def _row_major(weight: Tensor) -> Tensor:
-    """``weight`` with rows contiguous (itself where they are; NOTE [row-major step weights])."""
-    return weight.contiguous()
+# kind: each node makes its weight row-major once (``contiguous``: one copy of ``kH × H``, none
+# where it already is) instead.
 
 
 class _StepBuffers:
@@ -203,7 +199,7 @@ class LSTMSequence(torch.autograd.Function):
         steps = xs.unbind(dim)
         hidden = h0.shape[-1]
         order = _processing_order(len(steps), reverse)
-        step_weight = _row_major(weight_t)  # NOTE [row-major step weights]
+        step_weight = weight_t.contiguous()  # NOTE [row-major step weights]
         gates = torch.addmm(steps[order[0]], h0, step_weight)  # the first step's: dtype, device
         buffers = _StepBuffers(gates, len(steps))
         sigmoids, g_rows = buffers.rows(gates.shape), buffers.rows(h0.shape)
@@ -248,7 +244,7 @@ class LSTMSequence(torch.autograd.Function):
         dc_of_dh = o * (1 - tanh_cells * tanh_cells)
         steps = len(sigmoids)
         out_grads = grad_out.unbind(ctx.dim)
-        weight = _row_major(weight_t.t())  # NOTE [row-major step weights]
+        weight = weight_t.t().contiguous()  # NOTE [row-major step weights]
         deltas = _StepGrads(steps, ctx.dim)
         dh, dc = grad_h, grad_c
         per_step = zip(dc_of_dh.unbind(0), coefficients.unbind(0), f.unbind(0), strict=True)
@@ -290,7 +286,7 @@ class GRUSequence(torch.autograd.Function):
         tap_steps = None if tap is None else tap.unbind(dim)
         hidden = h0.shape[-1]
         order = _processing_order(len(steps), reverse)
-        step_weight = _row_major(weight_t)  # NOTE [row-major step weights]
+        step_weight = weight_t.contiguous()  # NOTE [row-major step weights]
 
         def projection(t: int, h: Tensor, out: Tensor | None = None) -> Tensor:
             if tap_steps is None:
@@ -331,7 +327,7 @@ class GRUSequence(torch.autograd.Function):
         of_reset = hidden_new * reset * (1 - reset)  # dr' per dn'
         steps = len(inputs)
         out_grads = grad_out.unbind(ctx.dim)
-        weight = _row_major(weight_t.t())  # NOTE [row-major step weights]
+        weight = weight_t.t().contiguous()  # NOTE [row-major step weights]
         grad_steps, grad_hh = _StepGrads(steps, ctx.dim), _StepGrads(steps, ctx.dim)
         keep_hh = any(ctx.needs_input_grad[2:5])  # W_hhᵀ, b_hh, the tap
         dh = grad_h
