@@ -246,6 +246,20 @@ def test_one_sample_per_rank_still_checks_that_samples_do_not_interact() -> None
         simulate(embedded, table, [(tokens[:1],), (tokens[1:],)], batch_dim=0)
 
 
+def _ranks_with_their_draws(f: Any, parts: list[tuple[Any, ...]],
+                            seeds: list[int]) -> Any:
+    """``params ↦`` every rank's rows, each part evaluated from its rank's seed (as
+    :func:`simulate` with ``seeds`` runs the ranks): the oracle's function of a random ``f``."""
+    def rows(params: Any) -> Tensor:
+        outputs = []
+        for part, seed in zip(parts, seeds, strict=True):
+            torch.manual_seed(seed)
+            outputs.append(f(params, *part))
+        return torch.cat(outputs)
+
+    return rows
+
+
 def test_random_f_whose_samples_interact_is_refused() -> None:
     """With dropout the rank sends its batch's rows: coupling is checked from one draw."""
     w = torch.randn(3, dtype=torch.float64)
@@ -262,13 +276,9 @@ def test_random_f_whose_samples_interact_is_refused() -> None:
     def noisy(w: Tensor, x: Tensor) -> Tensor:
         return torch.tanh(drop(x) @ w)
 
-    def both(w: Tensor) -> Tensor:
-        torch.manual_seed(0)
-        first = noisy(w, x[:2])
-        torch.manual_seed(1)
-        return torch.cat([first, noisy(w, x[2:])])
-
-    got = simulate(noisy, w, [(x[:2],), (x[2:],)], seeds=[0, 1], batch_dim=0)
+    parts = [(x[:2],), (x[2:],)]
+    got = simulate(noisy, w, parts, seeds=[0, 1], batch_dim=0)
+    both = _ranks_with_their_draws(noisy, parts, [0, 1])
     torch.testing.assert_close(got, dense_gramian(both, (w,)).gramian, atol=TOL, rtol=0)
     # one sample per rank: nothing to compare (a batch of two draws other numbers), answered
     got = simulate(noisy, w, [(x[:1],), (x[1:2],)], seeds=[0, 1], batch_dim=0)
@@ -309,15 +319,9 @@ def test_a_stale_probe_of_a_random_f_starts_from_the_ranks_own_draw() -> None:
         h = F.prelu(h, p["a"]) if switch["prelu"] else torch.tanh(h) * p["a"]
         return h.sum(-1)
 
-    params = {"w": w, "a": a}
-    simulate(noisy, params, [(x[:2],), (x[2:],)], seeds=[0, 1], batch_dim=0)
+    params, parts = {"w": w, "a": a}, [(x[:2],), (x[2:],)]
+    simulate(noisy, params, parts, seeds=[0, 1], batch_dim=0)
     switch["prelu"] = True
-
-    def both(p: dict[str, Tensor]) -> Tensor:
-        torch.manual_seed(0)
-        first = noisy(p, x[:2])
-        torch.manual_seed(1)
-        return torch.cat([first, noisy(p, x[2:])])
-
-    got = simulate(noisy, params, [(x[:2],), (x[2:],)], seeds=[0, 1], batch_dim=0)
+    got = simulate(noisy, params, parts, seeds=[0, 1], batch_dim=0)
+    both = _ranks_with_their_draws(noisy, parts, [0, 1])
     torch.testing.assert_close(got, dense_gramian(both, (params,)).gramian, atol=TOL, rtol=0)
