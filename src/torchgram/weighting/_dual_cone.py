@@ -42,12 +42,13 @@ def normalize_and_regularize(G: Tensor, norm_eps: float, reg_eps: float) -> Tens
     return (normalized + reg_eps * eye).to(torch.float64)
 
 
-def project_weights(U: Tensor, H: Tensor, state: WarmStart | None = None,
+def project_weights(U: Tensor | None, H: Tensor, state: WarmStart | None = None,
                     name: str = "") -> Tensor:
     """Solves ``min_{v ≥ u} vᵀ H v`` for each row ``u ≥ 0`` of ``U`` (shape ``[k, m]``).
 
     Args:
-        U: Float64 tensor of shape ``[k, m]``.
+        U: Float64 tensor of shape ``[k, m]``, or ``None`` for the identity (UPGrad's unit
+            vectors: then ``q = H`` exactly, without the ``[m, m] × [m, m]`` product).
         H: Normalised and regularised float64 Gramian of shape ``[m, m]`` (positive-definite).
         state: Where the previous call of the weighting ``name`` left its solution ``v - u``
             (used as the starting point if it fits), and where this call leaves its own.
@@ -56,23 +57,26 @@ def project_weights(U: Tensor, H: Tensor, state: WarmStart | None = None,
     Returns:
         The minimisers ``v``, shape ``[k, m]``, float64, with ``v ≥ u``.
     """
-    q = U @ H
+    q = H.clone() if U is None else U @ H
     x0 = None if state is None else state.load(name, q)
     solution = solve_nonneg(H, q, x0)
     if state is not None:
         state.store(name, solution.x, solution.solver, solution.iterations)
+    if U is None:
+        U = torch.eye(H.shape[0], dtype=H.dtype, device=H.device)
     return U + solution.x
 
 
 def projected_preferences(G: Tensor, name: str, norm_eps: float, reg_eps: float,
-                          preferences: Callable[[int, Tensor], Tensor],
+                          preferences: Callable[[int, Tensor], Tensor] | None,
                           state: WarmStart | None = None) -> Tensor:
     """Validate ``G``, then project ``Jᵀu`` onto the dual cone for each preference row ``u``.
 
     ``preferences(m, H)`` returns the ``[k, m]`` weights ``U`` to project (float64, on ``H``'s
-    device); the result is the ``[k, m]`` float64 minimisers of :func:`project_weights`, or an
-    empty ``[0, 0]`` tensor for ``m = 0``. ``name`` is the weighting's name, for messages;
-    ``state`` the caller's warm start, if any.
+    device), ``None`` means the ``m`` unit vectors (UPGrad); the result is the ``[k, m]``
+    float64 minimisers of :func:`project_weights`, or an empty ``[0, 0]`` tensor for
+    ``m = 0``. ``name`` is the weighting's name, for messages; ``state`` the caller's warm
+    start, if any.
     """
     G = check_gramian(G, name)
     check_non_negative(norm_eps, "norm_eps", name)
@@ -82,4 +86,4 @@ def projected_preferences(G: Tensor, name: str, norm_eps: float, reg_eps: float,
     if m == 0:
         return G.new_zeros(0, 0, dtype=torch.float64)
     H = normalize_and_regularize(G, norm_eps, reg_eps)
-    return project_weights(preferences(m, H), H, state, name)
+    return project_weights(None if preferences is None else preferences(m, H), H, state, name)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from ._dual_cone import projected_preferences
@@ -79,9 +78,5 @@ def upgrad(
         >>> bool((J @ (J.T @ w) >= 0).all())  # Jᵀw conflicts with no row.
         True
     """
-    V = projected_preferences(
-        G, "upgrad", norm_eps, reg_eps,
-        lambda m, H: torch.eye(m, dtype=H.dtype, device=H.device),
-        state,
-    )
+    V = projected_preferences(G, "upgrad", norm_eps, reg_eps, None, state)  # U = I
     return V.mean(dim=0).to(G.dtype) if V.numel() else G.new_zeros(0)

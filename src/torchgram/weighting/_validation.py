@@ -71,15 +71,18 @@ def check_gramian(G: object, name: str) -> Tensor:
     G = G.detach()
     if G.numel() == 0:
         return G
-    scale = G.abs().amax()
-    tol = symmetry_rtol(G.dtype) * scale
+    magnitudes = G.abs()
+    tol = symmetry_rtol(G.dtype) * magnitudes.amax()
+    asymmetry = G - G.T  # Computed once (transposed reads are the slow ones): checked, removed.
     norms = G.diagonal().clamp_min(0).sqrt()
+    # Reductions to one value each (``isfinite(G).all()`` and ``.any()`` of a comparison took
+    # 190 and 90 µs at m = 256 on one CPU thread, the whole check 3 times as long)
     bad = torch.stack(
         [
-            ~torch.isfinite(G).all(),
-            (G - G.T).abs().amax() > tol,
-            (G.diagonal() < -tol).any(),
-            (G.abs() > norms[:, None] * norms[None, :] + tol).any(),
+            G.mul(0).sum() != 0,  # 0 · x is ±0 for a finite x, NaN for NaN and ±inf
+            asymmetry.abs().amax() > tol,
+            G.diagonal().amin() < -tol,
+            (magnitudes - norms[:, None] * norms[None, :]).amax() > tol,
         ]
     )
     not_finite, not_symmetric, negative_diagonal, too_large = bad.tolist()  # The one sync.
@@ -89,7 +92,7 @@ def check_gramian(G: object, name: str) -> Tensor:
             "values. Check the losses and the Jacobian for NaN/inf first."
         )
     if not_symmetric:
-        asym = float((G - G.T).abs().amax())
+        asym = float(asymmetry.abs().amax())
         raise ValueError(
             f"{api}: expected a square symmetric [m, m] Gramian, got max |G - G.T| = {asym:.3g}, "
             f"above the tolerance {float(tol):.3g} (= {symmetry_rtol(G.dtype):.3g} * max |G|). "
@@ -109,7 +112,7 @@ def check_gramian(G: object, name: str) -> Tensor:
             f"{float(G[i, j].abs()):.3g} above sqrt(G[{i}, {i}] G[{j}, {j}]) = "
             f"{float(norms[i] * norms[j]):.3g} (|<J[i], J[j]>| <= |J[i]| |J[j]|). {_HOW_TO}"
         )
-    return G + (G.T - G) / 2  # (G + Gᵀ) / 2 without overflow near the dtype's largest value.
+    return G - asymmetry / 2  # (G + Gᵀ) / 2 without overflow near the dtype's largest value.
 
 
 def check_non_negative(value: float, argument: str, name: str) -> None:
