@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import pytest
 import torch
@@ -536,9 +537,9 @@ def test_complement_side_matches_brute_force(monkeypatch: pytest.MonkeyPatch, se
     sizes: list[int] = []
     complement = qp._solve_by_complement
 
-    def spy(K: Tensor, inverse: Tensor, free: Tensor, b: Tensor, p: int) -> tuple[Tensor, Tensor]:
+    def spy(K: Any, inverse: Tensor, faces: Any, b: Tensor, p: int, refine: bool) -> Any:
         sizes.append(p)
-        return complement(K, inverse, free, b, p)
+        return complement(K, inverse, faces, b, p, refine)
 
     monkeypatch.setattr(qp, "_solve_by_complement", spy)
     x = solve_nonneg_qp(H, H)
@@ -642,3 +643,45 @@ def test_upgrad_on_rank_one_gramians_groups_its_faces(monkeypatch: pytest.Monkey
     assert grouped
     monkeypatch.setattr(qp, "_GROUP_FROM", m + 1)
     assert_close(w, weighting.upgrad(G), rtol=1e-11, atol=0)
+
+
+def _counting_corrections(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Complement solves from m = 1 on; returns a list that grows by one per correction made."""
+    monkeypatch.setattr(qp, "_GATHER_FROM", 1)
+    corrections: list[int] = []
+    complement = qp._solve_by_complement
+
+    def spy(*args: Any) -> Any:
+        z, ok, correct = complement(*args)
+        if correct is None:
+            return z, ok, None
+
+        def counted(residual: Tensor) -> Tensor:
+            corrections.append(1)
+            return correct(residual)
+
+        return z, ok, counted
+
+    monkeypatch.setattr(qp, "_solve_by_complement", spy)
+    return corrections
+
+
+@pytest.mark.parametrize("ridge", [1e-1, 1e-7], ids=["well-conditioned", "ill-conditioned"])
+def test_refinement_on_demand_gives_exact_face_solutions(monkeypatch: pytest.MonkeyPatch,
+                                                         ridge: float) -> None:
+    # NOTE [refinement on demand]: through K⁻¹, the refinement step runs where the residual s_F
+    # is above round-off -- not on a well-conditioned H, on an ill-conditioned one -- and the
+    # solutions are exact either way.
+    m = 9
+    generator = torch.Generator().manual_seed(7)
+    J = torch.eye(m, dtype=torch.float64) - 1.0 / m  # centred rows: the complement side
+    J = J + 0.05 * torch.randn(m, m, generator=generator, dtype=torch.float64)
+    J[:, 0] *= 1e3 if ridge < 1e-3 else 1.0  # a direction of much larger curvature
+    H = J @ J.T / (J @ J.T).trace() + ridge * torch.eye(m, dtype=torch.float64)
+    corrections = _counting_corrections(monkeypatch)
+    x = solve_nonneg_qp(H, H)
+    assert bool(corrections) == (ridge < 1e-3)
+    expected = torch.stack([brute_force_nonneg_qp(H, row) for row in H])
+    # The forward error of any solver is up to cond(H) · eps: 1e-9 at cond(H) = 1e7
+    assert_close(x, expected, rtol=0, atol=1e-12 if ridge > 1e-3 else 1e-9)
+    assert kkt_residual(H, H, x).max() < 1e-15
