@@ -24,6 +24,7 @@ from torch.overrides import TorchFunctionMode
 
 from torchgram._core import _torch_compat
 from torchgram._core.captured_writes import StaleWrites
+from torchgram._core.determinants import DETERMINANT, computes_determinant
 from torchgram._core.errors import OutputChanged, gradient_hooks_refused
 from torchgram._core.prelu import PRELU, calls_prelu
 
@@ -160,6 +161,8 @@ class ProbeCheck(StaleWrites):
                 self.unseen.append(how)
         if calls_prelu(func) and PRELU not in self._decomposed:  # NOTE [prelu as where]
             self.unseen.append(PRELU)
+        if computes_determinant(func) and DETERMINANT not in self._decomposed:
+            self.unseen.append(DETERMINANT)  # NOTE [singular determinants]
         return super().__torch_function__(func, types, args, kwargs)  # writes, then the call
 
     def __exit__(self, *exc: Any) -> None:
@@ -227,7 +230,7 @@ class OpCensus(TorchFunctionMode):
         differentiates: How ``f`` first differentiated its own computation, or ``None`` (NOTE
             [f that differentiates itself]).
         decomposed: Calls that torchgram's later evaluations of ``f`` run decomposed (NOTE
-            [prelu as where]).
+            [prelu as where]) or watched (NOTE [singular determinants]).
     """
 
     def __init__(self) -> None:
@@ -258,4 +261,6 @@ class OpCensus(TorchFunctionMode):
             self.unbatched.append(name)
         if calls_prelu(func) and PRELU not in self.decomposed:
             self.decomposed.append(PRELU)
+        if computes_determinant(func) and DETERMINANT not in self.decomposed:
+            self.decomposed.append(DETERMINANT)  # NOTE [singular determinants]
         return func(*args, **kwargs)

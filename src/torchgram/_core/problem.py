@@ -46,6 +46,11 @@ from torchgram._core.composition import (
     detect_composition,
     differentiable_evaluation,
 )
+from torchgram._core.determinants import (
+    DETERMINANT,
+    SingularDeterminantsRefused,
+    singular_determinants_refused,
+)
 from torchgram._core.errors import (
     CounterRead,
     NotPerSample,
@@ -436,7 +441,7 @@ class Problem:
             return self.f(*self.diff.rebuild_args(given, values), **keywords)
 
         try:
-            with counters_refused(self.api):
+            with counters_refused(self.api), singular_determinants_refused(self.api):
                 result = evaluate_f(evaluate, leaves,
                                     lambda: self.draw.evaluation(full=full, check=check_draw),
                                     self._evaluation,  # NOTE [decomposed norms]
@@ -446,6 +451,8 @@ class Problem:
                                     FrozenRunningStats,  # NOTE [frozen running statistics]
                                     PreluAsWhere if PRELU in self.decomposed
                                     else contextlib.nullcontext,  # NOTE [prelu as where]
+                                    SingularDeterminantsRefused if DETERMINANT in self.decomposed
+                                    else contextlib.nullcontext,  # NOTE [singular determinants]
                                     RenormalisedOnce if self.mutates_leaves
                                     else contextlib.nullcontext)  # NOTE [renormalised once]
         except UnseenWrite as error:  # NOTE [writes its probe did not see]

@@ -35,7 +35,8 @@ def upgrad(
 
     The ``m`` quadratic programs are solved together, as batched tensor code on ``G``'s device,
     by primal-dual active-set steps whose face systems are solved by batched Cholesky
-    factorisations (from ``m = 32`` on, from faces guessed by a few ADMM iterations with one
+    factorisations (one per distinct face: the per-sample Gramians of a classifier share them
+    class by class; from ``m = 32`` on, from faces guessed by a few ADMM iterations with one
     shared inverse) for ``m < 96``, and for ``m < 512`` when ``G`` has a low effective rank
     (rank-deficient, ill-conditioned, per-sample training Gramians); otherwise by batched
     conjugate gradients (one ``[m, m] × [m, m]`` GEMM per iteration, mostly in float32). Either
