@@ -7,6 +7,7 @@ error, and computes the oracle's matrix everywhere else.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import pytest
@@ -115,3 +116,31 @@ def test_kernels_and_updates_refuse_singular_determinants() -> None:
     step = tg.aggregated_grad(_det, tg.weighting.mean, batch_dim=0)
     with pytest.raises(ValueError, match="singular determinants"):
         step(p, x)
+
+
+@pytest.mark.parametrize("batch_dim", [None, 0], ids=["dense", "per-sample"])
+@pytest.mark.parametrize("recorded", [False, True], ids=["walk", "record"])
+@pytest.mark.parametrize("name", DETERMINANTS)
+def test_eager_calls_refuse_a_singular_determinant(name: str, recorded: bool,
+                                                   batch_dim: int | None) -> None:
+    # tg.autograd on a graph built by the caller: the determinant's node says it
+    p, x = _inputs(singular=True)
+    p.requires_grad_()
+    with tg.autograd.record() if recorded else contextlib.nullcontext():
+        losses = DETERMINANTS[name](p, x)
+    with pytest.raises(ValueError, match=r"torchgram.autograd.gramian: .*singular"):
+        tg.autograd.gramian(losses, [p], batch_dim=batch_dim, retain_graph=True)
+    with pytest.raises(ValueError, match=r"torchgram.autograd.backward: .*singular"):
+        tg.autograd.backward(losses, [p], tg.weighting.mean, batch_dim=batch_dim)
+    assert p.grad is None
+
+
+@pytest.mark.parametrize("recorded", [False, True], ids=["walk", "record"])
+def test_eager_determinants_elsewhere_are_the_oracle_s(recorded: bool) -> None:
+    p, x = _inputs(singular=False)
+    expected = dense_gramian(_det, (p, x)).gramian
+    p.requires_grad_()
+    with tg.autograd.record() if recorded else contextlib.nullcontext():
+        losses = _det(p, x)
+    assert_close(tg.autograd.gramian(losses, [p], batch_dim=0), expected, rtol=1e-10,
+                 atol=1e-12)

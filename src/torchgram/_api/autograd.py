@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from torchgram._core import _torch_compat, checks
+from torchgram._core.determinants import singular_determinants_refused
 from torchgram._core.functional import outside_inference_mode
 from torchgram._core.result import RunReport
 from torchgram._core.scratch import scratch_scope
@@ -159,10 +160,12 @@ class Call:
                             dtype=widest)
         if num_rows:
             try:
-                result = eager_gramian(self.api, output_list, input_list, blocks,
-                                       batch_dim=self.batch_dim, chunk_size=self.chunk_size,
-                                       diagonal=self.diagonal, retain_graph=self.retain_graph,
-                                       want_pullback=want_pullback)
+                with singular_determinants_refused(self.api):  # NOTE [singular determinants]
+                    result = eager_gramian(self.api, output_list, input_list, blocks,
+                                           batch_dim=self.batch_dim,
+                                           chunk_size=self.chunk_size, diagonal=self.diagonal,
+                                           retain_graph=self.retain_graph,
+                                           want_pullback=want_pullback)
             except RuntimeError as error:  # NOTE [sparse tensors in f]
                 sparse = [i for i, t in enumerate(input_list) if t.layout != torch.strided]
                 if not sparse or not _torch_compat.is_sparse_gradient_error(error):

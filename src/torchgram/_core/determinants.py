@@ -20,8 +20,9 @@ tiny (a numerically singular matrix) is differentiated as usual, by the inverse,
 paths agree there. Values that cannot be read (inside the caller's or a backend's ``vmap``)
 are not checked: the plain evaluations of the same call are (every backend makes one).
 Evaluations under a cached probe that did not see a determinant and then meet one start
-over (NOTE [stale probes]). ``tg.autograd`` on a graph built outside these evaluations is
-not covered.
+over (NOTE [stale probes]). On graphs built outside these evaluations (``tg.autograd``), the
+walk reads what the determinant's node saved (:func:`check_determinant_node`): its result
+(``det``) or sign (``slogdet``, which ``logdet`` goes through).
 """
 
 from __future__ import annotations
@@ -41,6 +42,37 @@ DETERMINANT = "a determinant"
 
 _DETERMINANTS = frozenset({torch.linalg.det, torch.det, Tensor.det, torch.logdet, Tensor.logdet})
 _SIGNED_LOG_DETERMINANTS = frozenset({torch.linalg.slogdet, torch.slogdet, Tensor.slogdet})
+
+
+_SAVED_DETERMINANTS = {"LinalgDetBackward0": "_saved_result",
+                       "LinalgSlogdetBackward0": "_saved_sign"}
+"""The nodes of the determinants, and the saved value that is zero at a singular matrix."""
+
+DETERMINANT_NODES = frozenset(_SAVED_DETERMINANTS)
+"""The names of the determinants' autograd nodes."""
+
+
+def check_determinant_node(node: Any, name: str) -> None:
+    """Refuse ``node`` (named ``name``) if it is a determinant's at a singular matrix.
+
+    Raises :class:`SingularDeterminant` where the value it saved is zero (NOTE [singular
+    determinants]); other nodes pass unread.
+
+    Example:
+        >>> X = torch.tensor([[1.0, 2.0], [2.0, 4.0]], requires_grad=True)
+        >>> node = torch.linalg.det(X).grad_fn
+        >>> check_determinant_node(node, node.name())
+        Traceback (most recent call last):
+        ...
+        torchgram._core.determinants.SingularDeterminant: torch.linalg.det (LinalgDetBackward0)
+    """
+    saved = _SAVED_DETERMINANTS.get(name)
+    if saved is None:
+        return
+    value = getattr(node, saved, None)
+    if isinstance(value, Tensor) and bool((value == 0).any()):
+        what = "torch.linalg.det" if name == "LinalgDetBackward0" else "torch.linalg.slogdet"
+        raise SingularDeterminant(f"{what} ({name})")
 
 
 def computes_determinant(func: Any) -> bool:
@@ -99,9 +131,9 @@ def singular_determinants_refused(api: str) -> Iterator[None]:
         yield
     except SingularDeterminant as error:
         raise ValueError(message(
-            api, "f whose determinants are of matrices that are not exactly singular (torch "
-            "2.13 differentiates a determinant at an exactly singular matrix wrongly, "
-            "differently in each mode: NOTE [singular determinants])",
-            f"f that calls {error} on an exactly singular matrix",
+            api, "determinants of matrices that are not exactly singular (torch 2.13 "
+            "differentiates a determinant at an exactly singular matrix wrongly, differently "
+            "in each mode: NOTE [singular determinants])",
+            f"{error} of an exactly singular matrix",
             "Move the matrix off singularity (e.g. add a small multiple of the identity), or "
             "compute what you need without the determinant there.")) from error

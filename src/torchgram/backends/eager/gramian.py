@@ -33,6 +33,7 @@ from torch import Tensor
 from torchgram._core import _torch_compat
 from torchgram._core._torch_compat import Node
 from torchgram._core.checks import fail
+from torchgram._core.determinants import check_determinant_node
 from torchgram._core.result import RunReport
 from torchgram._core.scratch import give_back, scratch_bmm
 from torchgram._core.sink import LeafBlocks
@@ -129,6 +130,8 @@ def eager_gramian(api: str, outputs: Sequence[Tensor], inputs: Sequence[Tensor],
         graph = index_graph(outputs)
         if graph.reentrant:
             _fail_reentrant(api)
+        for node in graph.determinants:  # NOTE [singular determinants]: the walk checks its own
+            check_determinant_node(node, type(node).__name__)
         if not retain_graph and _made(recording, graph):
             consumed = recording
         tapped = _select(api, recording, graph, inputs, walked, report)

@@ -19,6 +19,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from torchgram._core import _torch_compat
 from torchgram._core._torch_compat import Node
+from torchgram._core.determinants import DETERMINANT_NODES
 
 if TYPE_CHECKING:
     from torchgram.backends.eager.record import Recording
@@ -37,6 +38,7 @@ class GraphIndex:
         reentrant: Whether a reentrant checkpoint sits in the graph.
         size: Number of nodes.
         every: Every node but the leaves' accumulators, duplicated numbers included.
+        determinants: The determinants' nodes (NOTE [singular determinants]).
     """
 
     by_seq: dict[int, list[Node]] = field(default_factory=dict)
@@ -45,6 +47,7 @@ class GraphIndex:
     reentrant: bool = False
     size: int = 0
     every: list[Node] = field(default_factory=list)
+    determinants: list[Node] = field(default_factory=list)
     _parents: dict[Node, list[Node]] | None = field(default=None, repr=False)
     _leaf_only: dict[tuple[Node, int], bool] = field(default_factory=dict, repr=False)
 
@@ -116,6 +119,8 @@ def index_graph(outputs: Sequence[Tensor]) -> GraphIndex:
             index.reentrant = True
         if _torch_compat.is_module_hook_node(node):
             index.module_hooks = True
+        if type(node).__name__ in DETERMINANT_NODES:
+            index.determinants.append(node)
         for child, _ in node.next_functions:
             if child is None:
                 continue

@@ -60,6 +60,7 @@ from torch import Tensor
 
 from torchgram._core import _torch_compat
 from torchgram._core._torch_compat import Node
+from torchgram._core.determinants import check_determinant_node
 
 Edge = tuple[Node, int]
 """A next edge ``(node, input_nr)``: where a node's gradient goes."""
@@ -116,6 +117,7 @@ class NodeCaller:
             One entry per next edge: the row gradients, or ``None`` where the edge is not
             wanted or the node returned no gradient for it.
         """
+        check_determinant_node(node, node_name(node))  # NOTE [singular determinants]
         rows = next(g for g in grads if g is not None).shape[0]
         chunk = rows if self.chunk_size is None else min(self.chunk_size, rows)
         results: list[Tensor | None] = [None] * len(edges)
