@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from torchgram._core import _torch_compat, checks
+from torchgram._core.as_strided_scatter import wrong_backwards_refused
 from torchgram._core.determinants import singular_determinants_refused
 from torchgram._core.functional import outside_inference_mode
 from torchgram._core.result import RunReport
@@ -160,7 +161,7 @@ class Call:
                             dtype=widest)
         if num_rows:
             try:
-                with singular_determinants_refused(self.api):  # NOTE [singular determinants]
+                with singular_determinants_refused(self.api), wrong_backwards_refused(self.api):
                     result = eager_gramian(self.api, output_list, input_list, blocks,
                                            batch_dim=self.batch_dim,
                                            chunk_size=self.chunk_size, diagonal=self.diagonal,

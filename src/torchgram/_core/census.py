@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from torchgram._core import _torch_compat
+from torchgram._core.as_strided_scatter import AS_STRIDED_SCATTER, calls_as_strided_scatter
 from torchgram._core.captured_writes import StaleWrites
 from torchgram._core.determinants import DETERMINANT, computes_determinant
 from torchgram._core.errors import OutputChanged, gradient_hooks_refused
@@ -163,6 +164,8 @@ class ProbeCheck(StaleWrites):
             self.unseen.append(PRELU)
         if computes_determinant(func) and DETERMINANT not in self._decomposed:
             self.unseen.append(DETERMINANT)  # NOTE [singular determinants]
+        if calls_as_strided_scatter(func) and AS_STRIDED_SCATTER not in self._decomposed:
+            self.unseen.append(AS_STRIDED_SCATTER)  # NOTE [as_strided_scatter's backward]
         return super().__torch_function__(func, types, args, kwargs)  # writes, then the call
 
     def __exit__(self, *exc: Any) -> None:
@@ -263,4 +266,6 @@ class OpCensus(TorchFunctionMode):
             self.decomposed.append(PRELU)
         if computes_determinant(func) and DETERMINANT not in self.decomposed:
             self.decomposed.append(DETERMINANT)  # NOTE [singular determinants]
+        if calls_as_strided_scatter(func) and AS_STRIDED_SCATTER not in self.decomposed:
+            self.decomposed.append(AS_STRIDED_SCATTER)  # NOTE [as_strided_scatter's backward]
         return func(*args, **kwargs)

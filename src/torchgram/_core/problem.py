@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from torchgram._core import _torch_compat
+from torchgram._core.as_strided_scatter import AS_STRIDED_SCATTER, AsStridedScatterRewritten
 from torchgram._core.captured_writes import (
     CapturedWrites,
     RenormalisedOnce,
@@ -453,6 +454,10 @@ class Problem:
                                     else contextlib.nullcontext,  # NOTE [prelu as where]
                                     SingularDeterminantsRefused if DETERMINANT in self.decomposed
                                     else contextlib.nullcontext,  # NOTE [singular determinants]
+                                    AsStridedScatterRewritten
+                                    if AS_STRIDED_SCATTER in self.decomposed
+                                    else contextlib.nullcontext,  # NOTE [as_strided_scatter's
+                                    # backward]
                                     RenormalisedOnce if self.mutates_leaves
                                     else contextlib.nullcontext)  # NOTE [renormalised once]
         except UnseenWrite as error:  # NOTE [writes its probe did not see]

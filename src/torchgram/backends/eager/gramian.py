@@ -32,6 +32,7 @@ from torch import Tensor
 
 from torchgram._core import _torch_compat
 from torchgram._core._torch_compat import Node
+from torchgram._core.as_strided_scatter import check_as_strided_scatter_node
 from torchgram._core.checks import fail
 from torchgram._core.determinants import check_determinant_node
 from torchgram._core.result import RunReport
@@ -132,6 +133,7 @@ def eager_gramian(api: str, outputs: Sequence[Tensor], inputs: Sequence[Tensor],
             _fail_reentrant(api)
         for node in graph.determinants:  # NOTE [singular determinants]: the walk checks its own
             check_determinant_node(node, type(node).__name__)
+            check_as_strided_scatter_node(node, type(node).__name__)
         if not retain_graph and _made(recording, graph):
             consumed = recording
         tapped = _select(api, recording, graph, inputs, walked, report)

@@ -19,6 +19,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from torchgram._core import _torch_compat
 from torchgram._core._torch_compat import Node
+from torchgram._core.as_strided_scatter import AS_STRIDED_SCATTER_NODE
 from torchgram._core.determinants import DETERMINANT_NODES
 
 if TYPE_CHECKING:
@@ -38,7 +39,8 @@ class GraphIndex:
         reentrant: Whether a reentrant checkpoint sits in the graph.
         size: Number of nodes.
         every: Every node but the leaves' accumulators, duplicated numbers included.
-        determinants: The determinants' nodes (NOTE [singular determinants]).
+        determinants: The determinants' nodes (NOTE [singular determinants]) and the
+            ``as_strided_scatter``'s (NOTE [as_strided_scatter's backward]).
     """
 
     by_seq: dict[int, list[Node]] = field(default_factory=dict)
@@ -119,7 +121,8 @@ def index_graph(outputs: Sequence[Tensor]) -> GraphIndex:
             index.reentrant = True
         if _torch_compat.is_module_hook_node(node):
             index.module_hooks = True
-        if type(node).__name__ in DETERMINANT_NODES:
+        if type(node).__name__ in DETERMINANT_NODES or \
+                type(node).__name__ == AS_STRIDED_SCATTER_NODE:
             index.determinants.append(node)
         for child, _ in node.next_functions:
             if child is None:
