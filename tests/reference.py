@@ -15,6 +15,12 @@ backward per row, so that it is the Jacobian of the function as a user's own cal
   output does not share), and the contract is the draw a plain call sees (DESIGN.md §3).
 
 ``tests/fuzz/FINDINGS.md`` tells both stories.
+
+Where torch's plain backward itself is wrong (torch 2.13: ``as_strided_scatter`` with respect
+to its input, ``det`` at an exactly singular matrix), this oracle is wrong with it: the tests
+of those compare with the same function written without the op
+(``tests/core/test_as_strided_scatter.py``) or check the refusal
+(``tests/core/test_determinants.py``).
 """
 
 from __future__ import annotations
