@@ -607,3 +607,24 @@ def test_public_names() -> None:
     assert set(NOT_WEIGHTINGS) <= set(weighting.__all__)
     for name in weighting.__all__:
         assert getattr(weighting, name).__doc__
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("name", ["upgrad", "dualproj", "mgda", "aligned_mtl"])
+def test_scale_invariant_weightings_near_the_largest_float(name: str, dtype: torch.dtype) -> None:
+    # A finite G whose trace (or m · λ_max) overflows: the answer of G scaled down, not the
+    # uniform weights of a zero G (session 54: [0.5, 0.5] for [0.99985, 0.74996])
+    J = torch.tensor([[1.0, 0.0], [-1.0, 1.0]], dtype=torch.float64)
+    G = (J @ J.T).to(dtype)
+    huge = G * (torch.finfo(dtype).max / 2.5)
+    assert torch.isfinite(huge).all() and not torch.isfinite(huge.diagonal().sum())
+    weighting_fn = getattr(weighting, name)
+    assert_close(weighting_fn(huge), weighting_fn(G), rtol=1e-6 if dtype == torch.float32
+                 else 1e-12, atol=0)
+
+
+@pytest.mark.parametrize("option", ["norm_eps", "reg_eps"])
+def test_an_infinite_eps_is_refused(option: str) -> None:
+    # reg_eps = inf gave NaN weights or a raw LinAlgError, depending on m
+    with pytest.raises(ValueError, match=rf"weighting.upgrad: expected a finite {option}"):
+        weighting.upgrad(torch.eye(3), **{option: float("inf")})

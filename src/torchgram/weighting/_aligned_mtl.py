@@ -7,7 +7,7 @@ from typing import Literal, TypeAlias
 import torch
 from torch import Tensor
 
-from ._validation import check_gramian
+from ._validation import check_gramian, scaled_by_a_power_of_two
 
 ScaleMode: TypeAlias = Literal["min", "median", "rmse"]
 _SCALE_MODES = ("min", "median", "rmse")
@@ -63,7 +63,9 @@ def aligned_mtl(G: Tensor, /, *, scale_mode: ScaleMode = "min") -> Tensor:
     m = G.shape[0]
     if m == 0:
         return G.new_zeros(0)
-    eigenvalues, eigenvectors = torch.linalg.eigh(G.to(torch.float64), UPLO="U")  # Ascending.
+    # G · 2^-e (the weights do not depend on the scale): m · λ_max cannot overflow below
+    eigenvalues, eigenvectors = torch.linalg.eigh(
+        scaled_by_a_power_of_two(G.to(torch.float64))[0], UPLO="U")  # Ascending.
     kept = eigenvalues > eigenvalues.amax() * m * torch.finfo(G.dtype).eps
     rank = kept.sum()
     safe = torch.where(kept, eigenvalues, 1.0)

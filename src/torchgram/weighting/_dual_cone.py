@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from ._nonneg import solve_nonneg
-from ._validation import check_gramian, check_non_negative
+from ._validation import check_gramian, check_non_negative, scaled_by_a_power_of_two
 from ._warm_start import WarmStart, check_state
 
 
@@ -34,9 +34,11 @@ def normalize_and_regularize(G: Tensor, norm_eps: float, reg_eps: float) -> Tens
     two agree to float64 round-off for float32 Gramians too. ``torch.where`` rather than ``if``
     keeps it free of host synchronisation.
     """
-    G = G.to(torch.promote_types(G.dtype, torch.float32))
-    trace = G.diagonal().sum()
-    is_zero = (trace < norm_eps) | (trace <= 0)  # `<= 0` matters for norm_eps = 0 only.
+    G, exponent = scaled_by_a_power_of_two(G.to(torch.promote_types(G.dtype, torch.float32)))
+    trace = G.diagonal().sum()  # of G · 2^-e: no overflow, and G / trace is unchanged
+    threshold = torch.ldexp(torch.tensor(norm_eps, dtype=torch.float64, device=G.device),
+                            -exponent)
+    is_zero = (trace < threshold) | (trace <= 0)  # `<= 0` matters for norm_eps = 0 only.
     normalized = torch.where(is_zero, torch.zeros_like(G), G / trace)
     eye = torch.eye(G.shape[0], dtype=G.dtype, device=G.device)
     return (normalized + reg_eps * eye).to(torch.float64)

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from ._qp import solve_simplex_qp
-from ._validation import check_gramian
+from ._validation import check_gramian, scaled_by_a_power_of_two
 from ._warm_start import WarmStart, check_state
 
 
@@ -72,7 +72,7 @@ def mgda(G: Tensor, /, *, state: WarmStart | None = None) -> Tensor:
         return G.new_zeros(0)
     # float64: the support is decided by the signs of exact solves on candidate supports, up to
     # a few ulps, and the Gramian may be singular; float32 would resolve neither.
-    G64 = G.to(torch.float64)
+    G64 = scaled_by_a_power_of_two(G.to(torch.float64))[0]  # a trace that cannot overflow
     trace = G64.diagonal().sum()
     eye = torch.eye(m, dtype=G64.dtype, device=G64.device)
     # A zero Gramian is replaced by I, whose min-norm point is the uniform vector (no host sync).

@@ -116,6 +116,27 @@ def check_gramian(G: object, name: str) -> Tensor:
 
 
 def check_non_negative(value: float, argument: str, name: str) -> None:
-    """Raises a ValueError naming ``name`` if the option ``argument`` is negative or NaN."""
-    if not value >= 0.0:
-        raise ValueError(f"{_PREFIX}{name}: expected {argument} >= 0, got {value!r}.")
+    """Raises a ValueError naming ``name`` if the option ``argument`` is negative, NaN or inf."""
+    if not 0.0 <= value < math.inf:
+        raise ValueError(f"{_PREFIX}{name}: expected a finite {argument} >= 0, got {value!r}.")
+
+
+def scaled_by_a_power_of_two(G: Tensor) -> tuple[Tensor, Tensor]:
+    """``G · 2^-e`` with ``2^(e-1) <= max |G| < 2^e``, and ``e`` (an int32 tensor).
+
+    Only the exponents of the entries change, so quotients of entries and sums (a trace) of the
+    scaled matrix are those of ``G`` scaled, to the bit, unless ``G``'s own sum overflowed:
+    for the weightings that ``G -> c G`` leaves unchanged, a finite ``G`` of entries near the
+    dtype's largest (a trace of 4.5e38 in float32) then gives their answer, not the one of a
+    zero ``G`` (session 54: uniform weights, without a word). No host synchronisation.
+
+    Example:
+        >>> G = torch.tensor([[3e38, -1e38], [-1e38, 3e38]])
+        >>> G.diagonal().sum()  # overflows
+        tensor(inf)
+        >>> scaled, exponent = scaled_by_a_power_of_two(G)
+        >>> scaled.diagonal().sum(), exponent
+        (tensor(1.7633), tensor(128, dtype=torch.int32))
+    """
+    _, exponent = torch.frexp(G.abs().amax())
+    return torch.ldexp(G, -exponent), exponent
