@@ -578,10 +578,10 @@ def test_meta_gramian_raises_value_error(name: str) -> None:
 @pytest.mark.parametrize(
     ("name", "options", "message"),
     [
-        ("upgrad", {"norm_eps": -1.0}, r"norm_eps >= 0, got -1\.0"),
-        ("upgrad", {"reg_eps": -1e-4}, r"reg_eps >= 0, got -0\.0001"),
-        ("dualproj", {"reg_eps": float("nan")}, r"reg_eps >= 0, got nan"),
-        ("imtl_g", {"eps": -1.0}, r"eps >= 0, got -1\.0"),
+        ("upgrad", {"norm_eps": -1.0}, r"a finite norm_eps >= 0, got -1\.0"),
+        ("upgrad", {"reg_eps": -1e-4}, r"a finite reg_eps >= 0, got -0\.0001"),
+        ("dualproj", {"reg_eps": float("nan")}, r"a finite reg_eps >= 0, got nan"),
+        ("imtl_g", {"eps": -1.0}, r"a finite eps >= 0, got -1\.0"),
         ("aligned_mtl", {"scale_mode": "max"}, r"scale_mode to be one of .*got 'max'"),
     ],
     ids=["upgrad-norm_eps", "upgrad-reg_eps", "dualproj-reg_eps-nan", "imtl_g-eps", "scale_mode"],

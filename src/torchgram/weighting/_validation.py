@@ -136,7 +136,7 @@ def scaled_by_a_power_of_two(G: Tensor) -> tuple[Tensor, Tensor]:
         tensor(inf)
         >>> scaled, exponent = scaled_by_a_power_of_two(G)
         >>> scaled.diagonal().sum(), exponent
-        (tensor(1.7633), tensor(128, dtype=torch.int32))
+        (tensor(1.7632), tensor(128, dtype=torch.int32))
     """
     _, exponent = torch.frexp(G.abs().amax())
     return torch.ldexp(G, -exponent), exponent
