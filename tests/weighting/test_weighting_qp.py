@@ -13,6 +13,7 @@ from torch.testing import assert_close
 import torchgram.weighting as weighting
 from torchgram.weighting import _nonneg
 from torchgram.weighting import _qp as qp
+from torchgram.weighting._dual_cone import normalize_and_regularize
 from torchgram.weighting._kkt import kkt_residual
 from torchgram.weighting._qp import solve_nonneg_qp, solve_simplex_qp
 
@@ -685,3 +686,20 @@ def test_refinement_on_demand_gives_exact_face_solutions(monkeypatch: pytest.Mon
     # The forward error of any solver is up to cond(H) · eps: 1e-9 at cond(H) = 1e7
     assert_close(x, expected, rtol=0, atol=1e-12 if ridge > 1e-3 else 1e-9)
     assert kkt_residual(H, H, x).max() < 1e-15
+
+
+@pytest.mark.parametrize(("m", "tiny", "scale"), [(8, 1, 1e-20), (16, 1, 1e-15), (96, 4, 1e-20)],
+                         ids=["m=8-1e-20", "m=16-1e-15", "m=96-cg-1e-20"])
+def test_tiny_rows_without_ridge_are_certified(m: int, tiny: int, scale: float) -> None:
+    # NOTE [direct solves in Jacobi units]: a full-rank Gramian (unique answers) with rows of J
+    # scaled by 1e-20 and reg_eps = 0. The sign tolerance, relative to a problem's largest |z|
+    # (the tiny row's variable: ~1e19), let a free variable of 0.1 end at -6.9e-4; the answers
+    # were returned with relative KKT residuals of 1e-3 to 4e-2.
+    generator = torch.Generator().manual_seed(0)
+    J = torch.randn(m, 2 * m + 2, generator=generator, dtype=torch.float64)
+    J[:tiny] *= scale
+    H = normalize_and_regularize(J @ J.T, 1e-4, 0.0)
+    x = _nonneg.solve_nonneg(H, H.clone()).x  # UPGrad's problems
+    assert kkt_residual(H, H, x).max() <= 1e-13
+    q = H.mean(dim=0, keepdim=True)  # DualProj's
+    assert kkt_residual(H, q, _nonneg.solve_nonneg(H, q).x).max() <= 1e-13
