@@ -180,7 +180,10 @@ def _direct(H: Tensor, q: Tensor, free: Tensor | None = None) -> Tensor:
     this scaling, nor do the free sets. Only where the diagonal spreads over more than
     ``_JACOBI_FROM_SPREAD`` (variables of scales 100 times apart): elsewhere the tolerances are
     the scaled ones to within that, and the scaling cost 4-9 % of ``upgrad`` on the benchmark
-    MLP's Gramian at m = 256 (A/B), for the same answers.
+    MLP's Gramian at m = 256 (A/B), for the same answers. With the default ``reg_eps = 1e-4``
+    the diagonal of ``H = G / tr G + reg_eps I`` spreads over at most about ``1 / reg_eps``, so
+    this is for smaller ridges (the weighting benchmark's five families: the same answers, to
+    the bit, and times, 0.97-1.01×).
     """
     diagonal = H.diagonal().clamp(min=torch.finfo(H.dtype).tiny)
     if not bool(diagonal.amax() > _JACOBI_FROM_SPREAD * diagonal.amin()):  # Host sync.
