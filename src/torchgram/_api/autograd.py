@@ -14,6 +14,7 @@ from torchgram._core.as_strided_scatter import wrong_backwards_refused
 from torchgram._core.determinants import singular_determinants_refused
 from torchgram._core.functional import outside_inference_mode
 from torchgram._core.result import RunReport
+from torchgram._core.scatter_reduce import wrong_ties_refused
 from torchgram._core.scratch import scratch_scope
 from torchgram._core.sink import LeafBlocks
 from torchgram.backends.eager.record import paused
@@ -161,7 +162,8 @@ class Call:
                             dtype=widest)
         if num_rows:
             try:
-                with singular_determinants_refused(self.api), wrong_backwards_refused(self.api):
+                with singular_determinants_refused(self.api), wrong_backwards_refused(
+                        self.api), wrong_ties_refused(self.api):
                     result = eager_gramian(self.api, output_list, input_list, blocks,
                                            batch_dim=self.batch_dim,
                                            chunk_size=self.chunk_size, diagonal=self.diagonal,

@@ -28,6 +28,7 @@ from torchgram._core.captured_writes import StaleWrites
 from torchgram._core.determinants import DETERMINANT, computes_determinant
 from torchgram._core.errors import OutputChanged, gradient_hooks_refused
 from torchgram._core.prelu import PRELU, calls_prelu
+from torchgram._core.scatter_reduce import SCATTER_REDUCE, calls_scatter_reduce
 
 _MISSING = object()
 
@@ -166,6 +167,8 @@ class ProbeCheck(StaleWrites):
             self.unseen.append(DETERMINANT)  # NOTE [singular determinants]
         if calls_as_strided_scatter(func) and AS_STRIDED_SCATTER not in self._decomposed:
             self.unseen.append(AS_STRIDED_SCATTER)  # NOTE [as_strided_scatter's backward]
+        if calls_scatter_reduce(func) and SCATTER_REDUCE not in self._decomposed:
+            self.unseen.append(SCATTER_REDUCE)  # NOTE [scatter_reduce's ties with the ...]
         return super().__torch_function__(func, types, args, kwargs)  # writes, then the call
 
     def __exit__(self, *exc: Any) -> None:
@@ -268,4 +271,6 @@ class OpCensus(TorchFunctionMode):
             self.decomposed.append(DETERMINANT)  # NOTE [singular determinants]
         if calls_as_strided_scatter(func) and AS_STRIDED_SCATTER not in self.decomposed:
             self.decomposed.append(AS_STRIDED_SCATTER)  # NOTE [as_strided_scatter's backward]
+        if calls_scatter_reduce(func) and SCATTER_REDUCE not in self.decomposed:
+            self.decomposed.append(SCATTER_REDUCE)  # NOTE [scatter_reduce's ties with the ...]
         return func(*args, **kwargs)

@@ -70,6 +70,7 @@ from torchgram._core.prelu import PRELU, PreluAsWhere
 from torchgram._core.pytree import DiffLeaves, leaves_of, select_diff_leaves
 from torchgram._core.rng import RngState
 from torchgram._core.running_stats import FrozenRunningStats, counters_refused
+from torchgram._core.scatter_reduce import SCATTER_REDUCE, ScatterReduceWithoutSelf
 from torchgram._core.signature import LruCache, call_signature
 from torchgram._core.threads import RNG_LOCK, compiled_code_eager, math_attention
 from torchgram._core.unseen import UnseenCalls
@@ -458,6 +459,10 @@ class Problem:
                                     if AS_STRIDED_SCATTER in self.decomposed
                                     else contextlib.nullcontext,  # NOTE [as_strided_scatter's
                                     # backward]
+                                    ScatterReduceWithoutSelf
+                                    if SCATTER_REDUCE in self.decomposed
+                                    else contextlib.nullcontext,  # NOTE [scatter_reduce's ties
+                                    # with the excluded self]
                                     RenormalisedOnce if self.mutates_leaves
                                     else contextlib.nullcontext)  # NOTE [renormalised once]
         except UnseenWrite as error:  # NOTE [writes its probe did not see]

@@ -36,6 +36,7 @@ from torchgram._core.as_strided_scatter import check_as_strided_scatter_node
 from torchgram._core.checks import fail
 from torchgram._core.determinants import check_determinant_node
 from torchgram._core.result import RunReport
+from torchgram._core.scatter_reduce import check_scatter_reduce_node
 from torchgram._core.scratch import give_back, scratch_bmm
 from torchgram._core.sink import LeafBlocks
 from torchgram.backends.eager.graph_index import GraphIndex, index_graph
@@ -134,6 +135,7 @@ def eager_gramian(api: str, outputs: Sequence[Tensor], inputs: Sequence[Tensor],
         for node in graph.determinants:  # NOTE [singular determinants]: the walk checks its own
             check_determinant_node(node, type(node).__name__)
             check_as_strided_scatter_node(node, type(node).__name__)
+            check_scatter_reduce_node(node, type(node).__name__)
         if not retain_graph and _made(recording, graph):
             consumed = recording
         tapped = _select(api, recording, graph, inputs, walked, report)

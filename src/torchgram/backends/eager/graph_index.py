@@ -21,6 +21,7 @@ from torchgram._core import _torch_compat
 from torchgram._core._torch_compat import Node
 from torchgram._core.as_strided_scatter import AS_STRIDED_SCATTER_NODE
 from torchgram._core.determinants import DETERMINANT_NODES
+from torchgram._core.scatter_reduce import SCATTER_REDUCE_NODE
 
 if TYPE_CHECKING:
     from torchgram.backends.eager.record import Recording
@@ -40,7 +41,8 @@ class GraphIndex:
         size: Number of nodes.
         every: Every node but the leaves' accumulators, duplicated numbers included.
         determinants: The determinants' nodes (NOTE [singular determinants]) and the
-            ``as_strided_scatter``'s (NOTE [as_strided_scatter's backward]).
+            ``as_strided_scatter``'s (NOTE [as_strided_scatter's backward]) and
+            ``scatter_reduce``'s (NOTE [scatter_reduce's ties with the excluded self]).
     """
 
     by_seq: dict[int, list[Node]] = field(default_factory=dict)
@@ -122,7 +124,7 @@ def index_graph(outputs: Sequence[Tensor]) -> GraphIndex:
         if _torch_compat.is_module_hook_node(node):
             index.module_hooks = True
         if type(node).__name__ in DETERMINANT_NODES or \
-                type(node).__name__ == AS_STRIDED_SCATTER_NODE:
+                type(node).__name__ in (AS_STRIDED_SCATTER_NODE, SCATTER_REDUCE_NODE):
             index.determinants.append(node)
         for child, _ in node.next_functions:
             if child is None:

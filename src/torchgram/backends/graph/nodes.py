@@ -62,6 +62,7 @@ from torchgram._core import _torch_compat
 from torchgram._core._torch_compat import Node
 from torchgram._core.as_strided_scatter import check_as_strided_scatter_node
 from torchgram._core.determinants import check_determinant_node
+from torchgram._core.scatter_reduce import check_scatter_reduce_node
 
 Edge = tuple[Node, int]
 """A next edge ``(node, input_nr)``: where a node's gradient goes."""
@@ -121,6 +122,7 @@ class NodeCaller:
         name = node_name(node)
         check_determinant_node(node, name)  # NOTE [singular determinants]
         check_as_strided_scatter_node(node, name)  # NOTE [as_strided_scatter's backward]
+        check_scatter_reduce_node(node, name)  # NOTE [scatter_reduce's ties with the ...]
         rows = next(g for g in grads if g is not None).shape[0]
         chunk = rows if self.chunk_size is None else min(self.chunk_size, rows)
         results: list[Tensor | None] = [None] * len(edges)
