@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import random
 from typing import Any
 
 import pytest
@@ -703,3 +704,20 @@ def test_tiny_rows_without_ridge_are_certified(m: int, tiny: int, scale: float) 
     assert kkt_residual(H, H, x).max() <= 1e-13
     q = H.mean(dim=0, keepdim=True)  # DualProj's
     assert kkt_residual(H, q, _nonneg.solve_nonneg(H, q).x).max() <= 1e-13
+
+
+def test_a_zero_row_keeps_its_unit_in_jacobi_units() -> None:
+    # A zero row of J (its variable changes nothing) in a rank-deficient Gramian, reg_eps = 0:
+    # in Jacobi units, scaled by 1 / sqrt(tiny), its weight came out 1.6e146 (inf, and NaN
+    # updates, in float32). The 41st Gramian of a differential fuzz of session 54
+    # (m = 106, rank 40, one zero row).
+    rng, generator = random.Random(2), torch.Generator().manual_seed(2)
+    for _ in range(41):
+        m = rng.randint(10, 120)
+        n, r = m + rng.randint(0, 2 * m), rng.randint(1, max(1, m // 2))
+        J = torch.randn(m, r, generator=generator, dtype=torch.float64) @ torch.randn(
+            r, n, generator=generator, dtype=torch.float64)
+        J[rng.randrange(m)] = 0.0
+    for dtype in (torch.float64, torch.float32):
+        w = weighting.upgrad((J @ J.T).to(dtype), reg_eps=0.0)
+        assert torch.isfinite(w).all() and w.abs().max() < 1e6

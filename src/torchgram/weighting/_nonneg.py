@@ -185,10 +185,15 @@ def _direct(H: Tensor, q: Tensor, free: Tensor | None = None) -> Tensor:
     this is for smaller ridges (the weighting benchmark's five families: the same answers, to
     the bit, and times, 0.97-1.01×).
     """
-    diagonal = H.diagonal().clamp(min=torch.finfo(H.dtype).tiny)
-    if not bool(diagonal.amax() > _JACOBI_FROM_SPREAD * diagonal.amin()):  # Host sync.
+    diagonal = H.diagonal()
+    largest = diagonal.amax()
+    # A zero diagonal entry (a zero row of J, reg_eps = 0) keeps the unit of the largest: its
+    # variable changes nothing, and 1 / sqrt(tiny) would blow it up (weights of 1e147)
+    positive = diagonal > 0
+    smallest = torch.where(positive, diagonal, largest).amin()
+    if not bool(largest > _JACOBI_FROM_SPREAD * smallest):  # Host synchronisation.
         return solve_nonneg_qp(H, q, free)
-    scale = diagonal.rsqrt()
+    scale = torch.where(positive, diagonal, largest).rsqrt()
     return solve_nonneg_qp(H * scale.unsqueeze(-1) * scale, q * scale, free) * scale
 
 
