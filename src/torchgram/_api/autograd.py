@@ -10,11 +10,9 @@ import torch
 from torch import Tensor
 
 from torchgram._core import _torch_compat, checks
-from torchgram._core.as_strided_scatter import wrong_backwards_refused
-from torchgram._core.determinants import singular_determinants_refused
+from torchgram._core.errors import derivative_faults_refused
 from torchgram._core.functional import outside_inference_mode
 from torchgram._core.result import RunReport
-from torchgram._core.scatter_reduce import wrong_ties_refused
 from torchgram._core.scratch import scratch_scope
 from torchgram._core.sink import LeafBlocks
 from torchgram.backends.eager.record import paused
@@ -162,8 +160,7 @@ class Call:
                             dtype=widest)
         if num_rows:
             try:
-                with singular_determinants_refused(self.api), wrong_backwards_refused(
-                        self.api), wrong_ties_refused(self.api):
+                with derivative_faults_refused(self.api):  # what the walk found wrong
                     result = eager_gramian(self.api, output_list, input_list, blocks,
                                            batch_dim=self.batch_dim,
                                            chunk_size=self.chunk_size, diagonal=self.diagonal,

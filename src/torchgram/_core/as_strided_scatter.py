@@ -21,15 +21,13 @@ that did not see it and then meet it start over (NOTE [stale probes]).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from torchgram._core.checks import message
+from torchgram._core.errors import DerivativeFault
 
 AS_STRIDED_SCATTER = "torch.as_strided_scatter"
 """The name under which probes record that ``f`` calls ``as_strided_scatter``."""
@@ -84,11 +82,18 @@ class AsStridedScatterRewritten(TorchFunctionMode):
         return torch.where(covered, placed, base)
 
 
-class WrongBackward(RuntimeError):
+class WrongBackward(DerivativeFault):
     """A node of an eager graph whose backward torch gets wrong.
 
     NOTE [as_strided_scatter's backward].
     """
+
+    expected = ("a graph without as_strided_scatter into a tensor that needs a gradient (torch "
+                "2.13's backward with respect to its input is wrong: NOTE [as_strided_scatter's "
+                "backward])")
+    got = "{call} in the graph of the outputs"
+    fix = ("Compute the outputs in a function f and use tg.gramian (its evaluations rewrite "
+           "the call), or write the scatter as torch.where over a mask.")
 
 
 AS_STRIDED_SCATTER_NODE = "AsStridedScatterBackward0"
@@ -111,17 +116,3 @@ def check_as_strided_scatter_node(node: Any, name: str) -> None:
     if name == AS_STRIDED_SCATTER_NODE and node.next_functions \
             and node.next_functions[0][0] is not None:
         raise WrongBackward(AS_STRIDED_SCATTER)
-
-
-@contextlib.contextmanager
-def wrong_backwards_refused(api: str) -> Iterator[None]:
-    """Turn :class:`WrongBackward` into the torchgram ``ValueError`` that says why."""
-    try:
-        yield
-    except WrongBackward as error:
-        raise ValueError(message(
-            api, "a graph without as_strided_scatter into a tensor that needs a gradient "
-            "(torch 2.13's backward with respect to its input is wrong: NOTE "
-            "[as_strided_scatter's backward])", f"{error} in the graph of the outputs",
-            "Compute the outputs in a function f and use tg.gramian (its evaluations rewrite "
-            "the call), or write the scatter as torch.where over a mask.")) from error

@@ -23,12 +23,9 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from torchgram._core import _torch_compat
-from torchgram._core.as_strided_scatter import AS_STRIDED_SCATTER, calls_as_strided_scatter
 from torchgram._core.captured_writes import StaleWrites
-from torchgram._core.determinants import DETERMINANT, computes_determinant
 from torchgram._core.errors import OutputChanged, gradient_hooks_refused
-from torchgram._core.prelu import PRELU, calls_prelu
-from torchgram._core.scatter_reduce import SCATTER_REDUCE, calls_scatter_reduce
+from torchgram._core.watched_calls import watched_name
 
 _MISSING = object()
 
@@ -161,14 +158,9 @@ class ProbeCheck(StaleWrites):
             how = _torch_compat.self_differentiation(func)
             if how is not None:
                 self.unseen.append(how)
-        if calls_prelu(func) and PRELU not in self._decomposed:  # NOTE [prelu as where]
-            self.unseen.append(PRELU)
-        if computes_determinant(func) and DETERMINANT not in self._decomposed:
-            self.unseen.append(DETERMINANT)  # NOTE [singular determinants]
-        if calls_as_strided_scatter(func) and AS_STRIDED_SCATTER not in self._decomposed:
-            self.unseen.append(AS_STRIDED_SCATTER)  # NOTE [as_strided_scatter's backward]
-        if calls_scatter_reduce(func) and SCATTER_REDUCE not in self._decomposed:
-            self.unseen.append(SCATTER_REDUCE)  # NOTE [scatter_reduce's ties with the ...]
+        watched = watched_name(func)  # NOTE [prelu as where] and the others of watched_calls
+        if watched is not None and watched not in self._decomposed:
+            self.unseen.append(watched)
         return super().__torch_function__(func, types, args, kwargs)  # writes, then the call
 
     def __exit__(self, *exc: Any) -> None:
@@ -236,7 +228,7 @@ class OpCensus(TorchFunctionMode):
         differentiates: How ``f`` first differentiated its own computation, or ``None`` (NOTE
             [f that differentiates itself]).
         decomposed: Calls that torchgram's later evaluations of ``f`` run decomposed (NOTE
-            [prelu as where]) or watched (NOTE [singular determinants]).
+            [prelu as where]) or watched (``watched_calls``).
     """
 
     def __init__(self) -> None:
@@ -265,12 +257,7 @@ class OpCensus(TorchFunctionMode):
         name = _torch_compat.wrong_batched_backward(func)
         if name is not None and name not in self.unbatched:
             self.unbatched.append(name)
-        if calls_prelu(func) and PRELU not in self.decomposed:
-            self.decomposed.append(PRELU)
-        if computes_determinant(func) and DETERMINANT not in self.decomposed:
-            self.decomposed.append(DETERMINANT)  # NOTE [singular determinants]
-        if calls_as_strided_scatter(func) and AS_STRIDED_SCATTER not in self.decomposed:
-            self.decomposed.append(AS_STRIDED_SCATTER)  # NOTE [as_strided_scatter's backward]
-        if calls_scatter_reduce(func) and SCATTER_REDUCE not in self.decomposed:
-            self.decomposed.append(SCATTER_REDUCE)  # NOTE [scatter_reduce's ties with the ...]
+        watched = watched_name(func)  # the table of watched_calls
+        if watched is not None and watched not in self.decomposed:
+            self.decomposed.append(watched)
         return func(*args, **kwargs)

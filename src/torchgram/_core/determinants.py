@@ -13,7 +13,7 @@ be trusted there, so when the probe sees ``f`` compute a determinant (``Probe.de
 lists it), every later evaluation runs under :class:`SingularDeterminantsRefused`: a call of
 ``det``, ``slogdet`` or ``logdet`` whose result says an input matrix is exactly singular
 (``det == 0``, or ``slogdet``'s sign ``0``) raises :class:`SingularDeterminant`, which every
-API turns into a torchgram ``ValueError`` (:func:`singular_determinants_refused`). Matrices of
+API turns into a torchgram ``ValueError`` (``derivative_faults_refused``). Matrices of
 rank below ``n - 1`` (a zero matrix: derivative ``0``, which torch gets right) are refused
 too: telling the ranks apart exactly is what LU cannot do. A determinant that is merely
 tiny (a numerically singular matrix) is differentiated as usual, by the inverse, and torch's
@@ -27,15 +27,13 @@ walk reads what the determinant's node saved (:func:`check_determinant_node`): i
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode, resolve_name
 
-from torchgram._core.checks import message
+from torchgram._core.errors import DerivativeFault
 
 DETERMINANT = "a determinant"
 """The name under which probes record that ``f`` computes a determinant."""
@@ -88,8 +86,15 @@ def computes_determinant(func: Any) -> bool:
         return False
 
 
-class SingularDeterminant(RuntimeError):
+class SingularDeterminant(DerivativeFault):
     """A determinant of an exactly singular matrix (NOTE [singular determinants])."""
+
+    expected = ("determinants of matrices that are not exactly singular (torch 2.13 "
+                "differentiates a determinant at an exactly singular matrix wrongly, differently "
+                "in each mode: NOTE [singular determinants])")
+    got = "{call} of an exactly singular matrix"
+    fix = ("Move the matrix off singularity (e.g. add a small multiple of the identity), or "
+           "compute what you need without the determinant there.")
 
 
 class SingularDeterminantsRefused(TorchFunctionMode):
@@ -122,18 +127,3 @@ def _singular(func: Any, result: Any) -> bool:
         return bool((zero == 0).any())
     except RuntimeError:  # a value that cannot be read under vmap: see the NOTE
         return False
-
-
-@contextlib.contextmanager
-def singular_determinants_refused(api: str) -> Iterator[None]:
-    """Turn :class:`SingularDeterminant` into the torchgram ``ValueError`` that says why."""
-    try:
-        yield
-    except SingularDeterminant as error:
-        raise ValueError(message(
-            api, "determinants of matrices that are not exactly singular (torch 2.13 "
-            "differentiates a determinant at an exactly singular matrix wrongly, differently "
-            "in each mode: NOTE [singular determinants])",
-            f"{error} of an exactly singular matrix",
-            "Move the matrix off singularity (e.g. add a small multiple of the identity), or "
-            "compute what you need without the determinant there.")) from error

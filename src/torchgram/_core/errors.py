@@ -222,6 +222,31 @@ class CapturedWrite(RuntimeError):  # noqa: N818
     """
 
 
+class DerivativeFault(RuntimeError):  # noqa: N818 -- a refusal, raised for the API to convert
+    """A call whose derivative torch 2.13 gets wrong where ``f`` (or the caller's graph) makes it.
+
+    Each subclass says what every API expected (``expected``), what it got (``got``, formatted
+    with the call's name, ``str(error)``) and what to do (``fix``); see
+    :func:`derivative_faults_refused` and the modules that raise them (NOTE [singular
+    determinants], NOTE [as_strided_scatter's backward], NOTE [scatter_reduce's ties with the
+    excluded self]).
+    """
+
+    expected = ""
+    got = "{call}"
+    fix = ""
+
+
+@contextlib.contextmanager
+def derivative_faults_refused(api: str) -> Iterator[None]:
+    """Turn a :class:`DerivativeFault` into the torchgram ``ValueError`` that says why."""
+    try:
+        yield
+    except DerivativeFault as error:
+        raise ValueError(message(api, error.expected, error.got.format(call=error),
+                                 error.fix)) from error
+
+
 class CounterRead(RuntimeError):  # noqa: N818
     """``f`` used, other than as a number, a counter whose in-place increment was skipped.
 

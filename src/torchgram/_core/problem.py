@@ -33,7 +33,6 @@ import torch
 from torch import Tensor
 
 from torchgram._core import _torch_compat
-from torchgram._core.as_strided_scatter import AS_STRIDED_SCATTER, AsStridedScatterRewritten
 from torchgram._core.captured_writes import (
     CapturedWrites,
     RenormalisedOnce,
@@ -47,11 +46,6 @@ from torchgram._core.composition import (
     detect_composition,
     differentiable_evaluation,
 )
-from torchgram._core.determinants import (
-    DETERMINANT,
-    SingularDeterminantsRefused,
-    singular_determinants_refused,
-)
 from torchgram._core.errors import (
     CounterRead,
     NotPerSample,
@@ -59,6 +53,7 @@ from torchgram._core.errors import (
     UnseenWrite,
     captured_write_refusal,
     counter_read_error,
+    derivative_faults_refused,
     draws_refused_by_vmap,
     f_refused_by_vmap,
     forward_mode_refusal,
@@ -66,14 +61,13 @@ from torchgram._core.errors import (
     unseen_calls_refused,
 )
 from torchgram._core.options import InDims, Options
-from torchgram._core.prelu import PRELU, PreluAsWhere
 from torchgram._core.pytree import DiffLeaves, leaves_of, select_diff_leaves
 from torchgram._core.rng import RngState
 from torchgram._core.running_stats import FrozenRunningStats, counters_refused
-from torchgram._core.scatter_reduce import SCATTER_REDUCE, ScatterReduceWithoutSelf
 from torchgram._core.signature import LruCache, call_signature
 from torchgram._core.threads import RNG_LOCK, compiled_code_eager, math_attention
 from torchgram._core.unseen import UnseenCalls
+from torchgram._core.watched_calls import watched_calls_modes
 
 _TENSOR_SLOT = object()
 
@@ -443,7 +437,7 @@ class Problem:
             return self.f(*self.diff.rebuild_args(given, values), **keywords)
 
         try:
-            with counters_refused(self.api), singular_determinants_refused(self.api):
+            with counters_refused(self.api), derivative_faults_refused(self.api):
                 result = evaluate_f(evaluate, leaves,
                                     lambda: self.draw.evaluation(full=full, check=check_draw),
                                     self._evaluation,  # NOTE [decomposed norms]
@@ -451,18 +445,8 @@ class Problem:
                                     else contextlib.nullcontext,
                                     self._probe_check,
                                     FrozenRunningStats,  # NOTE [frozen running statistics]
-                                    PreluAsWhere if PRELU in self.decomposed
-                                    else contextlib.nullcontext,  # NOTE [prelu as where]
-                                    SingularDeterminantsRefused if DETERMINANT in self.decomposed
-                                    else contextlib.nullcontext,  # NOTE [singular determinants]
-                                    AsStridedScatterRewritten
-                                    if AS_STRIDED_SCATTER in self.decomposed
-                                    else contextlib.nullcontext,  # NOTE [as_strided_scatter's
-                                    # backward]
-                                    ScatterReduceWithoutSelf
-                                    if SCATTER_REDUCE in self.decomposed
-                                    else contextlib.nullcontext,  # NOTE [scatter_reduce's ties
-                                    # with the excluded self]
+                                    # NOTE [prelu as where] and the others of watched_calls
+                                    lambda: watched_calls_modes(self.decomposed),
                                     RenormalisedOnce if self.mutates_leaves
                                     else contextlib.nullcontext)  # NOTE [renormalised once]
         except UnseenWrite as error:  # NOTE [writes its probe did not see]

@@ -20,15 +20,13 @@ did not see the call and then meet it start over (NOTE [stale probes]).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from torchgram._core.checks import message
+from torchgram._core.errors import DerivativeFault
 
 SCATTER_REDUCE = "torch.scatter_reduce"
 """The name under which probes record that ``f`` calls ``scatter_reduce``."""
@@ -84,8 +82,15 @@ class ScatterReduceWithoutSelf(TorchFunctionMode):
         return torch.where(received, reduced, base)
 
 
-class WrongTieBackward(RuntimeError):
+class WrongTieBackward(DerivativeFault):
     """A ``scatter_reduce`` node of an eager graph at a tie with the excluded ``self``."""
+
+    expected = ("a graph without a max/min scatter_reduce(include_self=False) whose result "
+                "equals the excluded value (torch 2.13's backward halves the gradient there: NOTE "
+                "[scatter_reduce's ties with the excluded self])")
+    got = "such a tie in {call}"
+    fix = ("Compute the outputs in a function f and use tg.gramian (its evaluations rewrite "
+           "the call), or start the buffer at -inf (+inf for amin) with include_self=True.")
 
 
 def check_scatter_reduce_node(node: Any, name: str) -> None:
@@ -110,18 +115,3 @@ def check_scatter_reduce_node(node: Any, name: str) -> None:
     received = torch.zeros_like(node._saved_result, dtype=torch.bool).scatter(dim, index, True)
     if bool((received & (node._saved_result == node._saved_self)).any()):
         raise WrongTieBackward(SCATTER_REDUCE)
-
-
-@contextlib.contextmanager
-def wrong_ties_refused(api: str) -> Iterator[None]:
-    """Turn :class:`WrongTieBackward` into the torchgram ``ValueError`` that says why."""
-    try:
-        yield
-    except WrongTieBackward as error:
-        raise ValueError(message(
-            api, "a graph without a max/min scatter_reduce(include_self=False) whose result "
-            "equals the excluded value (torch 2.13's backward halves the gradient there: NOTE "
-            "[scatter_reduce's ties with the excluded self])", f"such a tie in {error}",
-            "Compute the outputs in a function f and use tg.gramian (its evaluations rewrite "
-            "the call), or start the buffer at -inf (+inf for amin) with include_self=True.")
-        ) from error

@@ -32,13 +32,11 @@ from torch import Tensor
 
 from torchgram._core import _torch_compat
 from torchgram._core._torch_compat import Node
-from torchgram._core.as_strided_scatter import check_as_strided_scatter_node
 from torchgram._core.checks import fail
-from torchgram._core.determinants import check_determinant_node
 from torchgram._core.result import RunReport
-from torchgram._core.scatter_reduce import check_scatter_reduce_node
 from torchgram._core.scratch import give_back, scratch_bmm
 from torchgram._core.sink import LeafBlocks
+from torchgram._core.watched_calls import check_node
 from torchgram.backends.eager.graph_index import GraphIndex, index_graph
 from torchgram.backends.eager.passes import engine_cotangents, walk_cotangents
 from torchgram.backends.eager.record import (
@@ -132,10 +130,8 @@ def eager_gramian(api: str, outputs: Sequence[Tensor], inputs: Sequence[Tensor],
         graph = index_graph(outputs)
         if graph.reentrant:
             _fail_reentrant(api)
-        for node in graph.determinants:  # NOTE [singular determinants]: the walk checks its own
-            check_determinant_node(node, type(node).__name__)
-            check_as_strided_scatter_node(node, type(node).__name__)
-            check_scatter_reduce_node(node, type(node).__name__)
+        for node in graph.checked:  # watched_calls (the walk checks the nodes it calls)
+            check_node(node, type(node).__name__)
         if not retain_graph and _made(recording, graph):
             consumed = recording
         tapped = _select(api, recording, graph, inputs, walked, report)

@@ -19,9 +19,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from torchgram._core import _torch_compat
 from torchgram._core._torch_compat import Node
-from torchgram._core.as_strided_scatter import AS_STRIDED_SCATTER_NODE
-from torchgram._core.determinants import DETERMINANT_NODES
-from torchgram._core.scatter_reduce import SCATTER_REDUCE_NODE
+from torchgram._core.watched_calls import CHECKED_NODES
 
 if TYPE_CHECKING:
     from torchgram.backends.eager.record import Recording
@@ -40,9 +38,8 @@ class GraphIndex:
         reentrant: Whether a reentrant checkpoint sits in the graph.
         size: Number of nodes.
         every: Every node but the leaves' accumulators, duplicated numbers included.
-        determinants: The determinants' nodes (NOTE [singular determinants]) and the
-            ``as_strided_scatter``'s (NOTE [as_strided_scatter's backward]) and
-            ``scatter_reduce``'s (NOTE [scatter_reduce's ties with the excluded self]).
+        checked: The nodes whose backward torch gets wrong at some values
+            (``watched_calls.check_node``).
     """
 
     by_seq: dict[int, list[Node]] = field(default_factory=dict)
@@ -51,7 +48,7 @@ class GraphIndex:
     reentrant: bool = False
     size: int = 0
     every: list[Node] = field(default_factory=list)
-    determinants: list[Node] = field(default_factory=list)
+    checked: list[Node] = field(default_factory=list)
     _parents: dict[Node, list[Node]] | None = field(default=None, repr=False)
     _leaf_only: dict[tuple[Node, int], bool] = field(default_factory=dict, repr=False)
 
@@ -123,9 +120,8 @@ def index_graph(outputs: Sequence[Tensor]) -> GraphIndex:
             index.reentrant = True
         if _torch_compat.is_module_hook_node(node):
             index.module_hooks = True
-        if type(node).__name__ in DETERMINANT_NODES or \
-                type(node).__name__ in (AS_STRIDED_SCATTER_NODE, SCATTER_REDUCE_NODE):
-            index.determinants.append(node)
+        if type(node).__name__ in CHECKED_NODES:
+            index.checked.append(node)
         for child, _ in node.next_functions:
             if child is None:
                 continue

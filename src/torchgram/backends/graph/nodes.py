@@ -60,9 +60,7 @@ from torch import Tensor
 
 from torchgram._core import _torch_compat
 from torchgram._core._torch_compat import Node
-from torchgram._core.as_strided_scatter import check_as_strided_scatter_node
-from torchgram._core.determinants import check_determinant_node
-from torchgram._core.scatter_reduce import check_scatter_reduce_node
+from torchgram._core.watched_calls import check_node
 
 Edge = tuple[Node, int]
 """A next edge ``(node, input_nr)``: where a node's gradient goes."""
@@ -119,10 +117,7 @@ class NodeCaller:
             One entry per next edge: the row gradients, or ``None`` where the edge is not
             wanted or the node returned no gradient for it.
         """
-        name = node_name(node)
-        check_determinant_node(node, name)  # NOTE [singular determinants]
-        check_as_strided_scatter_node(node, name)  # NOTE [as_strided_scatter's backward]
-        check_scatter_reduce_node(node, name)  # NOTE [scatter_reduce's ties with the ...]
+        check_node(node, node_name(node))  # a backward torch gets wrong: watched_calls
         rows = next(g for g in grads if g is not None).shape[0]
         chunk = rows if self.chunk_size is None else min(self.chunk_size, rows)
         results: list[Tensor | None] = [None] * len(edges)
