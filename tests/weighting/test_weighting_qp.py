@@ -126,6 +126,51 @@ def test_nonneg_qp_chunks_large_batches(monkeypatch: pytest.MonkeyPatch) -> None
     assert_close(solve_nonneg_qp(H, H), whole, rtol=0, atol=1e-14)
 
 
+def test_shared_faces_are_factorised_once_across_the_whole_batch(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # NOTE [one batch, its faces shared]: from _GATHER_FROM variables on, a bound that would cut
+    # the batch into chunks of 16 leaves it whole; a rank-1 Gramian's 64 problems then share
+    # their faces in one round (before session 55: 4 chunks, each factorising the same faces).
+    m = 64
+    H = random_psd(m, 1, seed=3, ridge=1e-4)
+    whole = solve_nonneg_qp(H, H)
+    rounds: list[int] = []
+    factors = qp._Factors
+
+    class CountedFactors(factors):  # type: ignore[misc, valid-type]
+        def __init__(self, systems: Any, side: str, order: Tensor, valid: Tensor,
+                     groups: Any = None) -> None:
+            rounds.append(order.shape[0])  # the blocks factorised in this round
+            super().__init__(systems, side, order, valid, groups)
+
+    monkeypatch.setattr(qp, "_Factors", CountedFactors)
+    monkeypatch.setattr(qp, "_MAX_BATCH_ENTRIES", 16 * m * m)
+    assert_close(solve_nonneg_qp(H, H), whole, rtol=0, atol=1e-14)
+    assert len(rounds) == 1 and rounds[0] <= 2, rounds
+
+
+def test_interior_point_fallback_runs_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The fallback's iterations hold [batch, m, m] systems: it runs _batch_chunk(m) problems at
+    # a time, with the answers of one batch.
+    m = 64
+    H = random_psd(m, 32, seed=4, ridge=1e-4)
+    for name, value in SOLVER_PATHS["interior-point-only"].items():
+        monkeypatch.setattr(qp, name, value)
+    whole = solve_nonneg_qp(H, H)
+    batches: list[int] = []
+    fallback = qp._interior_point_nonneg
+
+    def counted(H: Tensor, q: Tensor) -> Tensor:
+        batches.append(q.shape[0])
+        return fallback(H, q)
+
+    monkeypatch.setattr(qp, "_interior_point_nonneg", counted)
+    monkeypatch.setattr(qp, "_MAX_BATCH_ENTRIES", 20 * m * m)
+    chunked = solve_nonneg_qp(H, H)
+    assert batches and max(batches) <= 20 and len(batches) >= 2, batches
+    assert_close(chunked, whole, rtol=0, atol=1e-12 * float(whole.abs().max()))
+
+
 @pytest.mark.parametrize("side", ["free", "complement"])
 @pytest.mark.parametrize("entries", [1, 3000], ids=["chunks-of-one", "chunks-of-few"])
 def test_face_blocks_in_chunks_match_one_batch(monkeypatch: pytest.MonkeyPatch, side: str,

@@ -40,9 +40,12 @@ def force_solver(monkeypatch: pytest.MonkeyPatch, solver: str) -> None:
 
     ``"direct"``: the direct solver alone; ``"cg"``: the CG solver of ``_cg_qp.py`` (then the
     direct one for what it leaves); ``"sync"``: the synchronous CG rounds first (batches only,
-    whatever the Gramian's effective rank).
+    whatever the Gramian's effective rank), with no cold-start probe in front of them (NOTE
+    [cold start probe]: where it holds, the direct solver runs whatever the size).
     """
     threshold = 10**9 if solver == "direct" else 1
+    if solver != "direct":
+        monkeypatch.setattr(_nonneg, "_COLD_PROBE_FROM", 10**9)
     monkeypatch.setattr(_nonneg, "_CG_FROM", threshold)
     monkeypatch.setattr(_nonneg, "_CG_FROM_SINGLE", threshold)
     monkeypatch.setattr(_nonneg, "_CG_FROM_CONCENTRATED", threshold)
@@ -65,8 +68,8 @@ def test_upgrad_is_certified_at_scale(m: int, structure: str) -> None:
     G = gramian(m, structure, seed=m)
     state = weighting.WarmStart()
     w = weighting.upgrad(G, state=state)
-    # Below 512, Gramians of low effective rank go to the direct solver (ADMM-guessed faces).
-    assert state.solver == ("cg" if structure == "full-rank" or m >= 512 else "direct")
+    # Below 1024, Gramians of low effective rank go to the direct solver (ADMM-guessed faces).
+    assert state.solver == ("cg" if structure == "full-rank" or m >= 1024 else "direct")
     # The projections v_i = e_i + x_i, as the state keeps the x_i for the next call.
     H = normalize_and_regularize(G, 1e-4, 1e-4)
     eye = torch.eye(m, dtype=torch.float64)

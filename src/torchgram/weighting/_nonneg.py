@@ -21,8 +21,14 @@ random ones, but 0.6 to 0.8 times on rank-1 ones (one round either way: the gues
 2.5 to 5.5 times at m = 128 and 1.4 to 2.2 times at m = 256 on the Gramians of low effective
 rank (rank-1 included), where the previous path was the CG solver (it needs hundreds of
 iterations on those ill-conditioned faces). With the guess, the direct solver stays the better
-one up to ``_CG_FROM_CONCENTRATED`` variables on Gramians of low effective rank (at m = 512 the
-two were within 7 %, one run each). On Gramians of high effective rank (``tr(H)² /
+one up to ``_CG_FROM_CONCENTRATED`` variables on Gramians of low effective rank. (Session 55,
+once the direct solver kept the batch whole, NOTE [one batch, its faces shared] in ``_qp.py``;
+A/B against the CG path in one process, 1 thread, the weighting benchmark's Gramians, medians
+of 3: at m = 512 the direct solver took 0.52 times the time on ill-conditioned and training
+Gramians and 0.93 on rank-m/2 ones; at m = 768 0.66-0.68 and 1.46; at m = 1024 the CG
+solver stays, unchanged, as on random Gramians. A cold start that holds, NOTE [cold start
+probe], now sends a batch to the direct solver at any size: rank-1 Gramians 20 to 22 times
+faster at m = 512 to 1024, 0.2 s at 1024.) On Gramians of high effective rank (``tr(H)² /
 ‖H‖_F² ≥ m / 2``, as for random ones), from ``_SYNC_FROM`` variables on, the synchronous CG
 rounds of ``_sync_cg.py`` (NOTE [synchronous CG rounds]) come first (all problems moving in
 step, 1.2 to 1.9 times faster than the CG solver at m = 128 to 1024), then the CG solver from
@@ -61,8 +67,10 @@ _SYNC_MIN_RANK = 0.5
 # The CG solver from this many variables on for a batch of problems (UPGrad: k = m) whose H has
 # a high effective rank (after the synchronous rounds) ...
 _CG_FROM = 128
-# ... for a batch whose H has not (below it: the direct solver from ADMM-guessed faces) ...
-_CG_FROM_CONCENTRATED = 512
+# ... for a batch whose H has not (below it: the direct solver from ADMM-guessed faces; 512
+# until session 55, when the direct solver's batch stopped being cut into chunks at m ≥ 512,
+# NOTE [one batch, its faces shared] in _qp.py: see NOTE [choosing the non-negative QP solver]) ...
+_CG_FROM_CONCENTRATED = 1024
 # ... and for a single problem (DualProj).
 _CG_FROM_SINGLE = 768
 # The direct solver starts a batch of problems from ADMM-guessed faces (NOTE [ADMM face
@@ -73,17 +81,18 @@ _CG_FROM_SINGLE = 768
 # single problem (DualProj) it cost more than the rounds it saved (0.3 to 0.7 times as fast,
 # but for rank-m/2 Gramians at m = 64), so it has none.
 _ADMM_FROM = 32
-# A batch of problems from this many variables on (below the CG solver's range) first checks
-# whether the default start is right (NOTE [cold start probe] in _qp.py); if so, the direct
-# solver runs from there, with no guess and no CG rounds. A/B in one process (1 thread, the
-# weighting benchmark's Gramians and the benchmark MLP's at initialisation): at m = 128, 0.57
-# times the time at initialisation and 0.91 on rank-1 Gramians, 1.02-1.04 on the others (the
-# probe, 0.14-0.35 ms); at m = 256, 0.76 and 0.64 (with the fix of NOTE [face blocks in
-# chunks]'s padding test). At m = 32 and 64 the probe cost the others 5-30 % for 0.7-0.8 times
-# on rank-1 and nothing at initialisation (a round from the guess is as fast there). With a
-# WarmStart too (the probe comes first): six UPGrad steps of the MLP on one batch, 0.58-0.59
-# times the time a step at m = 128 and 256; drifting rank-1 Gramians 0.67-0.80; drifting random
-# and training-like ones 1.00-1.04 (the probe).
+# A batch of problems from this many variables on (up to session 55 only below
+# _CG_FROM_CONCENTRATED: UPGrad on rank-1 Gramians then took the CG solver, 3-4 s at m = 1024
+# against 0.2 s now) first checks whether the default start is right (NOTE [cold start probe] in
+# _qp.py); if so, the direct solver runs from there, with no guess and no CG rounds. A/B in one
+# process (1 thread, the weighting benchmark's Gramians and the benchmark MLP's at initialisation):
+# at m = 128, 0.57 times the time at initialisation and 0.91 on rank-1 Gramians, 1.02-1.04 on the
+# others (the probe, 0.14-0.35 ms); at m = 256, 0.76 and 0.64 (with the fix of NOTE [face blocks in
+# chunks]'s padding test). At m = 32 and 64 the probe cost the others 5-30 % for 0.7-0.8 times on
+# rank-1 and nothing at initialisation (a round from the guess is as fast there). With a WarmStart
+# too (the probe comes first): six UPGrad steps of the MLP on one batch, 0.58-0.59 times the time a
+# step at m = 128 and 256; drifting rank-1 Gramians 0.67-0.80; drifting random and training-like
+# ones 1.00-1.04 (the probe).
 _COLD_PROBE_FROM = 128
 # The direct solver runs in the units of diag(H)^(-1/2) where H's diagonal spreads over more
 # than this factor (NOTE [direct solves in Jacobi units] in _direct).
@@ -123,7 +132,7 @@ def solve_nonneg(H: Tensor, q: Tensor, x0: Tensor | None = None) -> NonnegSoluti
     """
     k, m = q.shape
     free = None
-    if k > 1 and _COLD_PROBE_FROM <= m < _CG_FROM_CONCENTRATED and cold_start_holds(H, q):
+    if k > 1 and m >= _COLD_PROBE_FROM and cold_start_holds(H, q):
         # NOTE [cold start probe]; before the warm start, which would send the batch to the
         # guess or the CG rounds (the benchmark MLP over steps on one batch: 1.6-1.7 times slower)
         return NonnegSolution(_direct(H, q), "direct", 0)

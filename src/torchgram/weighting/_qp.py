@@ -76,8 +76,9 @@ for MGDA) on rank-deficient Gramians, whose solutions are degenerate but for the
 UPGrad on one CPU core: about 0.2 to 2 ms for ``m ≤ 16``, where the fixed overhead of each
 tensor operation dominates, and 4 to 15 ms for ``m = 64`` (the interior-point solver took 5 to
 8 ms and 60 to 75 ms).
-The batch is processed in chunks of at most ``_MAX_BATCH_ENTRIES / m²`` problems, which bounds
-the memory of the ``[batch, m, m]`` matrices.
+Where a round holds ``[batch, m, m]`` matrices (the masked systems below ``_GATHER_FROM``, the
+interior-point fallback), the batch is processed in chunks of at most ``_MAX_BATCH_ENTRIES / m²``
+problems, which bounds their memory (NOTE [one batch, its faces shared]).
 """
 
 from __future__ import annotations
@@ -860,7 +861,17 @@ def solve_nonneg_qp(H: Tensor, q: Tensor, free: Tensor | None = None) -> Tensor:
     m = q.shape[-1]
     if free is None:
         free = _default_free(q)
-    chunk = max(1, _MAX_BATCH_ENTRIES // max(m * m, 1))
+    # NOTE [one batch, its faces shared]
+    # Below _GATHER_FROM a round's systems are [batch, m, m] matrices, so the batch is solved in
+    # chunks of _batch_chunk(m) problems. From _GATHER_FROM on, a round holds [batch, m] tensors
+    # and its face blocks are factorised in chunks of their own (NOTE [face blocks in chunks]),
+    # so the batch stays whole: its problems that share a face then share one factorisation
+    # (NOTE [problems that share a face]) across the whole batch. Until session 55 the batch was
+    # cut into chunks of 2^24 / m² problems at every m: 64 at m = 512, 16 at m = 1024, each
+    # factorising the same faces again (UPGrad on a rank-1 Gramian, two faces in all: 64 rounds
+    # of one ~1000-wide face at m = 1024, 0.78 s, against 0.17 s as one batch; the benchmark's
+    # other families at m = 512, 0.75-0.95 times the time).
+    chunk = _batch_chunk(m) if m < _GATHER_FROM else q.shape[0]
     if q.shape[0] > chunk:
         return torch.cat([_solve_nonneg_qp(H, part, part_free) for part, part_free
                           in zip(torch.split(q, chunk), torch.split(free, chunk), strict=True)])
@@ -937,8 +948,16 @@ def _solve_nonneg_qp(H: Tensor, q: Tensor, free: Tensor) -> Tensor:
     retried, solved = _active_set(_NonnegQP.new(H, q, shift), free.index_select(0, unsolved))
     if not bool(solved.all()):  # Host synchronisation.
         left = (~solved).nonzero().squeeze(-1)
-        retried.index_copy_(0, left, _interior_point_nonneg(_add_to_diagonal(H, shift), q[left]))
+        shifted = _add_to_diagonal(H, shift)  # its iterations hold [batch, m, m] systems
+        retried.index_copy_(0, left, torch.cat([
+            _interior_point_nonneg(shifted, part)
+            for part in torch.split(q[left], _batch_chunk(H.shape[-1]))]))
     return x.index_copy_(0, unsolved, retried).clamp(min=0.0)
+
+
+def _batch_chunk(m: int) -> int:
+    """How many problems' ``[m, m]`` systems fit in ``_MAX_BATCH_ENTRIES`` float64 entries."""
+    return max(1, _MAX_BATCH_ENTRIES // max(m * m, 1))
 
 
 def _regularizing_shift(H: Tensor) -> Tensor:
