@@ -865,6 +865,22 @@ def innermost(tensor: Tensor) -> Tensor:
     return tensor
 
 
+def is_batched(tensor: Tensor) -> bool:
+    """Whether ``tensor`` is batched by ``torch.func.vmap`` at any of its functorch levels.
+
+    Example:
+        >>> seen = []
+        >>> _ = torch.func.vmap(lambda row: seen.append(is_batched(row)) or row)(torch.ones(2, 3))
+        >>> seen, is_batched(torch.ones(3))
+        ([True], False)
+    """
+    while torch._C._functorch.is_functorch_wrapped_tensor(tensor):
+        if torch._C._functorch.is_batchedtensor(tensor):
+            return True
+        tensor = torch._C._functorch.get_unwrapped(tensor)
+    return False
+
+
 def is_freed_graph_error(error: BaseException) -> bool:
     """Whether ``error`` says the graph's saved tensors were freed by an earlier backward."""
     return isinstance(error, RuntimeError) and _FREED in str(error)

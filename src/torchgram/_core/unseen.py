@@ -48,6 +48,7 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch._ops import HigherOrderOperator
+from torch.autograd import forward_ad
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -151,14 +152,21 @@ class _RefusedDerivative(torch.autograd.Function):
     def backward(ctx: Any, *grads: Any) -> Any:
         raise NotImplementedError(ctx.refusal)
 
+    @staticmethod
+    def jvp(ctx: Any, *tangents: Any) -> Any:  # forward mode (torch.func.jvp, forward_ad)
+        raise NotImplementedError(ctx.refusal)
 
-def refuse_derivative(value: Tensor, refusal: str, connected: Sequence[Tensor]) -> Tensor:
+
+def refuse_derivative(value: Tensor, refusal: str, connected: Sequence[Tensor], *,
+                      forward_mode: bool = False) -> Tensor:
     """``value`` (a copy), whose backward raises ``refusal`` (NOTE [unseen calls]).
 
     The result depends on ``value`` and on every tensor of ``connected`` that requires grad
     (the call's parameters and inputs): a backward that reaches any of them raises, also
     where ``value`` itself came without a graph. ``value`` is returned as it is when nothing
-    requires grad.
+    requires grad. With ``forward_mode``, tensors of ``connected`` with a forward-mode tangent
+    (``torch.func.jvp``, ``torch.autograd.forward_ad``) count too, and a forward-mode pass
+    through the result raises as well (NOTE [weights are not differentiable]).
 
     Example:
         >>> w = torch.ones(2, requires_grad=True)
@@ -172,7 +180,8 @@ def refuse_derivative(value: Tensor, refusal: str, connected: Sequence[Tensor]) 
         ...     print(error)
         torchgram.gramian: no
     """
-    tensors = [t for t in connected if isinstance(t, Tensor) and t.requires_grad]
+    tensors = [t for t in connected if isinstance(t, Tensor) and (
+        t.requires_grad or forward_mode and forward_ad.unpack_dual(t).tangent is not None)]
     if not value.requires_grad and not tensors:
         return value
     return _RefusedDerivative.apply(value, refusal, *tensors)

@@ -6,7 +6,11 @@ In a training loop, backpropagate ``w @ losses`` (``w`` held constant) to get ``
 
 Every function takes the Gramian positionally and its options as keywords, validates it (square,
 symmetric, finite, non-negative diagonal: one host synchronisation in all) and returns weights
-with the Gramian's dtype and device, not differentiable with respect to the Gramian. The
+with the Gramian's dtype and device, not differentiable with respect to the Gramian: where
+``G`` carries a derivative (it requires grad, or has a forward-mode tangent), a derivative that
+reaches the weights raises a torchgram error (pass ``G.detach()`` to hold them constant, as
+Jacobian descent does; NOTE [weights are not differentiable]), and none runs under
+``torch.func.vmap``. The
 quadratic programs of :func:`upgrad`, :func:`dualproj` and :func:`mgda` are solved exactly (to
 float64 round-off) by batched tensor code on that device: active-set methods whose face systems
 are solved by batched Cholesky factorisations for small ``m`` and, for :func:`upgrad` and

@@ -7,12 +7,14 @@ from typing import Literal, TypeAlias
 import torch
 from torch import Tensor
 
+from ._derivatives import refusing_derivatives
 from ._validation import check_gramian, scaled_by_a_power_of_two
 
 ScaleMode: TypeAlias = Literal["min", "median", "rmse"]
 _SCALE_MODES = ("min", "median", "rmse")
 
 
+@refusing_derivatives("aligned_mtl")
 def aligned_mtl(G: Tensor, /, *, scale_mode: ScaleMode = "min") -> Tensor:
     r"""Weights of Aligned-MTL: the mean of the rows of a well-conditioned version of ``J``.
 
@@ -41,6 +43,9 @@ def aligned_mtl(G: Tensor, /, *, scale_mode: ScaleMode = "min") -> Tensor:
         differentiable with respect to ``G``.
 
     Raises:
+        NotImplementedError: If a derivative reaches the weights through ``G`` (a backward,
+            ``torch.func.grad`` or ``jvp``: pass ``G.detach()`` to hold them constant), or
+            ``G`` is batched by ``torch.func.vmap``.
         TypeError: If ``G`` is not a real floating-point tensor.
         ValueError: If ``G`` is not a finite, square, symmetric matrix, or ``scale_mode`` is
             unknown.

@@ -5,10 +5,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ._derivatives import refusing_derivatives
 from ._dual_cone import projected_preferences
 from ._warm_start import WarmStart
 
 
+@refusing_derivatives("dualproj")
 def dualproj(
     G: Tensor,
     /,
@@ -47,6 +49,9 @@ def dualproj(
         differentiable with respect to ``G``.
 
     Raises:
+        NotImplementedError: If a derivative reaches the weights through ``G`` (a backward,
+            ``torch.func.grad`` or ``jvp``: pass ``G.detach()`` to hold them constant), or
+            ``G`` is batched by ``torch.func.vmap``.
         TypeError: If ``G`` is not a real floating-point tensor, or ``state`` not a WarmStart.
         ValueError: If ``G`` is not a finite, square, symmetric matrix, or an eps is negative.
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ._derivatives import refusing_derivatives
 from ._validation import check_gramian, check_non_negative
 
 
+@refusing_derivatives("imtl_g")
 def imtl_g(G: Tensor, /, *, eps: float = 1e-12) -> Tensor:
     r"""Weights of IMTL-G: the combination whose projections on all unit gradients are equal.
 
@@ -43,6 +45,9 @@ def imtl_g(G: Tensor, /, *, eps: float = 1e-12) -> Tensor:
         dtype and device. They are not differentiable with respect to ``G``.
 
     Raises:
+        NotImplementedError: If a derivative reaches the weights through ``G`` (a backward,
+            ``torch.func.grad`` or ``jvp``: pass ``G.detach()`` to hold them constant), or
+            ``G`` is batched by ``torch.func.vmap``.
         TypeError: If ``G`` is not a real floating-point tensor.
         ValueError: If ``G`` is not a finite, square, symmetric matrix, or ``eps`` is negative.
 

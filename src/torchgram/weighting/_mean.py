@@ -21,6 +21,7 @@ def mean(G: Tensor, /) -> Tensor:
         The weights ``[1/m, …, 1/m]``, shape ``[m]``, with ``G``'s dtype and device.
 
     Raises:
+        NotImplementedError: If ``G`` is batched by ``torch.func.vmap``.
         TypeError: If ``G`` is not a real floating-point tensor.
         ValueError: If ``G`` is not a finite, square, symmetric matrix.
 

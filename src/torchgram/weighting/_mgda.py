@@ -5,11 +5,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ._derivatives import refusing_derivatives
 from ._qp import solve_simplex_qp
 from ._validation import check_gramian, scaled_by_a_power_of_two
 from ._warm_start import WarmStart, check_state
 
 
+@refusing_derivatives("mgda")
 def mgda(G: Tensor, /, *, state: WarmStart | None = None) -> Tensor:
     r"""Weights of MGDA: the minimum-norm point of the convex hull of the rows of ``J``.
 
@@ -49,6 +51,9 @@ def mgda(G: Tensor, /, *, state: WarmStart | None = None) -> Tensor:
         device. They are not differentiable with respect to ``G``.
 
     Raises:
+        NotImplementedError: If a derivative reaches the weights through ``G`` (a backward,
+            ``torch.func.grad`` or ``jvp``: pass ``G.detach()`` to hold them constant), or
+            ``G`` is batched by ``torch.func.vmap``.
         TypeError: If ``G`` is not a real floating-point tensor, or ``state`` not a WarmStart.
         ValueError: If ``G`` is not a finite, square, symmetric matrix.
 

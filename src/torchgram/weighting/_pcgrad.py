@@ -5,9 +5,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ._derivatives import refusing_derivatives
 from ._validation import check_gramian
 
 
+@refusing_derivatives("pcgrad")
 def pcgrad(G: Tensor, /, *, generator: torch.Generator | None = None) -> Tensor:
     r"""Weights of PCGrad: each gradient projected off the gradients it conflicts with, summed.
 
@@ -37,6 +39,9 @@ def pcgrad(G: Tensor, /, *, generator: torch.Generator | None = None) -> Tensor:
         (``G ≥ 0`` entrywise) they are all one. They are not differentiable with respect to ``G``.
 
     Raises:
+        NotImplementedError: If a derivative reaches the weights through ``G`` (a backward,
+            ``torch.func.grad`` or ``jvp``: pass ``G.detach()`` to hold them constant), or
+            ``G`` is batched by ``torch.func.vmap``.
         TypeError: If ``G`` is not a real floating-point tensor or ``generator`` is not a
             ``torch.Generator``.
         ValueError: If ``G`` is not a finite, square, symmetric matrix.

@@ -20,6 +20,7 @@ def sum(G: Tensor, /) -> Tensor:  # Shadows the builtin on purpose (like `torch.
         The weights ``[1, …, 1]``, shape ``[m]``, with ``G``'s dtype and device.
 
     Raises:
+        NotImplementedError: If ``G`` is batched by ``torch.func.vmap``.
         TypeError: If ``G`` is not a real floating-point tensor.
         ValueError: If ``G`` is not a finite, square, symmetric matrix.
 

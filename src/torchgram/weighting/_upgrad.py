@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from ._derivatives import refusing_derivatives
 from ._dual_cone import projected_preferences
 from ._warm_start import WarmStart
 
 
+@refusing_derivatives("upgrad")
 def upgrad(
     G: Tensor,
     /,
@@ -37,8 +39,9 @@ def upgrad(
     by primal-dual active-set steps whose face systems are solved by batched Cholesky
     factorisations (one per distinct face: the per-sample Gramians of a classifier share them
     class by class; from ``m = 32`` on, from faces guessed by a few ADMM iterations with one
-    shared inverse) for ``m < 96``, and for ``m < 512`` when ``G`` has a low effective rank
-    (rank-deficient, ill-conditioned, per-sample training Gramians); otherwise by batched
+    shared inverse) for ``m < 96``, for ``m < 1024`` when ``G`` has a low effective rank
+    (rank-deficient, ill-conditioned, per-sample training Gramians), and at any ``m`` when two
+    probed projections show that the default start is right (rank-1 Gramians); otherwise by batched
     conjugate gradients (one ``[m, m] × [m, m]`` GEMM per iteration, mostly in float32). Either
     way every answer is exact to float64 round-off: each projection ``v_i`` is certified by its
     relative KKT residual ``ρ ≤ 1e-13``, which bounds its error by ``ρ ‖σ_i‖₂ / reg_eps`` (NOTE
@@ -61,6 +64,9 @@ def upgrad(
         not differentiable with respect to ``G``.
 
     Raises:
+        NotImplementedError: If a derivative reaches the weights through ``G`` (a backward,
+            ``torch.func.grad`` or ``jvp``: pass ``G.detach()`` to hold them constant), or
+            ``G`` is batched by ``torch.func.vmap``.
         TypeError: If ``G`` is not a real floating-point tensor, or ``state`` not a WarmStart.
         ValueError: If ``G`` is not a finite, square, symmetric matrix, or an eps is negative.
 

@@ -7,6 +7,8 @@ import math
 import torch
 from torch import Tensor
 
+from torchgram._core._torch_compat import is_batched
+
 _PREFIX = "torchgram.weighting."
 _HOW_TO = (
     "Pass G = J @ J.T, where J is the [m, n] Jacobian with one row per loss "
@@ -38,6 +40,7 @@ def check_gramian(G: object, name: str) -> Tensor:
 
     Raises:
         TypeError: If ``G`` is not a real floating-point tensor with the dense layout.
+        NotImplementedError: If ``G`` is batched by ``torch.func.vmap``.
         ValueError: If ``G`` is on the meta device (no values), is not square and 2-D, has
             NaN or infinite entries, is not symmetric up to :func:`symmetry_rtol`, has a
             negative diagonal entry or an entry larger than its row's and column's norms allow
@@ -47,6 +50,12 @@ def check_gramian(G: object, name: str) -> Tensor:
     if not isinstance(G, Tensor):
         raise TypeError(
             f"{api}: expected the Gramian as a torch.Tensor, got {type(G).__name__}. {_HOW_TO}"
+        )
+    if is_batched(G):  # NOTE [weights are not differentiable] in _derivatives.py
+        raise NotImplementedError(
+            f"{api}: expected a Gramian outside torch.func.vmap, got a batched one: the weighting "
+            "decides its iterations on the host, which vmap cannot batch. Call it on each "
+            f"Gramian, e.g. torch.stack([{api}(G) for G in gramians])."
         )
     if not G.is_floating_point():
         raise TypeError(
