@@ -149,6 +149,32 @@ def test_shared_faces_are_factorised_once_across_the_whole_batch(
     assert len(rounds) == 1 and rounds[0] <= 2, rounds
 
 
+@pytest.mark.parametrize("side", ["free", "complement"])
+def test_a_round_with_many_faces_runs_in_pieces(monkeypatch: pytest.MonkeyPatch,
+                                                side: str) -> None:
+    # NOTE [one batch, its faces shared]: a round whose distinct faces exceed _batch_chunk(m)
+    # factorises _batch_chunk(m) problems' blocks at a time (the memory bound), with the answers
+    # of one batch, on either side of the face systems (a piece through K⁻¹ refines at once).
+    monkeypatch.setattr(qp, "_MAX_COMPLEMENT_COND", 1e300 if side == "complement" else 0)
+    m = 64
+    H = random_psd(m, 32, seed=5, ridge=1e-4)
+    whole = solve_nonneg_qp(H, H)
+    blocks: list[int] = []
+    factors = qp._Factors
+
+    class CountedFactors(factors):  # type: ignore[misc, valid-type]
+        def __init__(self, systems: Any, side: str, order: Tensor, valid: Tensor,
+                     groups: Any = None) -> None:
+            blocks.append(order.shape[0])
+            super().__init__(systems, side, order, valid, groups)
+
+    monkeypatch.setattr(qp, "_Factors", CountedFactors)
+    monkeypatch.setattr(qp, "_MAX_BATCH_ENTRIES", 10 * m * m)
+    pieces = solve_nonneg_qp(H, H)
+    assert blocks and max(blocks) <= 10 and len(blocks) >= 7, blocks
+    assert_close(pieces, whole, rtol=0, atol=1e-13 * float(whole.abs().max()))
+
+
 def test_interior_point_fallback_runs_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     # The fallback's iterations hold [batch, m, m] systems: it runs _batch_chunk(m) problems at
     # a time, with the answers of one batch.

@@ -11,9 +11,13 @@ and a forward-mode pass (``torch.func.jvp``) alike. ``torch.func.grad`` of a fun
 1e-10. Now, where ``G`` carries a derivative (it requires grad, or has a forward-mode tangent),
 each weighting's weights come out connected to ``G`` through a node whose backward and
 forward-mode derivative raise a torchgram error (:func:`refuse_derivative` of
-``_core/unseen.py``): a derivative that reaches the weights raises; one that does not (the
-weights used under ``no_grad``, or other outputs differentiated) runs as before. To hold the
-weights constant, as Jacobian descent does, pass ``G.detach()``. ``mean`` and ``sum``, whose
+``_core/unseen.py``). A backward that reaches the weights raises; one that does not (the
+weights used under ``no_grad``, or other outputs differentiated) runs as before. Forward mode
+computes every tangent as the calls run, so there the call itself raises, whether or not the
+weights reach the output (a weighting inside a ``jvp``'s aux included). The weights (and
+``tg.aggregated_grad``'s ``info.weights``, with parameters that require grad) then require
+grad: ``.detach()`` them to log them. To hold the weights constant, as Jacobian descent does,
+pass ``G.detach()``. ``mean`` and ``sum``, whose
 weights do not depend on ``G``'s values (a zero derivative, which is right), are not wrapped.
 Under ``torch.func.vmap`` no weighting can run (host synchronisations): ``check_gramian``
 refuses a batched ``G`` with a torchgram error (it was torch's "Cannot access data pointer of

@@ -292,6 +292,9 @@ def _solve_on_face(systems: _FaceSystems, free: Tensor, rhs: Tensor, *,
     if m < _GATHER_FROM:
         factor, info = torch.linalg.cholesky_ex(_identity_off(K, free))
         return _cholesky_solve(factor, rhs * free), info == 0, None
+    piece = _piece_of(free)  # NOTE [one batch, its faces shared]
+    if piece < batch:
+        return _solve_in_pieces(systems, free, rhs, piece)
     count = free.sum(dim=-1)
     # Host synchronisation: the sizes of the gathered blocks, on either side.
     p, p_fixed = torch.stack([count.max(), m - count.min()]).tolist()
@@ -307,6 +310,33 @@ def _solve_on_face(systems: _FaceSystems, free: Tensor, rhs: Tensor, *,
     order, valid = faces.per_problem(order, valid)
     y = factors.solve(rhs.gather(1, order) * valid)
     return torch.zeros_like(rhs).scatter(1, order, y), factors.ok, None
+
+
+def _piece_of(free: Tensor) -> int:
+    """How many problems of ``free``'s batch one face solve takes at a time.
+
+    NOTE [one batch, its faces shared]: the whole batch where its distinct free sets are at most
+    :func:`_batch_chunk` (their factors then fit its bound), else that many problems.
+    """
+    batch, m = free.shape
+    chunk = _batch_chunk(m)
+    if batch <= chunk:
+        return batch
+    keys = (free * _hash_weights(m, free.device)).sum(dim=-1)
+    faces = torch.unique(keys).shape[0]  # Host synchronisation.
+    return batch if faces <= chunk else chunk
+
+
+def _solve_in_pieces(systems: _FaceSystems, free: Tensor, rhs: Tensor,
+                     piece: int) -> tuple[Tensor, Tensor, None]:
+    """:func:`_solve_on_face`, ``piece`` problems at a time, each refined at once.
+
+    A correction left for later (NOTE [refinement on demand]) would keep every piece's factors
+    until the caller's check, which is the memory the pieces are there to bound.
+    """
+    parts = [_solve_on_face(systems, part_free, part_rhs)
+             for part_free, part_rhs in zip(free.split(piece), rhs.split(piece), strict=True)]
+    return torch.cat([part[0] for part in parts]), torch.cat([part[1] for part in parts]), None
 
 
 # NOTE [problems that share a face]
@@ -862,15 +892,19 @@ def solve_nonneg_qp(H: Tensor, q: Tensor, free: Tensor | None = None) -> Tensor:
     if free is None:
         free = _default_free(q)
     # NOTE [one batch, its faces shared]
-    # Below _GATHER_FROM a round's systems are [batch, m, m] matrices, so the batch is solved in
-    # chunks of _batch_chunk(m) problems. From _GATHER_FROM on, a round holds [batch, m] tensors
-    # and its face blocks are factorised in chunks of their own (NOTE [face blocks in chunks]),
-    # so the batch stays whole: its problems that share a face then share one factorisation
-    # (NOTE [problems that share a face]) across the whole batch. Until session 55 the batch was
-    # cut into chunks of 2^24 / m² problems at every m: 64 at m = 512, 16 at m = 1024, each
-    # factorising the same faces again (UPGrad on a rank-1 Gramian, two faces in all: 64 rounds
-    # of one ~1000-wide face at m = 1024, 0.78 s, against 0.17 s as one batch; the benchmark's
-    # other families at m = 512, 0.75-0.95 times the time).
+    # A round's memory is bounded by _MAX_BATCH_ENTRIES: below _GATHER_FROM its systems are
+    # [batch, m, m] matrices, so the batch is solved in chunks of _batch_chunk(m) problems. From
+    # _GATHER_FROM on the active set holds [batch, m] tensors, and what grows with the batch is
+    # the factors of its face blocks (up to p² each, kept for the round's solves) and the
+    # right-hand sides of a grouped face side by side; so the batch stays whole, and each round
+    # (_solve_on_face) takes it whole when its distinct free sets are at most _batch_chunk(m) --
+    # their problems then share one factorisation per face across the batch (NOTE [problems
+    # that share a face]) -- and else _batch_chunk(m) problems at a time, as before. Until
+    # session 55 the batch was cut into chunks of 2^24 / m² problems up front (from m = 257 for
+    # UPGrad's k = m; 16 at m = 1024), each factorising the same faces again: a rank-1
+    # Gramian, two faces in all, took 64 rounds of a ~1000-wide face at m = 1024 (0.78 s,
+    # against 0.17 s as one batch). A first version kept every round whole: a review found the
+    # factors of an ill-conditioned Gramian's round at m = 768 holding 1 GB (37 MB before).
     chunk = _batch_chunk(m) if m < _GATHER_FROM else q.shape[0]
     if q.shape[0] > chunk:
         return torch.cat([_solve_nonneg_qp(H, part, part_free) for part, part_free
