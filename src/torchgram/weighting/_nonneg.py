@@ -10,33 +10,31 @@ GEMM per iteration and needs tens to hundreds of iterations. For a single proble
 the direct solver is faster up to several hundred variables (``_CG_FROM_SINGLE``), where the
 per-call overhead of tensor operations dominates both; the CG solver from there on.
 
-For a batch of problems (UPGrad, ``k = m``) what the direct solver costs is its number of
-rounds: 4 (random Gramians) to 20 (rank-deficient ones) from ``x = 0``. So it starts from the
-faces guessed by a few ADMM iterations with one shared inverse (NOTE [ADMM face
-identification] in ``_admm.py``), after which one round (rarely two or three, on a few
-problems) finishes; the answers are still its exact, sign-checked ones. Measured on one CPU
-thread (w17, alternating A/B with the previous paths, loaded machine): 2.7 to 7 times (a rerun:
-4 to 11) faster at m = 64 on rank-m/2, ill-conditioned and training Gramians, 1 to 1.6 times on
-random ones, but 0.6 to 0.8 times on rank-1 ones (one round either way: the guess is extra);
-2.5 to 5.5 times at m = 128 and 1.4 to 2.2 times at m = 256 on the Gramians of low effective
-rank (rank-1 included), where the previous path was the CG solver (it needs hundreds of
-iterations on those ill-conditioned faces). With the guess, the direct solver stays the better
-one up to ``_CG_FROM_CONCENTRATED`` variables on Gramians of low effective rank. (Session 55,
-once the direct solver kept the batch whole, NOTE [one batch, its faces shared] in ``_qp.py``;
-A/B against the CG path in one process, 1 thread, the weighting benchmark's Gramians, medians
-of 3: at m = 512 the direct solver took 0.52 times the time on ill-conditioned and training
-Gramians and 0.93 on rank-m/2 ones; at m = 768 0.66-0.68 and 1.46; at m = 1024 the CG
-solver stays, unchanged, as on random Gramians. A cold start that holds, NOTE [cold start
-probe], now sends a batch to the direct solver at any size: rank-1 Gramians 20 to 22 times
-faster at m = 512 to 1024, 0.2 s at 1024.) On Gramians of high effective rank (``tr(H)² /
-‖H‖_F² ≥ m / 2``, as for random ones), from ``_SYNC_FROM`` variables on, the synchronous CG
-rounds of ``_sync_cg.py`` (NOTE [synchronous CG rounds]) come first (all problems moving in
-step, 1.2 to 1.9 times faster than the CG solver at m = 128 to 1024), then the CG solver from
-``_CG_FROM`` on for what they leave, then the direct one (without a guess) for the rest. Below
-``_SYNC_FROM`` the guess and the direct solver were as fast or faster on random Gramians too
-(m = 64: 1.07 to 1.26 times in four A/B runs; m = 96: within noise either way). On Gramians of
-low effective rank the rounds' faces are ill-conditioned and they certify nothing, so they are
-skipped.
+For a batch of problems (UPGrad, ``k = m``) what the direct solver costs is its number of rounds: 4
+(random Gramians) to 20 (rank-deficient ones) from ``x = 0``. So it starts from the faces guessed by
+a few ADMM iterations with one shared inverse (NOTE [ADMM face identification] in ``_admm.py``),
+after which one round (rarely two or three, on a few problems) finishes; the answers are still its
+exact, sign-checked ones. Measured on one CPU thread (w17, alternating A/B with the previous paths,
+loaded machine): 2.7 to 7 times (a rerun: 4 to 11) faster at m = 64 on rank-m/2, ill-conditioned and
+training Gramians, 1 to 1.6 times on random ones, but 0.6 to 0.8 times on rank-1 ones (one round
+either way: the guess is extra); 2.5 to 5.5 times at m = 128 and 1.4 to 2.2 times at m = 256 on the
+Gramians of low effective rank (rank-1 included), where the previous path was the CG solver (it
+needs hundreds of iterations on those ill-conditioned faces). With the guess, the direct solver
+stays the better one up to ``_CG_FROM_CONCENTRATED`` variables on Gramians of low effective rank.
+(Session 55, once the direct solver kept the batch whole, NOTE [one batch, its faces shared] in
+``_qp.py``; A/B against the CG path in one process, 1 thread, the weighting benchmark's Gramians,
+medians of 3: at m = 512 the direct solver took 0.58 times the time on ill-conditioned and training
+Gramians and 0.83 on rank-m/2 ones; at m = 768 0.56 on training, 0.88 on ill-conditioned and 1.43 on
+rank-m/2 ones; at m = 1024 the CG solver stays, unchanged, as on random Gramians. A cold start that
+holds, NOTE [cold start probe], now sends a batch to the direct solver at any size: rank-1 Gramians
+14 to 21 times faster at m = 512 to 1024, 0.2 s at 1024.) On Gramians of high effective rank
+(``tr(H)² / ‖H‖_F² ≥ m / 2``, as for random ones), from ``_SYNC_FROM`` variables on, the synchronous
+CG rounds of ``_sync_cg.py`` (NOTE [synchronous CG rounds]) come first (all problems moving in step,
+1.2 to 1.9 times faster than the CG solver at m = 128 to 1024), then the CG solver from ``_CG_FROM``
+on for what they leave, then the direct one (without a guess) for the rest. Below ``_SYNC_FROM`` the
+guess and the direct solver were as fast or faster on random Gramians too (m = 64: 1.07 to 1.26
+times in four A/B runs; m = 96: within noise either way). On Gramians of low effective rank the
+rounds' faces are ill-conditioned and they certify nothing, so they are skipped.
 
 The CG solvers run on a diagonally rescaled problem (``H → DHD``, ``q → Dq``, ``x → D⁻¹x``: the
 KKT residual does not change, NOTE [KKT certificate]) with ``D = diag(H)^{-1/3}``: a diagonal
@@ -68,7 +66,7 @@ _SYNC_MIN_RANK = 0.5
 # a high effective rank (after the synchronous rounds) ...
 _CG_FROM = 128
 # ... for a batch whose H has not (below it: the direct solver from ADMM-guessed faces; 512
-# until session 55, when the direct solver's batch stopped being cut into chunks at m ≥ 512,
+# until session 55, when the direct solver's batch stopped being cut into chunks up front,
 # NOTE [one batch, its faces shared] in _qp.py: see NOTE [choosing the non-negative QP solver]) ...
 _CG_FROM_CONCENTRATED = 1024
 # ... and for a single problem (DualProj).
