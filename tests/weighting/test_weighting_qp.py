@@ -175,6 +175,31 @@ def test_a_round_with_many_faces_runs_in_pieces(monkeypatch: pytest.MonkeyPatch,
     assert_close(pieces, whole, rtol=0, atol=1e-13 * float(whole.abs().max()))
 
 
+def test_face_keys_tell_apart_sets_with_equal_index_sums() -> None:
+    # Until session 55 the weights were j · c mod 2^40: {0, 3} and {1, 2} had the same key.
+    m = 1024
+    weights = qp._hash_weights(m, torch.device("cpu"))
+    free = torch.zeros(4, m, dtype=torch.bool)
+    free[0, [0, 3]] = free[1, [1, 2]] = True
+    free[2, [10, 40, 70]] = free[3, [20, 30, 70]] = True
+    keys = (free * weights).sum(dim=-1)
+    assert keys[0] != keys[1] and keys[2] != keys[3]
+
+
+def test_colliding_face_keys_run_in_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
+    # NOTE [one batch, its faces shared]: a batch is taken whole only where its distinct faces
+    # are known exactly; equal keys of unequal sets (forced here) mean pieces, the memory bound.
+    m = 64
+    monkeypatch.setattr(qp, "_MAX_BATCH_ENTRIES", 10 * m * m)
+    free = torch.zeros(40, m, dtype=torch.bool)
+    for row in range(40):
+        free[row, row:row + 2] = True  # 39 distinct sets, each of two variables
+    assert qp._piece_of(free) == 10
+    monkeypatch.setattr(qp, "_hash_weights", lambda m, device: torch.ones(m, dtype=torch.long))
+    assert qp._piece_of(free) == 10  # one key for all, not one face
+    assert qp._piece_of(free[:1].expand(40, m)) == 40  # one face indeed
+
+
 def test_interior_point_fallback_runs_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     # The fallback's iterations hold [batch, m, m] systems: it runs _batch_chunk(m) problems at
     # a time, with the answers of one batch.
