@@ -126,6 +126,21 @@ def test_nonneg_qp_chunks_large_batches(monkeypatch: pytest.MonkeyPatch) -> None
     assert_close(solve_nonneg_qp(H, H), whole, rtol=0, atol=1e-14)
 
 
+def _count_factored_blocks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """From now on, the number of blocks each ``_Factors`` factorises (one entry per call)."""
+    blocks: list[int] = []
+    factors = qp._Factors
+
+    class CountedFactors(factors):  # type: ignore[misc, valid-type]
+        def __init__(self, systems: Any, side: str, order: Tensor, valid: Tensor,
+                     groups: Any = None) -> None:
+            blocks.append(order.shape[0])
+            super().__init__(systems, side, order, valid, groups)
+
+    monkeypatch.setattr(qp, "_Factors", CountedFactors)
+    return blocks
+
+
 def test_shared_faces_are_factorised_once_across_the_whole_batch(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # NOTE [one batch, its faces shared]: from _GATHER_FROM variables on, a bound that would cut
@@ -134,16 +149,7 @@ def test_shared_faces_are_factorised_once_across_the_whole_batch(
     m = 64
     H = random_psd(m, 1, seed=3, ridge=1e-4)
     whole = solve_nonneg_qp(H, H)
-    rounds: list[int] = []
-    factors = qp._Factors
-
-    class CountedFactors(factors):  # type: ignore[misc, valid-type]
-        def __init__(self, systems: Any, side: str, order: Tensor, valid: Tensor,
-                     groups: Any = None) -> None:
-            rounds.append(order.shape[0])  # the blocks factorised in this round
-            super().__init__(systems, side, order, valid, groups)
-
-    monkeypatch.setattr(qp, "_Factors", CountedFactors)
+    rounds = _count_factored_blocks(monkeypatch)
     monkeypatch.setattr(qp, "_MAX_BATCH_ENTRIES", 16 * m * m)
     assert_close(solve_nonneg_qp(H, H), whole, rtol=0, atol=1e-14)
     assert len(rounds) == 1 and rounds[0] <= 2, rounds
@@ -159,16 +165,7 @@ def test_a_round_with_many_faces_runs_in_pieces(monkeypatch: pytest.MonkeyPatch,
     m = 64
     H = random_psd(m, 32, seed=5, ridge=1e-4)
     whole = solve_nonneg_qp(H, H)
-    blocks: list[int] = []
-    factors = qp._Factors
-
-    class CountedFactors(factors):  # type: ignore[misc, valid-type]
-        def __init__(self, systems: Any, side: str, order: Tensor, valid: Tensor,
-                     groups: Any = None) -> None:
-            blocks.append(order.shape[0])
-            super().__init__(systems, side, order, valid, groups)
-
-    monkeypatch.setattr(qp, "_Factors", CountedFactors)
+    blocks = _count_factored_blocks(monkeypatch)
     monkeypatch.setattr(qp, "_MAX_BATCH_ENTRIES", 10 * m * m)
     pieces = solve_nonneg_qp(H, H)
     assert blocks and max(blocks) <= 10 and len(blocks) >= 7, blocks

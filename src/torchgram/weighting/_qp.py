@@ -323,15 +323,31 @@ def _piece_of(free: Tensor) -> int:
     chunk = _batch_chunk(m)
     if batch <= chunk:
         return batch
-    keys = (free * _hash_weights(m, free.device)).sum(dim=-1)
-    keys, members = torch.unique(keys, return_inverse=True)
-    if keys.shape[0] > chunk:  # Host synchronisation.
+    members, counts = _face_keys(free)
+    if counts.shape[0] > chunk:  # Host synchronisation.
         return chunk
     # Equal keys of unequal sets would make the blocks those of every problem: checked
-    representatives = torch.empty_like(keys).scatter_(
-        0, members, torch.arange(batch, device=free.device))
-    exact = bool((free.index_select(0, representatives).index_select(0, members) == free).all())
-    return batch if exact else chunk
+    _, exact = _distinct_sets(free, members, counts.shape[0])
+    return batch if bool(exact) else chunk
+
+
+def _face_keys(free: Tensor) -> tuple[Tensor, Tensor]:
+    """Each problem's distinct key and each key's count (NOTE [problems that share a face]).
+
+    Equal sets have equal keys (exact integer sums); unequal ones may collide, which
+    :func:`_distinct_sets` tells.
+    """
+    keys = (free * _hash_weights(free.shape[1], free.device)).sum(dim=-1)
+    _, members, counts = torch.unique(keys, return_inverse=True, return_counts=True)
+    return members, counts
+
+
+def _distinct_sets(free: Tensor, members: Tensor, faces: int) -> tuple[Tensor, Tensor]:
+    """One set per key (``[faces, m]``), and whether every problem's set is its key's."""
+    representatives = torch.empty(faces, dtype=members.dtype, device=free.device).scatter_(
+        0, members, torch.arange(free.shape[0], device=free.device))
+    distinct = free.index_select(0, representatives)
+    return distinct, (distinct.index_select(0, members) == free).all()
 
 
 def _solve_in_pieces(systems: _FaceSystems, free: Tensor, rhs: Tensor,
@@ -411,18 +427,12 @@ class _Faces:
         batch, m = free.shape
         if batch < _GROUP_FROM or batch * p**3 < _GROUP_FROM_COST:
             return cls(free, None)
-        # Equal sets have equal keys (exact integer sums); a collision of unequal ones is
-        # caught below
-        keys = (free * _hash_weights(m, free.device)).sum(dim=-1)
-        keys, members, counts = torch.unique(keys, return_inverse=True, return_counts=True)
-        faces = keys.shape[0]  # Host synchronisation.
+        members, counts = _face_keys(free)  # a collision of unequal sets is caught below
+        faces = counts.shape[0]  # Host synchronisation.
         if 2 * faces > batch:
             return cls(free, None)
-        representatives = torch.empty_like(keys).scatter_(
-            0, members, torch.arange(batch, device=free.device))
-        distinct = free.index_select(0, representatives)
-        exact, width = torch.stack([(distinct.index_select(0, members) == free).all(),
-                                    counts.max()]).tolist()  # Host synchronisation.
+        distinct, exact = _distinct_sets(free, members, faces)
+        exact, width = torch.stack([exact, counts.max()]).tolist()  # Host synchronisation.
         if not exact:
             return cls(free, None)
         by_face = torch.argsort(members, stable=True)
