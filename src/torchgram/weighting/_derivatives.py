@@ -69,12 +69,13 @@ def refusing_derivatives(name: str) -> Callable[[Weighting[_Options]], Weighting
         ...     print(str(error)[:80])
         torchgram.weighting.double: its weights are not differentiable with respect to t
     """
+    message = refusal(name)
 
     def decorate(weighting: Weighting[_Options]) -> Weighting[_Options]:
         @functools.wraps(weighting)
         def refusing(G: Tensor, /, *args: _Options.args, **kwargs: _Options.kwargs) -> Tensor:
             weights = weighting(G, *args, **kwargs)  # G was checked to be a tensor
-            return refuse_derivative(weights, refusal(name), [G], forward_mode=True)
+            return refuse_derivative(weights, message, [G], forward_mode=True)
 
         return refusing
 
