@@ -10,6 +10,8 @@ from torch import Tensor
 from torchgram._core._torch_compat import is_batched
 
 _PREFIX = "torchgram.weighting."
+# From this many rows, G's transpose is read through a contiguous copy (NOTE [transposed reads]).
+_BLOCKED_TRANSPOSE_FROM = 512
 _HOW_TO = (
     "Pass G = J @ J.T, where J is the [m, n] Jacobian with one row per loss "
     "(or torchgram.gramian's result for a function with m outputs)."
@@ -80,18 +82,25 @@ def check_gramian(G: object, name: str) -> Tensor:
     G = G.detach()
     if G.numel() == 0:
         return G
-    magnitudes = G.abs()
-    tol = symmetry_rtol(G.dtype) * magnitudes.amax()
-    asymmetry = G - G.T  # Computed once (transposed reads are the slow ones): checked, removed.
+    lowest, highest = G.aminmax()  # NaN if G has a NaN
+    largest = torch.maximum(-lowest, highest)
+    tol = symmetry_rtol(G.dtype) * largest
+    # Computed once, checked, then removed. NOTE [transposed reads]: ``G - G.T`` reads G down
+    # its columns, which thrashes the cache where rows are a large power of two apart: 7.7 ms
+    # at m = 1024 against 1.2 ms at m = 1000 (float64, one CPU thread; 56 ms at m = 2048).
+    # torch's blocked transposing copy does not: ``G - G.T.contiguous()`` 2.3 ms at m = 1024.
+    transposed = G.T.contiguous() if G.shape[0] >= _BLOCKED_TRANSPOSE_FROM else G.T
+    asymmetry = G - transposed
+    asymmetry_low, asymmetry_high = asymmetry.aminmax()
     norms = G.diagonal().clamp_min(0).sqrt()
     # Reductions to one value each (``isfinite(G).all()`` and ``.any()`` of a comparison took
     # 190 and 90 µs at m = 256 on one CPU thread, the whole check 3 times as long)
     bad = torch.stack(
         [
-            G.mul(0).sum() != 0,  # 0 · x is ±0 for a finite x, NaN for NaN and ±inf
-            asymmetry.abs().amax() > tol,
+            ~torch.isfinite(largest),  # inf for ±inf entries, NaN for a NaN
+            torch.maximum(-asymmetry_low, asymmetry_high) > tol,
             G.diagonal().amin() < -tol,
-            (magnitudes - norms[:, None] * norms[None, :]).amax() > tol,
+            torch.addcmul(G.abs(), norms[:, None], norms[None, :], value=-1).amax() > tol,
         ]
     )
     not_finite, not_symmetric, negative_diagonal, too_large = bad.tolist()  # The one sync.
@@ -121,7 +130,8 @@ def check_gramian(G: object, name: str) -> Tensor:
             f"{float(G[i, j].abs()):.3g} above sqrt(G[{i}, {i}] G[{j}, {j}]) = "
             f"{float(norms[i] * norms[j]):.3g} (|<J[i], J[j]>| <= |J[i]| |J[j]|). {_HOW_TO}"
         )
-    return G - asymmetry / 2  # (G + Gᵀ) / 2 without overflow near the dtype's largest value.
+    # (G + Gᵀ) / 2 without overflow near the dtype's largest value.
+    return torch.add(G, asymmetry, alpha=-0.5)
 
 
 def check_non_negative(value: float, argument: str, name: str) -> None:
