@@ -31,7 +31,10 @@ def mgda(G: Tensor, /, *, state: WarmStart | None = None) -> Tensor:
     Unlike torchjd's ``MGDAWeighting`` (Frank–Wolfe, stopped after ``max_iters`` iterations or a
     step below ``epsilon``), the quadratic program is solved exactly, by an active-set method
     that ends with an exact solve on the support, in float64, as tensor code on ``G``'s device
-    (NOTE [batched QP solver] in ``torchgram/weighting/_qp.py``).
+    (NOTE [batched QP solver] in ``torchgram/weighting/_qp.py``); from ``m = 512``, on
+    Gramians of low effective rank and where the active set fails, the support is first
+    sought by Wolfe's min-norm-point algorithm, and its exact face solution is kept only if
+    its signs check (NOTE [choosing the min-norm start]).
     ``G`` is first divided by its trace, which leaves the minimiser unchanged.
 
     When rows of ``J`` are linearly dependent the minimiser ``Jᵀw`` is unique but ``w`` may not
@@ -79,11 +82,12 @@ def mgda(G: Tensor, /, *, state: WarmStart | None = None) -> Tensor:
     # a few ulps, and the Gramian may be singular; float32 would resolve neither.
     G64 = scaled_by_a_power_of_two(G.to(torch.float64))[0]  # a trace that cannot overflow
     trace = G64.diagonal().sum()
-    eye = torch.eye(m, dtype=G64.dtype, device=G64.device)
-    # A zero Gramian is replaced by I, whose min-norm point is the uniform vector (no host sync).
-    H = torch.where(trace > 0, G64 / trace.clamp(min=torch.finfo(G64.dtype).tiny), eye)
-    previous = None if state is None else state.load("mgda", H[0])
-    w = solve_simplex_qp(H, None if previous is None or not previous.any() else previous > 0)
+    if bool(trace > 0):  # Host synchronisation (the solver has many).
+        H = G64 / trace
+        previous = None if state is None else state.load("mgda", H[0])
+        w = solve_simplex_qp(H, None if previous is None or not previous.any() else previous > 0)
+    else:  # A zero Gramian: every point minimises; the uniform one.
+        w = torch.full((m,), 1.0 / m, dtype=torch.float64, device=G.device)
     if state is not None:
         state.store("mgda", w, "direct", 0)
     return w.to(G.dtype)
