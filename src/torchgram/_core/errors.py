@@ -248,10 +248,11 @@ def derivative_faults_refused(api: str) -> Iterator[None]:
 
 
 class CounterRead(RuntimeError):  # noqa: N818
-    """``f`` used, other than as a number, a counter whose in-place increment was skipped.
+    """``f`` used a skipped counter (other than as a number) or statistics left stale.
 
-    NOTE [frozen running statistics] (``running_stats.py``); every evaluation of ``f`` turns it
-    into :func:`counter_read_error`, the ``ValueError`` every backend raises for such an ``f``.
+    A counter whose in-place increment was skipped, or running statistics whose update was
+    dropped: NOTE [frozen running statistics] (``running_stats.py``). Every evaluation of
+    ``f`` turns it into :func:`counter_read_error`, the ``ValueError`` every backend raises.
     """
 
 
@@ -340,11 +341,13 @@ def counter_read_error(api: str, error: CounterRead) -> ValueError:
     """
     return ValueError(message(
         api, "f that does not use, as a tensor, a 0-dim integer tensor it increments in "
-        "place (torchgram evaluates f several times and leaves such counters, as batch "
-        "norm's num_batches_tracked, as they were: NOTE [frozen running statistics])",
+        "place, nor running statistics after a training-mode norm call (torchgram evaluates "
+        "f several times and leaves such counters, as batch norm's num_batches_tracked, and "
+        "the running statistics as they were: NOTE [frozen running statistics])",
         f"f that does: {error}",
         "Increment the counter outside f, or give f a copy of it (tg.functionalize(model) "
-        "runs the module on copies of its buffers)."))
+        "runs the module on copies of its buffers); read running statistics before the "
+        "training-mode call, or use the batch's own statistics."))
 
 
 def gradient_hooks_refused(api: str, backend: str) -> BackendCannotRun:

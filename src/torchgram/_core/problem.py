@@ -444,7 +444,8 @@ class Problem:
                                     DenseEmbeddingGradients if self.sparse_embeddings
                                     else contextlib.nullcontext,
                                     self._probe_check,
-                                    FrozenRunningStats,  # NOTE [frozen running statistics]
+                                    # NOTE [frozen running statistics]
+                                    lambda: FrozenRunningStats(self._protected()),
                                     # NOTE [prelu as where] and the others of watched_calls
                                     lambda: watched_calls_modes(self.decomposed),
                                     RenormalisedOnce if self.mutates_leaves
@@ -875,14 +876,16 @@ def _evaluate_probe(api: str, f: Callable[..., Any], args: tuple[Any, ...],
     def evaluate(values: tuple[Tensor, ...]) -> Any:
         return f(*diff.rebuild_args(args, values), **kwargs)
 
-    writes = CapturedWrites(captured_memory(f, (args, dict(kwargs)), own=leaves))
+    captured = captured_memory(f, (args, dict(kwargs)), own=leaves)
+    writes = CapturedWrites(captured)
 
     def evaluate_probe() -> Any:  # the next evaluation starts from the call's state
         return evaluate_f(evaluate, leaves,
                           lambda: draw.evaluation(full=with_grad, restore_after=True),
                           _probe_attention, lambda: census,
                           lambda: writes,  # NOTE [captured writes]
-                          FrozenRunningStats, look if look_unseen else contextlib.nullcontext)
+                          lambda: FrozenRunningStats(lambda: captured),
+                          look if look_unseen else contextlib.nullcontext)
 
     with torch.set_grad_enabled(with_grad):
         try:

@@ -23,12 +23,32 @@ does (it runs on copies). A skipped counter keeps its meaning: reading it as a n
 (``float(t)``, ``int(t)``, ``t.item()``: batch norm with ``momentum=None`` does) gives the
 value it would have had; any other use of it in ``f`` raises :class:`CounterRead` (a
 torchgram error: never a matrix computed from a value ``f`` did not see).
+
+NOTE [frozen memory is watched]
+Until session 56 a skipped counter was recognised by its object only, and the running
+statistics a dropped update left stale not at all, so a hunt found two silent wrong
+matrices: a counter ``f`` made itself, incremented through a view (``counts[0].add_(3)``)
+or read inside a list (``torch.stack([c, c])``), lost its increments (G all zeros); and an
+``f`` reading a batch norm's running statistics after its training-mode call (a batch-renorm
+style term, or the same module in eval mode next) used their old values (0.96 and 0.84
+off, relative). Now:
+
+* an increment is skipped only for a counter in memory ``f`` captured or received (the
+  caller's, as ``num_batches_tracked``; ``captured``, from NOTE [captured writes]); one
+  ``f`` made itself is incremented, as a plain call would;
+* after a skip or a dropped update, every call is looked at (:func:`memory_of` of every
+  tensor among its arguments, through lists, tuples and dicts): a use of that memory other
+  than reading the counter as a number, incrementing it again, or passing the statistics to
+  another training-mode norm call (whose update is dropped too) raises :class:`CounterRead`,
+  through any alias (a view, ``.detach()``, an element of a list).
+
+Only evaluations that skip or drop pay for the look (about 1 µs a tensor argument).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -36,6 +56,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
+from torchgram._core.captured_writes import memory_of
 from torchgram._core.census import _argument
 from torchgram._core.errors import CounterRead, counter_read_error
 
@@ -108,10 +129,27 @@ def _is_counter_increment(func: Any, args: tuple[Any, ...], kwargs: dict[str, An
             and not isinstance(step, bool))
 
 
-class FrozenRunningStats(TorchFunctionMode):
-    """Norm calls update no running statistics; counter increments are skipped.
+def _tensors_in(values: Any) -> Iterator[Tensor]:
+    """The tensors among a call's arguments, through lists, tuples and dicts."""
+    if isinstance(values, Tensor):
+        yield values
+    elif isinstance(values, list | tuple):
+        for value in values:
+            yield from _tensors_in(value)
+    elif isinstance(values, dict):
+        for value in values.values():
+            yield from _tensors_in(value)
 
-    See NOTE [frozen running statistics]. One object per evaluation of ``f``.
+
+class FrozenRunningStats(TorchFunctionMode):
+    """Norm calls update no running statistics; increments of captured counters are skipped.
+
+    See NOTE [frozen running statistics] and NOTE [frozen memory is watched]. One object per
+    evaluation of ``f``.
+
+    Args:
+        captured: The memory (:func:`memory_of`) of the tensors ``f`` captured or received,
+            asked for at a counter's first increment; ``None``: every counter is the caller's.
 
     Example:
         >>> bn = torch.nn.BatchNorm1d(3)
@@ -125,50 +163,76 @@ class FrozenRunningStats(TorchFunctionMode):
         (0.0, 0)
     """
 
-    def __init__(self) -> None:
+    def __init__(self, captured: Callable[[], frozenset[int]] | None = None) -> None:
         super().__init__()
+        self._captured = captured
         self._skipped: dict[int, tuple[Tensor, int]] = {}  # id -> (counter, increments)
+        self._frozen: dict[int, str] = {}  # memory -> what it holds (for the message)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
-        if not self._skipped and not _watched(func):  # most calls: a set lookup, no more
+        if not self._frozen and not _watched(func):  # most calls: a set lookup, no more
             return func(*args, **kwargs)
-        if self._skipped:
-            read = self._read_of_skipped(func, args, kwargs)
+        if self._frozen:
+            read = self._use_of_frozen(func, args, kwargs)
             if read is not NotImplemented:
                 return read
-        if _is_counter_increment(func, args, kwargs):
+        if _is_counter_increment(func, args, kwargs) and self._callers(args[0]):
             counter, step = args
             _, before = self._skipped.get(id(counter), (counter, 0))
             self._skipped[id(counter)] = (counter, before + step)
+            self._frozen[memory_of(counter)] = (
+                "it increments a 0-dim integer tensor in place, then uses it in")
             return counter
         rewritten = _without_running_stats(func, args, kwargs)
         if rewritten is not None:
+            for stats in _tensors_in((args, kwargs)):
+                if stats.is_floating_point() and all(stats is not t for t in
+                                                     _tensors_in(rewritten)):
+                    self._frozen[memory_of(stats)] = (
+                        "it reads running statistics after a training-mode norm call that "
+                        "updates them (torchgram leaves them as they were), in")
             args, kwargs = rewritten
         return func(*args, **kwargs)
 
-    def _read_of_skipped(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """The value a read of a skipped counter gives, or ``NotImplemented`` if none is read.
+    def _callers(self, counter: Tensor) -> bool:
+        """Whether ``counter`` is in memory ``f`` captured or received (not one it made)."""
+        return self._captured is None or memory_of(counter) in self._captured()
 
-        Raises :class:`CounterRead` when ``f`` uses the counter other than as a number.
+    def _use_of_frozen(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The value a number read of a skipped counter gives; else ``NotImplemented``.
+
+        ``NotImplemented`` for a call that touches no frozen memory, or only as allowed (NOTE
+        [frozen memory is watched]). Raises :class:`CounterRead` for any other use of frozen memory.
         """
-        touched = [self._skipped[id(a)] for a in (*args, *kwargs.values())
-                   if isinstance(a, Tensor) and id(a) in self._skipped]
-        if not touched:
+        hits = [t for t in _tensors_in((args, kwargs)) if memory_of(t) in self._frozen]
+        if not hits:
             return NotImplemented
-        counter, increments = touched[0]
-        if _is_counter_increment(func, args, kwargs):
-            return NotImplemented  # another increment: counted by the caller
-        try:
-            as_type = _SCALAR_READS.get(func, NotImplemented)
-        except TypeError:
-            as_type = NotImplemented
-        if as_type is NotImplemented or len(args) != 1 or kwargs:
-            raise CounterRead("it increments a 0-dim integer tensor in place, then uses it in "
-                              + getattr(func, "__name__", "a call"))
-        value = counter.item() + increments
-        return value if as_type is None else as_type(value)
+        skipped = self._skipped.get(id(hits[0])) if len(hits) == 1 else None
+        if skipped is not None and hits[0] is args[0]:
+            if _is_counter_increment(func, args, kwargs):
+                return NotImplemented  # another increment: counted by the caller
+            as_type = _SCALAR_READS.get(func, NotImplemented) if _hashable(func) \
+                else NotImplemented
+            if as_type is not NotImplemented and len(args) == 1 and not kwargs:
+                counter, increments = skipped
+                value = counter.item() + increments
+                return value if as_type is None else as_type(value)
+        rewritten = _without_running_stats(func, args, kwargs)
+        if rewritten is not None and not any(memory_of(t) in self._frozen
+                                             for t in _tensors_in(rewritten)):
+            return NotImplemented  # their next update, dropped too
+        raise CounterRead(f"{self._frozen[memory_of(hits[0])]} "
+                          f"{getattr(func, '__name__', 'a call')}")
+
+
+def _hashable(func: Any) -> bool:
+    try:
+        hash(func)
+    except TypeError:
+        return False
+    return True
 
 
 @contextlib.contextmanager
