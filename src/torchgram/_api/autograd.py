@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -13,6 +14,7 @@ from torchgram._core import _torch_compat, checks
 from torchgram._core.errors import derivative_faults_refused
 from torchgram._core.functional import outside_inference_mode
 from torchgram._core.result import RunReport
+from torchgram._core.running_stats import FrozenRunningStats, counters_refused
 from torchgram._core.scratch import scratch_scope
 from torchgram._core.sink import LeafBlocks
 from torchgram.backends.eager.record import paused
@@ -144,9 +146,6 @@ class Call:
 
     def run(self, *, want_pullback: bool = False) -> Outcome:
         """Compute the Gramian (NOTE [imperative Gramian])."""
-        from torchgram.backends.eager.gramian import EagerResult, eager_gramian
-        from torchgram.backends.graph import plan_graph, release_graph
-
         output_list, input_list = self.outputs, self.inputs
         num_rows = self.num_rows
         dtype = output_list[0].dtype
@@ -158,6 +157,26 @@ class Call:
                                          else tensor.dtype)
         blocks = LeafBlocks(len(input_list), per_leaf=self.per_input, diagonal=self.diagonal,
                             dtype=widest)
+        with _recomputation_frozen(self.api, output_list):
+            result = self._blocks(output_list, input_list, blocks, num_rows, want_pullback)
+        shape = output_list[0].shape if self.as_tensor else (num_rows,)
+        diagonal = self.diagonal
+        device = output_list[0].device
+        results = [
+            (torch.zeros((num_rows,) if diagonal else (num_rows, num_rows), dtype=dtype,
+                         device=device) if block is None
+             else block.to(dtype=dtype, device=device))
+            .reshape(shape if diagonal else (*shape, *shape))
+            for block in blocks.blocks()
+        ]
+        return Outcome(tuple(results) if self.per_input else results[0], result)
+
+    def _blocks(self, output_list: list[Tensor], input_list: list[Tensor], blocks: LeafBlocks,
+                num_rows: int, want_pullback: bool) -> EagerResult:
+        """Fill ``blocks``; what the engine reported."""
+        from torchgram.backends.eager.gramian import EagerResult, eager_gramian
+        from torchgram.backends.graph import plan_graph, release_graph
+
         if num_rows:
             try:
                 with derivative_faults_refused(self.api):  # what the walk found wrong
@@ -178,17 +197,7 @@ class Call:
             result = EagerResult(RunReport("autograd", "no rows"))
             if not self.retain_graph and not want_pullback:  # else the caller's backward
                 release_graph(output_list, plan_graph(output_list, input_list))  # frees it
-        shape = output_list[0].shape if self.as_tensor else (num_rows,)
-        diagonal = self.diagonal
-        device = output_list[0].device
-        results = [
-            (torch.zeros((num_rows,) if diagonal else (num_rows, num_rows), dtype=dtype,
-                         device=device) if block is None
-             else block.to(dtype=dtype, device=device))
-            .reshape(shape if diagonal else (*shape, *shape))
-            for block in blocks.blocks()
-        ]
-        return Outcome(tuple(results) if self.per_input else results[0], result)
+        return result
 
 
 @dataclass
@@ -197,6 +206,37 @@ class Outcome:
 
     value: Tensor | tuple[Tensor, ...]
     result: EagerResult
+
+
+# NOTE [recomputed running statistics]
+# A non-reentrant torch.utils.checkpoint region recomputes its forward whenever a saved tensor
+# of it is unpacked: once in a backward, but many times in torchgram's passes (the engine's
+# chunks, the walk's calls of each node, the release pass), and a batch norm in training mode
+# in the region updates its module's running statistics at each: a hunt after session 55 saw
+# num_batches_tracked at 9 to 23 after one call where a plain backward leaves 2, and
+# running_mean moved as far (G was right). Where such a norm sits below the outputs
+# (_torch_compat.recomputes_batch_norm: its saved input carries the checkpoint's unpack
+# hook), the passes run under FrozenRunningStats (the norms given copies of their statistics:
+# dropping them would change what the region saves, which the checkpoint refuses), so a
+# recomputation updates nothing:
+# tg.autograd.gramian leaves the statistics as the user's forward left them, and
+# tg.autograd.backward's last pass, where it is a plain backward, recomputes once as torch's
+# does. Other graphs pay nothing. Not yet under record(): its passes are the engine's
+# (torch.autograd.grad), where a recomputation runs without the torch-function modes of the
+# caller (measured: the mode stack is empty there), so each pass updates them once more
+# (one more than a plain backward for tg.autograd.gramian, the hunt's 3 against 2 for
+# backward); the walk calls the nodes itself, under the mode.
+
+
+def _recomputation_frozen(api: str,
+                          outputs: list[Tensor]) -> contextlib.AbstractContextManager[Any]:
+    """NOTE [recomputed running statistics]."""
+    if not _torch_compat.recomputes_batch_norm(outputs):
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(counters_refused(api))
+    stack.enter_context(FrozenRunningStats(clones=True))
+    return stack
 
 
 def prepare(api: str, outputs: Any, inputs: Any, *, batch_dim: Any, chunk_size: Any,

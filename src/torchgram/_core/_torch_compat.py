@@ -242,6 +242,37 @@ def is_module_hook_node(node: Node) -> bool:
     return custom_function_class(node) is BackwardHookFunction
 
 
+_NORM_BACKWARDS = ("NativeBatchNormBackward0", "CudnnBatchNormBackward0",
+                   "MiopenBatchNormBackward0")
+_NORM_SAVED = ("_raw_saved_input", "_raw_saved_self")
+
+
+def recomputes_batch_norm(outputs: Sequence[Tensor]) -> bool:
+    """Whether a batch norm below ``outputs`` sits in a non-reentrant checkpoint region.
+
+    Its saved input is packed by the checkpoint's hook (``SavedTensor.unpack_hook``, read
+    without unpacking): every access to it recomputes the region, whose batch norm in
+    training mode updates its running statistics again (NOTE [recomputed running statistics]
+    in ``_api/autograd.py``).
+    """
+    stack = [out.grad_fn for out in outputs if out.grad_fn is not None]
+    seen: set[Node] = set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ in _NORM_BACKWARDS:
+            for name in _NORM_SAVED:
+                raw = getattr(node, name, None)
+                hook = getattr(raw, "unpack_hook", None)
+                if hook is not None and "checkpoint" in getattr(hook, "__qualname__", ""):
+                    return True
+        stack.extend(child for child, _ in node.next_functions
+                     if child is not None and child not in seen)
+    return False
+
+
 def is_leaf_accumulator(node: Node) -> bool:
     """Whether ``node`` is a leaf's ``AccumulateGrad`` (the only nodes with a ``variable``)."""
     return not node.next_functions and getattr(node, "variable", None) is not None

@@ -86,9 +86,12 @@ def _watched(func: Any) -> bool:
         return False
 
 
-def _without_running_stats(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-                           ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+def _without_running_stats(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                           clones: bool = False) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     """A norm call that would update running statistics, without them; else ``None``.
+
+    ``clones``: with copies of them instead (the call then saves as many tensors for its
+    backward: NOTE [recomputed running statistics] in ``_api/autograd.py``).
 
     Example:
         >>> x, mean, var = torch.randn(4, 3), torch.zeros(3), torch.ones(3)
@@ -112,10 +115,14 @@ def _without_running_stats(func: Any, args: tuple[Any, ...], kwargs: dict[str, A
     keywords = dict(kwargs)
     for at, name in ((mean_at, mean_name), (var_at, var_name)):
         if at < len(positional):
-            positional[at] = None
+            positional[at] = _replaced(positional[at], clones)
         elif name in keywords:
-            keywords[name] = None
+            keywords[name] = _replaced(keywords[name], clones)
     return tuple(positional), keywords
+
+
+def _replaced(stats: Any, clones: bool) -> Any:
+    return stats.clone() if clones and isinstance(stats, Tensor) else None
 
 
 def _is_counter_increment(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -150,6 +157,7 @@ class FrozenRunningStats(TorchFunctionMode):
     Args:
         captured: The memory (:func:`memory_of`) of the tensors ``f`` captured or received,
             asked for at a counter's first increment; ``None``: every counter is the caller's.
+        clones: Give the norms copies of their running statistics rather than none.
 
     Example:
         >>> bn = torch.nn.BatchNorm1d(3)
@@ -163,9 +171,11 @@ class FrozenRunningStats(TorchFunctionMode):
         (0.0, 0)
     """
 
-    def __init__(self, captured: Callable[[], frozenset[int]] | None = None) -> None:
+    def __init__(self, captured: Callable[[], frozenset[int]] | None = None, *,
+                 clones: bool = False) -> None:
         super().__init__()
         self._captured = captured
+        self._clones = clones
         self._skipped: dict[int, tuple[Tensor, int]] = {}  # id -> (counter, increments)
         self._frozen: dict[int, str] = {}  # memory -> what it holds (for the message)
 
@@ -185,7 +195,7 @@ class FrozenRunningStats(TorchFunctionMode):
             self._frozen[memory_of(counter)] = (
                 "it increments a 0-dim integer tensor in place, then uses it in")
             return counter
-        rewritten = _without_running_stats(func, args, kwargs)
+        rewritten = _without_running_stats(func, args, kwargs, self._clones)
         if rewritten is not None:
             for stats in _tensors_in((args, kwargs)):
                 if stats.is_floating_point() and all(stats is not t for t in
@@ -219,7 +229,7 @@ class FrozenRunningStats(TorchFunctionMode):
                 counter, increments = skipped
                 value = counter.item() + increments
                 return value if as_type is None else as_type(value)
-        rewritten = _without_running_stats(func, args, kwargs)
+        rewritten = _without_running_stats(func, args, kwargs, self._clones)
         if rewritten is not None and not any(memory_of(t) in self._frozen
                                              for t in _tensors_in(rewritten)):
             return NotImplemented  # their next update, dropped too
