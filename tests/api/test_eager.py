@@ -475,14 +475,13 @@ def _losses(body: nn.Module, head: nn.Module, x: Tensor) -> Tensor:
     return head(checkpoint(body, x, use_reentrant=False)).pow(2).sum(1)
 
 
+@pytest.mark.parametrize("recorded", WAYS)
 @pytest.mark.parametrize("batch_dim", [None, 0], ids=["dense", "per-sample"])
 @pytest.mark.parametrize("api", ["gramian", "backward"])
 def test_a_checkpointed_batch_norm_updates_its_statistics_as_a_backward_does(
-        batch_dim: int | None, api: str) -> None:
-    """NOTE [recomputed running statistics]: the walk recomputed the region, and updated its
-    running statistics, up to 23 times a call (a hunt after session 55). (Under record(),
-    the engine's passes still recompute it once each: the note says why.)"""
-    recorded = False
+        recorded: bool, batch_dim: int | None, api: str) -> None:
+    """NOTE [recomputed running statistics]: torchgram's passes recomputed the region, and
+    updated its running statistics, up to 23 times a call (a hunt after session 55)."""
     weights = torch.linspace(0.5, 1.5, 5, dtype=DOUBLE)
     body, head, x = _checkpointed_batch_norm()
     params = [*body.parameters(), *head.parameters()]
@@ -508,7 +507,9 @@ def test_a_checkpointed_batch_norm_updates_its_statistics_as_a_backward_does(
         scale = max(float(grad.abs().max()) for grad in grads)  # a bias before the norm:
         for param, grad in zip(params, grads, strict=True):  # zero but for round-off
             assert float((param.grad - grad).abs().max()) <= 1e-10 * scale
-        expected = after_backward  # a plain last pass recomputes once, as torch's
+        # The walk's Jᵀw is a plain backward, which recomputes once, as torch's; under
+        # record(), Jᵀw comes from the recorded factors: nothing is recomputed.
+        expected = after_forward if recorded else after_backward
     for name, value in body.state_dict().items():
         assert torch.equal(value, expected[name]), name
 

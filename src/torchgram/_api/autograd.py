@@ -14,7 +14,7 @@ from torchgram._core import _torch_compat, checks
 from torchgram._core.errors import derivative_faults_refused
 from torchgram._core.functional import outside_inference_mode
 from torchgram._core.result import RunReport
-from torchgram._core.running_stats import FrozenRunningStats, counters_refused
+from torchgram._core.running_stats import RecomputedUpdatesUndone
 from torchgram._core.scratch import scratch_scope
 from torchgram._core.sink import LeafBlocks
 from torchgram.backends.eager.record import paused
@@ -157,7 +157,7 @@ class Call:
                                          else tensor.dtype)
         blocks = LeafBlocks(len(input_list), per_leaf=self.per_input, diagonal=self.diagonal,
                             dtype=widest)
-        with _recomputation_frozen(self.api, output_list):
+        with _recomputation_frozen(output_list):
             result = self._blocks(output_list, input_list, blocks, num_rows, want_pullback)
         shape = output_list[0].shape if self.as_tensor else (num_rows,)
         diagonal = self.diagonal
@@ -216,27 +216,21 @@ class Outcome:
 # num_batches_tracked at 9 to 23 after one call where a plain backward leaves 2, and
 # running_mean moved as far (G was right). Where such a norm sits below the outputs
 # (_torch_compat.recomputes_batch_norm: its saved input carries the checkpoint's unpack
-# hook), the passes run under FrozenRunningStats (the norms given copies of their statistics:
-# dropping them would change what the region saves, which the checkpoint refuses), so a
-# recomputation updates nothing:
-# tg.autograd.gramian leaves the statistics as the user's forward left them, and
-# tg.autograd.backward's last pass, where it is a plain backward, recomputes once as torch's
-# does. Other graphs pay nothing. Not yet under record(): its passes are the engine's
-# (torch.autograd.grad), where a recomputation runs without the torch-function modes of the
-# caller (measured: the mode stack is empty there), so each pass updates them once more
-# (one more than a plain backward for tg.autograd.gramian, the hunt's 3 against 2 for
-# backward); the walk calls the nodes itself, under the mode.
+# hook), the passes run under RecomputedUpdatesUndone (running_stats.py): a dispatch mode (a
+# torch-function mode is off inside the engine's node calls, where the engine's passes
+# recompute: measured), which lets each recomputation run as torch runs it and writes the
+# statistics and counters back at the end. tg.autograd.gramian leaves them as the user's
+# forward left them; tg.autograd.backward's last pass, where it is a plain backward (the
+# walk), recomputes once as torch's does, and Jᵀw from a recording's factors recomputes
+# nothing. Other graphs pay nothing (the scan: 11 us for the benchmark MLP's graph, 59 us
+# for the transformer's).
 
 
-def _recomputation_frozen(api: str,
-                          outputs: list[Tensor]) -> contextlib.AbstractContextManager[Any]:
+def _recomputation_frozen(outputs: list[Tensor]) -> contextlib.AbstractContextManager[Any]:
     """NOTE [recomputed running statistics]."""
     if not _torch_compat.recomputes_batch_norm(outputs):
         return contextlib.nullcontext()
-    stack = contextlib.ExitStack()
-    stack.enter_context(counters_refused(api))
-    stack.enter_context(FrozenRunningStats(clones=True))
-    return stack
+    return RecomputedUpdatesUndone()
 
 
 def prepare(api: str, outputs: Any, inputs: Any, *, batch_dim: Any, chunk_size: Any,

@@ -55,6 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchgram._core.captured_writes import memory_of
 from torchgram._core.census import _argument
@@ -86,12 +87,9 @@ def _watched(func: Any) -> bool:
         return False
 
 
-def _without_running_stats(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
-                           clones: bool = False) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+def _without_running_stats(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+                           ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     """A norm call that would update running statistics, without them; else ``None``.
-
-    ``clones``: with copies of them instead (the call then saves as many tensors for its
-    backward: NOTE [recomputed running statistics] in ``_api/autograd.py``).
 
     Example:
         >>> x, mean, var = torch.randn(4, 3), torch.zeros(3), torch.ones(3)
@@ -115,14 +113,10 @@ def _without_running_stats(func: Any, args: tuple[Any, ...], kwargs: dict[str, A
     keywords = dict(kwargs)
     for at, name in ((mean_at, mean_name), (var_at, var_name)):
         if at < len(positional):
-            positional[at] = _replaced(positional[at], clones)
+            positional[at] = None
         elif name in keywords:
-            keywords[name] = _replaced(keywords[name], clones)
+            keywords[name] = None
     return tuple(positional), keywords
-
-
-def _replaced(stats: Any, clones: bool) -> Any:
-    return stats.clone() if clones and isinstance(stats, Tensor) else None
 
 
 def _is_counter_increment(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -157,7 +151,6 @@ class FrozenRunningStats(TorchFunctionMode):
     Args:
         captured: The memory (:func:`memory_of`) of the tensors ``f`` captured or received,
             asked for at a counter's first increment; ``None``: every counter is the caller's.
-        clones: Give the norms copies of their running statistics rather than none.
 
     Example:
         >>> bn = torch.nn.BatchNorm1d(3)
@@ -171,11 +164,9 @@ class FrozenRunningStats(TorchFunctionMode):
         (0.0, 0)
     """
 
-    def __init__(self, captured: Callable[[], frozenset[int]] | None = None, *,
-                 clones: bool = False) -> None:
+    def __init__(self, captured: Callable[[], frozenset[int]] | None = None) -> None:
         super().__init__()
         self._captured = captured
-        self._clones = clones
         self._skipped: dict[int, tuple[Tensor, int]] = {}  # id -> (counter, increments)
         self._frozen: dict[int, str] = {}  # memory -> what it holds (for the message)
 
@@ -195,7 +186,7 @@ class FrozenRunningStats(TorchFunctionMode):
             self._frozen[memory_of(counter)] = (
                 "it increments a 0-dim integer tensor in place, then uses it in")
             return counter
-        rewritten = _without_running_stats(func, args, kwargs, self._clones)
+        rewritten = _without_running_stats(func, args, kwargs)
         if rewritten is not None:
             for stats in _tensors_in((args, kwargs)):
                 if stats.is_floating_point() and all(stats is not t for t in
@@ -229,7 +220,7 @@ class FrozenRunningStats(TorchFunctionMode):
                 counter, increments = skipped
                 value = counter.item() + increments
                 return value if as_type is None else as_type(value)
-        rewritten = _without_running_stats(func, args, kwargs, self._clones)
+        rewritten = _without_running_stats(func, args, kwargs)
         if rewritten is not None and not any(memory_of(t) in self._frozen
                                              for t in _tensors_in(rewritten)):
             return NotImplemented  # their next update, dropped too
@@ -252,3 +243,66 @@ def counters_refused(api: str) -> Iterator[None]:
         yield
     except CounterRead as error:
         raise counter_read_error(api, error) from error
+
+
+def _recomputing() -> bool:
+    """Whether a checkpoint region is being recomputed (its saved-tensor hooks are on top)."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return hooks is not None and "_recomputation_hook" in getattr(hooks[0], "__qualname__", "")
+
+
+def _updated_buffers(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Tensor]:
+    """What an aten call writes that is a norm's running statistics or a 0-dim counter."""
+    schema = func._schema
+    bound = dict(zip((a.name for a in schema.arguments), args, strict=False)) | kwargs
+    written = [bound.get(a.name) for a in schema.arguments
+               if a.alias_info is not None and a.alias_info.is_write]
+    found = [t for t in written if isinstance(t, Tensor) and t.dim() == 0
+             and not t.is_floating_point() and not t.is_complex()]
+    if "batch_norm" in schema.name and bound.get("training", False):
+        found += [bound[name] for name in ("running_mean", "running_var")
+                  if isinstance(bound.get(name), Tensor)]
+    return found
+
+
+class RecomputedUpdatesUndone(TorchDispatchMode):
+    """Undoes, at exit, what checkpoint recomputations wrote into running statistics.
+
+    NOTE [recomputed running statistics] in ``_api/autograd.py``. A dispatch mode, unlike a
+    torch-function mode, is on inside the autograd engine's node calls, where the engine's
+    passes recompute a region. Within a recomputation, the first write into a norm's running
+    statistics or into a 0-dim integer tensor (``num_batches_tracked``) saves its value; the
+    recomputation runs as torch runs it (the same values, the same saved tensors), and the
+    saved values are written back at exit.
+
+    Example:
+        >>> bn = torch.nn.BatchNorm1d(3)
+        >>> x = torch.randn(4, 3, requires_grad=True)
+        >>> y = torch.utils.checkpoint.checkpoint(bn, x, use_reentrant=False).sum()
+        >>> int(bn.num_batches_tracked)  # the forward's update
+        1
+        >>> with RecomputedUpdatesUndone():
+        ...     _ = torch.autograd.grad(y, x)  # recomputes the region
+        >>> int(bn.num_batches_tracked)
+        1
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._saved: dict[int, tuple[Tensor, Tensor]] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        if _recomputing():
+            for buffer in _updated_buffers(func, args, kwargs):
+                if id(buffer) not in self._saved:
+                    self._saved[id(buffer)] = (buffer, buffer.clone())
+        return func(*args, **kwargs)
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        with torch.no_grad():
+            for buffer, value in self._saved.values():
+                buffer.copy_(value)
+        self._saved.clear()
