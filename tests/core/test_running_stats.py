@@ -98,11 +98,23 @@ def test_aliases_of_a_skipped_counter_are_refused(alias: str) -> None:
 
 
 def test_counters_f_makes_are_incremented() -> None:
-    made = torch.zeros((), dtype=torch.long)
-    with FrozenRunningStats(lambda: frozenset()):  # nothing captured: the counter is f's own
+    with FrozenRunningStats():
+        made = torch.zeros((), dtype=torch.long)  # a factory call under the mode: f's own
         made.add_(3)
         total = torch.stack([made, made]).sum()
     assert int(total) == 6 and int(made) == 3
+
+
+def test_memory_of_a_freed_frozen_copy_is_not_watched_after_reuse() -> None:
+    # A review: only the memory was kept, and a new tensor given a freed copy's memory was
+    # refused as a read of the statistics (tg.functionalize's copies, made per call).
+    x = torch.randn(4, 3, dtype=DOUBLE)
+    with FrozenRunningStats():
+        for _ in range(50):
+            mean, var = _stats()  # fresh copies, freed at the next iteration
+            F.batch_norm(x, mean, var, training=True)
+            other = torch.linspace(0, 1, 3, dtype=DOUBLE)  # may land where a copy was
+            assert float(other.sum()) == 1.5
 
 
 @pytest.mark.parametrize("read", ["renorm-term", "eval-mode-call", "view"])
@@ -252,6 +264,42 @@ def test_counters_f_makes_count_as_in_a_plain_call(f: Callable[[Tensor, Tensor],
     gram = tg.gramian(f, backend=backend, batch_dim=batch_dim)(w, x)
     torch.testing.assert_close(gram, dense_gramian(f, (w, x)).gramian, rtol=1e-10, atol=1e-12)
     assert gram.abs().max() > 0
+
+
+class _Slots:
+    __slots__ = ("model", "step")
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.step = torch.zeros((), dtype=torch.long)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_counters_the_capture_lookup_cannot_see_are_still_the_callers(backend: str) -> None:
+    """A review of the first version (a counter counted as f's own unless NOTE [captured
+    writes]'s lookup found it): objects with ``__slots__`` (or a model held by another
+    module) hide it; their counters then ran, G 3-15x off and the caller's counter moved."""
+    model = _net()
+    held = _Slots(model)
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    before = {k: v.clone() for k, v in buffers.items()}
+
+    def f(p: dict[str, Tensor], x: Tensor) -> Tensor:
+        return torch.func.functional_call(held.model, (p, buffers), (x,)).squeeze(-1)
+
+    x = torch.randn(5, 4, dtype=DOUBLE)
+    gram = tg.gramian(f, backend=backend)(params, x)
+    torch.testing.assert_close(gram, _oracle(model, params, x), rtol=1e-10, atol=1e-12)
+    assert all(torch.equal(v, before[k]) for k, v in buffers.items())
+
+    def g(w: Tensor, x: Tensor) -> Tensor:
+        held.step.add_(1)
+        return (x @ w).sum(-1) * torch.clamp(held.step / 4, max=1.0)
+
+    with pytest.raises(ValueError, match="increments a 0-dim integer tensor"):
+        tg.gramian(g, backend=backend)(torch.randn(4, 2, dtype=DOUBLE), x)
+    assert int(held.step) == 0
 
 
 def _renorm_term(model: nn.Module) -> Callable[[dict[str, Tensor], Tensor], Tensor]:

@@ -94,9 +94,9 @@ def _active_set_answer(monkeypatch: pytest.MonkeyPatch, H: Tensor) -> Tensor:
         return solve_simplex_qp(H)
 
 
-def test_concentrated_gramians_start_with_wolfe(monkeypatch: pytest.MonkeyPatch) -> None:
-    # NOTE [choosing the min-norm start]: an effective rank of at most m / 32 (here 4 of 512).
-    H = random_psd(512, 4, seed=1, spread=2.0)
+def test_gramians_of_a_few_directions_start_with_wolfe(monkeypatch: pytest.MonkeyPatch) -> None:
+    # NOTE [choosing the min-norm start]: an effective rank of at most 4 (here about 2).
+    H = random_psd(512, 2, seed=1, spread=2.0)
     expected = _active_set_answer(monkeypatch, H)
     active_sets = _spy_on(monkeypatch, "_active_set")
     w = solve_simplex_qp(H)
@@ -105,8 +105,12 @@ def test_concentrated_gramians_start_with_wolfe(monkeypatch: pytest.MonkeyPatch)
     assert abs(float(w @ H @ w - expected @ H @ expected)) < 1e-16
 
 
-def test_spread_gramians_skip_wolfe(monkeypatch: pytest.MonkeyPatch) -> None:
-    H = random_psd(512, 512, seed=2)
+@pytest.mark.parametrize("rank", [16, 512], ids=lambda r: f"rank={r}")
+def test_other_gramians_skip_wolfe(monkeypatch: pytest.MonkeyPatch, rank: int) -> None:
+    # Rank 16 (effective rank ~12, as per-sample training Gramians): a support of dozens of
+    # points, where Wolfe's cycles cost more than the active set (NOTE [choosing the
+    # min-norm start]).
+    H = random_psd(512, rank, seed=2)
     runs = _spy_on(monkeypatch, "WolfeRun")
     w = solve_simplex_qp(H)
     assert not runs

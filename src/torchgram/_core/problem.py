@@ -444,8 +444,7 @@ class Problem:
                                     DenseEmbeddingGradients if self.sparse_embeddings
                                     else contextlib.nullcontext,
                                     self._probe_check,
-                                    # NOTE [frozen running statistics]
-                                    lambda: FrozenRunningStats(self._protected()),
+                                    FrozenRunningStats,  # NOTE [frozen running statistics]
                                     # NOTE [prelu as where] and the others of watched_calls
                                     lambda: watched_calls_modes(self.decomposed),
                                     RenormalisedOnce if self.mutates_leaves
@@ -876,16 +875,14 @@ def _evaluate_probe(api: str, f: Callable[..., Any], args: tuple[Any, ...],
     def evaluate(values: tuple[Tensor, ...]) -> Any:
         return f(*diff.rebuild_args(args, values), **kwargs)
 
-    captured = captured_memory(f, (args, dict(kwargs)), own=leaves)
-    writes = CapturedWrites(captured)
+    writes = CapturedWrites(captured_memory(f, (args, dict(kwargs)), own=leaves))
 
     def evaluate_probe() -> Any:  # the next evaluation starts from the call's state
         return evaluate_f(evaluate, leaves,
                           lambda: draw.evaluation(full=with_grad, restore_after=True),
                           _probe_attention, lambda: census,
                           lambda: writes,  # NOTE [captured writes]
-                          lambda: FrozenRunningStats(lambda: captured),
-                          look if look_unseen else contextlib.nullcontext)
+                          FrozenRunningStats, look if look_unseen else contextlib.nullcontext)
 
     with torch.set_grad_enabled(with_grad):
         try:

@@ -33,22 +33,30 @@ or read inside a list (``torch.stack([c, c])``), lost its increments (G all zero
 style term, or the same module in eval mode next) used their old values (0.96 and 0.84
 off, relative). Now:
 
-* an increment is skipped only for a counter in memory ``f`` captured or received (the
-  caller's, as ``num_batches_tracked``; ``captured``, from NOTE [captured writes]); one
-  ``f`` made itself is incremented, as a plain call would;
+* an increment is skipped unless the counter is in memory one of ``f``'s own factory calls
+  made (``torch.zeros``, ``torch.tensor``, ``new_zeros``, ...: :data:`_FACTORIES`, seen by
+  the mode); ``f``'s own counters run as written, and any other (the caller's, as
+  ``num_batches_tracked``; one made by another op: refused if then used) is skipped. (A
+  first version asked NOTE [captured writes]'s lookup of what ``f`` captured; a review found
+  that lookup blind to a model held by another Python module or in ``__slots__``, whose
+  counters then ran: G 3-15x off, the caller's counter moved.)
 * after a skip or a dropped update, every call is looked at (:func:`memory_of` of every
   tensor among its arguments, through lists, tuples and dicts): a use of that memory other
   than reading the counter as a number, incrementing it again, or passing the statistics to
   another training-mode norm call (whose update is dropped too) raises :class:`CounterRead`,
-  through any alias (a view, ``.detach()``, an element of a list).
+  through any alias (a view, ``.detach()``, an element of a list). The frozen tensors are
+  kept alive while watched: a first version kept only their memory, and a freed copy's
+  memory, handed to a new tensor, was refused as a read (a review: 16-21 of 30
+  ``tg.functionalize`` calls of a batch-norm ResNet). A tensor that is not a view and is
+  larger than every frozen storage is not looked up (the activations: most calls).
 
-Only evaluations that skip or drop pay for the look (about 1 µs a tensor argument).
+Only evaluations that skip or drop pay for the look.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -76,7 +84,16 @@ _SCALAR_READS = {Tensor.__float__: float, Tensor.__int__: int, Tensor.__index__:
 """Reads of a tensor as a Python number, and the type each gives (``None``: the dtype's)."""
 
 
-_WATCHED = frozenset((*_NORMS, Tensor.add_))
+_FACTORIES = frozenset({
+    torch.zeros, torch.ones, torch.full, torch.empty, torch.tensor, torch.as_tensor,
+    torch.scalar_tensor, torch.arange, torch.zeros_like, torch.ones_like, torch.full_like,
+    torch.empty_like, Tensor.new_zeros, Tensor.new_ones, Tensor.new_full, Tensor.new_empty,
+    Tensor.new_tensor,
+})
+"""Calls that make a tensor from nothing: a counter they make is ``f``'s own."""
+
+
+_WATCHED = frozenset((*_NORMS, Tensor.add_, *_FACTORIES))
 """The calls :class:`FrozenRunningStats` may change (every other runs as it is)."""
 
 
@@ -130,27 +147,40 @@ def _is_counter_increment(func: Any, args: tuple[Any, ...], kwargs: dict[str, An
             and not isinstance(step, bool))
 
 
-def _tensors_in(values: Any) -> Iterator[Tensor]:
-    """The tensors among a call's arguments, through lists, tuples and dicts."""
+def _tensors_in(values: Any) -> list[Tensor]:
+    """The tensors among a call's arguments, through lists, tuples and dicts.
+
+    Example:
+        >>> a, b = torch.zeros(1), torch.ones(2)
+        >>> [t.shape for t in _tensors_in(((a, [b, 3]), {"x": a}))]
+        [torch.Size([1]), torch.Size([2]), torch.Size([1])]
+    """
+    found: list[Tensor] = []
+    _collect(values, found)
+    return found
+
+
+_CONTAINERS = (list, tuple, dict)
+
+
+def _collect(values: Any, found: list[Tensor]) -> None:
+    # Plain loops and type checks: every call after a freeze comes here (a generator over
+    # isinstance with union types cost a batch-norm CNN's evaluation 50 %).
     if isinstance(values, Tensor):
-        yield values
-    elif isinstance(values, list | tuple):
-        for value in values:
-            yield from _tensors_in(value)
-    elif isinstance(values, dict):
-        for value in values.values():
-            yield from _tensors_in(value)
+        found.append(values)
+        return
+    for value in (values.values() if type(values) is dict else values):
+        if isinstance(value, Tensor):
+            found.append(value)
+        elif type(value) in _CONTAINERS:
+            _collect(value, found)
 
 
 class FrozenRunningStats(TorchFunctionMode):
-    """Norm calls update no running statistics; increments of captured counters are skipped.
+    """Norm calls update no running statistics; increments of the caller's counters are skipped.
 
     See NOTE [frozen running statistics] and NOTE [frozen memory is watched]. One object per
     evaluation of ``f``.
-
-    Args:
-        captured: The memory (:func:`memory_of`) of the tensors ``f`` captured or received,
-            asked for at a counter's first increment; ``None``: every counter is the caller's.
 
     Example:
         >>> bn = torch.nn.BatchNorm1d(3)
@@ -164,11 +194,14 @@ class FrozenRunningStats(TorchFunctionMode):
         (0.0, 0)
     """
 
-    def __init__(self, captured: Callable[[], frozenset[int]] | None = None) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self._captured = captured
         self._skipped: dict[int, tuple[Tensor, int]] = {}  # id -> (counter, increments)
-        self._frozen: dict[int, str] = {}  # memory -> what it holds (for the message)
+        # memory -> (what it holds, for the message; the tensor, kept so that its memory is
+        # not given to another while watched)
+        self._frozen: dict[int, tuple[str, Tensor]] = {}
+        self._largest = 0  # bytes of the largest frozen storage
+        self._made: set[int] = set()  # memory of the tensors f's factory calls made
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
@@ -179,35 +212,65 @@ class FrozenRunningStats(TorchFunctionMode):
             read = self._use_of_frozen(func, args, kwargs)
             if read is not NotImplemented:
                 return read
-        if _is_counter_increment(func, args, kwargs) and self._callers(args[0]):
+        if _is_counter_increment(func, args, kwargs) and not self._made_by_f(args[0]):
             counter, step = args
             _, before = self._skipped.get(id(counter), (counter, 0))
             self._skipped[id(counter)] = (counter, before + step)
-            self._frozen[memory_of(counter)] = (
-                "it increments a 0-dim integer tensor in place, then uses it in")
+            self._freeze(counter, "it increments a 0-dim integer tensor in place, then uses it in")
             return counter
         rewritten = _without_running_stats(func, args, kwargs)
         if rewritten is not None:
+            kept = {id(t) for t in _tensors_in(rewritten)}
             for stats in _tensors_in((args, kwargs)):
-                if stats.is_floating_point() and all(stats is not t for t in
-                                                     _tensors_in(rewritten)):
-                    self._frozen[memory_of(stats)] = (
-                        "it reads running statistics after a training-mode norm call that "
-                        "updates them (torchgram leaves them as they were), in")
+                if stats.is_floating_point() and id(stats) not in kept:
+                    self._freeze(stats, "it reads running statistics after a training-mode "
+                                 "norm call that updates them (torchgram leaves them as they "
+                                 "were), in")
             args, kwargs = rewritten
-        return func(*args, **kwargs)
+        result = func(*args, **kwargs)
+        if _makes(func) and isinstance(result, Tensor):
+            with torch._C.DisableTorchFunction():
+                self._made.add(memory_of(result))
+        return result
 
-    def _callers(self, counter: Tensor) -> bool:
-        """Whether ``counter`` is in memory ``f`` captured or received (not one it made)."""
-        return self._captured is None or memory_of(counter) in self._captured()
+    def _made_by_f(self, counter: Tensor) -> bool:
+        with torch._C.DisableTorchFunction():
+            return memory_of(counter) in self._made
+
+    def _freeze(self, tensor: Tensor, what: str) -> None:
+        with torch._C.DisableTorchFunction():
+            self._frozen[memory_of(tensor)] = (what, tensor)
+            self._largest = max(self._largest, _storage_bytes(tensor))
+
+    def _hits(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Tensor]:
+        """The call's tensor arguments in frozen memory (one loop: most calls come here)."""
+        hits: list[Tensor] = []
+        largest, frozen = self._largest, self._frozen
+        # The other modes of the evaluation would see every numel() and untyped_storage() of
+        # the look (a review: ntvp 25-40 % slower on a batch-norm CNN): torch functions off.
+        with torch._C.DisableTorchFunction():
+            for value in (*args, *kwargs.values()) if kwargs else args:
+                if isinstance(value, Tensor):
+                    if _in_memory(value, largest, frozen):
+                        hits.append(value)
+                elif type(value) in _CONTAINERS:
+                    hits.extend(t for t in _tensors_in(value)
+                                if _in_memory(t, largest, frozen))
+        return hits
+
+    def _watched_memory(self, tensor: Tensor) -> bool:
+        """Whether ``tensor``'s memory is frozen."""
+        with torch._C.DisableTorchFunction():
+            return _in_memory(tensor, self._largest, self._frozen)
 
     def _use_of_frozen(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The value a number read of a skipped counter gives; else ``NotImplemented``.
 
         ``NotImplemented`` for a call that touches no frozen memory, or only as allowed (NOTE
-        [frozen memory is watched]). Raises :class:`CounterRead` for any other use of frozen memory.
+        [frozen memory is watched]). Raises :class:`CounterRead` for any other use of frozen
+        memory.
         """
-        hits = [t for t in _tensors_in((args, kwargs)) if memory_of(t) in self._frozen]
+        hits = self._hits(args, kwargs)
         if not hits:
             return NotImplemented
         skipped = self._skipped.get(id(hits[0])) if len(hits) == 1 else None
@@ -221,11 +284,45 @@ class FrozenRunningStats(TorchFunctionMode):
                 value = counter.item() + increments
                 return value if as_type is None else as_type(value)
         rewritten = _without_running_stats(func, args, kwargs)
-        if rewritten is not None and not any(memory_of(t) in self._frozen
+        if rewritten is not None and not any(self._watched_memory(t)
                                              for t in _tensors_in(rewritten)):
             return NotImplemented  # their next update, dropped too
-        raise CounterRead(f"{self._frozen[memory_of(hits[0])]} "
+        raise CounterRead(f"{self._frozen[memory_of(hits[0])][0]} "
                           f"{getattr(func, '__name__', 'a call')}")
+
+
+def _in_memory(tensor: Tensor, largest: int, memory: dict[int, Any]) -> bool:
+    """Whether ``tensor`` is in ``memory`` (by :func:`memory_of`), with a cheap no first.
+
+    A tensor (functorch wrappers unwrapped) that is not a view and is larger than ``largest``
+    bytes (every storage in ``memory``) is not an alias of one: the activations, most calls.
+    """
+    while torch._C._functorch.is_functorch_wrapped_tensor(tensor):
+        tensor = torch._C._functorch.get_unwrapped(tensor)
+    if tensor._base is None and tensor.numel() * tensor.element_size() > largest:
+        return False
+    try:
+        return int(tensor.untyped_storage().data_ptr()) in memory
+    except (RuntimeError, NotImplementedError):  # no storage (a sparse or nested tensor)
+        return False
+
+
+def _storage_bytes(tensor: Tensor) -> int:
+    while torch._C._functorch.is_functorch_wrapped_tensor(tensor):
+        tensor = torch._C._functorch.get_unwrapped(tensor)
+    try:
+        return int(tensor.untyped_storage().nbytes())
+    except (RuntimeError, NotImplementedError):
+        return tensor.numel() * tensor.element_size()
+
+
+
+
+def _makes(func: Any) -> bool:
+    try:
+        return func in _FACTORIES
+    except TypeError:  # an unhashable callable
+        return False
 
 
 def _hashable(func: Any) -> bool:
@@ -251,29 +348,31 @@ def _recomputing() -> bool:
     return hooks is not None and "_recomputation_hook" in getattr(hooks[0], "__qualname__", "")
 
 
-def _updated_buffers(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Tensor]:
-    """What an aten call writes that is a norm's running statistics or a 0-dim counter."""
+def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Tensor]:
+    """The tensors an aten call writes into.
+
+    Its schema's mutable arguments, and a training batch norm's running statistics
+    (``native_batch_norm`` updates them unannotated).
+    """
     schema = func._schema
     bound = dict(zip((a.name for a in schema.arguments), args, strict=False)) | kwargs
-    written = [bound.get(a.name) for a in schema.arguments
-               if a.alias_info is not None and a.alias_info.is_write]
-    found = [t for t in written if isinstance(t, Tensor) and t.dim() == 0
-             and not t.is_floating_point() and not t.is_complex()]
+    found = [bound.get(a.name) for a in schema.arguments
+             if a.alias_info is not None and a.alias_info.is_write]
     if "batch_norm" in schema.name and bound.get("training", False):
-        found += [bound[name] for name in ("running_mean", "running_var")
-                  if isinstance(bound.get(name), Tensor)]
-    return found
+        found += [bound.get("running_mean"), bound.get("running_var")]
+    return [t for t in found if isinstance(t, Tensor)]
 
 
 class RecomputedUpdatesUndone(TorchDispatchMode):
-    """Undoes, at exit, what checkpoint recomputations wrote into running statistics.
+    """Undoes, at exit, what checkpoint recomputations wrote into tensors made before them.
 
     NOTE [recomputed running statistics] in ``_api/autograd.py``. A dispatch mode, unlike a
     torch-function mode, is on inside the autograd engine's node calls, where the engine's
-    passes recompute a region. Within a recomputation, the first write into a norm's running
-    statistics or into a 0-dim integer tensor (``num_batches_tracked``) saves its value; the
-    recomputation runs as torch runs it (the same values, the same saved tensors), and the
-    saved values are written back at exit.
+    passes recompute a region. Within a recomputation the tensors its calls make are noted;
+    the first write into any other (a norm's running statistics, ``num_batches_tracked``, an
+    instance norm's statistics copied back, any buffer) saves its value; the recomputation
+    runs as torch runs it (the same values, the same saved tensors), and the saved values are
+    written back at exit.
 
     Example:
         >>> bn = torch.nn.BatchNorm1d(3)
@@ -290,19 +389,28 @@ class RecomputedUpdatesUndone(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self._saved: dict[int, tuple[Tensor, Tensor]] = {}
+        self._made: set[int] = set()  # memory of what recomputations made
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
-        if _recomputing():
-            for buffer in _updated_buffers(func, args, kwargs):
-                if id(buffer) not in self._saved:
-                    self._saved[id(buffer)] = (buffer, buffer.clone())
-        return func(*args, **kwargs)
+        if not _recomputing():
+            return func(*args, **kwargs)
+        for target in _written(func, args, kwargs):
+            memory = memory_of(target)
+            if memory not in self._made and memory not in self._saved:
+                self._saved[memory] = (target, target.clone())
+        result = func(*args, **kwargs)
+        inputs = {memory_of(t) for t in _tensors_in((args, kwargs))}
+        for made in _tensors_in(result):  # new memory only: a view (an alias) is not made
+            if (memory := memory_of(made)) not in inputs:
+                self._made.add(memory)
+        return result
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
         with torch.no_grad():
-            for buffer, value in self._saved.values():
-                buffer.copy_(value)
+            for target, value in self._saved.values():
+                target.copy_(value)
         self._saved.clear()
+        self._made.clear()

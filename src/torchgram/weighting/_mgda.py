@@ -32,9 +32,9 @@ def mgda(G: Tensor, /, *, state: WarmStart | None = None) -> Tensor:
     step below ``epsilon``), the quadratic program is solved exactly, by an active-set method
     that ends with an exact solve on the support, in float64, as tensor code on ``G``'s device
     (NOTE [batched QP solver] in ``torchgram/weighting/_qp.py``); from ``m = 512``, on
-    Gramians of low effective rank and where the active set fails, the support is first
-    sought by Wolfe's min-norm-point algorithm, and its exact face solution is kept only if
-    its signs check (NOTE [choosing the min-norm start]).
+    Gramians of a few directions and where the active set fails, the support is sought by
+    Wolfe's min-norm-point algorithm, and its exact face solution is kept only if its signs
+    check (NOTE [choosing the min-norm start]).
     ``G`` is first divided by its trace, which leaves the minimiser unchanged.
 
     When rows of ``J`` are linearly dependent the minimiser ``Jᵀw`` is unique but ``w`` may not

@@ -127,26 +127,29 @@ _GATHER_FROM = 48
 # through K⁻¹ (NOTE [complement side]).
 _MAX_COMPLEMENT_COND = 1e8
 # NOTE [choosing the min-norm start]
-# From _WOLFE_FROM variables, MGDA's simplex QP tries Wolfe's algorithm (``_min_norm.py``, NOTE
-# [Wolfe's support]) where its cost, about one cycle per point of the support, beats the
-# active set's face solves from the full face: when H's effective rank tr(H)² / |H|²_F is at
-# most m / _WOLFE_RANK_DIVISOR (per-sample training Gramians: about 12 at m = 512 and 1024,
-# supports of 93 and 112), for up to m / _WOLFE_BUDGET_DIVISOR cycles; its face solution,
-# certified, is the answer. Otherwise, or if it runs out or is not certified, the active set
-# runs as before; where that fails too (rank-deficient Gramians with the origin in the hull),
-# Wolfe's run goes on (or starts) before the shifted retry and the interior-point method.
-# Below _WOLFE_FROM neither paid: the support costs about 60-90 µs a cycle in small tensor
-# operations, against 1-10 ms for the whole active set at m ≤ 256 (training, m = 256: 10 ms
-# against 8; ill-conditioned, m = 128, as the fallback: 40 ms against 29). Measured (1 thread,
-# A/B in one process, mgda on the weighting benchmark's Gramians, medians of 3, with other
-# work on the machine): training 1.12x faster at m = 512 and 1.9x at 1024 (109 -> 57 ms),
-# rank-1 1.7-1.8x, rank-m/2 1.3x and 1.7x (1.28 s -> 0.77 s), random and ill-conditioned
-# unchanged (the effective-rank test skips them: they cost 0.64-0.75x with the budget spent);
-# the same minimum to 1e-21 of the trace (the weights too but where the minimiser is not
-# unique: rank-1, where Wolfe's support has 2 points, the active set's all m).
+# From _WOLFE_FROM variables, MGDA's simplex QP uses Wolfe's algorithm (``_min_norm.py``, NOTE
+# [Wolfe's support]) where the active set is slow: where it fails (rank-deficient Gramians
+# with the origin in the hull, where its exchanges cycle), Wolfe's run answers before the
+# shifted retry and the interior-point method, for up to _WOLFE_CYCLES_PER_VARIABLE · m
+# cycles; and first, for up to _WOLFE_FIRST_CYCLES cycles, on Gramians of effective rank
+# tr(H)² / |H|²_F at most _WOLFE_FIRST_RANK (a support of a few points: a rank-1 Gramian's
+# answer in 2 cycles, where the active set solves faces of all m). A cycle costs 60-150 µs
+# in small tensor operations and a product with the corral's columns, and a run takes one to
+# three cycles per point of the support, so it does not pay elsewhere: run first on every
+# Gramian of effective rank up to m / 32 with m / 4 cycles (the first version), it made
+# per-sample training Gramians (effective rank ~12, supports of 60-110) 1.9x faster at
+# m = 1024 after 20 training steps, but a review found them 2-2.9x slower at m = 512-896
+# after 100-300 steps (2.5-3 cycles a point: the budget spent, then the active set as
+# before), and a handoff of the unfinished corral to the active set slower still (its
+# exchanges from a small face: 60 ms against 25 at m = 1024 on rank 1). Measured (1 thread,
+# A/B in one process, medians of 3): rank-m/2 1.3x faster at m = 512 and 1.7x at 1024
+# (1.28 s -> 0.77 s: the interior-point method, replaced); rank-1 1.7-1.8x; the other
+# families never meet it and are unchanged. The same minima to 1e-21 of the trace (the
+# weights too but where the minimiser is not unique: rank-1, where Wolfe's support has 2
+# points, the active set's all m).
 _WOLFE_FROM = 512
-_WOLFE_RANK_DIVISOR = 32
-_WOLFE_BUDGET_DIVISOR = 4
+_WOLFE_FIRST_RANK = 4
+_WOLFE_FIRST_CYCLES = 32
 _WOLFE_CYCLES_PER_VARIABLE = 4
 # Largest number of float64 entries of one [batch, m, m] tensor (2**24: 128 MiB).
 _MAX_BATCH_ENTRIES = 2**24
@@ -1077,10 +1080,10 @@ def _regularizing_shift(H: Tensor) -> Tensor:
 # Gramians mostly stay in the active set: NOTE [exchange while it progresses].)
 
 
-def _concentrated(H: Tensor) -> bool:
-    """Whether ``H``'s effective rank ``tr(H)² / |H|²_F`` is at most ``m / _WOLFE_RANK_DIVISOR``."""
+def _effective_rank(H: Tensor) -> float:
+    """``tr(H)² / |H|²_F`` (the participation ratio of the eigenvalues: 1 for rank one)."""
     trace, frobenius = H.diagonal().sum(), torch.linalg.matrix_norm(H)
-    return bool(trace * trace * _WOLFE_RANK_DIVISOR <= frobenius * frobenius * H.shape[0])
+    return float(trace * trace / (frobenius * frobenius))  # Host synchronisation.
 
 
 def _by_wolfe(H: Tensor, wolfe: WolfeRun, cycles: int) -> Tensor | None:
@@ -1106,9 +1109,9 @@ def solve_simplex_qp(H: Tensor, free: Tensor | None = None) -> Tensor:
     """
     m = H.shape[0]
     wolfe = None
-    if free is None and m >= _WOLFE_FROM and _concentrated(H):
+    if free is None and m >= _WOLFE_FROM and _effective_rank(H) <= _WOLFE_FIRST_RANK:
         wolfe = WolfeRun(H)  # NOTE [choosing the min-norm start]
-        certified = _by_wolfe(H, wolfe, m // _WOLFE_BUDGET_DIVISOR)
+        certified = _by_wolfe(H, wolfe, _WOLFE_FIRST_CYCLES)
         if certified is not None:
             return certified
     if free is None:
