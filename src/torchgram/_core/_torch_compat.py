@@ -161,10 +161,10 @@ def old_style_functions(output: Tensor) -> list[str]:
     return names
 
 
-def graph_nodes(output: Tensor) -> Iterator[Node]:
-    """The nodes of ``output``'s autograd graph, each once, depth first from its own."""
+def graph_nodes(output: Tensor | Sequence[Tensor]) -> Iterator[Node]:
+    """The nodes of ``output``'s autograd graph (or outputs'), each once, depth first."""
     seen: set[Node] = set()
-    stack = [output.grad_fn]
+    stack = [output.grad_fn] if isinstance(output, Tensor) else [out.grad_fn for out in output]
     while stack:
         node = stack.pop()
         if node is None or node in seen:
@@ -255,21 +255,12 @@ def recomputes_batch_norm(outputs: Sequence[Tensor]) -> bool:
     training mode updates its running statistics again (NOTE [recomputed running statistics]
     in ``_api/autograd.py``).
     """
-    stack = [out.grad_fn for out in outputs if out.grad_fn is not None]
-    seen: set[Node] = set()
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
+    for node in graph_nodes(outputs):
         if type(node).__name__ in _NORM_BACKWARDS:
             for name in _NORM_SAVED:
-                raw = getattr(node, name, None)
-                hook = getattr(raw, "unpack_hook", None)
+                hook = getattr(getattr(node, name, None), "unpack_hook", None)
                 if hook is not None and "checkpoint" in getattr(hook, "__qualname__", ""):
                     return True
-        stack.extend(child for child, _ in node.next_functions
-                     if child is not None and child not in seen)
     return False
 
 
