@@ -21,7 +21,15 @@ from torch import Tensor
 
 import torchgram as tg
 from fuzz_arch import Built, FuzzCase, build
-from fuzz_check import TOLERANCE, Snapshot, eager_rows, fresh_leaves, oracle, plain_update
+from fuzz_check import (
+    OWN_ROUND_OFF,
+    TOLERANCE,
+    Snapshot,
+    eager_rows,
+    fresh_leaves,
+    oracle,
+    plain_update,
+)
 from reference import Dense
 
 
@@ -93,10 +101,6 @@ def _assert_update(case: FuzzCase, leaves: list[Tensor], expected: Dense) -> Non
                                                    (plain - want).abs().max().item()))
     assert math.isfinite(error) and error <= allowed, \
         f"update: relative error {error / scale:.3g} > {allowed / scale:.3g}"
-
-
-OWN_ROUND_OFF = 100.0
-"""How many times the float32 oracle's own error a float32 update may be off by."""
 
 
 def check_eager_update(case: FuzzCase, recorded: bool) -> str:

@@ -32,6 +32,9 @@ REPEAT_SCALE = 1.5
 TOLERANCE = {torch.float64: 1e-8, torch.float32: 5e-4}
 """Largest entry error allowed, relative to the largest entry of the oracle's matrix."""
 
+OWN_ROUND_OFF = 100.0
+"""How many times the float32 oracle's own error a float32 result may be off by."""
+
 
 # -- global state ----------------------------------------------------------------------------
 
@@ -269,9 +272,25 @@ def _compare(case: FuzzCase, built: Built, result: Any, expected: Dense) -> None
     blocks = [b for b in optree.tree_leaves(result) if b is not None]
     assert len(blocks) == len(expected.blocks), \
         f"per_leaf: {len(blocks)} blocks, expected {len(expected.blocks)}"
+    own_blocks = None
     for i, (block, want) in enumerate(zip(blocks, expected.blocks, strict=True)):
-        assert_close(block, expected.shaped(want, diagonal=case.diagonal), dtype, f"block {i}",
-                     precision=getattr(torch, case.dtype))
+        want = expected.shaped(want, diagonal=case.diagonal)
+        try:
+            assert_close(block, want, dtype, f"block {i}", precision=getattr(torch, case.dtype))
+        except AssertionError:
+            if case.dtype != "float32":
+                raise
+            # A block of a float32 case off the float64 oracle by its own round-off: allowed
+            # up to OWN_ROUND_OFF times the float32 dense oracle's error on that block (a long
+            # fuzz run after session 55: per-leaf blocks 0.01 and 6e9 after three
+            # determinants of 1x1 matrices, the small one 0.026 off in float32 on every
+            # backend and in torch.func.jacrev alike; as fuzz_aggregate's update check).
+            own_blocks = own_blocks or oracle(case, in_case_dtype=True)
+            assert own_blocks is not None
+            own = expected.shaped(own_blocks.blocks[i], diagonal=case.diagonal).double()
+            floor = OWN_ROUND_OFF * (own - want).abs().max().item()
+            error = (block.double() - want).abs().max().item()
+            assert error <= floor, f"block {i}: {error:.3g} off, float32 oracle {floor:.3g}"
 
 
 def _output_dtype(case: FuzzCase) -> torch.dtype:

@@ -23,7 +23,6 @@ from torch import Tensor
 
 import torchgram as tg
 import torchgram.backends.structured.cross as structured_cross
-from fuzz_aggregate import OWN_ROUND_OFF
 from fuzz_arch import (
     Buffer,
     Features,
@@ -34,7 +33,7 @@ from fuzz_arch import (
     walk_shapes,
     without_dropout,
 )
-from fuzz_check import TOLERANCE, Snapshot, assert_close
+from fuzz_check import OWN_ROUND_OFF, TOLERANCE, Snapshot, assert_close
 from fuzz_strategies import cases
 from reference import dense_cross_kernel
 

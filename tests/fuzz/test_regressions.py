@@ -30,6 +30,7 @@ from fuzz_arch import (
     FuzzCase,
     Head,
     Kink,
+    Linalg,
     Linear,
     Norm,
     RnnCell,
@@ -940,3 +941,22 @@ def test_update_whose_terms_cancel_across_samples_in_float32(backend: str) -> No
         head=Head(kind="feat", classes=2), dtype="float32", batch_dim=None, output_dim=0,
         input_dim=0, noncontiguous=True)
     assert check_aggregated(case, backend) == "answered"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_float32_per_leaf_block_off_the_float64_oracle_by_its_own_round_off(backend: str) -> None:
+    """A long run after session 55: three determinants of 1x1 matrices around a frozen linear
+    map, float32 with float64 leaves, per-leaf blocks of 0.01 and 6e9. The small block came
+    out 0.0105 against the float64 oracle's 0.0102 on every backend; torch.func.jacrev in
+    float32 gives 0.0105 too (its own round-off). The property now allows a float32 block
+    OWN_ROUND_OFF times the float32 dense oracle's error on it, as the update check does."""
+    case = FuzzCase(
+        seed=1, batch=1, length=1, input=Features(width=1, flat=False),
+        layers=(Linalg(kind="det", frozen=True),
+                Linear(out=1, bias=False, form="linear", tie=None, transposed=False,
+                       frozen=True),
+                Linalg(kind="det", frozen=True), Linalg(kind="det", frozen=False)),
+        head=Head(kind="sq_mean", classes=2), dtype="float32", batch_dim=None, output_dim=0,
+        input_dim=0, input_via="keyword", mixed_dtypes=True, per_leaf=True,
+        noncontiguous=True)
+    assert check(case, backend) == "answered"
