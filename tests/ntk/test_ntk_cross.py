@@ -125,6 +125,24 @@ def test_graph_declines_two_sets_whose_samples_interact() -> None:
         ntk_fn(x1, x2, params)
 
 
+def test_graph_declines_two_sets_of_other_lengths_and_auto_answers() -> None:
+    """A hunt after session 55: x1 ``[3, 5, 3]`` and x2 ``[2, 7, 3]`` (sequences of other
+    lengths) cannot be joined into one batch; the graph walk raised torch's ``cat`` error."""
+    torch.manual_seed(0)
+    params = {"w": torch.randn(4, 3, dtype=torch.float64)}
+
+    def f(p: dict[str, Tensor], x: Tensor) -> Tensor:
+        return torch.tanh(x @ p["w"].T)
+
+    x1, x2 = torch.randn(3, 5, 3, dtype=torch.float64), torch.randn(2, 7, 3, dtype=torch.float64)
+    with pytest.raises(tg.BackendCannotRun, match=r"differ in shape beyond the batch axis "
+                       r"\(\(3, 5, 3\) and \(2, 7, 3\)\).*backend='structured'"):
+        tg.ntk.empirical_ntk_fn(f, backend="graph")(x1, x2, params)
+    kernel = tg.ntk.empirical_ntk_fn(f, trace_axes=())(x1, x2, params)
+    torch.testing.assert_close(kernel, dense_cross_kernel(f, params, x1, x2, (), ()),
+                               rtol=1e-10, atol=1e-12)
+
+
 def test_auto_falls_back_from_a_backend_that_cannot() -> None:
     case, f, params, vmap = kernel_case("mlp_logits")
     x1, x2 = split(case, slice(0, 3), slice(3, 5))

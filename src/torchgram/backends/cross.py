@@ -299,6 +299,11 @@ def _joined(left: Problem, right: Problem) -> Problem:
                                               and a == b))
                               for a, b in zip(others[:half], others[half:], strict=True)):
         raise cannot("with other arguments than their batched inputs")
+    for t1, t2, dim in zip(batch1.tensors, batch2.tensors, batch1.dims, strict=True):
+        if t1.dim() != t2.dim() or any(a != b for d, (a, b) in enumerate(zip(
+                t1.shape, t2.shape, strict=True)) if d != dim % t1.dim()):
+            raise cannot(f"whose batched inputs differ in shape beyond the batch axis "
+                         f"({tuple(t1.shape)} and {tuple(t2.shape)}): they cannot be joined")
     joined = tuple(torch.cat([t1, t2], dim) for t1, t2, dim
                    in zip(batch1.tensors, batch2.tensors, batch1.dims, strict=True))
     args, kwargs = replace_input_leaves(left.args, left.kwargs, batch1.positions, joined)
