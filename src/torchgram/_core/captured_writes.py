@@ -84,6 +84,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from torchgram._core._torch_compat import innermost
 from torchgram._core.errors import CapturedWrite, UnseenWrite
 
 _NOT_WRITES = frozenset({"requires_grad_", "share_memory_"})
@@ -276,10 +277,8 @@ def memory_of(tensor: Tensor) -> int:
         >>> memory_of(table[1:]) == memory_of(table.detach()) == memory_of(table) != 0
         True
     """
-    while torch._C._functorch.is_functorch_wrapped_tensor(tensor):
-        tensor = torch._C._functorch.get_unwrapped(tensor)
     try:
-        return int(tensor.untyped_storage().data_ptr())
+        return int(innermost(tensor).untyped_storage().data_ptr())
     except (RuntimeError, NotImplementedError):  # no storage (a sparse or nested tensor)
         return 0
 

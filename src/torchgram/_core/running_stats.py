@@ -65,6 +65,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from torchgram._core._torch_compat import innermost
 from torchgram._core.captured_writes import memory_of
 from torchgram._core.census import _argument
 from torchgram._core.errors import CounterRead, counter_read_error
@@ -97,9 +98,9 @@ _WATCHED = frozenset((*_NORMS, Tensor.add_, *_FACTORIES))
 """The calls :class:`FrozenRunningStats` may change (every other runs as it is)."""
 
 
-def _watched(func: Any) -> bool:
+def _among(func: Any, functions: frozenset[Any] | dict[Any, Any]) -> bool:
     try:
-        return func in _WATCHED
+        return func in functions
     except TypeError:  # an unhashable callable
         return False
 
@@ -117,7 +118,7 @@ def _without_running_stats(func: Any, args: tuple[Any, ...], kwargs: dict[str, A
         >>> _without_running_stats(F.batch_norm, (x, mean, var), {}) is None  # eval mode
         True
     """
-    spec = _NORMS.get(func) if _watched(func) else None
+    spec = _NORMS.get(func) if _among(func, _NORMS) else None
     if spec is None:
         return None
     (mean_at, mean_name), (var_at, var_name), (flag_at, flag_name, flag_default) = spec
@@ -206,7 +207,7 @@ class FrozenRunningStats(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
-        if not self._frozen and not _watched(func):  # most calls: a set lookup, no more
+        if not self._frozen and not _among(func, _WATCHED):  # most calls: a set lookup, no more
             return func(*args, **kwargs)
         if self._frozen:
             read = self._use_of_frozen(func, args, kwargs)
@@ -228,7 +229,7 @@ class FrozenRunningStats(TorchFunctionMode):
                                  "were), in")
             args, kwargs = rewritten
         result = func(*args, **kwargs)
-        if _makes(func) and isinstance(result, Tensor):
+        if _among(func, _FACTORIES) and isinstance(result, Tensor):
             with torch._C.DisableTorchFunction():
                 self._made.add(memory_of(result))
         return result
@@ -277,8 +278,8 @@ class FrozenRunningStats(TorchFunctionMode):
         if skipped is not None and hits[0] is args[0]:
             if _is_counter_increment(func, args, kwargs):
                 return NotImplemented  # another increment: counted by the caller
-            as_type = _SCALAR_READS.get(func, NotImplemented) if _hashable(func) \
-                else NotImplemented
+            as_type = _SCALAR_READS.get(func, NotImplemented) \
+                if _among(func, _SCALAR_READS) else NotImplemented
             if as_type is not NotImplemented and len(args) == 1 and not kwargs:
                 counter, increments = skipped
                 value = counter.item() + increments
@@ -297,40 +298,18 @@ def _in_memory(tensor: Tensor, largest: int, memory: dict[int, Any]) -> bool:
     A tensor (functorch wrappers unwrapped) that is not a view and is larger than ``largest``
     bytes (every storage in ``memory``) is not an alias of one: the activations, most calls.
     """
-    while torch._C._functorch.is_functorch_wrapped_tensor(tensor):
-        tensor = torch._C._functorch.get_unwrapped(tensor)
+    tensor = innermost(tensor)
     if tensor._base is None and tensor.numel() * tensor.element_size() > largest:
         return False
-    try:
-        return int(tensor.untyped_storage().data_ptr()) in memory
-    except (RuntimeError, NotImplementedError):  # no storage (a sparse or nested tensor)
-        return False
+    return memory_of(tensor) in memory  # 0 (no storage: sparse, nested) is never frozen
 
 
 def _storage_bytes(tensor: Tensor) -> int:
-    while torch._C._functorch.is_functorch_wrapped_tensor(tensor):
-        tensor = torch._C._functorch.get_unwrapped(tensor)
+    tensor = innermost(tensor)
     try:
         return int(tensor.untyped_storage().nbytes())
     except (RuntimeError, NotImplementedError):
         return tensor.numel() * tensor.element_size()
-
-
-
-
-def _makes(func: Any) -> bool:
-    try:
-        return func in _FACTORIES
-    except TypeError:  # an unhashable callable
-        return False
-
-
-def _hashable(func: Any) -> bool:
-    try:
-        hash(func)
-    except TypeError:
-        return False
-    return True
 
 
 @contextlib.contextmanager
