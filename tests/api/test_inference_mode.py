@@ -19,7 +19,7 @@ import torch.nn.functional as F  # noqa: N812 -- torch's own spelling
 from torch import Tensor, nn
 
 import torchgram as tg
-from reference import dense_gramian
+from reference import dense_cross_kernel, dense_gramian
 from torchgram._core.signature import clear_caches
 
 DOUBLE = torch.float64
@@ -99,6 +99,21 @@ def test_kernel(where: str) -> None:
     wanted = dense_gramian(fn, (params, x)).shaped().permute(0, 2, 1, 3)  # NT's layout
     kernel = tg.ntk.empirical_ntk_fn(fn, trace_axes=())
     _close(_inside(where, lambda inputs: kernel(inputs, None, params), x), wanted)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cross_kernel_of_parameters_made_inside(backend: str) -> None:
+    """Parameters made in the mode (a model loaded there): both sides of a cross kernel
+    share one clone of them. The graph walk declined before ("other arguments than their
+    batched inputs": each side had cloned its own), where the other backends answered."""
+    clear_caches()
+    fn, params = tg.functionalize(_model())
+    x1, x2 = torch.randn(5, 4, dtype=DOUBLE), torch.randn(3, 4, dtype=DOUBLE)
+    wanted = dense_cross_kernel(fn, params, x1, x2)
+    with torch.inference_mode():
+        inside = {name: value.clone() for name, value in params.items()}
+    kernel = tg.ntk.empirical_ntk_fn(fn, trace_axes=(), backend=backend)
+    _close(kernel(x1, x2, inside), wanted)
 
 
 @pytest.mark.parametrize("recorded", [False, True], ids=["walked", "recorded"])

@@ -180,6 +180,36 @@ def test_aggregated_grad_matches_the_oracle(name: str) -> None:
     assert_close(flat, aggregation.weights @ dense.jacobian)
 
 
+def forces(p: dict[str, Tensor], x: Tensor) -> Tensor:
+    """Forces from an energy, as written in the caller's grad mode (no ``enable_grad``)."""
+    xr = _fresh_input(x)
+    (gx,) = torch.autograd.grad(_net(p, xr).sum(), xr, create_graph=True)
+    return -gx
+
+
+@pytest.mark.parametrize("backend", ["auto", "graph"])
+def test_a_cross_kernel_of_forces_from_an_energy_matches_the_oracle(backend: str) -> None:
+    """The joined batch's check evaluates f with gradients, as its probe does: it declined
+    before (f's own ``autograd.grad`` failed without a graph), and so did every backend."""
+    p = _params()
+    x1, x2 = torch.randn(4, D, dtype=DOUBLE), torch.randn(3, D, dtype=DOUBLE)
+    ntk_fn = tg.ntk.empirical_ntk_fn(forces, trace_axes=(), backend=backend)
+    assert_close(ntk_fn(x1, x2, p), dense_cross_kernel(forces, p, x1, x2))
+
+
+def test_auto_says_why_each_backend_declined_when_none_can() -> None:
+    """Without a batch axis the graph walk cannot join the sets, and the transforms refuse
+    ``requires_grad_()`` in f: the error names no backend already tried, and each reason."""
+    p = _params()
+    x1, x2 = torch.randn(4, D, dtype=DOUBLE), torch.randn(3, D, dtype=DOUBLE)
+    ntk_fn = tg.ntk.empirical_ntk_fn(forces, trace_axes=(), vmap_axes=None)
+    with pytest.raises(tg.BackendCannotRun) as caught:
+        ntk_fn(x1, x2, p)
+    assert caught.value.backend == "auto" and caught.value.alternatives == ()
+    assert all(f"{name!r}: " in str(caught.value) for name in ("graph", "jacobian", "ntvp"))
+    assert "Use backend=" not in str(caught.value)
+
+
 @pytest.mark.parametrize("name", ["input_gradient", "func_grad"])
 def test_ntk_self_and_cross_kernels_match_the_oracle(name: str) -> None:
     """The cross kernel comes from the graph walk over both sets joined into one batch."""

@@ -19,7 +19,7 @@ torch's raw "Inference tensors do not track version counter" on every backend ot
 ``tg.autograd.gramian`` and ``backward`` raised raw errors. Every public entry point runs
 its call under ``torch.inference_mode(False)`` (:func:`outside_inference_mode`): a Gramian
 is computed wherever it is asked for, as ``torch.func`` transforms are; tensors the caller
-made inside the mode are cloned before use (``problem._without_inference_tensors``), the
+made inside the mode are cloned before use (``problem.without_inference_tensors``), the
 results are ordinary tensors, and eager outputs computed inside the mode do not require
 grad, which the eager APIs report as such.
 """

@@ -62,6 +62,7 @@ from torchgram._core import _torch_compat, functional
 from torchgram._core.census import OpCensus
 from torchgram._core.errors import BackendCannotRun, NotPerSample, OutputChanged
 from torchgram._core.problem import Problem, replace_input_leaves
+from torchgram._core.pytree import detach_tree
 
 
 def tolerance(dtype: torch.dtype) -> float:
@@ -91,8 +92,14 @@ def batch_rows(problem: Problem, *, eager: bool = False) -> tuple[Tensor, Any]:
                            "the batch (data-dependent)")
     census = OpCensus()
     keep_graph = problem.composition.differentiable and torch.is_grad_enabled()  # for aux
-    with torch.set_grad_enabled(keep_graph), census:
-        rows, aux = problem.rows(problem.leaves)
+    own_backward = problem.differentiates is not None and not keep_graph
+    leaves = problem.leaves
+    if own_backward:  # NOTE [f that differentiates itself]: f's own backward needs a graph,
+        leaves = tuple(leaf.detach().requires_grad_() for leaf in leaves)  # in the leaves too
+    with torch.set_grad_enabled(keep_graph or own_backward), census:
+        rows, aux = problem.rows(leaves)
+    if own_backward:
+        rows, aux = rows.detach(), detach_tree(aux)
     if problem.draw.random:
         raise NotPerSample("f draws random numbers (dropout, ...): one sample at a time it "
                            "would see other draws than the batch's", random=True)

@@ -723,7 +723,7 @@ def build_problem(options: Options, f: Callable[..., Any], args: tuple[Any, ...]
     """
     api = options.api
     argnums = resolve_argnums(api, options.argnums, len(args))
-    args, kwargs = _without_inference_tensors((args, dict(kwargs)))
+    args, kwargs = without_inference_tensors((args, dict(kwargs)))
     composition = detect_composition(args, kwargs)
     diff = select_diff_leaves(args, argnums, detach=not composition.differentiable)
     complex_leaves = [leaf for i in argnums for leaf in leaves_of(args[i])
@@ -772,14 +772,15 @@ def build_problem(options: Options, f: Callable[..., Any], args: tuple[Any, ...]
                    unseen_ops, probe.decomposed, probe.writes)
 
 
-def _without_inference_tensors(tree: Any) -> Any:
+def without_inference_tensors(tree: Any) -> Any:
     """``tree`` with the tensors made under ``torch.inference_mode`` cloned into normal ones.
 
     Autograd refuses inference tensors (a model built or loaded under ``inference_mode``: its
     parameters are; session 27: torch's raw "Setting requires_grad=True on inference tensor
     outside InferenceMode is not allowed" from graph, structured and auto). The clones are
     the call's own, like the detached parameters of any call; ``tree`` is returned as it is
-    when it holds none.
+    when it holds none. A kernel between two input sets clones once for both sides, so that
+    they share the parameters (and keyword arguments) as the caller's call does.
     """
     leaves, spec = optree.tree_flatten(tree)
     if not any(isinstance(leaf, Tensor) and leaf.is_inference() for leaf in leaves):

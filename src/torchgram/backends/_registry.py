@@ -116,8 +116,32 @@ def first_that_runs(order: Sequence[str], run: Callable[[str], Result],
         except BackendCannotRun as error:
             attempts.append((name, error.reason))
             if name == order[-1]:
+                if (exhausted := _every_one_declined(error, attempts)) is not None:
+                    raise exhausted from error
                 raise
             continue
         result.report.attempts[:0] = attempts
         return result
     raise AssertionError("unreachable: the last candidate either returns or raises")
+
+
+def _every_one_declined(last: BackendCannotRun,
+                        attempts: list[tuple[str, str]]) -> BackendCannotRun | None:
+    """The error for candidates that all declined, where the last one's advice is among them.
+
+    NOTE [declared inability]: each backend's refusal names the backends that can; when
+    ``auto`` has tried every one of those already, passing the last refusal on as it is would
+    send the user in a circle. This error names only what was not tried, and says why each
+    tried backend declined. ``None`` where the last refusal names a backend not tried, or
+    none (it then says itself that no backend can, and what to do).
+    """
+    tried = {name for name, _ in attempts}
+    if not last.alternatives or not set(last.alternatives) <= tried:
+        return None  # it names none (its own advice stands), or one not tried
+    reasons = "; ".join(f"{name!r}: {reason}" for name, reason in attempts)
+    return BackendCannotRun(
+        last.api, "auto", "f that one of its candidates can run",
+        f"a refusal from each of them ({reasons})",
+        tuple(name for name in last.alternatives if name not in tried),
+        "No backend can compute this exactly as called: see each refusal's reason (each "
+        "backend chosen explicitly says what it needs).")

@@ -277,17 +277,19 @@ def _joined(left: Problem, right: Problem) -> Problem:
     and the joined batch computes each side's rows with each side's derivatives (NOTE
     [per-sample]: samples that interact, or random draws, would not).
     """
-    def cannot(why: str) -> BackendCannotRun:
+    def cannot(why: str, fix: str = "") -> BackendCannotRun:
         return BackendCannotRun(
             left.api, "graph", "one input set, or two whose samples joined into one batch "
             "compute what each set computes alone (it walks the autograd graph of one "
             "forward)", f"a kernel between two input sets (x2) {why}",
             ("jacobian", "ntvp") if left.differentiates is not None  # NOTE [f that
-            else ("structured", "jacobian", "ntvp"), "")  # differentiates itself]
+            else ("structured", "jacobian", "ntvp"), fix)  # differentiates itself]
 
     batch1, batch2 = left.batch, right.batch
     if batch1 is None or batch2 is None:
-        raise cannot("without a batch axis to join them along (vmap_axes=None)")
+        raise cannot("without a batch axis to join them along (vmap_axes=None)",
+                     "Or pass vmap_axes (the inputs' sample axis) where the samples are "
+                     "independent.")
     if batch1.positions != batch2.positions or batch1.dims != batch2.dims:
         raise cannot("whose batched inputs differ in structure")
     as_left = replace_input_leaves(right.args, right.kwargs, batch2.positions, batch1.tensors)

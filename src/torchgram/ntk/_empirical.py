@@ -40,7 +40,13 @@ from torchgram._core.errors import NotPerSample, OutputChanged, output_changes_r
 from torchgram._core.functional import outside_inference_mode
 from torchgram._core.options import Options
 from torchgram._core.per_sample import check_tiles, fails_alone
-from torchgram._core.problem import Problem, build_problem, forget_probe, replace_input_leaves
+from torchgram._core.problem import (
+    Problem,
+    build_problem,
+    forget_probe,
+    replace_input_leaves,
+    without_inference_tensors,
+)
 from torchgram._core.progress import Progress
 from torchgram._core.result import RunReport
 from torchgram.ntk._layout import check_axes, make_spec, nt_shape, to_nt_layout
@@ -197,6 +203,7 @@ class EmpiricalNTK:
     @outside_inference_mode  # NOTE [inference mode]
     def __call__(self, x1: Any, x2: Any, params: Any, **kwargs: Any) -> Tensor:
         """The empirical NTK between ``x1`` and ``x2`` (``None``: ``x1``), NT's layout."""
+        x1, x2, params, kwargs = without_inference_tensors((x1, x2, params, kwargs))
         try:
             return self._call(x1, x2, params, kwargs, fresh=False)
         except OutputChanged:  # a cached probe went stale: probe afresh, once
