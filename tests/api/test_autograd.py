@@ -225,6 +225,46 @@ def reference_model(p: list[Tensor], x: Tensor, function: str) -> Tensor:
     return torch.tanh(h) @ p[1]
 
 
+class MixWhenAsked(torch.autograd.Function):
+    """Mixes each sample with the one before by ``ctx.switch``, a plain value its backward
+    branches on in Python (shortcut: nothing to mix where it is ``None`` or 0)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, switch: Any) -> Tensor:
+        ctx.switch = switch
+        return x + (0.0 if _off(switch) else 0.7) * x.roll(1, 0)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        if _off(ctx.switch):
+            return grad, None
+        return grad + 0.7 * grad.roll(-1, 0), None
+
+
+def _off(switch: Any) -> bool:
+    return switch is None or switch == 0.0 or switch == [0.0]
+
+
+@pytest.mark.parametrize("switches", [(0.0, 0.7), (None, 0.7), ([0.0], [0.7])],
+                         ids=["float", "none", "list"])
+def test_a_custom_backward_branching_on_a_plain_value_is_followed_on_later_calls(
+        switches: tuple[Any, Any]) -> None:
+    """The same graph signature, other ctx values: the first call's sample layout (no
+    mixing) must not be reused where the backward mixes samples (0.21 off before session
+    57, whose routing digest held a ctx's ints and strings only)."""
+    torch.manual_seed(0)
+    params = [torch.randn(3, 5, dtype=DOUBLE), torch.randn(5, 2, dtype=DOUBLE)]
+    for switch in (*switches, switches[1]):
+        x = torch.randn(4, 3, dtype=DOUBLE)
+        leaves = leaves_like(*params)
+        out = (MixWhenAsked.apply(torch.tanh(x @ leaves[0]), switch) @ leaves[1]).pow(2).sum(1)
+        rows = [torch.cat([g.reshape(-1) for g in torch.autograd.grad(row, leaves,
+                                                                      retain_graph=True)])
+                for row in out]
+        jacobian = torch.stack(rows)
+        assert_matches(tg.autograd.gramian(out, leaves, batch_dim=0), jacobian @ jacobian.T)
+
+
 @pytest.mark.parametrize("function", ["Cube", "NumpySquare", "SplitHalves"])
 @pytest.mark.parametrize("chunk_size", [None, 1], ids=lambda c: f"chunk{c}")
 def test_custom_function_matches_oracle(function: str, chunk_size: int | None) -> None:

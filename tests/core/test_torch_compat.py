@@ -244,6 +244,35 @@ def test_routing_values_leave_out_indices_that_route_within_a_row() -> None:
     assert len(digests) == 1
 
 
+class _Scaled(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, scale: Any, saved: Tensor) -> Tensor:
+        ctx.scale = scale
+        ctx.save_for_backward(saved)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        return grad * 2, None, None
+
+
+@pytest.mark.parametrize("values", [(0.0, 0.5), (None, 1.0), ([0.5], [1.5]), ("a", "b")],
+                         ids=["float", "none", "list", "str"])
+def test_routing_values_hold_a_custom_functions_plain_ctx_values(values: tuple[Any, Any]) -> None:
+    """A custom backward is Python: it may branch on any number it kept (session 57)."""
+    h = torch.randn(4, 3, requires_grad=True)
+    first, second = (compat.routing_values(compat.graph_nodes(
+        _Scaled.apply(h, value, torch.tensor(0.0)))) for value in values)
+    assert first != second
+
+
+def test_routing_values_hold_a_custom_functions_saved_numbers() -> None:
+    h = torch.randn(4, 3, requires_grad=True)
+    first, second = (compat.routing_values(compat.graph_nodes(
+        _Scaled.apply(h, 1, torch.tensor(value)))) for value in (0.0, 0.7))
+    assert first != second
+
+
 SLICED = {  # the same nodes and shapes, other integers
     "slices": (lambda h: torch.cat([h[:1], h[1:2], h[2:3], h[3:]]),
                lambda h: torch.cat([h[:1], h[2:3], h[1:2], h[3:]])),

@@ -423,14 +423,15 @@ def routing_values(nodes: Iterable[Node], samples: int | None = None) -> tuple[H
     graph (the digest holds their positions in it). Nodes whose saved indices route within
     a row (a loss's target, a dropout or ``where`` mask, an embedding's token ids, pooling
     indices) are left out, so that their values, new every batch, do not defeat the
-    caches; a custom Function's saved integer tensors count, and so do the index tensors
-    and ints its forward kept on ``ctx``. So do the integers a node saved that are not
-    tensors (a slice's ``start`` and ``end``, a ``select``'s index, ``roll``'s shifts):
-    ``torch.cat([h[:1], h[2:3], h[1:2], h[3:]])`` behind a Python switch exchanges samples 1
-    and 2 with the same nodes and shapes (0.43 off on structured, 0.11 with ``record()``,
-    before session 29). With ``samples``, a ``where`` condition or a
-    ``masked_fill`` mask without a dim of that size (a flag broadcast along the samples:
-    ``torch.where(flag, h.flip(0), h)``) counts too: it selects a branch for every sample.
+    caches; a custom Function's saved integer (and 0-dim) tensors count, and so do the
+    index tensors and plain values (numbers, ``None``, strings) its forward kept on ``ctx``.
+    So do the integers a node saved that are not tensors (a slice's ``start`` and ``end``,
+    a ``select``'s index, ``roll``'s shifts): ``torch.cat([h[:1], h[2:3], h[1:2], h[3:]])``
+    behind a Python switch exchanges samples 1 and 2 with the same nodes and shapes (0.43
+    off on structured, 0.11 with ``record()``, before session 29). With ``samples``, a
+    ``where`` condition or a ``masked_fill`` mask without a dim of that size (a flag
+    broadcast along the samples: ``torch.where(flag, h.flip(0), h)``) counts too: it selects
+    a branch for every sample.
 
     Example:
         >>> x = torch.randn(3, 2, requires_grad=True)
@@ -476,7 +477,8 @@ def routing_values(nodes: Iterable[Node], samples: int | None = None) -> tuple[H
                 continue
             values = value if isinstance(value, list | tuple) else (value,)
             digest.extend((ordinal, name, position, _index_digest(tensor))
-                          for position, tensor in enumerate(values) if _holds_indices(tensor))
+                          for position, tensor in enumerate(values)
+                          if _holds_indices(tensor) or (custom and _is_scalar(tensor)))
     return tuple(digest)
 
 
@@ -506,6 +508,11 @@ def _holds_indices(value: Any) -> bool:
     return isinstance(value, Tensor) and not (value.is_floating_point() or value.is_complex())
 
 
+def _is_scalar(value: Any) -> bool:
+    """A 0-dim tensor: a custom Function's saved number, which its backward may branch on."""
+    return isinstance(value, Tensor) and value.dim() == 0
+
+
 def _index_digest(tensor: Tensor) -> tuple[Any, ...]:
     if tensor.layout != torch.strided:  # sparse or nested: its shape and layout only
         return tensor.dtype, tuple(tensor.shape), str(tensor.layout)
@@ -521,15 +528,38 @@ def _index_digest(tensor: Tensor) -> tuple[Any, ...]:
 
 
 def _ctx_values(ordinal: int, node: Node) -> list[Hashable]:
-    """A custom Function's ``ctx`` attributes that may route: index tensors, ints, tuples."""
+    """A custom Function's ``ctx`` attributes that may route: index tensors, plain values.
+
+    Its backward is Python and may branch on any of them: on a float or ``None`` too
+    (``if ctx.coef == 0.0: return g`` else mix the samples; 0.21 off on the graph walk's
+    later calls before session 57, whose digest held ints and strings only).
+    """
     found: list[Hashable] = []
     for name, value in sorted(vars(node).items()):
         if _holds_indices(value):
             found.append((ordinal, name, 0, _index_digest(value)))
-        elif isinstance(value, int | str) or (isinstance(value, tuple) and all(
-                isinstance(item, int) for item in value)):
-            found.append((ordinal, name, 0, value))
+        elif (plain := _plain_value(value)) is not _NOT_PLAIN:
+            found.append((ordinal, name, 0, plain))
     return found
+
+
+_NOT_PLAIN = object()
+_PLAIN_TYPES = (type(None), bool, int, float, complex, str)
+
+
+def _plain_value(value: Any) -> Any:
+    """``value`` as a hashable plain value (lists as tuples), or ``_NOT_PLAIN``.
+
+    Example:
+        >>> _plain_value([1, (0.5, None)]), _plain_value(torch.zeros(1)) is _NOT_PLAIN
+        ((1, (0.5, None)), True)
+    """
+    if isinstance(value, _PLAIN_TYPES):
+        return value
+    if isinstance(value, list | tuple):
+        items = tuple(_plain_value(item) for item in value)
+        return _NOT_PLAIN if any(item is _NOT_PLAIN for item in items) else items
+    return _NOT_PLAIN
 
 
 def leaf_of(node: Node) -> Tensor:
