@@ -196,6 +196,30 @@ class Draw:
     def __init__(self, start: RngState) -> None:
         self.start = start
         self.end: RngState | None = None
+        self._explicit: dict[int, ExplicitGenerator] = {}
+
+    def adopt(self, generator: torch.Generator) -> None:
+        """Handle ``generator`` (one ``f`` draws from explicitly) like the default ones.
+
+        Called by the probe's census before ``f``'s first draw from it (NOTE [explicit
+        generators]): its state then is the call's start.
+        """
+        if id(generator) not in self._explicit:
+            self._explicit[id(generator)] = ExplicitGenerator(generator, generator.get_state())
+
+    @property
+    def draws_explicitly(self) -> bool:
+        """Whether ``f`` drew from a generator of its own in this call's probe."""
+        return bool(self._explicit)
+
+    def _explicit_moved(self) -> bool:
+        return any(not torch.equal(kept.generator.get_state(), kept.start)
+                   for kept in self._explicit.values())
+
+    def _restore_explicit(self, *, end: bool) -> None:
+        for kept in self._explicit.values():
+            state = kept.end if end and kept.end is not None else kept.start
+            kept.generator.set_state(state)
 
     @classmethod
     def capture(cls, devices: Iterable[torch.device]) -> Draw:
@@ -217,6 +241,7 @@ class Draw:
             return
         with RNG_LOCK:
             self.start.restore()
+            self._restore_explicit(end=False)
             try:
                 yield
                 if full:
@@ -226,16 +251,24 @@ class Draw:
             finally:
                 if restore_after:
                     self.start.restore()
+                    self._restore_explicit(end=False)
 
     def after_full_evaluation(self) -> None:
         """Remember where a plain call of ``f`` leaves the generators (the first time)."""
         if self.end is None:
             self.end = RngState.capture(device for device, _ in self.start.accelerators)
+        for kept in self._explicit.values():
+            if kept.end is None:
+                kept.end = kept.generator.get_state()
 
     @property
     def random(self) -> bool | None:
         """Whether a full evaluation of ``f`` drew random numbers (``None``: none ran yet)."""
-        return None if self.end is None else not self.end.same_as(self.start)
+        if self.end is None:
+            return None
+        return not self.end.same_as(self.start) or any(
+            kept.end is not None and not torch.equal(kept.end, kept.start)
+            for kept in self._explicit.values())
 
     def drew(self) -> bool:
         """Whether ``f`` draws random numbers.
@@ -246,12 +279,12 @@ class Draw:
         if self.random is not None:
             return self.random
         now = RngState.capture(device for device, _ in self.start.accelerators)
-        return not now.same_as(self.start)
+        return not now.same_as(self.start) or self._explicit_moved()
 
     def check_no_draw(self) -> None:
         """Raise :class:`NotPerSample` if the evaluation that just ran drew random numbers."""
         now = RngState.capture(device for device, _ in self.start.accelerators)
-        if not now.same_as(self.start):
+        if not now.same_as(self.start) or self._explicit_moved():
             raise NotPerSample("f draws random numbers (dropout, ...): one sample at a time it "
                                "would see other draws than the batch's", random=True)
 
@@ -261,6 +294,7 @@ class Draw:
             return
         with RNG_LOCK:
             self.start.restore()
+            self._restore_explicit(end=False)
 
     def finish(self) -> None:
         """Leave the generators where one plain call of ``f`` would."""
@@ -268,6 +302,16 @@ class Draw:
             return
         with RNG_LOCK:
             (self.end or self.start).restore()
+            self._restore_explicit(end=True)
+
+
+@dataclass
+class ExplicitGenerator:
+    """A ``torch.Generator`` ``f`` draws from, with its state at the call's start and end."""
+
+    generator: torch.Generator
+    start: Tensor
+    end: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -666,6 +710,8 @@ class Probe:
             [prelu as where]).
         writes: Whether ``f`` wrote into any tensor, its own included (NOTE [writes under a
             cached probe]).
+        explicit_draws: Whether ``f`` drew from a ``torch.Generator`` of its own: every call
+            then probes afresh (NOTE [explicit generators]).
     """
 
     spec: OutputSpec
@@ -676,6 +722,7 @@ class Probe:
     unseen_ops: tuple[str, ...] | None = None
     decomposed: tuple[str, ...] = ()
     writes: bool = True
+    explicit_draws: bool = False
 
 
 _PROBES = LruCache[Probe](maxsize=256)
@@ -752,6 +799,8 @@ def build_problem(options: Options, f: Callable[..., Any], args: tuple[Any, ...]
     look_unseen = composition.may_be_differentiated  # NOTE [unseen calls]
     if probe is not None and look_unseen and probe.unseen_ops is None:
         probe = None  # probed by a call that did not look
+    if probe is not None and probe.explicit_draws:
+        probe = None  # NOTE [explicit generators]: this call's generators, from their start
     probe_cached = probe is not None
     evaluation = None
     if probe is None:
@@ -866,7 +915,7 @@ def _evaluate_probe(api: str, f: Callable[..., Any], args: tuple[Any, ...],
     copies = tuple(leaf.clone() for leaf in diff.leaves)  # f may write into its parameters
     versions = [_torch_compat.version(leaf) for leaf in copies]
     leaves = tuple(leaf.requires_grad_() for leaf in copies) if with_grad else copies
-    census = OpCensus()
+    census = OpCensus(draw.adopt)
     unseen: list[UnseenCalls] = []  # one per evaluation attempt (NOTE [unseen calls])
 
     def look() -> UnseenCalls:
@@ -892,7 +941,7 @@ def _evaluate_probe(api: str, f: Callable[..., Any], args: tuple[Any, ...],
             except RuntimeError:  # NOTE [f that differentiates itself]: with respect to its
                 if with_grad or census.differentiates is None:  # parameters, which need grad
                     raise
-                census = OpCensus()
+                census = OpCensus(draw.adopt)
                 leaves = tuple(leaf.detach().requires_grad_() for leaf in copies)
                 with torch.enable_grad():
                     result = evaluate_probe()
@@ -918,7 +967,7 @@ def _evaluate_probe(api: str, f: Callable[..., Any], args: tuple[Any, ...],
         spec = make_output_spec(api, out, batch, whole_batch=whole_batch)
         probe = Probe(spec, tuple(census.unbatched), mutated, census.sparse_embeddings,
                       census.differentiates, tuple(unseen[-1].ops) if look_unseen else None,
-                      tuple(census.decomposed), writes.wrote or mutated)
+                      tuple(census.decomposed), writes.wrote or mutated, draw.draws_explicitly)
         if not with_grad or census.differentiates is not None:  # the backend evaluates f
             return probe, None  # with ops differentiable at any order (Problem._evaluation)
         rows = concat_rows(optree.tree_leaves(out), probe.spec.dtype)

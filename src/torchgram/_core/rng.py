@@ -8,8 +8,21 @@ captures the generators' state when it starts, every evaluation starts from that
 and the call ends in the state that one plain call of ``f`` leaves behind: the Gramian is
 that of the draw a single plain call with the current RNG state sees.
 
-Only the default generators are handled (CPU, and each accelerator that holds an argument);
-an explicit ``torch.Generator`` passed to ``f`` is the caller's to manage.
+The default generators are captured (CPU, and each accelerator that holds an argument), and
+so are the generators ``f`` draws from explicitly (NOTE [explicit generators]).
+
+# NOTE [explicit generators]
+``f`` may draw from a ``torch.Generator`` of its own (``torch.bernoulli(p, generator=gen)``,
+the generator captured or passed in). Each evaluation advanced it, so the Gramian mixed the
+masks of several evaluations (0.76 to 3.4 off, relative, on every backend but the graph walk,
+before session 57). Every call's probe runs under the census (``_core/census.py``), which
+hands each generator a call is given (``generator=``) to the call's ``Draw`` before the call
+draws from it: its state then is the call's start. From there on it is handled like the
+default generators: every evaluation starts from that state, the call ends where one plain
+call leaves it, and ``f`` counts as drawing (the backends that run ``f`` under ``torch.func``
+transforms decline, as for dropout). A probe that saw such a draw is not reused: each call
+probes afresh, so that it sees the generators of that call. Not seen: a generator ``f`` first
+draws from on a later call of a signature whose cached probe saw none.
 """
 
 from __future__ import annotations
