@@ -195,3 +195,58 @@ def test_an_error_in_the_forward_leaves_the_module_as_it_was() -> None:
     with pytest.raises(RuntimeError, match="inside the forward"):
         fn({"lin.weight": torch.zeros(2, 2)}, torch.randn(1, 2))
     assert model.lin.weight is weight and model.count is count and count == 0
+
+
+def _parametrized_model() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    nn.utils.parametrizations.orthogonal(model[0])
+    nn.utils.parametrizations.weight_norm(model[2])
+    return model
+
+
+@pytest.mark.parametrize("batch_dim", [None, 0], ids=["dense", "batch_dim0"])
+@pytest.mark.parametrize("backend", ["auto", "structured", "graph", "jacobian"])
+def test_parametrized_weights_inside_parametrize_cached(backend: str,
+                                                        batch_dim: int | None) -> None:
+    """NOTE [parametrization caches]: a later evaluation of f read the weight an earlier one
+    cached, with no path to its own leaves (0.72 off before session 57)."""
+    from reference import dense_gramian
+
+    fn, params = tg.functionalize(_parametrized_model())
+    x = torch.randn(5, 4, dtype=torch.float64)
+
+    def f(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return fn(p, x).sin().sum(1)
+
+    wanted = dense_gramian(f, (params, x)).gramian
+    with nn.utils.parametrize.cached():
+        G = tg.gramian(f, backend=backend, batch_dim=batch_dim)(params, x)
+    torch.testing.assert_close(G, wanted, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("norm", ["weight_norm", "spectral_norm"])
+def test_a_hook_based_norm_keeps_its_weight_attribute(norm: str) -> None:
+    """NOTE [tensors hooks set]: the pre-hook's ``module.weight`` was left a tensor of
+    torchgram's transforms ("tensor may have escaped" on its next use, before session 57)."""
+    from reference import dense_gramian
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch deprecates the hook-based forms
+        layer = getattr(nn.utils, norm)(nn.Linear(4, 3).double())
+    layer.eval()  # spectral_norm: no power iteration (a plain call would move its u)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    layer(x)
+    before = layer.weight
+    fn, params = tg.functionalize(layer)
+
+    def f(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return fn(p, x).sum(1)
+
+    for backend in ["auto", "structured", "jacobian"]:
+        G = tg.gramian(f, backend=backend, batch_dim=0)(params, x)
+        torch.testing.assert_close(G, dense_gramian(f, (params, x)).gramian, rtol=1e-10,
+                                   atol=1e-12)
+        assert layer.weight is before
+    layer.weight.sum()  # usable: a plain tensor of the caller's

@@ -139,10 +139,13 @@ class _Slots:
         """Each submodule's children and parameters, and the objects they were."""
         self.named: list[tuple[dict[str, Any], tuple[str, ...]]] = []
         """Each submodule's buffers and their names (a call reads their values afresh)."""
+        self.modules: list[nn.Module] = []
+        """Every submodule (NOTE [tensors hooks set])."""
         self._scan()
 
     def _scan(self) -> None:
         self.held, self.named, self.where, self.buffers = [], [], {}, []
+        self.modules = list(self.module.modules())
         self.renormalised = [
             (owner._parameters, "weight") for owner in self.module.modules()
             if isinstance(owner, (nn.Embedding, nn.EmbeddingBag))
@@ -201,6 +204,8 @@ class _Slots:
             saved.append((holder, attr, original))
             holder[attr] = copy
 
+        hooked = [(owner.__dict__, dict(owner.__dict__)) for owner in self.modules
+                  if owner._forward_pre_hooks or owner._forward_hooks]
         try:
             for name, value in params.items():
                 for holder, attr in self.where[name]:
@@ -215,6 +220,32 @@ class _Slots:
         finally:
             for holder, attr, original in reversed(saved):
                 holder[attr] = original
+            for attributes, before in hooked:  # NOTE [tensors hooks set]
+                _put_back_tensors(attributes, before)
+
+
+# NOTE [tensors hooks set]
+# A forward (pre-)hook may keep a tensor of the call on its module: the hook-based
+# nn.utils.weight_norm and spectral_norm set module.weight, computed from the call's
+# parameters, before each forward. After a Gramian, such a module held a tensor of
+# torchgram's transforms (a vmap BatchedTensor: "tensor may have escaped" on its next use,
+# deepcopy and torch.save failing), computed from the call's parameters (session 57). The
+# tensor attributes of modules with forward hooks are put back as they were after each call,
+# so that the module is as the caller left it (a plain forward of it sets them afresh).
+
+
+def _put_back_tensors(attributes: dict[str, Any], before: dict[str, Any]) -> None:
+    """Undo the changes of ``attributes``' tensor entries since ``before`` (a copy of it)."""
+    for name, value in list(attributes.items()):
+        old = before.get(name, _ABSENT)
+        if value is not old and (isinstance(value, Tensor) or isinstance(old, Tensor)):
+            if old is _ABSENT:
+                del attributes[name]
+            else:
+                attributes[name] = old
+
+
+_ABSENT = object()
 
 
 # NOTE [frozen renormalised tables]

@@ -631,6 +631,8 @@ def evaluate_f(evaluate: Callable[[tuple[Tensor, ...]], Any], leaves: tuple[Tens
     for through_vjp in (False, True):
         with contextlib.ExitStack() as stack:
             stack.enter_context(compiled_code_eager())  # NOTE [compiled code in f]
+            stack.enter_context(_torch_compat.own_parametrization_cache())  # NOTE
+            # [parametrization caches]
             for context in contexts:
                 stack.enter_context(context())
             if through_vjp:
