@@ -203,6 +203,66 @@ def test_mgda_satisfies_kkt_conditions(m: int, structure: str, dtype: torch.dtyp
     assert_close(gw[support], norm2.expand(int(support.sum())), rtol=0, atol=tol * scale)
 
 
+def test_mgda_rows_of_norms_spread_over_ten_decades_give_the_closed_form() -> None:
+    """NOTE [jitter in each row's units]: three tasks' gradients of norms 1e-5, 1 and 1e5; the
+    min-norm point lies on the segment of the first two (closed form). Before session 57 a
+    jitter relative to the trace swamped the small rows: Jᵀw was 290 times too long."""
+    J = torch.randn(3, 9, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    J = J * torch.tensor([1e-5, 1.0, 1e5], dtype=torch.float64)[:, None]
+    g0, g1 = J[0], J[1]
+    t = float((g0 - g1) @ g0 / ((g0 - g1) @ (g0 - g1)))
+    expected = torch.tensor([1 - t, t, 0.0], dtype=torch.float64)
+    assert 0 < t < 1 and float((J @ (J.T @ expected))[2] - expected @ J @ J.T @ expected) > 0
+    w = weighting.mgda(J @ J.T)
+    assert_close(J.T @ w, J.T @ expected, rtol=1e-9, atol=0)
+
+
+@pytest.mark.parametrize("m", [8, 64, 200, 600])
+def test_mgda_on_graded_rows_is_never_worse_than_a_vertex(m: int) -> None:
+    """The optimum is at most ``min_i G_ii`` (the vertex of the shortest row), whatever the
+    spread of the rows' norms (here 1e-6 to 1e6): 1e7 to 1e9 times above it before session 57."""
+    J = torch.randn(m, 3 * m, dtype=torch.float64, generator=torch.Generator().manual_seed(m))
+    J = J * torch.logspace(-6, 6, m, dtype=torch.float64)[:, None]
+    G = J @ J.T
+    w = weighting.mgda(G)
+    assert float(w @ G @ w) <= float(G.diagonal().min())
+
+
+def test_mgda_with_a_zero_row_returns_its_vertex() -> None:
+    G = torch.diag(torch.tensor([1.0, 0.0, 2.0, 0.0], dtype=torch.float64))
+    assert_close(weighting.mgda(G), torch.tensor([0.0, 1.0, 0.0, 0.0], dtype=torch.float64),
+                 rtol=0, atol=0)
+
+
+def _pinv_weights_in_fifty_digits(G: torch.Tensor) -> torch.Tensor:
+    """IMTL-G's weights through the pseudo-inverse with torch's cut-off, in 50 digits."""
+    import mpmath
+
+    mpmath.mp.dps = 50
+    m = G.shape[0]
+    eigenvalues, vectors = mpmath.eigsy(mpmath.matrix(G.tolist()))
+    cut = m * torch.finfo(torch.float64).eps * max(abs(e) for e in eigenvalues)
+    norms = mpmath.matrix([mpmath.sqrt(G[i, i].item()) for i in range(m)])
+    v = mpmath.matrix(m, 1)
+    for j in range(m):
+        if abs(eigenvalues[j]) > cut:
+            v += vectors[:, j] * ((vectors[:, j].T * norms)[0] / eigenvalues[j])
+    total = sum(v)
+    return torch.tensor([float(v[i] / total) for i in range(m)], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("m", [16, 33])
+def test_imtl_g_on_graded_rows_near_the_cut_off(m: int) -> None:
+    """Rows of norms 1e-6 to 1e6: eigenvalues near the pseudo-inverse's cut-off, where the
+    eigendecomposition lost the small ones' vectors (1e-4 to 2e-2 off before session 57; the
+    SVD, as torchjd's, 1e-10 to 2e-7)."""
+    J = torch.randn(m, 2 * m, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    G = J * torch.logspace(-6, 6, m, dtype=torch.float64)[:, None]
+    G = G @ G.T
+    exact = _pinv_weights_in_fifty_digits(G)
+    assert float((weighting.imtl_g(G) - exact).abs().max() / exact.abs().max()) < 1e-6
+
+
 def test_mgda_hand_derived() -> None:
     # Orthogonal rows of norms 1 and 2: w ∝ 1 / |g_i|².
     assert_close(

@@ -25,8 +25,11 @@ def mgda(G: Tensor, /, *, state: WarmStart | None = None) -> Tensor:
 
     ``Jᵀw`` is the common descent direction of largest guaranteed decrease (zero at a Pareto
     stationary point). The optimality (KKT) conditions, which the result satisfies to about
-    1e-10 relative to ``trace(G)`` in float64, are ``w ≥ 0``, ``Σ w = 1`` and
-    ``(G w)_i ≥ wᵀGw`` for every ``i``, with equality where ``w_i > 0``.
+    1e-10 relative to ``trace(G)`` in float64 (the solver regularises each row in its own
+    units, so rows whose norms spread over many decades are resolved too: NOTE [jitter in
+    each row's units]), are
+    ``w ≥ 0``, ``Σ w = 1`` and ``(G w)_i ≥ wᵀGw`` for every ``i``, with equality where
+    ``w_i > 0``. A zero row gives its vertex (``Jᵀw = 0``).
 
     Unlike torchjd's ``MGDAWeighting`` (Frank–Wolfe, stopped after ``max_iters`` iterations or a
     step below ``epsilon``), the quadratic program is solved exactly, by an active-set method

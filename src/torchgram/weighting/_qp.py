@@ -1057,6 +1057,18 @@ def _regularizing_shift(H: Tensor) -> Tensor:
     return (_JITTER * H.diagonal().mean() - 2.0 * eigenvalue).clamp(min=0.0)
 
 
+# NOTE [jitter in each row's units]
+# The simplex QP's face systems are H_FF + diag(jitter) (a singular H has singular faces). A
+# jitter of 1e-12 · tr(H) / m on every row swamped rows whose H_ii is below it: with row norms
+# spread over 1e5 (three tasks' gradients of norms 1e-5, 1 and 1e5) MGDA returned a Jᵀw 290
+# times the min-norm point's, and on per-sample Gramians late in training (norms 1e-13 to 1)
+# a wᵀHw 2e10 times a vertex's, all within 1e-10 · tr(H) of the optimum, the tolerance then
+# documented (a helper's hunt, session 57). The jitter is now 1e-12 · H_ii on row i: the same
+# relative regularisation of every row whatever its scale, and exact answers on those cases
+# (Jᵀw to round-off of the closed form; wᵀHw below the smallest H_ii). A zero row (H_ii = 0,
+# hence a zero row and column of a PSD H) gets none: its vertex is a minimiser (wᵀHw = 0) and
+# is returned at once.
+
 # NOTE [simplex QP fallback]
 # On MGDA's Gramians where the origin is (nearly) in the convex hull of the rows -- rank-deficient
 # (m = 256, rank 128) or with eigenvalues down to 1e-8 times the largest -- the minimiser is
@@ -1108,6 +1120,9 @@ def solve_simplex_qp(H: Tensor, free: Tensor | None = None) -> Tensor:
         is singular).
     """
     m = H.shape[0]
+    zero_rows = H.diagonal() == 0
+    if bool(zero_rows.any()):  # Host synchronisation. A zero row of a PSD H: its vertex
+        return zero_rows.cumsum(0).eq(1).logical_and(zero_rows).to(H.dtype)  # has wᵀHw = 0
     wolfe = None
     if free is None and m >= _WOLFE_FROM and _effective_rank(H) <= _WOLFE_FIRST_RANK:
         wolfe = WolfeRun(H)  # NOTE [choosing the min-norm start]
@@ -1117,7 +1132,7 @@ def solve_simplex_qp(H: Tensor, free: Tensor | None = None) -> Tensor:
     if free is None:
         free = torch.ones(m, dtype=torch.bool, device=H.device)
     free = free.reshape(1, m)
-    jitter = _JITTER * H.diagonal().mean()
+    jitter = _JITTER * H.diagonal()  # NOTE [jitter in each row's units]
     problem = _SimplexQP(H, jitter)
     patience = _EXCHANGE_PATIENCE if m >= _PATIENT_EXCHANGE_FROM else None
     w, solved = _active_set(problem, free, patience)
