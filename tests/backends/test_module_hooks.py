@@ -103,19 +103,33 @@ def _tensor_hooked(p: dict[str, Tensor], x: Tensor) -> Tensor:
     return h @ p["w2"]
 
 
+def _tensor_hooked_unconditionally(p: dict[str, Tensor], x: Tensor) -> Tensor:
+    """The same hook, registered without looking at ``requires_grad`` (torch.func.jacrev runs
+    it; torch refuses it on a tensor without grad, which torchgram's probes made: its raw
+    error escaped every backend before session 57)."""
+    h = torch.tanh(x @ p["w1"])
+    h.register_hook(lambda grad: grad * 3)
+    return h @ p["w2"]
+
+
+HOOKED = {"guarded": _tensor_hooked, "unconditional": _tensor_hooked_unconditionally}
+
+
+@pytest.mark.parametrize("hooked", list(HOOKED))
 @pytest.mark.parametrize("batch_dim", [0, None], ids=["batch0", "nobatch"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_gradient_hooks_inside_f_give_the_oracle_or_a_torchgram_error(
-        backend: str, batch_dim: int | None) -> None:
+        backend: str, batch_dim: int | None, hooked: str) -> None:
     """NOTE [gradient hooks inside f]: graph (0.88 off) and ntvp (0.66 off) ran no hook, or
     half of them, before session 26; they decline now, naming jacobian and structured."""
+    f = HOOKED[hooked]
     generator = torch.Generator().manual_seed(0)
     params = {"w1": torch.randn(3, 4, generator=generator, dtype=torch.float64),
               "w2": torch.randn(4, 2, generator=generator, dtype=torch.float64)}
     x = torch.randn(5, 3, generator=generator, dtype=torch.float64)
-    expected = dense_gramian(_tensor_hooked, (params, x)).shaped()
+    expected = dense_gramian(f, (params, x)).shaped()
     try:
-        G = tg.gramian(_tensor_hooked, backend=backend, batch_dim=batch_dim)(params, x)
+        G = tg.gramian(f, backend=backend, batch_dim=batch_dim)(params, x)
     except tg.BackendCannotRun as error:
         assert backend in ("graph", "ntvp") and "Tensor.register_hook" in str(error), error
         return

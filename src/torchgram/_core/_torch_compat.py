@@ -747,6 +747,23 @@ _SPARSE_LAYOUT = re.compile(r"'Sparse[A-Za-z]*' backend|SparseTensorImpl|for spa
                             r"|unsupported for Sparse[A-Za-z]* tensors")
 
 
+def is_hook_without_grad_error(error: BaseException) -> bool:
+    """Whether ``error`` is torch refusing a gradient hook on a tensor without grad.
+
+    ``f`` registers hooks on its tensors unconditionally (NOTE [gradient hooks inside f]);
+    under ``jvp`` alone (``ntvp``'s forward pushes) they do not require grad.
+
+    Example:
+        >>> try:
+        ...     torch.zeros(1).register_hook(lambda g: g)
+        ... except RuntimeError as error:
+        ...     is_hook_without_grad_error(error)
+        True
+    """
+    return isinstance(error, RuntimeError) and (
+        "cannot register a hook on a tensor that doesn't require gradient" in str(error))
+
+
 def is_sparse_gradient_error(error: BaseException) -> bool:
     """Whether ``error`` is an op refusing a sparse tensor (torch 2.13's messages).
 

@@ -178,6 +178,11 @@ class ProbeCheck(StaleWrites):
 # seen being registered, so their evaluations of f run under an OpCensus, which counts
 # Tensor.register_hook calls, and they decline when f made any (naming jacobian and
 # structured). Hooks registered on autograd nodes (grad_fn.register_prehook) cannot be seen.
+# torch refuses a hook on a tensor that does not require grad, which the evaluations without a
+# graph made (the probe, the per-sample check): an f registering one unconditionally (as
+# torch.func.jacrev allows) met torch's raw error on every backend before session 57; they now
+# evaluate again with a graph where the census counted a hook, and ntvp's pushes under jvp
+# alone decline as above.
 GRADIENT_HOOKS = frozenset({torch.Tensor.register_hook})
 """Calls that register a hook on a tensor's gradient (NOTE [gradient hooks inside f])."""
 

@@ -509,6 +509,9 @@ def torch_refusals(api: str, backend: str, parameters: Sequence[Tensor] = (),
                 "same way and works with every backend.")) from error
         if _torch_compat.is_sparse_gradient_error(error):
             raise sparse_refusal(api, backend, parameters, cross) from error
+        if _torch_compat.is_hook_without_grad_error(error) and backend not in (
+                "jacobian", "structured"):  # NOTE [gradient hooks inside f]: which run them
+            raise gradient_hooks_refused(api, backend) from error
         refused = _torch_compat.refused_under_transforms(error)
         if refused is not None:  # structured declines an f that differentiates itself
             raise _declined(api, backend, refused, without=() if differentiates is None

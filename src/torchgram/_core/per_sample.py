@@ -90,22 +90,40 @@ def batch_rows(problem: Problem, *, eager: bool = False) -> tuple[Tensor, Any]:
     if "vmap" in problem.composition.transforms:
         raise NotPerSample("inside torch.func.vmap, samples run alone cannot be compared with "
                            "the batch (data-dependent)")
-    census = OpCensus()
     keep_graph = problem.composition.differentiable and torch.is_grad_enabled()  # for aux
-    own_backward = problem.differentiates is not None and not keep_graph
-    leaves = problem.leaves
-    if own_backward:  # NOTE [f that differentiates itself]: f's own backward needs a graph,
-        leaves = tuple(leaf.detach().requires_grad_() for leaf in leaves)  # in the leaves too
-    with torch.set_grad_enabled(keep_graph or own_backward), census:
-        rows, aux = problem.rows(leaves)
-    if own_backward:
-        rows, aux = rows.detach(), detach_tree(aux)
+    with_graph = problem.differentiates is not None and not keep_graph
+    census = OpCensus()
+    try:
+        rows, aux = _rows_under(census, problem, with_graph=with_graph)
+    except RuntimeError:  # NOTE [gradient hooks inside f]: on a tensor that requires grad
+        if keep_graph or with_graph or not census.hooks:
+            raise
+        census = OpCensus()
+        rows, aux = _rows_under(census, problem, with_graph=True)
     if problem.draw.random:
         raise NotPerSample("f draws random numbers (dropout, ...): one sample at a time it "
                            "would see other draws than the batch's", random=True)
     if census.coupling:
         raise NotPerSample(f"f calls {census.coupling[0]}: its samples interact")
     check_derivatives(problem, eager=eager)
+    return rows, aux
+
+
+def _rows_under(census: OpCensus, problem: Problem, *, with_graph: bool) -> tuple[Tensor, Any]:
+    """``problem.rows`` on the batch under ``census``; ``with_graph``: in leaves requiring grad.
+
+    An evaluation with a graph is for an ``f`` that needs one without being differentiated:
+    its own backward (NOTE [f that differentiates itself]), gradient hooks on its tensors
+    (NOTE [gradient hooks inside f]); its rows and aux are returned detached.
+    """
+    leaves = problem.leaves
+    if with_graph:
+        leaves = tuple(leaf.detach().requires_grad_() for leaf in leaves)
+    keep_graph = problem.composition.differentiable and torch.is_grad_enabled()
+    with torch.set_grad_enabled(keep_graph or with_graph), census:
+        rows, aux = problem.rows(leaves)
+    if with_graph:
+        return rows.detach(), detach_tree(aux)
     return rows, aux
 
 

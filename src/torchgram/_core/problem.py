@@ -941,7 +941,9 @@ def _evaluate_probe(api: str, f: Callable[..., Any], args: tuple[Any, ...],
             try:
                 result = evaluate_probe()
             except RuntimeError:  # NOTE [f that differentiates itself]: with respect to its
-                if with_grad or census.differentiates is None:  # parameters, which need grad
+                # parameters, which need grad; NOTE [gradient hooks inside f]: on a tensor
+                if with_grad or (census.differentiates is None  # that requires grad
+                                 and not census.hooks):
                     raise
                 census = OpCensus(draw.adopt)
                 leaves = tuple(leaf.detach().requires_grad_() for leaf in copies)
