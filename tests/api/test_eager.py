@@ -124,6 +124,21 @@ def test_recording_leaves_nothing_behind_and_lives_with_the_graph() -> None:
     assert alive() is None  # and freed with it
 
 
+def test_an_eager_explanation_displays_as_its_report() -> None:
+    """A notebook cell showed the dataclass's fields, the whole Gramian among them, before
+    session 57; now its report, as a table in HTML."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    x, y = torch.randn(5, 3), torch.randint(0, 2, (5,))
+    with tg.autograd.record():
+        losses = F.cross_entropy(model(x), y, reduction="none")
+    report = tg.autograd.explain(losses, model.named_parameters(), batch_dim=0)
+    assert repr(report) == str(report) and "tensor(" not in repr(report)
+    assert str(report).splitlines()[1].split() == ["input", "shape", "way", "why"]
+    page = report._repr_html_()
+    assert page.count("<tr>") == 1 + len(report.inputs) and "0.weight" in page
+
+
 def test_next_recording_releases_the_previous_activations() -> None:
     model, x, y = mlp()
     with tg.autograd.record() as first:

@@ -10,11 +10,13 @@ from torch import Tensor
 
 from torchgram._api.autograd import prepare
 from torchgram._core import checks
+from torchgram._core.display import html_columns, html_lines, text_columns
 from torchgram._core.functional import outside_inference_mode
 from torchgram._core.result import RunReport
 from torchgram.backends.eager.record import paused
 
 _API = "torchgram.autograd.explain"
+_TITLES = ("input", "shape", "way", "why")
 
 
 @dataclass(frozen=True)
@@ -64,21 +66,27 @@ class EagerExplanation:
         """Nodes called once per row instead of vectorized (by name: failed ``vmap`` calls)."""
         return dict(self.ran.looped_nodes)
 
-    def __str__(self) -> str:
-        titles = ("input", "shape", "way", "why")
-        rows = [(item.name, "×".join(map(str, item.shape)) or "scalar", item.way, item.why)
+    def _rows(self) -> list[tuple[str, str, str, str]]:
+        return [(item.name, "×".join(map(str, item.shape)) or "scalar", item.way, item.why)
                 for item in self.inputs]
-        widths = [max(len(title), *(len(row[i]) for row in rows)) for i, title in
-                  enumerate(titles)]
-        lines = [f"{_API}: {self.samples} sample(s); {self.ran.way}",
-                 "  ".join(t.ljust(w) for t, w in zip(titles, widths, strict=True)).rstrip()]
-        lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
-                  for row in rows]
+
+    def _footer(self) -> list[str]:
+        lines = []
         if self.ran.looped_nodes:
             lines.append("nodes called once per row (vmap could not batch them): " + ", ".join(
                 f"{name} ({count}×)" for name, count in self.ran.looped_nodes.items()))
-        lines += [note for note in self.ran.notes if not note.startswith("inputs[")]
-        return "\n".join(lines)
+        return lines + [note for note in self.ran.notes if not note.startswith("inputs[")]
+
+    def __str__(self) -> str:
+        return "\n".join([f"{_API}: {self.samples} sample(s); {self.ran.way}",
+                          *text_columns(_TITLES, self._rows()), *self._footer()])
+
+    def __repr__(self) -> str:  # a notebook cell's plain display: the report, not the fields
+        return str(self)
+
+    def _repr_html_(self) -> str:
+        return (f"<div>{html_lines([f'{_API}: {self.samples} sample(s); {self.ran.way}'])}"
+                f"{html_columns(_TITLES, self._rows())}{html_lines(self._footer())}</div>")
 
 
 @outside_inference_mode  # NOTE [inference mode]

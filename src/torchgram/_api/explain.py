@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import html
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -20,6 +19,7 @@ import optree
 
 from torchgram._core import checks
 from torchgram._core.checks import function_name
+from torchgram._core.display import html_columns, html_lines, text_columns
 from torchgram._core.errors import BackendCannotRun, OutputChanged, output_changes_refused
 from torchgram._core.functional import outside_inference_mode
 from torchgram._core.options import Options
@@ -32,6 +32,8 @@ if TYPE_CHECKING:  # the backends are imported when a report is made (import sta
     from torchgram.backends.structured.cost import LeafPlan
 
 _API = "torchgram.explain"
+_TITLES = ("leaf", "shape", "way", "uses", "est. cost")
+"""The columns of an explanation's table, one row per leaf."""
 
 
 @dataclass(frozen=True)
@@ -141,27 +143,11 @@ class Explanation:
         return str(self)
 
     def _repr_html_(self) -> str:
-        def cell(text: str, tag: str = "td") -> str:
-            return f"<{tag} style='text-align:left'>{html.escape(text)}</{tag}>"
-
-        lines = self._header().split("\n")
-        header = "".join(f"<div>{html.escape(line)}</div>" for line in lines)
-        titles = ("leaf", "shape", "way", "uses", "est. cost")
-        table = "<tr>" + "".join(cell(t, "th") for t in titles) + "</tr>"
-        table += "".join("<tr>" + "".join(cell(c) for c in row) + "</tr>"
-                         for row in self._rows())
-        ran = "".join(f"<div>{html.escape(line)}</div>" for line in self._ran_lines())
-        return f"<div>{header}<table>{table}</table>{ran}</div>"
+        return (f"<div>{html_lines(self._header().split(chr(10)))}"
+                f"{html_columns(_TITLES, self._rows())}{html_lines(self._ran_lines())}</div>")
 
     def __str__(self) -> str:
-        titles = ("leaf", "shape", "way", "uses", "est. cost")
-        rows = self._rows()
-        widths = [max(len(title), *(len(row[i]) for row in rows)) if rows else len(title)
-                  for i, title in enumerate(titles)]
-        lines = [self._header(), "  ".join(t.ljust(w) for t, w in zip(titles, widths,
-                                                                      strict=True))]
-        lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
-                  for row in rows]
+        lines = [self._header(), *text_columns(_TITLES, self._rows())]
         if self.fallback:
             lines.append("fallback (per-row Jacobians from the backward): "
                          + ", ".join(self.fallback))

@@ -23,7 +23,6 @@ rows (NOTE [per-sample]); otherwise the side is one tile, over the budget, and
 
 from __future__ import annotations
 
-import html
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -36,6 +35,7 @@ from torch import Tensor
 from torchgram._core import _torch_compat, checks
 from torchgram._core.checks import fail, function_name
 from torchgram._core.cross import CrossProblem, PairSpec, mirror, row_shape
+from torchgram._core.display import key_values_html, key_values_text
 from torchgram._core.errors import NotPerSample, OutputChanged, output_changes_refused
 from torchgram._core.functional import outside_inference_mode
 from torchgram._core.options import Options
@@ -135,19 +135,10 @@ class KernelRun:
         return rows
 
     def __repr__(self) -> str:
-        rows = self._rows()
-        width = max(len(key) for key, _ in rows)
-        return "KernelRun\n" + "\n".join(f"  {key.ljust(width)}  {value}" for key, value in rows)
+        return key_values_text("KernelRun", self._rows())
 
     def _repr_html_(self) -> str:
-        return _html_table("KernelRun", self._rows())
-
-
-def _html_table(title: str, rows: Sequence[tuple[str, str]]) -> str:
-    body = "".join(f"<tr><th style='text-align:left'>{html.escape(k)}</th>"
-                   f"<td style='text-align:left'>{html.escape(v)}</td></tr>" for k, v in rows)
-    return f"<table><caption style='text-align:left'><b>{html.escape(title)}</b></caption>" \
-           f"{body}</table>"
+        return key_values_html("KernelRun", self._rows())
 
 
 class EmpiricalNTK:
@@ -191,12 +182,10 @@ class EmpiricalNTK:
                 ("progress", str(self.progress))]
 
     def __repr__(self) -> str:
-        rows = self._rows()
-        width = max(len(key) for key, _ in rows)
-        return "EmpiricalNTK\n" + "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
+        return key_values_text("EmpiricalNTK", self._rows())
 
     def _repr_html_(self) -> str:
-        return _html_table("EmpiricalNTK", self._rows())
+        return key_values_html("EmpiricalNTK", self._rows())
 
     # -- the call --------------------------------------------------------------------------
 

@@ -30,7 +30,6 @@ are asked for, in the kernel's dtype.
 
 from __future__ import annotations
 
-import html
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -39,6 +38,7 @@ import torch
 from torch import Tensor
 
 from torchgram._core.checks import fail
+from torchgram._core.display import key_values_html, key_values_text
 
 _API = "torchgram.ntk.gradient_descent_mse"
 
@@ -205,16 +205,10 @@ class GradientDescentMSE:
         return rows
 
     def __repr__(self) -> str:
-        rows = self._rows()
-        width = max(len(k) for k, _ in rows)
-        return "GradientDescentMSE\n" + "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
+        return key_values_text("GradientDescentMSE", self._rows())
 
     def _repr_html_(self) -> str:
-        body = "".join(f"<tr><th style='text-align:left'>{html.escape(k)}</th>"
-                       f"<td style='text-align:left'>{html.escape(v)}</td></tr>"
-                       for k, v in self._rows())
-        return ("<table><caption style='text-align:left'><b>GradientDescentMSE</b></caption>"
-                f"{body}</table>")
+        return key_values_html("GradientDescentMSE", self._rows())
 
     # -- predictions -----------------------------------------------------------------------
 
