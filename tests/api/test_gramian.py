@@ -313,6 +313,17 @@ def test_bad_output_is_reported_before_jacobian_work(monkeypatch: pytest.MonkeyP
 # -- nothing of the user's is changed ----------------------------------------------------------
 
 
+@pytest.mark.parametrize("backend", tg.backends.backend_names())
+def test_an_f_that_drops_samples_is_told_so(backend: str) -> None:
+    """Its probe (one sample) passes; the whole batch gives 3 rows for 4 samples. The error
+    said only that the output's structure changed from one evaluation to the next before
+    session 57."""
+    w, x = torch.randn(3, 2), torch.randn(4, 3)
+    with pytest.raises(ValueError, match="one entry per sample along batch_dim \\(the batch "
+                       "has 4 samples\\), but got 3 entries"):
+        tg.gramian(lambda w, x: (x @ w)[:3].sum(1), batch_dim=0, backend=backend)(w, x)
+
+
 def test_call_changes_no_tensor_module_flag_hook_or_buffer() -> None:
     model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
     model[2].weight.requires_grad_(False)

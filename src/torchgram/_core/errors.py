@@ -121,7 +121,16 @@ def self_differentiation_refused(api: str, backend: str, how: str) -> BackendCan
 
 
 class OutputChanged(RuntimeError):  # noqa: N818
-    """An evaluation of ``f`` did not return the output structure the call was planned for."""
+    """An evaluation of ``f`` did not return the output structure the call was planned for.
+
+    Attributes:
+        samples: Where only the output's size along its batch dimension differs: that size
+            and the batch's ``B`` (a per-sample ``f`` that drops or adds samples); else ``None``.
+    """
+
+    def __init__(self, message: str, samples: tuple[int, int] | None = None) -> None:
+        super().__init__(message)
+        self.samples = samples
 
 
 class UnseenWrite(OutputChanged):
@@ -158,6 +167,13 @@ def output_changed_refusal(api: str, error: OutputChanged) -> Exception:
         refusal = captured_write_refusal(api, CapturedWrite(error.write))
         assert refusal is not None
         return refusal
+    if error.samples is not None:
+        got, batch = error.samples
+        return ValueError(message(
+            api, f"f's output to have one entry per sample along batch_dim (the batch has "
+            f"{batch} samples)", f"{got} entries along it on the whole batch",
+            "Return one output row per sample (f must not drop, add or pool samples), or call "
+            "without batch_dim."))
     return RuntimeError(message(
         api, "f to return outputs of the same structure on every evaluation",
         "outputs whose shapes or dtypes change from one evaluation to the next",

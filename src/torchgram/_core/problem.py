@@ -138,7 +138,20 @@ class OutputSpec:
         if treespec != self.treespec or len(out_leaves) != len(shapes) or any(
                 not isinstance(leaf, Tensor) or leaf.shape != shape or leaf.dtype != dtype
                 for leaf, shape, dtype in zip(out_leaves, shapes, self.dtypes, strict=True)):
-            raise OutputChanged("f returned an output of another structure than its probe")
+            raise OutputChanged("f returned an output of another structure than its probe",
+                                None if per_sample else self._other_sample_count(out_leaves))
+
+    def _other_sample_count(self, out_leaves: list[Tensor]) -> tuple[int, int] | None:
+        """``(size, B)`` where the leaves differ from the spec only in their batch size."""
+        if self.batch_dims is None:
+            return None
+        for leaf, shape, dim in zip(out_leaves, self.shapes, self.batch_dims, strict=True):
+            if (isinstance(leaf, Tensor) and leaf.dim() == len(shape)
+                    and leaf.shape[dim] != shape[dim]
+                    and all(a == b for d, (a, b) in enumerate(zip(leaf.shape, shape, strict=True))
+                            if d != dim)):
+                return leaf.shape[dim], shape[dim]
+        return None
 
 
 @dataclass(frozen=True)
