@@ -218,18 +218,25 @@ class _WriteGuard(TorchFunctionMode):
     """Refuses, before it happens, a write into memory ``f`` captured or received.
 
     ``captured`` gives :func:`captured_memory`'s addresses (called at each write: a caller
-    that looks them up lazily memoises them); subclasses say how to refuse.
+    that looks them up lazily memoises them); subclasses say how to refuse. Every evaluation
+    of ``f`` runs under one, so it also hands ``on_generator`` each ``torch.Generator`` a call
+    is given, before the call draws from it (NOTE [explicit generators]).
     """
 
-    def __init__(self, captured: Callable[[], frozenset[int]]) -> None:
+    def __init__(self, captured: Callable[[], frozenset[int]],
+                 on_generator: Callable[[torch.Generator], None] | None = None) -> None:
         super().__init__()
         self._captured = captured
+        self._on_generator = on_generator
         self.wrote = False
         """Whether ``f`` wrote into any tensor (its own included)."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
+        generator = kwargs.get("generator")
+        if self._on_generator is not None and isinstance(generator, torch.Generator):
+            self._on_generator(generator)
         target = _written(func, args, kwargs)
         if target is not None:
             self.wrote = True
@@ -261,8 +268,9 @@ class CapturedWrites(_WriteGuard):
         torchgram._core.errors.CapturedWrite: add_
     """
 
-    def __init__(self, captured: frozenset[int]) -> None:
-        super().__init__(lambda: captured)
+    def __init__(self, captured: frozenset[int],
+                 on_generator: Callable[[torch.Generator], None] | None = None) -> None:
+        super().__init__(lambda: captured, on_generator)
 
     def _refuse(self, write: str) -> None:
         raise CapturedWrite(write)
@@ -300,8 +308,9 @@ class StaleWrites(_WriteGuard):
         torchgram._core.errors.UnseenWrite: f wrote into a tensor it captured or received ...
     """
 
-    def __init__(self, captured: Callable[[], frozenset[int]]) -> None:
-        super().__init__(captured)
+    def __init__(self, captured: Callable[[], frozenset[int]],
+                 on_generator: Callable[[torch.Generator], None] | None = None) -> None:
+        super().__init__(captured, on_generator)
         self.written: str | None = None
 
     def _refuse(self, write: str) -> None:

@@ -138,8 +138,9 @@ class ProbeCheck(StaleWrites):
 
     def __init__(self, unbatched: Collection[str], sparse_embeddings: bool,
                  differentiates: str | None = None, decomposed: Collection[str] = (),
-                 captured: Callable[[], frozenset[int]] = frozenset) -> None:
-        super().__init__(captured)
+                 captured: Callable[[], frozenset[int]] = frozenset,
+                 on_generator: Callable[[torch.Generator], None] | None = None) -> None:
+        super().__init__(captured, on_generator)
         self._unbatched = unbatched
         self._sparse_embeddings = sparse_embeddings
         self._differentiates = differentiates
@@ -234,15 +235,10 @@ class OpCensus(TorchFunctionMode):
             [f that differentiates itself]).
         decomposed: Calls that torchgram's later evaluations of ``f`` run decomposed (NOTE
             [prelu as where]) or watched (``watched_calls``).
-
-    Args:
-        on_generator: Called with each ``torch.Generator`` a call is given (``generator=``)
-            before the call draws from it (NOTE [explicit generators]).
     """
 
-    def __init__(self, on_generator: Callable[[torch.Generator], None] | None = None) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self._on_generator = on_generator
         self.coupling: list[str] = []
         self.unbatched: list[str] = []
         self.hooks = 0
@@ -255,9 +251,6 @@ class OpCensus(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in GRADIENT_HOOKS:
             self.hooks += 1
-        generator = kwargs.get("generator")
-        if self._on_generator is not None and isinstance(generator, torch.Generator):
-            self._on_generator(generator)  # NOTE [explicit generators], before it draws
         if self.differentiates is None:
             self.differentiates = _torch_compat.self_differentiation(func)
         rewritten = with_dense_gradients(func, args, kwargs)

@@ -214,10 +214,10 @@ class Draw:
     def adopt(self, generator: torch.Generator) -> None:
         """Handle ``generator`` (one ``f`` draws from explicitly) like the default ones.
 
-        Called by the probe's census before ``f``'s first draw from it (NOTE [explicit
+        Called by every evaluation's write guard before ``f`` draws from it (NOTE [explicit
         generators]): its state then is the call's start.
         """
-        if id(generator) not in self._explicit:
+        if id(generator) not in self._explicit and not _is_default(generator):
             self._explicit[id(generator)] = ExplicitGenerator(generator, generator.get_state())
 
     @property
@@ -316,6 +316,14 @@ class Draw:
         with RNG_LOCK:
             (self.end or self.start).restore()
             self._restore_explicit(end=True)
+
+
+def _is_default(generator: torch.Generator) -> bool:
+    """Whether ``generator`` is a default one (``RngState`` restores those already)."""
+    if generator is torch.default_generator:
+        return True
+    module = getattr(torch, generator.device.type, None)
+    return generator in tuple(getattr(module, "default_generators", ()))
 
 
 @dataclass
@@ -547,9 +555,9 @@ class Problem:
         ``f``'s own).
         """
         if not self.probe_cached or not torch.is_grad_enabled():
-            return StaleWrites(self._protected())
+            return StaleWrites(self._protected(), self.draw.adopt)
         return ProbeCheck(self.unbatched, self.sparse_embeddings, self.differentiates,
-                          self.decomposed, self._protected())
+                          self.decomposed, self._protected(), self.draw.adopt)
 
     def rows(self, leaves: tuple[Tensor, ...]) -> tuple[Tensor, Any]:
         """Evaluate ``f`` on the full inputs; return its output as an ``[m]`` vector and aux."""
@@ -930,7 +938,7 @@ def _evaluate_probe(api: str, f: Callable[..., Any], args: tuple[Any, ...],
     copies = tuple(leaf.clone() for leaf in diff.leaves)  # f may write into its parameters
     versions = [_torch_compat.version(leaf) for leaf in copies]
     leaves = tuple(leaf.requires_grad_() for leaf in copies) if with_grad else copies
-    census = OpCensus(draw.adopt)
+    census = OpCensus()
     unseen: list[UnseenCalls] = []  # one per evaluation attempt (NOTE [unseen calls])
 
     def look() -> UnseenCalls:
@@ -940,7 +948,7 @@ def _evaluate_probe(api: str, f: Callable[..., Any], args: tuple[Any, ...],
     def evaluate(values: tuple[Tensor, ...]) -> Any:
         return f(*diff.rebuild_args(args, values), **kwargs)
 
-    writes = CapturedWrites(captured_memory(f, (args, dict(kwargs)), own=leaves))
+    writes = CapturedWrites(captured_memory(f, (args, dict(kwargs)), own=leaves), draw.adopt)
 
     def evaluate_probe() -> Any:  # the next evaluation starts from the call's state
         return evaluate_f(evaluate, leaves,
@@ -958,7 +966,7 @@ def _evaluate_probe(api: str, f: Callable[..., Any], args: tuple[Any, ...],
                 if with_grad or (census.differentiates is None  # that requires grad
                                  and not census.hooks):
                     raise
-                census = OpCensus(draw.adopt)
+                census = OpCensus()
                 leaves = tuple(leaf.detach().requires_grad_() for leaf in copies)
                 with torch.enable_grad():
                     result = evaluate_probe()

@@ -15,14 +15,18 @@ so are the generators ``f`` draws from explicitly (NOTE [explicit generators]).
 ``f`` may draw from a ``torch.Generator`` of its own (``torch.bernoulli(p, generator=gen)``,
 the generator captured or passed in). Each evaluation advanced it, so the Gramian mixed the
 masks of several evaluations (0.76 to 3.4 off, relative, on every backend but the graph walk,
-before session 57). Every call's probe runs under the census (``_core/census.py``), which
-hands each generator a call is given (``generator=``) to the call's ``Draw`` before the call
-draws from it: its state then is the call's start. From there on it is handled like the
-default generators: every evaluation starts from that state, the call ends where one plain
-call leaves it, and ``f`` counts as drawing (the backends that run ``f`` under ``torch.func``
-transforms decline, as for dropout). A probe that saw such a draw is not reused: each call
-probes afresh, so that it sees the generators of that call. Not seen: a generator ``f`` first
-draws from on a later call of a signature whose cached probe saw none.
+before session 57). Every evaluation of ``f`` runs under a write guard (``_WriteGuard`` in
+``captured_writes.py``: the probe's, or the later evaluations' stale-write check), which hands
+each generator a call is given (``generator=``) to the call's ``Draw`` before the call draws
+from it: the first time, its state then is the call's start (no evaluation of the call drew
+from it before, or it would have been handed over then). From there on it is handled like
+the default generators: every evaluation starts from that state, the call ends where one
+plain call leaves it, and ``f`` counts as drawing (the backends that run ``f`` under
+``torch.func`` transforms decline, as for dropout). The default generators named explicitly
+(``generator=torch.default_generator``) are left to ``RngState``, which restores them from
+the call's start (adopting one at its first explicit use, after a dropout's draw, broke that:
+1.02 off, a review's find). A probe that saw such a draw is not reused, and a generator first
+drawn from under a cached probe (an eval-mode call first) is handed over all the same.
 """
 
 from __future__ import annotations
