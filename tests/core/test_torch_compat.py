@@ -256,8 +256,8 @@ class _Scaled(torch.autograd.Function):
         return grad * 2, None, None
 
 
-@pytest.mark.parametrize("values", [(0.0, 0.5), (None, 1.0), ([0.5], [1.5]), ("a", "b")],
-                         ids=["float", "none", "list", "str"])
+@pytest.mark.parametrize("values", [(0.0, 0.5), (None, 1.0), ([0.0], [1.5]), ("a", "b"),
+                                    (1.0, -1.0)], ids=["float", "none", "list", "str", "sign"])
 def test_routing_values_hold_a_custom_functions_plain_ctx_values(values: tuple[Any, Any]) -> None:
     """A custom backward is Python: it may branch on any number it kept (session 57)."""
     h = torch.randn(4, 3, requires_grad=True)
@@ -271,6 +271,15 @@ def test_routing_values_hold_a_custom_functions_saved_numbers() -> None:
     first, second = (compat.routing_values(compat.graph_nodes(
         _Scaled.apply(h, 1, torch.tensor(value)))) for value in (0.0, 0.7))
     assert first != second
+
+
+def test_a_step_size_that_moves_keeps_the_digest() -> None:
+    """NOTE [branches on numbers]: a quantiser's learned step (saved, or kept on ctx) moves
+    every step; by its exact value every call missed the caches (4.7x slower)."""
+    h = torch.randn(4, 3, requires_grad=True)
+    digests = {compat.routing_values(compat.graph_nodes(_Scaled.apply(h, step, torch.tensor(
+        step)))) for step in (0.1, 0.11, 0.3)}
+    assert len(digests) == 1
 
 
 SLICED = {  # the same nodes and shapes, other integers

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import re
 import sys
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
@@ -424,7 +425,8 @@ def routing_values(nodes: Iterable[Node], samples: int | None = None) -> tuple[H
     a row (a loss's target, a dropout or ``where`` mask, an embedding's token ids, pooling
     indices) are left out, so that their values, new every batch, do not defeat the
     caches; a custom Function's saved integer (and 0-dim) tensors count, and so do the
-    index tensors and plain values (numbers, ``None``, strings) its forward kept on ``ctx``.
+    index tensors and plain values (numbers, ``None``, strings) its forward kept on ``ctx``
+    (floats by their sign and zero: NOTE [branches on numbers]).
     So do the integers a node saved that are not tensors (a slice's ``start`` and ``end``,
     a ``select``'s index, ``roll``'s shifts): ``torch.cat([h[:1], h[2:3], h[1:2], h[3:]])``
     behind a Python switch exchanges samples 1 and 2 with the same nodes and shapes (0.43
@@ -477,8 +479,11 @@ def routing_values(nodes: Iterable[Node], samples: int | None = None) -> tuple[H
                 continue
             values = value if isinstance(value, list | tuple) else (value,)
             digest.extend((ordinal, name, position, _index_digest(tensor))
-                          for position, tensor in enumerate(values)
-                          if _holds_indices(tensor) or (custom and _is_scalar(tensor)))
+                          for position, tensor in enumerate(values) if _holds_indices(tensor))
+            if custom:  # NOTE [branches on numbers]
+                digest.extend((ordinal, name, position, _coarse(tensor.item()))
+                              for position, tensor in enumerate(values)
+                              if _is_scalar(tensor) and not _holds_indices(tensor))
     return tuple(digest)
 
 
@@ -527,12 +532,32 @@ def _index_digest(tensor: Tensor) -> tuple[Any, ...]:
     return held.dtype, tuple(tensor.shape), content.digest()
 
 
+# NOTE [branches on numbers]
+# A custom Function's backward is Python and may branch on any number its forward kept: ``if
+# ctx.coef == 0.0: return g`` (else mix the samples) was walked on later calls with the first
+# call's sample layout, 0.21 off, before session 57, whose digest held a ctx's ints and strings
+# only (a helper's hunt; likewise a saved 0-dim tensor, ``None`` or a list). Those values count
+# now; a float (on ctx, or a saved 0-dim float tensor) only by its sign, zero, NaN and infinity
+# (_coarse): a learned step size or scale that a quantiser's Function saves moves every step,
+# and its exact value in the digest made every call miss the caches (4.7x slower, a review's
+# measurement), while the branches such code takes are at zero, or on a sign. A branch at
+# another threshold (``if ctx.scale > 0.5``) is not seen.
+
+
+def _coarse(number: float) -> tuple[bool, bool, bool, bool]:
+    """Where a float stands for a branch: ``(negative, zero, NaN, infinite)``.
+
+    Example:
+        >>> _coarse(0.7) == _coarse(3.0), _coarse(0.0) == _coarse(0.7), _coarse(-1.0)
+        (True, False, (True, False, False, False))
+    """
+    return number < 0, number == 0, math.isnan(number), math.isinf(number)
+
+
 def _ctx_values(ordinal: int, node: Node) -> list[Hashable]:
     """A custom Function's ``ctx`` attributes that may route: index tensors, plain values.
 
-    Its backward is Python and may branch on any of them: on a float or ``None`` too
-    (``if ctx.coef == 0.0: return g`` else mix the samples; 0.21 off on the graph walk's
-    later calls before session 57, whose digest held ints and strings only).
+    NOTE [branches on numbers]: floats by :func:`_coarse`.
     """
     found: list[Hashable] = []
     for name, value in sorted(vars(node).items()):
@@ -551,9 +576,11 @@ def _plain_value(value: Any) -> Any:
     """``value`` as a hashable plain value (lists as tuples), or ``_NOT_PLAIN``.
 
     Example:
-        >>> _plain_value([1, (0.5, None)]), _plain_value(torch.zeros(1)) is _NOT_PLAIN
-        ((1, (0.5, None)), True)
+        >>> _plain_value([1, (-0.5, None)]), _plain_value(torch.zeros(1)) is _NOT_PLAIN
+        ((1, ((True, False, False, False), None)), True)
     """
+    if isinstance(value, float):
+        return _coarse(value)
     if isinstance(value, _PLAIN_TYPES):
         return value
     if isinstance(value, list | tuple):
