@@ -135,7 +135,16 @@ def _local(rank: int) -> dict[str, Any]:
     case, local = _mlp(rank)
     got = tg.distributed.gramian(case.f, batch_dim=0, cross_rank="local")(case.params, *local)
     own = tg.gramian(case.f, batch_dim=0)(case.params, *local)
-    return {"shape": tuple(got.shape), "own": float((got - own).abs().max())}
+    # NOTE [local steps fail together]: a rank without samples adds a zero update
+    mine = local if rank == 0 else tuple(t[:0] for t in local)
+    update, info = tg.distributed.aggregated_grad(
+        case.f, tg.weighting.mean, batch_dim=0, cross_rank="local")(case.params, *mine)
+    first, _ = tg.aggregated_grad(case.f, tg.weighting.mean, batch_dim=0)(case.params, *mine) \
+        if rank == 0 else (update, None)
+    return {"shape": tuple(got.shape), "own": float((got - own).abs().max()),
+            "empty rank": digest(update), "empty shape": tuple(info.gramian.shape),
+            "half of rank 0's": max(float((update[k] - first[k] / 2).abs().max())
+                                    for k in update) if rank == 0 else 0.0}
 
 
 def _no_graph(rank: int) -> dict[str, Any]:
@@ -228,6 +237,8 @@ def _errors(rank: int) -> dict[str, tuple[str, str]]:
 
     out["outputs differ"] = _error(lambda: tg.distributed.gramian(per_rank_width, batch_dim=0)(
         case.params, *local))
+    out["local step, one rank fails"] = _error(lambda: tg.distributed.aggregated_grad(
+        failing, tg.weighting.mean, batch_dim=0, cross_rank="local")(case.params, *local))
     out["weighting fails"] = _error(lambda: tg.distributed.aggregated_grad(
         case.f, lambda G: G.sum(0)[:1], batch_dim=0)(case.params, *local))
     out["no samples anywhere"] = _error(lambda: tg.distributed.gramian(case.f, batch_dim=0)(
@@ -344,6 +355,8 @@ def test_local_gramian_is_each_rank_own(results: Results) -> None:
     first, second = outcome(results, "local")
     assert first["shape"] == (3, 3) and second["shape"] == (2, 2)
     assert first["own"] < TOL and second["own"] < TOL
+    assert first["empty rank"] == second["empty rank"] and second["empty shape"] == (0, 0)
+    assert first["half of rank 0's"] < TOL
 
 
 def test_no_gradient_flows_through_the_exchange(results: Results) -> None:
@@ -366,6 +379,7 @@ def test_random_f_gives_each_rank_block_of_its_own_draw(
 @pytest.mark.parametrize(("check", "error", "text"), [
     ("coupled", "ValueError", "batch_norm in training mode"),
     ("one rank fails", "ValueError", "no data on this rank's disk"),
+    ("local step, one rank fails", "ValueError", "no data on this rank's disk"),
     ("collective in f", "RuntimeError", "collective"),
     ("outputs differ", "ValueError", "outputs of one structure"),
     ("weighting fails", "TypeError", "weighting"),

@@ -71,7 +71,7 @@ def simulate_calls(f: Any, calls: list[tuple[tuple[Any, ...], dict[str, Any]]], 
             torch.manual_seed(seeds[rank])
         locals_.append(local_phase(validated, f, args, kwargs))
     summaries = [local.summary for local in locals_]
-    raise_any_error("test", summaries, 0, locals_[0].error)
+    raise_any_error("test", [summary.error for summary in summaries], 0, locals_[0].error)
     agreement = agree("test", summaries, force_jacobian=force_jacobian)
     leaves = next(local.diff.leaves for local in locals_ if local.diff is not None)
     n = agreement.rows * agreement.total
@@ -193,11 +193,11 @@ def test_any_error_is_raised_on_every_rank() -> None:
     failed = RankSummary(("ValueError", "boom"), "empty")
     fine = _summary("samples", 2, ())
     with pytest.raises(ValueError, match="rank 1 of the group failed.*boom"):
-        raise_any_error("api", [fine, failed], 0, None)
+        raise_any_error("api", [fine.error, failed.error], 0, None)
     own = KeyError("mine")
     with pytest.raises(KeyError, match="mine"):
-        raise_any_error("api", [fine, failed], 1, own)
-    raise_any_error("api", [fine, fine], 0, None)
+        raise_any_error("api", [fine.error, failed.error], 1, own)
+    raise_any_error("api", [fine.error, fine.error], 0, None)
 
 
 def test_configuration_errors_at_build_time() -> None:

@@ -31,6 +31,7 @@ everywhere — a pure function of the gathered summaries, so no rank can take an
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -176,18 +177,32 @@ class Agreement:
         return sum(self.sizes[:rank]) if self.mode == "samples" else rank
 
 
-def raise_any_error(api: str, summaries: list[RankSummary], rank: int,
+def raise_any_error(api: str, errors: Sequence[tuple[str, str] | None], rank: int,
                     own: BaseException | None) -> None:
-    """Raise the first failing rank's error on every rank (its own exception where it failed)."""
-    for source, summary in enumerate(summaries):
-        if summary.error is None:
+    """Raise the first failing rank's error on every rank (its own exception where it failed).
+
+    ``errors``: every rank's error (its type's name and text) or ``None``, as gathered.
+    """
+    for source, described in enumerate(errors):
+        if described is None:
             continue
         if own is not None:
             raise own
-        name, text = summary.error
+        name, text = described
         error = _ERRORS.get(name, RuntimeError)
         raise error(f"{api}: rank {source} of the group failed, and so every rank stops "
                     f"(rank {rank} here): {name}: {text}")
+
+
+def fail_together(api: str, group: Any, own: BaseException | None) -> None:
+    """Share each rank's outcome (one ``all_gather_object``); raise the first failure on all.
+
+    ``group``: the :class:`~torchgram.distributed._group.Group`; ``own``: this rank's error,
+    or ``None``. Called before a collective that a failed rank would never enter (NOTE [local
+    steps fail together] in ``_api.py``).
+    """
+    errors = group.all_gather_object(None if own is None else (type(own).__name__, str(own)))
+    raise_any_error(api, errors, group.rank, own)
 
 
 def agree(api: str, summaries: list[RankSummary], *, force_jacobian: bool) -> Agreement:

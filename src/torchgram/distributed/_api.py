@@ -14,12 +14,15 @@ from torchgram._api.pipeline import Computation, compute, compute_then
 from torchgram._api.step_times import StepTimes, Stopwatch
 from torchgram._api.weights import call_weighting, check_weighting
 from torchgram._core import _torch_compat, checks
+from torchgram._core.checks import resolve_argnums
 from torchgram._core.errors import output_changes_refused
 from torchgram._core.functional import outside_inference_mode
 from torchgram._core.options import Options
-from torchgram._core.pytree import DiffLeaves, leaves_of
+from torchgram._core.problem import make_batch_spec
+from torchgram._core.pytree import DiffLeaves, leaves_of, select_diff_leaves
 from torchgram._core.sink import shape_block
 from torchgram.backends.structured.payloads import payload_pullback
+from torchgram.distributed._agreement import fail_together
 from torchgram.distributed._data_parallel import Result, run
 from torchgram.distributed._group import Group, GroupLike, check_group, resolve_group
 from torchgram.distributed._report import Exchange, LeafExchange
@@ -417,19 +420,50 @@ def _local_step(options: Options, f: Callable[..., Any],
         grads = computation.pullback(weights)
         return computation, weights, grads, computation.output(), gramian_time, weighting_time
 
-    computation, weights, grads, output, gramian_time, weighting_time = compute_then(
-        options, f, args, kwargs, step, want_pullback=True)
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    flat = group.all_reduce(flat) / group.size
-    leaves = computation.problem.leaves
-    grads = tuple(piece.reshape(leaf.shape).to(leaf.dtype) for piece, leaf in
-                  zip(flat.split([leaf.numel() for leaf in leaves]), leaves, strict=True))
+    error: BaseException | None = None  # NOTE [local steps fail together]
+    computation: Computation | None = None
+    try:
+        diff = select_diff_leaves(args, resolve_argnums(options.api, options.argnums, len(args)))
+        grads: tuple[Tensor, ...] = tuple(torch.zeros_like(leaf) for leaf in diff.leaves)
+        if not _holds_no_sample(options, args, kwargs):
+            computation, weights, grads, output, gramian_time, weighting_time = compute_then(
+                options, f, args, kwargs, step, want_pullback=True)
+            diff = computation.problem.diff
+    except Exception as caught:  # noqa: BLE001 -- shared with every rank below
+        error = caught
+    fail_together(options.api, group, error)
+    flat = group.all_reduce(torch.cat([g.reshape(-1) for g in grads])) / group.size
+    pieces = flat.split([leaf.numel() for leaf in diff.leaves])
+    update = diff.unflatten_like_args(
+        [piece.reshape(leaf.shape).to(leaf.dtype) for piece, leaf in
+         zip(pieces, diff.leaves, strict=True)], as_tuple=not options.single_argnum)
+    if computation is None:  # no sample here: a zero update in the average
+        return update, Aggregation(flat.new_zeros(0, 0), flat.new_zeros(0), None, None,
+                                   StepTimes(0.0, 0.0, watch.lap()), _local_report(group))
     times = StepTimes(gramian_time, weighting_time, watch.lap())
-    problem = computation.problem
-    update = problem.diff.unflatten_like_args(list(grads), as_tuple=not options.single_argnum)
-    shaped = shape_block(problem, weights, diagonal=True)
+    shaped = shape_block(computation.problem, weights, diagonal=True)
     return update, Aggregation(computation.value(), shaped, output,
                                computation.aux, times, _local_report(group))
+
+
+# NOTE [local steps fail together]
+# cross_rank="local" computes each rank's step without communication, then averages the
+# updates with one all_reduce. A rank whose step raised (f failing there, a weighting refusing
+# its block) left the others blocked in that all_reduce until the process group's timeout (30
+# minutes by default; a helper's hunt, session 57). The ranks now gather each one's outcome
+# first and every rank raises the first failing rank's error (its own where it failed), as
+# the exact mode does at its agreement. A rank holding no sample contributes a zero update
+# to the average (as DDP averages over every rank), with an empty Gramian and weights and no
+# output; before, it raised "expected a non-empty batch" (and the others hung).
+
+
+def _holds_no_sample(options: Options, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
+    """Whether this rank's batch has no sample (``batch_dim`` given, size 0)."""
+    if options.batch_dim is None:
+        return False
+    argnums = resolve_argnums(options.api, options.argnums, len(args))
+    return make_batch_spec(options.api, args, argnums, options.batch_dim, options.in_dims,
+                           kwargs, allow_empty=True).size == 0
 
 
 def _tp_step(options: Options, f: Callable[..., Any], weighting: Callable[[Tensor], Tensor],

@@ -160,7 +160,7 @@ def eager_gramian(api: str, outputs: list[Tensor], inputs: EagerInputs, group: G
         local.summary = RankSummary(error=(type(local.error).__name__, str(local.error)),
                                     mode="empty")
     summaries = group.all_gather_object(local.summary)
-    raise_any_error(api, summaries, group.rank, local.error)
+    raise_any_error(api, [summary.error for summary in summaries], group.rank, local.error)
     agreement = agree(api, summaries, force_jacobian=True)
     return _exchange_and_reduce(options, local, agreement, summaries, group)
 

@@ -24,6 +24,7 @@ from torchgram._core import checks
 from torchgram._core.functional import outside_inference_mode
 from torchgram._core.sink import LeafBlocks
 from torchgram.backends.graph.gramian import graph_gramian
+from torchgram.distributed._agreement import fail_together
 from torchgram.distributed._api import broadcast_weights, detached, refuse_transforms
 from torchgram.distributed._eager import (
     EagerInputs,
@@ -161,9 +162,14 @@ def backward(
         watch = Stopwatch(device)
         resolved = resolve(_BACKWARD, resolved_inputs, group)
         if cross_rank == "local":
-            matrix = _local_gramian(output_list, resolved_inputs, chunk_size)
-            gramian_time = watch.lap()
-            weights = call_weighting(_BACKWARD, weighting, matrix)
+            error: BaseException | None = None  # NOTE [local steps fail together]
+            try:
+                matrix = _local_gramian(output_list, resolved_inputs, chunk_size)
+                gramian_time = watch.lap()
+                weights = call_weighting(_BACKWARD, weighting, matrix)
+            except Exception as caught:  # noqa: BLE001 -- shared with every rank
+                error = caught
+            fail_together(_BACKWARD, resolved, error)
             mine, scale = weights, 1.0 / resolved.size
         else:
             result = eager_gramian(_BACKWARD, output_list, resolved_inputs, resolved, chunk_size)
