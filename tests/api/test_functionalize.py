@@ -250,3 +250,25 @@ def test_a_hook_based_norm_keeps_its_weight_attribute(norm: str) -> None:
                                    atol=1e-12)
         assert layer.weight is before
     layer.weight.sum()  # usable: a plain tensor of the caller's
+
+
+def test_tensors_a_forward_hook_keeps_in_a_container_are_put_back() -> None:
+    """NOTE [tensors hooks set], for a hook keeping ``{"out": out}`` or ``(out,)`` (the
+    module held escaped vmap tensors after a jacobian Gramian before; a review's find)."""
+    torch.manual_seed(0)
+    layer = nn.Linear(3, 2).double()
+    layer.stats, layer.saved = {"out": None}, ()
+
+    def keep(module: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
+        module.stats = {"out": out}
+        module.saved = (out,)
+
+    layer.register_forward_hook(keep)
+    layer(torch.randn(4, 3, dtype=torch.float64))
+    stats, saved = layer.stats, layer.saved
+    fn, params = tg.functionalize(layer)
+    for backend in ["jacobian", "structured", "graph"]:
+        tg.gramian(lambda p, x: fn(p, x).sum(1), backend=backend, batch_dim=0)(
+            params, torch.randn(5, 3, dtype=torch.float64))
+        assert layer.stats is stats and layer.saved is saved
+    layer.stats["out"].sum()  # the caller's tensor, usable

@@ -230,19 +230,32 @@ class _Slots:
 # parameters, before each forward. After a Gramian, such a module held a tensor of
 # torchgram's transforms (a vmap BatchedTensor: "tensor may have escaped" on its next use,
 # deepcopy and torch.save failing), computed from the call's parameters (session 57). The
-# tensor attributes of modules with forward hooks are put back as they were after each call,
+# attributes of modules with forward hooks that hold tensors (or lists, tuples or dicts of
+# them) are put back as they were after each call,
 # so that the module is as the caller left it (a plain forward of it sets them afresh).
 
 
 def _put_back_tensors(attributes: dict[str, Any], before: dict[str, Any]) -> None:
-    """Undo the changes of ``attributes``' tensor entries since ``before`` (a copy of it)."""
+    """Undo the changes of ``attributes``' entries holding tensors since ``before`` (a copy).
+
+    An entry holds tensors when it is one or a list, tuple or dict with one among its values
+    (``module.stats = {"out": out}`` in a hook, a review's find).
+    """
     for name, value in list(attributes.items()):
         old = before.get(name, _ABSENT)
-        if value is not old and (isinstance(value, Tensor) or isinstance(old, Tensor)):
+        if value is not old and (_holds_tensors(value) or _holds_tensors(old)):
             if old is _ABSENT:
                 del attributes[name]
             else:
                 attributes[name] = old
+
+
+def _holds_tensors(value: Any) -> bool:
+    if isinstance(value, Tensor):
+        return True
+    items = value.values() if isinstance(value, dict) else value
+    return isinstance(value, list | tuple | dict) and any(isinstance(item, Tensor)
+                                                          for item in items)
 
 
 _ABSENT = object()

@@ -55,7 +55,8 @@ class BackendCannotRun(NotImplementedError):  # noqa: N818 -- reads as a stateme
         expected: What the backend needs.
         got: What it met instead.
         alternatives: Backends (or options) that can, in order of preference.
-        fix: What the user can do, in a sentence (``alternatives`` are named before it).
+        fix: What the user can do, in a sentence (``alternatives`` are named before it);
+            kept as ``fix``.
 
     Example:
         >>> error = BackendCannotRun("torchgram.gramian", "ntvp", "forward-mode AD",
@@ -72,6 +73,7 @@ class BackendCannotRun(NotImplementedError):  # noqa: N818 -- reads as a stateme
         self.backend = backend
         self.alternatives = tuple(alternatives)
         self.reason = got
+        self.fix = fix
         use = " or ".join(f"backend={name!r}" for name in self.alternatives)
         advice = (f"Use {use}. " if use else "") + fix
         super().__init__(message(api, f"{expected} (backend={backend!r})", got, advice))

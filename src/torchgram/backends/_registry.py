@@ -110,13 +110,16 @@ def first_that_runs(order: Sequence[str], run: Callable[[str], Result],
     the result's ``report.attempts``; the last name's inability reaches the caller.
     """
     attempts = [] if attempts is None else attempts
+    fixes: list[str] = []
     for name in order:
         try:
             result = run(name)
         except BackendCannotRun as error:
             attempts.append((name, error.reason))
+            if error.fix and error.fix not in fixes:
+                fixes.append(error.fix)
             if name == order[-1]:
-                if (exhausted := _every_one_declined(error, attempts)) is not None:
+                if (exhausted := _every_one_declined(error, attempts, fixes)) is not None:
                     raise exhausted from error
                 raise
             continue
@@ -125,8 +128,8 @@ def first_that_runs(order: Sequence[str], run: Callable[[str], Result],
     raise AssertionError("unreachable: the last candidate either returns or raises")
 
 
-def _every_one_declined(last: BackendCannotRun,
-                        attempts: list[tuple[str, str]]) -> BackendCannotRun | None:
+def _every_one_declined(last: BackendCannotRun, attempts: list[tuple[str, str]],
+                        fixes: list[str]) -> BackendCannotRun | None:
     """The error for candidates that all declined, where the last one's advice is among them.
 
     NOTE [declared inability]: each backend's refusal names the backends that can; when
@@ -143,5 +146,5 @@ def _every_one_declined(last: BackendCannotRun,
         last.api, "auto", "f that one of its candidates can run",
         f"a refusal from each of them ({reasons})",
         tuple(name for name in last.alternatives if name not in tried),
-        "No backend can compute this exactly as called: see each refusal's reason (each "
-        "backend chosen explicitly says what it needs).")
+        " ".join(["No backend can compute this exactly as called: see each refusal's reason "
+                  "(each backend chosen explicitly says what it needs).", *fixes]))
