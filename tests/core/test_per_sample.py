@@ -176,3 +176,23 @@ def test_a_leaf_whose_products_are_round_off_is_no_coupling(backend: str) -> Non
                                      backend=backend)(x1, x2, params)
     expected = dense_cross_kernel(lambda p, x: _round_off_leaf(p, x)[:, None], params, x1, x2)
     torch.testing.assert_close(kernel, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_a_float32_model_with_float64_losses_keeps_the_per_sample_way() -> None:
+    """Samples alone against the batch at the tolerance of the least precise of the output,
+    parameters and inputs: at float64's, a float32 model's round-off read as samples that
+    interact (the single-process call fell back to the whole batch's rows; the data-parallel
+    one refused; a helper's hunt, session 57)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    fn, params = tg.functionalize(model)
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+
+    def f(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(fn(p, x).double(), y, reduction="none")
+
+    explanation = tg.explain(f, batch_dim=0, run=True)(params, x, y)
+    assert explanation.ran is not None and explanation.ran.way == "batched"
+    assert tg.check_independence(f, batch_dim=0)(params, x, y).independent
+    wanted = dense_gramian(f, (params, x, y)).gramian
+    torch.testing.assert_close(explanation.gramian, wanted, rtol=1e-5, atol=1e-7)

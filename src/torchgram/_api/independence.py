@@ -24,7 +24,7 @@ from torchgram._core.checks import fail, function_name
 from torchgram._core.errors import OutputChanged, output_changes_refused
 from torchgram._core.functional import outside_inference_mode
 from torchgram._core.options import Options
-from torchgram._core.per_sample import tolerance
+from torchgram._core.per_sample import working_tolerance
 from torchgram._core.problem import (
     Problem,
     build_problem,
@@ -143,7 +143,7 @@ def check_independence(
             reference = _rows(problem, batch.tensors)
         index = problem.sample_major_index  # [B, K] output rows of each sample
         scale = reference.abs().max()
-        rtol = 10 * tolerance(problem.output.dtype)
+        rtol = 10 * working_tolerance(problem)
         interactions = []
         generator = torch.Generator().manual_seed(0)
         for b in chosen:

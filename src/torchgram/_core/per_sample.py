@@ -76,6 +76,20 @@ def tolerance(dtype: torch.dtype) -> float:
     return 1e-9 if bits > 32 else 1e-5 if bits == 32 else 1e-4  # 16 bits: as before
 
 
+def working_tolerance(problem: Problem) -> float:
+    """:func:`tolerance` of the least precise of ``f``'s output, parameters and batched inputs.
+
+    A float64 output of a float32 model (``cross_entropy(logits.double(), y)``) carries the
+    model's float32 round-off: compared at float64's tolerance, a sample alone differed from
+    the batch by float32 round-off and the samples were said to interact (the data-parallel
+    Gramian refused; a helper's hunt, session 57).
+    """
+    dtypes = [problem.output.dtype, *(leaf.dtype for leaf in problem.leaves)]
+    if problem.batch is not None:
+        dtypes += [t.dtype for t in problem.batch.tensors if t.is_floating_point()]
+    return max(tolerance(dtype) for dtype in dtypes if dtype.is_floating_point)
+
+
 def batch_rows(problem: Problem, *, eager: bool = False) -> tuple[Tensor, Any]:
     """``f``'s output rows ``[m]`` on the whole batch (output order) and aux.
 
@@ -321,7 +335,7 @@ def compare_pullbacks(problem: Problem, weights: Tensor,
             for k, grad in enumerate(pullback(rows, part_weights)):
                 scale[k] = torch.maximum(scale[k], _largest(grad))
                 difference[k] = difference[k] - grad
-        rtol = tolerance(problem.output.dtype)
+        rtol = working_tolerance(problem)
         overall = max((float(largest) for largest in scale), default=0.0)
         return all(bool((gap.detach().abs() <= rtol * largest + _round_off(gap, overall)).all())
                    for gap, largest in zip(difference, scale, strict=True))
@@ -468,7 +482,7 @@ def check_samples(problem: Problem, sample_rows: Tensor, samples: Tensor,
     full = full_rows.detach()
     expected = full[problem.sample_major_index[samples]]
     actual = sample_rows.detach().reshape(expected.shape).to(expected.dtype)
-    rtol = tolerance(problem.output.dtype)
+    rtol = working_tolerance(problem)
     bound = expected.abs().add_(_largest(full)).mul_(rtol)  # rtol (scale + |e|)
     if not bool((actual - expected).abs_().le(bound).all()):  # NaN: never within
         worst = int(((actual - expected).abs().amax(dim=1)).argmax())

@@ -139,11 +139,12 @@ class OutputSpec:
                 not isinstance(leaf, Tensor) or leaf.shape != shape or leaf.dtype != dtype
                 for leaf, shape, dtype in zip(out_leaves, shapes, self.dtypes, strict=True)):
             raise OutputChanged("f returned an output of another structure than its probe",
-                                None if per_sample else self._other_sample_count(out_leaves))
+                                None if per_sample or treespec != self.treespec
+                                else self._other_sample_count(out_leaves))
 
     def _other_sample_count(self, out_leaves: list[Tensor]) -> tuple[int, int] | None:
         """``(size, B)`` where the leaves differ from the spec only in their batch size."""
-        if self.batch_dims is None:
+        if self.batch_dims is None or len(out_leaves) != len(self.shapes):
             return None
         for leaf, shape, dim in zip(out_leaves, self.shapes, self.batch_dims, strict=True):
             if (isinstance(leaf, Tensor) and leaf.dim() == len(shape)
