@@ -237,6 +237,9 @@ def _errors(rank: int) -> dict[str, tuple[str, str]]:
 
     out["outputs differ"] = _error(lambda: tg.distributed.gramian(per_rank_width, batch_dim=0)(
         case.params, *local))
+    shifted = {k: v + 0.1 * rank for k, v in case.params.items()}
+    out["other parameters on one rank"] = _error(lambda: tg.distributed.gramian(
+        case.f, batch_dim=0)(shifted, *local))
     out["local step, one rank fails"] = _error(lambda: tg.distributed.aggregated_grad(
         failing, tg.weighting.mean, batch_dim=0, cross_rank="local")(case.params, *local))
     out["weighting fails"] = _error(lambda: tg.distributed.aggregated_grad(
@@ -380,6 +383,7 @@ def test_random_f_gives_each_rank_block_of_its_own_draw(
     ("coupled", "ValueError", "batch_norm in training mode"),
     ("one rank fails", "ValueError", "no data on this rank's disk"),
     ("local step, one rank fails", "ValueError", "no data on this rank's disk"),
+    ("other parameters on one rank", "ValueError", "other parameters on rank 1 than on rank 0"),
     ("collective in f", "RuntimeError", "collective"),
     ("outputs differ", "ValueError", "outputs of one structure"),
     ("weighting fails", "TypeError", "weighting"),

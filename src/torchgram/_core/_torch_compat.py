@@ -1190,8 +1190,14 @@ def passes_cotangents_through(node: Node) -> bool:
 
     FSDP2's ``RegisterPostBackwardFunction`` sits on a sharded module's inputs; its
     ``backward`` returns its cotangents unchanged and runs FSDP's post-backward (gradient
-    reduce-scatter, resharding), which a graph walk must not trigger.
+    reduce-scatter, resharding), which a graph walk must not trigger. DDP's ``_DDPSink`` sits
+    on its outputs; with ``static_graph=True`` its ``backward`` queues the reducer's delayed
+    all-reduce on the engine, which torch refuses outside a backward pass (torch's raw "Final
+    callbacks can only be installed during backward pass" from the walk; a helper's hunt,
+    session 57).
     """
     cls = custom_function_class(node)
-    return cls is not None and cls.__name__ == "RegisterPostBackwardFunction" \
-        and cls.__module__.startswith("torch.distributed.fsdp")
+    return cls is not None and (
+        (cls.__name__ == "RegisterPostBackwardFunction"
+         and cls.__module__.startswith("torch.distributed.fsdp"))
+        or (cls.__name__ == "_DDPSink" and cls.__module__ == "torch.nn.parallel.distributed"))

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import weakref
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -216,24 +217,39 @@ class Draw:
         """Handle ``generator`` (one ``f`` draws from explicitly) like the default ones.
 
         Called by every evaluation's write guard before ``f`` draws from it (NOTE [explicit
-        generators]): its state then is the call's start.
+        generators]): its state then is the call's start. Held weakly: a generator made
+        inside an evaluation (seeded there, so the same draws every time: torchgram's own
+        checks nested in ``f`` make some) is gone when the evaluation ends, and does not
+        make ``f`` random.
         """
-        if id(generator) not in self._explicit and not _is_default(generator):
-            self._explicit[id(generator)] = ExplicitGenerator(generator, generator.get_state())
+        kept = self._explicit.get(id(generator))
+        if (kept is None or kept.generator() is not generator) and not _is_default(generator):
+            self._explicit[id(generator)] = ExplicitGenerator(weakref.ref(generator),
+                                                              generator.get_state())
+
+    def _live(self) -> list[tuple[ExplicitGenerator, torch.Generator]]:
+        """The adopted generators still alive (the others are forgotten)."""
+        live = []
+        for key, kept in list(self._explicit.items()):
+            generator = kept.generator()
+            if generator is None:
+                del self._explicit[key]
+            else:
+                live.append((kept, generator))
+        return live
 
     @property
     def draws_explicitly(self) -> bool:
-        """Whether ``f`` drew from a generator of its own in this call's probe."""
-        return bool(self._explicit)
+        """Whether ``f`` drew from a generator of its own that outlives its evaluations."""
+        return bool(self._live())
 
     def _explicit_moved(self) -> bool:
-        return any(not torch.equal(kept.generator.get_state(), kept.start)
-                   for kept in self._explicit.values())
+        return any(not torch.equal(generator.get_state(), kept.start)
+                   for kept, generator in self._live())
 
     def _restore_explicit(self, *, end: bool) -> None:
-        for kept in self._explicit.values():
-            state = kept.end if end and kept.end is not None else kept.start
-            kept.generator.set_state(state)
+        for kept, generator in self._live():
+            generator.set_state(kept.end if end and kept.end is not None else kept.start)
 
     @classmethod
     def capture(cls, devices: Iterable[torch.device]) -> Draw:
@@ -271,9 +287,9 @@ class Draw:
         """Remember where a plain call of ``f`` leaves the generators (the first time)."""
         if self.end is None:
             self.end = RngState.capture(device for device, _ in self.start.accelerators)
-        for kept in self._explicit.values():
+        for kept, generator in self._live():
             if kept.end is None:
-                kept.end = kept.generator.get_state()
+                kept.end = generator.get_state()
 
     @property
     def random(self) -> bool | None:
@@ -282,7 +298,7 @@ class Draw:
             return None
         return not self.end.same_as(self.start) or any(
             kept.end is not None and not torch.equal(kept.end, kept.start)
-            for kept in self._explicit.values())
+            for kept, _ in self._live())
 
     def drew(self) -> bool:
         """Whether ``f`` draws random numbers.
@@ -329,9 +345,9 @@ def _is_default(generator: torch.Generator) -> bool:
 
 @dataclass
 class ExplicitGenerator:
-    """A ``torch.Generator`` ``f`` draws from, with its state at the call's start and end."""
+    """A ``torch.Generator`` ``f`` draws from (weakly), its state at the call's start and end."""
 
-    generator: torch.Generator
+    generator: weakref.ref[torch.Generator]
     start: Tensor
     end: Tensor | None = None
 

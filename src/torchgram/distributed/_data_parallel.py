@@ -25,7 +25,7 @@ with the summaries.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -455,13 +455,56 @@ def run(options: Options, f: Callable[..., Any], args: tuple[Any, ...],
     summary = local.summary
     if options.diagonal and local.diagonal is not None:
         summary = dataclasses.replace(summary, leaves=())  # diagonals travel separately
-    summaries = group.all_gather_object((summary, local.diagonal))
-    raise_any_error(options.api, [s.error for s, _ in summaries], group.rank, local.error)
-    agreement = agree(options.api, [s for s, _ in summaries],
-                      force_jacobian=options.backend == "jacobian")
+    gathered = group.all_gather_object((summary, local.diagonal, _fingerprint(local.diff)))
+    raise_any_error(options.api, [s.error for s, _, _ in gathered], group.rank, local.error)
+    check_same_parameters(options.api, [p for _, _, p in gathered])
+    summaries = [s for s, _, _ in gathered]
+    agreement = agree(options.api, summaries, force_jacobian=options.backend == "jacobian")
     if options.diagonal:
-        return _diagonal_result(options, local, agreement, [d for _, d in summaries], group)
-    return _exchange_and_reduce(options, local, agreement, [s for s, _ in summaries], group)
+        return _diagonal_result(options, local, agreement, [d for _, d, _ in gathered], group)
+    return _exchange_and_reduce(options, local, agreement, summaries, group)
+
+
+# NOTE [the same parameters on every rank]
+# Every rank of a data-parallel call must pass the same parameters (as DDP checks once, at
+# construction). A rank passing others (a copy updated differently, a stale checkpoint) gave
+# every rank one G of no single function, without a word; other shapes, torch's raw "Sizes
+# of tensors must match" on the owners and a hang of the others (a helper's hunt, session
+# 57). Each rank now sends, with its summary, each leaf's shape, dtype and the sum of about
+# 1024 of its entries at fixed strides (one pass over those entries, no pass over the leaf);
+# every rank compares them and raises the same error where they differ beyond round-off. A
+# difference in entries the strides skip is not seen.
+
+_FINGERPRINT_ENTRIES = 1024
+
+
+def _fingerprint(diff: DiffLeaves | None) -> tuple[tuple[tuple[int, ...], str, float], ...]:
+    """Each differentiated leaf's shape, dtype and the sum of its strided sample of entries."""
+    if diff is None or not diff.leaves:
+        return ()
+    sums = torch.stack([leaf.detach().reshape(-1)[::max(1, leaf.numel() // _FINGERPRINT_ENTRIES)]
+                        .to(torch.float64).sum() for leaf in diff.leaves]).tolist()
+    return tuple((tuple(leaf.shape), str(leaf.dtype), total)
+                 for leaf, total in zip(diff.leaves, sums, strict=True))
+
+
+def check_same_parameters(api: str, fingerprints: Sequence[tuple[Any, ...]]) -> None:
+    """Raise (on every rank: each compares the same list) where ranks passed other parameters.
+
+    NOTE [the same parameters on every rank]; ranks that passed none (``()``) are skipped.
+    """
+    known = [(rank, print_) for rank, print_ in enumerate(fingerprints) if print_]
+    for rank, print_ in known[1:]:
+        first_rank, first = known[0]
+        same = len(print_) == len(first) and all(
+            a[:2] == b[:2] and abs(a[2] - b[2]) <= 1e-6 * max(abs(a[2]), abs(b[2]), 1e-30)
+            for a, b in zip(print_, first, strict=True))
+        if not same:
+            checks.fail(api, "the same parameters on every rank of the group (each rank "
+                        "differentiates the same function of its own samples)",
+                        f"other parameters on rank {rank} than on rank {first_rank}",
+                        "Pass every rank the same parameters (broadcast them from one rank, "
+                        "or keep them in sync as DDP does).")
 
 
 def _device_dtype(local: Local, agreement: Agreement) -> tuple[torch.device, torch.dtype]:
