@@ -147,10 +147,10 @@ class _Slots:
         self.held, self.named, self.where, self.buffers = [], [], {}, []
         self.modules = list(self.module.modules())
         self.renormalised = [
-            (owner._parameters, "weight") for owner in self.module.modules()
+            (owner._parameters, "weight") for owner in self.modules
             if isinstance(owner, (nn.Embedding, nn.EmbeddingBag))
             and owner.max_norm is not None and owner._parameters.get("weight") is not None]
-        for owner in self.module.modules():
+        for owner in self.modules:
             self.held += [(owner._modules, tuple(owner._modules.values())),
                           (owner._parameters, tuple(owner._parameters.values()))]
             self.named.append((owner._buffers, tuple(owner._buffers)))
@@ -231,8 +231,8 @@ class _Slots:
 # torchgram's transforms (a vmap BatchedTensor: "tensor may have escaped" on its next use,
 # deepcopy and torch.save failing), computed from the call's parameters (session 57). The
 # attributes of modules with forward hooks that hold tensors (or lists, tuples or dicts of
-# them) are put back as they were after each call,
-# so that the module is as the caller left it (a plain forward of it sets them afresh).
+# them) are put back as they were after each call, so that the module is as the caller left
+# it (a plain forward of it sets them afresh).
 
 
 def _put_back_tensors(attributes: dict[str, Any], before: dict[str, Any]) -> None:

@@ -108,12 +108,12 @@ def batch_rows(problem: Problem, *, eager: bool = False) -> tuple[Tensor, Any]:
     with_graph = problem.differentiates is not None and not keep_graph
     census = OpCensus()
     try:
-        rows, aux = _rows_under(census, problem, with_graph=with_graph)
+        rows, aux = _rows_under(census, problem, keep_graph, with_graph=with_graph)
     except RuntimeError:  # NOTE [gradient hooks inside f]: on a tensor that requires grad
         if keep_graph or with_graph or not census.hooks:
             raise
         census = OpCensus()
-        rows, aux = _rows_under(census, problem, with_graph=True)
+        rows, aux = _rows_under(census, problem, keep_graph, with_graph=True)
     if problem.draw.random:
         raise NotPerSample("f draws random numbers (dropout, ...): one sample at a time it "
                            "would see other draws than the batch's", random=True)
@@ -123,8 +123,11 @@ def batch_rows(problem: Problem, *, eager: bool = False) -> tuple[Tensor, Any]:
     return rows, aux
 
 
-def _rows_under(census: OpCensus, problem: Problem, *, with_graph: bool) -> tuple[Tensor, Any]:
+def _rows_under(census: OpCensus, problem: Problem, keep_graph: bool, *,
+                with_graph: bool) -> tuple[Tensor, Any]:
     """``problem.rows`` on the batch under ``census``; ``with_graph``: in leaves requiring grad.
+
+    ``keep_graph``: the rows are differentiated (:func:`batch_rows`), with their graph.
 
     An evaluation with a graph is for an ``f`` that needs one without being differentiated:
     its own backward (NOTE [f that differentiates itself]), gradient hooks on its tensors
@@ -133,7 +136,6 @@ def _rows_under(census: OpCensus, problem: Problem, *, with_graph: bool) -> tupl
     leaves = problem.leaves
     if with_graph:
         leaves = tuple(leaf.detach().requires_grad_() for leaf in leaves)
-    keep_graph = problem.composition.differentiable and torch.is_grad_enabled()
     with torch.set_grad_enabled(keep_graph or with_graph), census:
         rows, aux = problem.rows(leaves)
     if with_graph:

@@ -25,7 +25,7 @@ import contextlib
 import functools
 import math
 import weakref
-from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -148,12 +148,21 @@ class OutputSpec:
         if self.batch_dims is None or len(out_leaves) != len(self.shapes):
             return None
         for leaf, shape, dim in zip(out_leaves, self.shapes, self.batch_dims, strict=True):
-            if (isinstance(leaf, Tensor) and leaf.dim() == len(shape)
-                    and leaf.shape[dim] != shape[dim]
-                    and all(a == b for d, (a, b) in enumerate(zip(leaf.shape, shape, strict=True))
-                            if d != dim)):
+            if (isinstance(leaf, Tensor) and same_beyond(leaf.shape, shape, dim)
+                    and leaf.shape[dim] != shape[dim]):
                 return leaf.shape[dim], shape[dim]
         return None
+
+
+def same_beyond(shape: Sequence[int], other: Sequence[int], dim: int) -> bool:
+    """Whether two shapes have the same rank and sizes, except (perhaps) along ``dim``.
+
+    Example:
+        >>> same_beyond((3, 4), (5, 4), 0), same_beyond((3, 4), (3, 5), 0)
+        (True, False)
+    """
+    return len(shape) == len(other) and all(
+        a == b for d, (a, b) in enumerate(zip(shape, other, strict=True)) if d != dim % len(shape))
 
 
 @dataclass(frozen=True)
@@ -237,11 +246,6 @@ class Draw:
             else:
                 live.append((kept, generator))
         return live
-
-    @property
-    def draws_explicitly(self) -> bool:
-        """Whether ``f`` drew from a generator of its own that outlives its evaluations."""
-        return bool(self._live())
 
     def _explicit_moved(self) -> bool:
         return any(not torch.equal(generator.get_state(), kept.start)
@@ -750,8 +754,6 @@ class Probe:
             [prelu as where]).
         writes: Whether ``f`` wrote into any tensor, its own included (NOTE [writes under a
             cached probe]).
-        explicit_draws: Whether ``f`` drew from a ``torch.Generator`` of its own: every call
-            then probes afresh (NOTE [explicit generators]).
     """
 
     spec: OutputSpec
@@ -762,7 +764,6 @@ class Probe:
     unseen_ops: tuple[str, ...] | None = None
     decomposed: tuple[str, ...] = ()
     writes: bool = True
-    explicit_draws: bool = False
 
 
 _PROBES = LruCache[Probe](maxsize=256)
@@ -839,8 +840,6 @@ def build_problem(options: Options, f: Callable[..., Any], args: tuple[Any, ...]
     look_unseen = composition.may_be_differentiated  # NOTE [unseen calls]
     if probe is not None and look_unseen and probe.unseen_ops is None:
         probe = None  # probed by a call that did not look
-    if probe is not None and probe.explicit_draws:
-        probe = None  # NOTE [explicit generators]: this call's generators, from their start
     probe_cached = probe is not None
     evaluation = None
     if probe is None:
@@ -1009,7 +1008,7 @@ def _evaluate_probe(api: str, f: Callable[..., Any], args: tuple[Any, ...],
         spec = make_output_spec(api, out, batch, whole_batch=whole_batch)
         probe = Probe(spec, tuple(census.unbatched), mutated, census.sparse_embeddings,
                       census.differentiates, tuple(unseen[-1].ops) if look_unseen else None,
-                      tuple(census.decomposed), writes.wrote or mutated, draw.draws_explicitly)
+                      tuple(census.decomposed), writes.wrote or mutated)
         if not with_grad or census.differentiates is not None:  # the backend evaluates f
             return probe, None  # with ops differentiable at any order (Problem._evaluation)
         rows = concat_rows(optree.tree_leaves(out), probe.spec.dtype)

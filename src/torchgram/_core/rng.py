@@ -25,8 +25,8 @@ plain call leaves it, and ``f`` counts as drawing (the backends that run ``f`` u
 ``torch.func`` transforms decline, as for dropout). The default generators named explicitly
 (``generator=torch.default_generator``) are left to ``RngState``, which restores them from
 the call's start (adopting one at its first explicit use, after a dropout's draw, broke that:
-1.02 off, a review's find). A probe that saw such a draw is not reused, and a generator first
-drawn from under a cached probe (an eval-mode call first) is handed over all the same.
+1.02 off, a review's find). A cached probe changes nothing: the later evaluations' guard
+hands over a generator first drawn from under it (an eval-mode call first) all the same.
 """
 
 from __future__ import annotations

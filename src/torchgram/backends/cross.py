@@ -38,7 +38,7 @@ from torchgram._core.cross import (
 )
 from torchgram._core.errors import BackendCannotRun, NotPerSample, OutputChanged
 from torchgram._core.per_sample import batch_rows, check_samples, check_tiles
-from torchgram._core.problem import Problem, build_problem, replace_input_leaves
+from torchgram._core.problem import Problem, build_problem, replace_input_leaves, same_beyond
 from torchgram._core.pytree import PLAIN_VALUES
 from torchgram._core.result import RunReport
 from torchgram._core.sink import assemble
@@ -302,8 +302,7 @@ def _joined(left: Problem, right: Problem) -> Problem:
                               for a, b in zip(others[:half], others[half:], strict=True)):
         raise cannot("with other arguments than their batched inputs")
     for t1, t2, dim in zip(batch1.tensors, batch2.tensors, batch1.dims, strict=True):
-        if t1.dim() != t2.dim() or any(a != b for d, (a, b) in enumerate(zip(
-                t1.shape, t2.shape, strict=True)) if d != dim % t1.dim()):
+        if not same_beyond(t1.shape, t2.shape, dim):
             raise cannot(f"whose batched inputs differ in shape beyond the batch axis "
                          f"({tuple(t1.shape)} and {tuple(t2.shape)}): they cannot be joined")
     joined = tuple(torch.cat([t1, t2], dim) for t1, t2, dim

@@ -14,16 +14,14 @@ from torchgram._api.pipeline import Computation, compute, compute_then
 from torchgram._api.step_times import StepTimes, Stopwatch
 from torchgram._api.weights import call_weighting, check_weighting
 from torchgram._core import _torch_compat, checks
-from torchgram._core.checks import resolve_argnums
 from torchgram._core.errors import output_changes_refused
 from torchgram._core.functional import outside_inference_mode
 from torchgram._core.options import Options
-from torchgram._core.problem import make_batch_spec
-from torchgram._core.pytree import DiffLeaves, leaves_of, select_diff_leaves
+from torchgram._core.pytree import DiffLeaves, leaves_of
 from torchgram._core.sink import shape_block
 from torchgram.backends.structured.payloads import payload_pullback
 from torchgram.distributed._agreement import fail_together
-from torchgram.distributed._data_parallel import Result, run
+from torchgram.distributed._data_parallel import Result, local_batch, run
 from torchgram.distributed._group import Group, GroupLike, check_group, resolve_group
 from torchgram.distributed._report import Exchange, LeafExchange
 from torchgram.distributed._rows import local_to_global, shape_global
@@ -423,9 +421,9 @@ def _local_step(options: Options, f: Callable[..., Any],
     error: BaseException | None = None  # NOTE [local steps fail together]
     computation: Computation | None = None
     try:
-        diff = select_diff_leaves(args, resolve_argnums(options.api, options.argnums, len(args)))
+        diff, samples = local_batch(options, args, kwargs)
         grads: tuple[Tensor, ...] = tuple(torch.zeros_like(leaf) for leaf in diff.leaves)
-        if not _holds_no_sample(options, args, kwargs):
+        if samples != 0:
             computation, weights, grads, output, gramian_time, weighting_time = compute_then(
                 options, f, args, kwargs, step, want_pullback=True)
             diff = computation.problem.diff
@@ -455,15 +453,6 @@ def _local_step(options: Options, f: Callable[..., Any],
 # the exact mode does at its agreement. A rank holding no sample contributes a zero update
 # to the average (as DDP averages over every rank), with an empty Gramian and weights and no
 # output; before, it raised "expected a non-empty batch" (and the others hung).
-
-
-def _holds_no_sample(options: Options, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
-    """Whether this rank's batch has no sample (``batch_dim`` given, size 0)."""
-    if options.batch_dim is None:
-        return False
-    argnums = resolve_argnums(options.api, options.argnums, len(args))
-    return make_batch_spec(options.api, args, argnums, options.batch_dim, options.in_dims,
-                           kwargs, allow_empty=True).size == 0
 
 
 def _tp_step(options: Options, f: Callable[..., Any], weighting: Callable[[Tensor], Tensor],

@@ -149,15 +149,26 @@ def _collective_error(api: str, op: str) -> RuntimeError:
         "cross_rank='local'.")
 
 
+def local_batch(options: Options, args: tuple[Any, ...],
+                kwargs: Mapping[str, Any]) -> tuple[DiffLeaves, int | None]:
+    """This rank's differentiated leaves and its samples along ``batch_dim``.
+
+    The count is ``None`` without ``batch_dim``, and 0 on a rank without samples (which the
+    data-parallel calls allow).
+    """
+    argnums = resolve_argnums(options.api, options.argnums, len(args))
+    diff = select_diff_leaves(args, argnums)
+    if options.batch_dim is None:
+        return diff, None
+    return diff, make_batch_spec(options.api, args, argnums, options.batch_dim,
+                                 options.in_dims, kwargs, allow_empty=True).size
+
+
 def _local_work(local: Local, options: Options, f: Callable[..., Any], args: tuple[Any, ...],
                 kwargs: Mapping[str, Any]) -> None:
     api = options.api
-    argnums = resolve_argnums(api, options.argnums, len(args))
-    local.diff = select_diff_leaves(args, argnums)
-    batch = None
-    if options.batch_dim is not None:
-        batch = make_batch_spec(api, args, argnums, options.batch_dim, options.in_dims,
-                                kwargs, allow_empty=True).size
+    local.diff, batch = local_batch(options, args, kwargs)
+    if batch is not None:
         if batch == 0:
             if not local.diff.leaves:  # the same error as the ranks with samples raise
                 build_problem(options, f, args, kwargs)
