@@ -260,6 +260,35 @@ def _two_dim_mesh(rank: int) -> tuple[str, str]:
     return "no error", ""
 
 
+
+def _one_rank_without_grad(rank: int) -> dict[str, str]:
+    """Rank 1's losses do not require grad: every call raises on both ranks (rank 1 used to
+    raise before the exchange, leaving rank 0 waiting until the process group's timeout)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model, _, _, xl, yl = _setup(rank)
+    ddp = DistributedDataParallel(model)
+    calls = {
+        "gramian": lambda losses: tg.distributed.autograd.gramian(losses, ddp),
+        "backward": lambda losses: tg.distributed.autograd.backward(
+            losses, ddp, tg.weighting.upgrad),
+        "local backward": lambda losses: tg.distributed.autograd.backward(
+            losses, ddp, tg.weighting.upgrad, cross_rank="local"),
+    }
+    out = {}
+    for name, call in calls.items():
+        with torch.no_grad() if rank == 1 else torch.enable_grad():
+            losses = _losses(ddp(xl), yl)
+        try:
+            call(losses)
+            out[name] = "no error"
+        except ValueError as error:
+            out[name] = str(error)
+    ddp.zero_grad()
+    out["then it still works"] = digest(tg.distributed.autograd.gramian(_losses(ddp(xl), yl), ddp))
+    return out
+
+
 def worker(checks: Checks, rank: int, world: int) -> None:
     assert world == 2
     checks.run("ddp", lambda: _ddp(rank))
@@ -269,6 +298,7 @@ def worker(checks: Checks, rank: int, world: int) -> None:
     checks.run("tensor parallel", lambda: _tensor_parallel(rank))
     checks.run("tensor parallel change", lambda: _tp_change_after_the_gramian(rank))
     checks.run("2-D mesh", lambda: _two_dim_mesh(rank))
+    checks.run("one rank without grad", lambda: _one_rank_without_grad(rank))
 
 
 @pytest.fixture(scope="module")
@@ -344,3 +374,11 @@ def test_tensor_parallel_change_after_the_gramian_is_the_users_error(
 def test_tensor_parallel_on_a_2d_mesh_is_refused_clearly(results: Results) -> None:
     for error, text in outcome(results, "2-D mesh"):
         assert error == "NotImplementedError" and "1-D device mesh" in text, text
+
+
+def test_a_rank_whose_losses_fail_the_checks_fails_every_rank(results: Results) -> None:
+    first, second = outcome(results, "one rank without grad")
+    for name in ("gramian", "backward", "local backward"):
+        assert "outputs that require grad" in second[name], second[name]
+        assert "rank 1" in first[name] and "outputs that require grad" in first[name], first
+    assert first["then it still works"] == second["then it still works"]

@@ -452,7 +452,10 @@ def _local_step(options: Options, f: Callable[..., Any],
 # first and every rank raises the first failing rank's error (its own where it failed), as
 # the exact mode does at its agreement. A rank holding no sample contributes a zero update
 # to the average (as DDP averages over every rank), with an empty Gramian and weights and no
-# output; before, it raised "expected a non-empty batch" (and the others hung).
+# output; before, it raised "expected a non-empty batch" (and the others hung). The eager API
+# (``torchgram.distributed.autograd``) likewise carries a rank's failed checks of its outputs
+# (losses that do not require grad) to the exchange, exact or local, instead of raising
+# before it (session 58: the other ranks waited in the exchange until gloo gave up).
 
 
 def _tp_step(options: Options, f: Callable[..., Any], weighting: Callable[[Tensor], Tensor],

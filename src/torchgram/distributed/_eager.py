@@ -124,13 +124,19 @@ def _options(api: str, chunk_size: int | None) -> Options:
 
 
 def eager_gramian(api: str, outputs: list[Tensor], inputs: EagerInputs, group: Group,
-                  chunk_size: int | None) -> Result:
-    """``G`` of every rank's rows (NOTE [eager data parallel]), identical everywhere."""
+                  chunk_size: int | None, failed: BaseException | None = None) -> Result:
+    """``G`` of every rank's rows (NOTE [eager data parallel]), identical everywhere.
+
+    ``failed``: this rank's error from the checks of its outputs, raised on every rank with
+    the others' (a rank raising before the exchange would leave the others waiting in it).
+    """
     options = _options(api, chunk_size)
     diff = select_diff_leaves((inputs.tensors,), (0,))
     local = Local(diff=diff)
     num_rows = sum(out.numel() for out in outputs)
     try:
+        if failed is not None:
+            raise failed
         with NoCollectives():
             jacobians = graph_jacobians(api, outputs, inputs.tensors, chunk_size=chunk_size) \
                 if num_rows else [None] * len(inputs.tensors)

@@ -57,6 +57,19 @@ def _outputs(api: str, outputs: Tensor | Iterable[Tensor]) -> list[Tensor]:
     return tensors
 
 
+def _checked_outputs(api: str, outputs: Tensor | Iterable[Tensor]
+                     ) -> tuple[list[Tensor], Exception | None]:
+    """The outputs and the error of their checks, if any (raised with every rank's later).
+
+    A rank whose outputs fail the checks must not raise before the exchange: the other ranks
+    would wait in it until the process group's timeout (NOTE [local steps fail together]).
+    """
+    try:
+        return _outputs(api, outputs), None
+    except (TypeError, ValueError) as error:
+        return [], error
+
+
 def _local_gramian(outputs: list[Tensor], inputs: EagerInputs,
                    chunk_size: int | None) -> Tensor:
     """This rank's own block (``cross_rank="local"``)."""
@@ -98,14 +111,16 @@ def gramian(
     checks.check_choice(_GRAMIAN, "cross_rank", cross_rank, ("exact", "local"))
     check_group(_GRAMIAN, group)
     refuse_transforms(_GRAMIAN)
-    output_list = _outputs(_GRAMIAN, outputs)
+    output_list, failed = _checked_outputs(_GRAMIAN, outputs)
+    if failed is not None and cross_rank == "local":
+        raise failed  # no collective: the other ranks do not wait on this one
     resolved_inputs = eager_inputs(_GRAMIAN, inputs)
     try:
         if cross_rank == "local":
             return detached(_local_gramian(output_list, resolved_inputs, chunk_size))
         resolved = resolve(_GRAMIAN, resolved_inputs, group)
         return detached(eager_gramian(_GRAMIAN, output_list, resolved_inputs, resolved,
-                                      chunk_size).blocks[0])
+                                      chunk_size, failed).blocks[0])
     finally:
         resolved_inputs.reshard()
 
@@ -155,15 +170,17 @@ def backward(
     checks.check_choice(_BACKWARD, "cross_rank", cross_rank, ("exact", "local"))
     check_group(_BACKWARD, group)
     refuse_transforms(_BACKWARD)
-    output_list = _outputs(_BACKWARD, losses)
+    output_list, failed = _checked_outputs(_BACKWARD, losses)
     resolved_inputs = eager_inputs(_BACKWARD, inputs)
     try:
         device = output_list[0].device if output_list else torch.device("cpu")
         watch = Stopwatch(device)
         resolved = resolve(_BACKWARD, resolved_inputs, group)
         if cross_rank == "local":
-            error: BaseException | None = None  # NOTE [local steps fail together]
+            error: BaseException | None = failed  # NOTE [local steps fail together]
             try:
+                if failed is not None:
+                    raise failed
                 matrix = _local_gramian(output_list, resolved_inputs, chunk_size)
                 gramian_time = watch.lap()
                 weights = call_weighting(_BACKWARD, weighting, matrix)
@@ -172,7 +189,8 @@ def backward(
             fail_together(_BACKWARD, resolved, error)
             mine, scale = weights, 1.0 / resolved.size
         else:
-            result = eager_gramian(_BACKWARD, output_list, resolved_inputs, resolved, chunk_size)
+            result = eager_gramian(_BACKWARD, output_list, resolved_inputs, resolved, chunk_size,
+                                   failed)
             matrix = result.blocks[0]
             gramian_time = watch.lap()
             weights = broadcast_weights(_BACKWARD, weighting, matrix, resolved)
