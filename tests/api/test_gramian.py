@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import re
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -123,6 +124,15 @@ def test_chunk_sizes_all_agree(chunk_size: int, batch_dim: int | None) -> None:
     torch.testing.assert_close(G, expected)
 
 
+@pytest.mark.parametrize("chunk_size", [np.int64(4), torch.tensor(4)],
+                         ids=["numpy-int64", "0d-tensor"])
+def test_integer_like_chunk_sizes_are_their_value(chunk_size: object) -> None:
+    case = build("mlp_logits")
+    expected = dense_gramian(case.f, case.args).shaped()
+    G = tg.gramian(case.f, chunk_size=chunk_size, memory_budget=np.int64(2**30))(*case.args)
+    torch.testing.assert_close(G, expected)
+
+
 # -- configuration errors, raised when the transform is built --------------------------------
 
 
@@ -136,6 +146,8 @@ BAD_CONFIGURATIONS = [
     (dict(chunk_size=0), ValueError, "chunk_size to be a positive int"),
     (dict(chunk_size=-3), ValueError, "chunk_size to be a positive int"),
     (dict(chunk_size=2.5), TypeError, "chunk_size to be None or a positive int"),
+    (dict(chunk_size=torch.tensor(2.0)), TypeError, "chunk_size to be None or a positive int"),
+    (dict(chunk_size=True), TypeError, "chunk_size to be None or a positive int"),
     (dict(memory_budget=0), ValueError, "memory_budget to be a positive int"),
     (dict(backend="fastest"), ValueError, "backend to be one of 'auto'"),
     (dict(batch_dim="0"), TypeError, "batch_dim to be None or an int"),

@@ -209,6 +209,12 @@ def test_configuration_errors_at_build_time() -> None:
         tg.distributed.aggregated_grad(abs, tg.weighting.mean, backend="ntvp")
     with pytest.raises(TypeError, match="weighting"):
         tg.distributed.aggregated_grad(abs, tg.weighting.mean(torch.eye(2)))
+    losses = torch.ones(2, requires_grad=True) * 2
+    # the eager API checks its options before it looks for a process group
+    with pytest.raises(ValueError, match="chunk_size to be a positive int"):
+        tg.distributed.autograd.gramian(losses, [losses], chunk_size=0)
+    with pytest.raises(TypeError, match="chunk_size to be None or a positive int"):
+        tg.distributed.autograd.backward(losses, [losses], tg.weighting.mean, chunk_size=1.5)
 
 
 def test_a_call_without_a_process_group_says_how_to_start_one() -> None:

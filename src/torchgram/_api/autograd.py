@@ -240,8 +240,8 @@ def _recomputation_frozen(outputs: list[Tensor]) -> contextlib.AbstractContextMa
 def prepare(api: str, outputs: Any, inputs: Any, *, batch_dim: Any, chunk_size: Any,
             retain_graph: Any, diagonal: Any, per_input: Any) -> Call:
     """Validate an imperative call's arguments (errors name ``api``)."""
-    checks.check_positive_int(api, "chunk_size", chunk_size,
-                              "chunk_size counts rows per vectorized node call, e.g. 32.")
+    chunk_size = checks.positive_int(api, "chunk_size", chunk_size,
+                                     "chunk_size counts rows per vectorized node call, e.g. 32.")
     for name, flag in (("retain_graph", retain_graph), ("diagonal", diagonal),
                        ("per_input", per_input)):
         checks.check_bool(api, name, flag)

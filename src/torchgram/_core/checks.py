@@ -6,6 +6,7 @@ got, and what to do instead.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
@@ -71,14 +72,28 @@ def resolve_argnums(api: str, argnums: tuple[int, ...], num_args: int) -> tuple[
     return tuple(resolved)
 
 
-def check_positive_int(api: str, name: str, value: int | None, hint: str) -> None:
-    """Reject anything but ``None`` or a positive integer."""
+def positive_int(api: str, name: str, value: Any, hint: str) -> int | None:
+    """``value`` as a positive ``int`` (or ``None``); anything else is refused.
+
+    Integers of other types (``numpy.int64``, a 0-d integer tensor: what ``len`` of an array
+    or ``x.shape[0] // 4`` of a traced shape gives) are taken as their value.
+
+    Example:
+        >>> import numpy as np
+        >>> positive_int("torchgram.gramian", "chunk_size", np.int64(8), "")
+        8
+    """
     if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int):
+        return None
+    try:
+        number = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        number = None
+    if number is None:
         fail(api, f"{name} to be None or a positive int", repr(value), hint, TypeError)
-    if value <= 0:
+    if number <= 0:
         fail(api, f"{name} to be a positive int", repr(value), hint)
+    return number
 
 
 def check_bool(api: str, name: str, value: Any) -> None:

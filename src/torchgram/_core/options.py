@@ -80,10 +80,12 @@ class Options:
         checks.check_bool(api, "per_leaf", per_leaf)
         checks.check_bool(api, "progress", progress)
         checks.check_choice(api, "backend", backend, BACKEND_NAMES)
-        checks.check_positive_int(api, "chunk_size", chunk_size,
-                                  "chunk_size counts Jacobian rows per vectorized pass, e.g. 32.")
-        checks.check_positive_int(api, "memory_budget", memory_budget,
-                                  "memory_budget is a number of bytes, e.g. 2**30 for 1 GiB.")
+        chunk_size = checks.positive_int(
+            api, "chunk_size", chunk_size,
+            "chunk_size counts Jacobian rows per vectorized pass, e.g. 32.")
+        memory_budget = checks.positive_int(
+            api, "memory_budget", memory_budget,
+            "memory_budget is a number of bytes, e.g. 2**30 for 1 GiB.")
         checks.check_batch_dim(api, batch_dim)
         checks.check_in_dims(api, in_dims)
         in_dims_value = in_dims

@@ -43,6 +43,7 @@ __all__ = ["backward", "gramian"]
 
 _GRAMIAN = "torchgram.distributed.autograd.gramian"
 _BACKWARD = "torchgram.distributed.autograd.backward"
+_CHUNK_HINT = "chunk_size counts rows per vectorized node call, e.g. 32."
 
 
 def _outputs(api: str, outputs: Tensor | Iterable[Tensor]) -> list[Tensor]:
@@ -109,6 +110,7 @@ def gramian(
         (``"local"``: ``[m_r, m_r]``).
     """
     checks.check_choice(_GRAMIAN, "cross_rank", cross_rank, ("exact", "local"))
+    chunk_size = checks.positive_int(_GRAMIAN, "chunk_size", chunk_size, _CHUNK_HINT)
     check_group(_GRAMIAN, group)
     refuse_transforms(_GRAMIAN)
     output_list, failed = _checked_outputs(_GRAMIAN, outputs)
@@ -168,6 +170,7 @@ def backward(
     """
     check_weighting(_BACKWARD, weighting)
     checks.check_choice(_BACKWARD, "cross_rank", cross_rank, ("exact", "local"))
+    chunk_size = checks.positive_int(_BACKWARD, "chunk_size", chunk_size, _CHUNK_HINT)
     check_group(_BACKWARD, group)
     refuse_transforms(_BACKWARD)
     output_list, failed = _checked_outputs(_BACKWARD, losses)
