@@ -4,7 +4,8 @@ On every backend and API. A zero-size leaf (``nn.Parameter(torch.empty(0))`` as 
 marker, a rank-0 adapter) made every backend but the graph walk raise torch's errors once
 it was used, and jacobian and ntvp even when it was not (NOTE [empty leaves]); an expanded
 leaf (stride 0) made ntvp raise forward AD's "more than one element ... refers to a single
-memory location"; an output without entries (``K = 0`` rows per sample) made the per-sample
+memory location", and a leaf of overlapping windows (``unfold``, a Toeplitz ``as_strided``)
+made it return a wrong G, 0.5-0.97 off (session 58's hunt); an output without entries (``K = 0`` rows per sample) made the per-sample
 checks and the kernels' reshapes raise. Found in session 39 by trying shapes by hand.
 """
 
@@ -66,9 +67,22 @@ def _expanded_bias() -> Case:
     return {"b": bias, "w": _weight()}, lambda p, x: torch.tanh(F.linear(x, p["w"], p["b"]))
 
 
+def _toeplitz() -> Case:  # entries shared along diagonals: an as_strided view
+    diagonals = torch.randn(7, dtype=DTYPE, generator=torch.Generator().manual_seed(4))
+    return ({"a": diagonals.as_strided((3, 5), (1, 1))},
+            lambda p, x: torch.tanh(x @ p["a"]))
+
+
+def _windows() -> Case:  # overlapping windows of one signal (unfold with step 1)
+    signal = torch.randn(7, dtype=DTYPE, generator=torch.Generator().manual_seed(5))
+    return ({"a": signal.unfold(0, 5, 1), "w": _weight()},
+            lambda p, x: torch.tanh(x @ p["a"]) + torch.tanh(x @ p["w"].T))
+
+
 CASES = {"unused-empty": _unused, "matmul-empty": _matmul, "linear-empty": _linear_with_bias,
          "elementwise-empty": _elementwise, "cat-empty": _concatenated,
-         "expanded": _expanded, "expanded-bias": _expanded_bias}
+         "expanded": _expanded, "expanded-bias": _expanded_bias,
+         "toeplitz": _toeplitz, "windows": _windows}
 
 
 def _inputs() -> Tensor:
@@ -194,3 +208,19 @@ def test_eager_output_without_entries(recorded: bool) -> None:
         weights = tg.autograd.backward(out, [weight], tg.weighting.upgrad, batch_dim=0)
         assert weights.shape == (4, 0)
         assert weight.grad is not None and weight.grad.shape == (5, 3) and not weight.grad.any()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_inputs_of_overlapping_windows(backend: str) -> None:
+    """The Gramian w.r.t. the inputs of sliding windows of one series (``argnums=1``)."""
+    series = torch.randn(10, dtype=DTYPE, generator=torch.Generator().manual_seed(6))
+    windows = series.unfold(0, 6, 1)  # [5, 6], consecutive windows share 5 entries
+    weight = torch.randn(6, 3, dtype=DTYPE, generator=torch.Generator().manual_seed(7))
+
+    def f(w: Tensor, x: Tensor) -> Tensor:
+        return torch.tanh(x @ w)
+
+    jacobian = torch.func.jacrev(f, argnums=1)(weight, windows).reshape(15, -1)
+    G = tg.gramian(f, argnums=1, backend=backend)(weight, windows)
+    torch.testing.assert_close(G.reshape(15, 15), jacobian @ jacobian.T, rtol=1e-10,
+                               atol=1e-12)

@@ -234,3 +234,19 @@ def test_a_coupling_behind_dead_first_and_last_samples_is_seen(backend: str,
     for second in (None, x2):
         torch.testing.assert_close(ntk_fn(x1, second, params),
                                    dense_cross_kernel(f, params, x1, second, trace))
+
+
+@pytest.mark.parametrize("backend", (*BACKENDS, "graph"))
+@pytest.mark.parametrize("empty", ["x1", "x2"])
+def test_an_empty_input_set_gives_an_empty_kernel(backend: str, empty: str) -> None:
+    """Without batch structure, an empty side gave torch's reshape or cat errors (session 58)."""
+    params = {"w": torch.randn(5, 3, dtype=torch.float64), "b": torch.randn(3, dtype=torch.float64)}
+
+    def f(p: dict[str, Tensor], x: Tensor) -> Tensor:
+        return torch.tanh(x @ p["w"] + p["b"])
+
+    some, none = torch.randn(4, 5, dtype=torch.float64), torch.randn(0, 5, dtype=torch.float64)
+    x1, x2 = (none, some) if empty == "x1" else (some, none)
+    kernel = tg.ntk.empirical_ntk_fn(f, trace_axes=(), vmap_axes=None, backend=backend)(
+        x1, x2, params)
+    assert kernel.shape == (x1.shape[0], x2.shape[0], 3, 3) and kernel.dtype == torch.float64

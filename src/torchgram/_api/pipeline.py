@@ -243,8 +243,10 @@ def compute_cross(problem: CrossProblem) -> CrossResult:
     side's random-number state is left where a plain call of ``f`` leaves it.
     """
     try:
-        if problem.left.num_rows == 0:  # f returns no entries: every block is empty
-            left = problem.left
+        left = problem.left
+        if left.num_rows == 0 or all(right is not None and right.num_rows == 0
+                                     for right in problem.rights):
+            # f returns no entries on one side (an empty input set): every block is empty
             return CrossResult(tuple(
                 torch.zeros(problem.block_shape(index), dtype=left.compute_dtype,
                             device=left.output.device) for index in range(len(problem.rights))),

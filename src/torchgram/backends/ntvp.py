@@ -383,14 +383,27 @@ def _push_forward(problem: Problem, rows_fn: Callable[..., Tensor],
 
 
 def _overlaps_itself(tensor: Tensor) -> bool:
-    """Whether two entries of ``tensor`` are one memory location (a stride 0, as expand's).
+    """Whether two entries of ``tensor`` may be one memory location.
+
+    A stride 0 (``expand``), but also windows sharing entries (``unfold`` with a step below
+    the window, a Toeplitz ``as_strided`` view): forward AD gives such a primal tangents that
+    are wrong, silently (a basis tangent read as 0; ``ntvp``'s G 0.5-0.97 off, session 58).
+    Sufficient test: sorted by stride, each dim must step over all the smaller ones; a layout
+    that fails it without overlapping is only copied for nothing.
 
     Example:
         >>> _overlaps_itself(torch.zeros(3, 1).expand(3, 5)), _overlaps_itself(torch.zeros(3, 5).T)
         (True, False)
+        >>> _overlaps_itself(torch.zeros(8).unfold(0, 4, 1)), _overlaps_itself(torch.zeros(8)[::2])
+        (True, False)
     """
-    return any(stride == 0 and size > 1
-               for stride, size in zip(tensor.stride(), tensor.shape, strict=True))
+    extent = 1  # entries spanned by the smaller-stride dims so far
+    for stride, size in sorted((s, n) for s, n in zip(tensor.stride(), tensor.shape,
+                                                      strict=True) if n > 1):
+        if stride < extent:
+            return True
+        extent = stride * (size - 1) + extent
+    return False
 
 
 def _rows_per_chunk(problem: Problem, num_rows: int) -> int:
