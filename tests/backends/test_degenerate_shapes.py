@@ -5,8 +5,9 @@ marker, a rank-0 adapter) made every backend but the graph walk raise torch's er
 it was used, and jacobian and ntvp even when it was not (NOTE [empty leaves]); an expanded
 leaf (stride 0) made ntvp raise forward AD's "more than one element ... refers to a single
 memory location", and a leaf of overlapping windows (``unfold``, a Toeplitz ``as_strided``)
-made it return a wrong G, 0.5-0.97 off (session 58's hunt); an output without entries (``K = 0`` rows per sample) made the per-sample
-checks and the kernels' reshapes raise. Found in session 39 by trying shapes by hand.
+made it return a wrong G, 0.5-0.97 off (session 58's hunt); an output without entries
+(``K = 0`` rows per sample) made the per-sample checks and the kernels' reshapes raise.
+Found in session 39 by trying shapes by hand.
 """
 
 from __future__ import annotations

@@ -205,7 +205,7 @@ class SparseWalk:
         compact_outs: list[Tensor | None] = [None] * len(edges)
         if any(e is not None for e in compact_edges):
             compact_outs = self._node_call(
-                node, [None if s is None else s.rows for s in slots], compact_edges)
+                node, [None if s is None else s.rows for s in slots], compact_edges, count)
         for k, edge in enumerate(edges):
             out = compact_outs[k]
             if edge is None or out is None or compact_edges[k] is None:
@@ -232,15 +232,23 @@ class SparseWalk:
                         if edge is not None and out is not None]
         return results
 
-    def _node_call(self, node: Node, grads: list[Tensor | None],
-                   edges: list[Edge | None]) -> list[Tensor | None]:
-        """The caller's gradients; a selection's opened while probing.
+    def _node_call(self, node: Node, grads: list[Tensor | None], edges: list[Edge | None],
+                   probes_from: int | None = None) -> list[Tensor | None]:
+        """The caller's gradients; a selection's opened on the probe rows while probing.
 
-        NOTE [opened selections]: the direction rows are finite, so only the
-        probes' rows change.
+        NOTE [opened selections]: only the probes' rows (``probes_from:``, after the
+        ``count`` direction rows of a compact call) are opened. The direction rows can hold
+        NaN that the selection drops, as torch's backward does: ``sqrt(relu(h))`` at a closed
+        entry gives another sample's row ``0 · ∞`` there; opened, it reached every sample's
+        entries of ``G`` on a signature's first call (session 58's hunt).
         """
         outs = self.caller(node, grads, edges)
-        return opened_call(node, grads, outs) if self._probing else outs
+        if not self._probing or probes_from is None:
+            return outs
+        opened = opened_call(node, [None if g is None else g[probes_from:] for g in grads],
+                             [None if o is None else o[probes_from:] for o in outs])
+        return [out if out is None or probe is None else torch.cat([out[:probes_from], probe])
+                for out, probe in zip(outs, opened, strict=True)]
 
     def _edge_key(self, node: Node, k: int) -> tuple[int, ...]:
         """The key of a decision for ``node``'s ``k``-th edge alone (not its child's slot)."""

@@ -26,7 +26,11 @@ in place or not) is opened: a temporary post-hook (:func:`opened_nodes`, for an 
 pass; :class:`OpenedCaller` for the walk's node calls) adds to each gradient it gives its
 inputs the NaN entries of the cotangent at its output (summed to the input's shape), exact
 zeros elsewhere. The real rows of a pass that carries both (the kernels' check shares the
-backward) are unchanged: they are finite, and an infinite cotangent is not turned into NaN.
+backward) are unchanged where they are finite, and an infinite cotangent is not turned into
+NaN. But a real row can hold NaN that the selection drops, as torch's backward does: behind
+``sqrt(relu(h))`` another sample's row is ``0 · ∞`` at a closed entry. The eager walk, whose
+probe rows ride along with the direction rows, therefore opens the probe rows only (session
+58: before, that NaN reached every sample's entries of ``G`` on a signature's first call).
 The hooks are removed when the pass ends, so the graph (the user's, with ``record()``) is
 left as it was. Cost: two elementwise ops per selection node in the checking pass only.
 
