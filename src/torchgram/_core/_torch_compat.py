@@ -1061,6 +1061,49 @@ _SELF_DIFFERENTIATION = {
 that differentiates itself] in ``census.py``."""
 
 
+# NOTE [saved-tensor hooks that rewrite]
+# ``torch.autograd.graph.saved_tensors_hooks`` can change what the backward reads (activation
+# compression to bf16 or int8, a scale): the graph's derivatives are then not those of the
+# values the forward computed. ``tg.autograd.record()`` taps activations as computed, so a
+# layer recorded under such hooks mixed the true activations with the graph's cotangents:
+# ``G`` and ``.grad`` matched neither torch's backward nor the true Jacobian (0.73 off with a
+# ×2 pack, 1e-3 with int8 compression; session 58's hunt). Such layers are left to the graph
+# walk, which reads what torch's backward reads. torch applies only the innermost pair of
+# hooks; torch's own that keep values (``save_on_cpu``, non-reentrant checkpointing) are known.
+_VALUE_KEEPING_SAVED_HOOKS = (
+    "torch.autograd.graph.save_on_cpu.",
+    "torch.utils.checkpoint._checkpoint_hook.",
+    "torch.utils.checkpoint._recomputation_hook.",
+)
+
+
+def rewriting_saved_tensor_hooks() -> str | None:
+    """The active saved-tensor pack hook's name, unless none or one of torch's that keep values.
+
+    NOTE [saved-tensor hooks that rewrite].
+
+    Example:
+        >>> rewriting_saved_tensor_hooks() is None
+        True
+        >>> with torch.autograd.graph.saved_tensors_hooks(lambda t: t * 2, lambda t: t):
+        ...     rewriting_saved_tensor_hooks()
+        '..._torch_compat.<lambda>'
+        >>> with torch.autograd.graph.save_on_cpu():
+        ...     rewriting_saved_tensor_hooks() is None
+        True
+    """
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    hooks = None if top is None else top(False)
+    if hooks is None:
+        return None
+    pack = hooks[0]
+    name = f"{getattr(pack, '__module__', None) or '?'}." \
+           f"{getattr(pack, '__qualname__', type(pack).__name__)}"
+    if name.startswith(_VALUE_KEEPING_SAVED_HOOKS):
+        return None
+    return name
+
+
 def self_differentiation(func: Any) -> str | None:
     """How ``func`` differentiates (a name), if it is one of :data:`_SELF_DIFFERENTIATION`.
 

@@ -265,6 +265,16 @@ class Recording:
             names.append(name)
 
 
+def _unrecorded(func: Any, match: Match | None, chosen: bool, hooked: str | None) -> str:
+    """Why a call of a leaf was not recorded, as ``explain`` lists it."""
+    if hooked is not None:
+        assert match is not None
+        return f"{match.rule} under saved-tensor hooks that may change values ({hooked})"
+    if not chosen:
+        return describe(func)
+    return f"{match.rule if match else describe(func)} (as an activation)"
+
+
 class _ThreadState(threading.local):
     latest: weakref.ReferenceType[Recording] | None = None
     depth: int = 0
@@ -357,6 +367,9 @@ class RecordMode(TorchFunctionMode):
         rule = rule_for(func)
         match = rule.match(func, args, kwargs) if rule is not None else None
         chosen = self._chosen(match) if match is not None else []
+        hooked = _torch_compat.rewriting_saved_tensor_hooks() if chosen else None
+        if hooked is not None:  # NOTE [saved-tensor hooks that rewrite]: the walk's
+            chosen = []
         result = func(*args, **kwargs)
         if chosen:
             assert match is not None
@@ -366,10 +379,8 @@ class RecordMode(TorchFunctionMode):
         if _has_float_tensor(result):
             for leaf, ref in found:
                 if id(leaf) not in tapped:
-                    recording._note(recording.unrecognised, ref.index,
-                                    describe(func) if not chosen
-                                    else f"{match.rule if match else describe(func)} "
-                                         "(as an activation)")
+                    recording._note(recording.unrecognised, ref.index, _unrecorded(
+                        func, match, bool(chosen), hooked))
         return result
 
     # -- NOTE [eager step taps]: the recurrent rewrite's protocol (NOTE [step taps]) -----------
