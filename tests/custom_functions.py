@@ -105,3 +105,22 @@ class NumpySquare(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> Tensor:
         (x,) = ctx.saved_tensors
         return torch.from_numpy(2 * x.numpy() * grad.numpy())
+
+
+class ItemInBackward(torch.autograd.Function):
+    """``2 x``, new-style, whose backward reads a Python number (``.item()``): each row's
+    backward runs, a backward vmapped over several rows cannot (NOTE [batched backwards that
+    fail])."""
+
+    @staticmethod
+    def forward(x: Tensor) -> Tensor:  # noqa: D102
+        return x * 2
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Tensor], output: Tensor) -> None:  # noqa: D102
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:  # noqa: D102
+        scale = 2.0 if grad.abs().max().item() >= 0 else 0.0
+        return grad * scale

@@ -29,7 +29,12 @@ import torch.utils.checkpoint
 from torch import Tensor
 
 import torchgram as tg
-from custom_functions import FunctionLinear, OldStyleCube, OldStyleFunctionLinear
+from custom_functions import (
+    FunctionLinear,
+    ItemInBackward,
+    OldStyleCube,
+    OldStyleFunctionLinear,
+)
 from reference import dense_cross_kernel, dense_gramian
 
 B, D, H, C = 4, 3, 5, 2
@@ -328,3 +333,35 @@ def test_a_compiled_submodule(backend: str) -> None:
         assert "torch.compile'd code" in str(error) and "backend='graph'" in str(error), error
         return
     torch.testing.assert_close(G, expected, rtol=1e-10, atol=1e-12)
+
+
+UNBATCHABLE_BACKWARDS = {
+    "item-in-backward": lambda h: ItemInBackward.apply(h),
+    "cross-map-lrn": lambda h: torch.nn.CrossMapLRN2d(3)(h[:, :, None, None])[:, :, 0, 0],
+}
+
+
+@pytest.mark.parametrize("backend", ["auto", "structured"])
+@pytest.mark.parametrize("rows", ["two-per-sample", "dense"])
+@pytest.mark.parametrize("body", UNBATCHABLE_BACKWARDS)
+def test_backwards_vmap_cannot_batch_run_one_row_at_a_time(body: str, rows: str,
+                                                           backend: str) -> None:
+    """Several rows per backward used to raise torch's batching errors (session 58)."""
+    inside = UNBATCHABLE_BACKWARDS[body]
+    params = {"w1": torch.randn(H, D, dtype=torch.float64),
+              "w2": torch.randn(C, H, dtype=torch.float64)}
+    x = torch.randn(B, D, dtype=torch.float64)
+
+    def logits(p: dict[str, Tensor], x: Tensor) -> Tensor:
+        return F.linear(torch.tanh(inside(F.linear(x, p["w1"]))), p["w2"])
+
+    f, batch_dim = (logits, 0) if rows == "two-per-sample" else (
+        lambda p, x: logits(p, x).sum(1), None)
+    expected = dense_gramian(f, (params, x))
+    G = tg.gramian(f, backend=backend, batch_dim=batch_dim)(params, x)
+    torch.testing.assert_close(G, expected.gramian if batch_dim is None
+                               else expected.shaped(), rtol=1e-10, atol=1e-12)
+    x2 = torch.randn(3, D, dtype=torch.float64)
+    kernel = tg.ntk.empirical_ntk_fn(logits, trace_axes=(), backend=backend)(x, x2, params)
+    torch.testing.assert_close(kernel, dense_cross_kernel(logits, params, x, x2),
+                               rtol=1e-10, atol=1e-12)

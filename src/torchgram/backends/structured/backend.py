@@ -54,10 +54,13 @@ from torchgram.backends._registry import register
 from torchgram.backends.structured.contraction import Contraction, to_row_major
 from torchgram.backends.structured.cost import Force
 from torchgram.backends.structured.passes import (
+    BatchedBackwardFailed,
     Forward,
     backward_chunks,
     dense_forward,
+    redone_note,
     rows_per_pass,
+    with_row_loops,
 )
 from torchgram.backends.structured.per_sample import per_sample_forward_checked
 from torchgram.backends.structured.plan import StructuredPlan, plan_problem, run_uses
@@ -82,7 +85,12 @@ def run_structured(problem: Problem, plan: StructuredPlan | None = None, *,
         raise self_differentiation_refused(problem.api, "structured", problem.differentiates)
     # NOTE [embedding conventions]: the taps write lookups out; checked after the run
     with checked_conventions(problem, "structured", write_out=False):
-        return _run_structured(problem, plan, forward, force)
+        try:
+            return _run_structured(problem, plan, forward, force)
+        except BatchedBackwardFailed as failed:  # NOTE [batched backwards that fail]
+            result = _run_structured(with_row_loops(problem), None, None, force)
+            result.report.notes.append(redone_note(failed))
+            return result
 
 
 def _run_structured(problem: Problem, plan: StructuredPlan | None, forward: Forward | None,

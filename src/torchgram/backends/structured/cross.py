@@ -56,16 +56,19 @@ from torchgram.backends._registry import register_cross
 from torchgram.backends.structured.contraction import Factor, UseFactors, materialize_use
 from torchgram.backends.structured.cost import LeafPlan
 from torchgram.backends.structured.passes import (
+    BatchedBackwardFailed,
     Forward,
     backward_chunks,
     batched_forward,
     dense_forward,
     forget_trace,
     per_sample_view,
+    redone_note,
     restrict,
     row_grads,
     rows_per_pass,
     trace,
+    with_row_loops,
 )
 from torchgram.backends.structured.per_sample import (
     _check_batched,
@@ -809,7 +812,15 @@ def _take_rows(side: Side, start: int, stop: int) -> Side:
 def structured_cross(problem: CrossProblem) -> CrossResult:
     """The structured backend's kernel blocks (NOTE [structured cross kernels])."""
     with checked_conventions(problem.left, "structured", write_out=False):
-        return _structured_cross(problem)
+        try:
+            return _structured_cross(problem)
+        except BatchedBackwardFailed as failed:  # NOTE [batched backwards that fail]
+            result = _structured_cross(dataclasses.replace(
+                problem, left=with_row_loops(problem.left),
+                rights=tuple(None if side is None else with_row_loops(side)
+                             for side in problem.rights)))
+            result.report.notes.append(redone_note(failed))
+            return result
 
 
 def _structured_cross(problem: CrossProblem) -> CrossResult:

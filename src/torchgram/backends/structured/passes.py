@@ -621,6 +621,37 @@ def backward_chunks(forward: Forward, per_pass: int, *, vectorize: bool,
         yield start, stop, tap_cots, carrier_grads
 
 
+# NOTE [batched backwards that fail]
+# Several rows' backward runs as one, vmapped over the cotangents (``is_grads_batched``). A
+# custom ``autograd.Function`` whose backward vmap cannot run (``.item()`` or ``.numpy()`` in
+# it; ``nn.CrossMapLRN2d``, whose backward calls ``grad.new``) makes that raise, though each
+# row's backward alone runs: with several rows per backward (``batch_dim=None``, or several
+# outputs per sample) ``structured`` and ``auto`` raised torch's error until session 58. The
+# backends now redo the call with one row per backward, as ``chunk_size=1`` does (NOTE [vmap
+# or loop]) on a copy of the problem marked ``unbatched`` (:func:`with_row_loops`). The failed
+# attempt's graph may be partly freed, so the redo evaluates ``f`` again.
+
+
+class BatchedBackwardFailed(RuntimeError):
+    """A backward of several rows at once failed where one row's may not (see the NOTE)."""
+
+    def __init__(self, error: RuntimeError) -> None:
+        text = str(error).strip()
+        self.reason = f"{type(error).__name__}: {text.splitlines()[0][:120] if text else ''}"
+        super().__init__(f"a backward of several rows at once (vmapped) failed: {self.reason}")
+
+
+def with_row_loops(problem: Problem) -> Problem:
+    """``problem`` with one row per backward (NOTE [batched backwards that fail])."""
+    return dataclasses.replace(problem,
+                               unbatched=(*problem.unbatched, "a backward vmap cannot batch"))
+
+
+def redone_note(failed: BatchedBackwardFailed) -> str:
+    """The report's note of a call redone with one row per backward."""
+    return f"a batched backward failed ({failed.reason}); one row per backward instead"
+
+
 def row_grads(rows: Tensor, inputs: Sequence[Any], cot: Tensor, *, batched: bool,
            retain_graph: bool, create_graph: bool) -> tuple[Tensor | None, ...]:
     """``autograd.grad`` of ``rows`` for the cotangents ``cot`` (``[c, *rows]``).
@@ -634,9 +665,14 @@ def row_grads(rows: Tensor, inputs: Sequence[Any], cot: Tensor, *, batched: bool
     and fail outright through layer norm, so no batched differentiable backward is trusted.
     """
     if not create_graph:
-        return torch.autograd.grad(rows, inputs, cot if batched else cot[0],
-                                   retain_graph=retain_graph, allow_unused=True,
-                                   is_grads_batched=batched)
+        try:
+            return torch.autograd.grad(rows, inputs, cot if batched else cot[0],
+                                       retain_graph=retain_graph, allow_unused=True,
+                                       is_grads_batched=batched)
+        except RuntimeError as error:
+            if not batched:
+                raise
+            raise BatchedBackwardFailed(error) from error  # NOTE [batched backwards that fail]
     if batched:
         per_row = [torch.autograd.grad(rows, inputs, c, retain_graph=True, create_graph=True,
                                        allow_unused=True) for c in cot]

@@ -43,10 +43,12 @@ from torchgram.backends.structured.contraction import (
 )
 from torchgram.backends.structured.cost import LeafPlan, Sizes, Way, plan_leaf
 from torchgram.backends.structured.passes import (
+    BatchedBackwardFailed,
     ForwardKind,
     backward_chunks,
     dense_forward,
     rows_per_pass,
+    with_row_loops,
 )
 from torchgram.backends.structured.per_sample import per_sample_forward_checked
 from torchgram.backends.structured.plan import plan_problem, run_uses
@@ -125,6 +127,13 @@ def pass_payloads(problem: Problem, *, dense: bool = False) -> PassPayloads:
     which raises ``NotPerSample`` where it does not hold; otherwise (or with ``dense``) the
     rows of the whole batch. Rows come in the backend's ``(r, b)`` order.
     """
+    try:
+        return _pass_payloads(problem, dense)
+    except BatchedBackwardFailed:  # NOTE [batched backwards that fail]
+        return _pass_payloads(with_row_loops(problem), dense)
+
+
+def _pass_payloads(problem: Problem, dense: bool) -> PassPayloads:
     with torch.enable_grad():
         if dense or problem.batch is None:
             forward = dense_forward(problem)
