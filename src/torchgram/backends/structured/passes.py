@@ -670,7 +670,7 @@ def row_grads(rows: Tensor, inputs: Sequence[Any], cot: Tensor, *, batched: bool
                                        retain_graph=retain_graph, allow_unused=True,
                                        is_grads_batched=batched)
         except RuntimeError as error:
-            if not batched:
+            if not batched or type(error) is not RuntimeError:  # torchgram's own: as they are
                 raise
             raise BatchedBackwardFailed(error) from error  # NOTE [batched backwards that fail]
     if batched:
