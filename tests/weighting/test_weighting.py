@@ -392,6 +392,15 @@ def test_imtl_g_hand_derived() -> None:
     )
 
 
+@pytest.mark.parametrize("G", [torch.zeros(3, 3, dtype=torch.float64),
+                               torch.tensor([[5.0, -5.0], [-5.0, 5.0]], dtype=torch.float64)],
+                         ids=["zero", "opposite-rows"])
+def test_imtl_g_without_eps_gives_zeros_where_the_sum_vanishes(G: Tensor) -> None:
+    """``eps=0``: an exactly zero ``Σ v`` gave NaN or infinite weights (session 58's hunt)."""
+    assert_close(weighting.imtl_g(G, eps=0.0), torch.zeros(G.shape[0], dtype=torch.float64),
+                 **EXACT_TOL[torch.float64])
+
+
 @pytest.mark.parametrize("m", [2, 5, 16], ids=lambda m: f"m={m}")
 def test_imtl_g_equalises_projections(m: int) -> None:
     G = make_gramian(m, "full-rank", seed=m)

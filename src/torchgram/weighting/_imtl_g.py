@@ -22,7 +22,7 @@ def imtl_g(G: Tensor, /, *, eps: float = 1e-12) -> Tensor:
     .. math::
 
         v = G^{+} n, \qquad w = \frac{v}{\mathbf 1^\top v}
-        \quad (w = 0 \text{ if } |\mathbf 1^\top v| < \varepsilon),
+        \quad (w = 0 \text{ if } |\mathbf 1^\top v| \le \varepsilon),
 
     where ``G⁺`` is the Moore–Penrose pseudo-inverse. As in torchjd's ``IMTLGWeighting`` (which
     calls ``torch.linalg.pinv`` with its default cut-off), singular values of ``G`` below
@@ -37,8 +37,10 @@ def imtl_g(G: Tensor, /, *, eps: float = 1e-12) -> Tensor:
 
     Args:
         G: The Gramian ``J Jᵀ`` of shape ``[m, m]``, symmetric positive semi-definite.
-        eps: If ``|Σ v| < eps`` the weights are all zero (e.g. for a zero Gramian). The default
-            is torchjd's. The weights are scale-invariant in ``G``, but ``eps`` is not.
+        eps: If ``|Σ v| ≤ eps`` the weights are all zero (e.g. for a zero Gramian, or rows
+            that cancel). The default is torchjd's. The weights are scale-invariant in ``G``,
+            but ``eps`` is not. With ``eps = 0`` only an exactly zero sum gives zeros (with
+            ``<``, as before session 58, it gave NaN or infinite weights).
 
     Returns:
         The weights ``w`` (summing to one unless they are all zero), shape ``[m]``, with ``G``'s
@@ -78,7 +80,7 @@ def imtl_g(G: Tensor, /, *, eps: float = 1e-12) -> Tensor:
         # a trained MLP's per-sample Gramian: 9e-3 against 1e-5; a helper's hunt, session 57).
         v = torch.linalg.pinv(G64, rtol=rtol) @ norms
     total = v.sum()
-    weights = torch.where(total.abs() < eps, torch.zeros_like(v), v / total)
+    weights = torch.where(total.abs() <= eps, torch.zeros_like(v), v / total)
     return weights.to(G.dtype)
 
 

@@ -26,8 +26,10 @@ def mgda(G: Tensor, /, *, state: WarmStart | None = None) -> Tensor:
     ``Jᵀw`` is the common descent direction of largest guaranteed decrease (zero at a Pareto
     stationary point). The optimality (KKT) conditions, which the result satisfies to about
     1e-10 relative to ``trace(G)`` in float64 (the solver regularises each row in its own
-    units, so rows whose norms spread over many decades are resolved too: NOTE [jitter in
-    each row's units]), are
+    units, so rows whose norms spread over several decades are resolved too: NOTE [jitter in
+    each row's units]; once ``G``'s diagonal spans more than float64's 16 digits, a vertex
+    of the shortest rows can lie below ``G``'s round-off and the answer is then optimal to
+    that bound only, as any float64 solver's), are
     ``w ≥ 0``, ``Σ w = 1`` and ``(G w)_i ≥ wᵀGw`` for every ``i``, with equality where
     ``w_i > 0``. A zero row gives its vertex (``Jᵀw = 0``).
 
