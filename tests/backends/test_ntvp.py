@@ -455,3 +455,22 @@ def test_a_non_finite_jacobian_is_not_declined() -> None:
     actual = tg.gramian(f, backend="ntvp")(params, x)
     assert not bool(wanted.isfinite().any())
     assert not bool(actual.isfinite().any())
+
+
+def test_a_tangent_torch_shapes_wrongly_is_a_refusal_naming_who_can() -> None:
+    """``weight_norm(dim=None)`` (a 0-d ``g``): torch's forward-mode formula of
+    ``_weight_norm`` gives its tangent another shape; a raw torch error until session 58."""
+    from torch.nn.utils.parametrizations import weight_norm
+
+    torch.manual_seed(0)
+    model = weight_norm(torch.nn.Linear(5, 4).double(), dim=None)
+    fn, params = tg.functionalize(model)
+    x = torch.randn(3, 5, dtype=torch.float64)
+
+    def losses(p: dict[str, Tensor], x: Tensor) -> Tensor:
+        return fn(p, x).sin().sum(1)
+
+    with pytest.raises(NotImplementedError, match="backend='jacobian' or backend='graph'"):
+        tg.gramian(losses, backend="ntvp", batch_dim=0)(params, x)
+    expected = tg.gramian(losses, backend="jacobian", batch_dim=0)(params, x)
+    torch.testing.assert_close(tg.gramian(losses, batch_dim=0)(params, x), expected)

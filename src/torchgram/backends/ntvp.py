@@ -555,6 +555,14 @@ def _forward_mode(problem: Problem) -> Iterator[None]:
                 problem.api, "ntvp", f"forward-mode AD that torch runs {where}",
                 f"torch's error in forward mode {where}: {str(err).splitlines()[0]}",
                 _ALTERNATIVES, fix) from err
+        if missing is None and isinstance(err, RuntimeError) and \
+                _FORWARD_GRADIENT_SHAPE in str(err):
+            # torch's own forward-mode formula gives a tangent of another shape than its
+            # primal (_weight_norm with a 0-d g: weight_norm(dim=None); session 58's hunt)
+            raise BackendCannotRun(
+                problem.api, "ntvp", "forward-mode derivatives that torch computes for f's ops",
+                f"torch's error in forward mode: {str(err).splitlines()[0]}", _ALTERNATIVES,
+                "") from err
         if missing is None:
             raise
         kind, name = missing
@@ -571,6 +579,9 @@ def _forward_mode(problem: Problem) -> Iterator[None]:
             problem.api, "ntvp", "every operation of f to support forward-mode AD "
             "(it pushes vjps forward with torch.func.jvp)", got, _ALTERNATIVES,
             fix) from err
+
+
+_FORWARD_GRADIENT_SHAPE = "Trying to set a forward gradient that has a different size"
 
 
 def _functions_without_jvp(problem: Problem) -> str:
