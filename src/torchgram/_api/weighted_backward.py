@@ -49,6 +49,9 @@ def backward(
             the recorded factors instead of a second backward (NOTE [Jᵀw from the recording]).
         chunk_size: Rows per vectorized node call of the Gramian's graph walk.
         retain_graph: Keep the graph after the backward pass (as in ``torch.autograd``).
+            Without it the graph may be freed before the weighting runs (under
+            :func:`record`, ``Jᵀ w`` comes from the recorded factors and the Gramian's pass
+            is the last one): to call again after a weighting that raised, pass ``True``.
         with_info: Also return a :class:`BackwardInfo`: the Gramian and where the step's
             time went (Gramian, weighting, ``Jᵀ w``).
 
