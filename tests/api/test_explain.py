@@ -206,3 +206,23 @@ def test_a_stale_probe_of_a_random_f_starts_from_the_calls_own_draw() -> None:
     report = tg.explain(f, batch_dim=0, run=True)(p, x)
     torch.testing.assert_close(report.gramian, wanted, rtol=1e-10, atol=1e-12)
     assert torch.equal(torch.get_rng_state(), after_one_call)
+
+
+def test_the_plan_of_a_random_f_after_a_call_is_what_runs() -> None:
+    """Without ``batch_dim``, a later call's plan (from the cached trace, ``f`` not evaluated
+    yet) did not know that ``f`` draws: it named ``jacobian``, which then refused (session
+    58's hunt)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Dropout(0.3),
+                                torch.nn.Linear(8, 2)).double().train()
+    fn, params = tg.functionalize(model)
+    x = torch.randn(4, 5, dtype=torch.float64)
+
+    def rows(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return fn(p, x).sin().sum(1)
+
+    tg.gramian(rows)(params, x)
+    plan = tg.explain(rows)(params, x)
+    ran = tg.explain(rows, run=True)(params, x)
+    assert plan.backend == ran.backend == "structured"
+    assert ran.ran.attempts == [], ran.ran.attempts

@@ -529,6 +529,9 @@ def dense_forward(problem: Problem, *, fuse: bool = True) -> Forward:
 
     mode, rows, aux = _tapped_rows(problem, tuple(carriers), dense_mode)
     mode.note_unseen_uses(rows, carriers)  # NOTE [unseen uses]
+    # as the trace's: kept as the trace by auto's plan, whose later calls (f not evaluated
+    # yet) read from it that f draws (they planned the jacobian backend first, which refuses)
+    mode.recording.draws = problem.draw.drew()
     used = sorted(mode.recording.unrecognised)
     mode.recording.rows = rows.numel()
     return Forward("dense", mode.recording, 1, rows.numel(),
