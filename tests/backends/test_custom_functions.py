@@ -365,3 +365,23 @@ def test_backwards_vmap_cannot_batch_run_one_row_at_a_time(body: str, rows: str,
     kernel = tg.ntk.empirical_ntk_fn(logits, trace_axes=(), backend=backend)(x, x2, params)
     torch.testing.assert_close(kernel, dense_cross_kernel(logits, params, x, x2),
                                rtol=1e-10, atol=1e-12)
+
+
+def test_a_signature_whose_batched_backward_failed_runs_one_row_at_a_time_at_once() -> None:
+    """Later calls of the signature do not fail and redo again (twice the evaluations)."""
+    params = {"w1": torch.randn(H, D, dtype=torch.float64),
+              "w2": torch.randn(C, H, dtype=torch.float64)}
+    x = torch.randn(B, D, dtype=torch.float64)
+    evaluations = []
+
+    def losses(p: dict[str, Tensor], x: Tensor) -> Tensor:
+        evaluations.append(1)
+        return F.linear(torch.tanh(ItemInBackward.apply(F.linear(x, p["w1"]))), p["w2"]).sum(1)
+
+    gramian = tg.gramian(losses, backend="structured")
+    counts = []
+    for _ in range(3):
+        evaluations.clear()
+        gramian(params, x)
+        counts.append(len(evaluations))
+    assert counts[1:] == [1, 1], counts

@@ -1070,8 +1070,11 @@ that differentiates itself] in ``census.py``."""
 # ×2 pack, 1e-3 with int8 compression; session 58's hunt). Such layers are left to the graph
 # walk, which reads what torch's backward reads. torch applies only the innermost pair of
 # hooks; torch's own that keep values (``save_on_cpu``, non-reentrant checkpointing) are known.
-_VALUE_KEEPING_SAVED_HOOKS = (
-    "torch.autograd.graph.save_on_cpu.",
+# A checkpoint's region saves its inputs through the pair below its own (the review of
+# session 58: a checkpoint inside a compression hook recomputed from compressed inputs, G
+# 0.64 off), so below a checkpoint's pair the next one counts too.
+_VALUE_KEEPING_SAVED_HOOKS = ("torch.autograd.graph.save_on_cpu.",)
+_CHECKPOINT_SAVED_HOOKS = (
     "torch.utils.checkpoint._checkpoint_hook.",
     "torch.utils.checkpoint._recomputation_hook.",
 )
@@ -1092,16 +1095,30 @@ def rewriting_saved_tensor_hooks() -> str | None:
         ...     rewriting_saved_tensor_hooks() is None
         True
     """
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    hooks = None if top is None else top(False)
-    if hooks is None:
+    autograd = torch._C._autograd
+    top = getattr(autograd, "_top_saved_tensors_default_hooks", None)
+    pop = getattr(autograd, "_pop_saved_tensors_default_hooks", None)
+    push = getattr(autograd, "_push_saved_tensors_default_hooks", None)
+    if top is None or pop is None or push is None:
         return None
-    pack = hooks[0]
-    name = f"{getattr(pack, '__module__', None) or '?'}." \
-           f"{getattr(pack, '__qualname__', type(pack).__name__)}"
-    if name.startswith(_VALUE_KEEPING_SAVED_HOOKS):
-        return None
-    return name
+    below: list[tuple[Any, Any]] = []  # checkpoints' pairs, taken off to read the next one
+    try:
+        while True:
+            hooks = top(False)
+            if hooks is None:
+                return None
+            pack = hooks[0]
+            name = f"{getattr(pack, '__module__', None) or '?'}." \
+                   f"{getattr(pack, '__qualname__', type(pack).__name__)}"
+            if name.startswith(_VALUE_KEEPING_SAVED_HOOKS):
+                return None
+            if not name.startswith(_CHECKPOINT_SAVED_HOOKS):
+                return name
+            below.append(hooks)
+            pop()
+    finally:
+        for hooks in reversed(below):
+            push(*hooks)
 
 
 def self_differentiation(func: Any) -> str | None:

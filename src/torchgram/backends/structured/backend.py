@@ -58,9 +58,10 @@ from torchgram.backends.structured.passes import (
     Forward,
     backward_chunks,
     dense_forward,
+    redone,
     redone_note,
+    row_loops_if_known,
     rows_per_pass,
-    with_row_loops,
 )
 from torchgram.backends.structured.per_sample import per_sample_forward_checked
 from torchgram.backends.structured.plan import StructuredPlan, plan_problem, run_uses
@@ -85,12 +86,15 @@ def run_structured(problem: Problem, plan: StructuredPlan | None = None, *,
         raise self_differentiation_refused(problem.api, "structured", problem.differentiates)
     # NOTE [embedding conventions]: the taps write lookups out; checked after the run
     with checked_conventions(problem, "structured", write_out=False):
+        problem, known = row_loops_if_known(problem)  # NOTE [batched backwards that fail]
         try:
-            return _run_structured(problem, plan, forward, force)
-        except BatchedBackwardFailed as failed:  # NOTE [batched backwards that fail]
-            result = _run_structured(with_row_loops(problem), None, None, force)
-            result.report.notes.append(redone_note(failed))
-            return result
+            result = _run_structured(problem, plan, forward, force)
+        except BatchedBackwardFailed as failed:
+            problem, known = redone(problem, failed)
+            result = _run_structured(problem, None, None, force)
+        if known is not None:
+            result.report.notes.append(redone_note(known))
+        return result
 
 
 def _run_structured(problem: Problem, plan: StructuredPlan | None, forward: Forward | None,

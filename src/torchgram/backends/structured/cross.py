@@ -63,9 +63,11 @@ from torchgram.backends.structured.passes import (
     dense_forward,
     forget_trace,
     per_sample_view,
+    redone,
     redone_note,
     restrict,
     row_grads,
+    row_loops_if_known,
     rows_per_pass,
     trace,
     with_row_loops,
@@ -812,15 +814,23 @@ def _take_rows(side: Side, start: int, stop: int) -> Side:
 def structured_cross(problem: CrossProblem) -> CrossResult:
     """The structured backend's kernel blocks (NOTE [structured cross kernels])."""
     with checked_conventions(problem.left, "structured", write_out=False):
+        left, known = row_loops_if_known(problem.left)  # NOTE [batched backwards that fail]
+        if known is not None:
+            problem = _with_row_loops(problem, left)
         try:
-            return _structured_cross(problem)
-        except BatchedBackwardFailed as failed:  # NOTE [batched backwards that fail]
-            result = _structured_cross(dataclasses.replace(
-                problem, left=with_row_loops(problem.left),
-                rights=tuple(None if side is None else with_row_loops(side)
-                             for side in problem.rights)))
-            result.report.notes.append(redone_note(failed))
-            return result
+            result = _structured_cross(problem)
+        except BatchedBackwardFailed as failed:
+            left, known = redone(problem.left, failed)
+            result = _structured_cross(_with_row_loops(problem, left))
+        if known is not None:
+            result.report.notes.append(redone_note(known))
+        return result
+
+
+def _with_row_loops(problem: CrossProblem, left: Problem) -> CrossProblem:
+    """Both sides with one row per backward (NOTE [batched backwards that fail])."""
+    return dataclasses.replace(problem, left=left, rights=tuple(
+        None if side is None else with_row_loops(side) for side in problem.rights))
 
 
 def _structured_cross(problem: CrossProblem) -> CrossResult:

@@ -644,15 +644,35 @@ class BatchedBackwardFailed(RuntimeError):
         super().__init__(f"a backward of several rows at once (vmapped) failed: {self.reason}")
 
 
+_BATCHED_BACKWARD_FAILED = LruCache[str](maxsize=64)
+"""Call signatures whose batched backward failed, with why (NOTE [batched backwards that fail])."""
+
+
 def with_row_loops(problem: Problem) -> Problem:
     """``problem`` with one row per backward (NOTE [batched backwards that fail])."""
     return dataclasses.replace(problem,
                                unbatched=(*problem.unbatched, "a backward vmap cannot batch"))
 
 
-def redone_note(failed: BatchedBackwardFailed) -> str:
-    """The report's note of a call redone with one row per backward."""
-    return f"a batched backward failed ({failed.reason}); one row per backward instead"
+def row_loops_if_known(problem: Problem) -> tuple[Problem, str | None]:
+    """``problem``, with one row per backward where its signature's batched backward failed.
+
+    Returns the problem to run and the reason, if one was known (later calls of a signature
+    then do not fail and redo each time: twice the evaluations, the review of session 58).
+    """
+    reason = _BATCHED_BACKWARD_FAILED.get(_trace_key(problem))
+    return (problem, None) if reason is None else (with_row_loops(problem), reason)
+
+
+def redone(problem: Problem, failed: BatchedBackwardFailed) -> tuple[Problem, str]:
+    """Remember that ``problem``'s batched backward failed; the problem to redo and why."""
+    _BATCHED_BACKWARD_FAILED.put(_trace_key(problem), failed.reason)
+    return with_row_loops(problem), failed.reason
+
+
+def redone_note(reason: str) -> str:
+    """The report's note of a call run with one row per backward."""
+    return f"a batched backward failed ({reason}); one row per backward instead"
 
 
 def row_grads(rows: Tensor, inputs: Sequence[Any], cot: Tensor, *, batched: bool,

@@ -47,8 +47,9 @@ from torchgram.backends.structured.passes import (
     ForwardKind,
     backward_chunks,
     dense_forward,
+    redone,
+    row_loops_if_known,
     rows_per_pass,
-    with_row_loops,
 )
 from torchgram.backends.structured.per_sample import per_sample_forward_checked
 from torchgram.backends.structured.plan import plan_problem, run_uses
@@ -127,10 +128,11 @@ def pass_payloads(problem: Problem, *, dense: bool = False) -> PassPayloads:
     which raises ``NotPerSample`` where it does not hold; otherwise (or with ``dense``) the
     rows of the whole batch. Rows come in the backend's ``(r, b)`` order.
     """
+    problem, _ = row_loops_if_known(problem)  # NOTE [batched backwards that fail]
     try:
         return _pass_payloads(problem, dense)
-    except BatchedBackwardFailed:  # NOTE [batched backwards that fail]
-        return _pass_payloads(with_row_loops(problem), dense)
+    except BatchedBackwardFailed as failed:
+        return _pass_payloads(redone(problem, failed)[0], dense)
 
 
 def _pass_payloads(problem: Problem, dense: bool) -> PassPayloads:
