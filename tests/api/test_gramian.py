@@ -12,6 +12,7 @@ from torch import nn
 
 import torchgram as tg
 from reference import dense_gramian
+from torchgram._core import checks
 from zoo import build
 
 API = re.escape("torchgram.gramian")
@@ -129,8 +130,11 @@ def test_chunk_sizes_all_agree(chunk_size: int, batch_dim: int | None) -> None:
 def test_integer_like_chunk_sizes_are_their_value(chunk_size: object) -> None:
     case = build("mlp_logits")
     expected = dense_gramian(case.f, case.args).shaped()
-    G = tg.gramian(case.f, chunk_size=chunk_size, memory_budget=np.int64(2**30))(*case.args)
+    transform = tg.gramian(case.f, chunk_size=chunk_size, memory_budget=np.int64(2**30))
+    G = transform(*case.args)
     torch.testing.assert_close(G, expected)
+    value = checks.positive_int(API, "chunk_size", chunk_size, "")
+    assert type(value) is int and value == 4
 
 
 # -- configuration errors, raised when the transform is built --------------------------------
@@ -148,6 +152,10 @@ BAD_CONFIGURATIONS = [
     (dict(chunk_size=2.5), TypeError, "chunk_size to be None or a positive int"),
     (dict(chunk_size=torch.tensor(2.0)), TypeError, "chunk_size to be None or a positive int"),
     (dict(chunk_size=True), TypeError, "chunk_size to be None or a positive int"),
+    (dict(chunk_size=torch.tensor(True)), TypeError, "chunk_size to be None or a positive int"),
+    (dict(chunk_size=torch.tensor([2])), TypeError, "chunk_size to be None or a positive int"),
+    (dict(chunk_size=torch.empty((), dtype=torch.int64, device="meta")), TypeError,
+     "chunk_size to be None or a positive int"),
     (dict(memory_budget=0), ValueError, "memory_budget to be a positive int"),
     (dict(backend="fastest"), ValueError, "backend to be one of 'auto'"),
     (dict(batch_dim="0"), TypeError, "batch_dim to be None or an int"),

@@ -10,6 +10,8 @@ import operator
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
+import torch
+
 
 def message(api: str, expected: str, got: str, fix: str) -> str:
     """Torchgram's error message layout: the API, what it expected, what it got, the fix.
@@ -85,10 +87,16 @@ def positive_int(api: str, name: str, value: Any, hint: str) -> int | None:
     """
     if value is None:
         return None
-    try:
-        number = None if isinstance(value, bool) else operator.index(value)
-    except TypeError:
-        number = None
+    number: int | None = None
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0 and not value.is_floating_point() and not value.is_complex() \
+                and value.dtype != torch.bool and value.device.type != "meta":
+            number = int(value.item())
+    elif not isinstance(value, bool):
+        try:
+            number = operator.index(value)  # numpy integers; numpy bools refuse it
+        except TypeError:
+            pass
     if number is None:
         fail(api, f"{name} to be None or a positive int", repr(value), hint, TypeError)
     if number <= 0:

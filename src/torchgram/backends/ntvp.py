@@ -561,7 +561,8 @@ def _forward_mode(problem: Problem) -> Iterator[None]:
             # primal (_weight_norm with a 0-d g: weight_norm(dim=None); session 58's hunt)
             raise BackendCannotRun(
                 problem.api, "ntvp", "forward-mode derivatives that torch computes for f's ops",
-                f"torch's error in forward mode: {str(err).splitlines()[0]}", _ALTERNATIVES,
+                f"torch's error in forward mode: {str(err).splitlines()[0].rstrip('.')}",
+                _ALTERNATIVES,
                 "") from err
         if missing is None:
             raise
