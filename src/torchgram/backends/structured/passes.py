@@ -56,6 +56,7 @@ from torchgram._core.signature import LruCache, call_signature
 from torchgram._core.threads import math_attention
 from torchgram.backends.structured.selections import SELECTION_NODES
 from torchgram.backends.structured.trace import (
+    HookOnTap,
     NotBatched,
     Recording,
     TapMode,
@@ -336,13 +337,21 @@ def _tapped_rows(problem: Problem, carriers: tuple[Tensor, ...],
     Run again with the original calls' layouts when the first run rewrote a call and ``f``
     drew random numbers (NOTE [rewritten layouts]).
     """
-    mode = make_mode(False)
-    with mode:
-        rows, aux = problem.rows(carriers)
-    if mode.rewrote and problem.draw.random:
-        mode = make_mode(True)
+    try:
+        mode = make_mode(False)
         with mode:
             rows, aux = problem.rows(carriers)
+        if mode.rewrote and problem.draw.random:
+            mode = make_mode(True)
+            with mode:
+                rows, aux = problem.rows(carriers)
+    except HookOnTap as hooked:  # NOTE [hooks on taps]
+        raise BackendCannotRun(
+            problem.api, "structured", "f without gradient hooks on the outputs of the calls "
+            "it taps (torch hands such an output's gradient to the taps before the hook)",
+            f"Tensor.register_hook on the output of a {hooked.rule} call inside f",
+            ("jacobian",), "Or register the hook on a tensor computed from that output (after "
+            "the activation), or outside f.") from hooked
     mode.note_rows(rows)
     return mode, rows, aux
 

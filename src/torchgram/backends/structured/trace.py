@@ -132,6 +132,26 @@ class NotBatched(RuntimeError):
     """A batched run cannot read per-sample pieces (NOTE [shared taps]); stop it."""
 
 
+class HookOnTap(RuntimeError):  # noqa: N818 -- reads as a statement
+    """``f`` registered a gradient hook on a tapped call's output (NOTE [hooks on taps])."""
+
+    def __init__(self, rule: str) -> None:
+        super().__init__(rule)
+        self.rule = rule
+
+
+# NOTE [hooks on taps]
+# A tap is mostly the gradient edge of the tapped call's output (NOTE [tap edges]), and one
+# backward gives every tap's cotangent (``autograd.grad`` with the taps as inputs). torch
+# 2.13 captures an input's gradient *before* the tensor hooks registered on it when the
+# backward goes on past it (to taps further up): a hook on a layer's output
+# (``o.register_hook(lambda g: 5 * g)``, activation-gradient clipping or scaling) was
+# missing from that layer's own weight block, G 0.08 off and the update 0.15 off on
+# ``structured`` and on ``auto`` (session 58's hunt). Hooks on other tensors run as torch
+# runs them. So a tapping mode making edge taps stops at such a registration and the
+# structured backend declines, naming ``jacobian`` (whose per-row vjps run the hooks).
+
+
 @dataclass(frozen=True)
 class LeafRef:
     """Leaf ``index``, its transpose, or a view of it with the entries in the same order.
@@ -937,6 +957,7 @@ class TapMode(TorchFunctionMode):
             recording.transform_refusals.append(_CHECKPOINT_REGION)
         if func in GRADIENT_HOOKS:
             recording.gradient_hooks = True
+            self._check_hook_target(args[0] if args else None)
         if func in _FUSED_RNNS and len(args) > 1 and isinstance(args[1], Tensor) \
                 and _PACKED_RNN not in recording.transform_refusals:  # batch_sizes: packed
             recording.transform_refusals.append(_PACKED_RNN)
@@ -1055,6 +1076,16 @@ class TapMode(TorchFunctionMode):
             return ("under saved-tensor hooks (a torch.utils.checkpoint region, whose backward "
                     "recomputes it without taps)")
         return None
+
+    def _check_hook_target(self, tensor: Any) -> None:
+        """Stop at a gradient hook on a tap edge's tensor (NOTE [hooks on taps])."""
+        if not isinstance(tensor, Tensor) or tensor.grad_fn is None:
+            return
+        for index, tap in enumerate(self.made_taps):
+            if isinstance(tap, GradientEdge) and tap.node is tensor.grad_fn \
+                    and tap.output_nr == tensor.output_nr:
+                taps = self.recording.taps
+                raise HookOnTap(taps[index].rule if index < len(taps) else "a tapped call")
 
     def _tap(self, match: Match, found: list[tuple[Tensor, LeafRef]]) -> Tensor | None:
         chosen = self._recognised(match)
