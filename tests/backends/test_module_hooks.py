@@ -217,3 +217,18 @@ def test_a_hook_on_a_layer_output_is_in_that_layer_block(backend: str,
     pulled = info.weights.reshape(-1) @ expected.jacobian
     flat = torch.cat([update[name].reshape(-1) for name in sorted(params)])
     torch.testing.assert_close(flat, pulled, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("batch_dim", [0, None], ids=["batch0", "nobatch"])
+def test_explain_predicts_what_runs_with_a_hook_on_a_layer_output(batch_dim: int | None) -> None:
+    generator = torch.Generator().manual_seed(0)
+    params = {"w0": torch.randn(3, 4, generator=generator, dtype=torch.float64),
+              "w1": torch.randn(4, 4, generator=generator, dtype=torch.float64),
+              "w2": torch.randn(4, 20, generator=generator, dtype=torch.float64)}
+    x = torch.randn(64, 3, generator=generator, dtype=torch.float64)
+    predicted = tg.explain(_layer_output_hooked, batch_dim=batch_dim)(params, x)
+    ran = tg.explain(_layer_output_hooked, batch_dim=batch_dim, run=True)(params, x).ran
+    assert ran is not None
+    assert predicted.backend == ran.backend != "structured", ran
+    # without batch_dim, auto's planning forward is the tapped one that meets the hook
+    assert all(name == "structured" for name, _ in ran.attempts), ran.attempts

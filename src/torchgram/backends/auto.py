@@ -236,6 +236,8 @@ def plan_auto(problem: Problem) -> AutoPlan:
                     *((LAST_RESORT,) if hooks else ()))
     if structured.recording.gradient_hooks:  # NOTE [gradient hooks inside f]
         refusing = (*refusing, "ntvp", LAST_RESORT)
+    if structured.recording.hooked_tap is not None:  # NOTE [hooks on taps]
+        refusing = (*refusing, "structured")
     order = (*(n for n in order if n not in refusing), *(n for n in order if n in refusing))
     return AutoPlan(structured, estimates, order, forward)
 

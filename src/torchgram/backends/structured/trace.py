@@ -245,6 +245,7 @@ class Recording:
 
     taps: list[TapRecord] = field(default_factory=list)
     uses: list[UseRecord] = field(default_factory=list)
+    hooked_tap: str | None = None  # the rule of a call whose output f hooks: NOTE [hooks on taps]
     unrecognised: dict[int, list[str]] = field(default_factory=dict)
     unrecognised_flops: dict[int, int] = field(default_factory=dict)
     rows: int | None = None
@@ -634,6 +635,9 @@ class TapMode(TorchFunctionMode):
                                           list[tuple[Tensor, int] | None]]] = []
         self._next_act = 0
         self.made_taps: list[Tensor | GradientEdge] = []
+        # the outputs of tap edges (a trace's: of calls a run taps by edge), by node and
+        # output number: NOTE [hooks on taps]
+        self._edge_outputs: dict[tuple[int, int], int] = {}
         self._samples = samples
         self._keep_acts = keep_acts or taps != "trace"
         # NOTE [shared taps]: id -> (tap index, the tapped output, the layout calls since)
@@ -1078,14 +1082,19 @@ class TapMode(TorchFunctionMode):
         return None
 
     def _check_hook_target(self, tensor: Any) -> None:
-        """Stop at a gradient hook on a tap edge's tensor (NOTE [hooks on taps])."""
+        """At a gradient hook on a tap edge's tensor, stop a run or note it in a trace.
+
+        NOTE [hooks on taps]; a trace's plan then puts the structured backend last.
+        """
         if not isinstance(tensor, Tensor) or tensor.grad_fn is None:
             return
-        for index, tap in enumerate(self.made_taps):
-            if isinstance(tap, GradientEdge) and tap.node is tensor.grad_fn \
-                    and tap.output_nr == tensor.output_nr:
-                taps = self.recording.taps
-                raise HookOnTap(taps[index].rule if index < len(taps) else "a tapped call")
+        index = self._edge_outputs.get((id(tensor.grad_fn), tensor.output_nr))
+        if index is None:
+            return
+        rule = self.recording.taps[index].rule if index < len(self.recording.taps) else "a"
+        if self._taps == "lazy":
+            raise HookOnTap(rule)
+        self.recording.hooked_tap = rule
 
     def _tap(self, match: Match, found: list[tuple[Tensor, LeafRef]]) -> Tensor | None:
         chosen = self._recognised(match)
@@ -1102,6 +1111,7 @@ class TapMode(TorchFunctionMode):
             self._note_unrecognised(others, f"{match.rule} (as an activation)", y)
         tap_index = len(self.recording.taps)
         record = TapRecord(tuple(y.shape), y.dtype, match.rule)
+        edge_like = y.grad_fn is not None and _not_a_view(y)._base is None
         if self._taps == "lazy" and self._is_shared(tap_index, y.shape):  # NOTE [shared taps]
             self.made_taps.append(y)  # replaced by the tap where y meets the batch
             self._pending[id(y)] = (tap_index, y, ())
@@ -1110,6 +1120,7 @@ class TapMode(TorchFunctionMode):
                 and (plain := _not_a_view(y))._base is None:  # NOTE [tap edges]
             y = plain
             self.made_taps.append(get_gradient_edge(y))
+            self._edge_outputs[(id(y.grad_fn), y.output_nr)] = tap_index  # NOTE [hooks on taps]
         elif self._taps == "lazy":  # no node, or a strided view (NOTE [tap edges])
             tap = zero_tap(y.shape, y.dtype, y.device)
             self.made_taps.append(tap)
@@ -1124,6 +1135,8 @@ class TapMode(TorchFunctionMode):
             probe = zero_tap(y.shape, y.dtype, y.device)
             self.probes.append((tap_index, probe))
             y = y + probe
+        if self._taps == "trace" and edge_like and y.grad_fn is not None:
+            self._edge_outputs[(id(y.grad_fn), y.output_nr)] = tap_index  # NOTE [hooks on taps]
         self.recording.taps.append(record)
         self._record_uses(match, chosen, tap_index, y.numel())
         return y
