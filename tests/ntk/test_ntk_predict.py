@@ -116,3 +116,41 @@ def test_display() -> None:
     predict_fn(t=1.0)
     assert "eigenvalues" in repr(predict_fn)
     assert predict_fn._repr_html_().startswith("<table>")
+
+
+@pytest.mark.parametrize("t", [1.0, None], ids=["finite-t", "infinite-t"])
+def test_predictions_stay_differentiable_after_a_call_without_gradients(t: float | None) -> None:
+    """NOTE [kept factorizations]: a first call under ``no_grad`` (logging a prediction) kept
+    a factorization without a graph, and later gradients lost the kernel's path (25% to 7x
+    off); a second backward met torch's "backward through the graph a second time"."""
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(5, 4, generator=generator, dtype=torch.float64)
+    kernel = (a @ a.T + 0.1 * torch.eye(5, dtype=torch.float64)).requires_grad_()
+    y = torch.randn(5, 2, generator=generator, dtype=torch.float64)
+    k_test = torch.randn(3, 5, generator=generator, dtype=torch.float64)
+
+    def loss(predict: Any) -> torch.Tensor:
+        return predict(t=t, fx_train_0=None, fx_test_0=torch.zeros(3, 2, dtype=torch.float64),
+                       k_test_train=k_test).square().sum()
+
+    expected = torch.autograd.grad(loss(tg.ntk.gradient_descent_mse(kernel, y, diag_reg=1e-3)),
+                                   kernel)[0]
+    predict = tg.ntk.gradient_descent_mse(kernel, y, diag_reg=1e-3)
+    with torch.no_grad():
+        loss(predict)
+    for _ in range(2):  # and a second backward through the same predictor
+        torch.testing.assert_close(torch.autograd.grad(loss(predict), kernel)[0], expected)
+
+
+def test_kernel_regression_under_vmap() -> None:
+    """Cholesky's status was read on the host: torch's raw .item() error under vmap."""
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(3, 5, 4, generator=generator, dtype=torch.float64)
+    kernels = a @ a.transpose(1, 2)
+    k_test = torch.randn(3, 2, 5, generator=generator, dtype=torch.float64)
+    y = torch.randn(5, dtype=torch.float64)
+    batched = torch.func.vmap(lambda k, kt: tg.ntk.kernel_regression(k, kt, y, ridge=0.1))(
+        kernels, k_test)
+    looped = torch.stack([tg.ntk.kernel_regression(k, kt, y, ridge=0.1)
+                          for k, kt in zip(kernels, k_test, strict=True)])
+    torch.testing.assert_close(batched, looped)

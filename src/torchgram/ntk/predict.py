@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from torchgram._core import _torch_compat
 from torchgram._core.checks import fail
 from torchgram._core.display import key_values_html, key_values_text
 
@@ -154,37 +155,85 @@ class GradientDescentMSE:
         self.layout = _Layout(api, y.shape, _as_axes(api, trace_axes, y.dim()))
         self.row_shape = tuple(y.shape[a] for a in self.layout.rows_axes)
         dtype = k_train_train.dtype
-        kernel = self.layout.kernel_2d("k_train_train", k_train_train, self.row_shape,
-                                       self.row_shape)
-        rows = kernel.shape[0]
-        scale = 1.0 if diag_reg_absolute_scale else kernel.diagonal().sum() / rows
-        self.regularizer = self.diag_reg * scale
-        self.kernel = kernel + self.regularizer * torch.eye(rows, dtype=dtype,
-                                                            device=kernel.device)
+        regularized = self._regularized()  # also checks the kernel's shape
+        self._kept = regularized if self._keeps() else None
         self.y = y.to(dtype)
         self.size = y.numel()
         self._eigen: tuple[Tensor, Tensor] | None = None
         self._solve: Any = None
 
+    def _regularized(self) -> tuple[Tensor, Tensor | float]:
+        """The regularized kernel ``[rows, rows]`` and its ridge (in the kernel's units)."""
+        kernel = self.layout.kernel_2d("k_train_train", self.k_train_train, self.row_shape,
+                                       self.row_shape)
+        rows = kernel.shape[0]
+        scale = 1.0 if self.diag_reg_absolute_scale else kernel.diagonal().sum() / rows
+        regularizer = self.diag_reg * scale
+        eye = torch.eye(rows, dtype=kernel.dtype, device=kernel.device)
+        return kernel + regularizer * eye, regularizer
+
+    @property
+    def kernel(self) -> Tensor:
+        """The regularized kernel, made again at each use where it is not kept.
+
+        NOTE [kept factorizations]: a backward frees the graph of the last one.
+        """
+        return (self._kept or self._regularized())[0]
+
+    @property
+    def regularizer(self) -> Tensor | float:
+        """The ridge added to the kernel's diagonal."""
+        return (self._kept or self._regularized())[1]
+
     # -- pieces, computed once -------------------------------------------------------------
+
+    # NOTE [kept factorizations]
+    # The regularized kernel and its factorizations are kept for later calls only for a kernel
+    # that is a plain constant:
+    # one that requires grad or is a torch.func transform's would keep a first call's graph (a
+    # call under no_grad logging a prediction left later gradients without the kernel's path,
+    # 25% to 7x off; a second backward met torch's "backward through the graph a second
+    # time") or a transform's level (session 58's composition hunt).
+
+    def _keeps(self) -> bool:
+        """Whether factorizations may be kept for later calls (NOTE [kept factorizations])."""
+        kernel = self.k_train_train
+        return not (kernel.requires_grad
+                    or torch._C._functorch.is_functorch_wrapped_tensor(kernel))
 
     def eigen(self) -> tuple[Tensor, Tensor]:
         """``(λ, V)`` of the regularized kernel ``[rows, rows]`` (``eigh``)."""
-        if self._eigen is None:
-            self._eigen = torch.linalg.eigh(self.kernel)
-        return self._eigen
+        if self._eigen is not None:
+            return self._eigen
+        eigen = torch.linalg.eigh(self.kernel)
+        if self._keeps():
+            self._eigen = eigen
+        return eigen
 
     def solve(self, rhs: Tensor) -> Tensor:
         """``Θ_reg⁻¹ rhs`` (Cholesky; an LU solve if the kernel is not positive definite)."""
-        if self._solve is None:
-            factor, info = torch.linalg.cholesky_ex(self.kernel)
-            if int(info) == 0:
-                self._solve = lambda b: torch.cholesky_solve(b, factor)
-            else:
-                lu = torch.linalg.lu_factor(self.kernel)
-                self._solve = lambda b: torch.linalg.lu_solve(*lu, b)
-        result: Tensor = self._solve(rhs)
+        solve = self._solve
+        if solve is None:
+            solve = self._factorized()
+            if self._keeps():
+                self._solve = solve
+        result: Tensor = solve(rhs)
         return result
+
+    def _factorized(self) -> Any:
+        """``b ↦ Θ_reg⁻¹ b``: Cholesky, or LU where it fails.
+
+        Under ``vmap``, LU: Cholesky's status cannot be read on the host there (torch's raw
+        ``.item()`` error before session 58).
+        """
+        if _torch_compat.is_batched(self.kernel):
+            lu = torch.linalg.lu_factor(self.kernel)
+            return lambda b: torch.linalg.lu_solve(*lu, b)
+        factor, info = torch.linalg.cholesky_ex(self.kernel)
+        if int(info) == 0:
+            return lambda b: torch.cholesky_solve(b, factor)
+        lu = torch.linalg.lu_factor(self.kernel)
+        return lambda b: torch.linalg.lu_solve(*lu, b)
 
     # -- display ---------------------------------------------------------------------------
 
