@@ -34,7 +34,14 @@ def functionalize(module: nn.Module) -> tuple[Callable[..., Any], dict[str, Tens
         ``fn`` may be called from several threads: while it runs, the module's attributes
         are the call's tensors, so calls of functionalized modules run their forward
         passes one at a time (NOTE [threads]); do not use the module itself from another
-        thread meanwhile.
+        thread meanwhile. A module that checkpoints (``torch.utils.checkpoint`` with
+        ``use_reentrant=False``, ``transformers``' ``gradient_checkpointing_enable``)
+        recomputes its regions during the backward, after ``fn`` has put the module's own
+        parameters back: the recomputation reads those, not ``params`` (as
+        ``torch.func.functional_call``'s does), so derivatives through such a region are
+        those of the module's parameters (session 58's hunt). Disable checkpointing for
+        ``fn``, or pass the module's own parameters (``params`` as returned, updated in
+        place).
 
     Distributed modules: a ``DistributedDataParallel`` wrapper is unwrapped (names are those
     of ``ddp.module``, and ``fn`` never triggers DDP's gradient synchronisation). An FSDP2
