@@ -299,7 +299,9 @@ def plan_leaf(leaf: int, numel: int, recording: Recording, sizes: Sizes, *,
                         "used outside the rules in " + ", ".join(unrecognised))
     if not all_uses:
         return LeafPlan(leaf, "unused", (), (), (), None, 0.0, 0.0,
-                        "not used by any call that returns a floating tensor")
+                        "not used by the traced evaluation's calls that return a floating "
+                        "tensor (with batch_dim, one sample's: explain(..., run=True) shows "
+                        "whether the others use it)")
     mat = materialize_cost(all_uses, numel, sizes)
     if sparse_compatible(all_uses) and force in (None, "sparse"):
         sparse, held = sparse_cost(all_uses, sizes)
