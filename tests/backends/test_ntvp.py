@@ -474,3 +474,33 @@ def test_a_tangent_torch_shapes_wrongly_is_a_refusal_naming_who_can() -> None:
         tg.gramian(losses, backend="ntvp", batch_dim=0)(params, x)
     expected = tg.gramian(losses, backend="jacobian", batch_dim=0)(params, x)
     torch.testing.assert_close(tg.gramian(losses, batch_dim=0)(params, x), expected)
+
+
+def _first_layer(activation: Any) -> Any:
+    def f(p: dict[str, Tensor], x: Tensor) -> Tensor:
+        return (activation(x @ p["W1"] + p["b1"]) @ p["W2"]).squeeze(-1)
+    return f
+
+
+@pytest.mark.parametrize(("activation", "per_leaf"), [
+    (lambda h: torch.log(torch.relu(h)), True),
+    (lambda h: torch.where(h > 0, h.sqrt(), torch.zeros_like(h)), False),
+], ids=["log-relu-per-leaf", "where-sqrt"])
+def test_forward_mode_non_finite_entries_are_refused(activation: Any, per_leaf: bool) -> None:
+    """NOTE [non-finite pushes], per leaf and both ways (session 58's hunt): a first-layer
+    block NaN where the oracle's is finite (the next layer's rows NaN from one sample's -inf
+    activation hid it), and a finite 0 where the oracle's rows are NaN."""
+    generator = torch.Generator().manual_seed(0)
+    params = {"W1": torch.rand(3, 5, generator=generator, dtype=torch.float64) + 0.1,
+              "b1": torch.zeros(5, dtype=torch.float64),
+              "W2": torch.randn(5, 1, generator=generator, dtype=torch.float64)}
+    x = torch.rand(4, 3, generator=generator, dtype=torch.float64) + 0.1
+    x[2] = 0.0  # sample 2's pre-activations are 0
+    f = _first_layer(activation)
+    with pytest.raises(NotImplementedError, match="backend='jacobian' or backend='graph'"):
+        tg.gramian(f, backend="ntvp", per_leaf=per_leaf, batch_dim=0)(params, x)
+    expected = tg.gramian(f, backend="jacobian", per_leaf=per_leaf, batch_dim=0)(params, x)
+    got = tg.gramian(f, per_leaf=per_leaf, batch_dim=0)(params, x)  # auto
+    for g, e in (zip(got.values(), expected.values(), strict=True) if per_leaf
+                 else [(got, expected)]):
+        torch.testing.assert_close(g, e, equal_nan=True)

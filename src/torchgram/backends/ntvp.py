@@ -317,27 +317,40 @@ def refuse_forward_mode_non_finite(blocks: Sequence[Tensor], rows: Problem,
     non_finite = [~_torch_compat.innermost(block).isfinite() for block in blocks]
     if not bool(torch.stack([entries.any() for entries in non_finite]).any()):
         return
-    finite_rows = _finite_vjps(rows)
-    finite_columns = finite_rows if columns is None else _finite_vjps(columns)
-    if finite_rows.dim() == 0:  # under vmap: whether every vjp is finite
+    per_leaf = len(blocks) > 1  # a block per leaf: its entries need that leaf's rows only
+    finite_rows = _finite_vjps(rows, per_leaf=per_leaf)
+    finite_columns = finite_rows if columns is None else _finite_vjps(columns,
+                                                                      per_leaf=per_leaf)
+    if finite_rows.dim() == 1:  # under vmap: whether every vjp is finite
         pairs = finite_rows & finite_columns
     else:
-        pairs = finite_rows[:, None] & finite_columns[None, :]
-    if bool(torch.stack([(entries & pairs).any() for entries in non_finite]).any()):
+        pairs = finite_rows[:, :, None] & finite_columns[:, None, :]
+    exact_rows = finite_rows.dim() == 2  # not under vmap: the oracle's non-finite entries
+    # are known too, those of rows whose vjp is not finite; forward mode gave some of them
+    # finite values (0 at a where(h > 0, sqrt(h), 0) whose h is 0, session 58's hunt)
+    if bool(torch.stack([
+            (entries & pairs[k if per_leaf else 0]).any()
+            | (exact_rows and (~entries & ~pairs[k if per_leaf else 0]).any())
+            for k, entries in enumerate(non_finite)]).any()):
         raise BackendCannotRun(
             rows.api, "ntvp", "forward-mode derivatives that are finite where the "
             "backward's are (it pushes vjps forward with torch.func.jvp)",
-            "non-finite entries of G between rows whose gradients are finite: forward mode "
+            "entries of G non-finite between rows whose gradients are finite (or finite "
+            "where a row's gradient is not): forward mode "
             "multiplied an infinite derivative by a zero that the backward selects (e.g. "
             "sqrt or pow(x, 1/p) at 0 after relu or clamp, lp_pool over zeros, atan2 at "
             "(0, 0))", _alternatives(rows),
             "Or keep those inputs away from 0 (add a small eps).")
 
 
-def _finite_vjps(problem: Problem) -> Tensor:
-    """``[m]``: whether each row's vjp through the whole batch (the oracle's row of J) is finite.
+def _finite_vjps(problem: Problem, *, per_leaf: bool = False) -> Tensor:
+    """``[1, m]``: whether each row's vjp through the whole batch (a row of J) is finite.
 
-    Under the caller's ``vmap``, ``[]``: whether all are (the stored rows are not G's).
+    ``per_leaf``: ``[L, m]``, each leaf's part of it. A per-leaf block's entry is finite
+    where that leaf's rows are, whatever the others' (a ``-inf`` activation of one sample
+    makes the next layer's weight rows NaN, not the first layer's: ntvp's first-layer block
+    held forward mode's NaN, session 58's hunt). Under the caller's ``vmap``, ``[1]`` or
+    ``[L]``: whether all are (the stored rows are not G's).
     """
     batched = "vmap" in problem.composition.transforms
     num_rows = problem.num_rows
@@ -348,11 +361,12 @@ def _finite_vjps(problem: Problem) -> Tensor:
         values = [_torch_compat.innermost(vjp)
                   for vjp in row_vjps(vjp_fn, rows, start, min(start + chunk, num_rows))]
         if batched:
-            finite.append(torch.stack([value.isfinite().all() for value in values]).all())
+            finite.append(torch.stack([value.isfinite().all() for value in values]))
         else:
             finite.append(torch.stack([value.isfinite().reshape(value.shape[0], -1).all(1)
-                                       for value in values]).all(0))
-    return torch.stack(finite).all() if batched else torch.cat(finite)
+                                       for value in values]))  # [L, c]
+    found = torch.stack(finite, -1).all(-1) if batched else torch.cat(finite, -1)
+    return found if per_leaf else found.all(0, keepdim=True)
 
 
 def _bytes(tensors: Sequence[Tensor]) -> int:
