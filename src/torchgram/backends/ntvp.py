@@ -335,8 +335,8 @@ def refuse_forward_mode_non_finite(blocks: Sequence[Tensor], rows: Problem,
         raise BackendCannotRun(
             rows.api, "ntvp", "forward-mode derivatives that are finite where the "
             "backward's are (it pushes vjps forward with torch.func.jvp)",
-            "entries of G non-finite between rows whose gradients are finite (or finite "
-            "where a row's gradient is not): forward mode "
+            "non-finite entries of G between rows whose gradients are finite (or finite "
+            "entries where a row's gradient is not): forward mode "
             "multiplied an infinite derivative by a zero that the backward selects (e.g. "
             "sqrt or pow(x, 1/p) at 0 after relu or clamp, lp_pool over zeros, atan2 at "
             "(0, 0))", _alternatives(rows),
