@@ -397,7 +397,7 @@ def _contract(api: str, recording: Recording, graph: GraphIndex, tapped: _Tapped
               want_pullback: bool, report: RunReport) -> EagerResult:
     """Blocks of the tapped inputs from one pass per row direction (NOTE [imperative Gramian])."""
     del api
-    engine = not (recording.hooks or graph.module_hooks)
+    engine = not (recording.hooks or graph.module_hooks or recording.hooked_outputs())
     # Jᵀw from the factors only without hooks (NOTE [Jᵀw from the recording]): else the
     # caller's backward runs them, and the graph must be left to it, unfreed
     want_pullback = want_pullback and engine

@@ -212,6 +212,8 @@ class Recording:
             seen, in order (with the taps' shapes, the key of the cached sample layouts,
             NOTE [sample layouts]).
         expired: Set when the activations were released (the recording is not used then).
+        outputs: The recorded calls' outputs, held weakly: a hook registered on one after
+            the block is seen (:meth:`hooked_outputs`).
     """
 
     leaves: list[Tensor] = field(default_factory=list)
@@ -228,6 +230,7 @@ class Recording:
     calls: int = 0
     signature: int = 0
     expired: bool = False
+    outputs: list[weakref.ReferenceType[Tensor]] = field(default_factory=list)
 
     def leaf_index(self, tensor: Tensor) -> int | None:
         """The index of ``tensor`` (by identity) among the recorded leaves."""
@@ -235,6 +238,17 @@ class Recording:
             if leaf is tensor:
                 return index
         return None
+
+    def hooked_outputs(self) -> bool:
+        """Whether a recorded call's output has gradient hooks now (registered after the block).
+
+        torch hands the taps such an output's gradient before its hooks when the backward goes
+        on past it (NOTE [hooks on taps] in ``structured/trace.py``): the recorded layer's own
+        block and ``Jᵀw`` from the factors missed the hook (G 0.68 off, ``.grad`` 0.67 off
+        torch's; session 58's hunt). Such a pass is walked, as for hooks seen in the block.
+        """
+        return any((output := ref()) is not None and bool(output._backward_hooks)
+                   for ref in self.outputs)
 
     def close(self) -> None:
         """Release the activations; the recording is not used (nor extended) any more."""
@@ -522,6 +536,7 @@ class RecordMode(TorchFunctionMode):
         tap_index = len(recording.taps)
         recording.taps.append(tap)
         self._outputs[id(y)] = (weakref.ref(y), tap_index)
+        recording.outputs.append(weakref.ref(y))
         acts: dict[int, int] = {}
         for i, ref, role in chosen:
             operand = match.operands[i]
