@@ -232,3 +232,28 @@ def test_explain_predicts_what_runs_with_a_hook_on_a_layer_output(batch_dim: int
     assert predicted.backend == ran.backend != "structured", ran
     # without batch_dim, auto's planning forward is the tapped one that meets the hook
     assert all(name == "structured" for name, _ in ran.attempts), ran.attempts
+
+
+def _retains_grad(p: dict[str, Tensor], x: Tensor) -> Tensor:
+    h = torch.tanh(x @ p["w1"])
+    h.retain_grad()  # unconditionally: torch refuses it on a tensor without grad
+    return h @ p["w2"]
+
+
+@pytest.mark.parametrize("batch_dim", [0, None], ids=["batch0", "nobatch"])
+@pytest.mark.parametrize("backend", ["auto", "structured", "graph", "jacobian"])
+def test_retain_grad_inside_f(backend: str, batch_dim: int | None) -> None:
+    """torch's raw "can't retain_grad on Tensor that has requires_grad=False" on every
+    backend (the probe runs without a graph), and its functorch refusal on jacobian and
+    through auto, until session 58."""
+    generator = torch.Generator().manual_seed(0)
+    params = {"w1": torch.randn(3, 4, generator=generator, dtype=torch.float64),
+              "w2": torch.randn(4, 2, generator=generator, dtype=torch.float64)}
+    x = torch.randn(5, 3, generator=generator, dtype=torch.float64)
+    expected = dense_gramian(lambda p, x: torch.tanh(x @ p["w1"]) @ p["w2"], (params, x))
+    try:
+        G = tg.gramian(_retains_grad, backend=backend, batch_dim=batch_dim)(params, x)
+    except tg.BackendCannotRun as error:
+        assert backend == "jacobian" and "retain_grad" in str(error), error
+        return
+    torch.testing.assert_close(G, expected.shaped(), rtol=1e-10, atol=1e-12)

@@ -656,6 +656,9 @@ _TRANSFORM_REFUSALS = {
         _FUNCTION_FIX),
     "You are attempting to call Tensor.requires_grad_()": Refusal(
         "a call of Tensor.requires_grad_() (or of torch.autograd.functional) inside f", ""),
+    "You are attempting to call Tensor.retain_grad()": Refusal(
+        "a call of Tensor.retain_grad() inside f",
+        "Or call retain_grad() outside f."),
     "don't yet support saved tensor hooks": Refusal(
         "saved-tensor hooks inside f (torch.utils.checkpoint, torch.autograd.graph.save_on_cpu)",
         ""),

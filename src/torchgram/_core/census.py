@@ -187,6 +187,11 @@ class ProbeCheck(StaleWrites):
 GRADIENT_HOOKS = frozenset({torch.Tensor.register_hook})
 """Calls that register a hook on a tensor's gradient (NOTE [gradient hooks inside f])."""
 
+NEEDS_GRAPH = GRADIENT_HOOKS | {torch.Tensor.retain_grad}
+"""Calls torch refuses on a tensor without grad, which the evaluations without a graph make:
+those evaluate again with one (NOTE [gradient hooks inside f]; ``retain_grad`` changes no
+gradient, but raised torch's error on every backend until session 58)."""
+
 
 @contextlib.contextmanager
 def refusing_gradient_hooks(api: str, backend: str) -> Iterator[None]:
@@ -242,6 +247,7 @@ class OpCensus(TorchFunctionMode):
         self.coupling: list[str] = []
         self.unbatched: list[str] = []
         self.hooks = 0
+        self.needs_graph = 0  # calls torch refuses without a graph (NEEDS_GRAPH)
         self.sparse_embeddings = False
         self.differentiates: str | None = None
         self.decomposed: list[str] = []
@@ -249,8 +255,9 @@ class OpCensus(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
-        if func in GRADIENT_HOOKS:
-            self.hooks += 1
+        if func in NEEDS_GRAPH:
+            self.needs_graph += 1
+            self.hooks += func in GRADIENT_HOOKS
         if self.differentiates is None:
             self.differentiates = _torch_compat.self_differentiation(func)
         rewritten = with_dense_gradients(func, args, kwargs)

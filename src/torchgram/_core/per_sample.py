@@ -110,7 +110,7 @@ def batch_rows(problem: Problem, *, eager: bool = False) -> tuple[Tensor, Any]:
     try:
         rows, aux = _rows_under(census, problem, keep_graph, with_graph=with_graph)
     except RuntimeError:  # NOTE [gradient hooks inside f]: on a tensor that requires grad
-        if keep_graph or with_graph or not census.hooks:
+        if keep_graph or with_graph or not census.needs_graph:
             raise
         census = OpCensus()
         rows, aux = _rows_under(census, problem, keep_graph, with_graph=True)

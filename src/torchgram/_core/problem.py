@@ -980,7 +980,7 @@ def _evaluate_probe(api: str, f: Callable[..., Any], args: tuple[Any, ...],
             except RuntimeError:  # NOTE [f that differentiates itself]: with respect to its
                 # parameters, which need grad; NOTE [gradient hooks inside f]: on a tensor
                 if with_grad or (census.differentiates is None  # that requires grad
-                                 and not census.hooks):
+                                 and not census.needs_graph):
                     raise
                 census = OpCensus()
                 leaves = tuple(leaf.detach().requires_grad_() for leaf in copies)
