@@ -272,3 +272,41 @@ def test_tensors_a_forward_hook_keeps_in_a_container_are_put_back() -> None:
             params, torch.randn(5, 3, dtype=torch.float64))
         assert layer.stats is stats and layer.saved is saved
     layer.stats["out"].sum()  # the caller's tensor, usable
+
+
+class _Checkpointed(torch.nn.Module):
+    """Checkpoints its first block when ``gradient_checkpointing`` is on (transformers' flag)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh())
+        self.head = torch.nn.Linear(6, 2)
+        self.gradient_checkpointing = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+        return self.head(hidden)
+
+
+def test_a_checkpointing_module_refuses_other_parameters() -> None:
+    """NOTE [checkpointing modules]: its regions are recomputed in the backward with the
+    module's own parameters: with updated ones every backend's G was 9e-2 off (session 58)."""
+    import torch.utils.checkpoint  # noqa: F401 -- the module uses it
+
+    torch.manual_seed(0)
+    model = _Checkpointed().double()
+    fn, params = tg.functionalize(model)
+    x = torch.randn(5, 4, dtype=torch.float64)
+
+    def rows(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return fn(p, x).sum(1)
+
+    own = tg.gramian(rows, batch_dim=0, backend="graph")(params, x)
+    model.gradient_checkpointing = False
+    torch.testing.assert_close(own, tg.gramian(rows, batch_dim=0)(params, x))
+    model.gradient_checkpointing = True
+    updated = {name: value + 0.1 for name, value in params.items()}
+    with pytest.raises(ValueError, match="gradient_checkpointing_disable"):
+        tg.gramian(rows, batch_dim=0, backend="graph")(updated, x)
+    with torch.no_grad():  # no backward: no recomputation, nothing to refuse
+        fn(updated, x)

@@ -41,7 +41,9 @@ def functionalize(module: nn.Module) -> tuple[Callable[..., Any], dict[str, Tens
         ``torch.func.functional_call``'s does), so derivatives through such a region are
         those of the module's parameters (session 58's hunt). Disable checkpointing for
         ``fn``, or pass the module's own parameters (``params`` as returned, updated in
-        place).
+        place); a module with ``transformers``' ``gradient_checkpointing`` on refuses other
+        tensors (``ValueError``), one calling ``torch.utils.checkpoint`` itself cannot be
+        seen.
 
     Distributed modules: a ``DistributedDataParallel`` wrapper is unwrapped (names are those
     of ``ddp.module``, and ``fn`` never triggers DDP's gradient synchronisation). An FSDP2
@@ -186,6 +188,32 @@ class _Slots:
                 return False
         return all(tuple(holder) == names for holder, names in self.named)
 
+    # NOTE [checkpointing modules]
+    # A checkpointed region (torch.utils.checkpoint with use_reentrant=False) keeps the graph
+    # of fn's call but recomputes its saved values during the backward, after fn has put
+    # the module's own parameters back: with other params (the README's out-of-place update)
+    # the recomputed values are the module's, and every backend's G was 9e-2 off without a
+    # word (torch.func.functional_call does the same; session 58's hunt). Modules that say
+    # they checkpoint (transformers' gradient_checkpointing flag) are refused then; a module
+    # calling torch.utils.checkpoint on its own cannot be seen (the docstring says so).
+
+    def _checkpointing(self) -> bool:
+        """Whether a submodule says it checkpoints (``gradient_checkpointing`` is True)."""
+        return any(getattr(owner, "gradient_checkpointing", False) is True
+                   for owner in self.modules)
+
+    def _other_storage(self, params: Any) -> bool:
+        """Whether a passed parameter is not (a view of) the module's own tensor."""
+        for name, value in params.items():
+            holder, attr = self.where[name][0]
+            try:  # through a transform's wrappers (vmap over inputs leaves params unbatched)
+                if _torch_compat.innermost(value).untyped_storage().data_ptr() != \
+                        holder[attr].untyped_storage().data_ptr():
+                    return True
+            except (RuntimeError, NotImplementedError):  # batched: not the module's own
+                return True
+        return False
+
     def call(self, params: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``module(*args, **kwargs)`` with ``params`` and copies of the current buffers."""
         if not self._unchanged():
@@ -211,6 +239,14 @@ class _Slots:
             saved.append((holder, attr, original))
             holder[attr] = copy
 
+        if torch.is_grad_enabled() and self._checkpointing() and self._other_storage(params):
+            raise ValueError(  # NOTE [checkpointing modules]
+                f"{_API}: fn expected the module's own parameters while it checkpoints "
+                "(gradient_checkpointing is on), but got other tensors: the checkpointed "
+                "regions are recomputed during the backward, after fn has put the module's "
+                "parameters back, so their derivatives would be those of the module's "
+                "parameters. Call model.gradient_checkpointing_disable(), or update the "
+                "module's parameters in place and pass them as functionalize returned them.")
         hooked = [(owner.__dict__, dict(owner.__dict__)) for owner in self.modules
                   if owner._forward_pre_hooks or owner._forward_hooks]
         try:
