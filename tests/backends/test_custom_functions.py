@@ -385,3 +385,24 @@ def test_a_signature_whose_batched_backward_failed_runs_one_row_at_a_time_at_onc
         gramian(params, x)
         counts.append(len(evaluations))
     assert counts[1:] == [1, 1], counts
+
+
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")  # torch's own
+@pytest.mark.parametrize("backend", ["auto", "structured", "graph"])
+@pytest.mark.parametrize("batch_dim", [0, None], ids=["batch0", "dense"])
+def test_a_reentrant_checkpoint_of_the_data_is_refused_too(backend: str,
+                                                           batch_dim: int | None) -> None:
+    """The region's input (the data) does not require grad, its parameters come through a
+    closure: it leaves no node, and G was 0 without a word (session 58's README check).
+    NOTE [reentrant checkpoints seen]."""
+    params = {"w1": torch.randn(H, D, dtype=torch.float64),
+              "w2": torch.randn(C, H, dtype=torch.float64)}
+    x = torch.randn(B, D, dtype=torch.float64)
+
+    def f(p: dict[str, Tensor], x: Tensor) -> Tensor:
+        hidden = torch.utils.checkpoint.checkpoint(lambda x: torch.tanh(F.linear(x, p["w1"])),
+                                                   x, use_reentrant=True)
+        return F.linear(hidden, p["w2"]).sum(1)
+
+    with pytest.raises(ValueError, match="use_reentrant=False"):
+        tg.gramian(f, backend=backend, batch_dim=batch_dim)(params, x)

@@ -15,6 +15,8 @@ evaluation of the whole batch that per-sample ways check against):
 from __future__ import annotations
 
 import contextlib
+import sys
+import types
 from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
@@ -193,6 +195,32 @@ those evaluate again with one (NOTE [gradient hooks inside f]; ``retain_grad`` c
 gradient, but raised torch's error on every backend until session 58)."""
 
 
+# NOTE [reentrant checkpoints seen]
+# torch refuses torch.autograd.grad through a torch.utils.checkpoint(..., use_reentrant=True)
+# region, and every backend's error becomes a torchgram ValueError naming use_reentrant=False.
+# But where no input of the region requires grad (the parameters reached through a closure,
+# the batch's data as input), the region leaves no node in the graph at all: its outputs do
+# not depend on the parameters, and G was 0 without a word on auto, structured and graph
+# (torch warns "None of the inputs have requires_grad=True"; session 58's README check). The
+# probe's census sees the region switch gradients off inside CheckpointFunction.forward and
+# the call is refused the same way.
+_CHECKPOINT_FILE = "torch/utils/checkpoint.py"
+
+
+def _in_reentrant_checkpoint() -> bool:
+    """Whether a reentrant checkpoint's forward is among the nearest callers."""
+    frame: types.FrameType | None = sys._getframe(2)
+    for _ in range(6):
+        if frame is None:
+            return False
+        code = frame.f_code
+        if code.co_name == "forward" and code.co_filename.replace("\\", "/").endswith(
+                _CHECKPOINT_FILE):
+            return True
+        frame = frame.f_back
+    return False
+
+
 @contextlib.contextmanager
 def refusing_gradient_hooks(api: str, backend: str) -> Iterator[None]:
     """Run the body under an :class:`OpCensus`; decline if ``f`` registered gradient hooks.
@@ -248,6 +276,7 @@ class OpCensus(TorchFunctionMode):
         self.unbatched: list[str] = []
         self.hooks = 0
         self.needs_graph = 0  # calls torch refuses without a graph (NEEDS_GRAPH)
+        self.reentrant_checkpoint = False  # NOTE [reentrant checkpoints seen]
         self.sparse_embeddings = False
         self.differentiates: str | None = None
         self.decomposed: list[str] = []
@@ -258,6 +287,9 @@ class OpCensus(TorchFunctionMode):
         if func in NEEDS_GRAPH:
             self.needs_graph += 1
             self.hooks += func in GRADIENT_HOOKS
+        if func is torch._C._set_grad_enabled and args and args[0] is False \
+                and _in_reentrant_checkpoint():
+            self.reentrant_checkpoint = True
         if self.differentiates is None:
             self.differentiates = _torch_compat.self_differentiation(func)
         rewritten = with_dense_gradients(func, args, kwargs)

@@ -368,6 +368,15 @@ def counter_read_error(api: str, error: CounterRead) -> ValueError:
         "training-mode call, or use the batch's own statistics."))
 
 
+def reentrant_checkpoint_refused(api: str) -> ValueError:
+    """A ``torch.utils.checkpoint(..., use_reentrant=True)`` region in ``f``: no backend can."""
+    return ValueError(message(
+        api, "f without torch.utils.checkpoint(..., use_reentrant=True) regions (torch "
+        "cannot differentiate them with torch.autograd.grad, which every backend uses)",
+        "a reentrant checkpoint", "Use torch.utils.checkpoint(..., use_reentrant=False): it "
+        "recomputes the same way and works with every backend."))
+
+
 def gradient_hooks_refused(api: str, backend: str) -> BackendCannotRun:
     """``backend`` does not run the gradient hooks ``f`` registers; others do.
 
@@ -519,12 +528,7 @@ def torch_refusals(api: str, backend: str, parameters: Sequence[Tensor] = (),
         if (in_place := in_place_refusal(api, error)) is not None:
             raise in_place from error
         if _torch_compat.is_reentrant_grad_error(error):
-            raise ValueError(message(
-                api, "f without torch.utils.checkpoint(..., use_reentrant=True) regions "
-                "(torch cannot differentiate them with torch.autograd.grad, which every "
-                "backend uses)", "a reentrant checkpoint",
-                "Use torch.utils.checkpoint(..., use_reentrant=False): it recomputes the "
-                "same way and works with every backend.")) from error
+            raise reentrant_checkpoint_refused(api) from error
         if _torch_compat.is_sparse_gradient_error(error):
             raise sparse_refusal(api, backend, parameters, cross) from error
         if _torch_compat.is_hook_without_grad_error(error) and backend not in (

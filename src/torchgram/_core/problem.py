@@ -59,6 +59,7 @@ from torchgram._core.errors import (
     f_refused_by_vmap,
     forward_mode_refusal,
     in_place_refusal,
+    reentrant_checkpoint_refused,
     unseen_calls_refused,
 )
 from torchgram._core.options import InDims, Options
@@ -1002,6 +1003,8 @@ def _evaluate_probe(api: str, f: Callable[..., Any], args: tuple[Any, ...],
                     raise refusal from error  # f itself cannot run under the user's vmap
                 raise
             raise _FailsAlone from error
+        if census.reentrant_checkpoint:  # NOTE [reentrant checkpoints seen]
+            raise reentrant_checkpoint_refused(api)
         out, aux = split_aux(api, result, has_aux)
         mutated = any(_torch_compat.version(leaf) != before
                       for leaf, before in zip(copies, versions, strict=True))
