@@ -257,3 +257,23 @@ def test_retain_grad_inside_f(backend: str, batch_dim: int | None) -> None:
         assert backend == "jacobian" and "retain_grad" in str(error), error
         return
     torch.testing.assert_close(G, expected.shaped(), rtol=1e-10, atol=1e-12)
+
+
+def test_a_hook_on_a_layer_output_streams_with_one_row_per_sample() -> None:
+    """The streamed backward reads an edge tap after the tensor's hooks (NOTE [hooks on
+    taps]): per-sample losses keep the structured backend, exact, and auto plans it."""
+    generator = torch.Generator().manual_seed(0)
+    params = {"w0": torch.randn(3, 4, generator=generator, dtype=torch.float64),
+              "w1": torch.randn(4, 4, generator=generator, dtype=torch.float64),
+              "w2": torch.randn(4, 2, generator=generator, dtype=torch.float64)}
+    x = torch.randn(5, 3, generator=generator, dtype=torch.float64)
+
+    def losses(p: dict[str, Tensor], x: Tensor) -> Tensor:
+        return _layer_output_hooked(p, x).square().sum(1)
+
+    expected = dense_gramian(losses, (params, x)).gramian
+    G = tg.gramian(losses, backend="structured", batch_dim=0)(params, x)
+    torch.testing.assert_close(G, expected, rtol=1e-10, atol=1e-12)
+    plan = tg.explain(losses, batch_dim=0)(params, x)
+    ran = tg.explain(losses, batch_dim=0, run=True)(params, x).ran
+    assert ran is not None and plan.backend == ran.backend and ran.attempts == [], ran

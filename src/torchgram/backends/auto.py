@@ -236,10 +236,20 @@ def plan_auto(problem: Problem) -> AutoPlan:
                     *((LAST_RESORT,) if hooks else ()))
     if structured.recording.gradient_hooks:  # NOTE [gradient hooks inside f]
         refusing = (*refusing, "ntvp", LAST_RESORT)
-    if structured.recording.hooked_tap is not None:  # NOTE [hooks on taps]
-        refusing = (*refusing, "structured")
+    if structured.recording.hooked_tap is not None and not _streams(problem):
+        refusing = (*refusing, "structured")  # NOTE [hooks on taps]: it would refuse
     order = (*(n for n in order if n not in refusing), *(n for n in order if n in refusing))
     return AutoPlan(structured, estimates, order, forward)
+
+
+def _streams(problem: Problem) -> bool:
+    """Whether the structured pass would be one streamed backward (NOTE [streamed taps]).
+
+    As ``can_stream`` decides from the run (which may still not stream: a graph that does not
+    end at the forward's own leaves); here from the problem alone.
+    """
+    return (problem.batch is not None and problem.rows_per_sample == 1
+            and not problem.want_pullback and not problem.composition.create_graph)
 
 
 def _dense_forward(problem: Problem) -> Forward:

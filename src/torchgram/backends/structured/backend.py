@@ -58,6 +58,7 @@ from torchgram.backends.structured.passes import (
     Forward,
     backward_chunks,
     dense_forward,
+    hook_on_tap_refused,
     redone,
     redone_note,
     row_loops_if_known,
@@ -66,6 +67,7 @@ from torchgram.backends.structured.passes import (
 from torchgram.backends.structured.per_sample import per_sample_forward_checked
 from torchgram.backends.structured.plan import StructuredPlan, plan_problem, run_uses
 from torchgram.backends.structured.stream import can_stream, streamed_backward
+from torchgram.backends.structured.trace import HookOnTap
 
 
 @register("structured")
@@ -92,6 +94,8 @@ def run_structured(problem: Problem, plan: StructuredPlan | None = None, *,
         except BatchedBackwardFailed as failed:
             problem, known = redone(problem, failed)
             result = _run_structured(problem, None, None, force)
+        except HookOnTap as hooked:  # NOTE [hooks on taps]
+            raise hook_on_tap_refused(problem.api, hooked) from hooked
         if known is not None:
             result.report.notes.append(redone_note(known))
         return result

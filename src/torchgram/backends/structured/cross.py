@@ -62,6 +62,7 @@ from torchgram.backends.structured.passes import (
     batched_forward,
     dense_forward,
     forget_trace,
+    hook_on_tap_refused,
     per_sample_view,
     redone,
     redone_note,
@@ -80,7 +81,7 @@ from torchgram.backends.structured.per_sample import (
 )
 from torchgram.backends.structured.plan import StructuredPlan, plan_problem, run_uses
 from torchgram.backends.structured.selections import opened_nodes
-from torchgram.backends.structured.trace import Recording, TraceMismatch, UseRecord
+from torchgram.backends.structured.trace import HookOnTap, Recording, TraceMismatch, UseRecord
 
 MAX_PAIR_ELEMENTS = 2**25
 """Entries of one ghost pair's cotangent Gram before it is split over side-1 samples."""
@@ -278,6 +279,8 @@ def derivative_check_cheaper(forward_flops: float, samples: int) -> bool:
 def _checked_chunks(problem: Problem, forward: Forward, recording: Recording,
                     per_pass: int) -> Iterator[tuple[int, int, list[Tensor | None]]]:
     """Batched backwards with the derivative check in the first (NOTE [derivative check])."""
+    if forward.recording.hooked_tap is not None:  # NOTE [hooks on taps]
+        raise HookOnTap(forward.recording.hooked_tap)
     rows = forward.outputs[0]
     if not rows.requires_grad:
         return
@@ -822,6 +825,8 @@ def structured_cross(problem: CrossProblem) -> CrossResult:
         except BatchedBackwardFailed as failed:
             left, known = redone(problem.left, failed)
             result = _structured_cross(_with_row_loops(problem, left))
+        except HookOnTap as hooked:  # NOTE [hooks on taps]
+            raise hook_on_tap_refused(problem.left.api, hooked) from hooked
         if known is not None:
             result.report.notes.append(redone_note(known))
         return result

@@ -337,21 +337,13 @@ def _tapped_rows(problem: Problem, carriers: tuple[Tensor, ...],
     Run again with the original calls' layouts when the first run rewrote a call and ``f``
     drew random numbers (NOTE [rewritten layouts]).
     """
-    try:
-        mode = make_mode(False)
+    mode = make_mode(False)
+    with mode:
+        rows, aux = problem.rows(carriers)
+    if mode.rewrote and problem.draw.random:
+        mode = make_mode(True)
         with mode:
             rows, aux = problem.rows(carriers)
-        if mode.rewrote and problem.draw.random:
-            mode = make_mode(True)
-            with mode:
-                rows, aux = problem.rows(carriers)
-    except HookOnTap as hooked:  # NOTE [hooks on taps]
-        raise BackendCannotRun(
-            problem.api, "structured", "f without gradient hooks on the outputs of the calls "
-            "it taps (torch hands such an output's gradient to the taps before the hook)",
-            f"Tensor.register_hook on the output of a {hooked.rule} call inside f",
-            ("jacobian",), "Or register the hook on a tensor computed from that output (after "
-            "the activation), or outside f.") from hooked
     mode.note_rows(rows)
     return mode, rows, aux
 
@@ -594,6 +586,8 @@ def backward_chunks(forward: Forward, per_pass: int, *, vectorize: bool,
     A tap the output does not depend on gets ``None``. ``create_graph``: the backwards are
     differentiable (NOTE [composition]).
     """
+    if forward.recording.hooked_tap is not None:  # NOTE [hooks on taps]
+        raise HookOnTap(forward.recording.hooked_tap)
     if forward.kind == "loop":
         yield from _looped_chunks(forward, create_graph)
         return
@@ -655,6 +649,16 @@ class BatchedBackwardFailed(RuntimeError):
 
 _BATCHED_BACKWARD_FAILED = LruCache[str](maxsize=64)
 """Call signatures whose batched backward failed, with why (NOTE [batched backwards that fail])."""
+
+
+def hook_on_tap_refused(api: str, hooked: HookOnTap) -> BackendCannotRun:
+    """The structured backend's refusal of a hook on a tapped output (NOTE [hooks on taps])."""
+    return BackendCannotRun(
+        api, "structured", "f without gradient hooks on the outputs of the calls it taps, "
+        "where the rows' backward asks for the taps (torch hands such an output's gradient to "
+        "them before the hook)", f"Tensor.register_hook on the output of a {hooked.rule} "
+        "call inside f", ("jacobian",), "Or register the hook on a tensor computed from that "
+        "output (after the activation), or outside f.")
 
 
 def with_row_loops(problem: Problem) -> Problem:

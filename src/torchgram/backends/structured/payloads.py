@@ -47,13 +47,14 @@ from torchgram.backends.structured.passes import (
     ForwardKind,
     backward_chunks,
     dense_forward,
+    hook_on_tap_refused,
     redone,
     row_loops_if_known,
     rows_per_pass,
 )
 from torchgram.backends.structured.per_sample import per_sample_forward_checked
 from torchgram.backends.structured.plan import plan_problem, run_uses
-from torchgram.backends.structured.trace import Recording, UseRecord
+from torchgram.backends.structured.trace import HookOnTap, Recording, UseRecord
 
 
 @dataclass(frozen=True)
@@ -133,6 +134,8 @@ def pass_payloads(problem: Problem, *, dense: bool = False) -> PassPayloads:
         return _pass_payloads(problem, dense)
     except BatchedBackwardFailed as failed:
         return _pass_payloads(redone(problem, failed)[0], dense)
+    except HookOnTap as hooked:  # NOTE [hooks on taps]
+        raise hook_on_tap_refused(problem.api, hooked) from hooked
 
 
 def _pass_payloads(problem: Problem, dense: bool) -> PassPayloads:

@@ -148,8 +148,12 @@ class HookOnTap(RuntimeError):  # noqa: N818 -- reads as a statement
 # (``o.register_hook(lambda g: 5 * g)``, activation-gradient clipping or scaling) was
 # missing from that layer's own weight block, G 0.08 off and the update 0.15 off on
 # ``structured`` and on ``auto`` (session 58's hunt). Hooks on other tensors run as torch
-# runs them. So a tapping mode making edge taps stops at such a registration and the
-# structured backend declines, naming ``jacobian`` (whose per-row vjps run the hooks).
+# runs them, and so does the streamed backward (NOTE [streamed taps]: a node pre-hook reads
+# an edge tap, after the tensor's hooks). So the tapping mode notes such a registration
+# (``Recording.hooked_tap``) and a backward that asks for the taps as inputs
+# (:func:`passes.backward_chunks`, the kernels' checked chunks) raises :class:`HookOnTap`,
+# which the structured backend turns into a refusal naming ``jacobian``; ``auto``'s plan puts
+# structured last where its pass would not stream.
 
 
 @dataclass(frozen=True)
@@ -1082,19 +1086,14 @@ class TapMode(TorchFunctionMode):
         return None
 
     def _check_hook_target(self, tensor: Any) -> None:
-        """At a gradient hook on a tap edge's tensor, stop a run or note it in a trace.
-
-        NOTE [hooks on taps]; a trace's plan then puts the structured backend last.
-        """
+        """Note a gradient hook on a tap edge's tensor (NOTE [hooks on taps])."""
         if not isinstance(tensor, Tensor) or tensor.grad_fn is None:
             return
         index = self._edge_outputs.get((id(tensor.grad_fn), tensor.output_nr))
         if index is None:
             return
-        rule = self.recording.taps[index].rule if index < len(self.recording.taps) else "a"
-        if self._taps == "lazy":
-            raise HookOnTap(rule)
-        self.recording.hooked_tap = rule
+        self.recording.hooked_tap = (self.recording.taps[index].rule
+                                     if index < len(self.recording.taps) else "a tapped")
 
     def _tap(self, match: Match, found: list[tuple[Tensor, LeafRef]]) -> Tensor | None:
         chosen = self._recognised(match)
