@@ -236,7 +236,9 @@ def plan_auto(problem: Problem) -> AutoPlan:
                     *((LAST_RESORT,) if hooks else ()))
     if structured.recording.gradient_hooks:  # NOTE [gradient hooks inside f]
         refusing = (*refusing, "ntvp", LAST_RESORT)
-    if structured.recording.hooked_tap is not None and not _streams(problem):
+    recording = structured.recording
+    if recording.hooked_leaf is not None or (recording.hooked_tap is not None
+                                             and not _streams(problem)):
         refusing = (*refusing, "structured")  # NOTE [hooks on taps]: it would refuse
     order = (*(n for n in order if n not in refusing), *(n for n in order if n in refusing))
     return AutoPlan(structured, estimates, order, forward)

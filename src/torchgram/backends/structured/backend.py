@@ -59,6 +59,7 @@ from torchgram.backends.structured.passes import (
     backward_chunks,
     dense_forward,
     hook_on_tap_refused,
+    raise_hooked,
     redone,
     redone_note,
     row_loops_if_known,
@@ -158,6 +159,7 @@ def _contract(problem: Problem, forward: Forward, plan: StructuredPlan, rows: Te
     per_pass = rows_per_pass(problem, forward)
     create_graph = problem.composition.create_graph
     if contraction.consume and can_stream(forward, create_graph=create_graph):
+        raise_hooked(forward.recording, streamed=True)  # NOTE [hooks on taps]
         contraction.start_stream(len(forward.taps[0]), forward.carrier_leaves)
         carrier_grads = streamed_backward(forward, contraction.add_tap)  # NOTE [streamed taps]
         report.row_chunks.append((rows_per_sample, contraction.streamed_bytes + sum(

@@ -64,6 +64,7 @@ from torchgram.backends.structured.passes import (
     forget_trace,
     hook_on_tap_refused,
     per_sample_view,
+    raise_hooked,
     redone,
     redone_note,
     restrict,
@@ -279,8 +280,7 @@ def derivative_check_cheaper(forward_flops: float, samples: int) -> bool:
 def _checked_chunks(problem: Problem, forward: Forward, recording: Recording,
                     per_pass: int) -> Iterator[tuple[int, int, list[Tensor | None]]]:
     """Batched backwards with the derivative check in the first (NOTE [derivative check])."""
-    if forward.recording.hooked_tap is not None:  # NOTE [hooks on taps]
-        raise HookOnTap(forward.recording.hooked_tap)
+    raise_hooked(forward.recording, streamed=False)  # NOTE [hooks on taps]
     rows = forward.outputs[0]
     if not rows.requires_grad:
         return

@@ -586,8 +586,7 @@ def backward_chunks(forward: Forward, per_pass: int, *, vectorize: bool,
     A tap the output does not depend on gets ``None``. ``create_graph``: the backwards are
     differentiable (NOTE [composition]).
     """
-    if forward.recording.hooked_tap is not None:  # NOTE [hooks on taps]
-        raise HookOnTap(forward.recording.hooked_tap)
+    raise_hooked(forward.recording, streamed=False)  # NOTE [hooks on taps]
     if forward.kind == "loop":
         yield from _looped_chunks(forward, create_graph)
         return
@@ -651,14 +650,27 @@ _BATCHED_BACKWARD_FAILED = LruCache[str](maxsize=64)
 """Call signatures whose batched backward failed, with why (NOTE [batched backwards that fail])."""
 
 
+def raise_hooked(recording: Recording, *, streamed: bool) -> None:
+    """Raise :class:`HookOnTap` where ``f``'s gradient hooks are not seen by this pass.
+
+    NOTE [hooks on taps]: a hook on a tapped output where the pass asks for the taps as
+    inputs (not ``streamed``); a hook on a parameter or on a tensor of parameters only in
+    every pass.
+    """
+    if recording.hooked_leaf is not None:
+        raise HookOnTap(recording.hooked_leaf)
+    if recording.hooked_tap is not None and not streamed:
+        raise HookOnTap(f"a {recording.hooked_tap} call's output")
+
+
 def hook_on_tap_refused(api: str, hooked: HookOnTap) -> BackendCannotRun:
     """The structured backend's refusal of a hook on a tapped output (NOTE [hooks on taps])."""
     return BackendCannotRun(
-        api, "structured", "f without gradient hooks on the outputs of the calls it taps, "
-        "where the rows' backward asks for the taps (torch hands such an output's gradient to "
-        "them before the hook)", f"Tensor.register_hook on the output of a {hooked.rule} "
-        "call inside f", ("jacobian",), "Or register the hook on a tensor computed from that "
-        "output (after the activation), or outside f.")
+        api, "structured", "f without gradient hooks on its parameters, or on the outputs "
+        "of the calls it taps where the rows' backward asks for the taps (torch hands such an "
+        "output's gradient to them before the hook)", f"Tensor.register_hook on {hooked.rule} "
+        "inside f", ("jacobian",), "Or register the hook on a tensor computed from the "
+        "batch's data after the layer (after the activation), or outside f.")
 
 
 def with_row_loops(problem: Problem) -> Problem:

@@ -153,7 +153,10 @@ class HookOnTap(RuntimeError):  # noqa: N818 -- reads as a statement
 # (``Recording.hooked_tap``) and a backward that asks for the taps as inputs
 # (:func:`passes.backward_chunks`, the kernels' checked chunks) raises :class:`HookOnTap`,
 # which the structured backend turns into a refusal naming ``jacobian``; ``auto``'s plan puts
-# structured last where its pass would not stream.
+# structured last where its pass would not stream. A hook on a parameter itself (a pruning
+# mask on its gradient), a view of one or a tensor made of parameters only (a merged LoRA
+# weight) is never seen by the factors, streamed or not (``Recording.hooked_leaf``: the
+# review of session 58, G 0.35-0.94 off): every structured pass refuses then.
 
 
 @dataclass(frozen=True)
@@ -250,6 +253,7 @@ class Recording:
     taps: list[TapRecord] = field(default_factory=list)
     uses: list[UseRecord] = field(default_factory=list)
     hooked_tap: str | None = None  # the rule of a call whose output f hooks: NOTE [hooks on taps]
+    hooked_leaf: str | None = None  # what f hooks that the factors never pass (same NOTE)
     unrecognised: dict[int, list[str]] = field(default_factory=dict)
     unrecognised_flops: dict[int, int] = field(default_factory=dict)
     rows: int | None = None
@@ -1086,8 +1090,15 @@ class TapMode(TorchFunctionMode):
         return None
 
     def _check_hook_target(self, tensor: Any) -> None:
-        """Note a gradient hook on a tap edge's tensor (NOTE [hooks on taps])."""
-        if not isinstance(tensor, Tensor) or tensor.grad_fn is None:
+        """Note a gradient hook on a tap edge's tensor or on a leaf (NOTE [hooks on taps])."""
+        if not isinstance(tensor, Tensor):
+            return
+        if id(tensor) in self._refs or self._is_shared_output(tensor):
+            # a parameter (a pruning mask on its gradient), a view of one, or a tensor made
+            # of parameters only: the blocks come from the taps' factors, never through it
+            self.recording.hooked_leaf = "a parameter, or a tensor made of parameters only,"
+            return
+        if tensor.grad_fn is None:
             return
         index = self._edge_outputs.get((id(tensor.grad_fn), tensor.output_nr))
         if index is None:
