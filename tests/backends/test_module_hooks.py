@@ -257,6 +257,9 @@ def test_retain_grad_inside_f(backend: str, batch_dim: int | None) -> None:
         assert backend == "jacobian" and "retain_grad" in str(error), error
         return
     torch.testing.assert_close(G, expected.shaped(), rtol=1e-10, atol=1e-12)
+    if backend == "auto":  # the plan knows torch.func refuses it (explain names what runs)
+        ran = tg.explain(_retains_grad, batch_dim=batch_dim, run=True)(params, x).ran
+        assert ran is not None and ran.attempts == [], ran
 
 
 def test_a_hook_on_a_layer_output_streams_with_one_row_per_sample() -> None:

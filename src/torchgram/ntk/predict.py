@@ -128,6 +128,11 @@ class _Layout:
         return kernel.permute(evens + odds).reshape(rows, -1)
 
 
+def _detached(value: Tensor | float) -> Tensor | float:
+    """``value`` without its graph (a display reads it: no autograd warning)."""
+    return value.detach() if isinstance(value, Tensor) else value
+
+
 class GradientDescentMSE:
     """``predict_fn(t=None, fx_train_0=0., fx_test_0=None, k_test_train=None)`` (NOTE above).
 
@@ -245,7 +250,7 @@ class GradientDescentMSE:
                 ("learning_rate", f"{self.learning_rate:g}"),
                 ("diag_reg", f"{self.diag_reg:g}" + ("" if self.diag_reg_absolute_scale
                                                      else " × mean diagonal")
-                 + f" = {float(self.regularizer):.4g}")]
+                 + f" = {float(_detached(self.regularizer)):.4g}")]
         if self._eigen is not None:
             evals = self._eigen[0]
             rows.append(("eigenvalues", f"{float(evals.min()):.4g} … {float(evals.max()):.4g}"

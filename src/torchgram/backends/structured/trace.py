@@ -124,6 +124,9 @@ Role = Literal["weight", "bias"]
 """How a recognised call uses a leaf."""
 
 
+_RETAIN_GRAD = "Tensor.retain_grad() (torch.func transforms refuse it)"
+
+
 class TraceMismatch(RuntimeError):
     """A tapped run did not replay the trace it was prepared from."""
 
@@ -970,6 +973,8 @@ class TapMode(TorchFunctionMode):
         if func in GRADIENT_HOOKS:
             recording.gradient_hooks = True
             self._check_hook_target(args[0] if args else None)
+        if func is Tensor.retain_grad and _RETAIN_GRAD not in recording.transform_refusals:
+            recording.transform_refusals.append(_RETAIN_GRAD)  # torch.func refuses it
         if func in _FUSED_RNNS and len(args) > 1 and isinstance(args[1], Tensor) \
                 and _PACKED_RNN not in recording.transform_refusals:  # batch_sizes: packed
             recording.transform_refusals.append(_PACKED_RNN)
