@@ -54,21 +54,17 @@ from torchgram.backends._registry import register
 from torchgram.backends.structured.contraction import Contraction, to_row_major
 from torchgram.backends.structured.cost import Force
 from torchgram.backends.structured.passes import (
-    BatchedBackwardFailed,
     Forward,
     backward_chunks,
     dense_forward,
-    hook_on_tap_refused,
     raise_hooked,
-    redone,
     redone_note,
-    row_loops_if_known,
     rows_per_pass,
+    run_with_fallbacks,
 )
 from torchgram.backends.structured.per_sample import per_sample_forward_checked
 from torchgram.backends.structured.plan import StructuredPlan, plan_problem, run_uses
 from torchgram.backends.structured.stream import can_stream, streamed_backward
-from torchgram.backends.structured.trace import HookOnTap
 
 
 @register("structured")
@@ -89,17 +85,11 @@ def run_structured(problem: Problem, plan: StructuredPlan | None = None, *,
         raise self_differentiation_refused(problem.api, "structured", problem.differentiates)
     # NOTE [embedding conventions]: the taps write lookups out; checked after the run
     with checked_conventions(problem, "structured", write_out=False):
-        problem, known = row_loops_if_known(problem)  # NOTE [batched backwards that fail]
-        try:
-            result = _run_structured(problem, plan, forward, force)
-        except BatchedBackwardFailed as failed:
-            problem, known = redone(problem, failed)
-            result = _run_structured(problem, None, None, force)
-        except HookOnTap as hooked:  # NOTE [hooks on taps]
-            raise hook_on_tap_refused(problem.api, hooked) from hooked
-        if known is not None:
-            result.report.notes.append(redone_note(known))
-        return result
+        result, redone = run_with_fallbacks(problem, lambda problem, redo: _run_structured(
+            problem, None if redo else plan, None if redo else forward, force))
+    if redone is not None:
+        result.report.notes.append(redone_note(redone))
+    return result
 
 
 def _run_structured(problem: Problem, plan: StructuredPlan | None, forward: Forward | None,

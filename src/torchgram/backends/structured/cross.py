@@ -56,21 +56,18 @@ from torchgram.backends._registry import register_cross
 from torchgram.backends.structured.contraction import Factor, UseFactors, materialize_use
 from torchgram.backends.structured.cost import LeafPlan
 from torchgram.backends.structured.passes import (
-    BatchedBackwardFailed,
     Forward,
     backward_chunks,
     batched_forward,
     dense_forward,
     forget_trace,
-    hook_on_tap_refused,
     per_sample_view,
     raise_hooked,
-    redone,
     redone_note,
     restrict,
     row_grads,
-    row_loops_if_known,
     rows_per_pass,
+    run_with_fallbacks,
     trace,
     with_row_loops,
 )
@@ -82,7 +79,7 @@ from torchgram.backends.structured.per_sample import (
 )
 from torchgram.backends.structured.plan import StructuredPlan, plan_problem, run_uses
 from torchgram.backends.structured.selections import opened_nodes
-from torchgram.backends.structured.trace import HookOnTap, Recording, TraceMismatch, UseRecord
+from torchgram.backends.structured.trace import Recording, TraceMismatch, UseRecord
 
 MAX_PAIR_ELEMENTS = 2**25
 """Entries of one ghost pair's cotangent Gram before it is split over side-1 samples."""
@@ -817,19 +814,11 @@ def _take_rows(side: Side, start: int, stop: int) -> Side:
 def structured_cross(problem: CrossProblem) -> CrossResult:
     """The structured backend's kernel blocks (NOTE [structured cross kernels])."""
     with checked_conventions(problem.left, "structured", write_out=False):
-        left, known = row_loops_if_known(problem.left)  # NOTE [batched backwards that fail]
-        if known is not None:
-            problem = _with_row_loops(problem, left)
-        try:
-            result = _structured_cross(problem)
-        except BatchedBackwardFailed as failed:
-            left, known = redone(problem.left, failed)
-            result = _structured_cross(_with_row_loops(problem, left))
-        except HookOnTap as hooked:  # NOTE [hooks on taps]
-            raise hook_on_tap_refused(problem.left.api, hooked) from hooked
-        if known is not None:
-            result.report.notes.append(redone_note(known))
-        return result
+        result, redone = run_with_fallbacks(problem.left, lambda left, redo: _structured_cross(
+            problem if left is problem.left else _with_row_loops(problem, left)))
+    if redone is not None:
+        result.report.notes.append(redone_note(redone))
+    return result
 
 
 def _with_row_loops(problem: CrossProblem, left: Problem) -> CrossProblem:

@@ -39,7 +39,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Collection, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 from torch import Tensor
@@ -66,6 +66,7 @@ from torchgram.backends.structured.trace import (
 )
 
 GradChunk = tuple[int, int, list[Tensor | None], dict[int, Tensor]]
+T = TypeVar("T")
 
 ForwardKind = Literal["batched", "vmap", "loop", "dense"]
 """The ways of running ``f`` (NOTE [structured passes])."""
@@ -663,8 +664,8 @@ def raise_hooked(recording: Recording, *, streamed: bool) -> None:
         raise HookOnTap(f"a {recording.hooked_tap} call's output")
 
 
-def hook_on_tap_refused(api: str, hooked: HookOnTap) -> BackendCannotRun:
-    """The structured backend's refusal of a hook on a tapped output (NOTE [hooks on taps])."""
+def _hook_on_tap_refused(api: str, hooked: HookOnTap) -> BackendCannotRun:
+    """The structured backend's refusal of a hook it does not see (NOTE [hooks on taps])."""
     return BackendCannotRun(
         api, "structured", "f without gradient hooks on its parameters, or on the outputs "
         "of the calls it taps where the rows' backward asks for the taps (torch hands such an "
@@ -679,7 +680,7 @@ def with_row_loops(problem: Problem) -> Problem:
                                unbatched=(*problem.unbatched, "a backward vmap cannot batch"))
 
 
-def row_loops_if_known(problem: Problem) -> tuple[Problem, str | None]:
+def _row_loops_if_known(problem: Problem) -> tuple[Problem, str | None]:
     """``problem``, with one row per backward where its signature's batched backward failed.
 
     Returns the problem to run and the reason, if one was known (later calls of a signature
@@ -689,10 +690,30 @@ def row_loops_if_known(problem: Problem) -> tuple[Problem, str | None]:
     return (problem, None) if reason is None else (with_row_loops(problem), reason)
 
 
-def redone(problem: Problem, failed: BatchedBackwardFailed) -> tuple[Problem, str]:
+def _redone(problem: Problem, failed: BatchedBackwardFailed) -> tuple[Problem, str]:
     """Remember that ``problem``'s batched backward failed; the problem to redo and why."""
     _BATCHED_BACKWARD_FAILED.put(_trace_key(problem), failed.reason)
     return with_row_loops(problem), failed.reason
+
+
+def run_with_fallbacks(problem: Problem, run: Callable[[Problem, bool], T]
+                       ) -> tuple[T, str | None]:
+    """``run(problem, redo)`` with the structured passes' fallbacks.
+
+    Returns the result and why it ran with one row per backward, if it did. NOTE [batched
+    backwards that fail]: where the signature's batched backward failed before, or fails
+    now, ``run`` gets the problem with one row per backward (``redo``: after a failure,
+    nothing of the failed attempt may be reused). NOTE [hooks on taps]: a pass that does not
+    see ``f``'s gradient hooks is a refusal naming ``jacobian``.
+    """
+    problem, known = _row_loops_if_known(problem)
+    try:
+        return run(problem, False), known
+    except BatchedBackwardFailed as failed:
+        problem, known = _redone(problem, failed)
+        return run(problem, True), known
+    except HookOnTap as hooked:
+        raise _hook_on_tap_refused(problem.api, hooked) from hooked
 
 
 def redone_note(reason: str) -> str:

@@ -43,18 +43,15 @@ from torchgram.backends.structured.contraction import (
 )
 from torchgram.backends.structured.cost import LeafPlan, Sizes, Way, plan_leaf
 from torchgram.backends.structured.passes import (
-    BatchedBackwardFailed,
     ForwardKind,
     backward_chunks,
     dense_forward,
-    hook_on_tap_refused,
-    redone,
-    row_loops_if_known,
     rows_per_pass,
+    run_with_fallbacks,
 )
 from torchgram.backends.structured.per_sample import per_sample_forward_checked
 from torchgram.backends.structured.plan import plan_problem, run_uses
-from torchgram.backends.structured.trace import HookOnTap, Recording, UseRecord
+from torchgram.backends.structured.trace import Recording, UseRecord
 
 
 @dataclass(frozen=True)
@@ -129,13 +126,7 @@ def pass_payloads(problem: Problem, *, dense: bool = False) -> PassPayloads:
     which raises ``NotPerSample`` where it does not hold; otherwise (or with ``dense``) the
     rows of the whole batch. Rows come in the backend's ``(r, b)`` order.
     """
-    problem, _ = row_loops_if_known(problem)  # NOTE [batched backwards that fail]
-    try:
-        return _pass_payloads(problem, dense)
-    except BatchedBackwardFailed as failed:
-        return _pass_payloads(redone(problem, failed)[0], dense)
-    except HookOnTap as hooked:  # NOTE [hooks on taps]
-        raise hook_on_tap_refused(problem.api, hooked) from hooked
+    return run_with_fallbacks(problem, lambda problem, _: _pass_payloads(problem, dense))[0]
 
 
 def _pass_payloads(problem: Problem, dense: bool) -> PassPayloads:

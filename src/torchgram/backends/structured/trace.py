@@ -136,7 +136,10 @@ class NotBatched(RuntimeError):
 
 
 class HookOnTap(RuntimeError):  # noqa: N818 -- reads as a statement
-    """``f`` registered a gradient hook on a tapped call's output (NOTE [hooks on taps])."""
+    """``f`` hooked a gradient this structured pass does not see (NOTE [hooks on taps]).
+
+    ``rule``: what was hooked (a tapped call's output, a parameter).
+    """
 
     def __init__(self, rule: str) -> None:
         super().__init__(rule)
@@ -1106,10 +1109,8 @@ class TapMode(TorchFunctionMode):
         if tensor.grad_fn is None:
             return
         index = self._edge_outputs.get((id(tensor.grad_fn), tensor.output_nr))
-        if index is None:
-            return
-        self.recording.hooked_tap = (self.recording.taps[index].rule
-                                     if index < len(self.recording.taps) else "a tapped")
+        if index is not None:  # its record is in: a hook comes after the call
+            self.recording.hooked_tap = self.recording.taps[index].rule
 
     def _tap(self, match: Match, found: list[tuple[Tensor, LeafRef]]) -> Tensor | None:
         chosen = self._recognised(match)
@@ -1126,7 +1127,9 @@ class TapMode(TorchFunctionMode):
             self._note_unrecognised(others, f"{match.rule} (as an activation)", y)
         tap_index = len(self.recording.taps)
         record = TapRecord(tuple(y.shape), y.dtype, match.rule)
-        edge_like = y.grad_fn is not None and _not_a_view(y)._base is None
+        # a trace notes the outputs a run would tap by edge, before its probe tap is added
+        edge_like = self._taps == "trace" and y.grad_fn is not None \
+            and _not_a_view(y)._base is None
         if self._taps == "lazy" and self._is_shared(tap_index, y.shape):  # NOTE [shared taps]
             self.made_taps.append(y)  # replaced by the tap where y meets the batch
             self._pending[id(y)] = (tap_index, y, ())
@@ -1150,7 +1153,7 @@ class TapMode(TorchFunctionMode):
             probe = zero_tap(y.shape, y.dtype, y.device)
             self.probes.append((tap_index, probe))
             y = y + probe
-        if self._taps == "trace" and edge_like and y.grad_fn is not None:
+        if edge_like and y.grad_fn is not None:
             self._edge_outputs[(id(y.grad_fn), y.output_nr)] = tap_index  # NOTE [hooks on taps]
         self.recording.taps.append(record)
         self._record_uses(match, chosen, tap_index, y.numel())
