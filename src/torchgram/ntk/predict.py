@@ -177,18 +177,22 @@ class GradientDescentMSE:
         eye = torch.eye(rows, dtype=kernel.dtype, device=kernel.device)
         return kernel + regularizer * eye, regularizer
 
-    @property
-    def kernel(self) -> Tensor:
-        """The regularized kernel, made again at each use where it is not kept.
+    def _current(self) -> tuple[Tensor, Tensor | float]:
+        """The kept regularized kernel and ridge, or new ones where they are not kept.
 
         NOTE [kept factorizations]: a backward frees the graph of the last one.
         """
-        return (self._kept or self._regularized())[0]
+        return self._kept or self._regularized()
+
+    @property
+    def kernel(self) -> Tensor:
+        """The regularized kernel (made again at each use where it is not kept)."""
+        return self._current()[0]
 
     @property
     def regularizer(self) -> Tensor | float:
         """The ridge added to the kernel's diagonal."""
-        return (self._kept or self._regularized())[1]
+        return self._current()[1]
 
     # -- pieces, computed once -------------------------------------------------------------
 
@@ -231,26 +235,28 @@ class GradientDescentMSE:
         Under ``vmap``, LU: Cholesky's status cannot be read on the host there (torch's raw
         ``.item()`` error before session 58).
         """
-        if _torch_compat.is_batched(self.kernel):
-            lu = torch.linalg.lu_factor(self.kernel)
+        kernel = self.kernel
+        if _torch_compat.is_batched(kernel):
+            lu = torch.linalg.lu_factor(kernel)
             return lambda b: torch.linalg.lu_solve(*lu, b)
-        factor, info = torch.linalg.cholesky_ex(self.kernel)
+        factor, info = torch.linalg.cholesky_ex(kernel)
         if int(info) == 0:
             return lambda b: torch.cholesky_solve(b, factor)
-        lu = torch.linalg.lu_factor(self.kernel)
+        lu = torch.linalg.lu_factor(kernel)
         return lambda b: torch.linalg.lu_solve(*lu, b)
 
     # -- display ---------------------------------------------------------------------------
 
     def _rows(self) -> list[tuple[str, str]]:
-        rows = [("kernel", f"{list(self.k_train_train.shape)} → [{self.kernel.shape[0]}, "
-                 f"{self.kernel.shape[0]}]"),
+        kernel, regularizer = self._current()
+        rows = [("kernel", f"{list(self.k_train_train.shape)} → [{kernel.shape[0]}, "
+                 f"{kernel.shape[0]}]"),
                 ("y_train", str(list(self.y.shape))),
                 ("trace_axes", str(self.layout.trace)),
                 ("learning_rate", f"{self.learning_rate:g}"),
                 ("diag_reg", f"{self.diag_reg:g}" + ("" if self.diag_reg_absolute_scale
                                                      else " × mean diagonal")
-                 + f" = {float(_detached(self.regularizer)):.4g}")]
+                 + f" = {float(_detached(regularizer)):.4g}")]
         if self._eigen is not None:
             evals = self._eigen[0]
             rows.append(("eigenvalues", f"{float(evals.min()):.4g} … {float(evals.max()):.4g}"
@@ -269,7 +275,7 @@ class GradientDescentMSE:
     def __call__(self, t: Any = None, fx_train_0: Any = 0.0, fx_test_0: Any = None,
                  k_test_train: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """Train and/or test outputs at time(s) ``t`` (NOTE [gradient_descent_mse])."""
-        dtype, device = self.kernel.dtype, self.kernel.device
+        dtype, device = self.k_train_train.dtype, self.k_train_train.device  # the kernel's
         if fx_train_0 is None and fx_test_0 is None:
             fail(self.api, "fx_train_0 or fx_test_0 (the outputs to predict)", "both None",
                  "Pass fx_train_0 for train outputs, fx_test_0 (with k_test_train) for test "
