@@ -23,6 +23,8 @@ if TYPE_CHECKING:
     from torchgram.backends.eager.gramian import EagerResult
 
 _API = "torchgram.autograd.gramian"
+CHUNK_ROWS_HINT = "chunk_size counts rows per vectorized node call, e.g. 32."
+"""What ``chunk_size`` means to the eager APIs (the hint of their errors)."""
 
 
 @outside_inference_mode  # NOTE [inference mode]
@@ -240,8 +242,7 @@ def _recomputation_frozen(outputs: list[Tensor]) -> contextlib.AbstractContextMa
 def prepare(api: str, outputs: Any, inputs: Any, *, batch_dim: Any, chunk_size: Any,
             retain_graph: Any, diagonal: Any, per_input: Any) -> Call:
     """Validate an imperative call's arguments (errors name ``api``)."""
-    chunk_size = checks.positive_int(api, "chunk_size", chunk_size,
-                                     "chunk_size counts rows per vectorized node call, e.g. 32.")
+    chunk_size = checks.positive_int(api, "chunk_size", chunk_size, CHUNK_ROWS_HINT)
     for name, flag in (("retain_graph", retain_graph), ("diagonal", diagonal),
                        ("per_input", per_input)):
         checks.check_bool(api, name, flag)

@@ -328,10 +328,13 @@ def refuse_forward_mode_non_finite(blocks: Sequence[Tensor], rows: Problem,
     exact_rows = finite_rows.dim() == 2  # not under vmap: the oracle's non-finite entries
     # are known too, those of rows whose vjp is not finite; forward mode gave some of them
     # finite values (0 at a where(h > 0, sqrt(h), 0) whose h is 0, session 58's hunt)
-    if bool(torch.stack([
-            (entries & pairs[k if per_leaf else 0]).any()
-            | (exact_rows and (~entries & ~pairs[k if per_leaf else 0]).any())
-            for k, entries in enumerate(non_finite)]).any()):
+
+    def wrong(k: int, entries: Tensor) -> Tensor:
+        pair = pairs[k if per_leaf else 0]
+        # non-finite between finite rows; with exact rows, also finite where a row is not
+        return ((entries == pair) if exact_rows else (entries & pair)).any()
+
+    if bool(torch.stack([wrong(k, entries) for k, entries in enumerate(non_finite)]).any()):
         raise BackendCannotRun(
             rows.api, "ntvp", "forward-mode derivatives that are finite where the "
             "backward's are (it pushes vjps forward with torch.func.jvp)",

@@ -17,6 +17,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
+from torchgram._api.autograd import CHUNK_ROWS_HINT
 from torchgram._api.step_times import StepTimes, Stopwatch
 from torchgram._api.weighted_backward import BackwardInfo
 from torchgram._api.weights import call_weighting, check_weighting
@@ -43,7 +44,6 @@ __all__ = ["backward", "gramian"]
 
 _GRAMIAN = "torchgram.distributed.autograd.gramian"
 _BACKWARD = "torchgram.distributed.autograd.backward"
-_CHUNK_HINT = "chunk_size counts rows per vectorized node call, e.g. 32."
 
 
 def _outputs(api: str, outputs: Tensor | Iterable[Tensor]) -> list[Tensor]:
@@ -110,7 +110,7 @@ def gramian(
         (``"local"``: ``[m_r, m_r]``).
     """
     checks.check_choice(_GRAMIAN, "cross_rank", cross_rank, ("exact", "local"))
-    chunk_size = checks.positive_int(_GRAMIAN, "chunk_size", chunk_size, _CHUNK_HINT)
+    chunk_size = checks.positive_int(_GRAMIAN, "chunk_size", chunk_size, CHUNK_ROWS_HINT)
     check_group(_GRAMIAN, group)
     refuse_transforms(_GRAMIAN)
     output_list, failed = _checked_outputs(_GRAMIAN, outputs)
@@ -170,7 +170,7 @@ def backward(
     """
     check_weighting(_BACKWARD, weighting)
     checks.check_choice(_BACKWARD, "cross_rank", cross_rank, ("exact", "local"))
-    chunk_size = checks.positive_int(_BACKWARD, "chunk_size", chunk_size, _CHUNK_HINT)
+    chunk_size = checks.positive_int(_BACKWARD, "chunk_size", chunk_size, CHUNK_ROWS_HINT)
     check_group(_BACKWARD, group)
     refuse_transforms(_BACKWARD)
     output_list, failed = _checked_outputs(_BACKWARD, losses)
@@ -180,7 +180,7 @@ def backward(
         watch = Stopwatch(device)
         resolved = resolve(_BACKWARD, resolved_inputs, group)
         if cross_rank == "local":
-            error: BaseException | None = failed  # NOTE [local steps fail together]
+            error: BaseException | None = None  # NOTE [local steps fail together]
             try:
                 if failed is not None:
                     raise failed

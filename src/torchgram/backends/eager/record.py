@@ -535,8 +535,9 @@ class RecordMode(TorchFunctionMode):
                        tuple(y.shape), y.dtype, match.rule)
         tap_index = len(recording.taps)
         recording.taps.append(tap)
-        self._outputs[id(y)] = (weakref.ref(y), tap_index)
-        recording.outputs.append(weakref.ref(y))
+        output = weakref.ref(y)
+        self._outputs[id(y)] = (output, tap_index)
+        recording.outputs.append(output)
         acts: dict[int, int] = {}
         for i, ref, role in chosen:
             operand = match.operands[i]
