@@ -22,6 +22,10 @@ rows come from one batched product over the samples' own slices of what the node
   samples (a bias added, a scale multiplied): sample ``b``'s cotangent (times the other,
   saved, operand for a product) summed to that operand's shape.
 
+Complex operands enter conjugated, as in torch's formulas (``grad · other̄``, ``grad @ W̄ᵀ``,
+``x̄ᵀ @ grad``): without it, a complex layer's rows were those of another function (the eager
+G with ``batch_dim`` 0.28 to 1.01 off on a complex ``x @ W`` or ``x * w``; session 59).
+
 A rule applies only when every expanded edge the walk asks for is one it computes, with the
 samples where it expects them; otherwise the node is called on the masked rows. The saved
 tensors are read through ``_torch_compat.saved`` (unpacking them: under a non-reentrant
@@ -70,6 +74,8 @@ def expanded_by_rule(node: Node, compact: Sequence[Compact | None],
         meta = _torch_compat.slot_metadata(edge[0])[edge[1]]
         if tuple(rows.shape[1:]) != meta.shape:
             return None
+        if rows.is_complex() and not meta.dtype.is_complex:  # a real operand: torch keeps
+            rows = rows.real  # the real part of its complex gradient (no cast warning)
         out[k] = rows.to(dtype=meta.dtype, device=meta.device)
     return out
 
@@ -86,12 +92,12 @@ def _matmul_rows(g: Tensor, layout: SampleLayout, samples: int, left: Tensor | N
     for k in wanted:
         if k == first + 1 and layout.dim == 0 and left is not None:  # grad of right
             per_g = layout.view(g, 1, samples)  # [c, B, N/B, n]
-            per_x = layout.view(left, 0, samples).to(g.dtype)  # [B, N/B, d]
+            per_x = layout.view(left, 0, samples).to(g.dtype).conj()  # [B, N/B, d]
             rows = _batched(per_x.transpose(1, 2), per_g, alpha)  # [c, B, d, n]
             found[k] = rows.reshape(count * samples, *rows.shape[2:])
         elif k == first and layout.dim == 1 and right is not None:  # grad of left
             per_g = layout.view(g, 1, samples)  # [c, B, N, n/B]
-            per_w = layout.view(right, 0, samples).to(g.dtype)  # [B, d, n/B]
+            per_w = layout.view(right, 0, samples).to(g.dtype).conj()  # [B, d, n/B]
             rows = _batched(per_w, per_g.transpose(-1, -2), alpha).transpose(-1, -2)
             found[k] = rows.reshape(count * samples, *rows.shape[2:])
         elif bias is not None and k == bias and layout.dim == 0:
@@ -278,7 +284,7 @@ def _sub_factor(node: Node, k: int) -> float:
 
 def _mul_factor(node: Node, k: int) -> Tensor | None:
     other = _torch_compat.saved(node, "other" if k == 0 else "self")
-    return other if isinstance(other, Tensor) else None
+    return other.conj() if isinstance(other, Tensor) else None  # torch's grad · other̄
 
 
 _RULES: dict[str, Rule] = {
