@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -615,3 +616,35 @@ def test_a_reduction_of_a_0_dim_tensor_over_its_dim_opens(way: str) -> None:
         actual = tg.autograd.gramian(rows, list(leaves.values()), batch_dim=0)
     torch.testing.assert_close(actual, dense_gramian(f, (params, x)).shaped(), rtol=1e-10,
                                atol=1e-12)
+
+
+@pytest.mark.parametrize("api", ["gramian", "kernel"])
+@pytest.mark.parametrize("backend", ["auto", "structured"])
+def test_a_first_call_under_anomaly_detection_does_not_settle_the_check(backend: str,
+                                                                        api: str) -> None:
+    """Under ``set_detect_anomaly`` the check's weights are finite, blind to a coupling scaled
+    by zero (a ramp-up weight at 0): that call's verdict was kept, and every later call, in
+    the mode or out of it, missed the coupling (G 1.01 off; session 59's hunt)."""
+    generator = torch.Generator().manual_seed(0)
+    params = {"w1": torch.randn(5, 8, generator=generator, dtype=DOUBLE),
+              "w2": torch.randn(8, 3, generator=generator, dtype=DOUBLE)}
+    x = torch.randn(B, 5, generator=generator, dtype=DOUBLE)
+    ramp = [0.0]
+
+    def f(p: dict[str, Tensor], x: Tensor) -> Tensor:
+        out = torch.tanh(x @ p["w1"]) @ p["w2"]
+        return out.pow(2).sum(1) + ramp[0] * out.sum()
+
+    def compute() -> Tensor:
+        if api == "gramian":
+            return tg.gramian(f, backend=backend, batch_dim=0)(params, x)
+        kernel = tg.ntk.empirical_ntk_fn(lambda p, x: f(p, x)[:, None], trace_axes=(),
+                                         backend=backend)
+        return kernel(x, None, params).reshape(B, B)
+
+    with warnings.catch_warnings(), torch.autograd.set_detect_anomaly(True):
+        warnings.simplefilter("ignore")  # anomaly mode's own warning
+        compute()
+    ramp[0] = 1.0
+    expected = dense_gramian(f, (params, x)).gramian
+    torch.testing.assert_close(compute(), expected, rtol=1e-10, atol=1e-12)
