@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -88,3 +89,19 @@ def test_a_stale_probe_of_a_random_f_leaves_the_generator_as_one_call_would() ->
     torch.manual_seed(7)
     check(w, x)
     assert torch.equal(torch.get_rng_state(), after_one_call)
+
+
+@pytest.mark.parametrize("options", [
+    {"batch_dim": None}, {"samples": 3}, {"samples": "01"}, {"samples": [1.0]},
+    {"samples": [True]}], ids=["batch_dim_none", "int", "str", "floats", "bools"])
+def test_bad_options_are_refused_when_the_check_is_built(options: dict[str, object]) -> None:
+    """torch's raw errors (a bare AssertionError after one evaluation of ``f`` for
+    ``batch_dim=None``; "'int' object is not iterable"...) before session 59."""
+    with pytest.raises(TypeError, match="torchgram.check_independence: expected"):
+        tg.check_independence(lambda w, x: x @ w, **options)  # type: ignore[arg-type]
+
+
+def test_samples_as_an_array_of_indices() -> None:
+    w, x = torch.randn(3), torch.randn(5, 3)
+    check = tg.check_independence(lambda w, x: torch.tanh(x @ w), samples=np.array([0, 3]))
+    assert check(w, x).samples_checked == (0, 3)

@@ -9,6 +9,7 @@ mean.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +106,32 @@ def test_bad_inputs_raise_with_the_fix() -> None:
         tg.ntk.gradient_descent_mse(k, y, learning_rate="1", trace_axes=())
     with pytest.raises(ValueError, match="even number of dimensions"):
         tg.ntk.kernel_regression(k[0], k[0], y)
+
+
+def test_bad_values_raise_before_the_solve() -> None:
+    """torch's raw errors before session 59: ``lu_factor``'s on a singular kernel,
+    ``new(): invalid data type 'str'``, "The expanded size of the tensor", ``eigh``'s
+    LinAlgError on NaN."""
+    y = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]], dtype=torch.float64)
+    singular = torch.ones(3, 3, dtype=torch.float64)
+    with pytest.raises(ValueError, match="singular kernel.*diag_reg > 0"):
+        tg.ntk.gradient_descent_mse(singular, y)(fx_test_0=0.0, k_test_train=singular[:2])
+    with pytest.raises(ValueError, match="singular kernel.*ridge > 0"):
+        tg.ntk.kernel_regression(singular, singular[:2], y)
+    kernel = torch.eye(3, dtype=torch.float64) + 0.1
+    predict_fn = tg.ntk.gradient_descent_mse(kernel, y)
+    with pytest.raises(TypeError, match="expected t to be a number or a tensor"):
+        predict_fn(t="1")
+    with pytest.raises(TypeError, match="expected fx_train_0 to be a number or a tensor"):
+        predict_fn(fx_train_0="zero")
+    with pytest.raises(ValueError, match=r"fx_train_0 of shape \[3, 2\]"):
+        predict_fn(fx_train_0=torch.zeros(2, 2))
+    with pytest.raises(ValueError, match=r"fx_test_0 of shape \[2, 2\]"):
+        predict_fn(fx_test_0=torch.zeros(2, 3), k_test_train=kernel[:2])
+    with pytest.raises(ValueError, match="finite k_train_train"):
+        tg.ntk.gradient_descent_mse(kernel.clone().fill_diagonal_(math.nan), y)
+    torch.testing.assert_close(predict_fn(t=2.0, fx_train_0=torch.zeros(1, 2)),
+                               predict_fn(t=2.0, fx_train_0=0.0))  # broadcasting still works
 
 
 def test_display() -> None:

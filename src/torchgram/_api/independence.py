@@ -11,6 +11,7 @@ interaction.
 from __future__ import annotations
 
 import functools
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +23,7 @@ from torch import Tensor
 from torchgram._core.census import OpCensus
 from torchgram._core.checks import fail, function_name
 from torchgram._core.errors import OutputChanged, output_changes_refused
-from torchgram._core.functional import outside_inference_mode
+from torchgram._core.functional import public_call
 from torchgram._core.options import Options
 from torchgram._core.per_sample import working_tolerance
 from torchgram._core.problem import (
@@ -116,9 +117,13 @@ def check_independence(
     """
     options = Options.validate(_API, f, argnums, has_aux=has_aux, batch_dim=batch_dim,
                                in_dims=in_dims)
+    if batch_dim is None:  # Options accepts it for the transforms; here it is the point
+        fail(_API, "batch_dim, the output dimension that indexes samples (an int)", "None",
+             "Pass batch_dim=0 (or the dim of f's output that indexes the samples).", TypeError)
+    chosen_samples = _checked_samples(samples)
 
     @functools.wraps(f)
-    @outside_inference_mode  # NOTE [inference mode]
+    @public_call  # NOTE [inference mode], NOTE [autocast]
     def check_f(*args: Any, **kwargs: Any) -> Independence:
         problem = build_problem(options, f, args, kwargs)
         try:
@@ -133,7 +138,7 @@ def check_independence(
     def _check(problem: Problem) -> Independence:
         batch = problem.batch
         assert batch is not None
-        chosen = tuple(range(batch.size)) if samples is None else tuple(samples)
+        chosen = tuple(range(batch.size)) if chosen_samples is None else chosen_samples
         for b in chosen:
             if not 0 <= b < batch.size:
                 fail(_API, f"samples within [0, {batch.size})", f"sample {b}",
@@ -159,6 +164,20 @@ def check_independence(
     check_f.__doc__ = (f"Checks that {function_name(f)} keeps its samples apart "
                        f"(batch_dim={batch_dim}); built by {_API}.")
     return check_f
+
+
+def _checked_samples(samples: Any) -> tuple[int, ...] | None:
+    """``samples`` as a tuple of ints (``None``: all), checked when the function is built."""
+    if samples is None:
+        return None
+    if hasattr(samples, "tolist") and not isinstance(samples, list | tuple):
+        samples = samples.tolist()  # a tensor or an array of indices (floats stay refused)
+    if isinstance(samples, str | bytes) or not isinstance(samples, Sequence) or any(
+            isinstance(b, bool) or not isinstance(b, int | numbers.Integral) for b in samples):
+        fail(_API, "samples to be a sequence of sample indices (ints), or None for all",
+             f"{type(samples).__name__} {samples!r:.60}", "Pass e.g. samples=[0, 3].",
+             TypeError)
+    return tuple(int(b) for b in samples)
 
 
 def _rows(problem: Problem, inputs: tuple[Tensor, ...]) -> Tensor:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 from torch import Tensor
@@ -11,11 +13,50 @@ from torchgram._core import checks
 
 
 def check_weighting(api: str, weighting: Any) -> None:
-    """Reject a weighting that is not callable (e.g. its result passed by mistake)."""
+    """Reject what is not a weighting ``G -> w``, before any work.
+
+    Not callable (its result passed by mistake); a class (``tg.weighting.WarmStart``
+    without ``()``: torch's ``TypeError`` after four evaluations of ``f`` before session 59);
+    a torchjd *aggregator* (``UPGrad()``), which maps a Jacobian ``[m, n]`` to a vector
+    ``[n]``: given the square ``G`` it returns ``m`` numbers that are not weights, and the
+    update was 2.5 to 17 times off without a word (session 59's hunt).
+
+    Example:
+        >>> import torchgram as tg
+        >>> check_weighting("api", tg.weighting.upgrad)
+        >>> try:
+        ...     check_weighting("api", tg.weighting.WarmStart)
+        ... except TypeError as error:
+        ...     print(str(error).split(". ")[-1])
+        Pass an instance: WarmStart().
+    """
+    if isinstance(weighting, type):
+        checks.fail(api, "a weighting callable G -> w (a function such as "
+                    "torchgram.weighting.upgrad, or an instance)",
+                    f"the class {weighting.__name__}",
+                    f"Pass an instance: {weighting.__name__}().", TypeError)
+    aggregator = _torchjd_aggregator(weighting)
+    if aggregator is not None:
+        name = type(weighting).__name__
+        counterpart = (f"torchjd.aggregation.{name}Weighting()" if hasattr(aggregator,
+                                                                           f"{name}Weighting")
+                       else "a torchjd Weighting")
+        checks.fail(api, "a weighting G -> w (torchjd's Weighting objects are; its Aggregators "
+                    "map a Jacobian to an update)", f"torchjd's aggregator {name}()",
+                    f"Pass {counterpart}, or a torchgram.weighting function such as "
+                    "torchgram.weighting.upgrad.", TypeError)
     if not callable(weighting):
         checks.fail(api, "a weighting callable G -> w (e.g. torchgram.weighting.upgrad)",
                     type(weighting).__name__, "Pass the function itself, not its result.",
                     TypeError)
+
+
+def _torchjd_aggregator(weighting: Any) -> ModuleType | None:
+    """``torchjd.aggregation`` if ``weighting`` is one of its aggregators, else ``None``."""
+    for cls in type(weighting).__mro__:
+        if cls.__name__ == "Aggregator" and cls.__module__.startswith("torchjd."):
+            return sys.modules.get("torchjd.aggregation")
+    return None
 
 
 def call_weighting(api: str, weighting: Callable[[Tensor], Tensor], matrix: Tensor) -> Tensor:

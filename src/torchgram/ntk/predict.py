@@ -79,6 +79,27 @@ def _check_tensor(api: str, name: str, value: Any, device: torch.device | None =
     return value
 
 
+def _values(api: str, name: str, value: Any, dtype: torch.dtype, device: torch.device,
+            shape: Sequence[int] | None = None) -> Tensor:
+    """``value`` (a number, a tensor, an array) as a tensor of ``dtype``, broadcast to ``shape``.
+
+    Checked before any work: a string or a shape that does not broadcast raised torch's
+    ``new(): invalid data type 'str'`` / "The expanded size of the tensor" (session 59).
+    """
+    try:
+        tensor = torch.as_tensor(value, dtype=dtype, device=device)
+    except (TypeError, ValueError, RuntimeError):
+        fail(api, f"{name} to be a number or a tensor", f"{type(value).__name__} {value!r:.40}",
+             f"Pass {name} as a float or a tensor.", TypeError)
+    if shape is None:
+        return tensor
+    try:
+        return tensor.broadcast_to(tuple(shape))
+    except RuntimeError:
+        fail(api, f"{name} of shape {list(shape)} (or one that broadcasts to it)",
+             f"shape {list(tensor.shape)}", f"Pass one {name} entry per output to predict.")
+
+
 class _Layout:
     """How ``y``'s axes map to a kernel's rows (the non-traced axes) and channels."""
 
@@ -161,6 +182,10 @@ class GradientDescentMSE:
         self.row_shape = tuple(y.shape[a] for a in self.layout.rows_axes)
         dtype = k_train_train.dtype
         regularized = self._regularized()  # also checks the kernel's shape
+        if not (_torch_compat.is_batched(regularized[0]) or regularized[0].is_meta) \
+                and not bool(torch.isfinite(regularized[0]).all()):  # eigh's raw LinAlgError
+            fail(api, "a finite k_train_train", "NaN or infinite entries",
+                 "Check the kernel's inputs and parameters for non-finite values.")
         self._kept = regularized if self._keeps() else None
         self.y = y.to(dtype)
         self.size = y.numel()
@@ -242,8 +267,14 @@ class GradientDescentMSE:
         factor, info = torch.linalg.cholesky_ex(kernel)
         if int(info) == 0:
             return lambda b: torch.cholesky_solve(b, factor)
-        lu = torch.linalg.lu_factor(kernel)
-        return lambda b: torch.linalg.lu_solve(*lu, b)
+        lu, pivots, info = torch.linalg.lu_factor_ex(kernel)
+        if int(info) != 0:  # torch's raw lu_factor error before session 59
+            fail(self.api, "a regularized train kernel that can be solved with (t=None)",
+                 f"a singular kernel (a zero pivot at row {int(info) - 1} of its LU "
+                 "factorization: training points whose kernel rows coincide)",
+                 "Add a ridge: diag_reg > 0 (gradient_descent_mse) or ridge > 0 "
+                 "(kernel_regression), e.g. 1e-6 times the kernel's mean diagonal.")
+        return lambda b: torch.linalg.lu_solve(lu, pivots, b)
 
     # -- display ---------------------------------------------------------------------------
 
@@ -280,8 +311,8 @@ class GradientDescentMSE:
             fail(self.api, "fx_train_0 or fx_test_0 (the outputs to predict)", "both None",
                  "Pass fx_train_0 for train outputs, fx_test_0 (with k_test_train) for test "
                  "outputs.")
-        f0 = None if fx_train_0 is None else torch.as_tensor(
-            fx_train_0, dtype=dtype, device=device).broadcast_to(self.y.shape)
+        f0 = None if fx_train_0 is None else _values(self.api, "fx_train_0", fx_train_0,
+                                                     dtype, device, self.y.shape)
         test = None
         if fx_test_0 is not None:
             if k_test_train is None:
@@ -296,8 +327,7 @@ class GradientDescentMSE:
                 test_shape[axis] = size
             for axis, size in zip(self.layout.trace, self.layout.channel_shape, strict=True):
                 test_shape[axis] = size
-            g0 = torch.as_tensor(fx_test_0, dtype=dtype, device=device).broadcast_to(
-                tuple(test_shape))
+            g0 = _values(self.api, "fx_test_0", fx_test_0, dtype, device, test_shape)
         y2d = self.layout.flat(self.y)
         if t is None:
             targets = self.y.clone()
@@ -306,7 +336,7 @@ class GradientDescentMSE:
             rhs = y2d if f0 is None else y2d - self.layout.flat(f0)
             limit = g0 + self.layout.unflat(test[0] @ self.solve(rhs), test[1])
             return limit if f0 is None else (targets, limit)
-        tau = torch.as_tensor(t, dtype=dtype, device=device) * self.learning_rate
+        tau = _values(self.api, "t", t, dtype, device) * self.learning_rate
         lead = tuple(tau.shape)
         evals, evecs = self.eigen()
         decay = torch.expm1(-evals.clamp(min=0)[None, :] * tau.reshape(-1, 1) / self.size)

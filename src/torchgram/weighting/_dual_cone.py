@@ -81,8 +81,8 @@ def projected_preferences(G: Tensor, name: str, norm_eps: float, reg_eps: float,
     start, if any.
     """
     G = check_gramian(G, name)
-    check_non_negative(norm_eps, "norm_eps", name)
-    check_non_negative(reg_eps, "reg_eps", name)
+    norm_eps = check_non_negative(norm_eps, "norm_eps", name)
+    reg_eps = check_non_negative(reg_eps, "reg_eps", name)
     state = check_state(state, name)
     m = G.shape[0]
     if m == 0:

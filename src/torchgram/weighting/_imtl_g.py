@@ -65,7 +65,7 @@ def imtl_g(G: Tensor, /, *, eps: float = 1e-12) -> Tensor:
         True
     """
     G = check_gramian(G, "imtl_g")
-    check_non_negative(eps, "eps", "imtl_g")
+    eps = check_non_negative(eps, "eps", "imtl_g")
     m = G.shape[0]
     if m == 0:
         return G.new_zeros(0)

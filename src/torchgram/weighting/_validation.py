@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 from torch import Tensor
@@ -134,10 +135,21 @@ def check_gramian(G: object, name: str) -> Tensor:
     return torch.add(G, asymmetry, alpha=-0.5)
 
 
-def check_non_negative(value: float, argument: str, name: str) -> None:
-    """Raises a ValueError naming ``name`` if the option ``argument`` is negative, NaN or inf."""
+def check_non_negative(value: float, argument: str, name: str) -> float:
+    """``value`` as a float; a ValueError naming ``name`` if it is negative, NaN or inf.
+
+    A TypeError if it is no real number (a string: torch's "'<=' not supported" before
+    session 59); a 0-d real tensor reads as its number.
+    """
+    if isinstance(value, Tensor) and value.dim() == 0 and not value.is_complex():
+        value = float(value)  # a 0-d tensor reads as its number
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{_PREFIX}{name}: expected {argument} to be a number, got "
+                        f"{type(value).__name__} {value!r:.40}. Pass e.g. {argument}=1e-4.")
     if not 0.0 <= value < math.inf:
-        raise ValueError(f"{_PREFIX}{name}: expected a finite {argument} >= 0, got {value!r}.")
+        raise ValueError(f"{_PREFIX}{name}: expected a finite {argument} >= 0, got {value!r}. "
+                         f"Pass a finite non-negative number, e.g. {argument}=1e-4.")
+    return float(value)
 
 
 def scaled_by_a_power_of_two(G: Tensor) -> tuple[Tensor, Tensor]:
