@@ -112,7 +112,17 @@ def _tensor_hooked_unconditionally(p: dict[str, Tensor], x: Tensor) -> Tensor:
     return h @ p["w2"]
 
 
-HOOKED = {"guarded": _tensor_hooked, "unconditional": _tensor_hooked_unconditionally}
+def _multi_grad_hooked(p: dict[str, Tensor], x: Tensor) -> Tensor:
+    """A multi-grad hook (it observes, changes nothing): torch asserts "Expected gradient
+    function to be set" on a tensor without grad, before any ``register_hook`` a census sees
+    (every backend's raw ``AssertionError`` before session 59)."""
+    h = torch.tanh(x @ p["w1"])
+    torch.autograd.graph.register_multi_grad_hook((h,), lambda grads: None)
+    return h @ p["w2"]
+
+
+HOOKED = {"guarded": _tensor_hooked, "unconditional": _tensor_hooked_unconditionally,
+          "multi_grad": _multi_grad_hooked}
 
 
 @pytest.mark.parametrize("hooked", list(HOOKED))
@@ -305,3 +315,40 @@ def test_a_hook_on_a_parameter_inside_f(backend: str, batch_dim: int | None) -> 
         assert backend == "structured" and "backend='jacobian'" in str(error), error
         return
     torch.testing.assert_close(G, expected, rtol=1e-10, atol=1e-12)
+
+
+_MADE_OF_PARAMETERS: dict[str, Callable[[dict[str, Tensor]], Tensor]] = {
+    "lora": lambda p: p["a"] @ p["b"],
+    "tanh_lora": lambda p: torch.tanh(p["a"] @ p["b"]),
+    "scaled": lambda p: 2 * p["a"],
+    "sum": lambda p: p["a"][:, :1] + p["b"][:1],
+}
+
+
+@pytest.mark.parametrize("backend", ["auto", "structured"])
+@pytest.mark.parametrize("weight", list(_MADE_OF_PARAMETERS))
+def test_a_guarded_hook_on_a_tensor_made_of_parameters(weight: str, backend: str) -> None:
+    """``if w.requires_grad: w.register_hook(...)`` on ``w = a @ b`` (a merged LoRA weight),
+    with ``batch_dim=0``: the per-sample vmap way saw ``requires_grad=False`` and skipped the
+    hook, G 0.96 off (NOTE [gradient hooks under the per-sample vmap]); two calls."""
+    generator = torch.Generator().manual_seed(0)
+    params = {"a": torch.randn(4, 2, generator=generator, dtype=torch.float64),
+              "b": torch.randn(2, 3, generator=generator, dtype=torch.float64)}
+    make_weight = _MADE_OF_PARAMETERS[weight]
+
+    def losses(p: dict[str, Tensor], x: Tensor) -> Tensor:
+        w = make_weight(p)
+        if w.requires_grad:
+            w.register_hook(lambda grad: 5 * grad)
+        return (torch.tanh(x @ w) ** 2).sum(1)
+
+    for call in range(2):
+        x = torch.randn(5, 4, generator=generator, dtype=torch.float64)
+        expected = dense_gramian(losses, (params, x))
+        G = tg.gramian(losses, backend=backend, batch_dim=0)(params, x)
+        torch.testing.assert_close(G, expected.gramian, rtol=1e-10, atol=1e-12, msg=str(call))
+        update, info = tg.aggregated_grad(losses, tg.weighting.upgrad, backend=backend,
+                                          batch_dim=0)(params, x)
+        pulled = info.weights.reshape(-1) @ expected.jacobian
+        flat = torch.cat([update[name].reshape(-1) for name in sorted(params)])
+        torch.testing.assert_close(flat, pulled, rtol=1e-10, atol=1e-12)

@@ -18,7 +18,7 @@ from torchgram._api.pipeline import (
 from torchgram._api.step_times import StepTimes, Stopwatch
 from torchgram._api.weights import call_weighting, check_weighting
 from torchgram._core import checks
-from torchgram._core.functional import outside_inference_mode
+from torchgram._core.functional import public_call
 from torchgram._core.options import Options
 from torchgram._core.pytree import leaves_of
 from torchgram._core.scratch import scratch_scope
@@ -109,7 +109,7 @@ def aggregated_grad(
 
     @functools.wraps(f)
     @outside_compile
-    @outside_inference_mode  # NOTE [inference mode]
+    @public_call  # NOTE [inference mode], NOTE [autocast]
     def aggregated_grad_of_f(*args: Any, **kwargs: Any) -> tuple[Any, Aggregation]:
         watch = Stopwatch(_device(args))
 

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from torchgram._core import _torch_compat, checks
 from torchgram._core.errors import derivative_faults_refused
-from torchgram._core.functional import outside_inference_mode
+from torchgram._core.functional import public_call
 from torchgram._core.result import RunReport
 from torchgram._core.running_stats import RecomputedUpdatesUndone
 from torchgram._core.scratch import scratch_scope
@@ -27,7 +27,7 @@ CHUNK_ROWS_HINT = "chunk_size counts rows per vectorized node call, e.g. 32."
 """What ``chunk_size`` means to the eager APIs (the hint of their errors)."""
 
 
-@outside_inference_mode  # NOTE [inference mode]
+@public_call  # NOTE [inference mode], NOTE [autocast]
 def gramian(
     outputs: Tensor | Iterable[Tensor],
     inputs: Tensor | Iterable[Tensor],

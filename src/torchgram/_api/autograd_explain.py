@@ -11,7 +11,7 @@ from torch import Tensor
 from torchgram._api.autograd import prepare
 from torchgram._core import checks
 from torchgram._core.display import html_columns, html_lines, text_columns
-from torchgram._core.functional import outside_inference_mode
+from torchgram._core.functional import public_call
 from torchgram._core.result import RunReport
 from torchgram.backends.eager.record import paused
 
@@ -89,7 +89,7 @@ class EagerExplanation:
                 f"{html_columns(_TITLES, self._rows())}{html_lines(self._footer())}</div>")
 
 
-@outside_inference_mode  # NOTE [inference mode]
+@public_call  # NOTE [inference mode], NOTE [autocast]
 def explain(
     outputs: Tensor | Iterable[Tensor],
     inputs: Tensor | Iterable[Tensor] | Iterable[tuple[str, Tensor]] | Mapping[str, Tensor],

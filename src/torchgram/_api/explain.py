@@ -21,7 +21,7 @@ from torchgram._core import checks
 from torchgram._core.checks import function_name
 from torchgram._core.display import html_columns, html_lines, text_columns
 from torchgram._core.errors import BackendCannotRun, OutputChanged, output_changes_refused
-from torchgram._core.functional import outside_inference_mode
+from torchgram._core.functional import public_call
 from torchgram._core.options import Options
 from torchgram._core.problem import build_problem, forget_probe
 from torchgram._core.pytree import DiffLeaves
@@ -234,7 +234,7 @@ def explain(
 
     @functools.wraps(f)
     @outside_compile
-    @outside_inference_mode  # NOTE [inference mode]
+    @public_call  # NOTE [inference mode], NOTE [autocast]
     def explain_f(*args: Any, **kwargs: Any) -> Explanation:
         from torchgram._api.pipeline import compute
         from torchgram.backends.auto import plan_auto

@@ -8,7 +8,7 @@ from typing import Any
 
 from torchgram._api.pipeline import compute, outside_compile
 from torchgram._core.checks import function_name
-from torchgram._core.functional import outside_inference_mode
+from torchgram._core.functional import public_call
 from torchgram._core.options import Options
 from torchgram._core.scratch import scratch_scope
 
@@ -112,7 +112,7 @@ def gramian(
 
     @functools.wraps(f)
     @outside_compile
-    @outside_inference_mode  # NOTE [inference mode]
+    @public_call  # NOTE [inference mode], NOTE [autocast]
     def gramian_of_f(*args: Any, **kwargs: Any) -> Any:
         with scratch_scope():  # NOTE [scratch memory]
             computation = compute(options, f, args, kwargs)

@@ -12,7 +12,7 @@ from torchgram._api.autograd import prepare
 from torchgram._api.step_times import StepTimes, Stopwatch
 from torchgram._api.weights import call_weighting, check_weighting
 from torchgram._core import checks
-from torchgram._core.functional import outside_inference_mode
+from torchgram._core.functional import public_call
 from torchgram._core.result import RunReport
 from torchgram._core.scratch import scratch_scope
 from torchgram.backends.eager.record import paused
@@ -20,7 +20,7 @@ from torchgram.backends.eager.record import paused
 _API = "torchgram.autograd.backward"
 
 
-@outside_inference_mode  # NOTE [inference mode]
+@public_call  # NOTE [inference mode], NOTE [autocast]
 def backward(
     outputs: Tensor | Iterable[Tensor],
     inputs: Tensor | Iterable[Tensor],

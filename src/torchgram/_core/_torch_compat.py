@@ -781,7 +781,8 @@ def is_hook_without_grad_error(error: BaseException) -> bool:
     """Whether ``error`` is torch refusing a gradient hook on a tensor without grad.
 
     ``f`` registers hooks on its tensors unconditionally (NOTE [gradient hooks inside f]);
-    under ``jvp`` alone (``ntvp``'s forward pushes) they do not require grad.
+    under ``jvp`` alone (``ntvp``'s forward pushes) they do not require grad. torch 2.13's
+    ``register_multi_grad_hook`` asserts instead.
 
     Example:
         >>> try:
@@ -789,9 +790,15 @@ def is_hook_without_grad_error(error: BaseException) -> bool:
         ... except RuntimeError as error:
         ...     is_hook_without_grad_error(error)
         True
+        >>> try:
+        ...     torch.autograd.graph.register_multi_grad_hook([torch.zeros(1)], print)
+        ... except AssertionError as error:
+        ...     is_hook_without_grad_error(error)
+        True
     """
-    return isinstance(error, RuntimeError) and (
-        "cannot register a hook on a tensor that doesn't require gradient" in str(error))
+    return (isinstance(error, RuntimeError) and (
+        "cannot register a hook on a tensor that doesn't require gradient" in str(error))) or (
+        isinstance(error, AssertionError) and "Expected gradient function to be set" in str(error))
 
 
 def is_sparse_gradient_error(error: BaseException) -> bool:

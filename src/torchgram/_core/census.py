@@ -195,6 +195,22 @@ those evaluate again with one (NOTE [gradient hooks inside f]; ``retain_grad`` c
 gradient, but raised torch's error on every backend until session 58)."""
 
 
+def may_need_a_graph(error: BaseException) -> bool:
+    """Whether an evaluation of ``f`` without a graph that raised ``error`` is made again with one.
+
+    Any error but torchgram's own: besides the calls the census sees (``NEEDS_GRAPH``), f may
+    reach its graph in ways no mode sees: ``torch.autograd.graph.register_multi_grad_hook``
+    (torch's raw ``AssertionError: Expected gradient function to be set`` on every backend
+    before session 59), ``h.grad_fn.name()``, ``assert h.requires_grad``. An ``f`` that fails
+    either way fails once more, with a graph, on its way to the error.
+
+    Example:
+        >>> may_need_a_graph(AssertionError("Expected gradient function to be set"))
+        True
+    """
+    return not type(error).__module__.startswith("torchgram")
+
+
 # NOTE [reentrant checkpoints seen]
 # torch refuses torch.autograd.grad through a torch.utils.checkpoint(..., use_reentrant=True)
 # region, and every backend's error becomes a torchgram ValueError naming use_reentrant=False.

@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 
 from torchgram._core import _torch_compat
+from torchgram._core.caller_context import caller_autocast_state
 from torchgram._core.checks import message
 
 
@@ -176,10 +177,14 @@ def output_changed_refusal(api: str, error: OutputChanged) -> Exception:
             f"{batch} samples)", f"{got} entries along it on the whole batch",
             "Return one output row per sample (f must not drop, add or pool samples), or call "
             "without batch_dim."))
+    todo = "Make the output's structure a function of the inputs' shapes only."
+    if caller_autocast_state():  # NOTE [autocast]: torch.func.vmap skips it for some ops
+        todo = ("Under torch.autocast, torch.func.vmap runs some ops (convolutions) without it, "
+                "so the per-sample evaluations of batch_dim return another dtype: call outside "
+                "torch.autocast, or without batch_dim, or with backend='auto'. Otherwise: " + todo)
     return RuntimeError(message(
         api, "f to return outputs of the same structure on every evaluation",
-        "outputs whose shapes or dtypes change from one evaluation to the next",
-        "Make the output's structure a function of the inputs' shapes only."))
+        "outputs whose shapes or dtypes change from one evaluation to the next", todo))
 
 
 @contextlib.contextmanager
@@ -500,6 +505,9 @@ def torch_refusals(api: str, backend: str, parameters: Sequence[Tensor] = (),
     try:
         yield
     except AssertionError as error:  # torch.compile'd code inside f, under a transform
+        if _torch_compat.is_hook_without_grad_error(error) and backend not in (
+                "jacobian", "structured"):  # NOTE [gradient hooks inside f]: a multi-grad hook
+            raise gradient_hooks_refused(api, backend) from error
         if backend not in _TRANSFORMING or not _torch_compat.raised_in_dynamo(error):
             raise
         refusal = _torch_compat.Refusal(

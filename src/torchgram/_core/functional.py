@@ -17,7 +17,7 @@ turn it back on: before session 40, ``tg.gramian`` called there gave a zero matr
 a word on ``auto``, ``structured`` and ``graph`` when its signature had a cached probe, and
 torch's raw "Inference tensors do not track version counter" on every backend otherwise;
 ``tg.autograd.gramian`` and ``backward`` raised raw errors. Every public entry point runs
-its call under ``torch.inference_mode(False)`` (:func:`outside_inference_mode`): a Gramian
+its call under ``torch.inference_mode(False)`` (:func:`public_call`): a Gramian
 is computed wherever it is asked for, as ``torch.func`` transforms are; tensors the caller
 made inside the mode are cloned before use (``problem.without_inference_tensors``), the
 results are ordinary tensors, and eager outputs computed inside the mode do not require
@@ -33,6 +33,8 @@ from typing import Any, TypeVar, cast
 import optree
 import torch
 from torch import Tensor
+
+from torchgram._core.caller_context import outside_caller_context
 
 Result = TypeVar("Result")
 Fn = TypeVar("Fn", bound=Callable[..., Any])
@@ -70,13 +72,15 @@ def with_grad(fn: Callable[[], Result]) -> Result:
         lambda leaf: leaf.detach() if isinstance(leaf, Tensor) else leaf, tree))
 
 
-def outside_inference_mode(fn: Fn) -> Fn:
-    """``fn`` run under ``torch.inference_mode(False)`` when called inside the mode.
+def public_call(fn: Fn) -> Fn:
+    """``fn`` as a public entry point: outside inference mode and the caller's autocast.
 
-    See NOTE [inference mode].
+    Under ``torch.inference_mode(False)`` when called inside the mode (NOTE [inference
+    mode]); without the caller's autocast and function modes, ``f``'s evaluations excepted
+    (NOTE [autocast], NOTE [the caller's function modes]).
 
     Example:
-        >>> @outside_inference_mode
+        >>> @public_call
         ... def tracked():
         ...     x = torch.ones(2, requires_grad=True)
         ...     return (x * x).grad_fn is not None
@@ -86,10 +90,11 @@ def outside_inference_mode(fn: Fn) -> Fn:
     """
     @functools.wraps(fn)
     def outside(*args: Any, **kwargs: Any) -> Any:
-        if not torch.is_inference_mode_enabled():
-            return fn(*args, **kwargs)
-        with torch.inference_mode(False):
-            return fn(*args, **kwargs)
+        with outside_caller_context():
+            if not torch.is_inference_mode_enabled():
+                return fn(*args, **kwargs)
+            with torch.inference_mode(False):
+                return fn(*args, **kwargs)
 
     return cast(Fn, outside)
 

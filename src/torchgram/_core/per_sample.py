@@ -59,7 +59,7 @@ import torch
 from torch import Tensor
 
 from torchgram._core import _torch_compat, functional
-from torchgram._core.census import OpCensus
+from torchgram._core.census import OpCensus, may_need_a_graph
 from torchgram._core.errors import BackendCannotRun, NotPerSample, OutputChanged
 from torchgram._core.problem import Problem, replace_input_leaves
 from torchgram._core.pytree import detach_tree
@@ -109,11 +109,17 @@ def batch_rows(problem: Problem, *, eager: bool = False) -> tuple[Tensor, Any]:
     census = OpCensus()
     try:
         rows, aux = _rows_under(census, problem, keep_graph, with_graph=with_graph)
-    except RuntimeError:  # NOTE [gradient hooks inside f]: on a tensor that requires grad
-        if keep_graph or with_graph or not census.needs_graph:
+    except Exception as error:  # NOTE [gradient hooks inside f]: on a tensor requiring grad
+        if keep_graph or with_graph or not may_need_a_graph(error):
             raise
+        saw_graph_calls = census.needs_graph > 0
         census = OpCensus()
-        rows, aux = _rows_under(census, problem, keep_graph, with_graph=True)
+        try:
+            rows, aux = _rows_under(census, problem, keep_graph, with_graph=True)
+        except Exception:
+            if saw_graph_calls:
+                raise
+            raise error from None  # failed either way: as without the graph
     if problem.draw.random:
         raise NotPerSample("f draws random numbers (dropout, ...): one sample at a time it "
                            "would see other draws than the batch's", random=True)

@@ -34,14 +34,15 @@ import torch
 from torch import Tensor
 
 from torchgram._core import _torch_compat
+from torchgram._core.caller_context import caller_context
 from torchgram._core.captured_writes import (
     CapturedWrites,
     RenormalisedOnce,
     StaleWrites,
     captured_memory,
 )
-from torchgram._core.census import DenseEmbeddingGradients, OpCensus, ProbeCheck
-from torchgram._core.checks import check_not_meta, fail, resolve_argnums
+from torchgram._core.census import DenseEmbeddingGradients, OpCensus, ProbeCheck, may_need_a_graph
+from torchgram._core.checks import check_not_meta, fail, message, resolve_argnums
 from torchgram._core.composition import (
     Composition,
     detect_composition,
@@ -678,6 +679,8 @@ def evaluate_f(evaluate: Callable[[tuple[Tensor, ...]], Any], leaves: tuple[Tens
             # [parametrization caches]
             for context in contexts:
                 stack.enter_context(context())
+            # NOTE [autocast], NOTE [the caller's function modes]: f's own region, its modes
+            stack.enter_context(caller_context())  # on top of every other
             if through_vjp:
                 return _torch_compat.through_grad_level(evaluate, leaves)
             try:
@@ -978,15 +981,20 @@ def _evaluate_probe(api: str, f: Callable[..., Any], args: tuple[Any, ...],
         try:
             try:
                 result = evaluate_probe()
-            except RuntimeError:  # NOTE [f that differentiates itself]: with respect to its
-                # parameters, which need grad; NOTE [gradient hooks inside f]: on a tensor
-                if with_grad or (census.differentiates is None  # that requires grad
-                                 and not census.needs_graph):
+            except Exception as error:  # NOTE [f that differentiates itself]: with respect
+                # to its parameters, which need grad; NOTE [gradient hooks inside f]: on a
+                if with_grad or not may_need_a_graph(error):  # tensor that requires grad
                     raise
+                saw_graph_calls = census.differentiates is not None or census.needs_graph > 0
                 census = OpCensus()
-                leaves = tuple(leaf.detach().requires_grad_() for leaf in copies)
-                with torch.enable_grad():
-                    result = evaluate_probe()
+                try:
+                    leaves = tuple(leaf.detach().requires_grad_() for leaf in copies)
+                    with torch.enable_grad():
+                        result = evaluate_probe()
+                except Exception:
+                    if saw_graph_calls:
+                        raise
+                    raise error from None  # failed either way: as without the graph
         except CounterRead as error:
             raise counter_read_error(api, error) from error
         except Exception as error:
@@ -1001,6 +1009,13 @@ def _evaluate_probe(api: str, f: Callable[..., Any], args: tuple[Any, ...],
             if batch is None or whole_batch:
                 if (refusal := f_refused_by_vmap(api, error)) is not None:
                     raise refusal from error  # f itself cannot run under the user's vmap
+                if isinstance(f, torch.nn.Module):  # called as f(params, *inputs): the hint
+                    raise TypeError(message(  # (its own error named another argument)
+                        api, "f(params, *inputs), a function of the parameters",
+                        f"the module {type(f).__name__}, whose call raised "
+                        f"{type(error).__name__}: {str(error).splitlines()[0][:100]}",
+                        "Make it one: fn, params = tg.functionalize(module), then "
+                        "tg.gramian(fn)(params, x).")) from error
                 raise
             raise _FailsAlone from error
         if census.reentrant_checkpoint:  # NOTE [reentrant checkpoints seen]

@@ -15,7 +15,7 @@ from torchgram._api.step_times import StepTimes, Stopwatch
 from torchgram._api.weights import call_weighting, check_weighting
 from torchgram._core import _torch_compat, checks
 from torchgram._core.errors import output_changes_refused
-from torchgram._core.functional import outside_inference_mode
+from torchgram._core.functional import public_call
 from torchgram._core.options import Options
 from torchgram._core.pytree import DiffLeaves, leaves_of
 from torchgram._core.sink import shape_block
@@ -130,7 +130,7 @@ def gramian(
                         memory_budget=memory_budget)
 
     @functools.wraps(f)
-    @outside_inference_mode  # NOTE [inference mode]
+    @public_call  # NOTE [inference mode], NOTE [autocast]
     def gramian_of_f(*args: Any, **kwargs: Any) -> Any:
         refuse_transforms(options.api)
         value, aux, _ = _gramian(options, f, args, kwargs, group, cross_rank)
@@ -293,7 +293,7 @@ def aggregated_grad(
     check_weighting(_AGGREGATED, weighting)
 
     @functools.wraps(f)
-    @outside_inference_mode  # NOTE [inference mode]
+    @public_call  # NOTE [inference mode], NOTE [autocast]
     def aggregated_grad_of_f(*args: Any, **kwargs: Any) -> tuple[Any, Aggregation]:
         refuse_transforms(options.api)
         update, info = step(*args, **kwargs)
@@ -507,7 +507,7 @@ def explain(
                         memory_budget=memory_budget)
 
     @functools.wraps(f)
-    @outside_inference_mode  # NOTE [inference mode]
+    @public_call  # NOTE [inference mode], NOTE [autocast]
     def explain_f(*args: Any, **kwargs: Any) -> Exchange:
         refuse_transforms(options.api)
         return _gramian(options, f, args, kwargs, group, "exact")[2]

@@ -22,7 +22,7 @@ from torchgram._api.step_times import StepTimes, Stopwatch
 from torchgram._api.weighted_backward import BackwardInfo
 from torchgram._api.weights import call_weighting, check_weighting
 from torchgram._core import checks
-from torchgram._core.functional import outside_inference_mode
+from torchgram._core.functional import public_call
 from torchgram._core.sink import LeafBlocks
 from torchgram.backends.graph.gramian import graph_gramian
 from torchgram.distributed._agreement import fail_together
@@ -86,7 +86,7 @@ def _local_gramian(outputs: list[Tensor], inputs: EagerInputs,
         else block.to(dtype)
 
 
-@outside_inference_mode  # NOTE [inference mode]
+@public_call  # NOTE [inference mode], NOTE [autocast]
 def gramian(
     outputs: Tensor | Iterable[Tensor],
     inputs: nn.Module | Tensor | Iterable[Tensor],
@@ -127,7 +127,7 @@ def gramian(
         resolved_inputs.reshard()
 
 
-@outside_inference_mode  # NOTE [inference mode]
+@public_call  # NOTE [inference mode], NOTE [autocast]
 def backward(
     losses: Tensor | Iterable[Tensor],
     inputs: nn.Module | Tensor | Iterable[Tensor],

@@ -37,7 +37,7 @@ from torchgram._core.checks import fail, function_name
 from torchgram._core.cross import CrossProblem, PairSpec, mirror, row_shape
 from torchgram._core.display import key_values_html, key_values_text
 from torchgram._core.errors import NotPerSample, OutputChanged, output_changes_refused
-from torchgram._core.functional import outside_inference_mode
+from torchgram._core.functional import public_call
 from torchgram._core.options import Options
 from torchgram._core.per_sample import check_tiles, fails_alone
 from torchgram._core.problem import (
@@ -189,7 +189,7 @@ class EmpiricalNTK:
 
     # -- the call --------------------------------------------------------------------------
 
-    @outside_inference_mode  # NOTE [inference mode]
+    @public_call  # NOTE [inference mode], NOTE [autocast]
     def __call__(self, x1: Any, x2: Any, params: Any, **kwargs: Any) -> Tensor:
         """The empirical NTK between ``x1`` and ``x2`` (``None``: ``x1``), NT's layout."""
         x1, x2, params, kwargs = without_inference_tensors((x1, x2, params, kwargs))

@@ -86,6 +86,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from torchgram._core import _torch_compat
+from torchgram._core.caller_context import beneath_caller_modes
 from torchgram._core.census import coupling_op
 from torchgram._core.pytree import PLAIN_VALUES, leaves_of
 from torchgram._core.threads import compiled_code_eager
@@ -728,7 +729,8 @@ def record() -> Iterator[Recording]:
     _STATE.latest = weakref.ref(recording)
     _STATE.depth += 1
     try:  # compiled code runs eagerly, its calls seen (NOTE [compiled code in f])
-        with compiled_code_eager(), RecordMode(recording):
+        # NOTE [the caller's function modes]: theirs see the block's calls first
+        with compiled_code_eager(), beneath_caller_modes(RecordMode(recording)):
             yield recording
     finally:
         _STATE.depth -= 1

@@ -147,15 +147,18 @@ def materialize(use: UseRecord, factors: UseFactors, numel: int) -> Tensor:
     rows, samples, positions, groups, width = cot.tensor.shape
     if groups != 1 or positions == 1 or rows > MAX_ROW_LOOP or act.tensor.dim() != 4:
         return materialize_use(use, factors, numel)
-    acts = act.tensor.reshape(samples, positions, -1)  # [B, T, a]
-    if torch.is_grad_enabled() and (acts.requires_grad or cot.tensor.requires_grad):
+    # f's activations and cotangents may differ in dtype (an autocast region inside f)
+    dtype = torch.promote_types(cot.tensor.dtype, act.tensor.dtype)
+    acts = act.tensor.reshape(samples, positions, -1).to(dtype)  # [B, T, a]
+    cot_rows = cot.tensor.to(dtype)
+    if torch.is_grad_enabled() and (acts.requires_grad or cot_rows.requires_grad):
         # a differentiable kernel (NOTE [composition]): autograd refuses out= products
-        return torch.stack([_row_product(cot.tensor[r].reshape(samples, positions, width),
+        return torch.stack([_row_product(cot_rows[r].reshape(samples, positions, width),
                                          acts, cot_first).reshape(samples, numel)
                             for r in range(rows)])
-    out = cot.tensor.new_empty(rows, samples, numel)
+    out = cot_rows.new_empty(rows, samples, numel)
     for r in range(rows):
-        cots = cot.tensor[r].reshape(samples, positions, width)  # [B, T, c]
+        cots = cot_rows[r].reshape(samples, positions, width)  # [B, T, c]
         _row_product(cots, acts, cot_first, out=out[r].view(samples, numel))
     return out
 

@@ -99,13 +99,15 @@ def _forward(problem: Problem, traced: Recording, *,
             forward = batched_forward(problem, expected)
             if forward is not None and _check_batched(problem, forward, traced):
                 return forward, traced
-        return _one_sample_at_a_time(problem, expected, fallback), traced
+        return _one_sample_at_a_time(problem, expected, fallback,
+                                     hooked=traced.gradient_hooks), traced
     except TraceMismatch:
         forget_trace(problem)  # the next call traces afresh
         if retrace:
             return _forward(problem, trace(problem), retrace=False)
         return _one_sample_at_a_time(problem, restrict(traced, []),
-                                     list(range(len(problem.leaves)))), traced
+                                     list(range(len(problem.leaves))),
+                                     hooked=traced.gradient_hooks), traced
 
 
 def _check_batched(problem: Problem, forward: Forward, traced: Recording) -> bool:
@@ -354,8 +356,28 @@ def _same_merged_acts(forward: Forward, acts: list[Tensor], subset: list[int]) -
     return True
 
 
-def _one_sample_at_a_time(problem: Problem, expected: Recording, fallback: list[int]) -> Forward:
+# NOTE [gradient hooks under the per-sample vmap]
+# The vmap way evaluates f under torchgram's ``vmap`` with the graph outside it (taps and
+# carriers require grad, the backward comes after). Under it every tensor that meets the
+# batch is a batched wrapper, which says ``requires_grad=False`` whatever it wraps, and
+# torch refuses a hook on it: an ``f`` that guards its hook as usual (``if w.requires_grad:
+# w.register_hook(...)``) skipped it there and in no other evaluation. With a fallback leaf
+# (a merged LoRA weight ``A @ B``, ``2 * w``, ``tanh(A @ B)``: a tensor made of parameters
+# only, hooked) the blocks missed the hook: G 0.96 off on ``structured`` and ``auto`` with
+# ``batch_dim=0`` (session 58 left it, session 59 found the guard). Neither a
+# ``TorchFunctionMode`` (torch 2.13 sends no ``requires_grad`` read through it) nor the
+# batched wrapper can answer otherwise, so a trace that saw ``f`` register a gradient hook
+# takes the loop, where the carriers are plain tensors that require grad. (An ``f`` whose
+# value itself depends on ``requires_grad`` is another function under any ``vmap``, as
+# under ``torch.func.vmap`` itself; its gradient-free evaluations see it too.)
+
+
+def _one_sample_at_a_time(problem: Problem, expected: Recording, fallback: list[int], *,
+                          hooked: bool) -> Forward:
     """``vmap`` over samples, a loop where it cannot; every sample checked against the batch.
+
+    ``hooked``: the trace saw ``f`` register gradient hooks, which the ``vmap`` way would
+    not run as ``f`` means them: a loop (NOTE [gradient hooks under the per-sample vmap]).
 
     Where torch refuses ``f`` under the transforms the check of the samples needs (an
     old-style ``autograd.Function``, module backward hooks: NOTE [old-style
@@ -369,7 +391,7 @@ def _one_sample_at_a_time(problem: Problem, expected: Recording, fallback: list[
             raise
         raise NotPerSample(f"the per-sample check runs f under torch.func transforms, which "
                            f"refuse {refused.what}") from error
-    loop = problem.loops_only
+    loop = problem.loops_only or hooked
     forward = None
     if not loop:
         try:
