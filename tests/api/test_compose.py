@@ -617,3 +617,24 @@ def test_third_derivatives_through_norms_match_finite_differences(
         actual = torch.autograd.grad(inner.square().sum(), leaf)[0]
     torch.testing.assert_close(actual, expected, rtol=1e-6,
                                atol=1e-6 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("batch_dim", [0, None], ids=["batch0", "nobatch"])
+@pytest.mark.parametrize("backend", ["auto", "structured", "graph", "jacobian", "ntvp"])
+def test_f_that_vmaps_its_own_per_sample_loss(backend: str, batch_dim: int | None) -> None:
+    """``f = vmap(per_sample_loss)``: the structured taps were made inside f's own vmap
+    (torch's "requires_grad_() inside of a function being transformed"; auto and structured
+    declined, ``explain`` raised it; session 59's hunt). NOTE [uses with gradients off]."""
+    generator = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(4, 5, generator=generator, dtype=torch.float64),
+              "v": torch.randn(5, generator=generator, dtype=torch.float64)}
+    x = torch.randn(6, 4, generator=generator, dtype=torch.float64)
+
+    def f(p: dict[str, Tensor], x: Tensor) -> Tensor:
+        return torch.vmap(lambda row: torch.tanh(row @ p["w"]) @ p["v"])(x)
+
+    expected = dense_gramian_fn(f)(params, x)
+    G = tg.gramian(f, backend=backend, batch_dim=batch_dim)(params, x)
+    torch.testing.assert_close(G, expected, rtol=1e-10, atol=1e-12)
+    explanation = tg.explain(f, backend=backend, batch_dim=batch_dim, run=True)(params, x)
+    assert explanation.ran is not None

@@ -105,3 +105,19 @@ def test_samples_as_an_array_of_indices() -> None:
     w, x = torch.randn(3), torch.randn(5, 3)
     check = tg.check_independence(lambda w, x: torch.tanh(x @ w), samples=np.array([0, 3]))
     assert check(w, x).samples_checked == (0, 3)
+
+
+@pytest.mark.parametrize("samples", [8, 64])
+def test_a_weak_coupling_in_float32_is_seen(samples: int) -> None:
+    """``h + 0.05 · h.mean(0)``: the per-sample G is 0.1 off the true one, and a nudge of 1e-2
+    left the other samples' outputs within float32 round-off (``independent=True``;
+    session 59's hunt)."""
+    generator = torch.Generator().manual_seed(0)
+    w1, w2 = torch.randn(16, 32, generator=generator), torch.randn(32, 1, generator=generator)
+
+    def f(w: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(x @ w[0])
+        return (h + 0.05 * h.mean(0)) @ w[1]
+
+    x = torch.randn(samples, 16, generator=generator)
+    assert not tg.check_independence(f)((w1, w2), x).independent

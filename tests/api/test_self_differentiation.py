@@ -416,3 +416,29 @@ def test_the_graph_walk_declines_sets_called_with_other_arguments() -> None:
             tg.ntk.empirical_ntk_fn(f, trace_axes=(), backend=backend)(x1, x2, p, scale=scales)
     with pytest.raises(tg.BackendCannotRun, match="with other arguments than their batched"):
         tg.ntk.empirical_ntk_fn(f, trace_axes=(), backend="graph")(x1, x2, p, scale=scales)
+
+
+def test_structured_follows_f_that_stops_differentiating_itself() -> None:
+    """A flag turns an input-gradient penalty off: structured refused the plain ``f`` on the
+    strength of the first call's cached probe until the caches were cleared (session 59's
+    hunt); twice on, it refuses twice."""
+    generator = torch.Generator().manual_seed(0)
+    params = {"w0": torch.randn(6, 6, generator=generator, dtype=torch.float64),
+              "w1": torch.randn(1, 6, generator=generator, dtype=torch.float64)}
+    x = torch.randn(5, 6, generator=generator, dtype=torch.float64)
+    penalty = [True]
+
+    def f(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        out = (torch.tanh(x @ p["w0"].T) @ p["w1"].T).squeeze(-1)
+        if penalty[0]:
+            grads = torch.vmap(torch.func.grad(lambda row: torch.tanh(row @ p["w0"].T).sum()))(x)
+            out = out + grads.pow(2).sum(-1)
+        return out
+
+    gramian = tg.gramian(f, backend="structured", batch_dim=0)
+    for _ in range(2):
+        with pytest.raises(tg.BackendCannotRun, match="does not differentiate its own"):
+            gramian(params, x)
+    penalty[0] = False
+    torch.testing.assert_close(gramian(params, x), dense_gramian(f, (params, x)).gramian,
+                               rtol=1e-10, atol=1e-12)

@@ -504,3 +504,33 @@ def test_forward_mode_non_finite_entries_are_refused(activation: Any, per_leaf: 
     for g, e in (zip(got.values(), expected.values(), strict=True) if per_leaf
                  else [(got, expected)]):
         torch.testing.assert_close(g, e, equal_nan=True)
+
+
+class _DoubleWithoutJvp(torch.autograd.Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: Tensor) -> Tensor:
+        return 2 * x
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Tensor], output: Tensor) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        return 2 * grad
+
+
+@pytest.mark.parametrize("batch_dim", [0, None], ids=["batch0", "nobatch"])
+def test_a_vmapped_custom_function_without_jvp_is_declined(batch_dim: int | None) -> None:
+    """torch.func.jvp's raw "flat_bdims must not be None" before session 59."""
+    w, x = torch.randn(3, 2, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+
+    def f(w: Tensor, x: Tensor) -> Tensor:
+        return torch.vmap(lambda row: _DoubleWithoutJvp.apply(torch.tanh(row @ w)))(x).sum(1)
+
+    with pytest.raises(tg.BackendCannotRun, match="jvp staticmethod"):
+        tg.gramian(f, backend="ntvp", batch_dim=batch_dim)(w, x)
+    torch.testing.assert_close(tg.gramian(f, batch_dim=batch_dim)(w, x),
+                               dense_gramian(f, (w, x)).gramian, rtol=1e-10, atol=1e-12)

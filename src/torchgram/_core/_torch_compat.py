@@ -463,6 +463,8 @@ def routing_values(nodes: Iterable[Node], samples: int | None = None) -> tuple[H
             digest.extend(_ctx_values(ordinal, node))
         else:
             digest.extend(_int_values(ordinal, node))
+        if kind.__name__ in _SPARSE_OPERAND_NODES:  # NOTE [sparse routes]
+            digest.extend(_sparse_operands(ordinal, node))
         selection = _SELECTIONS.get(kind.__name__) if samples is not None else None
         if selection is not None:
             mask = getattr(node, f"_saved_{selection}", None)
@@ -475,16 +477,78 @@ def routing_values(nodes: Iterable[Node], samples: int | None = None) -> tuple[H
                 continue
             if isinstance(value, Tensor) and not custom and (value.is_floating_point()
                                                              or value.is_complex()):
+                if value.layout != torch.strided:  # NOTE [sparse routes]
+                    digest.append((ordinal, name, 0, _sparse_structure(value)))
+                    continue
                 _TENSOR_SAVED[kind] = [kept for kept in _TENSOR_SAVED[kind] if kept != name]
                 continue
             values = value if isinstance(value, list | tuple) else (value,)
             digest.extend((ordinal, name, position, _index_digest(tensor))
                           for position, tensor in enumerate(values) if _holds_indices(tensor))
-            if custom:  # NOTE [branches on numbers]
+            if custom:  # NOTE [branches on numbers], NOTE [opaque selections]
                 digest.extend((ordinal, name, position, _coarse(tensor.item()))
                               for position, tensor in enumerate(values)
                               if _is_scalar(tensor) and not _holds_indices(tensor))
+                if not _is_own_function(node):  # torchgram's fused recurrences are known
+                    digest.extend((ordinal, name, position, _sign_pattern(tensor))
+                                  for position, tensor in enumerate(values)
+                                  if isinstance(tensor, Tensor) and tensor.dim() > 0
+                                  and tensor.is_floating_point())
     return tuple(digest)
+
+
+# NOTE [sparse routes]
+# A sparse operand routes like an index tensor: ``torch.sparse.mm(A, h)`` with a sparse
+# ``[B, B]`` adjacency ``A`` sends sample ``c``'s cotangent to sample ``r`` only where ``A``
+# stores ``(c, r)``, and its backward never touches the structural zeros, so no probe (NaN
+# or not) sees a coupling that a later call's ``A`` stores. The digest held floating saved
+# tensors by nothing: an identity ``A`` on the first call fixed per-sample layouts that
+# every later call reused (the eager Gramian 0.14 to 0.28 off, walked or recorded, also
+# inside a checkpoint; session 59's hunt). A sparse floating tensor now adds its layout,
+# shape and index structure. A node kind whose first saved floating tensor was dense stops
+# reading that name (its values change every batch and are no routing), so the matmul
+# kinds, where a sparse constant meets a dense activation, also read their operands'
+# stored data directly (``SavedTensor.data``: no unpack hook runs, no recomputation).
+
+_SPARSE_OPERAND_NODES = frozenset({
+    "MmBackward0", "AddmmBackward0", "BmmBackward0", "BaddbmmBackward0", "MvBackward0",
+    "AddmvBackward0", "SparseAddmmBackward0"})
+_MATMUL_OPERANDS = ("self", "mat1", "mat2", "batch1", "batch2", "mat", "vec")
+
+
+def _sparse_operands(ordinal: int, node: Node) -> list[Hashable]:
+    """The index structure of the sparse operands a matmul node saved (NOTE [sparse routes])."""
+    found: list[Hashable] = []
+    for name in _MATMUL_OPERANDS:
+        raw = getattr(node, f"_raw_saved_{name}", None)
+        try:
+            data = None if raw is None else raw.data  # as stored: no unpack hook runs
+        except RuntimeError:  # freed by a backward: the walk says so
+            continue
+        if isinstance(data, Tensor) and data.layout != torch.strided:
+            found.append((ordinal, name, "sparse", _sparse_structure(data)))
+    return found
+
+
+def _sparse_structure(value: Tensor) -> tuple[Any, ...]:
+    """A sparse tensor's layout, shape and stored positions, digested (NOTE [sparse routes]).
+
+    Example:
+        >>> eye = torch.eye(3).to_sparse()
+        >>> _sparse_structure(eye) == _sparse_structure(2 * eye)
+        True
+        >>> _sparse_structure(eye) == _sparse_structure(torch.eye(3).flip(0).to_sparse())
+        False
+    """
+    if value.layout == torch.sparse_coo:
+        parts: tuple[Tensor, ...] = (value._indices(),)
+    elif value.layout in (torch.sparse_csr, torch.sparse_bsr):
+        parts = (value.crow_indices(), value.col_indices())
+    elif value.layout in (torch.sparse_csc, torch.sparse_bsc):
+        parts = (value.ccol_indices(), value.row_indices())
+    else:  # nested or other: what it shows
+        parts = ()
+    return (str(value.layout), tuple(value.shape), *(_index_digest(part) for part in parts))
 
 
 def _int_values(ordinal: int, node: Node) -> list[Hashable]:
@@ -542,6 +606,45 @@ def _index_digest(tensor: Tensor) -> tuple[Any, ...]:
 # and its exact value in the digest made every call miss the caches (4.7x slower, a review's
 # measurement), while the branches such code takes are at zero, or on a sign. A branch at
 # another threshold (``if ctx.scale > 0.5``) is not seen.
+
+
+# NOTE [opaque selections]
+# A custom ``autograd.Function``'s backward is Python torchgram cannot open: a ReLU written as
+# one (``torch.where(x > 0, g, 0)``, ``g[x <= 0] = 0``), a compiled function's
+# ``CompiledFunctionBackward`` holding a ReLU, a GNN layer whose backward applies a saved
+# adjacency as a sparse product. A derivative check or probe whose directions meet a closed
+# gate there sees no coupling, and the verdict was cached for the signature: a later call
+# with the gate open reused it (``h + MyReLU(h.flip(0) + b)``, closed on the first call:
+# 0.21 to 0.41 off on auto and structured, kernels and updates too; the eager walk 0.13 to
+# 0.36 off through a compiled ReLU, 0.19 to 0.22 through a saved adjacency; session 59's
+# hunt). Where such a node saved floating tensors, their sign pattern (negative, zero,
+# positive, NaN per entry) joins the routing digest, so a call whose gates or adjacency
+# stand otherwise is checked again. It costs a pass over those tensors per call, and new
+# data makes a new digest: such graphs are checked on every call.
+
+
+def _is_own_function(node: Node) -> bool:
+    """Whether ``node`` is one of torchgram's own Functions (NOTE [opaque selections]).
+
+    Its fused LSTM or GRU sequences, whose backward keeps every sample's cotangent in its row.
+    """
+    forward_cls = getattr(node, "_forward_cls", None)
+    return getattr(forward_cls, "__module__", "").startswith("torchgram.")
+
+
+def _sign_pattern(tensor: Tensor) -> tuple[Any, ...]:
+    """The sign of each entry (NaN apart), digested: where selections can stand.
+
+    Example:
+        >>> _sign_pattern(torch.tensor([1.0, -2.0])) == _sign_pattern(torch.tensor([3.0, -1.0]))
+        True
+        >>> _sign_pattern(torch.tensor([1.0, 0.0])) == _sign_pattern(torch.tensor([1.0, 1.0]))
+        False
+    """
+    if tensor.layout != torch.strided:
+        return _sparse_structure(tensor)
+    signs = torch.sign(tensor.detach()).to(torch.int8)
+    return _index_digest(signs.masked_fill(tensor.detach().isnan(), 2))
 
 
 def _coarse(number: float) -> tuple[bool, bool, bool, bool]:

@@ -508,6 +508,11 @@ def torch_refusals(api: str, backend: str, parameters: Sequence[Tensor] = (),
         if _torch_compat.is_hook_without_grad_error(error) and backend not in (
                 "jacobian", "structured"):  # NOTE [gradient hooks inside f]: a multi-grad hook
             raise gradient_hooks_refused(api, backend) from error
+        if backend == "ntvp" and "flat_bdims must not be None" in str(error):
+            raise _declined(api, backend, _torch_compat.Refusal(  # torch.func.jvp's own
+                "a custom autograd.Function under vmap inside f whose forward-mode derivative "
+                "torch cannot batch (no jvp staticmethod, generate_vmap_rule=True)",
+                "Or give the Function a jvp staticmethod.")) from error
         if backend not in _TRANSFORMING or not _torch_compat.raised_in_dynamo(error):
             raise
         refusal = _torch_compat.Refusal(

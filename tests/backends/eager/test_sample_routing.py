@@ -11,6 +11,7 @@ with the dense float64 oracle of the same computation, walked (no recording) and
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -372,3 +373,86 @@ def test_a_rewired_graph_on_the_functional_path(backend: str) -> None:
         x = torch.randn(B, 5, dtype=DOUBLE)
         wanted = oracle(module, lambda p, x=x, post=post: post(call(module, "", p, x)))
         assert_close(gramian(params, x), wanted)
+
+
+def _permutation(order: list[int], layout: str) -> Tensor:
+    """The sparse ``[B, B]`` matrix that sends row ``order[i]`` to row ``i``."""
+    dense = torch.eye(B, dtype=DOUBLE)[order]
+    return dense.to_sparse_csr() if layout == "csr" else dense.to_sparse()
+
+
+def _dense_permutation(h: Tensor, perm: Tensor) -> Tensor:
+    return torch.eye(B, dtype=DOUBLE)[perm] @ h  # the oracle's dense twin of the routes below
+
+
+SPARSE_ROUTES: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "sparse-mm": lambda matrix, h: torch.sparse.mm(matrix, h),
+    "matmul": lambda matrix, h: matrix @ h,
+    "sparse-addmm": lambda matrix, h: torch.sparse.addmm(torch.zeros_like(h), matrix, h),
+}
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state")
+@pytest.mark.parametrize("recorded", [False, True], ids=["walked", "recorded"])
+@pytest.mark.parametrize(("name", "layout"), [
+    (name, layout) for name in SPARSE_ROUTES for layout in ("coo", "csr")
+    if (name, layout) != ("sparse-addmm", "csr")])  # torch.sparse.addmm takes COO only
+def test_a_sparse_matrix_that_mixes_the_samples_after_the_first_call(
+        name: str, layout: str, recorded: bool) -> None:
+    """A sparse adjacency's backward never touches its structural zeros: an identity on the
+    first call fixed per-sample layouts that later calls reused (0.14 to 0.28 off, walked or
+    recorded; session 59's hunt). NOTE [sparse routes]."""
+    clear_caches()
+    module = model()
+    route = SPARSE_ROUTES[name]
+    for step, order in enumerate(PERMUTATIONS):
+        torch.manual_seed(step)
+        x = torch.randn(B, 5, dtype=DOUBLE)
+        matrix = _permutation(order, layout)
+        wanted = oracle(module, routed(module, x, _dense_permutation, torch.tensor(order)))
+        if recorded:
+            with tg.autograd.record():
+                losses = route(matrix, module(x)).pow(2).sum(1)
+        else:
+            losses = route(matrix, module(x)).pow(2).sum(1)
+        assert_close(tg.autograd.gramian(losses, list(module.parameters()), batch_dim=0),
+                     wanted)
+
+
+class _Propagate(torch.autograd.Function):
+    """A GNN layer: ``A @ h`` with the adjacency ``A`` saved, applied sparse in the backward."""
+
+    @staticmethod
+    def forward(ctx: Any, adjacency: Tensor, h: Tensor) -> Tensor:
+        ctx.save_for_backward(adjacency)
+        return torch.sparse.mm(adjacency.to_sparse(), h)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[None, Tensor]:
+        (adjacency,) = ctx.saved_tensors
+        return None, torch.sparse.mm(adjacency.t().to_sparse(), grad)
+
+
+@pytest.mark.parametrize("recorded", [False, True], ids=["walked", "recorded"])
+def test_a_custom_function_routing_by_a_float_tensor_it_saved(recorded: bool) -> None:
+    """NOTE [opaque selections]: the identity first, a mixing adjacency later (0.19 to 0.22
+    off, walked or recorded; session 59's hunt)."""
+    clear_caches()
+    module = model()
+    for step, order in enumerate(PERMUTATIONS):
+        torch.manual_seed(step)
+        x = torch.randn(B, 5, dtype=DOUBLE)
+        adjacency = 0.5 * (torch.eye(B, dtype=DOUBLE) + torch.eye(B, dtype=DOUBLE)[order])
+        wanted = oracle(module, routed(module, x, _halfway, torch.tensor(order)))
+        if recorded:
+            with tg.autograd.record():
+                losses = _Propagate.apply(adjacency, module(x)).pow(2).sum(1)
+        else:
+            losses = _Propagate.apply(adjacency, module(x)).pow(2).sum(1)
+        assert_close(tg.autograd.gramian(losses, list(module.parameters()), batch_dim=0),
+                     wanted)
+
+
+def _halfway(h: Tensor, perm: Tensor) -> Tensor:
+    """The oracle's dense twin of ``_Propagate`` with ``A = (I + P) / 2``."""
+    return 0.5 * (h + _dense_permutation(h, perm))

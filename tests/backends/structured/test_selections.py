@@ -6,6 +6,7 @@ import contextlib
 import math
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -648,3 +649,49 @@ def test_a_first_call_under_anomaly_detection_does_not_settle_the_check(backend:
     ramp[0] = 1.0
     expected = dense_gramian(f, (params, x)).gramian
     torch.testing.assert_close(compute(), expected, rtol=1e-10, atol=1e-12)
+
+
+class _WhereRelu(torch.autograd.Function):
+    """A ReLU whose backward selects (``where``) instead of multiplying: opaque to the check."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: Tensor) -> Tensor:
+        return x.clamp(min=0)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Tensor], output: Tensor) -> None:
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        (x,) = ctx.saved_tensors
+        return torch.where(x > 0, grad, 0.0)
+
+
+@pytest.mark.parametrize("api", ["gramian", "kernel"])
+@pytest.mark.parametrize("backend", ["auto", "structured"])
+def test_a_custom_functions_gate_opened_after_the_first_call(backend: str, api: str) -> None:
+    """NOTE [opaque selections]: ``h + MyReLU(h.flip(0) + b)`` closed on the first call
+    (b = -100): the cached check left later calls 0.21 to 0.41 off (session 59's hunt)."""
+    generator = torch.Generator().manual_seed(0)
+    params = {"w1": torch.randn(5, 8, generator=generator, dtype=DOUBLE),
+              "w2": torch.randn(8, 3, generator=generator, dtype=DOUBLE)}
+    x = torch.randn(B, 5, generator=generator, dtype=DOUBLE)
+    bias = [-100.0]
+
+    def f(p: dict[str, Tensor], x: Tensor) -> Tensor:
+        h = torch.tanh(x @ p["w1"])
+        return ((h + _WhereRelu.apply(h.flip(0) + bias[0])) @ p["w2"]).pow(2).sum(1)
+
+    for value in (-100.0, 0.0, 1.0, -100.0, 0.0):
+        bias[0] = value
+        if api == "gramian":
+            G = tg.gramian(f, backend=backend, batch_dim=0)(params, x)
+        else:
+            kernel = tg.ntk.empirical_ntk_fn(lambda p, x: f(p, x)[:, None], trace_axes=(),
+                                             backend=backend)
+            G = kernel(x, None, params).reshape(B, B)
+        expected = dense_gramian(f, (params, x)).gramian
+        torch.testing.assert_close(G, expected, rtol=1e-10, atol=1e-12, msg=f"b = {value}")

@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from torchgram._core.composition import require_no_transforms
-from torchgram._core.errors import NotPerSample, self_differentiation_refused
+from torchgram._core.errors import NotPerSample, OutputChanged, self_differentiation_refused
 from torchgram._core.problem import Problem
 from torchgram._core.progress import Progress
 from torchgram._core.result import BackendResult, Pullback, RowOrder, RunReport
@@ -82,6 +82,8 @@ def run_structured(problem: Problem, plan: StructuredPlan | None = None, *,
     """
     require_no_transforms(problem, "structured")
     if problem.differentiates is not None:  # NOTE [f that differentiates itself]
+        if problem.probe_cached:  # a cached probe's word: f may have stopped since (a flag
+            raise OutputChanged("f differentiated itself when probed: probe afresh")  # off)
         raise self_differentiation_refused(problem.api, "structured", problem.differentiates)
     # NOTE [embedding conventions]: the taps write lookups out; checked after the run
     with checked_conventions(problem, "structured", write_out=False):

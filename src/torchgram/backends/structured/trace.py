@@ -55,7 +55,12 @@ which is the zero Jacobian that use has. A mode entered with gradients off (the 
 merged sample dims) records as before. Likewise under saved-tensor hooks that were not in
 force when the mode was entered: a non-reentrant ``torch.utils.checkpoint`` region's
 backward re-runs the region without the mode, and a tapped call there would make the
-recomputation differ from the forward (torch's ``CheckpointError``).
+recomputation differ from the forward (torch's ``CheckpointError``). Likewise inside a
+``torch.func`` transform of ``f``'s own (``torch.vmap(per_sample_loss)(x)`` written in ``f``):
+a tap made there is a tensor of that transform's level, which no backward outside it can
+read, and making one raised torch's "requires_grad_() inside of a function being transformed"
+(auto and structured declined an ``f`` that graph, jacobian and ntvp ran, and ``explain``
+raised it; session 59's hunt): the leaf's rows come from the graph, through the transform.
 
 # NOTE [rewritten layouts]
 A rewrite computes the composite's values, not its memory layout: ``torch.einsum`` lays its
@@ -676,11 +681,13 @@ class TapMode(TorchFunctionMode):
         self._contexts: list[contextlib.ExitStack] = []
         self._grad_at_entry = True
         self._hooks_at_entry: Any = None
+        self._transforms_at_entry = 0
 
     def __enter__(self) -> TapMode:
         if not self._contexts:  # NOTE [uses with gradients off]
             self._grad_at_entry = torch.is_grad_enabled()
             self._hooks_at_entry = _torch_compat.saved_tensor_hooks()
+            self._transforms_at_entry = len(_torch_compat.functorch_transforms())
         contexts = contextlib.ExitStack()
         contexts.enter_context(tapped_evaluation())  # nested calls refuse: NOTE [composition]
         self._contexts.append(contexts)
@@ -1104,6 +1111,8 @@ class TapMode(TorchFunctionMode):
         if new_hooks:
             return ("under saved-tensor hooks (a torch.utils.checkpoint region, whose backward "
                     "recomputes it without taps)")
+        if len(_torch_compat.functorch_transforms()) > self._transforms_at_entry:
+            return "inside a torch.func transform of f's own (torch.vmap, grad, jvp in f)"
         return None
 
     def _check_hook_target(self, tensor: Any) -> None:
