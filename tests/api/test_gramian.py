@@ -447,3 +447,50 @@ def test_complex_parameters_are_refused_not_dropped(api: str) -> None:
             tg.aggregated_grad(f, tg.weighting.upgrad, batch_dim=0)(params, x)
         else:
             tg.ntk.empirical_ntk_fn(lambda p, x: f(p, x)[:, None])(x, None, params)
+
+
+@pytest.mark.parametrize("batch_dim", [0, None], ids=["batch0", "nobatch"])
+def test_fs_own_error_comes_back_as_raised(batch_dim: int | None) -> None:
+    """The gradient-free evaluations try again with a graph (NOTE [gradient hooks inside
+    f]); where that fails too, f's error came back with its cause dropped (session 59's
+    review)."""
+
+    def f(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        try:
+            {}["missing"]
+        except KeyError as missing:
+            raise ValueError("f's own error") from missing
+        return x @ w
+
+    with pytest.raises(ValueError, match="f's own error") as caught:
+        tg.gramian(f, batch_dim=batch_dim)(torch.randn(3), torch.randn(4, 3))
+    assert isinstance(caught.value.__cause__, KeyError)
+
+
+@pytest.mark.parametrize("batch_dim", [0, None], ids=["batch0", "nobatch"])
+@pytest.mark.parametrize("backend", ["auto", "structured", "graph", "jacobian", "ntvp"])
+def test_an_inference_mode_region_inside_f(backend: str, batch_dim: int | None) -> None:
+    """A stop-gradient target from the same network under ``torch.inference_mode()``: torch's
+    raw "Cannot set version_counter for inference tensor" on every backend but graph, also
+    through auto (session 59's hunt). The transforming backends decline, naming graph."""
+    generator = torch.Generator().manual_seed(0)
+    w = torch.randn(3, 4, generator=generator, dtype=torch.float64)
+    x = torch.randn(5, 3, generator=generator, dtype=torch.float64)
+
+    def f(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        u = torch.tanh(x @ w).sum(1)
+        with torch.inference_mode():
+            target = torch.tanh(0.5 * x @ w).sum(1) + 1
+        return 2 * u - target
+
+    def f_no_grad(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:  # the same derivatives
+        u = torch.tanh(x @ w).sum(1)
+        return 2 * u - (torch.tanh(0.5 * x @ w).sum(1) + 1).detach()
+
+    try:
+        G = tg.gramian(f, backend=backend, batch_dim=batch_dim)(w, x)
+    except tg.BackendCannotRun as error:
+        assert backend in ("jacobian", "ntvp") and "backend='graph'" in str(error), error
+        return
+    torch.testing.assert_close(G, dense_gramian(f_no_grad, (w, x)).gramian, rtol=1e-10,
+                               atol=1e-12)

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 import torchgram as tg
-from reference import dense_gramian
+from reference import dense_cross_kernel, dense_gramian
 
 BACKENDS = ["auto", "structured", "graph", "jacobian", "ntvp"]
 
@@ -325,12 +325,16 @@ _MADE_OF_PARAMETERS: dict[str, Callable[[dict[str, Tensor]], Tensor]] = {
 }
 
 
+@pytest.mark.parametrize("guard", ["requires_grad", "grad_mode"])
 @pytest.mark.parametrize("backend", ["auto", "structured"])
 @pytest.mark.parametrize("weight", list(_MADE_OF_PARAMETERS))
-def test_a_guarded_hook_on_a_tensor_made_of_parameters(weight: str, backend: str) -> None:
+def test_a_guarded_hook_on_a_tensor_made_of_parameters(weight: str, backend: str,
+                                                       guard: str) -> None:
     """``if w.requires_grad: w.register_hook(...)`` on ``w = a @ b`` (a merged LoRA weight),
     with ``batch_dim=0``: the per-sample vmap way saw ``requires_grad=False`` and skipped the
-    hook, G 0.96 off (NOTE [gradient hooks under the per-sample vmap]); two calls."""
+    hook, G 0.96 off (NOTE [gradient hooks under the per-sample vmap]); two calls. Guarded by
+    ``torch.is_grad_enabled()``, the batched run met torch's raw "cannot register a hook on a
+    tensor that doesn't require gradient" (session 59's hunt): structured declines."""
     generator = torch.Generator().manual_seed(0)
     params = {"a": torch.randn(4, 2, generator=generator, dtype=torch.float64),
               "b": torch.randn(2, 3, generator=generator, dtype=torch.float64)}
@@ -338,17 +342,55 @@ def test_a_guarded_hook_on_a_tensor_made_of_parameters(weight: str, backend: str
 
     def losses(p: dict[str, Tensor], x: Tensor) -> Tensor:
         w = make_weight(p)
-        if w.requires_grad:
+        if w.requires_grad if guard == "requires_grad" else torch.is_grad_enabled():
             w.register_hook(lambda grad: 5 * grad)
         return (torch.tanh(x @ w) ** 2).sum(1)
 
     for call in range(2):
         x = torch.randn(5, 4, generator=generator, dtype=torch.float64)
         expected = dense_gramian(losses, (params, x))
-        G = tg.gramian(losses, backend=backend, batch_dim=0)(params, x)
+        try:
+            G = tg.gramian(losses, backend=backend, batch_dim=0)(params, x)
+        except tg.BackendCannotRun as error:
+            assert backend == "structured" and "backend='jacobian'" in str(error), error
+            return
         torch.testing.assert_close(G, expected.gramian, rtol=1e-10, atol=1e-12, msg=str(call))
         update, info = tg.aggregated_grad(losses, tg.weighting.upgrad, backend=backend,
                                           batch_dim=0)(params, x)
         pulled = info.weights.reshape(-1) @ expected.jacobian
         flat = torch.cat([update[name].reshape(-1) for name in sorted(params)])
         torch.testing.assert_close(flat, pulled, rtol=1e-10, atol=1e-12)
+
+
+def _grad_mode_hooked(p: dict[str, Tensor], x: Tensor) -> Tensor:
+    h = x @ p["w1"] + p["b1"]
+    if torch.is_grad_enabled():  # the usual guard for an evaluation under no_grad
+        h.register_hook(lambda grad: 0.5 * grad)
+    return torch.tanh(h) @ p["w2"]
+
+
+def _grad_mode_penalty(p: dict[str, Tensor], x: Tensor) -> Tensor:
+    u = torch.tanh(x @ p["w1"] + p["b1"]) @ p["w2"]
+    if torch.is_grad_enabled():  # an input-gradient penalty, skipped under no_grad
+        grads = torch.func.grad(lambda xx: (torch.tanh(xx @ p["w1"] + p["b1"]) @ p["w2"]).sum())(x)
+        return u + grads.pow(2).sum(-1, keepdim=True)
+    return u
+
+
+@pytest.mark.parametrize("vmap_axes", [0, None], ids=["vmap0", "novmap"])
+@pytest.mark.parametrize("f", [_grad_mode_hooked, _grad_mode_penalty], ids=["hook", "penalty"])
+def test_kernels_of_f_that_guards_by_grad_mode(f: Callable[..., Tensor],
+                                               vmap_axes: int | None) -> None:
+    """The gradient-free probe sees neither: auto's cross kernels planned without them and
+    declined (a raw "cannot register a hook on a tensor that doesn't require gradient"
+    from the trace, or "f differentiates itself" from the planning), where tg.gramian's auto
+    answered (session 59's hunt)."""
+    generator = torch.Generator().manual_seed(0)
+    params = {"w1": torch.randn(3, 5, generator=generator, dtype=torch.float64),
+              "b1": torch.randn(5, generator=generator, dtype=torch.float64),
+              "w2": torch.randn(5, 1, generator=generator, dtype=torch.float64)}
+    x1 = torch.randn(4, 3, generator=generator, dtype=torch.float64)
+    x2 = torch.randn(3, 3, generator=generator, dtype=torch.float64)
+    kernel = tg.ntk.empirical_ntk_fn(f, trace_axes=(), vmap_axes=vmap_axes)(x1, x2, params)
+    expected = dense_cross_kernel(f, params, x1, x2)
+    torch.testing.assert_close(kernel.reshape(expected.shape), expected, rtol=1e-10, atol=1e-12)

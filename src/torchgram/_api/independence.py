@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -174,7 +174,9 @@ def _checked_samples(samples: Any) -> tuple[int, ...] | None:
         return None
     if hasattr(samples, "tolist") and not isinstance(samples, list | tuple):
         samples = samples.tolist()  # a tensor or an array of indices (floats stay refused)
-    if isinstance(samples, str | bytes) or not isinstance(samples, Sequence) or any(
+    if isinstance(samples, Iterable) and not isinstance(samples, str | bytes):
+        samples = list(samples)  # a set, a range, dict keys, a generator
+    if not isinstance(samples, list) or any(
             isinstance(b, bool) or not isinstance(b, int | numbers.Integral) for b in samples):
         fail(_API, "samples to be a sequence of sample indices (ints), or None for all",
              f"{type(samples).__name__} {samples!r:.60}", "Pass e.g. samples=[0, 3].",

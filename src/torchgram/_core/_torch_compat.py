@@ -777,6 +777,11 @@ _TRANSFORM_REFUSALS = {
     "that would mutate a captured Tensor": Refusal(
         "an in-place change of a tensor that f captured rather than took as an argument",
         "Or pass that tensor to f as an argument, or change a copy of it inside f."),
+    # a stop-gradient target from the same network (session 59's hunt: raw on every backend
+    # but graph; torch.func.jacrev raises it too)
+    "Cannot set version_counter for inference tensor": Refusal(
+        "a torch.inference_mode() region inside f that reads its parameters or inputs",
+        "Or use torch.no_grad() there: it stops gradients the same way."),
     "Cannot access data pointer of Tensor that doesn't have storage": Refusal(
         "an op that reads its inputs' memory directly, which torch.func's wrapped tensors "
         "have not (e.g. nn.LSTM / nn.GRU over a nn.utils.rnn.PackedSequence)", ""),

@@ -17,19 +17,20 @@ output's dtype included, which stays ``G``'s -- and the rest runs in the dtypes 
 tensors. Backward nodes do not depend on autocast (their saved tensors carry the dtypes).
 
 # NOTE [the caller's function modes]
-The same holds for a ``TorchFunctionMode`` the caller entered around the call (a mode that
-rewrites what an op returns: fake quantisation, a scale). The structured backend's tapping
-mode was pushed on top of it, so it tapped ``F.linear``'s output *after* the caller's mode
-had rewritten it (``2 · linear(x, W)``) while its factors were those of ``linear(x, W)``:
-G 0.75 off on ``structured``, ``auto`` and the kernels (session 59's hunt); and such a mode
-saw torchgram's own contractions. The call now lifts the caller's modes off the stack
-(:func:`outside_caller_context`) and pushes them back around each evaluation of ``f``, on
-top of torchgram's own modes (:func:`caller_context`): they see what ``f`` calls, as in a
-plain call, and nothing else. ``torch.device(...)`` contexts alone (``DeviceContext``, which
-only says where factories allocate) stay where they are. ``tg.autograd.record()`` entered
-inside such a mode (0.75 off the same way) puts its recording mode beneath the caller's
-(:func:`beneath_caller_modes`), so that they see the block's calls first, as they would
-without it.
+A ``TorchFunctionMode`` the caller entered around the call (a mode that rewrites what an
+op returns: fake quantisation, a scale) sat *beneath* the structured backend's tapping mode,
+which therefore tapped ``F.linear``'s output after the caller's mode had rewritten it
+(``2 · linear(x, W)``) while its factors were those of ``linear(x, W)``: G 0.75 off on
+``structured``, ``auto`` and the kernels, and under ``tg.autograd.record()`` entered inside
+the mode (session 59's hunt). Around each evaluation of ``f`` the caller's modes are now
+moved above torchgram's own (:func:`caller_context`; ``record()`` puts its mode beneath
+them, :func:`beneath_caller_modes`), so they see ``f``'s calls first, as in a plain call,
+and torchgram's modes see what they return; the stack is put back as it was afterwards.
+The modes stay active for the rest of the call, as they would for a plain backward: a
+non-reentrant ``torch.utils.checkpoint`` region in ``f`` recomputes its forward during
+torchgram's backward passes, which must see them too (lifting them for the call made that
+recomputation differ from the forward: 0.13 off on every backend that ran; the review of
+session 59). ``torch.device(...)`` contexts alone (``DeviceContext``) need no reordering.
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ def enabled_autocasts() -> AutocastState:
         >>> enabled_autocasts()
         ()
     """
+    if not torch._C._is_any_autocast_enabled():  # the common case, ~0.1 µs
+        return ()
     cache = torch.is_autocast_cache_enabled()
     return tuple((device, torch.get_autocast_dtype(device), cache) for device in _DEVICE_TYPES
                  if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device))
@@ -77,30 +80,60 @@ def caller_function_modes() -> tuple[TorchFunctionMode, ...]:
         ...     caller_function_modes()
         ()
     """
+    if not torch._C._len_torch_function_stack():
+        return ()
     stack = torch.overrides._get_current_function_mode_stack()
     if all(isinstance(mode, DeviceContext) for mode in stack):
         return ()
     return tuple(stack)
 
 
+def plain_caller_context() -> bool:
+    """No autocast, no function mode, and no public call's context to hide: nothing to do."""
+    return (not torch._C._is_any_autocast_enabled() and not torch._C._len_torch_function_stack()
+            and not _CALLER.get() and not _CALLER_MODES.get())
+
+
 @contextlib.contextmanager
 def outside_caller_context() -> Iterator[None]:
-    """The body without the caller's autocast and function modes.
+    """The body without the caller's autocast; its function modes noted for ``f``.
 
-    :func:`caller_context` puts them back (NOTE [autocast], NOTE [the caller's function
-    modes]).
+    :func:`caller_context` puts the autocast back and moves the modes on top around each
+    evaluation of ``f`` (NOTE [autocast], NOTE [the caller's function modes]).
     """
-    modes = caller_function_modes()
-    token = _CALLER_MODES.set(modes)
-    for _ in modes:
-        torch.overrides._pop_mode()
+    token = _CALLER_MODES.set(caller_function_modes())
     try:
         with outside_autocast():
             yield
     finally:
-        for mode in modes:
-            torch.overrides._push_mode(mode)
         _CALLER_MODES.reset(token)
+
+
+def _replace_mode_stack(modes: list[TorchFunctionMode]) -> None:
+    """The function-mode stack made ``modes`` (bottom first)."""
+    for _ in range(torch._C._len_torch_function_stack()):
+        torch.overrides._pop_mode()
+    for mode in modes:
+        torch.overrides._push_mode(mode)
+
+
+@contextlib.contextmanager
+def _on_top(modes: tuple[TorchFunctionMode, ...]) -> Iterator[None]:
+    """The caller's ``modes`` moved above every other mode; the stack as it was after."""
+    if not modes:
+        yield
+        return
+    stack = torch.overrides._get_current_function_mode_stack()
+    present = [mode for mode in modes if any(mode is entry for entry in stack)]
+    others = [entry for entry in stack if not any(entry is mode for mode in present)]
+    _replace_mode_stack(others + present)
+    try:
+        yield
+    finally:  # the order as it was, less what the body exited, plus what it left entered
+        now = torch.overrides._get_current_function_mode_stack()
+        kept = [entry for entry in stack if any(entry is mode for mode in now)]
+        left = [mode for mode in now if not any(mode is entry for entry in stack)]
+        _replace_mode_stack(kept + left)
 
 
 @contextlib.contextmanager
@@ -116,34 +149,19 @@ def beneath_caller_modes(mode: TorchFunctionMode) -> Iterator[None]:
         True
     """
     modes = caller_function_modes()
-    for _ in modes:
-        torch.overrides._pop_mode()
-    try:
-        with mode:
-            for caller_mode in modes:
-                torch.overrides._push_mode(caller_mode)
-            try:
-                yield
-            finally:
-                for _ in modes:
-                    torch.overrides._pop_mode()
-    finally:
-        for caller_mode in modes:
-            torch.overrides._push_mode(caller_mode)
+    with mode, _on_top(modes):
+        yield
 
 
 @contextlib.contextmanager
 def caller_context() -> Iterator[None]:
-    """The caller's autocast and function modes (the latter on top of the stack)."""
+    """The caller's autocast, and its function modes on top of torchgram's (around ``f``)."""
     modes = _CALLER_MODES.get()
-    for mode in modes:
-        torch.overrides._push_mode(mode)
-    try:
-        with caller_autocast():
-            yield
-    finally:
-        for _ in modes:
-            torch.overrides._pop_mode()
+    if not modes and not _CALLER.get():
+        yield
+        return
+    with _on_top(modes), caller_autocast():
+        yield
 
 
 @contextlib.contextmanager
@@ -161,6 +179,9 @@ def outside_autocast() -> Iterator[None]:
     state = enabled_autocasts()
     token = _CALLER.set(state)
     try:
+        if not state:
+            yield
+            return
         with contextlib.ExitStack() as stack:
             for device, _, _ in state:
                 stack.enter_context(torch.autocast(device, enabled=False))
@@ -172,8 +193,12 @@ def outside_autocast() -> Iterator[None]:
 @contextlib.contextmanager
 def caller_autocast() -> Iterator[None]:
     """The autocast regions the public call was made in (none outside one)."""
+    state = _CALLER.get()
+    if not state:
+        yield
+        return
     with contextlib.ExitStack() as stack:
-        for device, dtype, cache in _CALLER.get():
+        for device, dtype, cache in state:
             stack.enter_context(torch.autocast(device, dtype=dtype, cache_enabled=cache))
         yield
 

@@ -179,9 +179,9 @@ def output_changed_refusal(api: str, error: OutputChanged) -> Exception:
             "without batch_dim."))
     todo = "Make the output's structure a function of the inputs' shapes only."
     if caller_autocast_state():  # NOTE [autocast]: torch.func.vmap skips it for some ops
-        todo = ("Under torch.autocast, torch.func.vmap runs some ops (convolutions) without it, "
-                "so the per-sample evaluations of batch_dim return another dtype: call outside "
-                "torch.autocast, or without batch_dim, or with backend='auto'. Otherwise: " + todo)
+        todo = ("Under torch.autocast, torch.func.vmap runs some ops without it (convolutions "
+                "among them), so evaluations under vmap may return another dtype: call outside "
+                "torch.autocast (or cast f's output to one dtype). Otherwise: " + todo)
     return RuntimeError(message(
         api, "f to return outputs of the same structure on every evaluation",
         "outputs whose shapes or dtypes change from one evaluation to the next", todo))

@@ -114,12 +114,15 @@ def batch_rows(problem: Problem, *, eager: bool = False) -> tuple[Tensor, Any]:
             raise
         saw_graph_calls = census.needs_graph > 0
         census = OpCensus()
+        failed_again = False
         try:
             rows, aux = _rows_under(census, problem, keep_graph, with_graph=True)
         except Exception:
             if saw_graph_calls:
                 raise
-            raise error from None  # failed either way: as without the graph
+            failed_again = True
+        if failed_again:  # either way: f's own error, as raised (cause and context)
+            raise error
     if problem.draw.random:
         raise NotPerSample("f draws random numbers (dropout, ...): one sample at a time it "
                            "would see other draws than the batch's", random=True)

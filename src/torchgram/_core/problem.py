@@ -27,7 +27,7 @@ import math
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import optree
 import torch
@@ -987,6 +987,7 @@ def _evaluate_probe(api: str, f: Callable[..., Any], args: tuple[Any, ...],
                     raise
                 saw_graph_calls = census.differentiates is not None or census.needs_graph > 0
                 census = OpCensus()
+                failed_again = False
                 try:
                     leaves = tuple(leaf.detach().requires_grad_() for leaf in copies)
                     with torch.enable_grad():
@@ -994,7 +995,9 @@ def _evaluate_probe(api: str, f: Callable[..., Any], args: tuple[Any, ...],
                 except Exception:
                     if saw_graph_calls:
                         raise
-                    raise error from None  # failed either way: as without the graph
+                    failed_again = True
+                if failed_again:  # either way: f's own error, as raised (cause and context)
+                    raise error
         except CounterRead as error:
             raise counter_read_error(api, error) from error
         except Exception as error:
@@ -1010,12 +1013,7 @@ def _evaluate_probe(api: str, f: Callable[..., Any], args: tuple[Any, ...],
                 if (refusal := f_refused_by_vmap(api, error)) is not None:
                     raise refusal from error  # f itself cannot run under the user's vmap
                 if isinstance(f, torch.nn.Module):  # called as f(params, *inputs): the hint
-                    raise TypeError(message(  # (its own error named another argument)
-                        api, "f(params, *inputs), a function of the parameters",
-                        f"the module {type(f).__name__}, whose call raised "
-                        f"{type(error).__name__}: {str(error).splitlines()[0][:100]}",
-                        "Make it one: fn, params = tg.functionalize(module), then "
-                        "tg.gramian(fn)(params, x).")) from error
+                    raise_module_as_f(api, f, error)
                 raise
             raise _FailsAlone from error
         if census.reentrant_checkpoint:  # NOTE [reentrant checkpoints seen]
@@ -1031,6 +1029,23 @@ def _evaluate_probe(api: str, f: Callable[..., Any], args: tuple[Any, ...],
             return probe, None  # with ops differentiable at any order (Problem._evaluation)
         rows = concat_rows(optree.tree_leaves(out), probe.spec.dtype)
         return probe, Evaluation(leaves, rows, aux, census.hooks > 0)
+
+
+def raise_module_as_f(api: str, module: torch.nn.Module, error: Exception) -> NoReturn:
+    """Raise for a module passed as ``f`` whose call failed, with the hint.
+
+    A model of its own (parameters or buffers), given the parameters as its input, gets a
+    TypeError naming ``tg.functionalize``; a functional module (``forward(params, x)``, none
+    of its own) its own error, unchanged (a bug of its own is no misuse).
+    """
+    fix = "fn, params = tg.functionalize(module), then tg.gramian(fn)(params, x)"
+    if next(module.parameters(), None) is None and next(module.buffers(), None) is None:
+        raise error
+    raise TypeError(message(
+        api, "f(params, *inputs), a function of the parameters",
+        f"the module {type(module).__name__} (a model with parameters of its own), whose call "
+        f"raised {type(error).__name__}: {str(error).splitlines()[0][:100]}",
+        f"Make it one: {fix}.")) from error
 
 
 def _probe_attention() -> contextlib.AbstractContextManager[Any]:

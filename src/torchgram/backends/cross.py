@@ -36,7 +36,12 @@ from torchgram._core.cross import (
     spec_gram,
     spec_reduce,
 )
-from torchgram._core.errors import BackendCannotRun, NotPerSample, OutputChanged
+from torchgram._core.errors import (
+    BackendCannotRun,
+    DifferentiatesItself,
+    NotPerSample,
+    OutputChanged,
+)
 from torchgram._core.per_sample import batch_rows, check_samples, check_tiles
 from torchgram._core.problem import Problem, build_problem, replace_input_leaves, same_beyond
 from torchgram._core.pytree import PLAIN_VALUES
@@ -338,9 +343,12 @@ def _auto_order(problem: Problem) -> tuple[str, ...]:
     if problem.differentiates is not None:  # NOTE [f that differentiates itself]: no trace
         return SELF_DIFFERENTIATING
     try:
-        plan = plan_problem(problem, dead_positions=False)  # NOTE [dead positions]
-    except NotPerSample:  # f fails on a batch of one: planned on the whole batch's rows
-        return plan_auto(problem).order
+        try:
+            plan = plan_problem(problem, dead_positions=False)  # NOTE [dead positions]
+        except NotPerSample:  # f fails on a batch of one: planned on the whole batch's rows
+            return plan_auto(problem).order
+    except DifferentiatesItself:  # only with a graph (a penalty f guards by grad mode)
+        return SELF_DIFFERENTIATING
     key = ("auto order", plan.sizes, problem.chunk_size, problem.memory_budget,
            problem.batch is None, tuple(leaf.numel() for leaf in problem.leaves))
     order = plan.recording.plans.get(key)
@@ -364,4 +372,12 @@ def auto_cross(problem: CrossProblem) -> CrossResult:
     if problem.left.composition.transforms:
         return first_that_runs(COMPOSING_BACKENDS, run)
     with collected_conventions():  # over the planning too (NOTE [embedding conventions])
-        return first_that_runs(_auto_order(problem.left), run)
+        order = _auto_order(problem.left)
+        # what the gradient-free probe could not see (a hook or a penalty f guards by grad
+        # mode) may decline every planned candidate: the others are tried before giving up
+        # (they declined before session 59, where tg.gramian's auto answered)
+        order = (*order, *(name for name in _EVERY_CROSS if name not in order))
+        return first_that_runs(order, run)
+
+
+_EVERY_CROSS = ("jacobian", "graph", "ntvp", "structured")

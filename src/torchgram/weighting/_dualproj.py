@@ -5,12 +5,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from torchgram._core.functional import public_call
+
 from ._derivatives import refusing_derivatives
 from ._dual_cone import projected_preferences
 from ._warm_start import WarmStart
 
 
 @refusing_derivatives("dualproj")
+@public_call  # NOTE [autocast]: full precision under a caller's region
 def dualproj(
     G: Tensor,
     /,

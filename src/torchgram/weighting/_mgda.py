@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from torchgram._core.functional import public_call
+
 from ._derivatives import refusing_derivatives
 from ._qp import solve_simplex_qp
 from ._validation import check_gramian, scaled_by_a_power_of_two
@@ -12,6 +14,7 @@ from ._warm_start import WarmStart, check_state
 
 
 @refusing_derivatives("mgda")
+@public_call  # NOTE [autocast]: full precision under a caller's region
 def mgda(G: Tensor, /, *, state: WarmStart | None = None) -> Tensor:
     r"""Weights of MGDA: the minimum-norm point of the convex hull of the rows of ``J``.
 

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from torchgram._core.functional import public_call
+
 from ._derivatives import refusing_derivatives
 from ._dual_cone import projected_preferences
 from ._warm_start import WarmStart
 
 
 @refusing_derivatives("upgrad")
+@public_call  # NOTE [autocast]: full precision under a caller's region
 def upgrad(
     G: Tensor,
     /,

@@ -139,10 +139,10 @@ def check_non_negative(value: float, argument: str, name: str) -> float:
     """``value`` as a float; a ValueError naming ``name`` if it is negative, NaN or inf.
 
     A TypeError if it is no real number (a string: torch's "'<=' not supported" before
-    session 59); a 0-d real tensor reads as its number.
+    session 59); a one-element real tensor reads as its number.
     """
-    if isinstance(value, Tensor) and value.dim() == 0 and not value.is_complex():
-        value = float(value)  # a 0-d tensor reads as its number
+    if isinstance(value, Tensor) and value.numel() == 1 and not value.is_complex():
+        value = float(value.detach())  # a one-element tensor reads as its number
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{_PREFIX}{name}: expected {argument} to be a number, got "
                         f"{type(value).__name__} {value!r:.40}. Pass e.g. {argument}=1e-4.")
