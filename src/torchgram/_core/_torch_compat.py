@@ -516,10 +516,19 @@ _SPARSE_OPERAND_NODES = frozenset({
 _MATMUL_OPERANDS = ("self", "mat1", "mat2", "batch1", "batch2", "mat", "vec")
 
 
+_OPERANDS_OF: dict[type, tuple[str, ...]] = {}
+"""The matmul operands each node kind saves (:data:`_MATMUL_OPERANDS` it has)."""
+
+
 def _sparse_operands(ordinal: int, node: Node) -> list[Hashable]:
     """The index structure of the sparse operands a matmul node saved (NOTE [sparse routes])."""
+    kind = type(node)
+    names = _OPERANDS_OF.get(kind)
+    if names is None:
+        names = _OPERANDS_OF[kind] = tuple(name for name in _MATMUL_OPERANDS
+                                           if hasattr(node, f"_raw_saved_{name}"))
     found: list[Hashable] = []
-    for name in _MATMUL_OPERANDS:
+    for name in names:
         raw = getattr(node, f"_raw_saved_{name}", None)
         try:
             data = None if raw is None else raw.data  # as stored: no unpack hook runs
