@@ -101,6 +101,13 @@ def test_bad_options_are_refused_when_the_check_is_built(options: dict[str, obje
         tg.check_independence(lambda w, x: x @ w, **options)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("samples", [[], set(), iter([])], ids=["list", "set", "iterator"])
+def test_an_empty_selection_is_refused(samples: object) -> None:
+    """A check of no sample said "independent" for a coupled f (session 59's review)."""
+    with pytest.raises(ValueError, match="at least one sample"):
+        tg.check_independence(lambda w, x: x @ w, samples=samples)  # type: ignore[arg-type]
+
+
 def test_samples_as_an_array_of_indices() -> None:
     w, x = torch.randn(3), torch.randn(5, 3)
     check = tg.check_independence(lambda w, x: torch.tanh(x @ w), samples=np.array([0, 3]))

@@ -96,3 +96,17 @@ def test_a_module_passed_as_f_names_functionalize(api: str) -> None:
              "ntk": lambda: tg.ntk.empirical_ntk_fn(model)(x, None, params)}
     with pytest.raises(TypeError, match="tg.functionalize"):
         calls[api]()
+
+
+def test_a_stateless_module_with_the_wrong_arity_names_functionalize() -> None:
+    with pytest.raises(TypeError, match="tg.functionalize"):
+        tg.gramian(torch.nn.ReLU())(torch.randn(3), torch.randn(4, 3))
+
+
+def test_a_functional_modules_own_bug_comes_back_as_raised() -> None:
+    class Functional(torch.nn.Module):
+        def forward(self, params: dict[str, Tensor], x: Tensor) -> Tensor:
+            return x @ params["missing"]
+
+    with pytest.raises(KeyError, match="missing"):
+        tg.gramian(Functional())({"w": torch.randn(3)}, torch.randn(4, 3))

@@ -1,8 +1,9 @@
-"""The caller's ``torch.autocast`` and function modes reach ``f`` only, not torchgram's own work.
+"""The caller's function modes reach ``f`` only; calls inside ``torch.autocast`` run there.
 
-NOTE [autocast] and NOTE [the caller's function modes] in ``torchgram/_core/caller_context.py``:
-a call inside a bfloat16 region gave a float32 ``G`` 2.8e-3 off for an ``f`` whose Jacobian is
-exact; a mode rewriting ``F.linear``'s output, 0.75 off on structured (session 59's hunt).
+NOTE [the caller's function modes] and NOTE [autocast] in ``torchgram/_core/caller_context.py``:
+a mode rewriting ``F.linear``'s output was 0.75 off on structured, one rewriting matmul 0.5
+to 2.4 off everywhere (torchgram's own products); the weightings and predictions ran in
+bfloat16 inside autocast (session 59's hunts and reviews).
 """
 
 from __future__ import annotations
@@ -39,25 +40,39 @@ def _relative(value: Tensor, exact: Tensor) -> float:
 
 @pytest.mark.parametrize("batch_dim", [0, None], ids=["batch0", "nobatch"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_gramian_inside_autocast_contracts_in_full_precision(backend: str,
-                                                             batch_dim: int | None) -> None:
+def test_gramian_inside_autocast(backend: str, batch_dim: int | None) -> None:
+    """NOTE [autocast]: the call runs in the caller's region, G in f's output dtype, with the
+    region's round-off (bfloat16's 2**-8, summed over a few products)."""
     params, x, exact = _data()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         G = tg.gramian(_rows, backend=backend, batch_dim=batch_dim)(params, x)
         kernel = tg.ntk.empirical_ntk_fn(lambda p, x: _rows(p, x)[:, None], trace_axes=(),
                                          backend=backend)(x, None, params)
     assert G.dtype == torch.float32
-    assert _relative(G, exact) < 1e-5
-    assert _relative(kernel.reshape(6, 6), exact) < 1e-5
+    assert _relative(G, exact) < 2e-2
+    assert _relative(kernel.reshape(6, 6), exact) < 2e-2
 
 
-def test_eager_gramian_inside_autocast_contracts_in_full_precision() -> None:
-    params, x, exact = _data()
-    w = params["w"].clone().requires_grad_()
+@pytest.mark.parametrize("batch_dim", [0, None], ids=["batch0", "nobatch"])
+@pytest.mark.parametrize("backend", ["auto", "structured", "graph", "jacobian"])
+def test_attention_with_a_float_mask_inside_autocast(backend: str, batch_dim: int | None) -> None:
+    """A float32 learned bias as ``scaled_dot_product_attention``'s mask (HF Swin): its
+    backward must run in the region; lifting autocast for torchgram's passes met torch's raw
+    "expected scalar type BFloat16 but found Float" (session 59's review)."""
+    generator = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(8, 8, generator=generator),
+              "bias": torch.randn(4, 4, generator=generator)}
+    x = torch.randn(3, 4, 8, generator=generator)
+
+    def f(p: dict[str, Tensor], x: Tensor) -> Tensor:
+        h = F.linear(x, p["w"])
+        out = F.scaled_dot_product_attention(h, h, h, attn_mask=p["bias"])
+        return out.float().pow(2).sum((1, 2))
+
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        losses = _rows({"w": w}, x)
-        G = tg.autograd.gramian(losses, [w], batch_dim=0)
-    assert _relative(G, exact) < 1e-5
+        G = tg.gramian(f, backend=backend, batch_dim=batch_dim)(params, x)
+        reference = tg.gramian(f, backend="graph", batch_dim=batch_dim)(params, x)
+    torch.testing.assert_close(G, reference, rtol=2e-2, atol=2e-2 * reference.abs().max().item())
 
 
 def test_f_still_runs_under_the_callers_autocast() -> None:
@@ -150,7 +165,7 @@ def test_a_callers_function_mode_sees_f_first(backend: str,
                                          backend=backend)(x, None, params)
     torch.testing.assert_close(G, expected, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(kernel.reshape(5, 5), expected, rtol=1e-10, atol=1e-12)
-    assert plain.seen <= mode.seen  # it saw f's calls (and torchgram's, as a backward would)
+    assert mode.seen <= plain.seen, mode.seen - plain.seen  # none of torchgram's own calls
 
 
 def test_record_inside_a_callers_function_mode() -> None:

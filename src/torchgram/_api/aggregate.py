@@ -109,7 +109,7 @@ def aggregated_grad(
 
     @functools.wraps(f)
     @outside_compile
-    @public_call  # NOTE [inference mode], NOTE [autocast]
+    @public_call  # NOTE [inference mode], NOTE [the caller's function modes]
     def aggregated_grad_of_f(*args: Any, **kwargs: Any) -> tuple[Any, Aggregation]:
         watch = Stopwatch(_device(args))
 

@@ -27,7 +27,7 @@ CHUNK_ROWS_HINT = "chunk_size counts rows per vectorized node call, e.g. 32."
 """What ``chunk_size`` means to the eager APIs (the hint of their errors)."""
 
 
-@public_call  # NOTE [inference mode], NOTE [autocast]
+@public_call  # NOTE [inference mode], NOTE [the caller's function modes]
 def gramian(
     outputs: Tensor | Iterable[Tensor],
     inputs: Tensor | Iterable[Tensor],

@@ -89,7 +89,7 @@ class EagerExplanation:
                 f"{html_columns(_TITLES, self._rows())}{html_lines(self._footer())}</div>")
 
 
-@public_call  # NOTE [inference mode], NOTE [autocast]
+@public_call  # NOTE [inference mode], NOTE [the caller's function modes]
 def explain(
     outputs: Tensor | Iterable[Tensor],
     inputs: Tensor | Iterable[Tensor] | Iterable[tuple[str, Tensor]] | Mapping[str, Tensor],

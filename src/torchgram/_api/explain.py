@@ -234,7 +234,7 @@ def explain(
 
     @functools.wraps(f)
     @outside_compile
-    @public_call  # NOTE [inference mode], NOTE [autocast]
+    @public_call  # NOTE [inference mode], NOTE [the caller's function modes]
     def explain_f(*args: Any, **kwargs: Any) -> Explanation:
         from torchgram._api.pipeline import compute
         from torchgram.backends.auto import plan_auto

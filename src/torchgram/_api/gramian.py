@@ -112,7 +112,7 @@ def gramian(
 
     @functools.wraps(f)
     @outside_compile
-    @public_call  # NOTE [inference mode], NOTE [autocast]
+    @public_call  # NOTE [inference mode], NOTE [the caller's function modes]
     def gramian_of_f(*args: Any, **kwargs: Any) -> Any:
         with scratch_scope():  # NOTE [scratch memory]
             computation = compute(options, f, args, kwargs)

@@ -125,7 +125,7 @@ def check_independence(
     chosen_samples = _checked_samples(samples)
 
     @functools.wraps(f)
-    @public_call  # NOTE [inference mode], NOTE [autocast]
+    @public_call  # NOTE [inference mode], NOTE [the caller's function modes]
     def check_f(*args: Any, **kwargs: Any) -> Independence:
         problem = build_problem(options, f, args, kwargs)
         try:
@@ -181,7 +181,10 @@ def _checked_samples(samples: Any) -> tuple[int, ...] | None:
         fail(_API, "samples to be a sequence of sample indices (ints), or None for all",
              f"{type(samples).__name__} {samples!r:.60}", "Pass e.g. samples=[0, 3].",
              TypeError)
-    return tuple(int(b) for b in samples)
+    if not samples:  # a check of nothing would say "independent" (an exhausted generator)
+        fail(_API, "at least one sample to change", "an empty selection",
+             "Pass samples=None for all of them, or name some: samples=[0, 3].")
+    return tuple(dict.fromkeys(int(b) for b in samples))  # each once, in order
 
 
 def _rows(problem: Problem, inputs: tuple[Tensor, ...]) -> Tensor:

@@ -20,7 +20,7 @@ from torchgram.backends.eager.record import paused
 _API = "torchgram.autograd.backward"
 
 
-@public_call  # NOTE [inference mode], NOTE [autocast]
+@public_call  # NOTE [inference mode], NOTE [the caller's function modes]
 def backward(
     outputs: Tensor | Iterable[Tensor],
     inputs: Tensor | Iterable[Tensor],

@@ -39,6 +39,7 @@ from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import numpy as np
 import optree
 import torch
 from torch import Tensor
@@ -490,7 +491,7 @@ def routing_values(nodes: Iterable[Node], samples: int | None = None) -> tuple[H
                               for position, tensor in enumerate(values)
                               if _is_scalar(tensor) and not _holds_indices(tensor))
                 if not _is_own_function(node):  # torchgram's fused recurrences are known
-                    digest.extend((ordinal, name, position, _sign_pattern(tensor))
+                    digest.extend((ordinal, name, position, _gates(tensor))
                                   for position, tensor in enumerate(values)
                                   if isinstance(tensor, Tensor) and tensor.dim() > 0
                                   and tensor.is_floating_point())
@@ -641,6 +642,31 @@ def _is_own_function(node: Node) -> bool:
     return getattr(forward_cls, "__module__", "").startswith("torchgram.")
 
 
+def _gates(tensor: Tensor) -> tuple[Any, ...]:
+    """Where a custom Function's saved floating tensor may stand for gates.
+
+    NOTE [opaque selections]: a constant (an adjacency, a mask) by its whole sign pattern; an
+    activation (it requires grad) by which signs occur at all.
+
+    An activation's sign pattern is new with every batch, and keying the check on it ran the
+    thorough check at every call of any model with a custom activation Function (a custom
+    GELU: 2.4-3.4x slower per call; session 59's review); a gate closed or opened for a
+    whole tensor (the coupling the hunt found, closed by a bias of -100) still changes it.
+
+    Example:
+        >>> x = torch.tensor([1.0, -2.0], requires_grad=True)
+        >>> _gates(x) == _gates(torch.tensor([-1.0, 3.0], requires_grad=True))
+        True
+        >>> _gates(x) == _gates(torch.tensor([-1.0, -3.0], requires_grad=True))
+        False
+    """
+    if tensor.requires_grad and tensor.layout == torch.strided:
+        values = tensor.detach()
+        return ("signs", bool((values < 0).any()), bool((values == 0).any()),
+                bool((values > 0).any()), bool(values.isnan().any()))
+    return _sign_pattern(tensor)
+
+
 def _sign_pattern(tensor: Tensor) -> tuple[Any, ...]:
     """The sign of each entry (NaN apart), digested: where selections can stand.
 
@@ -675,6 +701,9 @@ def _ctx_values(ordinal: int, node: Node) -> list[Hashable]:
     for name, value in sorted(vars(node).items()):
         if _holds_indices(value):
             found.append((ordinal, name, 0, _index_digest(value)))
+        elif isinstance(value, Tensor) and value.is_floating_point() and value.dim() > 0 \
+                and not _is_own_function(node):  # NOTE [opaque selections]: an adjacency
+            found.append((ordinal, name, 0, _gates(value)))  # kept on ctx, not saved
         elif (plain := _plain_value(value)) is not _NOT_PLAIN:
             found.append((ordinal, name, 0, plain))
     return found
@@ -698,6 +727,13 @@ def _plain_value(value: Any) -> Any:
     if isinstance(value, list | tuple):
         items = tuple(_plain_value(item) for item in value)
         return _NOT_PLAIN if any(item is _NOT_PLAIN for item in items) else items
+    if isinstance(value, dict):  # a config of routes: {"perm": [...]} (session 59's review)
+        pairs = tuple((repr(key), _plain_value(item)) for key, item in value.items())
+        return _NOT_PLAIN if any(item is _NOT_PLAIN for _, item in pairs) else ("dict", pairs)
+    if isinstance(value, np.ndarray) and value.dtype.kind in "biuf":  # an index array
+        held = np.ascontiguousarray(value)
+        return ("ndarray", held.dtype.str, held.shape,
+                hashlib.blake2b(held.tobytes(), digest_size=16).digest())
     return _NOT_PLAIN
 
 

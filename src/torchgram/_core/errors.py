@@ -43,7 +43,6 @@ import torch
 from torch import Tensor
 
 from torchgram._core import _torch_compat
-from torchgram._core.caller_context import caller_autocast_state
 from torchgram._core.checks import message
 
 
@@ -178,7 +177,7 @@ def output_changed_refusal(api: str, error: OutputChanged) -> Exception:
             "Return one output row per sample (f must not drop, add or pool samples), or call "
             "without batch_dim."))
     todo = "Make the output's structure a function of the inputs' shapes only."
-    if caller_autocast_state():  # NOTE [autocast]: torch.func.vmap skips it for some ops
+    if torch._C._is_any_autocast_enabled():  # torch.func.vmap skips autocast for some ops
         todo = ("Under torch.autocast, torch.func.vmap runs some ops without it (convolutions "
                 "among them), so evaluations under vmap may return another dtype: call outside "
                 "torch.autocast (or cast f's output to one dtype). Otherwise: " + todo)

@@ -73,11 +73,11 @@ def with_grad(fn: Callable[[], Result]) -> Result:
 
 
 def public_call(fn: Fn) -> Fn:
-    """``fn`` as a public entry point: outside inference mode and the caller's autocast.
+    """``fn`` as a public entry point: outside inference mode and the caller's function modes.
 
     Under ``torch.inference_mode(False)`` when called inside the mode (NOTE [inference
-    mode]); without the caller's autocast and function modes, ``f``'s evaluations excepted
-    (NOTE [autocast], NOTE [the caller's function modes]).
+    mode]); without the caller's function modes, ``f``'s evaluations excepted (NOTE [the
+    caller's function modes]).
 
     Example:
         >>> @public_call

@@ -679,8 +679,8 @@ def evaluate_f(evaluate: Callable[[tuple[Tensor, ...]], Any], leaves: tuple[Tens
             # [parametrization caches]
             for context in contexts:
                 stack.enter_context(context())
-            # NOTE [autocast], NOTE [the caller's function modes]: f's own region, its modes
-            stack.enter_context(caller_context())  # on top of every other
+            # NOTE [the caller's function modes]: theirs on top of every other, around f
+            stack.enter_context(caller_context())
             if through_vjp:
                 return _torch_compat.through_grad_level(evaluate, leaves)
             try:
@@ -1034,17 +1034,22 @@ def _evaluate_probe(api: str, f: Callable[..., Any], args: tuple[Any, ...],
 def raise_module_as_f(api: str, module: torch.nn.Module, error: Exception) -> NoReturn:
     """Raise for a module passed as ``f`` whose call failed, with the hint.
 
-    A model of its own (parameters or buffers), given the parameters as its input, gets a
-    TypeError naming ``tg.functionalize``; a functional module (``forward(params, x)``, none
-    of its own) its own error, unchanged (a bug of its own is no misuse).
+    A model of its own (parameters or buffers), given the parameters as its input, or a module
+    whose ``forward`` takes fewer arguments, gets a TypeError naming ``tg.functionalize``; a
+    functional module (``forward(params, x)``, no state of its own) its own error, unchanged
+    (a bug of its own is no misuse).
     """
     fix = "fn, params = tg.functionalize(module), then tg.gramian(fn)(params, x)"
-    if next(module.parameters(), None) is None and next(module.buffers(), None) is None:
+    own_state = next(module.parameters(), None) is not None \
+        or next(module.buffers(), None) is not None
+    arity = isinstance(error, TypeError) and "positional argument" in str(error)
+    if not (own_state or arity):
         raise error
     raise TypeError(message(
         api, "f(params, *inputs), a function of the parameters",
-        f"the module {type(module).__name__} (a model with parameters of its own), whose call "
-        f"raised {type(error).__name__}: {str(error).splitlines()[0][:100]}",
+        f"the module {type(module).__name__}"
+        + (" (parameters or buffers of its own)" if own_state else "")
+        + f", whose call raised {type(error).__name__}: {str(error).splitlines()[0][:100]}",
         f"Make it one: {fix}.")) from error
 
 

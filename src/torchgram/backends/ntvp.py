@@ -43,7 +43,6 @@ import torch
 from torch import Tensor
 
 from torchgram._core import _torch_compat, functional
-from torchgram._core.caller_context import caller_autocast_state
 from torchgram._core.census import refusing_gradient_hooks
 from torchgram._core.errors import BackendCannotRun, NotPerSample, OutputChanged
 from torchgram._core.per_sample import batch_rows, check_samples, fails_alone
@@ -495,9 +494,7 @@ def _dtype_mixing(problem: Problem) -> tuple[str, str] | None:
 
     Forward mode may then fail where the plain call ran (NOTE [missing forward AD]).
     """
-    device = problem.output.device.type  # NOTE [autocast]: the caller's, off out here
-    if torch.is_autocast_enabled(device) or any(
-            region[0] == device for region in caller_autocast_state()):
+    if torch.is_autocast_enabled(problem.output.device.type):
         return "under torch.autocast", "Or call it outside torch.autocast."
     dtypes = sorted({str(leaf.dtype) for leaf in problem.leaves})
     if len(dtypes) > 1:

@@ -130,7 +130,7 @@ def gramian(
                         memory_budget=memory_budget)
 
     @functools.wraps(f)
-    @public_call  # NOTE [inference mode], NOTE [autocast]
+    @public_call  # NOTE [inference mode], NOTE [the caller's function modes]
     def gramian_of_f(*args: Any, **kwargs: Any) -> Any:
         refuse_transforms(options.api)
         value, aux, _ = _gramian(options, f, args, kwargs, group, cross_rank)
@@ -293,7 +293,7 @@ def aggregated_grad(
     check_weighting(_AGGREGATED, weighting)
 
     @functools.wraps(f)
-    @public_call  # NOTE [inference mode], NOTE [autocast]
+    @public_call  # NOTE [inference mode], NOTE [the caller's function modes]
     def aggregated_grad_of_f(*args: Any, **kwargs: Any) -> tuple[Any, Aggregation]:
         refuse_transforms(options.api)
         update, info = step(*args, **kwargs)
@@ -507,7 +507,7 @@ def explain(
                         memory_budget=memory_budget)
 
     @functools.wraps(f)
-    @public_call  # NOTE [inference mode], NOTE [autocast]
+    @public_call  # NOTE [inference mode], NOTE [the caller's function modes]
     def explain_f(*args: Any, **kwargs: Any) -> Exchange:
         refuse_transforms(options.api)
         return _gramian(options, f, args, kwargs, group, "exact")[2]

@@ -86,7 +86,7 @@ def _local_gramian(outputs: list[Tensor], inputs: EagerInputs,
         else block.to(dtype)
 
 
-@public_call  # NOTE [inference mode], NOTE [autocast]
+@public_call  # NOTE [inference mode], NOTE [the caller's function modes]
 def gramian(
     outputs: Tensor | Iterable[Tensor],
     inputs: nn.Module | Tensor | Iterable[Tensor],
@@ -127,7 +127,7 @@ def gramian(
         resolved_inputs.reshard()
 
 
-@public_call  # NOTE [inference mode], NOTE [autocast]
+@public_call  # NOTE [inference mode], NOTE [the caller's function modes]
 def backward(
     losses: Tensor | Iterable[Tensor],
     inputs: nn.Module | Tensor | Iterable[Tensor],

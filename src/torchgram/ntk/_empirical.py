@@ -189,7 +189,7 @@ class EmpiricalNTK:
 
     # -- the call --------------------------------------------------------------------------
 
-    @public_call  # NOTE [inference mode], NOTE [autocast]
+    @public_call  # NOTE [inference mode], NOTE [the caller's function modes]
     def __call__(self, x1: Any, x2: Any, params: Any, **kwargs: Any) -> Tensor:
         """The empirical NTK between ``x1`` and ``x2`` (``None``: ``x1``), NT's layout."""
         x1, x2, params, kwargs = without_inference_tensors((x1, x2, params, kwargs))

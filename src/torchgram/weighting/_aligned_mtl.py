@@ -7,7 +7,7 @@ from typing import Literal, TypeAlias
 import torch
 from torch import Tensor
 
-from torchgram._core.functional import public_call
+from torchgram._core.caller_context import without_autocast
 
 from ._derivatives import refusing_derivatives
 from ._validation import check_gramian, scaled_by_a_power_of_two
@@ -17,7 +17,7 @@ _SCALE_MODES = ("min", "median", "rmse")
 
 
 @refusing_derivatives("aligned_mtl")
-@public_call  # NOTE [autocast]: full precision under a caller's region
+@without_autocast  # NOTE [autocast]: full precision under a caller's region
 def aligned_mtl(G: Tensor, /, *, scale_mode: ScaleMode = "min") -> Tensor:
     r"""Weights of Aligned-MTL: the mean of the rows of a well-conditioned version of ``J``.
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from torchgram._core.functional import public_call
+from torchgram._core.caller_context import without_autocast
 
 from ._derivatives import refusing_derivatives
 from ._dual_cone import projected_preferences
@@ -13,7 +13,7 @@ from ._warm_start import WarmStart
 
 
 @refusing_derivatives("dualproj")
-@public_call  # NOTE [autocast]: full precision under a caller's region
+@without_autocast  # NOTE [autocast]: full precision under a caller's region
 def dualproj(
     G: Tensor,
     /,

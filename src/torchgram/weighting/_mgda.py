@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from torchgram._core.functional import public_call
+from torchgram._core.caller_context import without_autocast
 
 from ._derivatives import refusing_derivatives
 from ._qp import solve_simplex_qp
@@ -14,7 +14,7 @@ from ._warm_start import WarmStart, check_state
 
 
 @refusing_derivatives("mgda")
-@public_call  # NOTE [autocast]: full precision under a caller's region
+@without_autocast  # NOTE [autocast]: full precision under a caller's region
 def mgda(G: Tensor, /, *, state: WarmStart | None = None) -> Tensor:
     r"""Weights of MGDA: the minimum-norm point of the convex hull of the rows of ``J``.
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from torchgram._core.functional import public_call
+from torchgram._core.caller_context import without_autocast
 
 from ._derivatives import refusing_derivatives
 from ._validation import check_gramian
 
 
 @refusing_derivatives("pcgrad")
-@public_call  # NOTE [autocast]: full precision under a caller's region
+@without_autocast  # NOTE [autocast]: full precision under a caller's region
 def pcgrad(G: Tensor, /, *, generator: torch.Generator | None = None) -> Tensor:
     r"""Weights of PCGrad: each gradient projected off the gradients it conflicts with, summed.
 

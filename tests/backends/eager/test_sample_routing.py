@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import Tensor, nn
@@ -456,3 +457,46 @@ def test_a_custom_function_routing_by_a_float_tensor_it_saved(recorded: bool) ->
 def _halfway(h: Tensor, perm: Tensor) -> Tensor:
     """The oracle's dense twin of ``_Propagate`` with ``A = (I + P) / 2``."""
     return 0.5 * (h + _dense_permutation(h, perm))
+
+
+class _PermuteOnCtx(torch.autograd.Function):
+    """Rows permuted by a route kept on ``ctx`` as a dict, a numpy array or a float matrix."""
+
+    @staticmethod
+    def forward(ctx: Any, h: Tensor, order: list[int], kind: str) -> Tensor:
+        if kind == "dict":
+            ctx.route = {"perm": list(order)}
+        elif kind == "numpy":
+            ctx.route = np.array(order)
+        else:
+            ctx.route = torch.eye(len(order), dtype=h.dtype)[order]
+        return h[order]
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        route = ctx.route
+        if isinstance(route, Tensor):
+            return route.T @ grad, None, None
+        order = route["perm"] if isinstance(route, dict) else route.tolist()
+        return torch.zeros_like(grad).index_add(0, torch.tensor(order), grad), None, None
+
+
+@pytest.mark.parametrize("recorded", [False, True], ids=["walked", "recorded"])
+@pytest.mark.parametrize("kind", ["dict", "numpy", "float"])
+def test_a_route_a_custom_function_keeps_on_ctx(kind: str, recorded: bool) -> None:
+    """NOTE [opaque selections]: the digest read index tensors and plain values on ``ctx``,
+    not dicts, arrays or float matrices (0.37-0.72 off from the second call, walked;
+    session 59's review)."""
+    clear_caches()
+    module = model()
+    for step, order in enumerate(PERMUTATIONS):
+        torch.manual_seed(step)
+        x = torch.randn(B, 5, dtype=DOUBLE)
+        wanted = oracle(module, routed(module, x, ROUTES["index"], torch.tensor(order)))
+        if recorded:
+            with tg.autograd.record():
+                losses = _PermuteOnCtx.apply(module(x), order, kind).pow(2).sum(1)
+        else:
+            losses = _PermuteOnCtx.apply(module(x), order, kind).pow(2).sum(1)
+        assert_close(tg.autograd.gramian(losses, list(module.parameters()), batch_dim=0),
+                     wanted)
