@@ -124,3 +124,27 @@ class ItemInBackward(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> Tensor:  # noqa: D102
         scale = 2.0 if grad.abs().max().item() >= 0 else 0.0
         return grad * scale
+
+
+class SavesInput(torch.autograd.Function):
+    """New-style, vmappable, its input saved for ``backward``: subclasses give the maths."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Tensor, ...], output: Tensor) -> None:  # noqa: D102
+        ctx.save_for_backward(inputs[0])
+
+
+class WhereRelu(SavesInput):
+    """A ReLU whose backward selects (``where``) instead of multiplying: opaque to the checks'
+    NaN directions (NOTE [opaque selections])."""
+
+    @staticmethod
+    def forward(x: Tensor) -> Tensor:  # noqa: D102
+        return x.clamp(min=0)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:  # noqa: D102
+        (x,) = ctx.saved_tensors
+        return torch.where(x > 0, grad, 0.0)

@@ -17,6 +17,7 @@ from torch import Tensor
 from torch.profiler import ProfilerActivity, profile
 
 import torchgram as tg
+from custom_functions import SavesInput
 from reference import dense_gramian
 from zoo import build
 
@@ -168,18 +169,12 @@ def test_peak_memory_scales_with_chunk_size_not_rows(batch_dim: int | None) -> N
 
 # -- missing forward-mode AD -----------------------------------------------------------------
 
-class CubeWithoutJvp(torch.autograd.Function):
+class CubeWithoutJvp(SavesInput):
     """x³ with a backward but no jvp."""
-
-    generate_vmap_rule = True
 
     @staticmethod
     def forward(x: Tensor) -> Tensor:
         return x**3
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Tensor], output: Tensor) -> None:
-        ctx.save_for_backward(inputs[0])
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:

@@ -8,6 +8,7 @@ bfloat16 inside autocast (session 59's hunts and reviews).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import pytest
@@ -114,6 +115,12 @@ def test_cross_kernel_of_f_with_its_own_autocast_region(backend: str) -> None:
     torch.testing.assert_close(kernel, reference, rtol=2e-2, atol=2e-2)
 
 
+class _PassThrough(TorchFunctionMode):
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
 class _DoubledLinear(TorchFunctionMode):
     """A caller's mode that rewrites what ``F.linear`` returns (a scale, fake quantisation)."""
 
@@ -197,5 +204,44 @@ def test_weightings_and_predictions_inside_autocast_keep_full_precision() -> Non
     outside = compute()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         inside = compute()
+    for got, wanted in zip(inside, outside, strict=True):
+        torch.testing.assert_close(got, wanted, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("caller_mode", [False, True], ids=["alone", "in_a_mode"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_mode_f_leaves_entered_does_not_strand_torchgrams(backend: str,
+                                                            caller_mode: bool) -> None:
+    """torchgram's own exits popped f's mode instead of theirs, leaving a tapping mode or a
+    census on the caller's stack for good (session 59's review)."""
+    params, x = _layer_data()
+    entered = []
+
+    def f(p: dict[str, Tensor], x: Tensor) -> Tensor:
+        mode = _PassThrough()
+        mode.__enter__()  # never exited
+        entered.append(mode)
+        return _layers(p, x)
+
+    outer = _DoubledLinear()
+    with contextlib.ExitStack() as stack:
+        if caller_mode:
+            stack.enter_context(outer)
+        tg.gramian(f, backend=backend, batch_dim=0)(params, x)
+        assert torch.overrides._get_current_function_mode_stack() == ([outer] if caller_mode
+                                                                      else [])
+    assert entered
+
+
+def test_weightings_and_predictions_are_not_seen_by_a_callers_mode() -> None:
+    generator = torch.Generator().manual_seed(0)
+    jacobian = torch.randn(5, 9, generator=generator, dtype=torch.float64)
+    G = jacobian @ jacobian.T
+    kernel, test_kernel = G + torch.eye(5), G[:2].clone()
+    outside = [tg.weighting.upgrad(G), tg.ntk.kernel_regression(kernel, test_kernel, G)]
+    mode = _DoubledLinear()
+    with mode:
+        inside = [tg.weighting.upgrad(G), tg.ntk.kernel_regression(kernel, test_kernel, G)]
+    assert mode.seen <= {"__get__"}, mode.seen  # metadata reads of the results at most
     for got, wanted in zip(inside, outside, strict=True):
         torch.testing.assert_close(got, wanted, rtol=0, atol=0)

@@ -730,10 +730,13 @@ def _plain_value(value: Any) -> Any:
     if isinstance(value, dict):  # a config of routes: {"perm": [...]} (session 59's review)
         pairs = tuple((repr(key), _plain_value(item)) for key, item in value.items())
         return _NOT_PLAIN if any(item is _NOT_PLAIN for _, item in pairs) else ("dict", pairs)
-    if isinstance(value, np.ndarray) and value.dtype.kind in "biuf":  # an index array
+    if isinstance(value, np.ndarray) and value.dtype.kind in "biu":  # an index array
         held = np.ascontiguousarray(value)
         return ("ndarray", held.dtype.str, held.shape,
                 hashlib.blake2b(held.tobytes(), digest_size=16).digest())
+    if isinstance(value, np.ndarray) and value.dtype.kind == "f":  # values, as _gates keeps
+        return ("ndarray", value.dtype.str, value.shape, bool((value < 0).any()),  # them
+                bool((value == 0).any()), bool((value > 0).any()), bool(np.isnan(value).any()))
     return _NOT_PLAIN
 
 

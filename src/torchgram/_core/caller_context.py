@@ -13,10 +13,11 @@ modes off the stack for the call (:func:`outside_caller_context`) and pushes the
 top of torchgram's own around each evaluation of ``f`` (:func:`caller_context`, in
 ``problem.evaluate_f``): they see ``f``'s calls first, as in a plain call, and nothing of
 torchgram's. ``record()`` puts its recording mode beneath them (:func:`beneath_caller_modes`).
-A mode the body exits is not pushed back. ``torch.device(...)`` contexts alone
-(``DeviceContext``) stay where they are. torch's own backward recomputes a non-reentrant
-``torch.utils.checkpoint`` region without function modes (a plain ``loss.backward()`` inside
-the mode differs from the forward's function); so do torchgram's backward passes.
+A mode the body exits is not pushed back; one ``f`` leaves entered is dropped.
+``torch.device(...)`` contexts alone (``DeviceContext``) stay where they are. torch's own
+backward recomputes a non-reentrant ``torch.utils.checkpoint`` region without function
+modes (a plain ``loss.backward()`` inside the mode differs from the forward's function); so
+do torchgram's backward passes.
 
 # NOTE [autocast]
 A call made inside ``torch.autocast`` runs there, backward passes included: lifting autocast
@@ -117,10 +118,21 @@ def outside_caller_context() -> Iterator[None]:
 
 @contextlib.contextmanager
 def caller_context() -> Iterator[None]:
-    """The caller's function modes on top of torchgram's, around an evaluation of ``f``."""
+    """The caller's function modes on top of torchgram's, around an evaluation of ``f``.
+
+    The stack is put back as it was before afterwards: a mode ``f`` enters and leaves
+    entered would otherwise sit above torchgram's own, whose exits would pop it instead of
+    themselves and leave a tapping mode or a census on the caller's stack for good (session
+    59's review).
+    """
     modes = _CALLER_MODES.get()
+    depth = torch._C._len_torch_function_stack()
     if not modes:
-        yield
+        try:
+            yield
+        finally:
+            if torch._C._len_torch_function_stack() != depth:
+                _drop_modes_above(depth)
         return
     before = torch.overrides._get_current_function_mode_stack()
     for mode in modes:
@@ -130,7 +142,13 @@ def caller_context() -> Iterator[None]:
     finally:
         now = torch.overrides._get_current_function_mode_stack()
         modes[:] = [mode for mode in modes if any(mode is entry for entry in now)]  # not exited
-        _replace_mode_stack(before + _entries(_entries(now, before), modes))
+        _replace_mode_stack(before)
+
+
+def _drop_modes_above(depth: int) -> None:
+    """The modes above the first ``depth`` of the stack popped (those ``f`` left entered)."""
+    while torch._C._len_torch_function_stack() > depth:
+        torch.overrides._pop_mode()
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ import contextlib
 import sys
 import types
 from collections.abc import Callable, Collection, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,8 @@ from torchgram._core import _torch_compat
 from torchgram._core.captured_writes import StaleWrites
 from torchgram._core.errors import OutputChanged, gradient_hooks_refused
 from torchgram._core.watched_calls import watched_name
+
+T = TypeVar("T")
 
 _MISSING = object()
 
@@ -193,6 +195,21 @@ NEEDS_GRAPH = GRADIENT_HOOKS | {torch.Tensor.retain_grad}
 """Calls torch refuses on a tensor without grad, which the evaluations without a graph make:
 those evaluate again with one (NOTE [gradient hooks inside f]; ``retain_grad`` changes no
 gradient, but raised torch's error on every backend until session 58)."""
+
+
+def again_with_graph(error: Exception, saw_graph_calls: bool, again: Callable[[], T]) -> T:
+    """``again()``, the evaluation with a graph after ``error`` from the one without.
+
+    Where it fails too: ``f``'s own ``error`` as raised (its cause and context kept), or the
+    second error where the census saw calls that need a graph (then that one says why).
+    Call it inside the ``except`` block that caught ``error`` (:func:`may_need_a_graph`).
+    """
+    try:
+        return again()
+    except Exception:
+        if saw_graph_calls:
+            raise
+    raise error
 
 
 def may_need_a_graph(error: BaseException) -> bool:

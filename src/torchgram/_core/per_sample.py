@@ -59,7 +59,7 @@ import torch
 from torch import Tensor
 
 from torchgram._core import _torch_compat, functional
-from torchgram._core.census import OpCensus, may_need_a_graph
+from torchgram._core.census import OpCensus, again_with_graph, may_need_a_graph
 from torchgram._core.errors import BackendCannotRun, NotPerSample, OutputChanged
 from torchgram._core.problem import Problem, replace_input_leaves
 from torchgram._core.pytree import detach_tree
@@ -114,15 +114,8 @@ def batch_rows(problem: Problem, *, eager: bool = False) -> tuple[Tensor, Any]:
             raise
         saw_graph_calls = census.needs_graph > 0
         census = OpCensus()
-        failed_again = False
-        try:
-            rows, aux = _rows_under(census, problem, keep_graph, with_graph=True)
-        except Exception:
-            if saw_graph_calls:
-                raise
-            failed_again = True
-        if failed_again:  # either way: f's own error, as raised (cause and context)
-            raise error
+        rows, aux = again_with_graph(error, saw_graph_calls, lambda: _rows_under(
+            census, problem, keep_graph, with_graph=True))
     if problem.draw.random:
         raise NotPerSample("f draws random numbers (dropout, ...): one sample at a time it "
                            "would see other draws than the batch's", random=True)

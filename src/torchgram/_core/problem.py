@@ -41,7 +41,13 @@ from torchgram._core.captured_writes import (
     StaleWrites,
     captured_memory,
 )
-from torchgram._core.census import DenseEmbeddingGradients, OpCensus, ProbeCheck, may_need_a_graph
+from torchgram._core.census import (
+    DenseEmbeddingGradients,
+    OpCensus,
+    ProbeCheck,
+    again_with_graph,
+    may_need_a_graph,
+)
 from torchgram._core.checks import check_not_meta, fail, message, resolve_argnums
 from torchgram._core.composition import (
     Composition,
@@ -987,17 +993,14 @@ def _evaluate_probe(api: str, f: Callable[..., Any], args: tuple[Any, ...],
                     raise
                 saw_graph_calls = census.differentiates is not None or census.needs_graph > 0
                 census = OpCensus()
-                failed_again = False
-                try:
+
+                def with_graph() -> Any:
+                    nonlocal leaves
                     leaves = tuple(leaf.detach().requires_grad_() for leaf in copies)
                     with torch.enable_grad():
-                        result = evaluate_probe()
-                except Exception:
-                    if saw_graph_calls:
-                        raise
-                    failed_again = True
-                if failed_again:  # either way: f's own error, as raised (cause and context)
-                    raise error
+                        return evaluate_probe()
+
+                result = again_with_graph(error, saw_graph_calls, with_graph)
         except CounterRead as error:
             raise counter_read_error(api, error) from error
         except Exception as error:

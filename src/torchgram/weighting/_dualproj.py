@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from torchgram._core.caller_context import without_autocast
+from torchgram._core.functional import public_call
 
 from ._derivatives import refusing_derivatives
 from ._dual_cone import projected_preferences
@@ -13,6 +14,7 @@ from ._warm_start import WarmStart
 
 
 @refusing_derivatives("dualproj")
+@public_call  # NOTE [the caller's function modes]: none see its products
 @without_autocast  # NOTE [autocast]: full precision under a caller's region
 def dualproj(
     G: Tensor,

@@ -6,12 +6,14 @@ import torch
 from torch import Tensor
 
 from torchgram._core.caller_context import without_autocast
+from torchgram._core.functional import public_call
 
 from ._derivatives import refusing_derivatives
 from ._validation import check_gramian, check_non_negative
 
 
 @refusing_derivatives("imtl_g")
+@public_call  # NOTE [the caller's function modes]: none see its products
 @without_autocast  # NOTE [autocast]: full precision under a caller's region
 def imtl_g(G: Tensor, /, *, eps: float = 1e-12) -> Tensor:
     r"""Weights of IMTL-G: the combination whose projections on all unit gradients are equal.

@@ -6,12 +6,14 @@ import torch
 from torch import Tensor
 
 from torchgram._core.caller_context import without_autocast
+from torchgram._core.functional import public_call
 
 from ._derivatives import refusing_derivatives
 from ._validation import check_gramian
 
 
 @refusing_derivatives("pcgrad")
+@public_call  # NOTE [the caller's function modes]: none see its products
 @without_autocast  # NOTE [autocast]: full precision under a caller's region
 def pcgrad(G: Tensor, /, *, generator: torch.Generator | None = None) -> Tensor:
     r"""Weights of PCGrad: each gradient projected off the gradients it conflicts with, summed.

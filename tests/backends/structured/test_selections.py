@@ -6,7 +6,6 @@ import contextlib
 import math
 import warnings
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import torchgram as tg
+from custom_functions import WhereRelu
 from reference import dense_cross_kernel, dense_gramian
 from torchgram.backends.structured.selections import check_weights, opened_nodes
 
@@ -651,25 +651,6 @@ def test_a_first_call_under_anomaly_detection_does_not_settle_the_check(backend:
     torch.testing.assert_close(compute(), expected, rtol=1e-10, atol=1e-12)
 
 
-class _WhereRelu(torch.autograd.Function):
-    """A ReLU whose backward selects (``where``) instead of multiplying: opaque to the check."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(x: Tensor) -> Tensor:
-        return x.clamp(min=0)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Tensor], output: Tensor) -> None:
-        ctx.save_for_backward(inputs[0])
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tensor:
-        (x,) = ctx.saved_tensors
-        return torch.where(x > 0, grad, 0.0)
-
-
 @pytest.mark.parametrize("api", ["gramian", "kernel"])
 @pytest.mark.parametrize("backend", ["auto", "structured"])
 def test_a_custom_functions_gate_opened_after_the_first_call(backend: str, api: str) -> None:
@@ -683,7 +664,7 @@ def test_a_custom_functions_gate_opened_after_the_first_call(backend: str, api: 
 
     def f(p: dict[str, Tensor], x: Tensor) -> Tensor:
         h = torch.tanh(x @ p["w1"])
-        return ((h + _WhereRelu.apply(h.flip(0) + bias[0])) @ p["w2"]).pow(2).sum(1)
+        return ((h + WhereRelu.apply(h.flip(0) + bias[0])) @ p["w2"]).pow(2).sum(1)
 
     for value in (-100.0, 0.0, 1.0, -100.0, 0.0):
         bias[0] = value
