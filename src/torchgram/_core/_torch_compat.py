@@ -661,10 +661,19 @@ def _gates(tensor: Tensor) -> tuple[Any, ...]:
         False
     """
     if tensor.requires_grad and tensor.layout == torch.strided:
-        values = tensor.detach()
-        return ("signs", bool((values < 0).any()), bool((values == 0).any()),
-                bool((values > 0).any()), bool(values.isnan().any()))
+        return ("signs", *_signs_occurring(tensor.detach()))
     return _sign_pattern(tensor)
+
+
+def _signs_occurring(values: Any) -> tuple[bool, bool, bool, bool]:
+    """Whether ``values`` (a tensor or a numpy array) holds negative, zero, positive, NaN.
+
+    Example:
+        >>> _signs_occurring(torch.tensor([1.0, -2.0])), _signs_occurring(np.zeros(2))
+        ((True, False, True, False), (False, True, False, False))
+    """
+    return (bool((values < 0).any()), bool((values == 0).any()), bool((values > 0).any()),
+            bool((values != values).any()))
 
 
 def _sign_pattern(tensor: Tensor) -> tuple[Any, ...]:
@@ -735,8 +744,7 @@ def _plain_value(value: Any) -> Any:
         return ("ndarray", held.dtype.str, held.shape,
                 hashlib.blake2b(held.tobytes(), digest_size=16).digest())
     if isinstance(value, np.ndarray) and value.dtype.kind == "f":  # values, as _gates keeps
-        return ("ndarray", value.dtype.str, value.shape, bool((value < 0).any()),  # them
-                bool((value == 0).any()), bool((value > 0).any()), bool(np.isnan(value).any()))
+        return ("ndarray", value.dtype.str, value.shape, *_signs_occurring(value))  # them
     return _NOT_PLAIN
 
 

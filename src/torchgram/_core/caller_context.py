@@ -25,9 +25,9 @@ for torchgram's work and re-entering it around ``f`` made the backward of an op 
 autocast run outside it, which torch 2.13 refuses for ``scaled_dot_product_attention`` with
 a float32 mask (HF Swin's relative position bias: "expected scalar type BFloat16 but found
 Float" on every backend but graph; session 59's review). So ``G``'s products carry the
-lower precision of the region, like ``f``'s own; the weightings and the NTK predictions,
-which evaluate no ``f``, run with autocast off (:func:`without_autocast`): pcgrad was
-4.4e-3 off, the predictions 0.6-1.2%.
+lower precision of the region, like ``f``'s own; the NTK predictions, which evaluate no
+``f``, run with autocast off (``public_math``, :func:`without_autocast`; they were 0.2-1.2%
+off in bfloat16), and so do the weightings (which compute in float64 anyway).
 """
 
 from __future__ import annotations

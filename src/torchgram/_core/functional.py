@@ -34,7 +34,11 @@ import optree
 import torch
 from torch import Tensor
 
-from torchgram._core.caller_context import outside_caller_context, plain_caller_context
+from torchgram._core.caller_context import (
+    outside_caller_context,
+    plain_caller_context,
+    without_autocast,
+)
 
 Result = TypeVar("Result")
 Fn = TypeVar("Fn", bound=Callable[..., Any])
@@ -99,6 +103,26 @@ def public_call(fn: Fn) -> Fn:
                 return fn(*args, **kwargs)
 
     return cast(Fn, outside)
+
+
+def public_math(fn: Fn) -> Fn:
+    """``fn`` as a public function that evaluates no ``f``: :func:`public_call`, autocast off.
+
+    The weightings and the NTK predictions: no caller's function mode sees their products,
+    and they compute in full precision inside a caller's autocast region (NOTE [autocast]).
+
+    Example:
+        >>> from torch.overrides import TorchFunctionMode
+        >>> class Refusing(TorchFunctionMode):
+        ...     def __torch_function__(self, func, types, args=(), kwargs=None):
+        ...         raise AssertionError("a caller's mode saw an op")
+        >>> square = public_math(lambda a: (a @ a).dtype)
+        >>> x = torch.ones(2, 2)
+        >>> with torch.autocast("cpu", dtype=torch.bfloat16), Refusing():
+        ...     square(x)
+        torch.float32
+    """
+    return public_call(without_autocast(fn))
 
 
 def stack_grads(grads: Sequence[Tensor | None]) -> Tensor | None:

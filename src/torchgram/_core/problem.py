@@ -1016,7 +1016,7 @@ def _evaluate_probe(api: str, f: Callable[..., Any], args: tuple[Any, ...],
                 if (refusal := f_refused_by_vmap(api, error)) is not None:
                     raise refusal from error  # f itself cannot run under the user's vmap
                 if isinstance(f, torch.nn.Module):  # called as f(params, *inputs): the hint
-                    raise_module_as_f(api, f, error)
+                    _raise_module_as_f(api, f, error)
                 raise
             raise _FailsAlone from error
         if census.reentrant_checkpoint:  # NOTE [reentrant checkpoints seen]
@@ -1034,7 +1034,7 @@ def _evaluate_probe(api: str, f: Callable[..., Any], args: tuple[Any, ...],
         return probe, Evaluation(leaves, rows, aux, census.hooks > 0)
 
 
-def raise_module_as_f(api: str, module: torch.nn.Module, error: Exception) -> NoReturn:
+def _raise_module_as_f(api: str, module: torch.nn.Module, error: Exception) -> NoReturn:
     """Raise for a module passed as ``f`` whose call failed, with the hint.
 
     A model of its own (parameters or buffers), given the parameters as its input, or a module

@@ -38,10 +38,9 @@ import torch
 from torch import Tensor
 
 from torchgram._core import _torch_compat
-from torchgram._core.caller_context import without_autocast
 from torchgram._core.checks import fail
 from torchgram._core.display import key_values_html, key_values_text
-from torchgram._core.functional import public_call
+from torchgram._core.functional import public_math
 
 _API = "torchgram.ntk.gradient_descent_mse"
 
@@ -305,8 +304,7 @@ class GradientDescentMSE:
 
     # -- predictions -----------------------------------------------------------------------
 
-    @public_call  # NOTE [the caller's function modes]: none see its products
-    @without_autocast  # NOTE [autocast]: full precision under a caller's region
+    @public_math  # NOTE [autocast], NOTE [the caller's function modes]
     def __call__(self, t: Any = None, fx_train_0: Any = 0.0, fx_test_0: Any = None,
                  k_test_train: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """Train and/or test outputs at time(s) ``t`` (NOTE [gradient_descent_mse])."""
@@ -411,8 +409,7 @@ def gradient_descent_mse(k_train_train: Tensor, y_train: Tensor, learning_rate: 
                               diag_reg_absolute_scale, trace_axes)
 
 
-@public_call  # NOTE [the caller's function modes]: none see its products
-@without_autocast  # NOTE [autocast]: full precision under a caller's region
+@public_math  # NOTE [autocast], NOTE [the caller's function modes]
 def kernel_regression(k_train_train: Tensor, k_test_train: Tensor, y_train: Tensor,
                       ridge: float = 0.0) -> Tensor:
     """Kernel (ridge) regression: ``K_test,train (K_train,train + ridge · I)⁻¹ y_train``.

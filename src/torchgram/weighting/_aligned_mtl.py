@@ -7,8 +7,7 @@ from typing import Literal, TypeAlias
 import torch
 from torch import Tensor
 
-from torchgram._core.caller_context import without_autocast
-from torchgram._core.functional import public_call
+from torchgram._core.functional import public_math
 
 from ._derivatives import refusing_derivatives
 from ._validation import check_gramian, scaled_by_a_power_of_two
@@ -18,8 +17,7 @@ _SCALE_MODES = ("min", "median", "rmse")
 
 
 @refusing_derivatives("aligned_mtl")
-@public_call  # NOTE [the caller's function modes]: none see its products
-@without_autocast  # NOTE [autocast]: full precision under a caller's region
+@public_math  # NOTE [autocast], NOTE [the caller's function modes]
 def aligned_mtl(G: Tensor, /, *, scale_mode: ScaleMode = "min") -> Tensor:
     r"""Weights of Aligned-MTL: the mean of the rows of a well-conditioned version of ``J``.
 

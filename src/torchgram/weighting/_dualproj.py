@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from torchgram._core.caller_context import without_autocast
-from torchgram._core.functional import public_call
+from torchgram._core.functional import public_math
 
 from ._derivatives import refusing_derivatives
 from ._dual_cone import projected_preferences
@@ -14,8 +13,7 @@ from ._warm_start import WarmStart
 
 
 @refusing_derivatives("dualproj")
-@public_call  # NOTE [the caller's function modes]: none see its products
-@without_autocast  # NOTE [autocast]: full precision under a caller's region
+@public_math  # NOTE [autocast], NOTE [the caller's function modes]
 def dualproj(
     G: Tensor,
     /,

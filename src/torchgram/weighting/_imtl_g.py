@@ -5,16 +5,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from torchgram._core.caller_context import without_autocast
-from torchgram._core.functional import public_call
+from torchgram._core.functional import public_math
 
 from ._derivatives import refusing_derivatives
 from ._validation import check_gramian, check_non_negative
 
 
 @refusing_derivatives("imtl_g")
-@public_call  # NOTE [the caller's function modes]: none see its products
-@without_autocast  # NOTE [autocast]: full precision under a caller's region
+@public_math  # NOTE [autocast], NOTE [the caller's function modes]
 def imtl_g(G: Tensor, /, *, eps: float = 1e-12) -> Tensor:
     r"""Weights of IMTL-G: the combination whose projections on all unit gradients are equal.
 

@@ -5,14 +5,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from torchgram._core.caller_context import without_autocast
-from torchgram._core.functional import public_call
+from torchgram._core.functional import public_math
 
 from ._validation import check_gramian
 
 
-@public_call  # NOTE [the caller's function modes]: none see its products
-@without_autocast  # NOTE [autocast]: full precision under a caller's region
+@public_math  # NOTE [autocast], NOTE [the caller's function modes]
 def mean(G: Tensor, /) -> Tensor:
     r"""Uniform weights ``w = 1 / m``: the update ``Jᵀw`` is the gradient of the mean loss.
 

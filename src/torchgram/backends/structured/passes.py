@@ -432,7 +432,8 @@ def restrict(traced: Recording, tapped: Sequence[int]) -> Recording:
         uses=[dataclasses.replace(use, tap=tap_index[use.tap],
                                   act=None if use.act is None else act_index[use.act])
               for use in uses],
-        unrecognised=traced.unrecognised, unrecognised_flops=traced.unrecognised_flops)
+        unrecognised=traced.unrecognised, unrecognised_flops=traced.unrecognised_flops,
+        gradient_hooks=traced.gradient_hooks)
 
 
 def per_sample_forward(problem: Problem, traced: Recording,

@@ -99,15 +99,13 @@ def _forward(problem: Problem, traced: Recording, *,
             forward = batched_forward(problem, expected)
             if forward is not None and _check_batched(problem, forward, traced):
                 return forward, traced
-        return _one_sample_at_a_time(problem, expected, fallback,
-                                     hooked=traced.gradient_hooks), traced
+        return _one_sample_at_a_time(problem, expected, fallback), traced
     except TraceMismatch:
         forget_trace(problem)  # the next call traces afresh
         if retrace:
             return _forward(problem, trace(problem), retrace=False)
         return _one_sample_at_a_time(problem, restrict(traced, []),
-                                     list(range(len(problem.leaves))),
-                                     hooked=traced.gradient_hooks), traced
+                                     list(range(len(problem.leaves)))), traced
 
 
 def _check_batched(problem: Problem, forward: Forward, traced: Recording) -> bool:
@@ -372,12 +370,11 @@ def _same_merged_acts(forward: Forward, acts: list[Tensor], subset: list[int]) -
 # under ``torch.func.vmap`` itself; its gradient-free evaluations see it too.)
 
 
-def _one_sample_at_a_time(problem: Problem, expected: Recording, fallback: list[int], *,
-                          hooked: bool) -> Forward:
+def _one_sample_at_a_time(problem: Problem, expected: Recording, fallback: list[int]) -> Forward:
     """``vmap`` over samples, a loop where it cannot; every sample checked against the batch.
 
-    ``hooked``: the trace saw ``f`` register gradient hooks, which the ``vmap`` way would
-    not run as ``f`` means them: a loop (NOTE [gradient hooks under the per-sample vmap]).
+    Where the trace saw ``f`` register gradient hooks, which the ``vmap`` way would not run
+    as ``f`` means them, a loop (NOTE [gradient hooks under the per-sample vmap]).
 
     Where torch refuses ``f`` under the transforms the check of the samples needs (an
     old-style ``autograd.Function``, module backward hooks: NOTE [old-style
@@ -391,7 +388,7 @@ def _one_sample_at_a_time(problem: Problem, expected: Recording, fallback: list[
             raise
         raise NotPerSample(f"the per-sample check runs f under torch.func transforms, which "
                            f"refuse {refused.what}") from error
-    loop = problem.loops_only or hooked
+    loop = problem.loops_only or expected.gradient_hooks
     forward = None
     if not loop:
         try:

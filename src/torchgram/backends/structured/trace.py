@@ -991,13 +991,13 @@ class TapMode(TorchFunctionMode):
             recording.transform_refusals.append(_CHECKPOINT_REGION)
         if func in GRADIENT_HOOKS:
             recording.gradient_hooks = True
-            self._check_hook_target(args[0] if args else None)
-            if recording.hooked_leaf is not None and isinstance(args[0], Tensor) \
-                    and not args[0].requires_grad:  # a shared tap's plain factor (f guards
-                raise HookOnTap(recording.hooked_leaf)  # by grad mode): no pass sees it
-            if self._taps == "trace" and isinstance(args[0], Tensor) \
-                    and not args[0].requires_grad:  # a trace's plain leaves: it only records
-                return torch.utils.hooks.RemovableHandle(OrderedDict())  # (f guards by grad)
+            target = args[0] if args else None
+            self._check_hook_target(target)
+            if isinstance(target, Tensor) and not target.requires_grad:  # f guards by grad mode
+                if recording.hooked_leaf is not None:  # a shared tap's plain factor: no pass
+                    raise HookOnTap(recording.hooked_leaf)  # sees the hook
+                if self._taps == "trace":  # a trace's plain leaves: it only records
+                    return torch.utils.hooks.RemovableHandle(OrderedDict())
         if func is Tensor.retain_grad and _RETAIN_GRAD not in recording.transform_refusals:
             recording.transform_refusals.append(_RETAIN_GRAD)  # torch.func refuses it
         if func in _FUSED_RNNS and len(args) > 1 and isinstance(args[1], Tensor) \
