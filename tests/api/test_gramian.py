@@ -494,3 +494,42 @@ def test_an_inference_mode_region_inside_f(backend: str, batch_dim: int | None) 
         return
     torch.testing.assert_close(G, dense_gramian(f_no_grad, (w, x)).gramian, rtol=1e-10,
                                atol=1e-12)
+
+
+class _RouterCastingItself(nn.Module):
+    """A router that moves its classifier to its dtype on every call, as `transformers`'
+    ``SwitchTransformersTop1Router`` does: ``nn.Module._apply`` writes ``param.data`` even
+    when the dtype does not change."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.classifier = nn.Linear(6, 4, dtype=torch.float64)
+        self.head = nn.Linear(4, 1, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.classifier = self.classifier.to(torch.float64)
+        return self.head(torch.tanh(self.classifier(x))).squeeze(-1)
+
+
+@pytest.mark.parametrize("batch_dim", [0, None], ids=["batch0", "nobatch"])
+@pytest.mark.parametrize("backend", ["auto", "structured", "graph", "jacobian", "ntvp"])
+def test_a_data_assignment_inside_f(backend: str, batch_dim: int | None) -> None:
+    """``module.to(dtype)`` in the forward: torch's raw "mutating directly with `.data` inside
+    functorch transform is not allowed" from every backend but graph, also through auto
+    (session 60's hunt). The transforming backends decline, naming graph; the module's
+    parameters stay the user's."""
+    torch.manual_seed(0)
+    module = _RouterCastingItself()
+    fn, params = tg.functionalize(module)
+    before = {name: p.detach().clone() for name, p in module.named_parameters()}
+    x = torch.randn(5, 6, dtype=torch.float64)
+    try:
+        G = tg.gramian(fn, backend=backend, batch_dim=batch_dim)(params, x)
+    except tg.BackendCannotRun as error:
+        assert backend in ("jacobian", "ntvp") and "backend='graph'" in str(error), error
+        assert ".data" in str(error)
+        return
+    torch.testing.assert_close(G, dense_gramian(fn, (params, x)).gramian, rtol=1e-10,
+                               atol=1e-12)
+    for name, p in module.named_parameters():
+        assert torch.equal(p, before[name]) and p.requires_grad

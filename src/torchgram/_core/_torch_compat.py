@@ -838,6 +838,13 @@ _TRANSFORM_REFUSALS = {
     "Cannot set version_counter for inference tensor": Refusal(
         "a torch.inference_mode() region inside f that reads its parameters or inputs",
         "Or use torch.no_grad() there: it stops gradients the same way."),
+    # `module.to(dtype)` inside f writes `param.data` even when nothing changes
+    # (nn.Module._apply): `transformers`' Switch router does it on every call (session 60's
+    # hunt: raw on every backend but graph, and through auto)
+    "mutating directly with `.data` inside functorch transform": Refusal(
+        "an assignment to a tensor's .data inside f (e.g. module.to(dtype) or "
+        "module.float() called in f's forward)",
+        "Or move the module to its dtype once, before calling torchgram."),
     "Cannot access data pointer of Tensor that doesn't have storage": Refusal(
         "an op that reads its inputs' memory directly, which torch.func's wrapped tensors "
         "have not (e.g. nn.LSTM / nn.GRU over a nn.utils.rnn.PackedSequence)", ""),

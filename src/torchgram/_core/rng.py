@@ -9,7 +9,20 @@ and the call ends in the state that one plain call of ``f`` leaves behind: the G
 that of the draw a single plain call with the current RNG state sees.
 
 The default generators are captured (CPU, and each accelerator that holds an argument), and
-so are the generators ``f`` draws from explicitly (NOTE [explicit generators]).
+so are the generators ``f`` draws from explicitly (NOTE [explicit generators]) and the
+host's global ones (NOTE [host generators]).
+
+# NOTE [host generators]
+Python's ``random`` and numpy's global ``np.random`` are generators too: ``transformers``'
+speech models draw their SpecAugment masks and layer drops from ``np.random`` in train mode
+(Wav2Vec2, HuBERT, WavLM, Whisper...). Left out, each evaluation drew other masks and the
+Gramian matched no single call of ``f`` (session 60's hunt: Wav2Vec2 0.19-0.31 off on auto,
+structured and jacobian; an MLP with a numpy mask 0.4-0.8 off on every backend but graph). Their
+states are captured, restored and compared with the default generators' (numpy's only once
+numpy is imported: ``f`` can only draw from it then; torch imports it when it can). Reading
+them costs ~30 µs a capture (numpy's state is a copy of its 624-word key), a few captures a
+call. Generators ``f`` holds of its own (``np.random.default_rng()``, ``random.Random()``)
+are not seen: they still draw anew on each evaluation.
 
 # NOTE [explicit generators]
 ``f`` may draw from a ``torch.Generator`` of its own (``torch.bernoulli(p, generator=gen)``,
@@ -31,6 +44,8 @@ hands over a generator first drawn from under it (an eval-mode call first) all t
 
 from __future__ import annotations
 
+import random
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -53,8 +68,57 @@ def _module(device: torch.device) -> Any:
 
 
 @dataclass(frozen=True)
+class HostRngState:
+    """The state of Python's ``random`` and numpy's global ``np.random`` (NOTE [host generators]).
+
+    Example:
+        >>> import random
+        >>> state = HostRngState.capture()
+        >>> a = random.random()
+        >>> state.restore()
+        >>> random.random() == a
+        True
+    """
+
+    python: Any
+    numpy: dict[str, Any] | None
+
+    @classmethod
+    def capture(cls) -> HostRngState:
+        """The current state (numpy's: ``None`` while numpy is not imported)."""
+        numpy = sys.modules.get("numpy")
+        return cls(random.getstate(),
+                   None if numpy is None else numpy.random.get_state(legacy=False))
+
+    def restore(self) -> None:
+        """Put the generators back in this state."""
+        random.setstate(self.python)
+        if self.numpy is not None:
+            sys.modules["numpy"].random.set_state(self.numpy)
+
+    def same_as(self, other: HostRngState) -> bool:
+        """Whether no random number was drawn between ``self`` and ``other``."""
+        return self.python == other.python and _same_numpy_state(self.numpy, other.numpy)
+
+
+def _same_numpy_state(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
+    """Whether two states of numpy's global generator are the same (``None``: not imported)."""
+    if a is None or b is None:
+        return a is b
+    return a.keys() == b.keys() and all(_same_value(a[key], b[key]) for key in a)
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_value(a[key], b[key]) for key in a)
+    if hasattr(a, "shape") or hasattr(b, "shape"):  # numpy arrays (the generator's key)
+        return bool(getattr(a, "shape", None) == getattr(b, "shape", None) and (a == b).all())
+    return bool(a == b)
+
+
+@dataclass(frozen=True)
 class RngState:
-    """The state of the default generators: CPU, and those of ``devices``.
+    """The state of the default generators: CPU, those of ``devices``, and the host's.
 
     Example:
         >>> state = RngState.capture([])
@@ -66,17 +130,23 @@ class RngState:
 
     cpu: Tensor
     accelerators: tuple[tuple[torch.device, Tensor], ...]
+    host: HostRngState | None = None
 
     @classmethod
-    def capture(cls, devices: Iterable[torch.device]) -> RngState:
-        """The current state (``devices``: the accelerators whose generators matter)."""
+    def capture(cls, devices: Iterable[torch.device], *, host: bool = True) -> RngState:
+        """The current state.
+
+        ``devices``: the accelerators whose generators matter; ``host``: Python's and numpy's
+        global generators too (NOTE [host generators]).
+        """
         states = []
         for device in dict.fromkeys(devices):
             module = _module(device)
             if module is not None:
                 index = device.index if device.index is not None else module.current_device()
                 states.append((torch.device(device.type, index), module.get_rng_state(index)))
-        return cls(torch.get_rng_state(), tuple(states))
+        return cls(torch.get_rng_state(), tuple(states),
+                   HostRngState.capture() if host else None)
 
     def restore(self) -> None:
         """Put the generators back in this state."""
@@ -85,10 +155,13 @@ class RngState:
             module = _module(device)
             if module is not None:
                 module.set_rng_state(state, device.index)
+        if self.host is not None:
+            self.host.restore()
 
     def same_as(self, other: RngState) -> bool:
         """Whether no random number was drawn between ``self`` and ``other``."""
         return torch.equal(self.cpu, other.cpu) and len(self.accelerators) == len(
             other.accelerators) and all(
             a[0] == b[0] and torch.equal(a[1], b[1])
-            for a, b in zip(self.accelerators, other.accelerators, strict=True))
+            for a, b in zip(self.accelerators, other.accelerators, strict=True)) and (
+            self.host is None or other.host is None or self.host.same_as(other.host))

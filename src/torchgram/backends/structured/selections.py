@@ -263,8 +263,13 @@ SELECTION_NODES: frozenset[str] = frozenset({
 
 
 def open_grads(grad_inputs: Sequence[Tensor | None], grad_output: Tensor | None,
-               node: Any = None) -> tuple[Tensor | None, ...]:
+               node: Any = None, lead: int = 0) -> tuple[Tensor | None, ...]:
     """``grad_inputs`` plus ``grad_output``'s NaN entries (summed to each one's shape).
+
+    ``lead`` leading dims index the rows of a walk (the same in every gradient): a broadcast
+    input's NaN entries are summed within each row (``sum_to_size`` alone aligns the trailing
+    dims: a ``[k]`` operand beside ``[B, k]`` under ``n`` rows raised torch's raw "not
+    expandable" error, or summed rows into samples where ``n = B``; session 60's hunt).
 
     For a ``node`` that routes within rows (its type in :data:`ROW_ROUTES`): NaN on every
     entry of each input row whose output row has one.
@@ -298,7 +303,9 @@ def open_grads(grad_inputs: Sequence[Tensor | None], grad_output: Tensor | None,
             if nan_only is None:
                 nan_only = torch.where(nan, grad_output, torch.zeros(
                     (), dtype=grad_output.dtype, device=grad_output.device))
-            opened.append(grad + nan_only.sum_to_size(grad.shape).to(grad.dtype))
+            rows = grad.shape[:lead]
+            within = (*rows, *(1,) * (nan_only.dim() - grad.dim()), *grad.shape[lead:])
+            opened.append(grad + nan_only.sum_to_size(within).reshape(grad.shape).to(grad.dtype))
     return tuple(opened)
 
 
@@ -378,7 +385,7 @@ def opened_call(node: Any, grads: Sequence[Tensor | None],
     """
     if type(node).__name__ not in SELECTION_NODES:
         return outs
-    return list(open_grads(outs, grads[0], node))
+    return list(open_grads(outs, grads[0], node, lead=1))
 
 
 class OpenedCaller(NodeCaller):

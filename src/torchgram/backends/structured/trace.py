@@ -1061,7 +1061,8 @@ class TapMode(TorchFunctionMode):
                 if self._original_layouts and not keeps_layout:  # NOTE [rewritten layouts]
                     devices = [t.device for t in call_tensors(args, kwargs, result)
                                if t.device.type != "cpu"]
-                    state = RngState.capture(devices)  # the rewrite drew what the call draws
+                    state = RngState.capture(devices, host=False)  # the rewrite drew what
+                    # the call draws (torch ops: the host generators are none of theirs)
                     with torch.no_grad():
                         original = func(*args, **kwargs)
                     state.restore()
