@@ -303,8 +303,8 @@ def open_grads(grad_inputs: Sequence[Tensor | None], grad_output: Tensor | None,
             if nan_only is None:
                 nan_only = torch.where(nan, grad_output, torch.zeros(
                     (), dtype=grad_output.dtype, device=grad_output.device))
-            rows = grad.shape[:lead]
-            within = (*rows, *(1,) * (nan_only.dim() - grad.dim()), *grad.shape[lead:])
+            spread = (1,) * (nan_only.dim() - grad.dim())  # the dims the input was broadcast on
+            within = (*grad.shape[:lead], *spread, *grad.shape[lead:])
             opened.append(grad + nan_only.sum_to_size(within).reshape(grad.shape).to(grad.dtype))
     return tuple(opened)
 
