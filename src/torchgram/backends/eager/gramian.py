@@ -57,6 +57,7 @@ from torchgram.backends.eager.samples import (
     choose,
     numel,
     probe_samples,
+    twinned,
 )
 from torchgram.backends.eager.shared import meeting_options, sole_meetings
 from torchgram.backends.eager.steps import StepSlots, TapSlot, by_steps
@@ -712,9 +713,9 @@ def _layouts(recording: Recording, graph: GraphIndex, tapped: _Tapped, taps: lis
            _torch_compat.routing_values(nodes, rows.samples))  # NOTE [routing values]
     choices = LAYOUT_CACHE.get(key)
     if choices is None:
-        probed = probe_samples(samples)
+        probed = twinned(probe_samples(samples))  # NOTE [finite twins]
         slots = [tapped.slots[tap] for tap in taps] + [meetings[tap][1] for tap in met]
-        found = probes(rows.probe_seeds(probed), slots, False)
+        found = probes(rows.probe_seeds(probed, finite_from=len(probed) // 2), slots, False)
 
         def pick(layouts: list[SampleLayout], probe: Tensor | None) -> Choice:
             return choose(layouts, [(s, None if probe is None else probe[j])
@@ -726,7 +727,8 @@ def _layouts(recording: Recording, graph: GraphIndex, tapped: _Tapped, taps: lis
         choices = tuple(_shared(recording, tap, own[k], at_meeting.get(tap), meetings)
                         for k, tap in enumerate(taps))
         LAYOUT_CACHE.put(key, choices)
-        report.notes.append(f"probed samples {[list(group) for group in probed]} to locate "
+        groups = [list(group) for group in probed[:len(probed) // 2]]
+        report.notes.append(f"probed samples {groups} (NaN and finite rows) to locate "
                             f"the samples in {len(taps)} recorded call(s) (cached for this "
                             "signature)")
     if any(choice.layout is None and "spreads" in choice.reason for choice in choices):

@@ -107,22 +107,25 @@ class Rows:
         flat[rows, self.index[:, start:stop].T] = 1
         return self._split(flat)
 
-    def probe_seeds(self, groups: Sequence[Sequence[int]]) -> list[Tensor]:
+    def probe_seeds(self, groups: Sequence[Sequence[int]],
+                    finite_from: int | None = None) -> list[Tensor]:
         """Per output ``[len(groups), *shape]``: the rows of one group of samples each.
 
         The rows carry NaN (NOTE [NaN probes]): it reaches every tensor a path of products
-        leads to, even where a factor is zero in this call, and never cancels. Under
-        ``torch.autograd.set_detect_anomaly`` (which raises on a NaN gradient) they carry
+        leads to, even where a factor is zero in this call, and never cancels. From group
+        ``finite_from`` on (the finite twins, NOTE [finite twins]), and every row under
+        ``torch.autograd.set_detect_anomaly`` (which raises on a NaN gradient), they carry
         fixed random weights in ``[1, 2)`` instead, the same for a sample in every probe.
         """
         first = self.outputs[0]
         flat = first.new_zeros(len(groups), self.num_rows)
-        weights = (torch.full((self.samples,), math.nan, dtype=torch.float64)
-                   if not torch.is_anomaly_enabled() else
-                   1 + torch.rand(self.samples, generator=torch.Generator().manual_seed(0),
-                                  dtype=torch.float64))
+        finite = 1 + torch.rand(self.samples, generator=torch.Generator().manual_seed(0),
+                                dtype=torch.float64)
+        nan = (torch.full((self.samples,), math.nan, dtype=torch.float64)
+               if not torch.is_anomaly_enabled() else finite)
         for i, group in enumerate(groups):
             members = list(group)
+            weights = nan if finite_from is None or i < finite_from else finite
             flat[i, self.index[members].reshape(-1)] = weights[members].repeat_interleave(
                 self.index.shape[1]).to(flat)
         return self._split(flat)

@@ -44,6 +44,18 @@ multiplies still stops it (a ReLU's mask, ``where``, an index): a coupling that 
 closed ReLU hid on the first call is not seen. Under ``torch.autograd.set_detect_anomaly``
 (which raises on NaN gradients) the rows carry fixed random weights in ``[1, 2)``.
 
+NOTE [finite twins]
+NaN stops where code replaces it: a custom ``autograd.Function`` whose backward returns
+``nan_to_num(...)`` (a "safe" square root or norm), or a gradient hook added after the
+``record()`` block that cleans its gradient (``torch.nan_to_num``, ``where(isnan, 0, g)``),
+turned a probe's NaN into zeros where samples interact: the layouts were per sample, cached,
+and ``G`` 4e-2 to 0.15 off, on every later step too (session 60's hunt). So each probe has a
+twin of the same samples whose rows carry the fixed weights in ``[1, 2)`` (the ones used under
+anomaly mode): finite cotangents pass such code unchanged. A layout must hold for both, so the
+twins only ever see more; what hides from both at once (a product with zero *and* a NaN
+cleaner on one path, in one call) is not seen. The twins double the probes' rows, on the first
+call of a signature only.
+
 A recorded output shared by the samples (``[1, T, d]`` position embeddings) has no layout of
 its own; it is read per sample where it meets the batch (:class:`SharedSamples`, NOTE
 [eager shared taps]).
@@ -268,6 +280,19 @@ def probe_samples(samples: int) -> tuple[tuple[int, ...], ...]:
     found: list[tuple[int, ...]] = [(0,), (samples - 1,)]
     found += [group for group in separating_groups(samples) if group not in found]
     return tuple(found)
+
+
+def twinned(groups: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
+    """Each probe's group twice: first the NaN probes, then their finite twins.
+
+    NOTE [finite twins]; :meth:`~torchgram.backends.eager.rows.Rows.probe_seeds` gives the
+    rows from ``len(groups)`` on finite weights.
+
+    Example:
+        >>> twinned(((0,), (1,)))
+        ((0,), (1,), (0,), (1,))
+    """
+    return (*groups, *groups)
 
 
 LAYOUT_CACHE = LruCache[tuple[Choice, ...]](maxsize=64)

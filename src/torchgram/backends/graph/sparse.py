@@ -61,7 +61,13 @@ from torchgram._core._torch_compat import Node
 from torchgram._core.result import RunReport
 from torchgram._core.signature import LruCache
 from torchgram.backends.eager.rows import Rows
-from torchgram.backends.eager.samples import SampleLayout, candidates, choose, probe_samples
+from torchgram.backends.eager.samples import (
+    SampleLayout,
+    candidates,
+    choose,
+    probe_samples,
+    twinned,
+)
 from torchgram.backends.graph.node_rules import expanded_by_rule
 from torchgram.backends.graph.nodes import (
     Edge,
@@ -135,9 +141,9 @@ class SparseWalk:
         probing = self._probing = cached is None
         self.result.probed = self.result.probed or probing
         count = stop - start
-        probes = probe_samples(self.samples) if probing else ()
+        probes = twinned(probe_samples(self.samples)) if probing else ()  # NOTE [finite twins]
         seeds = self.rows.direction_seeds(start, stop)
-        extra = self.rows.probe_seeds(probes) if probes else None
+        extra = self.rows.probe_seeds(probes, finite_from=len(probes) // 2) if probes else None
         frontier: dict[Node, list[_Slot | None]] = {}
         batch_dim = self.rows.batch_dim
         assert batch_dim is not None
@@ -256,7 +262,7 @@ class SparseWalk:
 
     def _probes(self, out: Tensor, count: int,
                 num_probes: int) -> list[tuple[tuple[int, ...], Tensor | None]]:
-        probed = probe_samples(self.samples)[:num_probes]
+        probed = twinned(probe_samples(self.samples))[:num_probes]
         return [(sample, out[count + i]) for i, sample in enumerate(probed)]
 
     def _decide(self, edge: Edge, out: Tensor, count: int, num_probes: int) -> Decision:
