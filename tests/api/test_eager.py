@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import gc
 import os
+import re
 import tempfile
 import threading
 import weakref
@@ -122,6 +123,21 @@ def test_recording_leaves_nothing_behind_and_lives_with_the_graph() -> None:
     del losses, G
     gc.collect()
     assert alive() is None  # and freed with it
+
+
+def test_one_record_context_entered_every_step_and_nested() -> None:
+    """``rec = tg.autograd.record()`` kept and entered again: Python's raw "'_GeneratorContext
+    Manager' object has no attribute 'args'" on the second ``with`` (session 60's hunt)."""
+    model, x, y = mlp()
+    wanted = oracle_of(model, lambda m: F.cross_entropy(m(x), y, reduction="none"))
+    recorder = tg.autograd.record()
+    for _ in range(2):
+        with recorder as recording:
+            with recorder as inner:  # nested: its own block, the outer one's still open
+                assert inner is not recording and current_recording() is inner
+            losses = F.cross_entropy(model(x), y, reduction="none")
+        assert recording.uses
+        assert_close(tg.autograd.gramian(losses, list(model.parameters()), batch_dim=0), wanted)
 
 
 def test_an_eager_explanation_displays_as_its_report() -> None:
@@ -859,3 +875,33 @@ def test_readme_eager_section_runs(capsys: pytest.CaptureFixture[str]) -> None:
     assert all(p.grad is not None for p in model.parameters())  # the loop's last step
     assert_close(scope["G"], oracle_of(model, lambda m: scope["criterion"](m(x), y)), tol=1e-5)
     assert "torchgram.autograd.explain: 16 sample(s); recorded" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("recorded", [False, True], ids=["walked", "recorded"])
+def test_selective_checkpointing_is_a_clear_error(recorded: bool) -> None:
+    """Selective activation checkpointing hands its saved tensors to one backward pass: torch's
+    raw "Trying to backward an extra time" from the Gramian's passes (session 60's hunt)."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    model, x, y = mlp()
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return (CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.addmm.default
+                else CheckpointPolicy.PREFER_RECOMPUTE)
+
+    def forward() -> Tensor:
+        logits = checkpoint(model, x, use_reentrant=False, context_fn=lambda: (
+            create_selective_checkpoint_contexts(policy)))
+        return F.cross_entropy(logits, y, reduction="none")
+
+    if recorded:
+        with tg.autograd.record():
+            losses = forward()
+    else:
+        losses = forward()
+    try:  # one pass goes through (the layouts of an earlier call cached): the right G
+        G = tg.autograd.gramian(losses, list(model.parameters()), batch_dim=0)
+    except RuntimeError as error:
+        assert re.search("torchgram.autograd.gramian: .*selective activation", str(error))
+        return
+    assert_close(G, oracle_of(model, lambda m: F.cross_entropy(m(x), y, reduction="none")))

@@ -274,6 +274,39 @@ def test_tensors_a_forward_hook_keeps_in_a_container_are_put_back() -> None:
     layer.stats["out"].sum()  # the caller's tensor, usable
 
 
+@pytest.mark.parametrize("api", ["gramian", "aggregated_grad", "ntk"])
+def test_a_pruned_module_called_through_functional_call_is_put_back(api: str) -> None:
+    """NOTE [tensors hooks set] for an ``f`` written with ``torch.func.functional_call``:
+    prune's pre-hook left ``module.weight`` a tensor of torchgram's vmap, and the next pruning
+    round raised torch's raw "tensor may have escaped" (session 60's hunt)."""
+    from torch.func import functional_call
+    from torch.nn.utils import prune
+
+    from reference import dense_gramian
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    prune.l1_unstructured(model[0], "weight", amount=0.25)
+    x = torch.randn(5, 6, dtype=torch.float64)
+
+    def f(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return functional_call(model, p, (x,)).sin().sum(1)
+
+    params = dict(model.named_parameters())
+    wanted = dense_gramian(f, (params, x)).gramian
+    model(x)  # the oracle's jacrev leaves its own tensor there: a plain call sets it afresh
+    before = model[0].weight
+    if api == "gramian":
+        G = tg.gramian(f, batch_dim=0)(params, x)
+        torch.testing.assert_close(G, wanted, rtol=1e-10, atol=1e-12)
+    elif api == "aggregated_grad":
+        tg.aggregated_grad(f, tg.weighting.upgrad, batch_dim=0)(params, x)
+    else:
+        tg.ntk.empirical_ntk_fn(lambda p, x: functional_call(model, p, (x,)))(x, None, params)
+    assert model[0].weight is before
+    prune.l1_unstructured(model[0], "weight", amount=0.25)  # the next round: usable
+
+
 class _Checkpointed(torch.nn.Module):
     """Checkpoints its first block when ``gradient_checkpointing`` is on (transformers' flag)."""
 

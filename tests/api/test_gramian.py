@@ -533,3 +533,37 @@ def test_a_data_assignment_inside_f(backend: str, batch_dim: int | None) -> None
                                atol=1e-12)
     for name, p in module.named_parameters():
         assert torch.equal(p, before[name]) and p.requires_grad
+
+
+@pytest.mark.parametrize("batch_dim", [0, None], ids=["batch0", "nobatch"])
+@pytest.mark.parametrize("backend", ["auto", "structured", "graph"])
+def test_selective_checkpointing_inside_f(backend: str, batch_dim: int | None) -> None:
+    """A region of selective activation checkpointing hands its saved tensors to one backward
+    pass: torch's raw "Trying to backward an extra time" from graph, and through auto (session
+    60's hunt). The graph walk declines, naming structured, which auto takes."""
+    from torch.utils.checkpoint import (
+        CheckpointPolicy,
+        checkpoint,
+        create_selective_checkpoint_contexts,
+    )
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3)).to(torch.float64)
+    fn, params = tg.functionalize(model)
+    x = torch.randn(4, 5, dtype=torch.float64)
+
+    def policy(ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
+        return (CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.addmm.default
+                else CheckpointPolicy.PREFER_RECOMPUTE)
+
+    def f(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(lambda x: fn(p, x), x, use_reentrant=False, context_fn=lambda: (
+            create_selective_checkpoint_contexts(policy))).sin().sum(1)
+
+    try:
+        G = tg.gramian(f, backend=backend, batch_dim=batch_dim)(params, x)
+    except tg.BackendCannotRun as error:
+        assert backend == "graph" and "backend='structured'" in str(error), error
+        return
+    wanted = dense_gramian(lambda p, x: fn(p, x).sin().sum(1), (params, x)).gramian
+    torch.testing.assert_close(G, wanted, rtol=1e-10, atol=1e-12)

@@ -471,6 +471,26 @@ def test_a_tangent_torch_shapes_wrongly_is_a_refusal_naming_who_can() -> None:
     torch.testing.assert_close(tg.gramian(losses, batch_dim=0)(params, x), expected)
 
 
+def test_a_channels_last_group_norm_is_a_refusal_auto_routes_around() -> None:
+    """torch's forward mode of ``group_norm`` views a channels_last input its decomposition
+    cannot: a raw "view size is not compatible" from ntvp, also through auto's NTK plan (a
+    per-pixel output) until session 60."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(2, 4, 1), torch.nn.GroupNorm(2, 4)).double()
+    fn, params = tg.functionalize(model)
+    x = torch.randn(3, 2, 4, 4, dtype=torch.float64).contiguous(
+        memory_format=torch.channels_last)
+
+    def pixels(p: dict[str, Tensor], x: Tensor) -> Tensor:
+        return fn(p, x).flatten(1).sin()
+
+    with pytest.raises(NotImplementedError, match="backend='jacobian' or backend='graph'"):
+        tg.gramian(pixels, backend="ntvp")(params, x)
+    wanted = dense_gramian(pixels, (params, x)).shaped()
+    for batch_dim in (None, 0):
+        assert_matches(tg.gramian(pixels, batch_dim=batch_dim)(params, x), wanted)
+
+
 def _first_layer(activation: Any) -> Any:
     def f(p: dict[str, Tensor], x: Tensor) -> Tensor:
         return (activation(x @ p["W1"] + p["b1"]) @ p["W2"]).squeeze(-1)

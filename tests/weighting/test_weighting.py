@@ -585,8 +585,10 @@ BAD_GRAMIANS = [
     pytest.param(
         torch.tensor([[1.0, 0.5], [0.0, 1.0]]), r"got max \|G - G.T\| = 0.5", id="asymmetric"
     ),
-    pytest.param(torch.tensor([[1.0, float("nan")], [float("nan"), 1.0]]), "finite", id="nan"),
-    pytest.param(torch.tensor([[float("inf"), 0.0], [0.0, 1.0]]), "finite", id="inf"),
+    pytest.param(torch.tensor([[1.0, float("nan")], [float("nan"), 1.0]]),
+                 "finite entries, got NaN values", id="nan"),
+    pytest.param(torch.tensor([[float("inf"), 0.0], [0.0, 1.0]]),  # G's float32 overflowed
+                 "finite entries, got infinite values.* overflow of G's torch.float32", id="inf"),
     pytest.param(
         torch.tensor([[1.0, 0.0], [0.0, -1.0]]), "negative diagonal", id="negative-diagonal"
     ),

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from torchgram._core import _torch_compat
+from torchgram._core.hooked_modules import put_back_tensors
 from torchgram._core.threads import MODULE_LOCK
 
 _API = "torchgram.functionalize"
@@ -264,44 +265,10 @@ class _Slots:
             for holder, attr, original in reversed(saved):
                 holder[attr] = original
             for attributes, before in hooked:  # NOTE [tensors hooks set]
-                _put_back_tensors(attributes, before)
+                put_back_tensors(attributes, before)
 
 
-# NOTE [tensors hooks set]
-# A forward (pre-)hook may keep a tensor of the call on its module: the hook-based
-# nn.utils.weight_norm and spectral_norm set module.weight, computed from the call's
-# parameters, before each forward. After a Gramian, such a module held a tensor of
-# torchgram's transforms (a vmap BatchedTensor: "tensor may have escaped" on its next use,
-# deepcopy and torch.save failing), computed from the call's parameters (session 57). The
-# attributes of modules with forward hooks that hold tensors (or lists, tuples or dicts of
-# them) are put back as they were after each call, so that the module is as the caller left
-# it (a plain forward of it sets them afresh).
-
-
-def _put_back_tensors(attributes: dict[str, Any], before: dict[str, Any]) -> None:
-    """Undo the changes of ``attributes``' entries holding tensors since ``before`` (a copy).
-
-    An entry holds tensors when it is one or a list, tuple or dict with one among its values
-    (``module.stats = {"out": out}`` in a hook, a review's find).
-    """
-    for name, value in list(attributes.items()):
-        old = before.get(name, _ABSENT)
-        if value is not old and (_holds_tensors(value) or _holds_tensors(old)):
-            if old is _ABSENT:
-                del attributes[name]
-            else:
-                attributes[name] = old
-
-
-def _holds_tensors(value: Any) -> bool:
-    if isinstance(value, Tensor):
-        return True
-    items = value.values() if isinstance(value, dict) else value
-    return isinstance(value, list | tuple | dict) and any(isinstance(item, Tensor)
-                                                          for item in items)
-
-
-_ABSENT = object()
+# NOTE [tensors hooks set] is in _core/hooked_modules.py.
 
 
 # NOTE [frozen renormalised tables]

@@ -23,6 +23,7 @@ from torchgram._core.errors import (
     torch_refusals,
     unseen_calls_refused,
 )
+from torchgram._core.hooked_modules import hooked_attributes_put_back
 from torchgram._core.options import Options
 from torchgram._core.problem import Problem, build_problem, forget_probe
 from torchgram._core.pytree import detach_tree, leaves_of
@@ -163,17 +164,18 @@ def compute_then(options: Options, f: Callable[..., Any], args: tuple[Any, ...],
     refuse_inside_taps(options.api)  # NOTE [composition]: nested in a structured call
     _refuse_dtensors(options, args)
     probe_with_grad = options.backend == "graph"
-    problem = build_problem(options, f, args, kwargs, want_pullback=want_pullback,
-                            probe_with_grad=probe_with_grad)
-    try:
-        return then(_computation(problem))
-    except OutputChanged:  # a probe went stale: probe afresh, once
-        problem.draw.rewind()  # the call starts afresh, from its own random state
-        forget_probe(problem)
+    with hooked_attributes_put_back(f, args, kwargs):  # NOTE [tensors hooks set]
         problem = build_problem(options, f, args, kwargs, want_pullback=want_pullback,
-                                probe_with_grad=probe_with_grad, fresh=True)
-        with output_changes_refused(options.api, problem.draw.rewind):
+                                probe_with_grad=probe_with_grad)
+        try:
             return then(_computation(problem))
+        except OutputChanged:  # a probe went stale: probe afresh, once
+            problem.draw.rewind()  # the call starts afresh, from its own random state
+            forget_probe(problem)
+            problem = build_problem(options, f, args, kwargs, want_pullback=want_pullback,
+                                    probe_with_grad=probe_with_grad, fresh=True)
+            with output_changes_refused(options.api, problem.draw.rewind):
+                return then(_computation(problem))
 
 
 def _computation(problem: Problem) -> Computation:

@@ -1201,6 +1201,19 @@ def is_freed_graph_error(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and _FREED in str(error)
 
 
+_SELECTIVE_CHECKPOINT = "region computed under selective activation checkpoint"
+
+
+def is_selective_checkpoint_error(error: BaseException) -> bool:
+    """Whether ``error`` is torch refusing a second backward through a selective checkpoint.
+
+    A region of selective activation checkpointing
+    (``context_fn=create_selective_checkpoint_contexts``) hands its saved tensors out to one
+    backward pass only.
+    """
+    return isinstance(error, RuntimeError) and _SELECTIVE_CHECKPOINT in str(error)
+
+
 # -- batching rules torch gets wrong --------------------------------------------------------
 
 # NOTE [wrong batching rules]

@@ -159,11 +159,28 @@ def captured_memory(f: Any, args: Any, own: Iterable[Tensor] = ()) -> frozenset[
 def captured_roots(f: Any, args: Any) -> dict[int, Tensor]:
     """The tensors (roots, by id) ``f`` captured or received: see :func:`captured_memory`."""
     found: dict[int, Tensor] = {}
-    seen: set[int] = set()
 
     def add(tensor: Tensor) -> None:
         root = _root(tensor)
         found[id(root)] = root
+
+    def add_module(module: nn.Module) -> None:
+        for tensor in itertools.chain(module.parameters(), module.buffers()):
+            add(tensor)
+
+    reach(f, args, add, add_module)
+    return found
+
+
+def reach(f: Any, args: Any, on_tensor: Callable[[Tensor], None],
+          on_module: Callable[[nn.Module], None]) -> None:
+    """Call ``on_tensor`` / ``on_module`` on what ``f`` captured or received.
+
+    Its arguments ``args``, and what its closure, bound instance, defaults and the globals its
+    code names hold, through containers, partials, nested functions and modules, up to
+    ``_DEPTH`` levels (NOTE [captured writes]).
+    """
+    seen: set[int] = set()
 
     def visit(obj: Any, depth: int) -> None:
         if depth > _DEPTH or id(obj) in seen or isinstance(obj, (str, bytes, int, float, bool,
@@ -171,10 +188,9 @@ def captured_roots(f: Any, args: Any) -> dict[int, Tensor]:
             return
         seen.add(id(obj))
         if isinstance(obj, Tensor):
-            add(obj)
+            on_tensor(obj)
         elif isinstance(obj, nn.Module):
-            for tensor in itertools.chain(obj.parameters(), obj.buffers()):
-                add(tensor)
+            on_module(obj)
             visit(vars(obj).get("forward"), depth + 1)
         elif isinstance(obj, dict) and len(obj) <= _WIDTH:
             for value in obj.values():
@@ -193,7 +209,6 @@ def captured_roots(f: Any, args: Any) -> dict[int, Tensor]:
 
     visit(f, 0)
     visit(args, 0)
-    return found
 
 
 def _visit_function(func: types.FunctionType, depth: int,

@@ -573,9 +573,11 @@ def _forward_mode(problem: Problem) -> Iterator[None]:
                 f"torch's error in forward mode {where}: {str(err).splitlines()[0]}",
                 _ALTERNATIVES, fix) from err
         if missing is None and isinstance(err, RuntimeError) and \
-                _FORWARD_GRADIENT_SHAPE in str(err):
+                any(fault in str(err) for fault in _FORWARD_MODE_FAULTS):
             # torch's own forward-mode formula gives a tangent of another shape than its
-            # primal (_weight_norm with a 0-d g: weight_norm(dim=None); session 58's hunt)
+            # primal (_weight_norm with a 0-d g: weight_norm(dim=None); session 58's hunt),
+            # or views one its decomposition cannot (group_norm of a channels_last input,
+            # where f ran plainly: session 60's hunt, also through auto's NTK plans)
             raise BackendCannotRun(
                 problem.api, "ntvp", "forward-mode derivatives that torch computes for f's ops",
                 f"torch's error in forward mode: {str(err).splitlines()[0].rstrip('.')}",
@@ -599,7 +601,11 @@ def _forward_mode(problem: Problem) -> Iterator[None]:
             fix) from err
 
 
-_FORWARD_GRADIENT_SHAPE = "Trying to set a forward gradient that has a different size"
+_FORWARD_MODE_FAULTS = (
+    "Trying to set a forward gradient that has a different size",
+    "view size is not compatible with input tensor's size and stride",
+)
+"""torch's errors from its own forward-mode formulas, on calls ``f`` made plainly."""
 
 
 def _functions_without_jvp(problem: Problem) -> str:

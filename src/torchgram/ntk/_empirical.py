@@ -38,6 +38,7 @@ from torchgram._core.cross import CrossProblem, PairSpec, mirror, row_shape
 from torchgram._core.display import key_values_html, key_values_text
 from torchgram._core.errors import NotPerSample, OutputChanged, output_changes_refused
 from torchgram._core.functional import public_call
+from torchgram._core.hooked_modules import hooked_attributes_put_back
 from torchgram._core.options import Options
 from torchgram._core.per_sample import check_tiles, fails_alone
 from torchgram._core.problem import (
@@ -193,11 +194,12 @@ class EmpiricalNTK:
     def __call__(self, x1: Any, x2: Any, params: Any, **kwargs: Any) -> Tensor:
         """The empirical NTK between ``x1`` and ``x2`` (``None``: ``x1``), NT's layout."""
         x1, x2, params, kwargs = without_inference_tensors((x1, x2, params, kwargs))
-        try:
-            return self._call(x1, x2, params, kwargs, fresh=False)
-        except OutputChanged:  # a cached probe went stale: probe afresh, once
-            with output_changes_refused(_API):
-                return self._call(x1, x2, params, kwargs, fresh=True)
+        with hooked_attributes_put_back(self.f, (x1, x2, params), kwargs):  # NOTE [tensors
+            try:  # hooks set]
+                return self._call(x1, x2, params, kwargs, fresh=False)
+            except OutputChanged:  # a cached probe went stale: probe afresh, once
+                with output_changes_refused(_API):
+                    return self._call(x1, x2, params, kwargs, fresh=True)
 
     def _options(self, kwargs: Mapping[str, Any]) -> Options:
         vmap = self.vmap_axes

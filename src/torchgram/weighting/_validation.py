@@ -106,9 +106,15 @@ def check_gramian(G: object, name: str) -> Tensor:
     )
     not_finite, not_symmetric, negative_diagonal, too_large = bad.tolist()  # The one sync.
     if not_finite:
+        nan = bool(G.isnan().any())
+        overflow = "" if nan else (
+            f" Infinite entries alone can also be an overflow of G's {G.dtype} (above "
+            f"{torch.finfo(G.dtype).max:.3g}: squared gradient norms) while the gradients "
+            "are finite: scale the losses down or compute in float64.")
         raise ValueError(
-            f"{api}: expected a Gramian with finite entries, got NaN or infinite "
-            "values. Check the losses and the Jacobian for NaN/inf first."
+            f"{api}: expected a Gramian with finite entries, got "
+            f"{'NaN' if nan else 'infinite'} values. Check the losses and the Jacobian for "
+            f"NaN/inf first.{overflow}"
         )
     if not_symmetric:
         asym = float(asymmetry.abs().amax())

@@ -77,7 +77,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -708,8 +708,35 @@ def _has_float_tensor(result: Any) -> bool:
                for leaf in leaves_of(result))
 
 
-@contextmanager
-def record() -> Iterator[Recording]:
+class _Blocks(threading.local):
+    """Per thread, the blocks a :class:`_RecordContext` has open (innermost last)."""
+
+    def __init__(self) -> None:
+        self.open: list[AbstractContextManager[Recording]] = []
+
+
+class _RecordContext(AbstractContextManager[Recording]):
+    """What :func:`record` returns: each ``with`` opens a block of its own.
+
+    Reusable (``rec = tg.autograd.record()`` once, ``with rec:`` every step, as with
+    ``torch.no_grad()``), nested and from several threads: a generator context manager
+    raised Python's raw ``AttributeError`` on its second ``with`` (session 60's hunt).
+    """
+
+    def __init__(self) -> None:
+        self._blocks = _Blocks()
+
+    def __enter__(self) -> Recording:
+        block = _record_block()
+        recording = block.__enter__()
+        self._blocks.open.append(block)
+        return recording
+
+    def __exit__(self, *exc_info: Any) -> bool | None:
+        return self._blocks.open.pop().__exit__(*exc_info)
+
+
+def record() -> AbstractContextManager[Recording]:
     """Record the structured layers of the forward run inside the block (NOTE above).
 
     Yields the :class:`Recording` (``with tg.autograd.record() as rec``); it is found by
@@ -721,7 +748,27 @@ def record() -> Iterator[Recording]:
     recorded graph and is freed with it. Hooks on the graph's tensors (``register_hook``,
     ``retain_grad``) should be added inside the block: added after it, torchgram cannot see
     them, and they run during the Gramian's backward pass (a retained grad is then written).
+
+    The context can be kept and entered again (``rec = tg.autograd.record()``, then ``with
+    rec:`` every step), each time for a new recording.
+
+    Example:
+        >>> import torch, torchgram as tg
+        >>> w = torch.randn(3, 2, requires_grad=True)
+        >>> recorder = tg.autograd.record()
+        >>> for _ in range(2):
+        ...     with recorder:
+        ...         losses = (torch.randn(4, 3) @ w).pow(2).sum(1)
+        ...     tg.autograd.gramian(losses, [w], batch_dim=0).shape
+        torch.Size([4, 4])
+        torch.Size([4, 4])
     """
+    return _RecordContext()
+
+
+@contextmanager
+def _record_block() -> Iterator[Recording]:
+    """One block of :func:`record`."""
     previous = current_recording()
     if previous is not None and _STATE.depth == 0:
         previous.close()

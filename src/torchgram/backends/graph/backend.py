@@ -88,7 +88,7 @@ def graph_backend(problem: Problem) -> BackendResult:
         _refuse_module_hooks(problem, plan)
         graph_gramian(problem.api, [rows], leaves, blocks, chunk_size=problem.chunk_size,
                       diagonal=problem.diagonal, plan=plan, report=report,
-                      create_graph=create_graph)
+                      create_graph=create_graph, backend="graph")
     return BackendResult(blocks.blocks(), report, aux=aux if create_graph else detach_tree(aux),
                          rows=rows.detach())
 

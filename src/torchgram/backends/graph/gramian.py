@@ -33,7 +33,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from torchgram._core import _torch_compat
 from torchgram._core.checks import fail
-from torchgram._core.errors import IN_PLACE_FIX, in_place_what
+from torchgram._core.errors import IN_PLACE_FIX, BackendCannotRun, in_place_what
 from torchgram._core.result import RunReport
 from torchgram._core.sink import LeafBlocks
 from torchgram.backends.graph.nodes import Edge, NodeCaller
@@ -59,7 +59,7 @@ def input_edge(tensor: Tensor) -> Edge:
 def graph_gramian(api: str, outputs: Sequence[Tensor], inputs: Sequence[Tensor],
                   blocks: LeafBlocks, *, chunk_size: int | None, diagonal: bool,
                   plan: WalkPlan | None = None, report: RunReport | None = None,
-                  create_graph: bool = False) -> WalkPlan:
+                  create_graph: bool = False, backend: str | None = None) -> WalkPlan:
     """Add ``J_i J_iᵀ`` (or its diagonal) of every input ``i`` to ``blocks`` (leaf ``i``).
 
     Rows are the outputs' entries, in order, each flattened row-major. Every output must
@@ -77,6 +77,8 @@ def graph_gramian(api: str, outputs: Sequence[Tensor], inputs: Sequence[Tensor],
         report: Receives the peak size of the frontier.
         create_graph: Call the nodes under grad mode, as a backward with
             ``create_graph=True`` does: the blocks carry the autograd graph.
+        backend: The functional backend walking ``f``'s graph, if one is: what torch refuses
+            to walk is then its refusal (:func:`freed_graph_is_clear`).
 
     Returns:
         The plan, for a caller that releases the graph afterwards.
@@ -103,7 +105,7 @@ def graph_gramian(api: str, outputs: Sequence[Tensor], inputs: Sequence[Tensor],
             for index in by_edge[edge]:
                 blocks.add(index, _gram(flat, diagonal, start, num_rows))
 
-        with freed_graph_is_clear(api), torch.set_grad_enabled(create_graph):
+        with freed_graph_is_clear(api, backend), torch.set_grad_enabled(create_graph):
             peak = plan.run(_seeds(outputs, start, stop), on_target, caller)
         if report is not None:
             report.peak_frontier = max(report.peak_frontier, peak)
@@ -112,15 +114,30 @@ def graph_gramian(api: str, outputs: Sequence[Tensor], inputs: Sequence[Tensor],
 
 
 @contextlib.contextmanager
-def freed_graph_is_clear(api: str) -> Iterator[None]:
+def freed_graph_is_clear(api: str, backend: str | None = None) -> Iterator[None]:
     """A walk over a graph torch refuses to go back through raises a clear error, not torch's.
 
     Its saved tensors freed by an earlier backward, or modified in place after they were
-    saved (NOTE [in-place modifications]).
+    saved (NOTE [in-place modifications]), or handed out to one backward pass only (selective
+    activation checkpointing: torch's raw "Trying to backward an extra time", session 60's
+    hunt; for a functional ``backend`` a refusal naming structured, which goes through ``f``'s
+    graph once).
     """
     try:
         yield
     except RuntimeError as error:
+        if _torch_compat.is_selective_checkpoint_error(error):
+            expected = "a graph that can be gone back through more than once"
+            got = ("a region of selective activation checkpointing (torch.utils.checkpoint "
+                   "with context_fn=create_selective_checkpoint_contexts), whose saved tensors "
+                   "torch hands out to one backward pass; the walk goes back through the graph "
+                   "several times")
+            if backend is not None:
+                raise BackendCannotRun(api, backend, expected, got, ("structured",),
+                                       "") from error
+            fail(api, expected, f"{got} (this graph is spent now)",
+                 "Checkpoint without a context_fn (use_reentrant=False), or compute the "
+                 "Gramian of a forward without selective checkpointing.", RuntimeError)
         if _torch_compat.is_in_place_error(error):
             fail(api, "a graph whose saved tensors are as they were saved (torch refuses a "
                  "backward through one modified in place since)", in_place_what(error),
