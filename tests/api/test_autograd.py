@@ -169,6 +169,28 @@ def test_complex_input_counts_real_and_imaginary_parts() -> None:
     assert_matches(tg.autograd.gramian((x @ z).abs(), z), expected)
 
 
+@pytest.mark.parametrize("batch_dim", [None, 0], ids=["dense", "batch0"])
+def test_a_complex_input_used_through_its_conjugate(batch_dim: int | None) -> None:
+    """``x * w.conj()``: the walk's row-Jacobian of ``w`` is a lazily conjugated tensor,
+    which ``view_as_real`` refused (torch's raw error, session 60's hunt)."""
+    real, imag = leaves_like(torch.randn(3, dtype=DOUBLE), torch.randn(3, dtype=DOUBLE))
+    x = torch.randn(4, 3, dtype=torch.complex128)
+    (z,) = leaves_like(torch.complex(real, imag))
+    expected = tg.autograd.gramian((x * torch.complex(real, imag).conj()).sum(1).abs(),
+                                   [real, imag], batch_dim=batch_dim)
+    assert_matches(tg.autograd.gramian((x * z.conj()).sum(1).abs(), z, batch_dim=batch_dim),
+                   expected)
+
+
+def test_a_float8_input_is_a_clear_error() -> None:
+    """Torch's raw "Promotion for Float8 Types is not supported" before (session 60's hunt)."""
+    scale = torch.ones(3).to(torch.float8_e4m3fn).requires_grad_()
+    w = torch.randn(3, requires_grad=True)
+    losses = torch.randn(4, 3) @ (w * scale.float())
+    with pytest.raises(TypeError, match=r"inputs of 16 bits or more, but got inputs\[1\]"):
+        tg.autograd.gramian(losses, [w, scale])
+
+
 # -- custom autograd.Function -----------------------------------------------------------------
 
 

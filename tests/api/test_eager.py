@@ -139,6 +139,13 @@ def test_one_record_context_entered_every_step_and_nested() -> None:
         assert recording.uses
         assert_close(tg.autograd.gramian(losses, list(model.parameters()), batch_dim=0), wanted)
 
+    @tg.autograd.record()  # a decorator, as the generator context was (session 60's review)
+    def recorded_losses() -> Tensor:
+        return F.cross_entropy(model(x), y, reduction="none")
+
+    assert_close(tg.autograd.gramian(recorded_losses(), list(model.parameters()), batch_dim=0),
+                 wanted)
+
 
 def test_an_eager_explanation_displays_as_its_report() -> None:
     """A notebook cell showed the dataclass's fields, the whole Gramian among them, before

@@ -196,6 +196,27 @@ def test_lu_solve_batched_backward_is_still_wrong() -> None:
     assert f(x.requires_grad_()).grad_fn.next_functions[0][0].name() in compat.WRONG_BATCHED_NODES
 
 
+def test_select_scatter_batched_backward_is_still_wrong() -> None:
+    """NOTE [wrong batching rules]: when torch fixes this, drop select_scatter from the list.
+
+    A batched ``src`` scattered into an unbatched tensor under ``vmap``, the backward taken
+    outside it (the structured backend's per-sample forward).
+    """
+    torch.manual_seed(0)
+    x = torch.randn(6, 4, dtype=torch.float64)
+    w = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+
+    def f(xi: Tensor) -> Tensor:
+        return torch.select_scatter(torch.zeros(2, 3, dtype=xi.dtype), torch.tanh(xi @ w), 0,
+                                    0).sin().sum()
+
+    vmapped = torch.autograd.grad(torch.func.vmap(f)(x).sum(), w)[0]
+    looped = torch.autograd.grad(sum(f(xi) for xi in x), w)[0]
+    assert not torch.allclose(looped, vmapped), "torch fixed select_scatter's batching rule"
+    assert compat.wrong_batched_backward(torch.select_scatter) == "torch.select_scatter"
+    assert compat.wrong_batched_backward(Tensor.select_scatter) == "Tensor.select_scatter"
+
+
 def test_version_counts_in_place_writes() -> None:
     x = torch.zeros(3)
     before = compat.version(x)

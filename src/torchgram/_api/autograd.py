@@ -331,3 +331,8 @@ def _check_inputs(api: str, inputs: list[Tensor]) -> None:
                         "requires_grad=False",
                         "Its Jacobian is not recorded in the graph. Drop it, e.g. "
                         "[p for p in model.parameters() if p.requires_grad].")
+        if tensor.dtype.itemsize == 1:  # float8: torch promotes it with no other dtype
+            checks.fail(api, "inputs of 16 bits or more", f"inputs[{index}] of shape "
+                        f"{tuple(tensor.shape)} with dtype {tensor.dtype}",
+                        "Differentiate a wider copy (p.to(torch.bfloat16)) that the forward "
+                        "casts to float8.", TypeError)

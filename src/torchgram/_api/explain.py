@@ -22,6 +22,7 @@ from torchgram._core.checks import function_name
 from torchgram._core.display import html_columns, html_lines, text_columns
 from torchgram._core.errors import BackendCannotRun, OutputChanged, output_changes_refused
 from torchgram._core.functional import public_call
+from torchgram._core.hooked_modules import puts_back_hooked_attributes
 from torchgram._core.options import Options
 from torchgram._core.problem import build_problem, forget_probe
 from torchgram._core.pytree import DiffLeaves
@@ -78,7 +79,8 @@ class Explanation:
         forward_flops: Rough multiply-adds of one forward on the whole batch.
         ran: With ``run=True``, what the computation really did (the backend that answered,
             the candidates ``auto`` gave up on and why, how each leaf was computed).
-        gramian: With ``run=True``, the result ``torchgram.gramian`` returns.
+        gramian: With ``run=True``, the Gramian ``torchgram.gramian`` returns (without
+            ``f``'s aux where ``has_aux=True``).
     """
 
     leaves: tuple[LeafReport, ...]
@@ -235,6 +237,7 @@ def explain(
     @functools.wraps(f)
     @outside_compile
     @public_call  # NOTE [inference mode], NOTE [the caller's function modes]
+    @puts_back_hooked_attributes(f)  # NOTE [tensors hooks set]
     def explain_f(*args: Any, **kwargs: Any) -> Explanation:
         from torchgram._api.pipeline import compute
         from torchgram.backends.auto import plan_auto

@@ -24,6 +24,7 @@ from torchgram._core.census import OpCensus
 from torchgram._core.checks import fail, function_name
 from torchgram._core.errors import OutputChanged, output_changes_refused
 from torchgram._core.functional import public_call
+from torchgram._core.hooked_modules import puts_back_hooked_attributes
 from torchgram._core.options import Options
 from torchgram._core.per_sample import working_tolerance
 from torchgram._core.problem import (
@@ -126,6 +127,7 @@ def check_independence(
 
     @functools.wraps(f)
     @public_call  # NOTE [inference mode], NOTE [the caller's function modes]
+    @puts_back_hooked_attributes(f)  # NOTE [tensors hooks set]
     def check_f(*args: Any, **kwargs: Any) -> Independence:
         problem = build_problem(options, f, args, kwargs)
         try:

@@ -44,6 +44,7 @@ import optree
 import torch
 from torch import Tensor
 from torch.autograd.function import BackwardCFunction
+from torch.autograd.graph import GradientEdge
 from torch.nn.modules._functions import BackwardHookFunction
 from torch.utils._python_dispatch import TorchDispatchMode as TorchDispatchMode
 from torch.utils.checkpoint import CheckpointFunction
@@ -264,6 +265,28 @@ def recomputes_batch_norm(outputs: Sequence[Tensor]) -> bool:
                 if hook is not None and "checkpoint" in getattr(hook, "__qualname__", ""):
                     return True
     return False
+
+
+def gradient_edge(tensor: Tensor) -> GradientEdge:
+    """``torch.autograd.graph.get_gradient_edge(tensor)``, whatever ``tensor``'s class.
+
+    For a leaf, torch finds its ``AccumulateGrad`` through ``tensor.view_as(tensor)``, which a
+    ``Tensor`` subclass's ``__torch_function__`` (``w.as_subclass(MyTensor)``, a Parameter
+    subclass re-enabling it) turned into a new view node: the graph walk and the eager API
+    gave such leaves zero blocks (session 60's hunt). Found with subclasses' torch functions
+    off, as for a plain tensor.
+
+    Example:
+        >>> class Tagged(torch.Tensor):
+        ...     @classmethod
+        ...     def __torch_function__(cls, func, types, args=(), kwargs=None):
+        ...         return super().__torch_function__(func, types, args, kwargs or {})
+        >>> w = torch.ones(2).as_subclass(Tagged).requires_grad_()
+        >>> gradient_edge(w).node.name()
+        'torch::autograd::AccumulateGrad'
+    """
+    with torch._C.DisableTorchFunctionSubclass():
+        return torch.autograd.graph.get_gradient_edge(tensor)
 
 
 def is_leaf_accumulator(node: Node) -> bool:
@@ -1228,9 +1251,16 @@ def is_selective_checkpoint_error(error: BaseException) -> bool:
 # torch.linalg.lu_solve likewise (session 45's hunt of ops under vmap): the per-sample Gramian
 # of a network solving with each sample's LU factors was 1.7e6 off (relative) on jacobian
 # with batch_dim=0, and 4.5e5 under the caller's vmap on every composing backend.
+# torch.select_scatter with a batched src into an unbatched tensor records, under vmap, a
+# backward that gives src wrong gradients (O(1), session 60's hunt: a weight built with
+# select_scatter from a parameter, or an activation scattered into zeros, 3-15x off on the
+# structured per-sample vmap and the kernels); slice_scatter, diagonal_scatter and index_put
+# are right. The loops it calls for avoid the vmapped forward as well.
 _WRONG_BATCHED_BACKWARD = {torch.cdist: "torch.cdist",
                            torch.linalg.lu_solve: "torch.linalg.lu_solve",
-                           torch.lu_solve: "torch.lu_solve"}
+                           torch.lu_solve: "torch.lu_solve",
+                           torch.select_scatter: "torch.select_scatter",
+                           torch.Tensor.select_scatter: "Tensor.select_scatter"}
 WRONG_BATCHED_NODES = frozenset({"CdistBackward0", "EuclideanDistBackward0",
                                  "LinalgLuSolveBackward0"})
 """Autograd node names whose backward ``vmap`` gets wrong (NOTE [wrong batching rules])."""

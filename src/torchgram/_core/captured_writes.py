@@ -173,60 +173,89 @@ def captured_roots(f: Any, args: Any) -> dict[int, Tensor]:
 
 
 def reach(f: Any, args: Any, on_tensor: Callable[[Tensor], None],
-          on_module: Callable[[nn.Module], None]) -> None:
+          on_module: Callable[[nn.Module], None], *, budget: int | None = None,
+          width: int = _WIDTH) -> None:
     """Call ``on_tensor`` / ``on_module`` on what ``f`` captured or received.
 
     Its arguments ``args``, and what its closure, bound instance, defaults and the globals its
-    code names hold, through containers, partials, nested functions and modules, up to
-    ``_DEPTH`` levels (NOTE [captured writes]).
+    code names hold, through containers (of at most ``width`` items), partials, nested
+    functions and modules, up to ``_DEPTH`` levels (NOTE [captured writes]), nearest first;
+    at most ``budget`` objects when given.
     """
     seen: set[int] = set()
-
-    def visit(obj: Any, depth: int) -> None:
-        if depth > _DEPTH or id(obj) in seen or isinstance(obj, (str, bytes, int, float, bool,
-                                                                 types.ModuleType, type)):
-            return
-        seen.add(id(obj))
-        if isinstance(obj, Tensor):
-            on_tensor(obj)
-        elif isinstance(obj, nn.Module):
-            on_module(obj)
-            visit(vars(obj).get("forward"), depth + 1)
-        elif isinstance(obj, dict) and len(obj) <= _WIDTH:
-            for value in obj.values():
-                visit(value, depth + 1)
-        elif isinstance(obj, (list, tuple, set, frozenset)) and len(obj) <= _WIDTH:
-            for value in obj:
-                visit(value, depth + 1)
-        elif isinstance(obj, functools.partial):
-            visit((obj.func, obj.args, obj.keywords), depth + 1)
-        elif isinstance(obj, types.MethodType):
-            visit((obj.__self__, obj.__func__), depth + 1)
-        elif isinstance(obj, types.FunctionType):
-            _visit_function(obj, depth, visit)
-        elif hasattr(obj, "__dict__"):  # a callable object, or one holding state (a helper
-            visit(vars(obj), depth + 1)  # of f keeping buffers in a global object's list)
-
-    visit(f, 0)
-    visit(args, 0)
+    level: list[Any] = [f, args]
+    visited = 0
+    for _ in range(_DEPTH + 1):
+        following: list[Any] = []
+        for obj in level:
+            if id(obj) in seen or isinstance(obj, _NOT_FOLLOWED):
+                continue
+            seen.add(id(obj))
+            visited += 1
+            if budget is not None and visited > budget:
+                return
+            _follow(obj, on_tensor, on_module, following, width)
+        level = following
 
 
-def _visit_function(func: types.FunctionType, depth: int,
-                    visit: Callable[[Any, int], None]) -> None:
+_NOT_FOLLOWED = (str, bytes, int, float, bool, types.ModuleType, type)
+
+
+def _follow(obj: Any, on_tensor: Callable[[Tensor], None],
+            on_module: Callable[[nn.Module], None], following: list[Any], width: int) -> None:
+    """Report ``obj`` if it is a tensor or a module; queue what it holds in ``following``."""
+    if isinstance(obj, Tensor):
+        on_tensor(obj)
+    elif isinstance(obj, nn.Module):
+        on_module(obj)
+        following.append(vars(obj).get("forward"))
+    elif isinstance(obj, dict) and len(obj) <= width:
+        following.extend(obj.values())
+    elif isinstance(obj, (list, tuple, set, frozenset)) and len(obj) <= width:
+        following.extend(obj)
+    elif isinstance(obj, functools.partial):
+        following.append((obj.func, obj.args, obj.keywords))
+    elif isinstance(obj, types.MethodType):
+        following.append((obj.__self__, obj.__func__))
+    elif isinstance(obj, types.FunctionType):
+        following.extend(_held_by_function(obj))
+    elif hasattr(obj, "__dict__"):  # a callable object, or one holding state (a helper of f
+        following.append(vars(obj))  # keeping buffers in a global object's list)
+
+
+def _held_by_function(func: types.FunctionType) -> list[Any]:
     """What a plain function holds: closure cells, defaults, the globals its code names."""
+    held: list[Any] = []
     for cell in func.__closure__ or ():
         try:
-            visit(cell.cell_contents, depth + 1)
+            held.append(cell.cell_contents)
         except ValueError:  # an empty cell
             continue
-    visit((func.__defaults__, func.__kwdefaults__), depth + 1)
+    held.append((func.__defaults__, func.__kwdefaults__))
     codes = [func.__code__]
     while codes:  # the names of nested functions' code too (lambdas defined in f)
         code = codes.pop()
-        for name in code.co_names:
-            if name in func.__globals__:
-                visit(func.__globals__[name], depth + 1)
+        held.extend(func.__globals__[name] for name in code.co_names
+                    if name in func.__globals__)
         codes.extend(const for const in code.co_consts if isinstance(const, types.CodeType))
+    return held
+
+
+# NOTE [data assigned to itself]
+# ``module.to(dtype)`` or ``module.float()`` in ``f`` runs ``nn.Module._apply``, which assigns
+# ``param.data = param.to(dtype)`` to every parameter even when nothing changes (``to`` then
+# returns ``param`` itself): ``transformers``' Switch router does it on every call. Inside a
+# ``torch.func`` transform torch refuses it ("mutating directly with `.data` inside functorch
+# transform") when the parameter is a transform's tensor (``functional_call`` swapped it in:
+# the Switch router), and crashes the process (a segmentation fault, plain ``jacrev`` too)
+# when ``f`` calls it on the module's own parameters while their values are differentiated
+# (session 60's hunt and review: the default ``tg.gramian(f)``, jacobian, ntvp). Such an
+# assignment changes nothing, so every evaluation's write guard skips it (the Switch router
+# then runs on jacobian too); one on a tensor ``f`` captured is noted in the probe
+# (``Probe.assigns_data``), and the backends that evaluate ``f`` under transforms decline it
+# before their first evaluation (``refuse_data_assignments``): what crashes there is torch's
+# own bookkeeping of that module, not the assignment.
+_DATA_SLOT = torch._C.TensorBase.__dict__["data"]
 
 
 class _WriteGuard(TorchFunctionMode):
@@ -245,10 +274,18 @@ class _WriteGuard(TorchFunctionMode):
         self._on_generator = on_generator
         self.wrote = False
         """Whether ``f`` wrote into any tensor (its own included)."""
+        self.assigned_data = False
+        """Whether ``f`` assigned a captured tensor's ``.data`` to itself (NOTE [data assigned
+        to itself])."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
+        if getattr(func, "__self__", None) is _DATA_SLOT and len(args) == 2 and \
+                args[0] is args[1]:  # NOTE [data assigned to itself]
+            self.assigned_data = self.assigned_data or (
+                isinstance(args[0], Tensor) and memory_of(args[0]) in self._captured())
+            return None
         generator = kwargs.get("generator")
         if self._on_generator is not None and isinstance(generator, torch.Generator):
             self._on_generator(generator)

@@ -381,6 +381,27 @@ def reentrant_checkpoint_refused(api: str) -> ValueError:
         "recomputes the same way and works with every backend."))
 
 
+SELECTIVE_CHECKPOINT_EXPECTED = "a graph that can be gone back through more than once"
+SELECTIVE_CHECKPOINT_GOT = (
+    "a region of selective activation checkpointing (torch.utils.checkpoint with "
+    "context_fn=create_selective_checkpoint_contexts), whose saved tensors torch hands out to "
+    "one backward pass; the walk goes back through the graph several times")
+
+
+def selective_checkpoint_refused(api: str, backend: str,
+                                 alternatives: Sequence[str]) -> BackendCannotRun:
+    """``backend`` goes back through ``f``'s graph more than once: refused by selective checkpoints.
+
+    Their regions let one backward pass through (torch's raw "Trying to backward an extra
+    time", session 60's hunt and review).
+    """
+    return BackendCannotRun(api, backend, SELECTIVE_CHECKPOINT_EXPECTED,
+                            SELECTIVE_CHECKPOINT_GOT, alternatives,
+                            "" if alternatives else "Or checkpoint without a context_fn "
+                            "(use_reentrant=False): every backend but jacobian and ntvp "
+                            "recomputes through it.")
+
+
 def gradient_hooks_refused(api: str, backend: str) -> BackendCannotRun:
     """``backend`` does not run the gradient hooks ``f`` registers; others do.
 

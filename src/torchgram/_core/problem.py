@@ -229,6 +229,9 @@ class Draw:
         self.start = start
         self.end: RngState | None = None
         self._explicit: dict[int, ExplicitGenerator] = {}
+        # The host generators are where the call started: nothing ran since the capture or a
+        # rewind (each restore costs ~30 µs: NOTE [host generators])
+        self._host_at_start = True
 
     def adopt(self, generator: torch.Generator) -> None:
         """Handle ``generator`` (one ``f`` draws from explicitly) like the default ones.
@@ -282,7 +285,8 @@ class Draw:
             yield
             return
         with RNG_LOCK:
-            self.start.restore()
+            self.start.restore(host=not self._host_at_start)
+            self._host_at_start = False
             self._restore_explicit(end=False)
             try:
                 yield
@@ -293,6 +297,7 @@ class Draw:
             finally:
                 if restore_after:
                     self.start.restore()
+                    self._host_at_start = True
                     self._restore_explicit(end=False)
 
     def after_full_evaluation(self) -> None:
@@ -336,6 +341,7 @@ class Draw:
             return
         with RNG_LOCK:
             self.start.restore()
+            self._host_at_start = True
             self._restore_explicit(end=False)
 
     def finish(self) -> None:
@@ -402,6 +408,8 @@ class Problem:
             (``Probe.decomposed``, NOTE [prelu as where]).
         writes: Whether the probe saw ``f`` write into any tensor (``Probe.writes``, NOTE
             [writes under a cached probe]).
+        assigns_data: Whether ``f`` assigns a captured tensor's ``.data`` to itself
+            (``Probe.assigns_data``, NOTE [data assigned to itself]).
         unseen_writes: The writes into captured tensors that evaluations refused (NOTE
             [writes its probe did not see]): :func:`forget_probe` then has the next probe
             evaluate the whole batch.
@@ -427,6 +435,7 @@ class Problem:
     decomposed: tuple[str, ...] = ()
     writes: bool = True
     unseen_writes: list[str] = field(default_factory=list, compare=False, repr=False)
+    assigns_data: bool = False
 
     # -- the options, for short ------------------------------------------------------------
 
@@ -764,6 +773,8 @@ class Probe:
             [prelu as where]).
         writes: Whether ``f`` wrote into any tensor, its own included (NOTE [writes under a
             cached probe]).
+        assigns_data: Whether ``f`` assigned a captured tensor's ``.data`` to itself
+            (``module.to(dtype)`` in ``f``: NOTE [data assigned to itself]).
     """
 
     spec: OutputSpec
@@ -774,6 +785,7 @@ class Probe:
     unseen_ops: tuple[str, ...] | None = None
     decomposed: tuple[str, ...] = ()
     writes: bool = True
+    assigns_data: bool = False
 
 
 _PROBES = LruCache[Probe](maxsize=256)
@@ -832,6 +844,12 @@ def build_problem(options: Options, f: Callable[..., Any], args: tuple[Any, ...]
              f"({complex_leaves[0].dtype})",
              "Pass its real and imaginary parts as real parameters: torch.view_as_real(p), "
              "and torch.view_as_complex inside f.", TypeError)
+    narrow = [leaf for leaf in diff.leaves if leaf.dtype.itemsize == 1]
+    if narrow:  # float8: torch promotes it with no other dtype (raw errors on every backend)
+        fail(api, f"floating-point leaves of 16 bits or more in the differentiated "
+             f"argument(s) {argnums}", f"a {narrow[0].dtype} tensor of shape "
+             f"{tuple(narrow[0].shape)}", "Differentiate a wider copy (p.to(torch.bfloat16)) "
+             "and cast it inside f, or keep the float8 tensor out of argnums.", TypeError)
     if not diff.leaves:
         fail(api, f"floating-point tensor leaves in the differentiated argument(s) {argnums}",
              "none (" + ", ".join(type(args[i]).__name__ for i in argnums) + ")",
@@ -867,7 +885,8 @@ def build_problem(options: Options, f: Callable[..., Any], args: tuple[Any, ...]
     return Problem(f, args, kwargs, diff, options, batch, probe.spec, draw, want_pullback,
                    evaluation, probe.unbatched, composition, probe.mutates_leaves,
                    probe.sparse_embeddings, probe_cached, probe.differentiates,
-                   unseen_ops, probe.decomposed, probe.writes)
+                   unseen_ops, probe.decomposed, probe.writes,
+                   assigns_data=probe.assigns_data)
 
 
 def without_inference_tensors(tree: Any) -> Any:
@@ -1027,7 +1046,8 @@ def _evaluate_probe(api: str, f: Callable[..., Any], args: tuple[Any, ...],
         spec = make_output_spec(api, out, batch, whole_batch=whole_batch)
         probe = Probe(spec, tuple(census.unbatched), mutated, census.sparse_embeddings,
                       census.differentiates, tuple(unseen[-1].ops) if look_unseen else None,
-                      tuple(census.decomposed), writes.wrote or mutated)
+                      tuple(census.decomposed), writes.wrote or mutated,
+                      writes.assigned_data)
         if not with_grad or census.differentiates is not None:  # the backend evaluates f
             return probe, None  # with ops differentiable at any order (Problem._evaluation)
         rows = concat_rows(optree.tree_leaves(out), probe.spec.dtype)
@@ -1125,10 +1145,13 @@ def _output_batch_dim(api: str, shape: torch.Size, batch: BatchSpec, samples: in
              f"-- for the whole batch, output dim {dim} (batch_dim) to have size {batch.size} --",
              f"an output of shape {tuple(shape)} for "
              + ("one sample" if samples == 1 else f"the batch of {samples}"),
-             "Check batch_dim and in_dims: each output entry along batch_dim must depend "
-             "on the matching sample of the batched inputs only. Batch-sized tensors that f "
-             "reads from a closure or a global (targets, masks) are not split with the "
-             "batch: pass them to f as arguments.")
+             ("Check vmap_axes (in_axes, out_axes; keyword arguments are shared unless "
+              "kwargs_axes names them, e.g. vmap_axes=(0, 0, {'mask': 0}))"
+              if api.startswith("torchgram.ntk") else "Check batch_dim and in_dims")
+             + ": each output entry along the batch dim must depend on the matching sample "
+             "of the batched inputs only. Batch-sized tensors that f reads from a closure or "
+             "a global (targets, masks) are not split with the batch: pass them to f as "
+             "arguments.")
     return dim
 
 

@@ -20,9 +20,14 @@ Gramian matched no single call of ``f`` (session 60's hunt: Wav2Vec2 0.19-0.31 o
 structured and jacobian; an MLP with a numpy mask 0.4-0.8 off on every backend but graph). Their
 states are captured, restored and compared with the default generators' (numpy's only once
 numpy is imported: ``f`` can only draw from it then; torch imports it when it can). Reading
-them costs ~30 µs a capture (numpy's state is a copy of its 624-word key), a few captures a
-call. Generators ``f`` holds of its own (``np.random.default_rng()``, ``random.Random()``)
-are not seen: they still draw anew on each evaluation.
+them costs ~25-30 µs (numpy's state is a copy of its 624-word key, Python's a tuple of 625
+ints): two captures and two comparisons a call, ~70-150 µs, and a restore (~30 µs) before
+each evaluation after the first when ``f`` draws (the first starts where the call started).
+Generators ``f`` holds of its own (``np.random.default_rng()``, ``random.Random()``) are
+not seen: they still draw anew on each evaluation, which auto, structured and graph see as
+samples that interact (the whole batch's rows: right) and jacobian and ntvp do not (session
+60's review: 0.5-0.9 off there). Threads that draw from the host's global generators while a
+call runs are as exposed as those drawing from torch's (NOTE [threads]).
 
 # NOTE [explicit generators]
 ``f`` may draw from a ``torch.Generator`` of its own (``torch.bernoulli(p, generator=gen)``,
@@ -148,14 +153,14 @@ class RngState:
         return cls(torch.get_rng_state(), tuple(states),
                    HostRngState.capture() if host else None)
 
-    def restore(self) -> None:
-        """Put the generators back in this state."""
+    def restore(self, *, host: bool = True) -> None:
+        """Put the generators back in this state (``host``: the host's too, if captured)."""
         torch.set_rng_state(self.cpu)
         for device, state in self.accelerators:
             module = _module(device)
             if module is not None:
                 module.set_rng_state(state, device.index)
-        if self.host is not None:
+        if host and self.host is not None:
             self.host.restore()
 
     def same_as(self, other: RngState) -> bool:

@@ -42,9 +42,14 @@ problem, plan and result torchgram builds. What is shared by the whole process, 
   An evaluation that may draw holds :data:`RNG_LOCK` from that restore to its end, so the
   **evaluations of functions that draw are serialised**; once a full evaluation has shown
   that ``f`` draws nothing, the call no longer touches the generators nor takes the lock
-  (it does not rewind other threads' generators either). Other code drawing from the
-  default generators in another thread meanwhile is not protected: pass it its own
-  ``torch.Generator``.
+  (it does not rewind other threads' generators either). The host's global generators,
+  Python's ``random`` and numpy's ``np.random``, are handled the same way (NOTE [host
+  generators]). Other code drawing from these global generators in another thread meanwhile
+  is not protected: its draws may move them during the call's first evaluation, so that an
+  ``f`` that draws nothing is taken for one that does (jacobian and ntvp then decline), and
+  the call's restores rewind them (session 60's review: a numpy thread repeated draws). Pass
+  such code its own generator (``torch.Generator``, ``np.random.default_rng()``,
+  ``random.Random()``).
 """
 
 from __future__ import annotations

@@ -47,3 +47,19 @@ def refuse_draws(problem: Problem, backend: str) -> None:
             () if under else PLAIN_BACKENDS,
             DRAWS_UNDER_TRANSFORMS_FIX if under else
             "They evaluate f plainly, with the draws of one call.")
+
+
+def refuse_data_assignments(problem: Problem, backend: str) -> None:
+    """Raise :class:`BackendCannotRun` if ``f`` assigns its module's parameters' ``.data``.
+
+    NOTE [data assigned to itself]: ``module.to(dtype)`` in ``f`` on the module's own
+    parameters crashes the process under torch's transforms. Call it before the backend's
+    first evaluation.
+    """
+    if problem.assigns_data:
+        raise BackendCannotRun(
+            problem.api, backend, "an f that leaves its tensors' .data alone under torch.func "
+            "transforms (torch crashes the process there)",
+            "an assignment to .data of a tensor f captured (module.to(dtype) or "
+            "module.float() called in f on the module whose parameters it differentiates)",
+            PLAIN_BACKENDS, "Or move the module to its dtype once, before calling torchgram.")

@@ -49,6 +49,7 @@ from torchgram._core.result import RunReport
 from torchgram._core.sink import assemble
 from torchgram.backends import jacobian as jacobian_module
 from torchgram.backends import ntvp as ntvp_module
+from torchgram.backends._draws_under_transforms import refuse_data_assignments
 from torchgram.backends._embedding import checked_conventions, collected_conventions
 from torchgram.backends._grouping import LeafGroup, group_leaves, rows_per_chunk
 from torchgram.backends._registry import (
@@ -99,6 +100,7 @@ def _with_loops(problem: CrossProblem, run: object) -> CrossResult:
 @register_cross("jacobian")
 def jacobian_cross(problem: CrossProblem) -> CrossResult:
     """Kernel blocks from per-row Jacobian blocks of both sides (module docstring)."""
+    refuse_data_assignments(problem.left, "jacobian")  # NOTE [data assigned to itself]
     return _with_loops(problem, lambda loop: _jacobian_cross(problem, loop))
 
 
@@ -163,6 +165,7 @@ def _pairs(gram: Tensor, left: Problem, right: Problem) -> Tensor:
 @register_cross("ntvp")
 def ntvp_cross(problem: CrossProblem) -> CrossResult:
     """Kernel blocks as ``J1 (J2ᵀ e_i)``, side 2's vjps pushed through side 1 (module docstring)."""
+    refuse_data_assignments(problem.left, "ntvp")  # NOTE [data assigned to itself]
     ntvp_module._prepare_forward_ad(problem.left.api)
     # NOTE [gradient hooks inside f], NOTE [embedding conventions]
     with refusing_gradient_hooks(problem.left.api, "ntvp"), \

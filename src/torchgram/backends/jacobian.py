@@ -33,7 +33,7 @@ from torchgram._core.problem import Problem, TensorAux
 from torchgram._core.progress import Progress
 from torchgram._core.result import NO_AUX, BackendResult, Pullback, RowOrder, RunReport
 from torchgram._core.sink import LeafBlocks
-from torchgram.backends._draws_under_transforms import refuse_draws
+from torchgram.backends._draws_under_transforms import refuse_data_assignments, refuse_draws
 from torchgram.backends._grouping import LeafGroup, group_leaves, rows_per_chunk
 from torchgram.backends._registry import register
 from torchgram.backends._vmap_or_loop import per_sample_or_batch
@@ -42,6 +42,7 @@ from torchgram.backends._vmap_or_loop import per_sample_or_batch
 @register("jacobian")
 def jacobian_backend(problem: Problem) -> BackendResult:
     """Compute the Gramian blocks of ``problem`` from explicit Jacobian blocks."""
+    refuse_data_assignments(problem, "jacobian")  # NOTE [data assigned to itself]
     return per_sample_or_batch(
         problem, lambda loop, per_sample: _run(problem, loop, per_sample=per_sample))
 

@@ -50,7 +50,7 @@ from torchgram._core.problem import Problem, TensorAux
 from torchgram._core.progress import Progress
 from torchgram._core.result import BackendResult, RunReport
 from torchgram._core.threads import FORWARD_AD_LOCK, math_attention
-from torchgram.backends._draws_under_transforms import refuse_draws
+from torchgram.backends._draws_under_transforms import refuse_data_assignments, refuse_draws
 from torchgram.backends._embedding import checked_conventions
 from torchgram.backends._forward_mode_faults import RefuseWrongTangents, WrongForwardDerivative
 from torchgram.backends._grouping import rows_per_chunk
@@ -67,6 +67,7 @@ Tangents = tuple[Tensor, ...]
 @register("ntvp")
 def ntvp_backend(problem: Problem) -> BackendResult:
     """Compute the Gramian blocks of ``problem`` column by column, as ``J (Jᵀ e_i)``."""
+    refuse_data_assignments(problem, "ntvp")  # NOTE [data assigned to itself]
     # NOTE [ntvp diagonal]
     # G_ii = ||Jᵀ e_i||² (per leaf: the sum of squares of leaf l's part) needs the vjps only,
     # no forward-mode pass. That is exactly the jacobian backend's diagonal mode: chunked

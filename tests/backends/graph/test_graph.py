@@ -134,3 +134,40 @@ def test_walk_holds_only_its_frontier() -> None:
 def test_diagonal_with_chunks_walks_a_few_rows_at_a_time() -> None:
     peak, _ = peak_live_jacobian(diagonal=True, chunk_size=2)
     assert peak <= one_layer(2)  # two rows at a time, not BATCH
+
+
+class _Tagged(torch.Tensor):
+    """A tensor subclass with a Python ``__torch_function__`` (tagging, logging libraries)."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+@pytest.mark.parametrize("api", ["graph", "auto", "eager-walked", "eager-recorded"])
+def test_a_tensor_subclass_leaf(api: str) -> None:
+    """``get_gradient_edge`` of a subclass leaf went through its ``__torch_function__`` and
+    gave a new view node: the graph walk and the eager API gave the leaf a zero block (the
+    update of ``aggregated_grad`` on graph 0.34 off; session 60's hunt)."""
+
+    generator = torch.Generator().manual_seed(0)
+    w = torch.randn(4, 3, generator=generator, dtype=torch.float64).as_subclass(_Tagged)
+    x = torch.randn(5, 4, generator=generator, dtype=torch.float64)
+
+    def f(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return (x @ w).tanh().sum(1)
+
+    wanted = dense_gramian(lambda w, x: f(w.as_subclass(torch.Tensor), x),
+                           (w.as_subclass(torch.Tensor), x)).gramian
+    if api.startswith("eager"):
+        leaf = w.detach().requires_grad_()
+        if api == "eager-recorded":
+            with tg.autograd.record():
+                losses = f(leaf, x)
+        else:
+            losses = f(leaf, x)
+        G = tg.autograd.gramian(losses, [leaf], batch_dim=0)
+    else:
+        G = tg.gramian(f, backend=api, batch_dim=0)(w, x)
+    torch.testing.assert_close(G.as_subclass(torch.Tensor), wanted, rtol=1e-10, atol=1e-12)

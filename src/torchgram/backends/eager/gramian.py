@@ -351,7 +351,7 @@ def sparse_gramian(api: str, rows: Rows, inputs: Sequence[Tensor], walked: Seque
             else:
                 flat = flat_rows(slot.rows.unsqueeze(0))[0]  # columns in memory order
                 if flat.is_complex():
-                    flat = torch.view_as_real(flat).reshape(flat.shape[0], -1)
+                    flat = torch.view_as_real(flat.resolve_conj()).reshape(flat.shape[0], -1)
                 flat = flat.to(dtype) if dtype is not None else flat
                 block = flat.square().sum(1) if diagonal else flat @ flat.T
             if diagonal:

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from torch import Tensor
-from torch.autograd.graph import get_gradient_edge
 
 from torchgram._core import _torch_compat
 from torchgram._core._torch_compat import Node
@@ -104,7 +103,7 @@ class GraphIndex:
 def index_graph(outputs: Sequence[Tensor]) -> GraphIndex:
     """Index the graph below ``outputs`` (each requiring grad), iteratively."""
     index = GraphIndex()
-    stack = [get_gradient_edge(out).node for out in outputs]
+    stack = [_torch_compat.gradient_edge(out).node for out in outputs]
     seen: set[Node] = set()
     while stack:
         node = stack.pop()

@@ -39,8 +39,9 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor
-from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.autograd.graph import GradientEdge
 
+from torchgram._core import _torch_compat
 from torchgram._core.functional import stack_grads
 from torchgram.backends.graph.nodes import Edge, NodeCaller
 from torchgram.backends.graph.walk import WalkPlan
@@ -93,7 +94,7 @@ def _appended(batched: Tensor | None, last: Tensor | None, count: int) -> Tensor
 def walk_cotangents(outputs: Sequence[Tensor], slots: Sequence[Edge], seeds: Sequence[Tensor],
                     caller: NodeCaller) -> list[Tensor | None]:
     """Like :func:`engine_cotangents`, by walking the graph (no hook runs)."""
-    edges = [get_gradient_edge(out) for out in outputs]
+    edges = [_torch_compat.gradient_edge(out) for out in outputs]
     plan = WalkPlan([edge.node for edge in edges], slots)
     found: dict[Edge, Tensor | None] = {}
 

@@ -77,7 +77,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, ContextDecorator, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -715,12 +715,13 @@ class _Blocks(threading.local):
         self.open: list[AbstractContextManager[Recording]] = []
 
 
-class _RecordContext(AbstractContextManager[Recording]):
+class _RecordContext(ContextDecorator, AbstractContextManager[Recording]):
     """What :func:`record` returns: each ``with`` opens a block of its own.
 
     Reusable (``rec = tg.autograd.record()`` once, ``with rec:`` every step, as with
     ``torch.no_grad()``), nested and from several threads: a generator context manager
-    raised Python's raw ``AttributeError`` on its second ``with`` (session 60's hunt).
+    raised Python's raw ``AttributeError`` on its second ``with`` (session 60's hunt). A
+    decorator too (``@tg.autograd.record()`` on a forward function), as it was.
     """
 
     def __init__(self) -> None:

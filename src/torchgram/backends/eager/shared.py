@@ -31,7 +31,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from torch import Tensor
-from torch.autograd.graph import get_gradient_edge
 
 from torchgram._core import _torch_compat
 from torchgram.backends.eager.graph_index import GraphIndex
@@ -81,7 +80,7 @@ def _consumers(outputs: Sequence[Tensor], targets: set[Edge]) -> dict[Edge, list
     found: dict[Edge, list[object]] = {}
     stack = []
     for out in outputs:
-        edge = get_gradient_edge(out)
+        edge = _torch_compat.gradient_edge(out)
         if (edge.node, edge.output_nr) in targets:  # an output itself: seeded there too
             found.setdefault((edge.node, edge.output_nr), []).append(out)
         stack.append(edge.node)

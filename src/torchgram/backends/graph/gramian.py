@@ -29,11 +29,16 @@ from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor
-from torch.autograd.graph import get_gradient_edge
 
 from torchgram._core import _torch_compat
 from torchgram._core.checks import fail
-from torchgram._core.errors import IN_PLACE_FIX, BackendCannotRun, in_place_what
+from torchgram._core.errors import (
+    IN_PLACE_FIX,
+    SELECTIVE_CHECKPOINT_EXPECTED,
+    SELECTIVE_CHECKPOINT_GOT,
+    in_place_what,
+    selective_checkpoint_refused,
+)
 from torchgram._core.result import RunReport
 from torchgram._core.sink import LeafBlocks
 from torchgram.backends.graph.nodes import Edge, NodeCaller
@@ -42,7 +47,7 @@ from torchgram.backends.graph.walk import WalkPlan
 
 def plan_graph(outputs: Sequence[Tensor], inputs: Sequence[Tensor]) -> WalkPlan:
     """The walk from ``outputs`` (all requiring grad) to ``inputs`` (leaves or not)."""
-    roots = [get_gradient_edge(out).node for out in outputs]
+    roots = [_torch_compat.gradient_edge(out).node for out in outputs]
     return WalkPlan(roots, [input_edge(tensor) for tensor in inputs])
 
 
@@ -52,7 +57,7 @@ def input_edge(tensor: Tensor) -> Edge:
     That is its ``grad_fn`` at its ``output_nr``, or its ``AccumulateGrad`` for a leaf
     (``get_gradient_edge`` handles both).
     """
-    edge = get_gradient_edge(tensor)
+    edge = _torch_compat.gradient_edge(tensor)
     return edge.node, edge.output_nr
 
 
@@ -99,7 +104,7 @@ def graph_gramian(api: str, outputs: Sequence[Tensor], inputs: Sequence[Tensor],
                 return  # not reached: a zero block
             flat = jacobian.reshape(jacobian.shape[0], -1)
             if flat.is_complex():  # real and imaginary parts are two real columns each
-                flat = torch.view_as_real(flat).reshape(flat.shape[0], -1)
+                flat = torch.view_as_real(flat.resolve_conj()).reshape(flat.shape[0], -1)
             if blocks.dtype is not None:  # Grams in the call's widest dtype
                 flat = flat.to(blocks.dtype)
             for index in by_edge[edge]:
@@ -127,15 +132,10 @@ def freed_graph_is_clear(api: str, backend: str | None = None) -> Iterator[None]
         yield
     except RuntimeError as error:
         if _torch_compat.is_selective_checkpoint_error(error):
-            expected = "a graph that can be gone back through more than once"
-            got = ("a region of selective activation checkpointing (torch.utils.checkpoint "
-                   "with context_fn=create_selective_checkpoint_contexts), whose saved tensors "
-                   "torch hands out to one backward pass; the walk goes back through the graph "
-                   "several times")
             if backend is not None:
-                raise BackendCannotRun(api, backend, expected, got, ("structured",),
-                                       "") from error
-            fail(api, expected, f"{got} (this graph is spent now)",
+                raise selective_checkpoint_refused(api, backend, ("structured",)) from error
+            fail(api, SELECTIVE_CHECKPOINT_EXPECTED,
+                 f"{SELECTIVE_CHECKPOINT_GOT} (this graph is spent now)",
                  "Checkpoint without a context_fn (use_reentrant=False), or compute the "
                  "Gramian of a forward without selective checkpointing.", RuntimeError)
         if _torch_compat.is_in_place_error(error):
@@ -171,7 +171,7 @@ def graph_jacobians(api: str, outputs: Sequence[Tensor], inputs: Sequence[Tensor
             return
         flat = jacobian.reshape(jacobian.shape[0], -1)
         if flat.is_complex():
-            flat = torch.view_as_real(flat).reshape(flat.shape[0], -1)
+            flat = torch.view_as_real(flat.resolve_conj()).reshape(flat.shape[0], -1)
         for index in by_edge[edge]:
             found[index] = flat
 
@@ -217,7 +217,7 @@ def _seeds(outputs: Sequence[Tensor], start: int, stop: int) -> list[tuple[Edge,
             seed = out.new_zeros(stop - start, numel)
             rows = torch.arange(first - start, last - start, device=out.device)
             seed[rows, rows + (start - offset)] = 1
-            edge = get_gradient_edge(out)
+            edge = _torch_compat.gradient_edge(out)
             seeds.append(((edge.node, edge.output_nr), seed.reshape(stop - start, *out.shape)))
         offset += numel
     return seeds

@@ -54,7 +54,6 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
-from torch.autograd.graph import get_gradient_edge
 
 from torchgram._core import _torch_compat
 from torchgram._core._torch_compat import Node
@@ -120,7 +119,7 @@ class SparseWalk:
         self.samples = rows.samples
         self.caller = caller
         self._probing = False
-        self.edges = [get_gradient_edge(out) for out in rows.outputs]
+        self.edges = [_torch_compat.gradient_edge(out) for out in rows.outputs]
         self.plan = WalkPlan([edge.node for edge in self.edges], targets)
         leaves = [node for node in self.plan.needed if _torch_compat.is_leaf_accumulator(node)]
         self.order = sorted((node for node in self.plan.needed

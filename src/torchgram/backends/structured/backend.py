@@ -43,8 +43,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from torchgram._core import _torch_compat
 from torchgram._core.composition import require_no_transforms
-from torchgram._core.errors import NotPerSample, OutputChanged, self_differentiation_refused
+from torchgram._core.errors import (
+    NotPerSample,
+    OutputChanged,
+    selective_checkpoint_refused,
+    self_differentiation_refused,
+)
 from torchgram._core.problem import Problem
 from torchgram._core.progress import Progress
 from torchgram._core.result import BackendResult, Pullback, RowOrder, RunReport
@@ -86,9 +92,14 @@ def run_structured(problem: Problem, plan: StructuredPlan | None = None, *,
             raise OutputChanged("f differentiated itself when probed: probe afresh")  # off)
         raise self_differentiation_refused(problem.api, "structured", problem.differentiates)
     # NOTE [embedding conventions]: the taps write lookups out; checked after the run
-    with checked_conventions(problem, "structured", write_out=False):
-        result, redone = run_with_fallbacks(problem, lambda problem, redo: _run_structured(
-            problem, None if redo else plan, None if redo else forward, force))
+    try:
+        with checked_conventions(problem, "structured", write_out=False):
+            result, redone = run_with_fallbacks(problem, lambda problem, redo: _run_structured(
+                problem, None if redo else plan, None if redo else forward, force))
+    except RuntimeError as error:  # its dense rows go back through f's graph once per chunk
+        if not _torch_compat.is_selective_checkpoint_error(error):
+            raise
+        raise selective_checkpoint_refused(problem.api, "structured", ()) from error
     if redone is not None:
         result.report.notes.append(redone_note(redone))
     return result

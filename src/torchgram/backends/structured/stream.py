@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.autograd.graph import get_gradient_edge
 
+from torchgram._core import _torch_compat
 from torchgram.backends.structured.passes import Forward, per_sample_view
 
 TapConsumer = Callable[[int, Tensor | None], None]
@@ -57,7 +57,7 @@ def can_stream(forward: Forward, *, create_graph: bool) -> bool:
     if not inputs or not all(t.is_leaf for t in inputs):
         return False
     return _all_reach([tap.node for tap in forward.taps[0] if not isinstance(tap, Tensor)],
-                      [get_gradient_edge(t).node for t in inputs])
+                      [_torch_compat.gradient_edge(t).node for t in inputs])
 
 
 def streamed_backward(forward: Forward, consume: TapConsumer) -> dict[int, Tensor]:

@@ -100,7 +100,7 @@ import optree
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.autograd.graph import GradientEdge
 from torch.overrides import TorchFunctionMode
 
 from torchgram._core import _torch_compat
@@ -1162,7 +1162,7 @@ class TapMode(TorchFunctionMode):
         elif self._taps == "lazy" and y.grad_fn is not None \
                 and (plain := _not_a_view(y))._base is None:  # NOTE [tap edges]
             y = plain
-            self.made_taps.append(get_gradient_edge(y))
+            self.made_taps.append(_torch_compat.gradient_edge(y))
             self._edge_outputs[(id(y.grad_fn), y.output_nr)] = tap_index  # NOTE [hooks on taps]
         elif self._taps == "lazy":  # no node, or a strided view (NOTE [tap edges])
             tap = zero_tap(y.shape, y.dtype, y.device)
