@@ -64,6 +64,51 @@ def test_a_captured_module_updating_its_buffers_is_refused(backend: str,
     assert int(module.steps) == 0
 
 
+class _Ema:
+    """An object whose bound method updates its own buffer in place."""
+
+    def __init__(self) -> None:
+        self.mean = torch.zeros(3, dtype=DOUBLE)
+
+    def run(self, h: Tensor) -> Tensor:
+        self.mean.mul_(0.5).add_(0.5 * h.detach().mean(0))
+        return h - self.mean
+
+
+class _Plain:
+    def __init__(self) -> None:
+        self.shift = torch.zeros(3, dtype=DOUBLE)
+
+    def run(self, h: Tensor) -> Tensor:
+        return h + self.shift
+
+
+@pytest.mark.parametrize("writer", [0, 1], ids=["first", "second"])
+@pytest.mark.parametrize("batch_dim", [None, 0], ids=["dense", "per-sample"])
+def test_a_write_behind_bound_methods_in_a_list_is_refused(batch_dim: int | None,
+                                                           writer: int) -> None:
+    """The walk for what ``f`` captured kept the ids of its own temporaries (a bound
+    method's ``(self, func)``), which later temporaries reused: their objects were skipped as
+    seen and a write into their buffer went through (3.5e-2 to 9.2e-2 off, the buffer moved
+    several times; session 60's review)."""
+    clear_caches()
+    objects = [_Plain(), _Plain(), _Plain()]
+    objects[writer] = _Ema()
+    runs = [obj.run for obj in objects]
+
+    def f(w: Tensor, x: Tensor) -> Tensor:
+        h = x @ w
+        for run in runs:
+            h = torch.tanh(run(h))
+        return h.sum(1)
+
+    w, x = torch.randn(4, 3, dtype=DOUBLE), torch.randn(6, 4, dtype=DOUBLE)
+    for backend in BACKENDS:
+        with pytest.raises(ValueError, match="functionalize"):
+            tg.gramian(f, backend=backend, batch_dim=batch_dim)(w, x)
+        assert torch.equal(objects[writer].mean, torch.zeros(3, dtype=DOUBLE))
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_the_functionalized_module_is_right_and_keeps_its_buffers(backend: str) -> None:
     """Each call works on copies of the buffers: the Gramian of one evaluation from them."""

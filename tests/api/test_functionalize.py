@@ -343,3 +343,27 @@ def test_a_checkpointing_module_refuses_other_parameters() -> None:
         tg.gramian(rows, batch_dim=0, backend="graph")(updated, x)
     with torch.no_grad():  # no backward: no recomputation, nothing to refuse
         fn(updated, x)
+
+
+def test_pruned_layers_in_a_list_are_put_back() -> None:
+    """NOTE [tensors hooks set] for 70 pruned layers in a plain Python list (the walk for
+    modules once stopped at containers of 64: every weight kept a transform's tensor, the
+    review of session 60)."""
+    from torch.func import functional_call
+    from torch.nn.utils import prune
+
+    torch.manual_seed(0)
+    layers = [nn.Linear(3, 3).double() for _ in range(70)]
+    for layer in layers:
+        prune.l1_unstructured(layer, "weight", amount=0.3)
+    x = torch.randn(4, 3, dtype=torch.float64)
+
+    def f(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        h = x
+        for layer in layers[:3]:
+            h = torch.tanh(functional_call(layer, p, (h,)))
+        return h.sum(1)
+
+    before = [layer.weight for layer in layers]
+    tg.gramian(f, backend="jacobian", batch_dim=0)(dict(layers[0].named_parameters()), x)
+    assert all(layer.weight is weight for layer, weight in zip(layers, before, strict=True))

@@ -630,3 +630,24 @@ def test_a_float8_parameter_is_a_clear_error() -> None:
 
     with pytest.raises(TypeError, match=r"16 bits or more .* torch.float8_e4m3fn"):
         tg.gramian(f, batch_dim=0)(params, torch.randn(4, 3))
+
+
+def test_a_module_moved_to_its_dtype_inside_f_in_kernel_tiles() -> None:
+    """The tiles' derivative check ran such an ``f`` under ``torch.func.vjp``: a segmentation
+    fault (the review of session 60); it uses plain autograd for it now."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).to(torch.float64)
+    x = torch.randn(16, 4, dtype=torch.float64)
+    params = dict(model.named_parameters())
+
+    def f(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        model.to(torch.float64)
+        return torch.func.functional_call(model, p, (x,))
+
+    J1 = torch.func.jacrev(lambda p: torch.func.functional_call(model, p, (x,)))(params)
+    J2 = torch.func.jacrev(lambda p: torch.func.functional_call(model, p, (x[:5],)))(params)
+    flat1 = torch.cat([j.reshape(16, 2, -1) for j in J1.values()], -1)
+    flat2 = torch.cat([j.reshape(5, 2, -1) for j in J2.values()], -1)
+    wanted = torch.einsum("ikp,jlp->ijkl", flat1, flat2)
+    kernel = tg.ntk.empirical_ntk_fn(f, trace_axes=(), memory_budget=20000)(x, x[:5], params)
+    torch.testing.assert_close(kernel, wanted, rtol=1e-10, atol=1e-12)

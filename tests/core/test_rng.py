@@ -193,3 +193,32 @@ def test_the_host_generators_give_one_draw_or_a_refusal(backend: str, batch_dim:
             return
         torch.testing.assert_close(G, wanted, rtol=1e-10, atol=1e-12)
         assert _host_state(source) == end
+
+
+@pytest.mark.parametrize("backend", ["auto", "structured", "ntvp"])
+def test_a_kernel_between_two_input_sets_of_a_numpy_drawing_f(backend: str) -> None:
+    """Each input set's evaluations start from the call's state: the second set's first
+    evaluation once started where the first set's left numpy (0.76-1.0 off; the review of
+    session 60)."""
+    torch.manual_seed(0)
+    w = torch.randn(4, 3, dtype=DOUBLE)
+    x1, x2 = torch.randn(5, 4, dtype=DOUBLE), torch.randn(3, 4, dtype=DOUBLE)
+    mask_of = _host_draws("numpy")
+
+    def f(w: Tensor, x: Tensor) -> Tensor:
+        h = torch.tanh(x @ w)
+        return h * mask_of(tuple(h.shape))
+
+    np.random.seed(5)
+    start = np.random.get_state()
+    J1 = torch.func.jacrev(f)(w, x1).reshape(5, 3, -1)
+    np.random.set_state(start)
+    J2 = torch.func.jacrev(f)(w, x2).reshape(3, 3, -1)
+    wanted = torch.einsum("ikp,jlp->ijkl", J1, J2)
+    np.random.set_state(start)
+    try:
+        kernel = tg.ntk.empirical_ntk_fn(f, trace_axes=(), backend=backend)(x1, x2, w)
+    except tg.BackendCannotRun as error:
+        assert backend == "ntvp" and "draws random numbers" in str(error), error
+        return
+    torch.testing.assert_close(kernel, wanted, rtol=1e-10, atol=1e-12)

@@ -10,7 +10,7 @@ parameters (session 57 for ``tg.functionalize``'s ``fn``; session 60's hunt for 
 written with ``torch.func.functional_call``, whose modules ``fn`` does not own). So the
 attributes of the modules with forward hooks that ``f`` reaches (its closure, bound instance,
 defaults, the globals its code names, its arguments: :func:`~torchgram._core.captured_writes.
-reach`, bounded: modules behind a large container or far from ``f`` are not searched) and
+reach`, bounded: modules beyond its first 512 objects are not searched) and
 that hold tensors (or lists, tuples or dicts of them) are put back as they were
 after each call, so that the module is as the caller left it (a plain forward of it sets them
 afresh). So a hook that keeps statistics by rebinding an attribute (an observer's running
@@ -34,9 +34,10 @@ from torchgram._core.captured_writes import reach
 Fn = TypeVar("Fn", bound=Callable[..., Any])
 
 _BUDGET = 512
-"""Objects the walk for modules visits at most, nearest first."""
-_WIDTH = 64
-"""Containers larger than this are data, not modules (an ``nn.ModuleList`` is a module)."""
+"""Objects other than tensors the walk for modules visits at most, nearest first."""
+_WIDTH = 1024
+"""Containers larger than this are data, not modules (a list of 70 pruned layers is searched:
+a limit of 64 missed it, session 60's review; an ``nn.ModuleList`` is a module)."""
 
 
 def hooked_attributes(f: Any, args: Any) -> list[tuple[dict[str, Any], dict[str, Any]]]:

@@ -316,7 +316,8 @@ def compare_pullbacks(problem: Problem, weights: Tensor,
     parts in the message.
     """
     leaves = problem.leaves
-    eager = eager and not problem.composition.transforms
+    # an f assigning its module's .data crashes torch under vjp (NOTE [data assigned to itself])
+    eager = (eager or problem.assigns_data) and not problem.composition.transforms
 
     def pullback(rows: Callable[..., Tensor], row_weights: Tensor) -> list[Tensor]:
         if not eager:

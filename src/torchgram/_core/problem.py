@@ -229,9 +229,6 @@ class Draw:
         self.start = start
         self.end: RngState | None = None
         self._explicit: dict[int, ExplicitGenerator] = {}
-        # The host generators are where the call started: nothing ran since the capture or a
-        # rewind (each restore costs ~30 µs: NOTE [host generators])
-        self._host_at_start = True
 
     def adopt(self, generator: torch.Generator) -> None:
         """Handle ``generator`` (one ``f`` draws from explicitly) like the default ones.
@@ -285,8 +282,7 @@ class Draw:
             yield
             return
         with RNG_LOCK:
-            self.start.restore(host=not self._host_at_start)
-            self._host_at_start = False
+            self.start.restore()
             self._restore_explicit(end=False)
             try:
                 yield
@@ -297,7 +293,6 @@ class Draw:
             finally:
                 if restore_after:
                     self.start.restore()
-                    self._host_at_start = True
                     self._restore_explicit(end=False)
 
     def after_full_evaluation(self) -> None:
@@ -341,7 +336,6 @@ class Draw:
             return
         with RNG_LOCK:
             self.start.restore()
-            self._host_at_start = True
             self._restore_explicit(end=False)
 
     def finish(self) -> None:

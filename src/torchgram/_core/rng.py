@@ -21,8 +21,11 @@ structured and jacobian; an MLP with a numpy mask 0.4-0.8 off on every backend b
 states are captured, restored and compared with the default generators' (numpy's only once
 numpy is imported: ``f`` can only draw from it then; torch imports it when it can). Reading
 them costs ~25-30 µs (numpy's state is a copy of its 624-word key, Python's a tuple of 625
-ints): two captures and two comparisons a call, ~70-150 µs, and a restore (~30 µs) before
-each evaluation after the first when ``f`` draws (the first starts where the call started).
+ints): two captures and two comparisons a call and a restore before the first evaluation,
+~100-160 µs (+20% on a 0.8 ms call of a tiny MLP), and one restore before each later
+evaluation when ``f`` draws. (Skipping the first restore broke the kernels: their second
+input set's first evaluation started where the first set's left numpy: 0.76-1.0 off, the
+review of session 60.)
 Generators ``f`` holds of its own (``np.random.default_rng()``, ``random.Random()``) are
 not seen: they still draw anew on each evaluation, which auto, structured and graph see as
 samples that interact (the whole batch's rows: right) and jacobian and ntvp do not (session
@@ -153,14 +156,14 @@ class RngState:
         return cls(torch.get_rng_state(), tuple(states),
                    HostRngState.capture() if host else None)
 
-    def restore(self, *, host: bool = True) -> None:
-        """Put the generators back in this state (``host``: the host's too, if captured)."""
+    def restore(self) -> None:
+        """Put the generators back in this state."""
         torch.set_rng_state(self.cpu)
         for device, state in self.accelerators:
             module = _module(device)
             if module is not None:
                 module.set_rng_state(state, device.index)
-        if host and self.host is not None:
+        if self.host is not None:
             self.host.restore()
 
     def same_as(self, other: RngState) -> bool:
