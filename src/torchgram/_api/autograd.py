@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from torchgram._api.pipeline import outside_compile
 from torchgram._core import _torch_compat, checks
 from torchgram._core.errors import derivative_faults_refused
 from torchgram._core.functional import public_call
@@ -27,6 +28,7 @@ CHUNK_ROWS_HINT = "chunk_size counts rows per vectorized node call, e.g. 32."
 """What ``chunk_size`` means to the eager APIs (the hint of their errors)."""
 
 
+@outside_compile  # NOTE [torch.compile]: dynamo traced into the walk (raw errors)
 @public_call  # NOTE [inference mode], NOTE [the caller's function modes]
 def gramian(
     outputs: Tensor | Iterable[Tensor],

@@ -9,6 +9,7 @@ from typing import Any
 from torch import Tensor
 
 from torchgram._api.autograd import prepare
+from torchgram._api.pipeline import outside_compile
 from torchgram._core import checks
 from torchgram._core.display import html_columns, html_lines, text_columns
 from torchgram._core.functional import public_call
@@ -89,6 +90,7 @@ class EagerExplanation:
                 f"{html_columns(_TITLES, self._rows())}{html_lines(self._footer())}</div>")
 
 
+@outside_compile  # NOTE [torch.compile]: dynamo traced into the walk (raw errors)
 @public_call  # NOTE [inference mode], NOTE [the caller's function modes]
 def explain(
     outputs: Tensor | Iterable[Tensor],

@@ -121,7 +121,10 @@ def _plain_vjp(problem: Problem, cotangent: Tensor) -> tuple[Tensor, ...]:
 # captured and restored), and every backend's eager path is the one tested against the
 # oracle, so the answer is the same with and without compile, on every backend.
 # fullgraph=True therefore raises at a torchgram call (dynamo's "skip" error): compile the
-# code before and after it, or use mode="reduce-overhead" without fullgraph.
+# code before and after it, or use mode="reduce-overhead" without fullgraph. The same holds
+# for the eager API (tg.autograd.gramian / backward / explain), tg.ntk's kernels and a
+# tg.autograd.record() block inside a compiled function, whose recording mode runs the
+# block's calls eagerly (before session 60 dynamo traced into them: raw errors).
 
 Fn = TypeVar("Fn", bound=Callable[..., Any])
 T = TypeVar("T")

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from torchgram._api.autograd import prepare
+from torchgram._api.pipeline import outside_compile
 from torchgram._api.step_times import StepTimes, Stopwatch
 from torchgram._api.weights import call_weighting, check_weighting
 from torchgram._core import checks
@@ -20,6 +21,7 @@ from torchgram.backends.eager.record import paused
 _API = "torchgram.autograd.backward"
 
 
+@outside_compile  # NOTE [torch.compile]: dynamo traced into the walk (raw errors)
 @public_call  # NOTE [inference mode], NOTE [the caller's function modes]
 def backward(
     outputs: Tensor | Iterable[Tensor],

@@ -1225,6 +1225,16 @@ def is_freed_graph_error(error: BaseException) -> bool:
 
 
 _SELECTIVE_CHECKPOINT = "region computed under selective activation checkpoint"
+_DONATED_BUFFERS = "compiled with non-empty donated buffers"
+
+
+def is_donated_buffers_error(error: BaseException) -> bool:
+    """Whether ``error`` is torch refusing to run a compiled backward with donated buffers again.
+
+    A ``torch.compile``'d region (aot backends) whose compiled backward frees its saved
+    buffers runs once, without ``retain_graph``.
+    """
+    return isinstance(error, RuntimeError) and _DONATED_BUFFERS in str(error)
 
 
 def is_selective_checkpoint_error(error: BaseException) -> bool:

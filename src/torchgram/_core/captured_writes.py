@@ -82,6 +82,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.parameter import is_lazy
 from torch.overrides import TorchFunctionMode
 
 from torchgram._core._torch_compat import innermost
@@ -342,6 +343,8 @@ def memory_of(tensor: Tensor) -> int:
         >>> memory_of(table[1:]) == memory_of(table.detach()) == memory_of(table) != 0
         True
     """
+    if is_lazy(tensor):  # a lazy module's, before its first call
+        return 0
     try:
         return int(innermost(tensor).untyped_storage().data_ptr())
     except (RuntimeError, NotImplementedError):  # no storage (a sparse or nested tensor)

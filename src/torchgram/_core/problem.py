@@ -32,6 +32,7 @@ from typing import Any, NoReturn
 import optree
 import torch
 from torch import Tensor
+from torch.nn.parameter import is_lazy
 
 from torchgram._core import _torch_compat
 from torchgram._core.caller_context import caller_context
@@ -827,6 +828,12 @@ def build_problem(options: Options, f: Callable[..., Any], args: tuple[Any, ...]
     """
     api = options.api
     argnums = resolve_argnums(api, options.argnums, len(args))
+    lazy = next((leaf for leaf in leaves_of((args, dict(kwargs)))
+                 if isinstance(leaf, Tensor) and is_lazy(leaf)), None)
+    if lazy is not None:  # torch's raw "uninitialized parameter in is_inference" before
+        fail(api, "initialised tensors among f's arguments", "an uninitialised parameter of "
+             "a lazy module (nn.LazyLinear, nn.LazyConv2d, ...)", "Run the model once on a "
+             "batch (model(x)) before taking its parameters, as torch's optimizers need too.")
     args, kwargs = without_inference_tensors((args, dict(kwargs)))
     composition = detect_composition(args, kwargs)
     diff = select_diff_leaves(args, argnums, detach=not composition.differentiable)

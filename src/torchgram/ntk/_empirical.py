@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from torchgram._api.pipeline import outside_compile
 from torchgram._core import _torch_compat, checks
 from torchgram._core.checks import fail, function_name
 from torchgram._core.cross import CrossProblem, PairSpec, mirror, row_shape
@@ -190,6 +191,7 @@ class EmpiricalNTK:
 
     # -- the call --------------------------------------------------------------------------
 
+    @outside_compile  # NOTE [torch.compile]: dynamo traced into the call (raw TypeError)
     @public_call  # NOTE [inference mode], NOTE [the caller's function modes]
     def __call__(self, x1: Any, x2: Any, params: Any, **kwargs: Any) -> Tensor:
         """The empirical NTK between ``x1`` and ``x2`` (``None``: ``x1``), NT's layout."""

@@ -83,6 +83,7 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor
+from torch.nn.parameter import is_lazy
 from torch.overrides import TorchFunctionMode
 
 from torchgram._core import _torch_compat
@@ -333,6 +334,8 @@ class RecordMode(TorchFunctionMode):
         found = []
         for value in _tensors_of(args, kwargs):
             ref = self._refs.get(id(value))
+            if is_lazy(value):  # a lazy module's first call
+                continue  # initialises it: not a leaf of this graph yet
             if ref is None and value.is_leaf and value.requires_grad \
                     and value.is_floating_point() and value.numel():  # NOTE [empty leaves]
                 ref = self._refs[id(value)] = LeafRef(len(self.recording.leaves))
@@ -341,7 +344,8 @@ class RecordMode(TorchFunctionMode):
                 found.append((value, ref))
         return found
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+    @torch.compiler.disable  # NOTE [torch.compile]: a block inside a compiled function runs
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),  # eagerly
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         if _STATE.paused or self.recording.expired:  # closed: nothing more is recorded
@@ -727,12 +731,14 @@ class _RecordContext(ContextDecorator, AbstractContextManager[Recording]):
     def __init__(self) -> None:
         self._blocks = _Blocks()
 
+    @torch.compiler.disable  # NOTE [torch.compile]: dynamo refused its set_stance
     def __enter__(self) -> Recording:
         block = _record_block()
         recording = block.__enter__()
         self._blocks.open.append(block)
         return recording
 
+    @torch.compiler.disable
     def __exit__(self, *exc_info: Any) -> bool | None:
         return self._blocks.open.pop().__exit__(*exc_info)
 

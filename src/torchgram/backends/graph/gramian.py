@@ -138,6 +138,13 @@ def freed_graph_is_clear(api: str, backend: str | None = None) -> Iterator[None]
                  f"{SELECTIVE_CHECKPOINT_GOT} (this graph is spent now)",
                  "Checkpoint without a context_fn (use_reentrant=False), or compute the "
                  "Gramian of a forward without selective checkpointing.", RuntimeError)
+        if _torch_compat.is_donated_buffers_error(error):  # session 60's hunt: raw before
+            fail(api, "a graph whose backward can run more than once",
+                 "a torch.compile'd region whose compiled backward frees its saved buffers "
+                 "(donated buffers, aot backends: one backward pass, without retain_graph)",
+                 "Set torch._functorch.config.donated_buffer = False before the model is "
+                 "compiled, or use the functional tg.gramian(f), which compiles nothing.",
+                 RuntimeError)
         if _torch_compat.is_in_place_error(error):
             fail(api, "a graph whose saved tensors are as they were saved (torch refuses a "
                  "backward through one modified in place since)", in_place_what(error),

@@ -1,0 +1,104 @@
+"""Lazy modules and ``torch.compile``'d code around the public calls (session 60's hunt).
+
+Before: a lazy module's first forward inside ``tg.autograd.record()``, or inside an ``f``
+that captures it, raised torch's raw "uninitialized parameter"; its uninitialised parameters
+passed to ``tg.gramian`` too. ``tg.autograd.*``, ``record()`` and ``tg.ntk`` kernels inside a
+``torch.compile``'d function were traced by dynamo (raw errors: ``set_stance``, ``setStorage``,
+an unhashable list); a compiled region's backward with donated buffers (``aot_eager``,
+dynamic shapes) raised torch's raw error from the eager walk.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812 -- torch's own spelling
+from torch import Tensor, nn
+
+import torchgram as tg
+from reference import dense_gramian
+
+DOUBLE = torch.float64
+
+
+def _rows_oracle(losses_of: object, params: list[Tensor]) -> Tensor:
+    losses = losses_of()  # type: ignore[operator]
+    rows = [torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, params,
+                                                                retain_graph=True)])
+            for loss in losses]
+    J = torch.stack(rows)
+    return J @ J.T
+
+
+def test_a_lazy_module_first_called_inside_the_recording() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LazyLinear(4), nn.Tanh(), nn.Linear(4, 2)).to(DOUBLE)
+    x, y = torch.randn(5, 3, dtype=DOUBLE), torch.tensor([0, 1, 1, 0, 1])
+    with tg.autograd.record():
+        losses = F.cross_entropy(model(x), y, reduction="none")
+    params = list(model.parameters())
+    G = tg.autograd.gramian(losses, params, batch_dim=0)
+    wanted = _rows_oracle(lambda: F.cross_entropy(model(x), y, reduction="none"), params)
+    torch.testing.assert_close(G, wanted, rtol=1e-10, atol=1e-12)
+
+
+def test_a_lazy_head_that_f_captures_and_lazy_parameters_passed_in() -> None:
+    torch.manual_seed(0)
+    head = nn.LazyLinear(2).to(DOUBLE)
+    w = torch.randn(3, 4, dtype=DOUBLE)
+    x = torch.randn(5, 3, dtype=DOUBLE)
+
+    def f(w: Tensor, x: Tensor) -> Tensor:
+        return head(torch.tanh(x @ w)).sum(1)
+
+    G = tg.gramian(f, batch_dim=0)(w, x)  # the first evaluation initialises the head
+    torch.testing.assert_close(G, dense_gramian(f, (w, x)).gramian, rtol=1e-10, atol=1e-12)
+    lazy = nn.LazyLinear(2)
+    with pytest.raises(ValueError, match="uninitialised parameter of a lazy module"):
+        tg.gramian(lambda p, x: torch.func.functional_call(lazy, p, (x,)).sum(1),
+                   batch_dim=0)(dict(lazy.named_parameters()), x.float())
+
+
+def test_the_public_calls_inside_a_compiled_function() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(DOUBLE)
+    params = list(model.parameters())
+    x, y = torch.randn(5, 3, dtype=DOUBLE), torch.tensor([0, 1, 1, 0, 1])
+
+    def losses_of() -> Tensor:
+        return F.cross_entropy(model(x), y, reduction="none")
+
+    wanted = _rows_oracle(losses_of, params)
+
+    def eager_step(x: Tensor) -> Tensor:
+        with tg.autograd.record():
+            losses = F.cross_entropy(model(x), y, reduction="none")
+        return tg.autograd.gramian(losses, params, batch_dim=0)
+
+    torch.compiler.reset()
+    torch.testing.assert_close(torch.compile(eager_step, backend="eager")(x), wanted,
+                               rtol=1e-10, atol=1e-12)
+    fn, named = tg.functionalize(model)
+    kernel_fn = tg.ntk.empirical_ntk_fn(fn, trace_axes=())
+    kernel = torch.compile(lambda x: kernel_fn(x, None, named), backend="eager")(x)
+    torch.testing.assert_close(kernel, kernel_fn(x, None, named), rtol=1e-10, atol=1e-12)
+    torch.compiler.reset()
+
+
+def test_a_compiled_backward_with_donated_buffers_is_a_clear_error() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    torch.compiler.reset()
+    compiled = torch.compile(model, backend="aot_eager", dynamic=True)
+    x, y = torch.randn(5, 6), torch.randint(0, 3, (5,))
+    losses = F.cross_entropy(compiled(x), y, reduction="none")
+    try:
+        G = tg.autograd.gramian(losses, list(model.parameters()), batch_dim=0)
+    except RuntimeError as error:
+        assert "torchgram.autograd.gramian: expected a graph whose backward can run more " \
+            "than once" in str(error) and "donated_buffer" in str(error)
+    else:  # a torch that donates nothing here: the right matrix
+        wanted = _rows_oracle(lambda: F.cross_entropy(model(x), y, reduction="none"),
+                              list(model.parameters()))
+        torch.testing.assert_close(G, wanted, rtol=1e-5, atol=1e-6)
+    torch.compiler.reset()
