@@ -580,6 +580,18 @@ def test_selective_checkpointing_inside_f(backend: str, batch_dim: int | None) -
         torch.testing.assert_close(G, wanted, rtol=1e-10, atol=1e-12)
 
 
+def _moved_to_its_dtype_in_f(outputs: int) -> tuple[nn.Module, dict[str, torch.Tensor], Any]:
+    """A model, its parameters, and ``f`` calling ``model.to(dtype)`` before its forward."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, outputs)).to(torch.float64)
+
+    def f(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        model.to(torch.float64)
+        return torch.func.functional_call(model, p, (x,))
+
+    return model, dict(model.named_parameters()), f
+
+
 @pytest.mark.parametrize("batch_dim", [0, None], ids=["batch0", "nobatch"])
 @pytest.mark.parametrize("backend", ["auto", "structured", "graph", "jacobian", "ntvp"])
 def test_a_module_moved_to_its_dtype_inside_f(backend: str, batch_dim: int | None) -> None:
@@ -588,14 +600,11 @@ def test_a_module_moved_to_its_dtype_inside_f(backend: str, batch_dim: int | Non
     itself, and torch crashed the process under its transforms (a segmentation fault from the
     default ``tg.gramian(f)``, jacobian and ntvp; plain ``jacrev`` too: session 60's review).
     NOTE [data assigned to itself]: the transforming backends decline before evaluating."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 1)).to(torch.float64)
+    model, params, moving = _moved_to_its_dtype_in_f(1)
     x = torch.randn(5, 4, dtype=torch.float64)
-    params = dict(model.named_parameters())
 
     def f(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        model.to(torch.float64)
-        return torch.func.functional_call(model, p, (x,)).squeeze(-1)
+        return moving(p, x).squeeze(-1)
 
     def same_without_the_move(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         return torch.func.functional_call(model, p, (x,)).squeeze(-1)
@@ -635,14 +644,8 @@ def test_a_float8_parameter_is_a_clear_error() -> None:
 def test_a_module_moved_to_its_dtype_inside_f_in_kernel_tiles() -> None:
     """The tiles' derivative check ran such an ``f`` under ``torch.func.vjp``: a segmentation
     fault (the review of session 60); it uses plain autograd for it now."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).to(torch.float64)
+    model, params, f = _moved_to_its_dtype_in_f(2)
     x = torch.randn(16, 4, dtype=torch.float64)
-    params = dict(model.named_parameters())
-
-    def f(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        model.to(torch.float64)
-        return torch.func.functional_call(model, p, (x,))
 
     J1 = torch.func.jacrev(lambda p: torch.func.functional_call(model, p, (x,)))(params)
     J2 = torch.func.jacrev(lambda p: torch.func.functional_call(model, p, (x[:5],)))(params)
