@@ -51,10 +51,14 @@ def test_a_lazy_head_that_f_captures_and_lazy_parameters_passed_in() -> None:
     def f(w: Tensor, x: Tensor) -> Tensor:
         return head(torch.tanh(x @ w)).sum(1)
 
-    G = tg.gramian(f, batch_dim=0)(w, x)  # the first evaluation initialises the head
+    with pytest.raises(ValueError, match="LazyLinear not called yet"):  # NOTE [lazy modules]
+        tg.gramian(f, batch_dim=0)(w, x)
+    assert head.has_uninitialized_params()  # left as it was
+    f(w, x)  # the plain first call
+    G = tg.gramian(f, batch_dim=0)(w, x)
     torch.testing.assert_close(G, dense_gramian(f, (w, x)).gramian, rtol=1e-10, atol=1e-12)
     lazy = nn.LazyLinear(2)
-    with pytest.raises(ValueError, match="uninitialised parameter of a lazy module"):
+    with pytest.raises(ValueError, match="LazyLinear not called yet|parameter of a lazy"):
         tg.gramian(lambda p, x: torch.func.functional_call(lazy, p, (x,)).sum(1),
                    batch_dim=0)(dict(lazy.named_parameters()), x.float())
 
@@ -102,3 +106,26 @@ def test_a_compiled_backward_with_donated_buffers_is_a_clear_error() -> None:
                               list(model.parameters()))
         torch.testing.assert_close(G, wanted, rtol=1e-5, atol=1e-6)
     torch.compiler.reset()
+
+
+def test_a_lazy_batch_norm_reached_by_f_is_refused_and_left_alone() -> None:
+    """Its initialisation's writes met the write guards inside torchgram's evaluation: a
+    refusal that left ``weight`` as ``torch.empty``'s garbage, or under another model's cached
+    probe a G 0.65-1.0 off (the review of session 60)."""
+    torch.manual_seed(0)
+    norm: nn.Module = nn.BatchNorm1d(4).to(DOUBLE).eval()
+    w, x = torch.randn(3, 4, dtype=DOUBLE), torch.randn(6, 3, dtype=DOUBLE)
+
+    def f(w: Tensor, x: Tensor) -> Tensor:
+        return norm(torch.tanh(x @ w)).sum(1)
+
+    tg.gramian(f, batch_dim=0)(w, x)  # a probe of this signature, cached
+    norm = nn.LazyBatchNorm1d().to(DOUBLE).eval()
+    for backend in ("auto", "structured", "graph", "jacobian", "ntvp"):
+        with pytest.raises(ValueError, match="LazyBatchNorm1d not called yet"):
+            tg.gramian(f, backend=backend, batch_dim=0)(w, x)
+    assert norm.has_uninitialized_params()
+    norm(torch.tanh(x @ w))  # the plain first call
+    torch.testing.assert_close(tg.gramian(f, batch_dim=0)(w, x), dense_gramian(f, (w, x)).gramian,
+                               rtol=1e-10, atol=1e-12)
+    assert torch.equal(norm.weight, torch.ones(4, dtype=DOUBLE))

@@ -350,8 +350,22 @@ def _check_eager_once(case: FuzzCase, recorded: bool, *, open_gates: bool = Fals
             continue
         snapshot.assert_unchanged(built.module)
         assert all(leaf.grad is None for leaf in leaves), "eager: a .grad was written"
-        assert_close(G, want, G.dtype, f"G (batch_dim={batch_dim})",
-                     precision=torch.float32 if case.mixed_dtypes else getattr(torch, case.dtype))
+        try:
+            assert_close(G, want, G.dtype, f"G (batch_dim={batch_dim})", precision=torch.float32
+                         if case.mixed_dtypes else getattr(torch, case.dtype))
+        except AssertionError:
+            if case.dtype != "float32":
+                raise
+            # off the float64 oracle by the case's own round-off, as check()'s blocks: a
+            # train-mode batch norm over two samples between RMS norms, 2.1e-3 off in float32
+            # on every backend and in the dense float32 computation alike (session 60's run)
+            own = oracle(case, repeated=open_gates, eager=True, in_case_dtype=True)
+            assert own is not None
+            floor = OWN_ROUND_OFF * (own.shaped(diagonal=case.diagonal).double()
+                                     - want).abs().max().item()
+            error = (G.double() - want).abs().max().item()
+            assert error <= floor, f"G (batch_dim={batch_dim}): {error:.3g} off, float32 " \
+                f"oracle {floor:.3g}"
         outcomes.append("answered")
     return ", ".join(outcomes)
 

@@ -333,6 +333,10 @@ def _check_inputs(api: str, inputs: list[Tensor]) -> None:
                         "requires_grad=False",
                         "Its Jacobian is not recorded in the graph. Drop it, e.g. "
                         "[p for p in model.parameters() if p.requires_grad].")
+        if torch.nn.parameter.is_lazy(tensor):  # NOTE [lazy modules]
+            checks.fail(api, "initialised inputs", f"inputs[{index}], an uninitialised "
+                        "parameter of a lazy module (nn.LazyLinear, ...)",
+                        "Run the module once (module(x)) before taking its parameters.")
         if tensor.dtype.itemsize == 1:  # float8: torch promotes it with no other dtype
             checks.fail(api, "inputs of 16 bits or more", f"inputs[{index}] of shape "
                         f"{tuple(tensor.shape)} with dtype {tensor.dtype}",

@@ -237,7 +237,7 @@ def explain(
     @functools.wraps(f)
     @outside_compile
     @public_call  # NOTE [inference mode], NOTE [the caller's function modes]
-    @puts_back_hooked_attributes(f)  # NOTE [tensors hooks set]
+    @puts_back_hooked_attributes(_API, f)  # NOTE [tensors hooks set]
     def explain_f(*args: Any, **kwargs: Any) -> Explanation:
         from torchgram._api.pipeline import compute
         from torchgram.backends.auto import plan_auto

@@ -87,8 +87,8 @@ def functionalize(module: nn.Module) -> tuple[Callable[..., Any], dict[str, Tens
             "in place of its parameters (torch's torch.func.functional_call refuses it). "
             "Functionalize the modules before scripting them, or take the Gramian of the "
             "outputs eagerly: tg.autograd.gramian(module(x), list(module.parameters())).")
-    lazy = next((name for name, p in module.named_parameters()
-                 if torch.nn.parameter.is_lazy(p)), None)
+    lazy = next((name for name, p in [*module.named_parameters(), *module.named_buffers()]
+                 if torch.nn.parameter.is_lazy(p)), None)  # NOTE [lazy modules]
     if lazy is not None:  # detach() raised torch's own ValueError
         raise ValueError(
             f"{_API}: expected initialized parameters, but got the uninitialized parameter "

@@ -127,7 +127,7 @@ def check_independence(
 
     @functools.wraps(f)
     @public_call  # NOTE [inference mode], NOTE [the caller's function modes]
-    @puts_back_hooked_attributes(f)  # NOTE [tensors hooks set]
+    @puts_back_hooked_attributes(_API, f)  # NOTE [tensors hooks set]
     def check_f(*args: Any, **kwargs: Any) -> Independence:
         problem = build_problem(options, f, args, kwargs)
         try:

@@ -196,15 +196,26 @@ def reach(f: Any, args: Any, on_tensor: Callable[[Tensor], None],
             if id(obj) in seen or isinstance(obj, _NOT_FOLLOWED):
                 continue
             seen[id(obj)] = obj
-            if not isinstance(obj, Tensor):  # tensors are leaves: the budget is for the rest
-                visited += 1
-                if budget is not None and visited > budget:
-                    return
-            _follow(obj, on_tensor, on_module, following, width)
+            visited += 1
+            if budget is not None and visited > budget:
+                return
+            if budget is not None and len(following) >= budget:  # what obj holds would not
+                _report(obj, on_tensor, on_module)  # be visited: do not queue it
+            else:
+                _follow(obj, on_tensor, on_module, following, width)
         level = following
 
 
 _NOT_FOLLOWED = (str, bytes, int, float, bool, types.ModuleType, type)
+
+
+def _report(obj: Any, on_tensor: Callable[[Tensor], None],
+            on_module: Callable[[nn.Module], None]) -> None:
+    """Report ``obj`` if it is a tensor or a module (what it holds is not queued)."""
+    if isinstance(obj, Tensor):
+        on_tensor(obj)
+    elif isinstance(obj, nn.Module):
+        on_module(obj)
 
 
 def _follow(obj: Any, on_tensor: Callable[[Tensor], None],

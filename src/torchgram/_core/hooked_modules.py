@@ -9,7 +9,7 @@ the next pruning round, ``deepcopy`` and ``torch.save`` failing), computed from 
 parameters (session 57 for ``tg.functionalize``'s ``fn``; session 60's hunt for an ``f``
 written with ``torch.func.functional_call``, whose modules ``fn`` does not own). So the
 attributes of the modules with forward hooks that ``f`` reaches (its closure, bound instance,
-defaults, the globals its code names, its arguments: :func:`~torchgram._core.captured_writes.
+defaults, the globals its code names: :func:`~torchgram._core.captured_writes.
 reach`, bounded: modules beyond its first 512 objects are not searched) and
 that hold tensors (or lists, tuples or dicts of them) are put back as they were
 after each call, so that the module is as the caller left it (a plain forward of it sets them
@@ -24,30 +24,38 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar, cast
 
 from torch import Tensor, nn
+from torch.nn.modules.lazy import LazyModuleMixin
 
 from torchgram._core.captured_writes import reach
+from torchgram._core.checks import fail
 
 Fn = TypeVar("Fn", bound=Callable[..., Any])
 
 _BUDGET = 512
-"""Objects other than tensors the walk for modules visits at most, nearest first."""
+"""Objects the walk for modules visits at most, nearest first (tensors included: a closure
+over lists of 100 × 1000 tensors cost 64 ms a call when they were not counted; ~0.3 ms a call
+at most now)."""
 _WIDTH = 1024
 """Containers larger than this are data, not modules (a list of 70 pruned layers is searched:
 a limit of 64 missed it, session 60's review; an ``nn.ModuleList`` is a module)."""
 
 
-def hooked_attributes(f: Any, args: Any) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+def hooked_attributes(api: str, f: Any) -> list[tuple[dict[str, Any], dict[str, Any]]]:
     """The attributes of the modules with forward hooks ``f`` reaches, and copies of them.
+
+    The walk starts from ``f`` alone (its closure, bound instance, defaults, globals): the
+    call's arguments hold the parameters, not the modules, and would use the walk's budget up.
+    A lazy module ``f`` reaches that is not initialised yet is refused (NOTE [lazy modules]).
 
     Example:
         >>> import torch
         >>> layer = torch.nn.Linear(2, 2)
         >>> _ = layer.register_forward_pre_hook(lambda module, inputs: None)
-        >>> [copy is not attributes for attributes, copy in hooked_attributes(layer, ())]
+        >>> [copy is not attributes for attributes, copy in hooked_attributes("api", layer)]
         [True]
     """
     modules: dict[int, nn.Module] = {}
@@ -59,18 +67,38 @@ def hooked_attributes(f: Any, args: Any) -> list[tuple[dict[str, Any], dict[str,
     # Modules sit near f (a closure cell, a global, self): a bounded walk, which a closure
     # over a dataset of records does not make slow (the full walk: 18 ms a call for 4000
     # records, session 60's review).
-    reach(f, args, lambda tensor: None, add, budget=_BUDGET, width=_WIDTH)
+    reach(f, (), lambda tensor: None, add, budget=_BUDGET, width=_WIDTH)
+    lazy = next((module for module in modules.values()
+                 if isinstance(module, LazyModuleMixin) and module.has_uninitialized_params()),
+                None)
+    if lazy is not None:
+        fail(api, "f whose lazy modules are initialised", f"a {type(lazy).__name__} not "
+             "called yet (its parameters are made by its first call, which torchgram's "
+             "evaluations must not be: they run f several times, under checks that refuse the "
+             "initialisation's writes)", "Run the model once on a batch (model(x)) first.")
     return [(module.__dict__, dict(module.__dict__)) for module in modules.values()
             if module._forward_pre_hooks or module._forward_hooks]
 
 
+# NOTE [lazy modules]
+# A lazy module (nn.LazyLinear, nn.LazyBatchNorm1d, ...) makes its parameters at its first
+# call: materialised with torch.empty, then filled by reset_parameters, drawing random
+# numbers. Made inside one of torchgram's evaluations, the writes of that initialisation met
+# the write guards (a LazyBatchNorm1d's running_mean.zero_(): refused, its weight left as
+# torch.empty's garbage, which the caller's next forward used; under a cached probe the call
+# went on: G 0.65-1.0 off; the review of session 60), and the draw made f look random. So a
+# lazy module f reaches (NOTE [tensors hooks set]'s walk) must be initialised first, and lazy
+# tensors among the arguments are refused as well (build_problem, tg.ntk, tg.functionalize,
+# the eager API's inputs).
+
+
 @contextlib.contextmanager
-def hooked_attributes_put_back(f: Any, args: Any, kwargs: Mapping[str, Any]) -> Iterator[None]:
+def hooked_attributes_put_back(api: str, f: Any) -> Iterator[None]:
     """Around a call: what forward hooks set on the modules ``f`` reaches is put back after it.
 
     NOTE [tensors hooks set].
     """
-    hooked = hooked_attributes(f, (args, dict(kwargs)))
+    hooked = hooked_attributes(api, f)
     try:
         yield
     finally:
@@ -78,14 +106,14 @@ def hooked_attributes_put_back(f: Any, args: Any, kwargs: Mapping[str, Any]) -> 
             put_back_tensors(attributes, before)
 
 
-def puts_back_hooked_attributes(f: Any) -> Callable[[Fn], Fn]:
+def puts_back_hooked_attributes(api: str, f: Any) -> Callable[[Fn], Fn]:
     """Decorate a call of ``f``'s arguments with :func:`hooked_attributes_put_back`.
 
     Example:
         >>> import torch
         >>> layer = torch.nn.Linear(2, 2)
         >>> _ = layer.register_forward_hook(lambda m, args, out: setattr(m, "last", out))
-        >>> @puts_back_hooked_attributes(layer)
+        >>> @puts_back_hooked_attributes("api", layer)
         ... def call(x):
         ...     return layer(x)
         >>> _ = call(torch.ones(1, 2))
@@ -95,7 +123,7 @@ def puts_back_hooked_attributes(f: Any) -> Callable[[Fn], Fn]:
     def decorate(call: Fn) -> Fn:
         @functools.wraps(call)
         def around(*args: Any, **kwargs: Any) -> Any:
-            with hooked_attributes_put_back(f, args, kwargs):
+            with hooked_attributes_put_back(api, f):
                 return call(*args, **kwargs)
 
         return cast(Fn, around)

@@ -828,12 +828,7 @@ def build_problem(options: Options, f: Callable[..., Any], args: tuple[Any, ...]
     """
     api = options.api
     argnums = resolve_argnums(api, options.argnums, len(args))
-    lazy = next((leaf for leaf in leaves_of((args, dict(kwargs)))
-                 if isinstance(leaf, Tensor) and is_lazy(leaf)), None)
-    if lazy is not None:  # torch's raw "uninitialized parameter in is_inference" before
-        fail(api, "initialised tensors among f's arguments", "an uninitialised parameter of "
-             "a lazy module (nn.LazyLinear, nn.LazyConv2d, ...)", "Run the model once on a "
-             "batch (model(x)) before taking its parameters, as torch's optimizers need too.")
+    refuse_lazy_tensors(api, (args, kwargs))
     args, kwargs = without_inference_tensors((args, dict(kwargs)))
     composition = detect_composition(args, kwargs)
     diff = select_diff_leaves(args, argnums, detach=not composition.differentiable)
@@ -888,6 +883,19 @@ def build_problem(options: Options, f: Callable[..., Any], args: tuple[Any, ...]
                    probe.sparse_embeddings, probe_cached, probe.differentiates,
                    unseen_ops, probe.decomposed, probe.writes,
                    assigns_data=probe.assigns_data)
+
+
+def refuse_lazy_tensors(api: str, tree: Any) -> None:
+    """Refuse a lazy module's uninitialised tensor among a call's arguments.
+
+    NOTE [lazy modules]; torch's raw "uninitialized parameter in is_inference" before.
+    """
+    lazy = next((leaf for leaf in leaves_of(tree) if isinstance(leaf, Tensor) and is_lazy(leaf)),
+                None)
+    if lazy is not None:
+        fail(api, "initialised tensors among f's arguments", "an uninitialised parameter of "
+             "a lazy module (nn.LazyLinear, nn.LazyConv2d, ...)", "Run the model once on a "
+             "batch (model(x)) before taking its parameters, as torch's optimizers need too.")
 
 
 def without_inference_tensors(tree: Any) -> Any:

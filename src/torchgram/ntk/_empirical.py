@@ -46,6 +46,7 @@ from torchgram._core.problem import (
     Problem,
     build_problem,
     forget_probe,
+    refuse_lazy_tensors,
     replace_input_leaves,
     without_inference_tensors,
 )
@@ -195,8 +196,9 @@ class EmpiricalNTK:
     @public_call  # NOTE [inference mode], NOTE [the caller's function modes]
     def __call__(self, x1: Any, x2: Any, params: Any, **kwargs: Any) -> Tensor:
         """The empirical NTK between ``x1`` and ``x2`` (``None``: ``x1``), NT's layout."""
+        refuse_lazy_tensors(_API, (x1, x2, params, kwargs))  # NOTE [lazy modules]
         x1, x2, params, kwargs = without_inference_tensors((x1, x2, params, kwargs))
-        with hooked_attributes_put_back(self.f, (x1, x2, params), kwargs):  # NOTE [tensors
+        with hooked_attributes_put_back(_API, self.f):  # NOTE [tensors
             try:  # hooks set]
                 return self._call(x1, x2, params, kwargs, fresh=False)
             except OutputChanged:  # a cached probe went stale: probe afresh, once
