@@ -89,7 +89,9 @@ def hooked_attributes(api: str, f: Any) -> list[tuple[dict[str, Any], dict[str, 
 # went on: G 0.65-1.0 off; the review of session 60), and the draw made f look random. So a
 # lazy module f reaches (NOTE [tensors hooks set]'s walk) must be initialised first, and lazy
 # tensors among the arguments are refused as well (build_problem, tg.ntk, tg.functionalize,
-# the eager API's inputs).
+# the eager API's inputs). The walk cannot tell the lazy modules f calls from those it only
+# reaches: a lazy layer that no forward calls is refused too (remove it, or give it its
+# shapes once with a call of its own).
 
 
 @contextlib.contextmanager
