@@ -367,3 +367,33 @@ def test_pruned_layers_in_a_list_are_put_back() -> None:
     before = [layer.weight for layer in layers]
     tg.gramian(f, backend="jacobian", batch_dim=0)(dict(layers[0].named_parameters()), x)
     assert all(layer.weight is weight for layer, weight in zip(layers, before, strict=True))
+
+
+def test_a_pruned_model_passed_as_an_argument_or_behind_data_is_put_back() -> None:
+    """The walk for modules started from ``f`` alone for a while, and counted a captured
+    list of tensors in its budget: a pruned model passed as an argument, or held in a dict
+    beside 600 captured tensors, kept a transform's tensor (the review of session 60)."""
+    from torch.func import functional_call
+    from torch.nn.utils import prune
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).double()
+    prune.l1_unstructured(model[0], "weight", amount=0.25)
+    x = torch.randn(5, 3, dtype=torch.float64)
+    data = [torch.randn(2) for _ in range(600)]
+    holder = {"model": model}
+
+    def passed(p: dict[str, torch.Tensor], net: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return functional_call(net, p, (x,)).squeeze(-1)
+
+    def behind_data(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        assert len(data) == 600
+        return functional_call(holder["model"], p, (x,)).squeeze(-1)
+
+    params = dict(model.named_parameters())
+    model(x)
+    before = model[0].weight
+    tg.gramian(passed, backend="jacobian", batch_dim=0, in_dims=(None, 0))(params, model, x)
+    assert model[0].weight is before
+    tg.gramian(behind_data, backend="jacobian", batch_dim=0)(params, x)
+    assert model[0].weight is before

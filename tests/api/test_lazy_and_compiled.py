@@ -129,3 +129,19 @@ def test_a_lazy_batch_norm_reached_by_f_is_refused_and_left_alone() -> None:
     torch.testing.assert_close(tg.gramian(f, batch_dim=0)(w, x), dense_gramian(f, (w, x)).gramian,
                                rtol=1e-10, atol=1e-12)
     assert torch.equal(norm.weight, torch.ones(4, dtype=DOUBLE))
+
+
+def test_a_lazy_model_passed_as_an_argument_is_refused() -> None:
+    """Passed to ``f`` rather than captured (the review of session 60: under a cached probe
+    G 0.92-1.0 off, the norm's weights left as garbage)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.LazyBatchNorm1d()).to(DOUBLE).eval()
+    x = torch.randn(6, 3, dtype=DOUBLE)
+    params = {name: p for name, p in model.named_parameters() if name.startswith("0.")}
+
+    def f(p: dict[str, Tensor], net: nn.Module, x: Tensor) -> Tensor:
+        return torch.func.functional_call(net, p, (x,), strict=False).sum(1)
+
+    with pytest.raises(ValueError, match="LazyBatchNorm1d not called yet"):
+        tg.gramian(f, batch_dim=0, in_dims=(None, 0))(params, model, x)
+    assert model[2].has_uninitialized_params()

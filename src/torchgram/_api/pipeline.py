@@ -167,7 +167,8 @@ def compute_then(options: Options, f: Callable[..., Any], args: tuple[Any, ...],
     refuse_inside_taps(options.api)  # NOTE [composition]: nested in a structured call
     _refuse_dtensors(options, args)
     probe_with_grad = options.backend == "graph"
-    with hooked_attributes_put_back(options.api, f):  # NOTE [tensors hooks set]
+    # NOTE [tensors hooks set]
+    with hooked_attributes_put_back(options.api, f, (args, dict(kwargs))):
         problem = build_problem(options, f, args, kwargs, want_pullback=want_pullback,
                                 probe_with_grad=probe_with_grad)
         try:

@@ -175,13 +175,14 @@ def captured_roots(f: Any, args: Any) -> dict[int, Tensor]:
 
 def reach(f: Any, args: Any, on_tensor: Callable[[Tensor], None],
           on_module: Callable[[nn.Module], None], *, budget: int | None = None,
-          width: int = _WIDTH) -> None:
+          width: int = _WIDTH, tensor_containers: bool = True) -> None:
     """Call ``on_tensor`` / ``on_module`` on what ``f`` captured or received.
 
     Its arguments ``args``, and what its closure, bound instance, defaults and the globals its
     code names hold, through containers (of at most ``width`` items), partials, nested
     functions and modules, up to ``_DEPTH`` levels (NOTE [captured writes]), nearest first;
-    at most ``budget`` objects when given.
+    at most ``budget`` objects when given. Without ``tensor_containers``, a container whose
+    first item is a tensor (a parameter dict, a dataset's list) is not looked into.
     """
     # the objects themselves, not their ids: the walk makes temporaries (a bound method's
     # (self, func)), whose ids a later temporary reuses once they are freed -- a set of ids
@@ -202,7 +203,7 @@ def reach(f: Any, args: Any, on_tensor: Callable[[Tensor], None],
             if budget is not None and len(following) >= budget:  # what obj holds would not
                 _report(obj, on_tensor, on_module)  # be visited: do not queue it
             else:
-                _follow(obj, on_tensor, on_module, following, width)
+                _follow(obj, on_tensor, on_module, following, width, tensor_containers)
         level = following
 
 
@@ -219,7 +220,8 @@ def _report(obj: Any, on_tensor: Callable[[Tensor], None],
 
 
 def _follow(obj: Any, on_tensor: Callable[[Tensor], None],
-            on_module: Callable[[nn.Module], None], following: list[Any], width: int) -> None:
+            on_module: Callable[[nn.Module], None], following: list[Any], width: int,
+            tensor_containers: bool = True) -> None:
     """Report ``obj`` if it is a tensor or a module; queue what it holds in ``following``."""
     if isinstance(obj, Tensor):
         on_tensor(obj)
@@ -227,9 +229,11 @@ def _follow(obj: Any, on_tensor: Callable[[Tensor], None],
         on_module(obj)
         following.append(vars(obj).get("forward"))
     elif isinstance(obj, dict) and len(obj) <= width:
-        following.extend(obj.values())
+        if tensor_containers or not _first_is_tensor(obj.values()):
+            following.extend(obj.values())
     elif isinstance(obj, (list, tuple, set, frozenset)) and len(obj) <= width:
-        following.extend(obj)
+        if tensor_containers or not _first_is_tensor(obj):
+            following.extend(obj)
     elif isinstance(obj, functools.partial):
         following.append((obj.func, obj.args, obj.keywords))
     elif isinstance(obj, types.MethodType):
@@ -238,6 +242,10 @@ def _follow(obj: Any, on_tensor: Callable[[Tensor], None],
         following.extend(_held_by_function(obj))
     elif hasattr(obj, "__dict__"):  # a callable object, or one holding state (a helper of f
         following.append(vars(obj))  # keeping buffers in a global object's list)
+
+
+def _first_is_tensor(items: Iterable[Any]) -> bool:
+    return isinstance(next(iter(items), None), Tensor)
 
 
 def _held_by_function(func: types.FunctionType) -> list[Any]:

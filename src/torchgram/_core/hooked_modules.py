@@ -9,7 +9,7 @@ the next pruning round, ``deepcopy`` and ``torch.save`` failing), computed from 
 parameters (session 57 for ``tg.functionalize``'s ``fn``; session 60's hunt for an ``f``
 written with ``torch.func.functional_call``, whose modules ``fn`` does not own). So the
 attributes of the modules with forward hooks that ``f`` reaches (its closure, bound instance,
-defaults, the globals its code names: :func:`~torchgram._core.captured_writes.
+defaults, the globals its code names, its arguments: :func:`~torchgram._core.captured_writes.
 reach`, bounded: modules beyond its first 512 objects are not searched) and
 that hold tensors (or lists, tuples or dicts of them) are put back as they were
 after each call, so that the module is as the caller left it (a plain forward of it sets them
@@ -44,12 +44,14 @@ _WIDTH = 1024
 a limit of 64 missed it, session 60's review; an ``nn.ModuleList`` is a module)."""
 
 
-def hooked_attributes(api: str, f: Any) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+def hooked_attributes(api: str, f: Any,
+                      args: Any = ()) -> list[tuple[dict[str, Any], dict[str, Any]]]:
     """The attributes of the modules with forward hooks ``f`` reaches, and copies of them.
 
-    The walk starts from ``f`` alone (its closure, bound instance, defaults, globals): the
-    call's arguments hold the parameters, not the modules, and would use the walk's budget up.
-    A lazy module ``f`` reaches that is not initialised yet is refused (NOTE [lazy modules]).
+    From ``f`` (its closure, bound instance, defaults, globals) and its arguments ``args``,
+    containers of tensors left out (parameter dicts, a dataset's list: they hold no modules,
+    and counted in the walk's budget they hid one; the reviews of session 60). A lazy module
+    reached that is not initialised yet is refused (NOTE [lazy modules]).
 
     Example:
         >>> import torch
@@ -67,7 +69,8 @@ def hooked_attributes(api: str, f: Any) -> list[tuple[dict[str, Any], dict[str, 
     # Modules sit near f (a closure cell, a global, self): a bounded walk, which a closure
     # over a dataset of records does not make slow (the full walk: 18 ms a call for 4000
     # records, session 60's review).
-    reach(f, (), lambda tensor: None, add, budget=_BUDGET, width=_WIDTH)
+    reach(f, args, lambda tensor: None, add, budget=_BUDGET, width=_WIDTH,
+          tensor_containers=False)
     lazy = next((module for module in modules.values()
                  if isinstance(module, LazyModuleMixin) and module.has_uninitialized_params()),
                 None)
@@ -75,7 +78,8 @@ def hooked_attributes(api: str, f: Any) -> list[tuple[dict[str, Any], dict[str, 
         fail(api, "f whose lazy modules are initialised", f"a {type(lazy).__name__} not "
              "called yet (its parameters are made by its first call, which torchgram's "
              "evaluations must not be: they run f several times, under checks that refuse the "
-             "initialisation's writes)", "Run the model once on a batch (model(x)) first.")
+             "initialisation's writes)", "Run the model once on a batch (model(x)) first; a "
+             "lazy layer that no forward calls stays uninitialised: remove it.")
     return [(module.__dict__, dict(module.__dict__)) for module in modules.values()
             if module._forward_pre_hooks or module._forward_hooks]
 
@@ -95,12 +99,12 @@ def hooked_attributes(api: str, f: Any) -> list[tuple[dict[str, Any], dict[str, 
 
 
 @contextlib.contextmanager
-def hooked_attributes_put_back(api: str, f: Any) -> Iterator[None]:
+def hooked_attributes_put_back(api: str, f: Any, args: Any = ()) -> Iterator[None]:
     """Around a call: what forward hooks set on the modules ``f`` reaches is put back after it.
 
-    NOTE [tensors hooks set].
+    NOTE [tensors hooks set]; ``args``: the call's arguments, which may hold modules too.
     """
-    hooked = hooked_attributes(api, f)
+    hooked = hooked_attributes(api, f, args)
     try:
         yield
     finally:
@@ -125,7 +129,7 @@ def puts_back_hooked_attributes(api: str, f: Any) -> Callable[[Fn], Fn]:
     def decorate(call: Fn) -> Fn:
         @functools.wraps(call)
         def around(*args: Any, **kwargs: Any) -> Any:
-            with hooked_attributes_put_back(api, f):
+            with hooked_attributes_put_back(api, f, (args, kwargs)):
                 return call(*args, **kwargs)
 
         return cast(Fn, around)
