@@ -397,3 +397,23 @@ def test_a_pruned_model_passed_as_an_argument_or_behind_data_is_put_back() -> No
     assert model[0].weight is before
     tg.gramian(behind_data, backend="jacobian", batch_dim=0)(params, x)
     assert model[0].weight is before
+
+
+def test_a_pruned_model_in_a_dict_beside_a_tensor_is_put_back() -> None:
+    """A mixed container (a tensor first, the model last) is looked into."""
+    from torch.func import functional_call
+    from torch.nn.utils import prune
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).double()
+    prune.l1_unstructured(model[0], "weight", amount=0.25)
+    state = {"scale": torch.tensor(2.0, dtype=torch.float64), "model": model}
+    x = torch.randn(5, 3, dtype=torch.float64)
+
+    def f(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return state["scale"] * functional_call(state["model"], p, (x,)).squeeze(-1)
+
+    model(x)
+    before = model[0].weight
+    tg.gramian(f, backend="jacobian", batch_dim=0)(dict(model.named_parameters()), x)
+    assert model[0].weight is before

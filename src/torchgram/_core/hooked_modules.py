@@ -49,9 +49,9 @@ def hooked_attributes(api: str, f: Any,
     """The attributes of the modules with forward hooks ``f`` reaches, and copies of them.
 
     From ``f`` (its closure, bound instance, defaults, globals) and its arguments ``args``,
-    containers of tensors left out (parameter dicts, a dataset's list: they hold no modules,
-    and counted in the walk's budget they hid one; the reviews of session 60). A lazy module
-    reached that is not initialised yet is refused (NOTE [lazy modules]).
+    containers with tensors at both ends left out (parameter dicts, a dataset's list: they
+    hold no modules, and counted in the walk's budget they hid one; the reviews of session
+    60). A lazy module reached that is not initialised yet is refused (NOTE [lazy modules]).
 
     Example:
         >>> import torch
