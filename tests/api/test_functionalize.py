@@ -417,3 +417,32 @@ def test_a_pruned_model_in_a_dict_beside_a_tensor_is_put_back() -> None:
     before = model[0].weight
     tg.gramian(f, backend="jacobian", batch_dim=0)(dict(model.named_parameters()), x)
     assert model[0].weight is before
+
+
+def test_a_pruned_model_between_tensors_is_put_back() -> None:
+    """Passed as the middle argument (``(w, model, x)``: the argument tuple has tensors at
+    both ends) or held between two tensors in a captured list: missed by the walk's first
+    ways of skipping containers of tensors (the last review of session 60)."""
+    from torch.func import functional_call
+    from torch.nn.utils import prune
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).double()
+    prune.l1_unstructured(model[0], "weight", amount=0.25)
+    x = torch.randn(5, 3, dtype=torch.float64)
+    mixed = [torch.ones((), dtype=torch.float64), model, torch.zeros((), dtype=torch.float64)]
+
+    def passed(w: torch.Tensor, net: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return functional_call(net, {"0.weight_orig": w}, (x,), strict=False).squeeze(-1)
+
+    def captured(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return mixed[0] * functional_call(mixed[1], {"0.weight_orig": w}, (x,),
+                                          strict=False).squeeze(-1) + mixed[2]
+
+    w = model[0].weight_orig.detach().clone()
+    model(x)
+    before = model[0].weight
+    tg.gramian(passed, backend="jacobian", batch_dim=0, in_dims=(None, 0))(w, model, x)
+    assert model[0].weight is before
+    tg.gramian(captured, backend="jacobian", batch_dim=0)(w, x)
+    assert model[0].weight is before

@@ -168,7 +168,7 @@ def compute_then(options: Options, f: Callable[..., Any], args: tuple[Any, ...],
     _refuse_dtensors(options, args)
     probe_with_grad = options.backend == "graph"
     # NOTE [tensors hooks set]
-    with hooked_attributes_put_back(options.api, f, (args, dict(kwargs))):
+    with hooked_attributes_put_back(options.api, f, (*args, *kwargs.values())):
         problem = build_problem(options, f, args, kwargs, want_pullback=want_pullback,
                                 probe_with_grad=probe_with_grad)
         try:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar, cast
 
 from torch import Tensor, nn
@@ -45,13 +45,14 @@ a limit of 64 missed it, session 60's review; an ``nn.ModuleList`` is a module).
 
 
 def hooked_attributes(api: str, f: Any,
-                      args: Any = ()) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+                      args: Sequence[Any] = ()) -> list[tuple[dict[str, Any], dict[str, Any]]]:
     """The attributes of the modules with forward hooks ``f`` reaches, and copies of them.
 
-    From ``f`` (its closure, bound instance, defaults, globals) and its arguments ``args``,
-    containers with tensors at both ends left out (parameter dicts, a dataset's list: they
-    hold no modules, and counted in the walk's budget they hid one; the reviews of session
-    60). A lazy module reached that is not initialised yet is refused (NOTE [lazy modules]).
+    From ``f`` (its closure, bound instance, defaults, globals) and its arguments ``args`` (a
+    sequence, each one walked), containers of tensors only left out (parameter dicts, a
+    dataset's list: they hold no modules, and counted in the walk's budget they hid one; the
+    reviews of session 60). A lazy module reached that is not initialised yet is refused
+    (NOTE [lazy modules]).
 
     Example:
         >>> import torch
@@ -79,7 +80,8 @@ def hooked_attributes(api: str, f: Any,
              "called yet (its parameters are made by its first call, which torchgram's "
              "evaluations must not be: they run f several times, under checks that refuse the "
              "initialisation's writes)", "Run the model once on a batch (model(x)) first; a "
-             "lazy layer that no forward calls stays uninitialised: remove it.")
+             "lazy layer that no forward calls stays uninitialised: call it once on its own, "
+             "or remove it.")
     return [(module.__dict__, dict(module.__dict__)) for module in modules.values()
             if module._forward_pre_hooks or module._forward_hooks]
 
@@ -99,7 +101,7 @@ def hooked_attributes(api: str, f: Any,
 
 
 @contextlib.contextmanager
-def hooked_attributes_put_back(api: str, f: Any, args: Any = ()) -> Iterator[None]:
+def hooked_attributes_put_back(api: str, f: Any, args: Sequence[Any] = ()) -> Iterator[None]:
     """Around a call: what forward hooks set on the modules ``f`` reaches is put back after it.
 
     NOTE [tensors hooks set]; ``args``: the call's arguments, which may hold modules too.
@@ -129,7 +131,7 @@ def puts_back_hooked_attributes(api: str, f: Any) -> Callable[[Fn], Fn]:
     def decorate(call: Fn) -> Fn:
         @functools.wraps(call)
         def around(*args: Any, **kwargs: Any) -> Any:
-            with hooked_attributes_put_back(api, f, (args, kwargs)):
+            with hooked_attributes_put_back(api, f, (*args, *kwargs.values())):
                 return call(*args, **kwargs)
 
         return cast(Fn, around)

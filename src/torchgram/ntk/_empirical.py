@@ -198,8 +198,9 @@ class EmpiricalNTK:
         """The empirical NTK between ``x1`` and ``x2`` (``None``: ``x1``), NT's layout."""
         refuse_lazy_tensors(_API, (x1, x2, params, kwargs))  # NOTE [lazy modules]
         x1, x2, params, kwargs = without_inference_tensors((x1, x2, params, kwargs))
-        with hooked_attributes_put_back(_API, self.f, (x1, x2, params, kwargs)):  # NOTE [tensors
-            try:  # hooks set]
+        arguments = (x1, x2, params, *kwargs.values())
+        with hooked_attributes_put_back(_API, self.f, arguments):  # NOTE [tensors hooks set]
+            try:
                 return self._call(x1, x2, params, kwargs, fresh=False)
             except OutputChanged:  # a cached probe went stale: probe afresh, once
                 with output_changes_refused(_API):
