@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -391,12 +392,20 @@ def test_a_pruned_model_passed_as_an_argument_or_behind_data_is_put_back() -> No
         return functional_call(holder["model"], p, (x,)).squeeze(-1)
 
     params = dict(model.named_parameters())
+    _pruned_weight_kept(
+        model, x,
+        lambda: tg.gramian(passed, backend="jacobian", batch_dim=0, in_dims=(None, 0))(
+            params, model, x),
+        lambda: tg.gramian(behind_data, backend="jacobian", batch_dim=0)(params, x))
+
+
+def _pruned_weight_kept(model: nn.Module, x: torch.Tensor, *calls: Any) -> None:
+    """After a plain forward, each call leaves the pruned first layer's ``weight`` as it was."""
     model(x)
     before = model[0].weight
-    tg.gramian(passed, backend="jacobian", batch_dim=0, in_dims=(None, 0))(params, model, x)
-    assert model[0].weight is before
-    tg.gramian(behind_data, backend="jacobian", batch_dim=0)(params, x)
-    assert model[0].weight is before
+    for call in calls:
+        call()
+        assert model[0].weight is before
 
 
 def test_a_pruned_model_in_a_dict_beside_a_tensor_is_put_back() -> None:
@@ -440,9 +449,8 @@ def test_a_pruned_model_between_tensors_is_put_back() -> None:
                                           strict=False).squeeze(-1) + mixed[2]
 
     w = model[0].weight_orig.detach().clone()
-    model(x)
-    before = model[0].weight
-    tg.gramian(passed, backend="jacobian", batch_dim=0, in_dims=(None, 0))(w, model, x)
-    assert model[0].weight is before
-    tg.gramian(captured, backend="jacobian", batch_dim=0)(w, x)
-    assert model[0].weight is before
+    _pruned_weight_kept(
+        model, x,
+        lambda: tg.gramian(passed, backend="jacobian", batch_dim=0, in_dims=(None, 0))(
+            w, model, x),
+        lambda: tg.gramian(captured, backend="jacobian", batch_dim=0)(w, x))
