@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from torchgram._core import _torch_compat
-from torchgram._core.hooked_modules import put_back_tensors
+from torchgram._core.hooked_modules import hooked_snapshot, put_back_tensors
 from torchgram._core.threads import MODULE_LOCK
 
 _API = "torchgram.functionalize"
@@ -248,8 +248,7 @@ class _Slots:
                 "parameters back, so their derivatives would be those of the module's "
                 "parameters. Call model.gradient_checkpointing_disable(), or update the "
                 "module's parameters in place and pass them as functionalize returned them.")
-        hooked = [(owner.__dict__, dict(owner.__dict__)) for owner in self.modules
-                  if owner._forward_pre_hooks or owner._forward_hooks]
+        hooked = hooked_snapshot(self.modules)
         try:
             for name, value in params.items():
                 for holder, attr in self.where[name]:

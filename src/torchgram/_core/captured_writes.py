@@ -201,33 +201,22 @@ def reach(f: Any, args: Any, on_tensor: Callable[[Tensor], None],
             visited += 1
             if budget is not None and visited > budget:
                 return
-            if budget is not None and len(following) >= budget:  # what obj holds would not
-                _report(obj, on_tensor, on_module)  # be visited: do not queue it
-            else:
-                _follow(obj, on_tensor, on_module, following, width, tensor_containers)
+            if isinstance(obj, Tensor):
+                on_tensor(obj)
+                continue
+            if isinstance(obj, nn.Module):
+                on_module(obj)
+            if budget is None or len(following) < budget:  # else it would not be visited
+                _queue_held(obj, following, width, tensor_containers)
         level = following
 
 
 _NOT_FOLLOWED = (str, bytes, int, float, bool, types.ModuleType, type)
 
 
-def _report(obj: Any, on_tensor: Callable[[Tensor], None],
-            on_module: Callable[[nn.Module], None]) -> None:
-    """Report ``obj`` if it is a tensor or a module (what it holds is not queued)."""
-    if isinstance(obj, Tensor):
-        on_tensor(obj)
-    elif isinstance(obj, nn.Module):
-        on_module(obj)
-
-
-def _follow(obj: Any, on_tensor: Callable[[Tensor], None],
-            on_module: Callable[[nn.Module], None], following: list[Any], width: int,
-            tensor_containers: bool = True) -> None:
-    """Report ``obj`` if it is a tensor or a module; queue what it holds in ``following``."""
-    if isinstance(obj, Tensor):
-        on_tensor(obj)
-    elif isinstance(obj, nn.Module):
-        on_module(obj)
+def _queue_held(obj: Any, following: list[Any], width: int, tensor_containers: bool) -> None:
+    """Queue in ``following`` what ``obj`` (not a tensor) holds."""
+    if isinstance(obj, nn.Module):
         following.append(vars(obj).get("forward"))
     elif isinstance(obj, dict) and len(obj) <= width:
         if tensor_containers or not _tensors_only(obj):

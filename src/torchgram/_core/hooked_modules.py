@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar, cast
 
 from torch import Tensor, nn
@@ -82,7 +82,12 @@ def hooked_attributes(api: str, f: Any,
              "initialisation's writes)", "Run the model once on a batch (model(x)) first; a "
              "lazy layer that no forward calls stays uninitialised: call it once on its own, "
              "or remove it.")
-    return [(module.__dict__, dict(module.__dict__)) for module in modules.values()
+    return hooked_snapshot(modules.values())
+
+
+def hooked_snapshot(modules: Iterable[nn.Module]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """The attributes of those of ``modules`` with forward hooks, and copies of them."""
+    return [(module.__dict__, dict(module.__dict__)) for module in modules
             if module._forward_pre_hooks or module._forward_hooks]
 
 

@@ -109,16 +109,15 @@ class HostRngState:
         return self.python == other.python and _same_numpy_state(self.numpy, other.numpy)
 
 
-def _same_numpy_state(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
-    """Whether two states of numpy's global generator are the same (``None``: not imported)."""
+def _same_numpy_state(a: Any, b: Any) -> bool:
+    """Whether two states of numpy's global generator, or two of their values, are the same.
+
+    A state is a dict holding the key's array, or ``None`` where numpy is not imported.
+    """
     if a is None or b is None:
         return a is b
-    return a.keys() == b.keys() and all(_same_value(a[key], b[key]) for key in a)
-
-
-def _same_value(a: Any, b: Any) -> bool:
     if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same_value(a[key], b[key]) for key in a)
+        return a.keys() == b.keys() and all(_same_numpy_state(a[key], b[key]) for key in a)
     if hasattr(a, "shape") or hasattr(b, "shape"):  # numpy arrays (the generator's key)
         return bool(getattr(a, "shape", None) == getattr(b, "shape", None) and (a == b).all())
     return bool(a == b)

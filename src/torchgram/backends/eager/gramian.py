@@ -61,7 +61,12 @@ from torchgram.backends.eager.samples import (
 )
 from torchgram.backends.eager.shared import meeting_options, sole_meetings
 from torchgram.backends.eager.steps import StepSlots, TapSlot, by_steps
-from torchgram.backends.graph.gramian import freed_graph_is_clear, graph_gramian, input_edge
+from torchgram.backends.graph.gramian import (
+    freed_graph_is_clear,
+    graph_gramian,
+    input_edge,
+    real_columns,
+)
 from torchgram.backends.graph.nodes import Edge, NodeCaller
 from torchgram.backends.graph.release import release_graph
 from torchgram.backends.graph.sparse import SparseWalk, _Slot, compact_block
@@ -349,9 +354,7 @@ def sparse_gramian(api: str, rows: Rows, inputs: Sequence[Tensor], walked: Seque
                 rows_ = rows_.to(dtype) if dtype is not None else rows_
                 block = compact_block(rows_, slot.layout, samples, diagonal)
             else:
-                flat = flat_rows(slot.rows.unsqueeze(0))[0]  # columns in memory order
-                if flat.is_complex():
-                    flat = torch.view_as_real(flat.resolve_conj()).reshape(flat.shape[0], -1)
+                flat = real_columns(flat_rows(slot.rows.unsqueeze(0))[0])  # memory order
                 flat = flat.to(dtype) if dtype is not None else flat
                 block = flat.square().sum(1) if diagonal else flat @ flat.T
             if diagonal:

@@ -102,9 +102,7 @@ def graph_gramian(api: str, outputs: Sequence[Tensor], inputs: Sequence[Tensor],
         def on_target(edge: Edge, jacobian: Tensor | None, start: int = start) -> None:
             if jacobian is None:
                 return  # not reached: a zero block
-            flat = jacobian.reshape(jacobian.shape[0], -1)
-            if flat.is_complex():  # real and imaginary parts are two real columns each
-                flat = torch.view_as_real(flat.resolve_conj()).reshape(flat.shape[0], -1)
+            flat = real_columns(jacobian.reshape(jacobian.shape[0], -1))
             if blocks.dtype is not None:  # Grams in the call's widest dtype
                 flat = flat.to(blocks.dtype)
             for index in by_edge[edge]:
@@ -176,9 +174,7 @@ def graph_jacobians(api: str, outputs: Sequence[Tensor], inputs: Sequence[Tensor
     def on_target(edge: Edge, jacobian: Tensor | None) -> None:
         if jacobian is None:
             return
-        flat = jacobian.reshape(jacobian.shape[0], -1)
-        if flat.is_complex():
-            flat = torch.view_as_real(flat.resolve_conj()).reshape(flat.shape[0], -1)
+        flat = real_columns(jacobian.reshape(jacobian.shape[0], -1))
         for index in by_edge[edge]:
             found[index] = flat
 
@@ -203,6 +199,21 @@ def _check_no_reentrant_checkpoint(api: str, plan: WalkPlan) -> None:
                  "are hidden from the graph",
                  "Use torch.utils.checkpoint(..., use_reentrant=False), which this walk "
                  "supports.")
+
+
+def real_columns(flat: Tensor) -> Tensor:
+    """Rows ``[c, n]`` of a Jacobian with real columns: a complex entry's parts are two.
+
+    A lazily conjugated tensor is resolved first (``view_as_real`` refused it, session 60's
+    hunt).
+
+    Example:
+        >>> real_columns(torch.tensor([[1 + 2j, 3 - 1j]]).conj())
+        tensor([[ 1., -2.,  3.,  1.]])
+    """
+    if not flat.is_complex():
+        return flat
+    return torch.view_as_real(flat.resolve_conj()).reshape(flat.shape[0], -1)
 
 
 def _gram(flat: Tensor, diagonal: bool, start: int, num_rows: int) -> Tensor:
