@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import optree
 import pytest
 import torch
@@ -288,6 +289,33 @@ def test_random_f_whose_samples_interact_is_refused() -> None:
     torch.testing.assert_close(got, dense_gramian(both, (w,)).gramian, atol=TOL, rtol=0)
     # one sample per rank: nothing to compare (a batch of two draws other numbers), answered
     got = simulate(noisy, w, [(x[:1],), (x[1:2],)], seeds=[0, 1], batch_dim=0)
+    assert got.shape == (2, 2)
+
+
+@pytest.mark.parametrize("source", ["numpy global", "generator f holds"])
+def test_one_sample_per_rank_of_an_f_drawing_from_the_host_is_checked_not_coupled(
+        source: str) -> None:
+    """The one-sample check (NOTE [one sample per rank]) evaluates its two batches of two from
+    the same states of every generator the call looks after: it seeded torch's alone, and an
+    ``f`` whose mask comes from numpy was called coupled (session 60's review)."""
+    w = torch.randn(3, dtype=torch.float64)
+    x = torch.randn(2, 3, dtype=torch.float64)
+    rng = np.random.default_rng(0)
+
+    def draw(shape: tuple[int, ...]) -> Tensor:
+        source_of = np.random if source == "numpy global" else rng
+        return torch.from_numpy((source_of.random(shape) < 0.5).astype(np.float64)) * 2
+
+    def noisy_centred(w: Tensor, x: Tensor) -> Tensor:
+        return torch.tanh((x - x.mean(0)) * draw(tuple(x.shape)) @ w)
+
+    def noisy(w: Tensor, x: Tensor) -> Tensor:
+        return torch.tanh((x * draw(tuple(x.shape))) @ w)
+
+    np.random.seed(0)
+    with pytest.raises(ValueError, match="samples interact"):
+        simulate(noisy_centred, w, [(x[:1],), (x[1:],)], batch_dim=0)
+    got = simulate(noisy, w, [(x[:1],), (x[1:],)], batch_dim=0)
     assert got.shape == (2, 2)
 
 

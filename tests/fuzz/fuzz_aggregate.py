@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 import torchgram as tg
-from fuzz_arch import Built, FuzzCase, build
+from fuzz_arch import Built, FuzzCase, build, seed_draws
 from fuzz_check import (
     OWN_ROUND_OFF,
     TOLERANCE,
@@ -47,7 +47,7 @@ def check_aggregated(case: FuzzCase, backend: str) -> str:
     built = build(case)
     expected = oracle(case)
     options = {name: value for name, value in built.options.items() if name != "diagonal"}
-    torch.manual_seed(case.seed)  # random ops: the oracle and the call see the same draw
+    seed_draws(case.seed)  # random ops: the oracle and the call see the same draw
     snapshot = Snapshot.take(built.args, built.kwargs, built.module)
     try:
         with torch.set_grad_enabled(case.grad_mode != "no_grad"):

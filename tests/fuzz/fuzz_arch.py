@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+import numpy as np
 import optree
 import torch
 import torch.nn.functional as F
@@ -258,9 +259,34 @@ class Gate:
 
 @dataclass(frozen=True)
 class Dropout:
-    """``F.dropout`` in training mode: a random op."""
+    """``F.dropout`` in training mode: a random op.
+
+    ``source``: the mask from torch's generator (``F.dropout``), from numpy's global one, or
+    from :data:`HELD_GENERATOR`, a generator of this module that ``f`` reaches through the
+    globals of the functions it calls (NOTE [host generators], NOTE [generators f holds]).
+    """
 
     p: float = 0.5
+    source: Literal["torch", "numpy", "held"] = "torch"
+
+
+HELD_GENERATOR = np.random.default_rng(0)
+"""The generator a :class:`Dropout` with ``source="held"`` draws from (:func:`seed_draws`)."""
+
+
+def seed_draws(seed: int) -> None:
+    """Seed every generator a case draws from: the oracle and the call see the same draw."""
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    HELD_GENERATOR.bit_generator.state = np.random.default_rng(seed).bit_generator.state
+
+
+def _dropout(layer: Dropout, h: Tensor) -> Tensor:
+    if layer.source == "torch":
+        return F.dropout(h, layer.p, training=True)
+    generator = np.random if layer.source == "numpy" else HELD_GENERATOR
+    keep = generator.random(tuple(h.shape)) >= layer.p
+    return h * torch.from_numpy(keep / (1 - layer.p)).to(h.dtype).to(h.device)
 
 
 @dataclass(frozen=True)
@@ -708,7 +734,7 @@ def _layer(case: FuzzCase, i: int, layer: Layer, h: Tensor, get: Get) -> Tensor:
             return torch.zeros_like(h).index_put((torch.argsort(order, stable=True),), h)
         return h[order]
     if isinstance(layer, Dropout):
-        return F.dropout(h, layer.p, training=True)
+        return _dropout(layer, h)
     raise TypeError(layer)
 
 

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 import torchgram as tg
-from fuzz_arch import Built, FuzzCase, Route, build, draws, rescaled
+from fuzz_arch import Built, FuzzCase, Route, build, draws, rescaled, seed_draws
 from reference import Dense, PreluByDefinition, dense_gramian, weighted_backward
 
 REPEAT_SCALE = 1.5
@@ -117,7 +117,7 @@ def oracle(case: FuzzCase, *, repeated: bool = False, in_case_dtype: bool = Fals
     against torch's). ``eager``: for ``tg.autograd`` on the graph of the case's own call, whose
     nodes are torch's prelu (its walk takes their derivatives, as torch's autograd does).
     """
-    torch.manual_seed(case.seed)  # random ops: the oracle and the call see the same draw
+    seed_draws(case.seed)  # random ops: the oracle and the call see the same draw
     # ... in the case's own dtype: a float32 and a float64 run of the same layers may lay the
     # same random numbers out differently (hunt 7: a float64 oracle of a float32 case with
     # dropout after a grouped conv was another draw; the backends matched the float32 call)
@@ -148,7 +148,7 @@ def plain_update(case: FuzzCase, weights: Tensor) -> Tensor:
     cancellation, amplified by ``1 / sqrt(eps)`` (long fuzz run, seed 5001: 8.7e-6 on terms
     of about 1). Prelu as the oracle runs it (:func:`oracle`).
     """
-    torch.manual_seed(case.seed)  # random ops: the oracle and the call see the same draw
+    seed_draws(case.seed)  # random ops: the oracle and the call see the same draw
     built = build(case)
     g, args = built.oracle()
     with PreluByDefinition() if case.head_extra == "input_gradient" else \
@@ -220,7 +220,7 @@ def check(case: FuzzCase, backend: str) -> str:
 
 def _call(case: FuzzCase, built: Built, backend: str,
           expected: Dense | RefusedInPlace | None) -> str:
-    torch.manual_seed(case.seed)  # random ops: the oracle and the call see the same draw
+    seed_draws(case.seed)  # random ops: the oracle and the call see the same draw
     snapshot = Snapshot.take(built.args, built.kwargs, built.module)
     try:
         result = run(built, backend, no_grad=case.grad_mode == "no_grad")
@@ -392,7 +392,7 @@ def fresh_leaves(built: Built) -> tuple[list[Any], list[Tensor]]:
 def eager_rows(case: FuzzCase, built: Built, args: list[Any], recorded: bool) -> Any:
     """The case's output rows from an eager call on ``args`` (inside ``tg.autograd.record()``
     when ``recorded``): a tensor, or the list of a pytree's leaves; aux dropped."""
-    torch.manual_seed(case.seed)  # random ops: the oracle and the call see the same draw
+    seed_draws(case.seed)  # random ops: the oracle and the call see the same draw
     if recorded:
         with tg.autograd.record():
             out = built.f(*args, **built.kwargs)

@@ -219,7 +219,7 @@ def _layer(draw: st.DrawFn, backend: str, width: int, length: int, tokens: Token
         return Gate(mix=draw(st.sampled_from(["mean", "roll"])),
                     form=draw(st.sampled_from(["where", "masked_fill", "relu"])))
     if kind == "dropout":
-        return Dropout(p=0.5)
+        return Dropout(p=0.5, source=draw(st.sampled_from(["torch", "numpy", "held"])))
     kind = draw(st.sampled_from(["tanh", "relu", "gelu", "sigmoid", "softplus", "silu"]))
     return Activation(kind=kind, inplace=in_place and kind in IN_PLACE_KINDS
                       and draw(st.booleans()))

@@ -73,6 +73,7 @@ before, 29.2 after; a cached one 7.5 and 7.1 (medians of 20 calls, alternating).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import types
@@ -175,8 +176,11 @@ def captured_roots(f: Any, args: Any) -> dict[int, Tensor]:
 
 def reach(f: Any, args: Any, on_tensor: Callable[[Tensor], None],
           on_module: Callable[[nn.Module], None], *, budget: int | None = None,
-          width: int = _WIDTH, tensor_containers: bool = True) -> None:
+          width: int = _WIDTH, tensor_containers: bool = True,
+          on_object: Callable[[Any], None] | None = None) -> None:
     """Call ``on_tensor`` / ``on_module`` on what ``f`` captured or received.
+
+    ``on_object``, when given, is called on every other object visited.
 
     Its arguments ``args``, and what its closure, bound instance, defaults and the globals its
     code names hold, through containers (of at most ``width`` items), partials, nested
@@ -195,19 +199,27 @@ def reach(f: Any, args: Any, on_tensor: Callable[[Tensor], None],
     for _ in range(_DEPTH + 1):
         following: list[Any] = []
         for obj in level:
-            if id(obj) in seen or isinstance(obj, _NOT_FOLLOWED):
+            try:  # by its class: an object's own __class__ or __getattr__ is not run
+                if id(obj) in seen or issubclass(type(obj), _NOT_FOLLOWED):
+                    continue
+                kind = Tensor if issubclass(type(obj), Tensor) else nn.Module \
+                    if issubclass(type(obj), nn.Module) else object
+            except Exception:  # noqa: BLE001 -- a class whose metaclass cannot answer
                 continue
             seen[id(obj)] = obj
             visited += 1
             if budget is not None and visited > budget:
                 return
-            if isinstance(obj, Tensor):
+            if kind is Tensor:
                 on_tensor(obj)
                 continue
-            if isinstance(obj, nn.Module):
+            if kind is nn.Module:
                 on_module(obj)
+            elif on_object is not None:
+                on_object(obj)
             if budget is None or len(following) < budget:  # else it would not be visited
-                _queue_held(obj, following, width, tensor_containers)
+                with contextlib.suppress(Exception):  # what cannot be read is not followed
+                    _queue_held(obj, following, width, tensor_containers)
         level = following
 
 
@@ -215,23 +227,77 @@ _NOT_FOLLOWED = (str, bytes, int, float, bool, types.ModuleType, type)
 
 
 def _queue_held(obj: Any, following: list[Any], width: int, tensor_containers: bool) -> None:
-    """Queue in ``following`` what ``obj`` (not a tensor) holds."""
-    if isinstance(obj, nn.Module):
+    """Queue in ``following`` what ``obj`` (not a tensor) holds.
+
+    Read by ``obj``'s class and the built-in types' own methods: a class's properties,
+    ``__getattr__`` or a container subclass's ``values()`` are user code, which a walk must not
+    run (a lazy mapping imported every model of ``transformers``; the review of session 61).
+    """
+    kind = type(obj)
+    if issubclass(kind, nn.Module):
         following.append(vars(obj).get("forward"))
-    elif isinstance(obj, dict) and len(obj) <= width:
-        if tensor_containers or not _tensors_only(obj):
-            following.extend(obj.values())
-    elif isinstance(obj, (list, tuple, set, frozenset)) and len(obj) <= width:
-        if tensor_containers or not _tensors_only(obj):
-            following.extend(obj)
-    elif isinstance(obj, functools.partial):
+    elif issubclass(kind, (dict, list, tuple, set, frozenset)):
+        if len(obj) <= width and (tensor_containers or not _tensors_only(obj)):
+            following.extend(contents(obj))
+    elif issubclass(kind, functools.partial):
         following.append((obj.func, obj.args, obj.keywords))
-    elif isinstance(obj, types.MethodType):
+    elif issubclass(kind, types.MethodType):
         following.append((obj.__self__, obj.__func__))
-    elif isinstance(obj, types.FunctionType):
+    elif issubclass(kind, types.FunctionType):
         following.extend(_held_by_function(obj))
-    elif hasattr(obj, "__dict__"):  # a callable object, or one holding state (a helper of f
-        following.append(vars(obj))  # keeping buffers in a global object's list)
+    elif kind.__dictoffset__ != 0:  # a callable object, or one holding state (a helper of f
+        attributes = object.__getattribute__(obj, "__dict__")  # keeping buffers in a list)
+        if type(attributes) is dict:
+            following.append(attributes)
+    else:  # an object with __slots__ (a dataclass(slots=True) of settings)
+        following.extend(slot_values(obj))
+
+
+def contents(container: Any) -> list[Any]:
+    """The values of a dict or the items of a list, tuple or set, by the built-in types' methods.
+
+    A subclass's ``values()`` or ``__iter__`` is user code (``transformers``' lazy mappings
+    import every model's module there; the review of session 61).
+    """
+    if isinstance(container, dict):
+        return list(dict.values(container))
+    if isinstance(container, tuple):
+        return list(tuple.__iter__(container))
+    if isinstance(container, list):
+        return list(list.__iter__(container))
+    return list(set.__iter__(container) if isinstance(container, set)
+                else frozenset.__iter__(container))
+
+
+def slot_values(obj: Any) -> list[Any]:
+    """The values of ``obj``'s slots that are set, read through the slots' own descriptors.
+
+    A property or ``__getattr__`` of the class is not run.
+    """
+    values = []
+    for klass in type(obj).__mro__:
+        for name in slot_names(klass):
+            descriptor = vars(klass).get(name)
+            if isinstance(descriptor, types.MemberDescriptorType):
+                with contextlib.suppress(AttributeError):  # not set
+                    values.append(descriptor.__get__(obj, type(obj)))
+    return values
+
+
+def slot_names(klass: type) -> tuple[str, ...]:
+    """The attribute names of a class's ``__slots__`` (private ones mangled), if any.
+
+    Example:
+        >>> class Settings:
+        ...     __slots__ = ("rate", "__seed")
+        >>> slot_names(Settings)
+        ('rate', '_Settings__seed')
+    """
+    slots = vars(klass).get("__slots__", ())
+    names = (slots,) if isinstance(slots, str) else tuple(slots)
+    return tuple(f"_{klass.__name__.lstrip('_')}{name}"
+                 if name.startswith("__") and not name.endswith("__") else name
+                 for name in names)
 
 
 def _tensors_only(items: Sequence[Any] | Any) -> bool:
@@ -241,12 +307,12 @@ def _tensors_only(items: Sequence[Any] | Any) -> bool:
     into (a module between two tensors was missed when only the ends counted; the review of
     session 60).
     """
-    values = list(items.values()) if isinstance(items, dict) else list(items)
+    values = contents(items)
     if not values:
         return False
     if len(values) > _CHECKED_ITEMS:
         values = [values[0], values[len(values) // 2], values[-1]]
-    return all(isinstance(value, Tensor) for value in values)
+    return all(issubclass(type(value), Tensor) for value in values)
 
 
 _CHECKED_ITEMS = 256

@@ -25,13 +25,25 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, TypeVar, cast
+from typing import Any, NamedTuple, TypeVar, cast
 
 from torch import Tensor, nn
 from torch.nn.modules.lazy import LazyModuleMixin
 
 from torchgram._core.captured_writes import reach
 from torchgram._core.checks import fail
+from torchgram._core.generator_search import (
+    CODE,
+    MODULE_INTERNALS,
+    PLAIN,
+    global_hook_functions,
+    hook_functions,
+    is_generator,
+    items_of,
+    may_hold,
+    named_by_calls,
+)
+from torchgram._core.rng import global_generators
 
 Fn = TypeVar("Fn", bound=Callable[..., Any])
 
@@ -44,9 +56,21 @@ _WIDTH = 1024
 a limit of 64 missed it, session 60's review; an ``nn.ModuleList`` is a module)."""
 
 
-def hooked_attributes(api: str, f: Any,
-                      args: Sequence[Any] = ()) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    """The attributes of the modules with forward hooks ``f`` reaches, and copies of them.
+class Reached(NamedTuple):
+    """What the walk from ``f`` and its arguments found that a call must look after.
+
+    Attributes:
+        hooked: The attributes of the modules with forward hooks, and copies of them (NOTE
+            [tensors hooks set]).
+        generators: The host generators ``f`` holds (NOTE [generators f holds]).
+    """
+
+    hooked: list[tuple[dict[str, Any], dict[str, Any]]]
+    generators: tuple[Any, ...]
+
+
+def reached(api: str, f: Any, args: Sequence[Any] = ()) -> Reached:
+    """The hooked modules' attributes and the generators that ``f`` reaches.
 
     From ``f`` (its closure, bound instance, defaults, globals) and its arguments ``args`` (a
     sequence, each one walked), containers of tensors only left out (parameter dicts, a
@@ -55,23 +79,77 @@ def hooked_attributes(api: str, f: Any,
     (NOTE [lazy modules]).
 
     Example:
-        >>> import torch
-        >>> layer = torch.nn.Linear(2, 2)
+        >>> import random, torch
+        >>> layer, rng = torch.nn.Linear(2, 2), random.Random(0)
         >>> _ = layer.register_forward_pre_hook(lambda module, inputs: None)
-        >>> [copy is not attributes for attributes, copy in hooked_attributes("api", layer)]
+        >>> found = reached("api", lambda x: layer(x) * rng.random())
+        >>> [copy is not attributes for attributes, copy in found.hooked]
         [True]
+        >>> found.generators == (rng,)
+        True
     """
     modules: dict[int, nn.Module] = {}
+    generators: dict[int, Any] = {}
+    classes: set[type] = set()
+    held: list[Any] = []  # what modules and functions hold beyond parameters and submodules
+    looked: dict[int, Any] = {}  # (the objects themselves: ids of freed ones are reused)
 
     def add(module: nn.Module) -> None:
         for sub in module.modules():
-            modules.setdefault(id(sub), sub)
+            if id(sub) in modules:
+                continue
+            modules[id(sub)] = sub
+            for name, value in vars(sub).items():  # a generator kept as a module's attribute
+                try:
+                    if name in MODULE_INTERNALS or type(value) in PLAIN:  # most: a flag, a size
+                        continue
+                except TypeError:  # a class whose metaclass defines __eq__ without __hash__
+                    continue
+                if is_generator(value):
+                    add_generator(value)
+                elif may_hold(value):  # a list of generators, a helper object
+                    look_into(value)
+            if sub._forward_pre_hooks or sub._forward_hooks:  # a random mask's hook
+                add_named(named_by_calls(hook_functions(sub)))
+            kind = type(sub)
+            if kind not in classes:  # what its forward names, and the helpers it calls
+                classes.add(kind)
+                mro = tuple(klass for klass in kind.__mro__ if klass not in _BASES)
+                add_named([value for klass in mro for value in vars(klass).values()
+                           if type(value) not in CODE and is_generator(value)])
+                add_named(named_by_calls([_own_attribute(kind, "forward")], mro))
 
+    def add_named(values: list[Any]) -> None:
+        for value in values:
+            if is_generator(value):
+                add_generator(value)
+            elif may_hold(value):
+                look_into(value)
+
+    def look_into(value: Any) -> None:
+        if id(value) in looked:  # a config object every layer holds
+            return
+        looked[id(value)] = value
+        for item in items_of(value, _WIDTH):  # right inside it: whatever the budget
+            if is_generator(item):
+                add_generator(item)
+        held.append(value)
+
+    def add_generator(obj: Any) -> None:
+        if is_generator(obj) and obj not in global_ones:
+            generators.setdefault(id(obj), obj)
+
+    global_ones = global_generators()
     # Modules sit near f (a closure cell, a global, self): a bounded walk, which a closure
     # over a dataset of records does not make slow (the full walk: 18 ms a call for 4000
-    # records, session 60's review).
+    # records, session 60's review). Then what f's calls name, what the modules found hold and
+    # their classes' code names (NOTE [generators f holds]), within a budget of their own.
     reach(f, args, lambda tensor: None, add, budget=_BUDGET, width=_WIDTH,
-          tensor_containers=False)
+          tensor_containers=False, on_object=add_generator)
+    add_named(named_by_calls([f, *global_hook_functions()]))
+    if held:
+        reach(None, held, lambda tensor: None, add, budget=_HELD_BUDGET, width=_WIDTH,
+              tensor_containers=False, on_object=add_generator)
     lazy = next((module for module in modules.values()
                  if isinstance(module, LazyModuleMixin) and module.has_uninitialized_params()),
                 None)
@@ -82,7 +160,24 @@ def hooked_attributes(api: str, f: Any,
              "initialisation's writes)", "Run the model once on a batch (model(x)) first; a "
              "lazy layer that no forward calls stays uninitialised: call it once on its own, "
              "or remove it.")
-    return hooked_snapshot(modules.values())
+    return Reached(hooked_snapshot(modules.values()), tuple(generators.values()))
+
+
+_HELD_BUDGET = 128
+"""Objects the second walk visits at most, among what the modules and f's calls hold (a
+model's config object is one, with its hundred settings)."""
+_BASES = (nn.Module, object)
+
+
+def _own_attribute(kind: type, name: str) -> Any:
+    """A class's attribute as its class dict holds it (a descriptor is not called).
+
+    A scripted module's ``forward`` raises when it is (the review of session 61).
+    """
+    for klass in kind.__mro__:
+        if name in vars(klass):
+            return vars(klass)[name]
+    return None
 
 
 def hooked_snapshot(modules: Iterable[nn.Module]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
@@ -106,16 +201,18 @@ def hooked_snapshot(modules: Iterable[nn.Module]) -> list[tuple[dict[str, Any], 
 
 
 @contextlib.contextmanager
-def hooked_attributes_put_back(api: str, f: Any, args: Sequence[Any] = ()) -> Iterator[None]:
+def hooked_attributes_put_back(api: str, f: Any,
+                               args: Sequence[Any] = ()) -> Iterator[tuple[Any, ...]]:
     """Around a call: what forward hooks set on the modules ``f`` reaches is put back after it.
 
     NOTE [tensors hooks set]; ``args``: the call's arguments, which may hold modules too.
+    Gives the generators ``f`` holds, found by the same walk (NOTE [generators f holds]).
     """
-    hooked = hooked_attributes(api, f, args)
+    found = reached(api, f, args)
     try:
-        yield
+        yield found.generators
     finally:
-        for attributes, before in hooked:
+        for attributes, before in found.hooked:
             put_back_tensors(attributes, before)
 
 

@@ -70,6 +70,7 @@ from torchgram._core.errors import (
     reentrant_checkpoint_refused,
     unseen_calls_refused,
 )
+from torchgram._core.hooked_modules import reached
 from torchgram._core.options import InDims, Options
 from torchgram._core.pytree import DiffLeaves, leaves_of, select_diff_leaves
 from torchgram._core.rng import RngState
@@ -229,7 +230,16 @@ class Draw:
     def __init__(self, start: RngState) -> None:
         self.start = start
         self.end: RngState | None = None
+        self._end_moved = False  # whether ``end`` differs from ``start`` (set with ``end``)
         self._explicit: dict[int, ExplicitGenerator] = {}
+
+    @property
+    def generators(self) -> tuple[Any, ...]:
+        """The host generators ``f`` holds that this draw looks after.
+
+        NOTE [generators f holds].
+        """
+        return () if self.start.host is None else self.start.host.generators
 
     def adopt(self, generator: torch.Generator) -> None:
         """Handle ``generator`` (one ``f`` draws from explicitly) like the default ones.
@@ -265,10 +275,13 @@ class Draw:
             generator.set_state(kept.end if end and kept.end is not None else kept.start)
 
     @classmethod
-    def capture(cls, devices: Iterable[torch.device]) -> Draw:
-        """The draw of a call starting now."""
+    def capture(cls, devices: Iterable[torch.device], owned: tuple[Any, ...] = ()) -> Draw:
+        """The draw of a call starting now.
+
+        ``owned``: the generators ``f`` holds (NOTE [generators f holds]).
+        """
         with RNG_LOCK:
-            return cls(RngState.capture(devices))
+            return cls(RngState.capture(devices, owned=owned))
 
     @contextlib.contextmanager
     def evaluation(self, *, full: bool, check: bool = False,
@@ -299,7 +312,8 @@ class Draw:
     def after_full_evaluation(self) -> None:
         """Remember where a plain call of ``f`` leaves the generators (the first time)."""
         if self.end is None:
-            self.end = RngState.capture(device for device, _ in self.start.accelerators)
+            self.end = self.start.again()
+            self._end_moved = not self.end.same_as(self.start)  # both fixed from now on
         for kept, generator in self._live():
             if kept.end is None:
                 kept.end = generator.get_state()
@@ -309,7 +323,7 @@ class Draw:
         """Whether a full evaluation of ``f`` drew random numbers (``None``: none ran yet)."""
         if self.end is None:
             return None
-        return not self.end.same_as(self.start) or any(
+        return self._end_moved or any(
             kept.end is not None and not torch.equal(kept.end, kept.start)
             for kept, _ in self._live())
 
@@ -321,12 +335,12 @@ class Draw:
         """
         if self.random is not None:
             return self.random
-        now = RngState.capture(device for device, _ in self.start.accelerators)
+        now = self.start.again()
         return not now.same_as(self.start) or self._explicit_moved()
 
     def check_no_draw(self) -> None:
         """Raise :class:`NotPerSample` if the evaluation that just ran drew random numbers."""
-        now = RngState.capture(device for device, _ in self.start.accelerators)
+        now = self.start.again()
         if not now.same_as(self.start) or self._explicit_moved():
             raise NotPerSample("f draws random numbers (dropout, ...): one sample at a time it "
                                "would see other draws than the batch's", random=True)
@@ -808,7 +822,7 @@ _WHOLE_BATCH = LruCache[bool](maxsize=256)
 def build_problem(options: Options, f: Callable[..., Any], args: tuple[Any, ...],
                   kwargs: Mapping[str, Any], *, want_pullback: bool = False,
                   probe_with_grad: bool = False, fresh: bool = False,
-                  planning: bool = False) -> Problem:
+                  planning: bool = False, generators: tuple[Any, ...] | None = None) -> Problem:
     """Validate a call's arguments against the options and describe it as a :class:`Problem`.
 
     Raises the call-time errors (argnums out of range, no leaf to differentiate, bad
@@ -825,6 +839,8 @@ def build_problem(options: Options, f: Callable[..., Any], args: tuple[Any, ...]
         fresh: Probe ``f`` even if a probe of this signature is cached (it was stale).
         planning: The call only plans (``tg.explain``): parameters on the meta device, which
             have shapes but no values, are accepted.
+        generators: The host generators ``f`` holds, where the caller's walk found them
+            (NOTE [generators f holds]); ``None``: walk from ``f`` and the arguments here.
     """
     api = options.api
     argnums = resolve_argnums(api, options.argnums, len(args))
@@ -858,7 +874,9 @@ def build_problem(options: Options, f: Callable[..., Any], args: tuple[Any, ...]
     batch = (None if options.batch_dim is None
              else make_batch_spec(api, args, argnums, options.batch_dim, options.in_dims,
                                   kwargs))
-    draw = Draw.capture(_devices(args, kwargs))
+    if generators is None:  # NOTE [generators f holds]: the caller did not walk
+        generators = reached(api, f, (*args, *kwargs.values())).generators
+    draw = Draw.capture(_devices(args, kwargs), generators)
     key = _probe_key(f, args, kwargs, diff, options.has_aux, batch, composition)
     probe = None if fresh else _PROBES.get(key)
     look_unseen = composition.may_be_differentiated  # NOTE [unseen calls]

@@ -26,11 +26,27 @@ ints): two captures and two comparisons a call and a restore before the first ev
 evaluation when ``f`` draws. (Skipping the first restore broke the kernels: their second
 input set's first evaluation started where the first set's left numpy: 0.76-1.0 off, the
 review of session 60.)
-Generators ``f`` holds of its own (``np.random.default_rng()``, ``random.Random()``) are
-not seen: they still draw anew on each evaluation, which auto, structured and graph see as
-samples that interact (the whole batch's rows: right) and jacobian and ntvp do not (session
-60's review: 0.5-0.9 off there). Threads that draw from the host's global generators while a
-call runs are as exposed as those drawing from torch's (NOTE [threads]).
+Threads that draw from the host's global generators while a call runs are as exposed as
+those drawing from torch's (NOTE [threads]).
+
+# NOTE [generators f holds]
+Generators of its own that ``f`` holds (``rng = np.random.default_rng(0)`` in a closure or a
+global, a ``np.random.RandomState``, a ``random.Random``, a module's attribute) drew anew on
+each evaluation: every backend but graph returned a Gramian that matched no single draw
+(session 61: an MLP with a mask from ``default_rng``: 0.09-0.23 off on auto and structured with
+``batch_dim``, 0.3-0.6 on jacobian and ntvp; session 60's review had found jacobian and ntvp).
+The walk that looks for hooked modules (NOTE [tensors hooks set]: f's closure, bound instance,
+defaults, the globals its code names, its arguments; bounded) collects them, and so do the
+modules it finds: their attributes (containers and objects there) and forward hooks (within a
+budget of their own), their classes' attributes and what their ``forward`` names, through the
+helper functions it calls (torch's left out; the review of session 61 and the fuzzers' dropout
+drawing from a generator of their module: 0.3-2.6 off before, with a generator in those places
+or of a subclass of ``random.Random``); objects with ``__slots__`` are looked into. The call's
+``Draw`` captures, restores and compares their states with the host's global generators': every
+evaluation draws what a plain call would, the call ends where a plain call leaves them, and
+``f`` counts as drawing (jacobian and ntvp decline, as for dropout). A generator beyond the
+walk's bound (deep in a large container) is not seen; one that ``f`` reaches and another thread
+draws from is as exposed as the global ones (NOTE [threads]).
 
 # NOTE [explicit generators]
 ``f`` may draw from a ``torch.Generator`` of its own (``torch.bernoulli(p, generator=gen)``,
@@ -90,23 +106,106 @@ class HostRngState:
 
     python: Any
     numpy: dict[str, Any] | None
+    owned: tuple[tuple[Any, Any], ...] = ()
+    """The generators ``f`` holds, each with its state (NOTE [generators f holds])."""
 
     @classmethod
-    def capture(cls) -> HostRngState:
-        """The current state (numpy's: ``None`` while numpy is not imported)."""
+    def capture(cls, owned: tuple[Any, ...] = ()) -> HostRngState:
+        """The current state (numpy's: ``None`` while numpy is not imported), and ``owned``'s."""
         numpy = sys.modules.get("numpy")
         return cls(random.getstate(),
-                   None if numpy is None else numpy.random.get_state(legacy=False))
+                   None if numpy is None else numpy.random.get_state(legacy=False),
+                   tuple((generator, _state_of(generator)) for generator in owned))
+
+    @property
+    def generators(self) -> tuple[Any, ...]:
+        """The generators ``f`` holds whose states this holds."""
+        return tuple(generator for generator, _ in self.owned)
 
     def restore(self) -> None:
         """Put the generators back in this state."""
         random.setstate(self.python)
         if self.numpy is not None:
             sys.modules["numpy"].random.set_state(self.numpy)
+        for generator, state in self.owned:
+            _set_state(generator, state)
 
     def same_as(self, other: HostRngState) -> bool:
         """Whether no random number was drawn between ``self`` and ``other``."""
-        return self.python == other.python and _same_numpy_state(self.numpy, other.numpy)
+        return self.python == other.python and _same_numpy_state(
+            self.numpy, other.numpy) and len(self.owned) == len(other.owned) and all(
+            a is b and _same_numpy_state(x, y)
+            for (a, x), (b, y) in zip(self.owned, other.owned, strict=True))
+
+
+def is_own_generator(obj: Any) -> bool:
+    """Whether ``obj`` is a host generator other than the global ones (NOTE [generators f holds]).
+
+    A numpy ``Generator``, ``RandomState`` or bit generator, or a ``random.Random`` (or an
+    instance of a subclass; not ``random.SystemRandom``, which has no state to restore); not
+    Python's and numpy's global instances, which :class:`HostRngState` captures anyway.
+
+    Example:
+        >>> is_own_generator(random.Random(0)), is_own_generator(random.random.__self__)
+        (True, False)
+        >>> is_own_generator(random.SystemRandom())
+        False
+    """
+    return generator_class(type(obj)) and obj not in global_generators()
+
+
+GENERATOR_CLASSES: dict[type, bool] = {}
+"""Whether each class met is a generator's: asked for every attribute of every module a call
+reaches, so one dict lookup a value."""
+
+
+_KNOWN_CLASSES = 4096
+
+
+def generator_class(kind: type) -> bool:
+    """Whether instances of ``kind`` are host generators (:func:`is_own_generator`)."""
+    known = GENERATOR_CLASSES.get(kind)
+    if known is not None:
+        return known
+    numpy = sys.modules.get("numpy")
+    bases: tuple[type, ...] = (random.Random,) if numpy is None else (
+        random.Random, numpy.random.Generator, numpy.random.RandomState,
+        numpy.random.BitGenerator)
+    found = issubclass(kind, bases) and not issubclass(kind, random.SystemRandom)
+    if len(GENERATOR_CLASSES) >= _KNOWN_CLASSES:  # classes made on the fly (fx, type()): bounded
+        GENERATOR_CLASSES.clear()
+    GENERATOR_CLASSES[kind] = found  # (a numpy class exists only once numpy is imported)
+    return found
+
+
+def global_generators() -> tuple[Any, ...]:
+    """Python's global generator, and numpy's once numpy is imported."""
+    python = random.random.__self__  # type: ignore[attr-defined]
+    numpy = sys.modules.get("numpy")
+    return (python,) if numpy is None else (python, numpy.random.random.__self__)
+
+
+def _state_of(generator: Any) -> Any:
+    """The state of a generator :func:`is_own_generator` accepts."""
+    if isinstance(generator, random.Random):
+        return generator.getstate()
+    if hasattr(generator, "bit_generator"):  # a numpy Generator
+        return generator.bit_generator.state
+    if hasattr(generator, "get_state"):  # a RandomState (its cached Gaussian included)
+        return generator.get_state(legacy=False)
+    return generator.state  # a bit generator
+
+
+def _set_state(generator: Any, state: Any) -> None:
+    """Put a generator :func:`is_own_generator` accepts back in ``state``."""
+    if isinstance(generator, random.Random):
+        generator.setstate(state)
+    elif hasattr(generator, "bit_generator"):
+        generator.bit_generator.state = state
+    elif hasattr(generator, "set_state"):
+        generator.set_state(state)
+    else:
+        generator.state = state
 
 
 def _same_numpy_state(a: Any, b: Any) -> bool:
@@ -140,11 +239,13 @@ class RngState:
     host: HostRngState | None = None
 
     @classmethod
-    def capture(cls, devices: Iterable[torch.device], *, host: bool = True) -> RngState:
+    def capture(cls, devices: Iterable[torch.device], *, host: bool = True,
+                owned: tuple[Any, ...] = ()) -> RngState:
         """The current state.
 
         ``devices``: the accelerators whose generators matter; ``host``: Python's and numpy's
-        global generators too (NOTE [host generators]).
+        global generators too (NOTE [host generators]), and the generators ``owned`` that ``f``
+        holds (NOTE [generators f holds]).
         """
         states = []
         for device in dict.fromkeys(devices):
@@ -153,7 +254,13 @@ class RngState:
                 index = device.index if device.index is not None else module.current_device()
                 states.append((torch.device(device.type, index), module.get_rng_state(index)))
         return cls(torch.get_rng_state(), tuple(states),
-                   HostRngState.capture() if host else None)
+                   HostRngState.capture(owned) if host else None)
+
+    def again(self) -> RngState:
+        """The state now, of the generators this one holds."""
+        return RngState.capture((device for device, _ in self.accelerators),
+                                host=self.host is not None,
+                                owned=() if self.host is None else self.host.generators)
 
     def restore(self) -> None:
         """Put the generators back in this state."""

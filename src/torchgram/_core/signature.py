@@ -86,6 +86,8 @@ def identity(obj: Any) -> int | tuple[str, int]:
 
 def _forget_serial(key: int, ref: weakref.ref[Any]) -> None:
     """Weak-reference callback: ``ref``'s object died; free its id's entry (if still its)."""
+    if _SERIALS_LOCK is None:  # the interpreter is shutting down: this module's globals are gone
+        return
     with _SERIALS_LOCK:
         known = _SERIALS.get(key)
         if known is not None and known[0] is ref:

@@ -317,7 +317,8 @@ def _joined(left: Problem, right: Problem) -> Problem:
                    in zip(batch1.tensors, batch2.tensors, batch1.dims, strict=True))
     args, kwargs = replace_input_leaves(left.args, left.kwargs, batch1.positions, joined)
     try:
-        joint = build_problem(left.options, left.f, args, kwargs, fresh=True)  # never stale
+        joint = build_problem(left.options, left.f, args, kwargs, fresh=True,  # never stale
+                              generators=left.draw.generators)
         check_tiles(joint, (left, right), eager=True)  # the graph walk's own autograd
     except NotPerSample as why:
         raise cannot(f"whose joined batch does not compute each set's rows ({why.reason})") \

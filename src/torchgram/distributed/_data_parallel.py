@@ -247,6 +247,9 @@ def _local_work(local: Local, options: Options, f: Callable[..., Any], args: tup
 # on a batch of two than on the batch of one, so the comparison is between two batches of
 # two (the second sample changed twice) drawn from the same states, under several states:
 # one draw can hide an interaction (dropout zeroing every path between the two samples).
+# "The same states" are those of every generator the call looks after (torch's, the host's
+# and those f holds: NOTE [host generators], NOTE [generators f holds]); seeding torch's alone
+# left an f drawing from numpy coupled, and its call on the dense path (session 60's review).
 
 def _one_sample_check(problem: Problem, alone: Tensor) -> Alone:
     """Whether a second sample leaves this rank's one sample's outputs alone.
@@ -270,15 +273,18 @@ def _one_sample_check(problem: Problem, alone: Tensor) -> Alone:
     if not random:
         return "coupled" if _moved(_first_sample_rows(problem, seconds[0], alone.dtype),
                                    alone) else "checked"
-    devices = [t.device for t in batch.tensors if t.device.type != "cpu"]
-    with RNG_LOCK, torch.random.fork_rng(devices=devices):  # the call's state comes back
-        for seed in range(RANDOM_CHECK_DRAWS):
-            rows = []
-            for second in seconds:
-                torch.manual_seed(seed)
-                rows.append(_first_sample_rows(problem, second, alone.dtype, draw=False))
-            if _moved(rows[0], rows[1]):
-                return "coupled"
+    with RNG_LOCK:
+        entry = problem.draw.start.again()  # every generator the call looks after, as now
+        try:
+            for _ in range(RANDOM_CHECK_DRAWS):  # each round from where the last one left
+                state, rows = entry.again(), []
+                for second in seconds:
+                    state.restore()
+                    rows.append(_first_sample_rows(problem, second, alone.dtype, draw=False))
+                if _moved(rows[0], rows[1]):
+                    return "coupled"
+        finally:
+            entry.restore()  # the call's state comes back
     return "checked"
 
 

@@ -199,12 +199,13 @@ class EmpiricalNTK:
         refuse_lazy_tensors(_API, (x1, x2, params, kwargs))  # NOTE [lazy modules]
         x1, x2, params, kwargs = without_inference_tensors((x1, x2, params, kwargs))
         arguments = (x1, x2, params, *kwargs.values())
-        with hooked_attributes_put_back(_API, self.f, arguments):  # NOTE [tensors hooks set]
+        # NOTE [tensors hooks set], NOTE [generators f holds]
+        with hooked_attributes_put_back(_API, self.f, arguments) as generators:
             try:
-                return self._call(x1, x2, params, kwargs, fresh=False)
+                return self._call(x1, x2, params, kwargs, generators, fresh=False)
             except OutputChanged:  # a cached probe went stale: probe afresh, once
                 with output_changes_refused(_API):
-                    return self._call(x1, x2, params, kwargs, fresh=True)
+                    return self._call(x1, x2, params, kwargs, generators, fresh=True)
 
     def _options(self, kwargs: Mapping[str, Any]) -> Options:
         vmap = self.vmap_axes
@@ -218,15 +219,16 @@ class EmpiricalNTK:
                  "Name only keywords the call passes.")
         return self.options.replace(in_dims=(vmap.in_axes, keywords))
 
-    def _call(self, x1: Any, x2: Any, params: Any, kwargs: Mapping[str, Any], *,
-              fresh: bool) -> Tensor:
+    def _call(self, x1: Any, x2: Any, params: Any, kwargs: Mapping[str, Any],
+              generators: tuple[Any, ...], *, fresh: bool) -> Tensor:
         start = time.perf_counter()
         kwargs1, kwargs2 = _split_kwargs(kwargs, x2 is None)
         options = self._options(kwargs1)
-        left = build_problem(options, self.f, (params, x1), kwargs1, fresh=fresh)
+        left = build_problem(options, self.f, (params, x1), kwargs1, fresh=fresh,
+                             generators=generators)
         _check_tensor_output(left)
         right = None if x2 is None else build_problem(options, self.f, (params, x2), kwargs2,
-                                                      fresh=fresh)
+                                                      fresh=fresh, generators=generators)
         if right is not None:
             _check_tensor_output(right)
         shape1 = tuple(left.output.shapes[0])
@@ -391,7 +393,8 @@ def _tile_problem(problem: Problem, args: tuple[Any, ...], kwargs: dict[str, Any
                   fresh: bool) -> Problem:
     """The call on one tile's inputs (probing ``f`` there); ``NotPerSample`` if ``f`` fails."""
     try:
-        return build_problem(problem.options, problem.f, args, kwargs, fresh=fresh)
+        return build_problem(problem.options, problem.f, args, kwargs, fresh=fresh,
+                             generators=problem.draw.generators)
     except (NotPerSample, OutputChanged):
         raise
     except Exception as error:  # noqa: BLE001 -- f fails on a tile (batch-norm of one ...)
