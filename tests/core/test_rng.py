@@ -9,6 +9,7 @@ the generator was left elsewhere than one plain call leaves it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import random
 import sys
@@ -201,20 +202,26 @@ def test_the_host_generators_give_one_draw_or_a_refusal(backend: str, batch_dim:
         assert _host_state(source) == end
 
 
-@pytest.mark.parametrize("backend", ["auto", "structured", "ntvp"])
-def test_a_kernel_between_two_input_sets_of_a_numpy_drawing_f(backend: str) -> None:
-    """Each input set's evaluations start from the call's state: the second set's first
-    evaluation once started where the first set's left numpy (0.76-1.0 off; the review of
-    session 60)."""
+def _two_input_sets(mask_of: Callable[[tuple[int, ...]], Tensor],
+                    ) -> tuple[Tensor, Tensor, Tensor, Callable[[Tensor, Tensor], Tensor]]:
+    """Parameters, two input sets and ``f`` with a mask from ``mask_of``."""
     torch.manual_seed(0)
     w = torch.randn(4, 3, dtype=DOUBLE)
     x1, x2 = torch.randn(5, 4, dtype=DOUBLE), torch.randn(3, 4, dtype=DOUBLE)
-    mask_of = _host_draws("numpy")
 
     def f(w: Tensor, x: Tensor) -> Tensor:
         h = torch.tanh(x @ w)
         return h * mask_of(tuple(h.shape))
 
+    return w, x1, x2, f
+
+
+@pytest.mark.parametrize("backend", ["auto", "structured", "ntvp"])
+def test_a_kernel_between_two_input_sets_of_a_numpy_drawing_f(backend: str) -> None:
+    """Each input set's evaluations start from the call's state: the second set's first
+    evaluation once started where the first set's left numpy (0.76-1.0 off; the review of
+    session 60)."""
+    w, x1, x2, f = _two_input_sets(_host_draws("numpy"))
     np.random.seed(5)
     start = np.random.get_state()
     J1 = torch.func.jacrev(f)(w, x1).reshape(5, 3, -1)
@@ -275,21 +282,15 @@ _FORWARD_RNG: Any = None
 
 
 class _AttributeMask(torch.nn.Module):
-    def __init__(self, generator: Any) -> None:
+    """Draws from a generator kept as its attribute, or as the item of a list attribute."""
+
+    def __init__(self, generator: Any, *, in_list: bool = False) -> None:
         super().__init__()
-        self.rng = generator
+        self.rng = [generator] if in_list else generator
 
     def forward(self, h: Tensor) -> Tensor:
-        return h * _mask(self.rng, tuple(h.shape))
-
-
-class _ListMask(torch.nn.Module):
-    def __init__(self, generator: Any) -> None:
-        super().__init__()
-        self.rngs = [generator]
-
-    def forward(self, h: Tensor) -> Tensor:
-        return h * _mask(self.rngs[0], tuple(h.shape))
+        rng = self.rng[0] if isinstance(self.rng, list) else self.rng
+        return h * _mask(rng, tuple(h.shape))
 
 
 class _ClassMask(torch.nn.Module):
@@ -367,7 +368,7 @@ def _f_holding(generator: Any, held: str,
     if held == "module attribute":
         layer = _AttributeMask(generator)
     elif held == "list attribute of a module":
-        layer = _ListMask(generator)
+        layer = _AttributeMask(generator, in_list=True)
     elif held == "class attribute of a module":
         layer = type("_ThisClassMask", (_ClassMask,), {"rng": generator})()
     elif held == "global a forward names":
@@ -447,15 +448,8 @@ def test_a_generator_f_holds_gives_one_draw_or_a_refusal(
 def test_a_kernel_and_a_step_of_an_f_holding_a_generator_see_one_draw() -> None:
     """NOTE [generators f holds], through ``tg.ntk`` (two input sets, each from the call's
     state) and ``tg.aggregated_grad`` (its ``Jᵀw`` from the Gramian's draw)."""
-    torch.manual_seed(0)
-    w = torch.randn(4, 3, dtype=DOUBLE)
-    x1, x2 = torch.randn(5, 4, dtype=DOUBLE), torch.randn(3, 4, dtype=DOUBLE)
     generator = _own_generator("numpy Generator")
-
-    def f(w: Tensor, x: Tensor) -> Tensor:
-        h = torch.tanh(x @ w)
-        return h * _mask(generator, tuple(h.shape))
-
+    w, x1, x2, f = _two_input_sets(functools.partial(_mask, generator))
     start = _own_state(generator)
     J1 = torch.func.jacrev(f)(w, x1).reshape(5, 3, -1)
     _put_back(generator, start)
