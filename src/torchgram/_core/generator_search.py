@@ -104,13 +104,16 @@ def global_hook_functions() -> list[Callable[..., Any]]:
             *getattr(module, "_global_forward_hooks", {}).values()]
 
 
-def named_by_calls(functions: Iterable[Any], classes: tuple[type, ...] = ()) -> list[Any]:
+def named_by_calls(functions: Iterable[Any], classes: tuple[type, ...] = (),
+                   seen: set[int] | None = None) -> list[Any]:
     r"""What ``functions`` name, and the functions among that name, transitively.
 
     A function names its closure's contents, its defaults, the globals its code (and nested
     code) names, the attributes of ``classes`` it names (``self.helper``) and those of the
     modules it names (``augment.random_mask``). Functions of torch, numpy and torchgram are
-    not looked into, nor their modules' attributes; at most :data:`CALLED_FUNCTIONS`.
+    not looked into, nor their modules' attributes; at most :data:`CALLED_FUNCTIONS`, and
+    none of ``seen`` (the ids of those an earlier search of the same walk looked into, which it
+    extends: the helpers every layer class calls are read once).
 
     Example:
         >>> import random
@@ -122,13 +125,15 @@ def named_by_calls(functions: Iterable[Any], classes: tuple[type, ...] = ()) -> 
     """
     pending: list[tuple[Any, bool]] = [(function, True) for function in functions]
     named: list[Any] = []
-    seen: set[int] = set()
-    while pending and len(seen) < CALLED_FUNCTIONS:
+    seen = set() if seen is None else seen
+    looked_into = 0
+    while pending and looked_into < CALLED_FUNCTIONS:
         value, method = pending.pop(0)
         function = _function_of(value)
         if function is None or id(function) in seen or _in_library(function.__module__):
             continue
         seen.add(id(function))
+        looked_into += 1
         values, methods = _named_by(function, classes if method else ())
         named.extend(values)
         pending.extend((value, False) for value in values if callable(value))

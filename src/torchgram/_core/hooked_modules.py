@@ -93,6 +93,7 @@ def reached(api: str, f: Any, args: Sequence[Any] = ()) -> Reached:
     classes: set[type] = set()
     held: list[Any] = []  # what modules and functions hold beyond parameters and submodules
     looked: dict[int, Any] = {}  # (the objects themselves: ids of freed ones are reused)
+    functions: set[int] = set()  # looked into by named_by_calls (alive: modules hold them)
 
     def add(module: nn.Module) -> None:
         for sub in module.modules():
@@ -110,30 +111,32 @@ def reached(api: str, f: Any, args: Sequence[Any] = ()) -> Reached:
                 elif may_hold(value):  # a list of generators, a helper object
                     look_into(value)
             if sub._forward_pre_hooks or sub._forward_hooks:  # a random mask's hook
-                add_named(named_by_calls(hook_functions(sub)))
+                add_named(named_by_calls(hook_functions(sub), seen=functions))
             kind = type(sub)
             if kind not in classes:  # what its forward names, and the helpers it calls
                 classes.add(kind)
                 mro = tuple(klass for klass in kind.__mro__ if klass not in _BASES)
                 add_named([value for klass in mro for value in vars(klass).values()
                            if type(value) not in CODE and is_generator(value)])
-                add_named(named_by_calls([_own_attribute(kind, "forward")], mro))
+                add_named(named_by_calls([_own_attribute(kind, "forward")], mro,
+                                          seen=functions))
 
-    def add_named(values: list[Any]) -> None:
+    def add_named(values: list[Any]) -> None:  # what code names: one level inside
         for value in values:
             if is_generator(value):
                 add_generator(value)
             elif may_hold(value):
-                look_into(value)
+                look_into(value, deep=False)
 
-    def look_into(value: Any) -> None:
+    def look_into(value: Any, *, deep: bool = True) -> None:
         if id(value) in looked:  # a config object every layer holds
             return
         looked[id(value)] = value
         for item in items_of(value, _WIDTH):  # right inside it: whatever the budget
             if is_generator(item):
                 add_generator(item)
-        held.append(value)
+        if deep:  # what a module holds: walked further, within the budget
+            held.append(value)
 
     def add_generator(obj: Any) -> None:
         if is_generator(obj) and obj not in global_ones:
@@ -146,7 +149,7 @@ def reached(api: str, f: Any, args: Sequence[Any] = ()) -> Reached:
     # their classes' code names (NOTE [generators f holds]), within a budget of their own.
     reach(f, args, lambda tensor: None, add, budget=_BUDGET, width=_WIDTH,
           tensor_containers=False, on_object=add_generator)
-    add_named(named_by_calls([f, *global_hook_functions()]))
+    add_named(named_by_calls([f, *global_hook_functions()], seen=functions))
     if held:
         reach(None, held, lambda tensor: None, add, budget=_HELD_BUDGET, width=_WIDTH,
               tensor_containers=False, on_object=add_generator)
