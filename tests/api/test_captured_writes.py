@@ -9,6 +9,12 @@ refuses before the first write, naming ``tg.functionalize``, which is right ever
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+import threading
+import types
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -482,3 +488,78 @@ def test_a_write_through_a_plain_objects_attributes_is_refused(
         tg.gramian(_counting_rows, backend=backend, batch_dim=batch_dim)(
             p, torch.randn(4, 3, dtype=DOUBLE))
     assert torch.equal(COUNTERS.buffers[0], torch.zeros(2, dtype=DOUBLE))
+
+
+class _Holder:
+    """An object holding the running statistic in its attribute dict."""
+
+    def __init__(self, running: Tensor) -> None:
+        self.running = running
+
+
+class _KeptElsewhere(dict):  # type: ignore[type-arg]
+    """A mapping whose entries live in an attribute (its own dict storage empty)."""
+
+    def __init__(self, running: Tensor) -> None:
+        super().__init__()
+        self.kept = {"running": running}
+
+    def __getitem__(self, key: str) -> Tensor:
+        return self.kept[key]
+
+
+@dataclasses.dataclass(slots=True)
+class _Slotted:
+    running: Tensor
+
+
+def _held(holder: str, running: Tensor) -> tuple[Any, Callable[[Any], Tensor], list[Any]]:
+    """A holder of ``running`` of the kind named, how ``f`` reads it, and what keeps it alive."""
+    if holder == "thread-local":
+        local = threading.local()
+        local.running = running
+        return local, lambda h: h.running, []
+    if holder == "weak proxy":
+        target = _Holder(running)
+        return weakref.proxy(target), lambda h: h.running, [target]
+    if holder == "weak reference":
+        target = _Holder(running)
+        return weakref.ref(target), lambda h: h().running, [target]
+    if holder == "dict subclass keeping its values elsewhere":
+        return _KeptElsewhere(running), lambda h: h["running"], []
+    if holder == "deque":
+        return collections.deque([running]), lambda h: h[0], []
+    if holder == "mapping proxy":
+        return types.MappingProxyType({"running": running}), lambda h: h["running"], []
+    return _Slotted(running), lambda h: h.running, []
+
+
+@pytest.mark.parametrize("holder", ["thread-local", "weak proxy", "weak reference",
+                                    "dict subclass keeping its values elsewhere", "deque",
+                                    "mapping proxy", "slots dataclass"])
+@pytest.mark.parametrize("batch_dim", [None, 0], ids=["dense", "per-sample"])
+def test_a_write_into_a_statistic_behind_any_holder_is_refused(batch_dim: int | None,
+                                                               holder: str) -> None:
+    """NOTE [captured writes], NOTE [walks that run no user code]: the walk of what ``f``
+    captured finds the tensor behind each holder. Reading objects by their class alone (session
+    61, before its review) missed the thread-local and the weak proxy (0.07 to 0.86 off, the
+    caller's statistic changed); the dict subclass, a deque, a mapping proxy, a weak reference
+    and a slots dataclass were missed before the session too (0.19 / 0.86 off)."""
+    clear_caches()
+    torch.manual_seed(0)
+    running = torch.zeros(3, dtype=DOUBLE)
+    held, read, alive = _held(holder, running)
+    w = torch.randn(4, 3, dtype=DOUBLE)
+    x = torch.randn(5, 4, dtype=DOUBLE)
+
+    def f(w: Tensor, x: Tensor) -> Tensor:
+        h = x @ w
+        statistic = read(held)
+        with torch.no_grad():
+            statistic.mul_(0.9).add_(0.1 * h.mean(0))
+        return (h - statistic).pow(2).sum(1)
+
+    with pytest.raises(ValueError, match="writes only into tensors it made"):
+        tg.gramian(f, batch_dim=batch_dim)(w, x)
+    assert torch.equal(running, torch.zeros(3, dtype=DOUBLE))
+    assert alive is not None

@@ -73,10 +73,13 @@ before, 29.2 after; a cached one 7.5 and 7.1 (medians of 20 calls, alternating).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import itertools
+import threading
 import types
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -177,10 +180,13 @@ def captured_roots(f: Any, args: Any) -> dict[int, Tensor]:
 def reach(f: Any, args: Any, on_tensor: Callable[[Tensor], None],
           on_module: Callable[[nn.Module], None], *, budget: int | None = None,
           width: int = _WIDTH, tensor_containers: bool = True,
-          on_object: Callable[[Any], None] | None = None) -> None:
+          on_object: Callable[[Any], None] | None = None, by_class: bool = False) -> None:
     """Call ``on_tensor`` / ``on_module`` on what ``f`` captured or received.
 
-    ``on_object``, when given, is called on every other object visited.
+    ``on_object``, when given, is called on every other object visited. ``by_class``: read
+    objects by their class and the built-in types' own methods, running none of their code
+    (NOTE [walks that run no user code]); else as ``isinstance``, ``vars`` and a container's
+    ``values()`` see them (a proxy as its referent, a mapping subclass by its own view).
 
     Its arguments ``args``, and what its closure, bound instance, defaults and the globals its
     code names hold, through containers (of at most ``width`` items), partials, nested
@@ -199,12 +205,13 @@ def reach(f: Any, args: Any, on_tensor: Callable[[Tensor], None],
     for _ in range(_DEPTH + 1):
         following: list[Any] = []
         for obj in level:
-            try:  # by its class: an object's own __class__ or __getattr__ is not run
-                if id(obj) in seen or issubclass(type(obj), _NOT_FOLLOWED):
+            try:
+                if id(obj) in seen:
                     continue
-                kind = Tensor if issubclass(type(obj), Tensor) else nn.Module \
-                    if issubclass(type(obj), nn.Module) else object
-            except Exception:  # noqa: BLE001 -- a class whose metaclass cannot answer
+                kind = _kind(obj, by_class)
+                if kind is None:
+                    continue
+            except Exception:  # noqa: BLE001 -- a dead proxy, a __class__ that raises
                 continue
             seen[id(obj)] = obj
             visited += 1
@@ -219,38 +226,87 @@ def reach(f: Any, args: Any, on_tensor: Callable[[Tensor], None],
                 on_object(obj)
             if budget is None or len(following) < budget:  # else it would not be visited
                 with contextlib.suppress(Exception):  # what cannot be read is not followed
-                    _queue_held(obj, following, width, tensor_containers)
+                    _queue_held(obj, following, width, tensor_containers, by_class)
         level = following
 
 
 _NOT_FOLLOWED = (str, bytes, int, float, bool, types.ModuleType, type)
+_PROXIES = (weakref.ProxyType, weakref.CallableProxyType)
 
 
-def _queue_held(obj: Any, following: list[Any], width: int, tensor_containers: bool) -> None:
-    """Queue in ``following`` what ``obj`` (not a tensor) holds.
+def _kind(obj: Any, by_class: bool) -> type | None:
+    """``Tensor``, ``nn.Module``, ``object``, or ``None`` for what the walk does not follow.
 
-    Read by ``obj``'s class and the built-in types' own methods: a class's properties,
-    ``__getattr__`` or a container subclass's ``values()`` are user code, which a walk must not
-    run (a lazy mapping imported every model of ``transformers``; the review of session 61).
+    A weak proxy is taken for its referent either way (the caller's model held through one).
     """
+    if by_class and type(obj) not in _PROXIES:
+        klass = type(obj)
+        if issubclass(klass, _NOT_FOLLOWED):
+            return None
+        return Tensor if issubclass(klass, Tensor) else nn.Module \
+            if issubclass(klass, nn.Module) else object
+    if isinstance(obj, _NOT_FOLLOWED):
+        return None
+    return Tensor if isinstance(obj, Tensor) else nn.Module \
+        if isinstance(obj, nn.Module) else object
+
+
+# NOTE [walks that run no user code]
+# The module walk (NOTE [tensors hooks set], NOTE [generators f holds]) visits what modules
+# hold, which a user's code never hands to torchgram: reading it must not run that code. Session
+# 61's review found it importing ~1,190 modules through `transformers`' lazy mappings (their
+# `values()`), raising through a lazy proxy's `__class__` and calling properties and
+# `__getattr__`. It reads objects by their class (`by_class=True`): a dict or a list through
+# the built-in types' methods (and a subclass's own attributes), an object through the
+# `__dict__` its class lays out (`threading.local` and weak proxies through `vars`, which
+# their types answer in C), and slots through their descriptors. The write guards' walk keeps
+# reading as before (`isinstance`, `vars`, a mapping subclass's own `values()`): it must find
+# every tensor `f` can write into, whatever holds it (the review after: a thread-local
+# running mean, a model behind a `weakref.proxy` and a dict subclass keeping its values
+# elsewhere were missed, 0.07-0.86 off, when it read by class).
+
+
+def _queue_held(obj: Any, following: list[Any], width: int, tensor_containers: bool,
+                by_class: bool = False) -> None:
+    """Queue in ``following`` what ``obj`` (not a tensor) holds (``by_class``: :func:`reach`)."""
     kind = type(obj)
-    if issubclass(kind, nn.Module):
+    if _kind(obj, by_class) is nn.Module:
         following.append(vars(obj).get("forward"))
-    elif issubclass(kind, (dict, list, tuple, set, frozenset)):
+    elif issubclass(kind, _CONTAINERS):
         if len(obj) <= width and (tensor_containers or not _tensors_only(obj)):
-            following.extend(contents(obj))
+            following.extend(contents(obj) if by_class
+                             else obj.values() if isinstance(obj, dict | types.MappingProxyType)
+                             else obj)
+        if kind not in _CONTAINERS:  # a subclass keeping its values elsewhere
+            following.extend(_attributes(obj, by_class))
+    elif issubclass(kind, weakref.ref):  # a weak reference (alive: its object)
+        following.append(obj())
     elif issubclass(kind, functools.partial):
         following.append((obj.func, obj.args, obj.keywords))
     elif issubclass(kind, types.MethodType):
         following.append((obj.__self__, obj.__func__))
     elif issubclass(kind, types.FunctionType):
         following.extend(_held_by_function(obj))
-    elif kind.__dictoffset__ != 0:  # a callable object, or one holding state (a helper of f
-        attributes = object.__getattribute__(obj, "__dict__")  # keeping buffers in a list)
-        if type(attributes) is dict:
-            following.append(attributes)
-    else:  # an object with __slots__ (a dataclass(slots=True) of settings)
+    else:  # a callable object, or one holding state (a helper of f keeping buffers in a
+        following.extend(_attributes(obj, by_class))  # list, a dataclass of settings)
         following.extend(slot_values(obj))
+
+
+_CONTAINERS = (dict, list, tuple, set, frozenset, collections.deque, types.MappingProxyType)
+
+
+def _attributes(obj: Any, by_class: bool) -> list[Any]:
+    """``obj``'s attribute dict, as one item to walk (none where it has none)."""
+    try:
+        if not by_class or issubclass(type(obj), (*_PROXIES, threading.local)):
+            attributes = vars(obj)  # (those two types answer it in C)
+        elif type(obj).__dictoffset__ != 0:
+            attributes = object.__getattribute__(obj, "__dict__")  # no __getattribute__ of its
+        else:  # own
+            return []
+    except TypeError:  # no __dict__
+        return []
+    return [attributes] if isinstance(attributes, dict) else []
 
 
 def contents(container: Any) -> list[Any]:
@@ -261,6 +317,10 @@ def contents(container: Any) -> list[Any]:
     """
     if isinstance(container, dict):
         return list(dict.values(container))
+    if isinstance(container, types.MappingProxyType):
+        return list(container.values())
+    if isinstance(container, collections.deque):
+        return list(collections.deque.__iter__(container))
     if isinstance(container, tuple):
         return list(tuple.__iter__(container))
     if isinstance(container, list):

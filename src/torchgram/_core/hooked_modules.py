@@ -148,11 +148,11 @@ def reached(api: str, f: Any, args: Sequence[Any] = ()) -> Reached:
     # records, session 60's review). Then what f's calls name, what the modules found hold and
     # their classes' code names (NOTE [generators f holds]), within a budget of their own.
     reach(f, args, lambda tensor: None, add, budget=_BUDGET, width=_WIDTH,
-          tensor_containers=False, on_object=add_generator)
+          tensor_containers=False, on_object=add_generator, by_class=True)
     add_named(named_by_calls([f, *global_hook_functions()], seen=functions))
     if held:
         reach(None, held, lambda tensor: None, add, budget=_HELD_BUDGET, width=_WIDTH,
-              tensor_containers=False, on_object=add_generator)
+              tensor_containers=False, on_object=add_generator, by_class=True)
     lazy = next((module for module in modules.values()
                  if isinstance(module, LazyModuleMixin) and module.has_uninitialized_params()),
                 None)
