@@ -281,6 +281,12 @@ def seed_draws(seed: int) -> None:
     HELD_GENERATOR.bit_generator.state = np.random.default_rng(seed).bit_generator.state
 
 
+def host_draw_state() -> tuple[Any, ...]:
+    """Where numpy's global generator and :data:`HELD_GENERATOR` stand (comparable with ``==``)."""
+    _, key, *rest = np.random.get_state()
+    return key.tobytes(), tuple(rest), HELD_GENERATOR.bit_generator.state
+
+
 def _dropout(layer: Dropout, h: Tensor) -> Tensor:
     if layer.source == "torch":
         return F.dropout(h, layer.p, training=True)

@@ -23,7 +23,16 @@ import torch
 from torch import Tensor, nn
 
 import torchgram as tg
-from fuzz_arch import Built, FuzzCase, Route, build, draws, rescaled, seed_draws
+from fuzz_arch import (
+    Built,
+    FuzzCase,
+    Route,
+    build,
+    draws,
+    host_draw_state,
+    rescaled,
+    seed_draws,
+)
 from reference import Dense, PreluByDefinition, dense_gramian, weighted_backward
 
 REPEAT_SCALE = 1.5
@@ -118,6 +127,8 @@ def oracle(case: FuzzCase, *, repeated: bool = False, in_case_dtype: bool = Fals
     nodes are torch's prelu (its walk takes their derivatives, as torch's autograd does).
     """
     seed_draws(case.seed)  # random ops: the oracle and the call see the same draw
+    if not in_case_dtype:
+        PLAIN_HOST_END.clear()  # (set again below, once the plain call ran)
     # ... in the case's own dtype: a float32 and a float64 run of the same layers may lay the
     # same random numbers out differently (hunt 7: a float64 oracle of a float32 case with
     # dropout after a grouped conv was another draw; the backends matched the float32 call)
@@ -135,7 +146,14 @@ def oracle(case: FuzzCase, *, repeated: bool = False, in_case_dtype: bool = Fals
         return None
     by_definition = case.head_extra == "input_gradient" and not eager
     with PreluByDefinition() if by_definition else contextlib.nullcontext():
-        return dense_gramian(g, args, argnums)
+        dense = dense_gramian(g, args, argnums)
+    if not in_case_dtype:
+        PLAIN_HOST_END[:] = [host_draw_state()]  # one plain call's (NOTE [generators f holds])
+    return dense
+
+
+PLAIN_HOST_END: list[Any] = []
+"""Where the last oracle's plain call left the host generators (numpy's, the held one)."""
 
 
 def plain_update(case: FuzzCase, weights: Tensor) -> Tensor:
@@ -222,6 +240,8 @@ def _call(case: FuzzCase, built: Built, backend: str,
           expected: Dense | RefusedInPlace | None) -> str:
     seed_draws(case.seed)  # random ops: the oracle and the call see the same draw
     snapshot = Snapshot.take(built.args, built.kwargs, built.module)
+    # where one plain call leaves the host generators: the oracle's, computed just before
+    expected_end = PLAIN_HOST_END.pop() if PLAIN_HOST_END else None
     try:
         result = run(built, backend, no_grad=case.grad_mode == "no_grad")
     except Exception as error:  # noqa: BLE001 -- the property is about which errors escape
@@ -242,6 +262,8 @@ def _call(case: FuzzCase, built: Built, backend: str,
     assert expected is not None, "answered a call without any leaf to differentiate"
     assert isinstance(expected, Dense), \
         f"{backend}: answered where torch's autograd refuses the in-place op"
+    assert expected_end is None or host_draw_state() == expected_end, \
+        f"{backend}: numpy's or the held generator ends elsewhere than one plain call leaves it"
     _compare(case, built, result, expected)
     return "answered"
 
