@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -226,3 +227,34 @@ def test_the_plan_of_a_random_f_after_a_call_is_what_runs() -> None:
     ran = tg.explain(rows, run=True)(params, x)
     assert plan.backend == ran.backend == "structured"
     assert ran.ran.attempts == [], ran.ran.attempts
+
+
+@pytest.mark.parametrize("source", ["torch", "numpy", "held"])
+@pytest.mark.parametrize("batch_dim", [None, 0], ids=["dense", "per-sample"])
+def test_planning_leaves_the_generators_where_it_found_them(batch_dim: int | None,
+                                                           source: str) -> None:
+    """``explain`` without ``run`` evaluates ``f`` (its probe, a trace) but computes nothing:
+    the generators ``f`` draws from are left as it found them (the first review of session 61:
+    a generator ended neither there nor where one plain call leaves it)."""
+    held = np.random.default_rng(3)
+
+    def mask(shape: tuple[int, ...]) -> torch.Tensor:
+        if source == "torch":
+            return torch.bernoulli(torch.full(shape, 0.5, dtype=torch.float64))
+        generator = np.random if source == "numpy" else held
+        return torch.from_numpy((generator.random(shape) < 0.5).astype(np.float64))
+
+    def f(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(x @ w)
+        return (h * mask(tuple(h.shape))).sum(1)
+
+    w, x = torch.randn(4, 3, dtype=torch.float64), torch.randn(5, 4, dtype=torch.float64)
+
+    def states() -> tuple[object, ...]:
+        return (torch.get_rng_state().tolist(), np.random.get_state()[1].tolist(),
+                held.bit_generator.state)
+
+    for _ in range(2):  # a fresh probe, then a cached one
+        before = states()
+        tg.explain(f, batch_dim=batch_dim)(w, x)
+        assert states() == before

@@ -205,7 +205,9 @@ def explain(
         progress: As for :func:`torchgram.gramian` (with ``run=True``).
         run: Also compute the Gramian, and report what really ran (``Explanation.ran``:
             the backend that answered, the candidates ``auto`` gave up on and why, each
-            structured leaf's way, the Jacobian blocks and row chunks it formed).
+            structured leaf's way, the Jacobian blocks and row chunks it formed). Without
+            it, the random generators ``f`` draws from are left as the call found them; with
+            it, where one plain call of ``f`` leaves them (as ``torchgram.gramian`` does).
 
     Returns:
         A function taking ``f``'s arguments and returning an :class:`Explanation`.
@@ -286,7 +288,8 @@ def explain(
                 auto_choice=plan.choice, estimates=plan.estimates,
                 samples=structured.sizes.samples, rows_per_sample=structured.sizes.rows,
                 forward_flops=structured.forward_flops)
-        if ran is None:
+        if ran is None:  # planned only: the generators as the call found them (NOTE [one draw])
+            problem.draw.rewind()
             return explanation
         # what really ran, where the plan could not be followed
         return dataclasses.replace(explanation, backend=ran.backend,
