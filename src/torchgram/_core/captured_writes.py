@@ -226,7 +226,7 @@ def reach(f: Any, args: Any, on_tensor: Callable[[Tensor], None],
                 on_object(obj)
             if budget is None or len(following) < budget:  # else it would not be visited
                 with contextlib.suppress(Exception):  # what cannot be read is not followed
-                    _queue_held(obj, following, width, tensor_containers, by_class)
+                    _queue_held(obj, kind, following, width, tensor_containers, by_class)
         level = following
 
 
@@ -266,18 +266,22 @@ def _kind(obj: Any, by_class: bool) -> type | None:
 # elsewhere were missed, 0.07-0.86 off, when it read by class).
 
 
-def _queue_held(obj: Any, following: list[Any], width: int, tensor_containers: bool,
-                by_class: bool = False) -> None:
-    """Queue in ``following`` what ``obj`` (not a tensor) holds (``by_class``: :func:`reach`)."""
+def _queue_held(obj: Any, seen_as: type, following: list[Any], width: int,
+                tensor_containers: bool, by_class: bool) -> None:
+    """Queue in ``following`` what ``obj`` (not a tensor) holds.
+
+    ``seen_as``: :func:`_kind`'s answer for it (``nn.Module`` or ``object``); ``by_class``:
+    as for :func:`reach`.
+    """
     kind = type(obj)
-    if _kind(obj, by_class) is nn.Module:
+    if seen_as is nn.Module:
         following.append(vars(obj).get("forward"))
-    elif issubclass(kind, _CONTAINERS):
+    elif issubclass(kind, CONTAINERS):
         if len(obj) <= width and (tensor_containers or not _tensors_only(obj)):
             following.extend(contents(obj) if by_class
                              else obj.values() if isinstance(obj, dict | types.MappingProxyType)
                              else obj)
-        if kind not in _CONTAINERS:  # a subclass keeping its values elsewhere
+        if kind not in CONTAINERS:  # a subclass keeping its values elsewhere
             following.extend(_attributes(obj, by_class))
     elif issubclass(kind, weakref.ref):  # a weak reference (alive: its object)
         following.append(obj())
@@ -292,7 +296,8 @@ def _queue_held(obj: Any, following: list[Any], width: int, tensor_containers: b
         following.extend(slot_values(obj))
 
 
-_CONTAINERS = (dict, list, tuple, set, frozenset, collections.deque, types.MappingProxyType)
+CONTAINERS = (dict, list, tuple, set, frozenset, collections.deque, types.MappingProxyType)
+"""The containers both walks look into (their items, by :func:`contents` where read by class)."""
 
 
 def _attributes(obj: Any, by_class: bool) -> list[Any]:

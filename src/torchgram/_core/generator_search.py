@@ -19,8 +19,8 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from torchgram._core.captured_writes import contents, slot_names, slot_values
-from torchgram._core.rng import GENERATOR_CLASSES, generator_class
+from torchgram._core.captured_writes import CONTAINERS, contents, slot_names, slot_values
+from torchgram._core.rng import generator_class
 
 MODULE_INTERNALS = frozenset(vars(nn.Module()))
 """The attributes every module has (parameters, buffers, submodules, hooks, flags)."""
@@ -50,12 +50,7 @@ def is_generator(value: Any) -> bool:
         >>> is_generator(random.Random(0)), is_generator(3)
         (True, False)
     """
-    kind = type(value)
-    try:
-        known = GENERATOR_CLASSES.get(kind)
-        return known if known is not None else generator_class(kind)
-    except TypeError:  # a class whose metaclass defines __eq__ without __hash__
-        return False
+    return generator_class(type(value))
 
 
 def may_hold(value: Any) -> bool:
@@ -73,13 +68,12 @@ def may_hold(value: Any) -> bool:
             return False
     except TypeError:  # a class whose metaclass defines __eq__ without __hash__
         return False
-    return issubclass(kind, _CONTAINERS) or kind.__dictoffset__ != 0 \
+    return issubclass(kind, CONTAINERS) or kind.__dictoffset__ != 0 \
         or any(slot_names(klass) for klass in kind.__mro__)
 
 
 _NOT_HOLDING = (Tensor, nn.Module, type, types.ModuleType, types.FunctionType,
                 types.BuiltinFunctionType)
-_CONTAINERS = (dict, list, tuple, set, frozenset)
 
 
 def items_of(holder: Any, width: int) -> list[Any]:
@@ -87,7 +81,7 @@ def items_of(holder: Any, width: int) -> list[Any]:
 
     Its items (containers of at most ``width``), or its attributes and slots.
     """
-    if issubclass(type(holder), _CONTAINERS):  # (by its class: a proxy's __class__ may raise)
+    if issubclass(type(holder), CONTAINERS):  # (by its class: a proxy's __class__ may raise)
         return contents(holder) if len(holder) <= width else []
     try:
         attributes = object.__getattribute__(holder, "__dict__")

@@ -138,23 +138,7 @@ class HostRngState:
             for (a, x), (b, y) in zip(self.owned, other.owned, strict=True))
 
 
-def is_own_generator(obj: Any) -> bool:
-    """Whether ``obj`` is a host generator other than the global ones (NOTE [generators f holds]).
-
-    A numpy ``Generator``, ``RandomState`` or bit generator, or a ``random.Random`` (or an
-    instance of a subclass; not ``random.SystemRandom``, which has no state to restore); not
-    Python's and numpy's global instances, which :class:`HostRngState` captures anyway.
-
-    Example:
-        >>> is_own_generator(random.Random(0)), is_own_generator(random.random.__self__)
-        (True, False)
-        >>> is_own_generator(random.SystemRandom())
-        False
-    """
-    return generator_class(type(obj)) and obj not in global_generators()
-
-
-GENERATOR_CLASSES: dict[type, bool] = {}
+_GENERATOR_CLASSES: dict[type, bool] = {}
 """Whether each class met is a generator's: asked for every attribute of every module a call
 reaches, so one dict lookup a value."""
 
@@ -163,8 +147,20 @@ _KNOWN_CLASSES = 4096
 
 
 def generator_class(kind: type) -> bool:
-    """Whether instances of ``kind`` are host generators (:func:`is_own_generator`)."""
-    known = GENERATOR_CLASSES.get(kind)
+    """Whether instances of ``kind`` are host generators ``f`` may hold (NOTE [generators f holds]).
+
+    A numpy ``Generator``, ``RandomState`` or bit generator, or a ``random.Random`` (or a
+    subclass; not ``random.SystemRandom``, which has no state to restore). Python's and
+    numpy's global instances (:func:`global_generators`) are captured apart.
+
+    Example:
+        >>> generator_class(random.Random), generator_class(random.SystemRandom)
+        (True, False)
+    """
+    try:
+        known = _GENERATOR_CLASSES.get(kind)
+    except TypeError:  # a class whose metaclass defines __eq__ without __hash__
+        return False
     if known is not None:
         return known
     numpy = sys.modules.get("numpy")
@@ -172,9 +168,9 @@ def generator_class(kind: type) -> bool:
         random.Random, numpy.random.Generator, numpy.random.RandomState,
         numpy.random.BitGenerator)
     found = issubclass(kind, bases) and not issubclass(kind, random.SystemRandom)
-    if len(GENERATOR_CLASSES) >= _KNOWN_CLASSES:  # classes made on the fly (fx, type()): bounded
-        GENERATOR_CLASSES.clear()
-    GENERATOR_CLASSES[kind] = found  # (a numpy class exists only once numpy is imported)
+    if len(_GENERATOR_CLASSES) >= _KNOWN_CLASSES:  # made on the fly (fx, type()): bounded
+        _GENERATOR_CLASSES.clear()
+    _GENERATOR_CLASSES[kind] = found  # (a numpy class exists only once numpy is imported)
     return found
 
 
@@ -186,7 +182,7 @@ def global_generators() -> tuple[Any, ...]:
 
 
 def _state_of(generator: Any) -> Any:
-    """The state of a generator :func:`is_own_generator` accepts."""
+    """The state of a generator of a :func:`generator_class`."""
     if isinstance(generator, random.Random):
         return generator.getstate()
     if hasattr(generator, "bit_generator"):  # a numpy Generator
@@ -197,7 +193,7 @@ def _state_of(generator: Any) -> Any:
 
 
 def _set_state(generator: Any, state: Any) -> None:
-    """Put a generator :func:`is_own_generator` accepts back in ``state``."""
+    """Put a generator of a :func:`generator_class` back in ``state``."""
     if isinstance(generator, random.Random):
         generator.setstate(state)
     elif hasattr(generator, "bit_generator"):
