@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -52,6 +54,22 @@ def test_bad_weighting_is_rejected() -> None:
     with pytest.raises(TypeError, match=r"shape \(2,\).*got shape \(\)"):
         tg.autograd.backward(losses, w, lambda G: G.sum())
     assert w.grad is None
+
+
+@pytest.mark.parametrize("recorded", [False, True], ids=["walked", "recorded"])
+def test_a_tensor_listed_twice_is_refused_before_any_grad(recorded: bool) -> None:
+    # Its Jacobian counted twice in G, Jᵀw once in .grad: weights and update 0.16-0.5 off.
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 3).double()
+    x = torch.randn(6, 4, dtype=torch.float64)
+    with tg.autograd.record() if recorded else contextlib.nullcontext():
+        losses = torch.tanh(layer(x)).sum(1)
+    with pytest.raises(ValueError, match=r"^torchgram.autograd.backward: expected inputs "
+                       r"without duplicates, but got the same tensor at inputs\[0\] and "
+                       r"inputs\[1\] \(shape \(3, 4\)\)"):
+        tg.autograd.backward(losses, [layer.weight, layer.weight, layer.bias],
+                             tg.weighting.upgrad, batch_dim=0)
+    assert layer.weight.grad is None and layer.bias.grad is None
 
 
 def test_with_info_returns_the_gramian_and_the_time_split() -> None:

@@ -17,6 +17,7 @@ from torchgram._core.functional import public_call
 from torchgram._core.result import RunReport
 from torchgram._core.running_stats import RecomputedUpdatesUndone
 from torchgram._core.scratch import scratch_scope
+from torchgram._core.side_gradients import NotedGradients
 from torchgram._core.sink import LeafBlocks
 from torchgram.backends.eager.record import paused
 
@@ -161,8 +162,10 @@ class Call:
                                          else tensor.dtype)
         blocks = LeafBlocks(len(input_list), per_leaf=self.per_input, diagonal=self.diagonal,
                             dtype=widest)
+        noted = NotedGradients(input_list)  # NOTE [gradients outside the graph]
         with _recomputation_frozen(output_list):
             result = self._blocks(output_list, input_list, blocks, num_rows, want_pullback)
+        noted.refuse_changes(self.api)
         shape = output_list[0].shape if self.as_tensor else (num_rows,)
         diagonal = self.diagonal
         device = output_list[0].device
@@ -242,8 +245,13 @@ def _recomputation_frozen(outputs: list[Tensor]) -> contextlib.AbstractContextMa
 
 
 def prepare(api: str, outputs: Any, inputs: Any, *, batch_dim: Any, chunk_size: Any,
-            retain_graph: Any, diagonal: Any, per_input: Any) -> Call:
-    """Validate an imperative call's arguments (errors name ``api``)."""
+            retain_graph: Any, diagonal: Any, per_input: Any,
+            distinct_inputs: bool = False) -> Call:
+    """Validate an imperative call's arguments (errors name ``api``).
+
+    ``distinct_inputs``: refuse a tensor listed twice in ``inputs`` (``backward``, whose
+    ``.grad`` cannot take its two blocks).
+    """
     chunk_size = checks.positive_int(api, "chunk_size", chunk_size, CHUNK_ROWS_HINT)
     for name, flag in (("retain_graph", retain_graph), ("diagonal", diagonal),
                        ("per_input", per_input)):
@@ -253,6 +261,8 @@ def prepare(api: str, outputs: Any, inputs: Any, *, batch_dim: Any, chunk_size: 
     input_list = _tensors(api, "inputs", inputs)
     _check_outputs(api, output_list)
     _check_inputs(api, input_list)
+    if distinct_inputs:
+        _check_distinct(api, input_list)
     if batch_dim is not None:
         _check_batch(api, output_list, batch_dim)
     return Call(api, output_list, input_list, isinstance(outputs, Tensor), batch_dim,
@@ -314,6 +324,25 @@ def _check_outputs(api: str, outputs: list[Tensor]) -> None:
                         "Compute the outputs from tensors that require grad, outside "
                         "torch.no_grad() and torch.inference_mode(), and do not pass "
                         "detached tensors.")
+
+
+def _check_distinct(api: str, inputs: list[Tensor]) -> None:
+    """Refuse a tensor listed twice in a ``backward``'s ``inputs``.
+
+    ``G`` would count its Jacobian twice (a block per entry, as ``gramian`` gives), while
+    ``.grad`` receives ``Jᵀw`` once, as torch's ``backward`` writes it (session 62's hunt:
+    weights and update 0.16-0.5 off, without a word).
+    """
+    first_index: dict[int, int] = {}
+    for index, tensor in enumerate(inputs):
+        first = first_index.setdefault(id(tensor), index)
+        if first != index:
+            checks.fail(api, "inputs without duplicates",
+                        f"the same tensor at inputs[{first}] and inputs[{index}] (shape "
+                        f"{tuple(tensor.shape)})",
+                        "Pass each tensor once (list(model.parameters()) lists a tied "
+                        "parameter once): its Jacobian would count twice in the Gramian "
+                        "that weights the step, but its .grad receives Jᵀw once.")
 
 
 def _check_inputs(api: str, inputs: list[Tensor]) -> None:

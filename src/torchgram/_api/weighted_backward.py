@@ -86,7 +86,8 @@ def _backward(outputs: Any, inputs: Any, weighting: Callable[[Tensor], Tensor],
     check_weighting(_API, weighting)
     checks.check_bool(_API, "with_info", with_info)
     call = prepare(_API, outputs, inputs, batch_dim=batch_dim, chunk_size=chunk_size,
-                   retain_graph=retain_graph, diagonal=False, per_input=False)
+                   retain_graph=retain_graph, diagonal=False, per_input=False,
+                   distinct_inputs=True)
     output_list, input_list = call.outputs, call.inputs
     watch = Stopwatch(output_list[0].device)
     outcome = call.run(want_pullback=True)

@@ -16,6 +16,7 @@ from torchgram._api.weights import call_weighting, check_weighting
 from torchgram._core import _torch_compat, checks
 from torchgram._core.errors import output_changes_refused
 from torchgram._core.functional import public_call
+from torchgram._core.hooked_modules import puts_back_hooked_attributes
 from torchgram._core.options import Options
 from torchgram._core.pytree import DiffLeaves, leaves_of
 from torchgram._core.sink import shape_block
@@ -131,6 +132,7 @@ def gramian(
 
     @functools.wraps(f)
     @public_call  # NOTE [inference mode], NOTE [the caller's function modes]
+    @puts_back_hooked_attributes(options.api, f)  # NOTE [attributes f rebinds]
     def gramian_of_f(*args: Any, **kwargs: Any) -> Any:
         refuse_transforms(options.api)
         value, aux, _ = _gramian(options, f, args, kwargs, group, cross_rank)
@@ -294,6 +296,7 @@ def aggregated_grad(
 
     @functools.wraps(f)
     @public_call  # NOTE [inference mode], NOTE [the caller's function modes]
+    @puts_back_hooked_attributes(options.api, f)  # NOTE [attributes f rebinds]
     def aggregated_grad_of_f(*args: Any, **kwargs: Any) -> tuple[Any, Aggregation]:
         refuse_transforms(options.api)
         update, info = step(*args, **kwargs)
@@ -508,6 +511,7 @@ def explain(
 
     @functools.wraps(f)
     @public_call  # NOTE [inference mode], NOTE [the caller's function modes]
+    @puts_back_hooked_attributes(options.api, f)  # NOTE [attributes f rebinds]
     def explain_f(*args: Any, **kwargs: Any) -> Exchange:
         refuse_transforms(options.api)
         return _gramian(options, f, args, kwargs, group, "exact")[2]

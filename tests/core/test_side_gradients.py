@@ -1,0 +1,96 @@
+"""A backward that writes ``.grad`` itself, outside the graph, is refused.
+
+NOTE [gradients outside the graph] (``_core/side_gradients.py``): before session 62, a custom
+``autograd.Function`` whose backward recomputes its layer and calls ``torch.autograd.backward``
+(``transformers``' Reformer) gave zero blocks for that layer's parameters (0.60 off on this
+MLP, 0.32 on Reformer) and wrote their ``.grad``, on auto, structured, graph and the eager API.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import torchgram as tg
+
+DOUBLE = torch.float64
+REFUSAL = (r"expected a backward whose derivatives all go through the autograd graph, but got "
+           r"a backward that wrote the .grad of 2 differentiated tensor\(s\) itself \(shapes "
+           r"\(6, 6\), \(6,\)\)")
+
+
+class Reversible(torch.autograd.Function):
+    """Runs ``layer`` without a graph; its backward recomputes it and backpropagates itself."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, layer: nn.Module) -> Tensor:
+        ctx.layer = layer
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return layer(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, None]:
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            x = x.detach().requires_grad_(True)
+            torch.autograd.backward(ctx.layer(x), grad_output)  # into the layer's .grad
+        return x.grad, None
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 6)
+        self.second = nn.Linear(6, 6)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.tanh(Reversible.apply(torch.tanh(self.first(x)), self.second)).pow(2).sum(1)
+
+
+def _model() -> tuple[Model, Tensor]:
+    torch.manual_seed(0)
+    return Model().to(DOUBLE), torch.randn(5, 4, dtype=DOUBLE)
+
+
+@pytest.mark.parametrize("batch_dim", [None, 0], ids=["dense", "batch_dim0"])
+@pytest.mark.parametrize("backend", ["auto", "structured", "graph"])
+def test_the_functional_api_refuses_and_puts_grad_back(backend: str,
+                                                        batch_dim: int | None) -> None:
+    model, x = _model()
+    params = {key: value.detach() for key, value in model.named_parameters()}
+
+    def f(p: dict[str, Tensor], x: Tensor) -> Tensor:
+        return torch.func.functional_call(model, p, (x,))
+
+    with pytest.raises(NotImplementedError, match=r"^torchgram.gramian: " + REFUSAL):
+        tg.gramian(f, backend=backend, batch_dim=batch_dim)(params, x)
+    assert all(parameter.grad is None for parameter in model.parameters())
+
+
+@pytest.mark.parametrize("recorded", [False, True], ids=["walked", "recorded"])
+def test_the_eager_api_refuses_and_puts_grad_back(recorded: bool) -> None:
+    model, x = _model()
+    with tg.autograd.record() if recorded else contextlib.nullcontext():
+        losses = model(x)
+    with pytest.raises(NotImplementedError, match=r"^torchgram.autograd.gramian: " + REFUSAL):
+        tg.autograd.gramian(losses, list(model.parameters()), batch_dim=0)
+    assert all(parameter.grad is None for parameter in model.parameters())
+
+
+def test_gradients_already_there_are_not_a_refusal() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2)).to(DOUBLE)
+    x = torch.randn(5, 4, dtype=DOUBLE)
+    model(x).sum().backward()
+    grads = [(parameter.grad, parameter.grad.clone()) for parameter in model.parameters()]
+    params = {key: value.detach() for key, value in model.named_parameters()}
+    tg.gramian(lambda p, x: torch.func.functional_call(model, p, (x,)).sum(1),
+               batch_dim=0)(params, x)
+    tg.autograd.gramian(model(x).sum(1), list(model.parameters()), batch_dim=0)
+    for parameter, (grad, values) in zip(model.parameters(), grads, strict=True):
+        assert parameter.grad is grad and torch.equal(grad, values)
