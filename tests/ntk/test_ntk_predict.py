@@ -108,6 +108,26 @@ def test_bad_inputs_raise_with_the_fix() -> None:
         tg.ntk.kernel_regression(k[0], k[0], y)
 
 
+def test_a_kernel_of_rank_below_its_rows_is_refused_at_infinite_time() -> None:
+    """Session 62's hunt: a linear model's kernel (rank 2, 6 rows) was solved by LU, whose
+    round-off came back 121 times the answer at ``t=None`` (NT: NaN)."""
+    torch.manual_seed(0)
+    x_train, x_test = torch.randn(6, 2, dtype=torch.float64), torch.randn(3, 2, dtype=torch.float64)
+    y = torch.randn(6, 1, dtype=torch.float64)
+    k_train_train, k_test_train = x_train @ x_train.T, x_test @ x_train.T
+    predict_fn = tg.ntk.gradient_descent_mse(k_train_train, y)
+    with pytest.raises(ValueError, match=r"numerically singular kernel .*diag_reg > 0"):
+        predict_fn(fx_test_0=0.0, k_test_train=k_test_train)
+    with pytest.raises(ValueError, match=r"numerically singular kernel .*ridge > 0"):
+        tg.ntk.kernel_regression(k_train_train, k_test_train, y)
+    assert all(part.isfinite().all() for part in predict_fn(t=1.0, fx_test_0=0.0,
+                                                            k_test_train=k_test_train))
+    ridged = tg.ntk.kernel_regression(k_train_train, k_test_train, y, ridge=1e-3)
+    eye = torch.eye(6, dtype=torch.float64)
+    torch.testing.assert_close(ridged, k_test_train @ torch.linalg.solve(
+        k_train_train + 1e-3 * eye, y))
+
+
 def test_bad_values_raise_before_the_solve() -> None:
     """torch's raw errors before session 59: ``lu_factor``'s on a singular kernel,
     ``new(): invalid data type 'str'``, "The expanded size of the tensor", ``eigh``'s

@@ -268,14 +268,27 @@ class GradientDescentMSE:
         factor, info = torch.linalg.cholesky_ex(kernel)
         if int(info) == 0:
             return lambda b: torch.cholesky_solve(b, factor)
+        # Not positive definite: singular to working precision (a kernel of rank below its
+        # rows: more outputs than parameters; LU solved it anyway, and its round-off came back
+        # 121 times the answer, session 62's hunt, where NT gives NaN), or indefinite.
+        singular_values = torch.linalg.svdvals(kernel)
+        rows = kernel.shape[0]
+        if bool(singular_values[-1] <= rows * torch.finfo(kernel.dtype).eps * singular_values[0]):
+            self._refuse_singular("a numerically singular kernel (its smallest singular "
+                                  f"value {float(singular_values[-1]):.3g} against a largest of "
+                                  f"{float(singular_values[0]):.3g}: a kernel of rank below "
+                                  "its rows, e.g. more training outputs than parameters)")
         lu, pivots, info = torch.linalg.lu_factor_ex(kernel)
         if int(info) != 0:  # torch's raw lu_factor error before session 59
-            fail(self.api, "a regularized train kernel that can be solved with (t=None)",
-                 f"a singular kernel (a zero pivot at row {int(info) - 1} of its LU "
-                 "factorization: training points whose kernel rows coincide)",
-                 "Add a ridge: diag_reg > 0 (gradient_descent_mse) or ridge > 0 "
-                 "(kernel_regression), e.g. 1e-6 times the kernel's mean diagonal.")
+            self._refuse_singular(f"a singular kernel (a zero pivot at row {int(info) - 1} of "
+                                  "its LU factorization: training points whose kernel rows "
+                                  "coincide)")
         return lambda b: torch.linalg.lu_solve(lu, pivots, b)
+
+    def _refuse_singular(self, got: str) -> None:
+        fail(self.api, "a regularized train kernel that can be solved with (t=None)", got,
+             "Add a ridge: diag_reg > 0 (gradient_descent_mse) or ridge > 0 "
+             "(kernel_regression), e.g. 1e-6 times the kernel's mean diagonal.")
 
     # -- display ---------------------------------------------------------------------------
 
