@@ -19,7 +19,7 @@ import torchgram as tg
 
 DOUBLE = torch.float64
 REFUSAL = (r"expected a backward whose derivatives all go through the autograd graph, but got "
-           r"a backward that wrote the .grad of 2 differentiated tensor\(s\) itself \(shapes "
+           r"a backward that wrote the .grad of 2 parameter\(s\) itself \(shapes "
            r"\(6, 6\), \(6,\)\)")
 
 
@@ -57,12 +57,14 @@ def _model() -> tuple[Model, Tensor]:
     return Model().to(DOUBLE), torch.randn(5, 4, dtype=DOUBLE)
 
 
+@pytest.mark.parametrize("copied", [False, True], ids=["detached", "cloned"])
 @pytest.mark.parametrize("batch_dim", [None, 0], ids=["dense", "batch_dim0"])
 @pytest.mark.parametrize("backend", ["auto", "structured", "graph"])
-def test_the_functional_api_refuses_and_puts_grad_back(backend: str,
-                                                        batch_dim: int | None) -> None:
+def test_the_functional_api_refuses_and_puts_grad_back(backend: str, batch_dim: int | None,
+                                                        copied: bool) -> None:
     model, x = _model()
-    params = {key: value.detach() for key, value in model.named_parameters()}
+    params = {key: value.detach().clone() if copied else value.detach()
+              for key, value in model.named_parameters()}
 
     def f(p: dict[str, Tensor], x: Tensor) -> Tensor:
         return torch.func.functional_call(model, p, (x,))

@@ -220,7 +220,7 @@ def hooked_attributes_put_back(api: str, f: Any,
     parameter itself is refused after it (NOTE [gradients outside the graph]).
     """
     found = reached(api, f, args)
-    noted = NotedGradients.of_arguments(found.attributes.modules, args)
+    noted = NotedGradients.of_modules(found.attributes.modules)
     try:
         yield found
         noted.refuse_changes(api)  # NOTE [gradients outside the graph]

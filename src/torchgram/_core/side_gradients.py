@@ -11,28 +11,26 @@ hunt: 0.60 off on a two-layer MLP, 0.32 on Reformer, without a word; ``jacobian`
 old-style Function). A plain ``loss.backward()`` trains such a model through those ``.grad``
 writes, so its Jacobian is what they hold.
 
-So a call notes the ``.grad`` of the tensors it differentiates: for the functional API, the
-parameters of the modules ``f`` reaches (NOTE [tensors hooks set]'s walk) whose memory is one
-of the call's argument tensors (the ``params`` given are those parameters, or detached views
-of them); for the eager API, its ``inputs``. Where torchgram's passes changed one (a new
-tensor, or one written in place), the call raises a torchgram error naming how many, and puts
-back the ``.grad`` it replaced (one written in place keeps what was added: its old values are
-not kept, which would cost a copy of every gradient on every call). The ``.grad`` of a
-parameter that is not differentiated (frozen, not among the arguments) is ``f``'s own business,
-as in a plain call.
+So a call notes the ``.grad`` of the parameters of the modules ``f`` reaches (NOTE [tensors
+hooks set]'s walk: the ``params`` differentiated are those, or copies or views of them, which
+the module's own parameters stand for in such a backward), and for the eager API those of its
+``inputs``. Where torchgram's passes changed one (a new tensor, or one written in place), the
+call raises a torchgram error saying how many, and puts back the ``.grad`` it replaced (one
+written in place keeps what was added: its old values are not kept, which would cost a copy
+of every gradient on every call). A parameter ``f`` does not differentiate counts too: its
+``.grad`` written once per evaluation, several times a call, is not what a plain call leaves.
+(A first version noted only the parameters whose memory was among the arguments: ``params``
+passed as clones hid the write, and the wrong matrix with it.)
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Iterable
 
 from torch import Tensor, nn
 
 from torchgram._core._torch_compat import version
-from torchgram._core.captured_writes import memory_of
 from torchgram._core.checks import fail
-from torchgram._core.pytree import leaves_of
 
 
 class NotedGradients:
@@ -56,19 +54,11 @@ class NotedGradients:
         self._noted = [(tensor, tensor.grad, _version_of(tensor.grad)) for tensor in tensors]
 
     @classmethod
-    def of_arguments(cls, modules: Iterable[nn.Module], args: Sequence[Any]) -> NotedGradients:
-        """The parameters of ``modules`` whose memory is a tensor of ``args``."""
-        memory = {memory_of(leaf) for leaf in leaves_of(args) if isinstance(leaf, Tensor)}
-        memory.discard(0)
-        seen: set[int] = set()
-        parameters = []
-        for module in modules:
-            for parameter in module._parameters.values():
-                if (parameter is not None and id(parameter) not in seen
-                        and memory_of(parameter) in memory):
-                    seen.add(id(parameter))
-                    parameters.append(parameter)
-        return cls(parameters)
+    def of_modules(cls, modules: Iterable[nn.Module]) -> NotedGradients:
+        """The parameters of ``modules``."""
+        parameters = {id(parameter): parameter for module in modules
+                      for parameter in module._parameters.values() if parameter is not None}
+        return cls(parameters.values())
 
     def refuse_changes(self, api: str) -> None:
         """Raise if a noted ``.grad`` changed since (one replaced is put back first)."""
@@ -86,7 +76,7 @@ class NotedGradients:
         kept = (f" ({in_place} of them written in place, which keep what was added)"
                 if in_place else "")
         fail(api, "a backward whose derivatives all go through the autograd graph",
-             f"a backward that wrote the .grad of {len(changed)} differentiated tensor(s) "
+             f"a backward that wrote the .grad of {len(changed)} parameter(s) "
              f"itself (shapes {shapes}{'...' if len(changed) > 4 else ''}){kept}",
              "A custom autograd.Function whose backward recomputes its forward and calls "
              "torch.autograd.backward (transformers' Reformer reversible layers, reversible "
