@@ -25,7 +25,6 @@ from reference import dense_gramian
 from torchgram._core import problem as problem_module
 from torchgram._core import threads
 from torchgram._core.composition import differentiable_evaluation
-from torchgram._core.module_state import ModuleAttributes
 from torchgram._core.rng import RngState
 
 BACKENDS = ["jacobian", "ntvp", "graph", "structured", "auto"]
@@ -304,7 +303,7 @@ def test_a_call_of_a_function_without_random_ops_leaves_the_generator_alone() ->
     state = torch.get_rng_state()
     torch.rand(5)  # as if another thread drew while the call ran
     advanced = torch.get_rng_state()
-    draw = problem_module.Draw(RngState.capture([]), ModuleAttributes.capture([]))
+    draw = problem_module.Draw(RngState.capture([]))
     draw.start = RngState(state, ())  # the call began before that draw
     draw.end = RngState(state, ())  # and f drew nothing
     draw.finish()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +17,7 @@ from torchgram._core.functional import public_call
 from torchgram._core.result import RunReport
 from torchgram._core.running_stats import RecomputedUpdatesUndone
 from torchgram._core.scratch import scratch_scope
-from torchgram._core.side_gradients import NotedGradients
+from torchgram._core.side_gradients import gradients_outside_the_graph_refused
 from torchgram._core.sink import LeafBlocks
 from torchgram.backends.eager.record import paused
 
@@ -162,10 +162,9 @@ class Call:
                                          else tensor.dtype)
         blocks = LeafBlocks(len(input_list), per_leaf=self.per_input, diagonal=self.diagonal,
                             dtype=widest)
-        noted = NotedGradients(input_list)  # NOTE [gradients outside the graph]
-        with _recomputation_frozen(output_list):
+        with (gradients_outside_the_graph_refused(self.api, input_list),  # NOTE [gradients
+              _recomputation_frozen(output_list)):  # outside the graph]
             result = self._blocks(output_list, input_list, blocks, num_rows, want_pullback)
-        noted.refuse_changes(self.api)
         shape = output_list[0].shape if self.as_tensor else (num_rows,)
         diagonal = self.diagonal
         device = output_list[0].device
@@ -262,7 +261,7 @@ def prepare(api: str, outputs: Any, inputs: Any, *, batch_dim: Any, chunk_size: 
     _check_outputs(api, output_list)
     _check_inputs(api, input_list)
     if distinct_inputs:
-        _check_distinct(api, input_list)
+        check_distinct(api, input_list)
     if batch_dim is not None:
         _check_batch(api, output_list, batch_dim)
     return Call(api, output_list, input_list, isinstance(outputs, Tensor), batch_dim,
@@ -326,7 +325,7 @@ def _check_outputs(api: str, outputs: list[Tensor]) -> None:
                         "detached tensors.")
 
 
-def _check_distinct(api: str, inputs: list[Tensor]) -> None:
+def check_distinct(api: str, inputs: Sequence[Tensor]) -> None:
     """Refuse a tensor listed twice in a ``backward``'s ``inputs``.
 
     ``G`` would count its Jacobian twice (a block per entry, as ``gramian`` gives), while

@@ -168,9 +168,9 @@ def compute_then(options: Options, f: Callable[..., Any], args: tuple[Any, ...],
     _refuse_dtensors(options, args)
     probe_with_grad = options.backend == "graph"
     # NOTE [tensors hooks set]
-    with hooked_attributes_put_back(options.api, f, (*args, *kwargs.values())) as found:
+    with hooked_attributes_put_back(options.api, f, (*args, *kwargs.values())) as generators:
         problem = build_problem(options, f, args, kwargs, want_pullback=want_pullback,
-                                probe_with_grad=probe_with_grad, found=found)
+                                probe_with_grad=probe_with_grad, generators=generators)
         try:
             return then(_computation(problem))
         except OutputChanged:  # a probe went stale: probe afresh, once
@@ -178,7 +178,7 @@ def compute_then(options: Options, f: Callable[..., Any], args: tuple[Any, ...],
             forget_probe(problem)
             problem = build_problem(options, f, args, kwargs, want_pullback=want_pullback,
                                     probe_with_grad=probe_with_grad, fresh=True,
-                                    found=found)
+                                    generators=generators)
             with output_changes_refused(options.api, problem.draw.rewind):
                 return then(_computation(problem))
 

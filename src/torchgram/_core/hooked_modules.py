@@ -16,11 +16,8 @@ after each call, so that the module is as the caller left it (a plain forward of
 afresh). So a hook that keeps statistics by rebinding an attribute (an observer's running
 maximum) is not advanced by torchgram's calls, whose evaluations are not the plain call's:
 a training loop whose only forward is ``tg.aggregated_grad`` runs a plain forward to update
-it. Since session 62 this is part of NOTE [attributes f rebinds] (``module_state.py``): every
-evaluation starts from the attributes the call found, on every module the walk reaches, hooks
-or not, and the call ends with them. A hook that sets an attribute on an object that is not a
-module is not put back. ``tg.functionalize``'s ``fn`` puts back the tensors hooks set on its
-module after each call of it (:func:`put_back_tensors`).
+it. Attributes a module's ``forward`` itself sets (no hook), or a hook sets on another module
+or object, are not put back (session 60's review: they may hold a transform's tensor).
 """
 
 from __future__ import annotations
@@ -46,9 +43,8 @@ from torchgram._core.generator_search import (
     may_hold,
     named_by_calls,
 )
-from torchgram._core.module_state import ModuleAttributes
 from torchgram._core.rng import global_generators
-from torchgram._core.side_gradients import NotedGradients
+from torchgram._core.side_gradients import gradients_outside_the_graph_refused
 
 Fn = TypeVar("Fn", bound=Callable[..., Any])
 
@@ -65,17 +61,19 @@ class Reached(NamedTuple):
     """What the walk from ``f`` and its arguments found that a call must look after.
 
     Attributes:
+        hooked: The attributes of the modules with forward hooks, and copies of them (NOTE
+            [tensors hooks set]).
         generators: The host generators ``f`` holds (NOTE [generators f holds]).
-        attributes: The attributes and buffers of every module reached, as the walk found
-            them (NOTE [attributes f rebinds], NOTE [tensors hooks set]).
+        modules: Every module reached (NOTE [gradients outside the graph]).
     """
 
+    hooked: list[tuple[dict[str, Any], dict[str, Any]]]
     generators: tuple[Any, ...]
-    attributes: ModuleAttributes
+    modules: tuple[nn.Module, ...]
 
 
 def reached(api: str, f: Any, args: Sequence[Any] = ()) -> Reached:
-    """The generators and the modules' attributes that ``f`` reaches.
+    """The hooked modules' attributes and the generators that ``f`` reaches.
 
     From ``f`` (its closure, bound instance, defaults, globals) and its arguments ``args`` (a
     sequence, each one walked), containers of tensors only left out (parameter dicts, a
@@ -88,8 +86,8 @@ def reached(api: str, f: Any, args: Sequence[Any] = ()) -> Reached:
         >>> layer, rng = torch.nn.Linear(2, 2), random.Random(0)
         >>> _ = layer.register_forward_pre_hook(lambda module, inputs: None)
         >>> found = reached("api", lambda x: layer(x) * rng.random())
-        >>> found.attributes.modules == (layer,)
-        True
+        >>> [copy is not attributes for attributes, copy in found.hooked]
+        [True]
         >>> found.generators == (rng,)
         True
     """
@@ -168,7 +166,8 @@ def reached(api: str, f: Any, args: Sequence[Any] = ()) -> Reached:
              "initialisation's writes)", "Run the model once on a batch (model(x)) first; a "
              "lazy layer that no forward calls stays uninitialised: call it once on its own, "
              "or remove it.")
-    return Reached(tuple(generators.values()), ModuleAttributes.capture(modules.values()))
+    return Reached(hooked_snapshot(modules.values()), tuple(generators.values()),
+                   tuple(modules.values()))
 
 
 _HELD_BUDGET = 128
@@ -210,22 +209,23 @@ def hooked_snapshot(modules: Iterable[nn.Module]) -> list[tuple[dict[str, Any], 
 
 @contextlib.contextmanager
 def hooked_attributes_put_back(api: str, f: Any,
-                               args: Sequence[Any] = ()) -> Iterator[Reached]:
-    """Around a call: what it rebinds on the modules ``f`` reaches is put back after it.
+                               args: Sequence[Any] = ()) -> Iterator[tuple[Any, ...]]:
+    """Around a call: what forward hooks set on the modules ``f`` reaches is put back after it.
 
-    NOTE [tensors hooks set], NOTE [attributes f rebinds]; ``args``: the call's arguments,
-    which may hold modules too. Gives what the walk found: the generators ``f`` holds (NOTE
-    [generators f holds]) and the modules' attributes as it found them, which each evaluation
-    of the call starts from. A call whose backward wrote the ``.grad`` of a differentiated
-    parameter itself is refused after it (NOTE [gradients outside the graph]).
+    NOTE [tensors hooks set]; ``args``: the call's arguments, which may hold modules too.
+    Gives the generators ``f`` holds, found by the same walk (NOTE [generators f holds]). A
+    call whose backward passes accumulated into the ``.grad`` of a parameter of those modules
+    is refused after it (NOTE [gradients outside the graph]).
     """
     found = reached(api, f, args)
-    noted = NotedGradients.of_modules(found.attributes.modules)
+    parameters = (parameter for module in found.modules
+                  for parameter in module._parameters.values() if parameter is not None)
     try:
-        yield found
-        noted.refuse_changes(api)  # NOTE [gradients outside the graph]
+        with gradients_outside_the_graph_refused(api, parameters):
+            yield found.generators
     finally:
-        found.attributes.put_back()
+        for attributes, before in found.hooked:
+            put_back_tensors(attributes, before)
 
 
 def puts_back_hooked_attributes(api: str, f: Any) -> Callable[[Fn], Fn]:

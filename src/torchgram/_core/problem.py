@@ -70,12 +70,12 @@ from torchgram._core.errors import (
     reentrant_checkpoint_refused,
     unseen_calls_refused,
 )
-from torchgram._core.hooked_modules import Reached, reached
-from torchgram._core.module_state import ModuleAttributes
+from torchgram._core.hooked_modules import reached
 from torchgram._core.options import InDims, Options
 from torchgram._core.pytree import DiffLeaves, leaves_of, select_diff_leaves
 from torchgram._core.rng import RngState
 from torchgram._core.running_stats import FrozenRunningStats, counters_refused
+from torchgram._core.side_gradients import evaluating
 from torchgram._core.signature import LruCache, call_signature
 from torchgram._core.threads import RNG_LOCK, compiled_code_eager, math_attention
 from torchgram._core.unseen import UnseenCalls
@@ -228,9 +228,8 @@ class Draw:
     ``f`` draws nothing, the call leaves the generators alone.
     """
 
-    def __init__(self, start: RngState, attributes: ModuleAttributes) -> None:
+    def __init__(self, start: RngState) -> None:
         self.start = start
-        self.attributes = attributes  # NOTE [attributes f rebinds]
         self.end: RngState | None = None
         self._end_moved = False  # whether ``end`` differs from ``start`` (set with ``end``)
         self._explicit: dict[int, ExplicitGenerator] = {}
@@ -276,24 +275,14 @@ class Draw:
         for kept, generator in self._live():
             generator.set_state(kept.end if end and kept.end is not None else kept.start)
 
-    @property
-    def reached(self) -> Reached:
-        """What the call's walk found: the generators, the modules' attributes.
-
-        NOTE [generators f holds], NOTE [attributes f rebinds].
-        """
-        return Reached(self.generators, self.attributes)
-
     @classmethod
-    def capture(cls, devices: Iterable[torch.device], found: Reached) -> Draw:
+    def capture(cls, devices: Iterable[torch.device], owned: tuple[Any, ...] = ()) -> Draw:
         """The draw of a call starting now.
 
-        ``found``: the generators ``f`` holds (NOTE [generators f holds]) and the attributes of
-        the modules it reaches, which every evaluation starts from (NOTE [attributes f
-        rebinds]).
+        ``owned``: the generators ``f`` holds (NOTE [generators f holds]).
         """
         with RNG_LOCK:
-            return cls(RngState.capture(devices, owned=found.generators), found.attributes)
+            return cls(RngState.capture(devices, owned=owned))
 
     @contextlib.contextmanager
     def evaluation(self, *, full: bool, check: bool = False,
@@ -302,13 +291,10 @@ class Draw:
 
         ``full``: it evaluates the whole batch (it fixes where the call ends); ``check``: an
         evaluation of part of the batch that must not draw (:meth:`check_no_draw`);
-        ``restore_after``: put the generators back to the call's start afterwards. The
-        modules ``f`` reaches start from the attributes the call found, whatever it draws
-        (NOTE [attributes f rebinds]).
+        ``restore_after``: put the generators back to the call's start afterwards.
         """
-        self.attributes.put_back()
-        with self._generators(full, check, restore_after):
-            yield
+        with evaluating(), self._generators(full, check, restore_after):  # NOTE [gradients
+            yield  # outside the graph]: what f's own backwards accumulate is not refused
 
     @contextlib.contextmanager
     def _generators(self, full: bool, check: bool, restore_after: bool) -> Iterator[None]:
@@ -843,7 +829,7 @@ _WHOLE_BATCH = LruCache[bool](maxsize=256)
 def build_problem(options: Options, f: Callable[..., Any], args: tuple[Any, ...],
                   kwargs: Mapping[str, Any], *, want_pullback: bool = False,
                   probe_with_grad: bool = False, fresh: bool = False,
-                  planning: bool = False, found: Reached | None = None) -> Problem:
+                  planning: bool = False, generators: tuple[Any, ...] | None = None) -> Problem:
     """Validate a call's arguments against the options and describe it as a :class:`Problem`.
 
     Raises the call-time errors (argnums out of range, no leaf to differentiate, bad
@@ -860,10 +846,8 @@ def build_problem(options: Options, f: Callable[..., Any], args: tuple[Any, ...]
         fresh: Probe ``f`` even if a probe of this signature is cached (it was stale).
         planning: The call only plans (``tg.explain``): parameters on the meta device, which
             have shapes but no values, are accepted.
-        found: What the caller's walk from ``f`` and the arguments found: the host
-            generators ``f`` holds (NOTE [generators f holds]) and the attributes of the
-            modules it reaches (NOTE [attributes f rebinds]); ``None``: walk here (the caller
-            then puts the attributes back at the call's end, if evaluations may rebind them).
+        generators: The host generators ``f`` holds, where the caller's walk found them
+            (NOTE [generators f holds]); ``None``: walk from ``f`` and the arguments here.
     """
     api = options.api
     argnums = resolve_argnums(api, options.argnums, len(args))
@@ -897,9 +881,9 @@ def build_problem(options: Options, f: Callable[..., Any], args: tuple[Any, ...]
     batch = (None if options.batch_dim is None
              else make_batch_spec(api, args, argnums, options.batch_dim, options.in_dims,
                                   kwargs))
-    if found is None:  # NOTE [generators f holds]: the caller did not walk
-        found = reached(api, f, (*args, *kwargs.values()))
-    draw = Draw.capture(_devices(args, kwargs), found)
+    if generators is None:  # NOTE [generators f holds]: the caller did not walk
+        generators = reached(api, f, (*args, *kwargs.values())).generators
+    draw = Draw.capture(_devices(args, kwargs), generators)
     key = _probe_key(f, args, kwargs, diff, options.has_aux, batch, composition)
     probe = None if fresh else _PROBES.get(key)
     look_unseen = composition.may_be_differentiated  # NOTE [unseen calls]

@@ -11,80 +11,89 @@ hunt: 0.60 off on a two-layer MLP, 0.32 on Reformer, without a word; ``jacobian`
 old-style Function). A plain ``loss.backward()`` trains such a model through those ``.grad``
 writes, so its Jacobian is what they hold.
 
-So a call notes the ``.grad`` of the parameters of the modules ``f`` reaches (NOTE [tensors
-hooks set]'s walk: the ``params`` differentiated are those, or copies or views of them, which
-the module's own parameters stand for in such a backward), and for the eager API those of its
-``inputs``. Where torchgram's passes changed one (a new tensor, or one written in place), the
-call raises a torchgram error saying how many, and puts back the ``.grad`` it replaced (one
-written in place keeps what was added: its old values are not kept, which would cost a copy
-of every gradient on every call). A parameter ``f`` does not differentiate counts too: its
-``.grad`` written once per evaluation, several times a call, is not what a plain call leaves.
-(A first version noted only the parameters whose memory was among the arguments: ``params``
-passed as clones hid the write, and the wrong matrix with it.)
+So while a call runs, the parameters of the modules ``f`` reaches (NOTE [tensors hooks set]'s
+walk: the ``params`` differentiated are those, or copies or views of them, which the module's
+own parameters stand for in such a backward), or the eager API's leaf ``inputs``, carry a
+post-accumulate-grad hook that notes an accumulation made by the call's own thread outside an
+evaluation of ``f`` -- that is, inside torchgram's backward passes -- and the call then raises
+a torchgram error. The hooks are removed when the call ends; nothing else of the tensors is
+touched (what that backward added to ``.grad`` stays, as a plain backward would leave it).
+
+Not counted: another thread's backward on the same model (a training thread beside a serving
+one: a first version compared ``.grad`` before and after the call, refused such calls and put
+back a ``.grad`` the other thread had just written, a review's find); a backward that ``f``'s
+own forward runs (a frozen teacher's ``loss.backward()``, ``optimizer.zero_grad()``), which
+torchgram's evaluations repeat but which is not in the Gramian's derivatives. Not seen: a
+backward torch runs on an accelerator's own threads (CUDA's autograd runs there: the thread
+cannot be told from another caller's), parameters no module the walk reaches holds, and an
+eager ``inputs`` that is a non-leaf copy of the parameters such a Function closes over.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+import threading
+from collections.abc import Iterable, Iterator
 
-from torch import Tensor, nn
+from torch import Tensor
 
-from torchgram._core._torch_compat import version
 from torchgram._core.checks import fail
 
+_EVALUATING = threading.local()
+"""How many evaluations of ``f`` the thread is inside (:func:`evaluating`)."""
 
-class NotedGradients:
-    """The ``.grad`` of some tensors, as a call found them (NOTE [gradients outside the graph]).
+
+@contextlib.contextmanager
+def evaluating() -> Iterator[None]:
+    """Mark an evaluation of ``f``: what its own backwards accumulate is ``f``'s business."""
+    _EVALUATING.depth = getattr(_EVALUATING, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _EVALUATING.depth -= 1
+
+
+@contextlib.contextmanager
+def gradients_outside_the_graph_refused(api: str, tensors: Iterable[Tensor]) -> Iterator[None]:
+    """Around a call: refuse it if its backward passes accumulated into ``tensors``' ``.grad``.
+
+    NOTE [gradients outside the graph]. Only leaves that require grad can be accumulated
+    into; the others are skipped. The refusal comes after the call's work, where it ended
+    without an error of its own.
 
     Example:
         >>> import torch
         >>> weight = torch.ones(2, requires_grad=True)
-        >>> noted = NotedGradients([weight])
-        >>> noted.refuse_changes("api")  # nothing written
-        >>> (weight * 2).sum().backward()
-        >>> noted.refuse_changes("api")
+        >>> with gradients_outside_the_graph_refused("api", [weight]):
+        ...     (weight * 2).sum().backward()
         Traceback (most recent call last):
         ...
         NotImplementedError: api: expected a backward whose derivatives all go through ...
-        >>> weight.grad is None  # put back
-        True
     """
+    thread = threading.get_ident()
+    written: dict[int, Tensor] = {}
 
-    def __init__(self, tensors: Iterable[Tensor]) -> None:
-        self._noted = [(tensor, tensor.grad, _version_of(tensor.grad)) for tensor in tensors]
+    def note(tensor: Tensor) -> None:
+        if threading.get_ident() == thread and not getattr(_EVALUATING, "depth", 0):
+            written[id(tensor)] = tensor
 
-    @classmethod
-    def of_modules(cls, modules: Iterable[nn.Module]) -> NotedGradients:
-        """The parameters of ``modules``."""
-        parameters = {id(parameter): parameter for module in modules
-                      for parameter in module._parameters.values() if parameter is not None}
-        return cls(parameters.values())
-
-    def refuse_changes(self, api: str) -> None:
-        """Raise if a noted ``.grad`` changed since (one replaced is put back first)."""
-        changed = [(tensor, grad) for tensor, grad, at in self._noted
-                   if tensor.grad is not grad or _version_of(grad) != at]
-        if not changed:
-            return
-        in_place = 0
-        for tensor, grad in changed:
-            if tensor.grad is grad:
-                in_place += 1
-            else:
-                tensor.grad = grad
-        shapes = ", ".join(str(tuple(tensor.shape)) for tensor, _ in changed[:4])
-        kept = (f" ({in_place} of them written in place, which keep what was added)"
-                if in_place else "")
+    watched = {id(tensor): tensor for tensor in tensors
+               if tensor.is_leaf and tensor.requires_grad}
+    handles = [tensor.register_post_accumulate_grad_hook(note) for tensor in watched.values()]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+    if written:
+        shapes = ", ".join(str(tuple(tensor.shape)) for tensor in list(written.values())[:4])
         fail(api, "a backward whose derivatives all go through the autograd graph",
-             f"a backward that wrote the .grad of {len(changed)} parameter(s) "
-             f"itself (shapes {shapes}{'...' if len(changed) > 4 else ''}){kept}",
+             f"a backward that accumulated into the .grad of {len(written)} parameter(s) "
+             f"itself (shapes {shapes}{', ...' if len(written) > 4 else ''})",
              "A custom autograd.Function whose backward recomputes its forward and calls "
              "torch.autograd.backward (transformers' Reformer reversible layers, reversible "
              "residual blocks) sends the derivatives of the parameters it closes over into "
-             "their .grad, where no backend can see them: the Gramian would miss them. Pass "
-             "those parameters to Function.apply as inputs and return their derivatives from "
-             "its backward, or use a model without reversible layers.", NotImplementedError)
-
-
-def _version_of(grad: Tensor | None) -> int | None:
-    return None if grad is None else version(grad)
+             "their .grad, where no backend can see them: the Gramian would miss them (their "
+             ".grad keeps what was added, as after a plain backward). Pass those parameters "
+             "to Function.apply as inputs and return their derivatives from its backward, or "
+             "use a model without reversible layers.", NotImplementedError)

@@ -318,7 +318,7 @@ def _joined(left: Problem, right: Problem) -> Problem:
     args, kwargs = replace_input_leaves(left.args, left.kwargs, batch1.positions, joined)
     try:
         joint = build_problem(left.options, left.f, args, kwargs, fresh=True,  # never stale
-                              found=left.draw.reached)
+                              generators=left.draw.generators)
         check_tiles(joint, (left, right), eager=True)  # the graph walk's own autograd
     except NotPerSample as why:
         raise cannot(f"whose joined batch does not compute each set's rows ({why.reason})") \

@@ -132,7 +132,7 @@ def gramian(
 
     @functools.wraps(f)
     @public_call  # NOTE [inference mode], NOTE [the caller's function modes]
-    @puts_back_hooked_attributes(options.api, f)  # NOTE [attributes f rebinds]
+    @puts_back_hooked_attributes(options.api, f)  # NOTE [gradients outside the graph]
     def gramian_of_f(*args: Any, **kwargs: Any) -> Any:
         refuse_transforms(options.api)
         value, aux, _ = _gramian(options, f, args, kwargs, group, cross_rank)
@@ -296,7 +296,7 @@ def aggregated_grad(
 
     @functools.wraps(f)
     @public_call  # NOTE [inference mode], NOTE [the caller's function modes]
-    @puts_back_hooked_attributes(options.api, f)  # NOTE [attributes f rebinds]
+    @puts_back_hooked_attributes(options.api, f)  # NOTE [gradients outside the graph]
     def aggregated_grad_of_f(*args: Any, **kwargs: Any) -> tuple[Any, Aggregation]:
         refuse_transforms(options.api)
         update, info = step(*args, **kwargs)
@@ -511,7 +511,7 @@ def explain(
 
     @functools.wraps(f)
     @public_call  # NOTE [inference mode], NOTE [the caller's function modes]
-    @puts_back_hooked_attributes(options.api, f)  # NOTE [attributes f rebinds]
+    @puts_back_hooked_attributes(options.api, f)  # NOTE [gradients outside the graph]
     def explain_f(*args: Any, **kwargs: Any) -> Exchange:
         refuse_transforms(options.api)
         return _gramian(options, f, args, kwargs, group, "exact")[2]

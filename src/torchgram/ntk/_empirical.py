@@ -39,7 +39,7 @@ from torchgram._core.cross import CrossProblem, PairSpec, mirror, row_shape
 from torchgram._core.display import key_values_html, key_values_text
 from torchgram._core.errors import NotPerSample, OutputChanged, output_changes_refused
 from torchgram._core.functional import public_call
-from torchgram._core.hooked_modules import Reached, hooked_attributes_put_back
+from torchgram._core.hooked_modules import hooked_attributes_put_back
 from torchgram._core.options import Options
 from torchgram._core.per_sample import check_tiles, fails_alone
 from torchgram._core.problem import (
@@ -200,12 +200,12 @@ class EmpiricalNTK:
         x1, x2, params, kwargs = without_inference_tensors((x1, x2, params, kwargs))
         arguments = (x1, x2, params, *kwargs.values())
         # NOTE [tensors hooks set], NOTE [generators f holds]
-        with hooked_attributes_put_back(_API, self.f, arguments) as found:
+        with hooked_attributes_put_back(_API, self.f, arguments) as generators:
             try:
-                return self._call(x1, x2, params, kwargs, found, fresh=False)
+                return self._call(x1, x2, params, kwargs, generators, fresh=False)
             except OutputChanged:  # a cached probe went stale: probe afresh, once
                 with output_changes_refused(_API):
-                    return self._call(x1, x2, params, kwargs, found, fresh=True)
+                    return self._call(x1, x2, params, kwargs, generators, fresh=True)
 
     def _options(self, kwargs: Mapping[str, Any]) -> Options:
         vmap = self.vmap_axes
@@ -220,15 +220,15 @@ class EmpiricalNTK:
         return self.options.replace(in_dims=(vmap.in_axes, keywords))
 
     def _call(self, x1: Any, x2: Any, params: Any, kwargs: Mapping[str, Any],
-              found: Reached, *, fresh: bool) -> Tensor:
+              generators: tuple[Any, ...], *, fresh: bool) -> Tensor:
         start = time.perf_counter()
         kwargs1, kwargs2 = _split_kwargs(kwargs, x2 is None)
         options = self._options(kwargs1)
         left = build_problem(options, self.f, (params, x1), kwargs1, fresh=fresh,
-                             found=found)
+                             generators=generators)
         _check_tensor_output(left)
-        right = None if x2 is None else build_problem(
-            options, self.f, (params, x2), kwargs2, fresh=fresh, found=found)
+        right = None if x2 is None else build_problem(options, self.f, (params, x2), kwargs2,
+                                                      fresh=fresh, generators=generators)
         if right is not None:
             _check_tensor_output(right)
         shape1 = tuple(left.output.shapes[0])
@@ -394,7 +394,7 @@ def _tile_problem(problem: Problem, args: tuple[Any, ...], kwargs: dict[str, Any
     """The call on one tile's inputs (probing ``f`` there); ``NotPerSample`` if ``f`` fails."""
     try:
         return build_problem(problem.options, problem.f, args, kwargs, fresh=fresh,
-                             found=problem.draw.reached)
+                             generators=problem.draw.generators)
     except (NotPerSample, OutputChanged):
         raise
     except Exception as error:  # noqa: BLE001 -- f fails on a tile (batch-norm of one ...)
