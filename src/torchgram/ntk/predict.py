@@ -31,8 +31,8 @@ are asked for, in the kernel's dtype.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -101,6 +101,37 @@ def _values(api: str, name: str, value: Any, dtype: torch.dtype, device: torch.d
              f"shape {list(tensor.shape)}", f"Pass one {name} entry per output to predict.")
 
 
+_FLAGGED = 16
+"""An estimated smallest eigenvalue below this many times ``eps`` of the largest diagonal entry
+sends the kernel to its eigendecomposition (NOTE [singular train kernels])."""
+_CUT = 4
+"""There, eigenvalues at most this many times ``eps`` of the largest count as zero."""
+
+
+def _smallest_eigenvalue_above(kernel: Tensor, factor: Tensor, fraction: float) -> bool:
+    """Whether ``kernel``'s estimated smallest eigenvalue exceeds ``fraction`` of its diagonal.
+
+    Three steps of inverse iteration through its Cholesky ``factor`` estimate it (the Rayleigh
+    quotient: an upper bound), against ``fraction`` times its largest diagonal entry. The start
+    has fixed entries: no random draw.
+    """
+    rows = kernel.shape[0]
+    vector = torch.cos(torch.arange(rows, dtype=kernel.dtype, device=kernel.device) * 2.399963)
+    vector = vector.unsqueeze(-1)
+    for _ in range(3):
+        vector = torch.cholesky_solve(vector, factor)
+        vector = vector / torch.linalg.vector_norm(vector).clamp(min=torch.finfo(kernel.dtype).tiny)
+    quotient = (vector.mT @ kernel @ vector).squeeze()
+    return bool(quotient > fraction * kernel.diagonal().abs().max())
+
+
+class _Solver(NamedTuple):
+    """``b ↦ Θ⁺ b``, and an orthonormal basis ``[rows, r]`` of Θ's range where it is singular."""
+
+    solve: Callable[[Tensor], Tensor]
+    range: Tensor | None
+
+
 class _Layout:
     """How ``y``'s axes map to a kernel's rows (the non-traced axes) and channels."""
 
@@ -158,8 +189,9 @@ def _detached(value: Tensor | float) -> Tensor | float:
 class GradientDescentMSE:
     """``predict_fn(t=None, fx_train_0=0., fx_test_0=None, k_test_train=None)`` (NOTE above).
 
-    Made by :func:`gradient_descent_mse`. The eigendecomposition (finite ``t``) and the
-    Cholesky factor (``t=None``) of the regularized kernel are computed once, at first use.
+    Made by :func:`gradient_descent_mse`. The eigendecomposition (finite ``t``, and ``t=None``
+    for a numerically singular kernel) and the Cholesky factor (``t=None``) of the regularized
+    kernel are computed once, at first use.
     ``repr`` (or a notebook) shows the settings and, once computed, the spectrum.
     """
 
@@ -246,44 +278,71 @@ class GradientDescentMSE:
         return eigen
 
     def solve(self, rhs: Tensor) -> Tensor:
-        """``Θ_reg⁻¹ rhs`` (Cholesky; an LU solve if the kernel is not positive definite)."""
-        solve = self._solve
-        if solve is None:
-            solve = self._factorized()
-            if self._keeps():
-                self._solve = solve
-        result: Tensor = solve(rhs)
+        """``Θ_reg⁺ rhs`` (NOTE [singular train kernels]: ``Θ_reg⁻¹`` where it is regular)."""
+        result: Tensor = self.solver().solve(rhs)
         return result
 
-    def _factorized(self) -> Any:
-        """``b ↦ Θ_reg⁻¹ b``: Cholesky, or LU where it fails.
+    def solver(self) -> _Solver:
+        """The solves of the regularized kernel, factorized once (where it may be kept)."""
+        solver = self._solve
+        if solver is None:
+            solver = self._factorized()
+            if self._keeps():
+                self._solve = solver
+        return solver
 
-        Under ``vmap``, LU: Cholesky's status cannot be read on the host there (torch's raw
-        ``.item()`` error before session 58).
-        """
+    # NOTE [singular train kernels]
+    # A kernel of rank below its rows (more training outputs than parameters) is singular to
+    # working precision. Solved anyway -- LU where Cholesky failed, Cholesky where round-off
+    # let it pass -- its round-off came back up to 121 times the answer at t=None (session
+    # 62's hunt; NT 0.6.5 gives NaN). The limit of the gradient flow still exists: the finite-t
+    # formula tends to Θ⁺ (y - f0) on the test side and to f0 + P (y - f0) on the train side,
+    # Θ⁺ the pseudo-inverse and P the projection on Θ's range (the null space never moves). So
+    # a kernel whose Cholesky factorization fails, or whose smallest eigenvalue, estimated by
+    # three steps of inverse iteration through that factor, is below _FLAGGED · eps times its
+    # largest diagonal entry, goes through its eigendecomposition; eigenvalues at most _CUT ·
+    # eps · |λ|max count as zero. Neither grows with the rows: pinv's cut-off, rows · eps ·
+    # |λ|max, dropped genuine eigenvalues of ill-conditioned kernels (float32, 300 rows, κ 9e4:
+    # 0.47 off where Cholesky was 4e-4 off; a review), and round-off leaves a rank-deficient
+    # kernel's zero eigenvalues within a few eps (2 eps at most on forty seeds). Where it leaves
+    # them above _CUT · eps (very large kernels), they are inverted, as before. A full-rank
+    # kernel conditioned beyond 1 / (_CUT · eps) (float32: 2e6) counts as singular too: its
+    # smallest eigenvalues are round-off there (a review: float32 NTKs of κ 2e7 came 2e-2 to 1.1
+    # off the float64 answer this way, 4e-3 to 0.2 by Cholesky): pass float64 kernels then.
+    # (The last Cholesky pivot of a rank-deficient kernel is no test: 3,000 times eps on one of
+    # twenty seeds.) A kernel with
+    # none is solved as before (Cholesky if it passed, else LU). A singular one that requires
+    # grad is refused (eigh's derivatives are not defined at a repeated zero eigenvalue); one
+    # under vmap is solved by LU, as before (its status cannot be read on the host there).
+
+    def _factorized(self) -> _Solver:
+        """The solves of the regularized kernel (NOTE [singular train kernels])."""
         kernel = self.kernel
-        if _torch_compat.is_batched(kernel):
+        if _torch_compat.is_batched(kernel):  # torch's raw .item() error before session 58
             lu = torch.linalg.lu_factor(kernel)
-            return lambda b: torch.linalg.lu_solve(*lu, b)
-        factor, info = torch.linalg.cholesky_ex(kernel)
-        if int(info) == 0:
-            return lambda b: torch.cholesky_solve(b, factor)
-        # Not positive definite: singular to working precision (a kernel of rank below its
-        # rows: more outputs than parameters; LU solved it anyway, and its round-off came back
-        # 121 times the answer, session 62's hunt, where NT gives NaN), or indefinite.
-        singular_values = torch.linalg.svdvals(kernel)
+            return _Solver(lambda b: torch.linalg.lu_solve(*lu, b), None)
         rows = kernel.shape[0]
-        if bool(singular_values[-1] <= rows * torch.finfo(kernel.dtype).eps * singular_values[0]):
-            self._refuse_singular("a numerically singular kernel (its smallest singular "
-                                  f"value {float(singular_values[-1]):.3g} against a largest of "
-                                  f"{float(singular_values[0]):.3g}: a kernel of rank below "
-                                  "its rows, e.g. more training outputs than parameters)")
-        lu, pivots, info = torch.linalg.lu_factor_ex(kernel)
-        if int(info) != 0:  # torch's raw lu_factor error before session 59
-            self._refuse_singular(f"a singular kernel (a zero pivot at row {int(info) - 1} of "
-                                  "its LU factorization: training points whose kernel rows "
-                                  "coincide)")
-        return lambda b: torch.linalg.lu_solve(lu, pivots, b)
+        eps = torch.finfo(kernel.dtype).eps
+        factor, info = torch.linalg.cholesky_ex(kernel)
+        if int(info) == 0 and _smallest_eigenvalue_above(kernel.detach(), factor.detach(),
+                                                         _FLAGGED * eps):
+            return _Solver(lambda b: torch.cholesky_solve(b, factor), None)
+        evals, evecs = self.eigen()
+        kept = evals.detach().abs() > _CUT * eps * evals.detach().abs().max()
+        if bool(kept.all()):
+            if int(info) == 0:
+                return _Solver(lambda b: torch.cholesky_solve(b, factor), None)
+            lu, lu_pivots, lu_info = torch.linalg.lu_factor_ex(kernel)
+            if int(lu_info) == 0:
+                return _Solver(lambda b: torch.linalg.lu_solve(lu, lu_pivots, b), None)
+        if kernel.requires_grad or torch._C._functorch.is_functorch_wrapped_tensor(kernel):
+            self._refuse_singular(f"a numerically singular kernel that requires grad "
+                                  f"({int((~kept).sum())} of its {rows} eigenvalues at most "
+                                  f"{_CUT} · eps times the largest: a kernel of rank below its "
+                                  "rows, e.g. more training outputs than parameters, or "
+                                  "conditioned beyond what its dtype resolves)")
+        basis, inverse = evecs[:, kept], 1.0 / evals[kept]
+        return _Solver(lambda b: basis @ (inverse[:, None] * (basis.T @ b)), basis)
 
     def _refuse_singular(self, got: str) -> None:
         fail(self.api, "a regularized train kernel that can be solved with (t=None)", got,
@@ -345,7 +404,14 @@ class GradientDescentMSE:
             g0 = _values(self.api, "fx_test_0", fx_test_0, dtype, device, test_shape)
         y2d = self.layout.flat(self.y)
         if t is None:
-            targets = self.y.clone()
+            solver = self.solver()  # NOTE [singular train kernels]: the range's projection
+            if solver.range is None:
+                targets = self.y.clone()
+            else:
+                moved = y2d if f0 is None else y2d - self.layout.flat(f0)
+                moved = solver.range @ (solver.range.T @ moved)
+                targets = self.layout.unflat(moved, self.row_shape)
+                targets = targets if f0 is None else f0 + targets
             if test is None:
                 return targets
             rhs = y2d if f0 is None else y2d - self.layout.flat(f0)
@@ -405,7 +471,16 @@ def gradient_descent_mse(k_train_train: Tensor, y_train: Tensor, learning_rate: 
     Raises:
         TypeError, ValueError: For kernels whose shape does not pair ``y_train``'s axes (a
             message names the ``trace_axes`` to pass), bad numbers, or ``fx_test_0``
-            without ``k_test_train``.
+            without ``k_test_train``; at ``t=None``, for a numerically singular regularized
+            train kernel that requires grad (add ``diag_reg``).
+
+    A numerically singular train kernel (rank below its rows, e.g. more training outputs
+    than parameters: eigenvalues at most ``4 · eps`` times the largest) gives at ``t=None``
+    the limit of the gradient flow, through its pseudo-inverse: test outputs ``fx_test_0 +
+    k_test_train Θ⁺ (y - fx_train_0)``, train outputs ``fx_train_0 + P (y - fx_train_0)``
+    with ``P`` the projection on the kernel's range (NT 0.6.5 returns NaN there; NOTE
+    [singular train kernels]). A float32 kernel conditioned beyond about 2e6 counts as
+    singular: use a float64 kernel for such.
 
     Example:
         >>> import torch, torchgram as tg
@@ -440,6 +515,10 @@ def kernel_regression(k_train_train: Tensor, k_test_train: Tensor, y_train: Tens
 
     Returns:
         The predictions on the test inputs, shaped like ``y_train`` with ``N_test`` samples.
+
+    A numerically singular ``k_train_train + ridge · I`` is solved through its pseudo-inverse,
+    as :func:`gradient_descent_mse` at ``t=None`` (one that requires grad raises a
+    ``ValueError``: add a ridge).
 
     Example:
         >>> import torch, torchgram as tg
