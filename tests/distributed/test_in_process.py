@@ -218,6 +218,17 @@ def test_configuration_errors_at_build_time() -> None:
         tg.distributed.autograd.backward(losses, [losses], tg.weighting.mean, chunk_size=1.5)
 
 
+def test_a_tensor_listed_twice_is_refused_before_the_group() -> None:
+    # G would count it twice and .grad once (a review of session 62: W.grad 2x, b.grad 1x Jᵀw)
+    weight = torch.ones(2, requires_grad=True)
+    losses = weight * torch.tensor([1.0, 2.0])
+    with pytest.raises(ValueError, match=r"^torchgram.distributed.autograd.backward: expected "
+                       r"inputs without duplicates, but got the same tensor at inputs\[0\] "
+                       r"and inputs\[1\]"):
+        tg.distributed.autograd.backward(losses, [weight, weight], tg.weighting.mean)
+    assert weight.grad is None
+
+
 def test_a_call_without_a_process_group_says_how_to_start_one() -> None:
     assert not torch.distributed.is_initialized()
     with pytest.raises(RuntimeError, match="init_process_group"):

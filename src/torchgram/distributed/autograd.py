@@ -17,7 +17,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from torchgram._api.autograd import CHUNK_ROWS_HINT
+from torchgram._api.autograd import CHUNK_ROWS_HINT, check_distinct
 from torchgram._api.step_times import StepTimes, Stopwatch
 from torchgram._api.weighted_backward import BackwardInfo
 from torchgram._api.weights import call_weighting, check_weighting
@@ -175,6 +175,7 @@ def backward(
     refuse_transforms(_BACKWARD)
     output_list, failed = _checked_outputs(_BACKWARD, losses)
     resolved_inputs = eager_inputs(_BACKWARD, inputs)
+    check_distinct(_BACKWARD, resolved_inputs.tensors)  # G would count one twice, .grad once
     try:
         device = output_list[0].device if output_list else torch.device("cpu")
         watch = Stopwatch(device)
