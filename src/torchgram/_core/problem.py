@@ -293,12 +293,6 @@ class Draw:
         evaluation of part of the batch that must not draw (:meth:`check_no_draw`);
         ``restore_after``: put the generators back to the call's start afterwards.
         """
-        with evaluating(), self._generators(full, check, restore_after):  # NOTE [gradients
-            yield  # outside the graph]: what f's own backwards accumulate is not refused
-
-    @contextlib.contextmanager
-    def _generators(self, full: bool, check: bool, restore_after: bool) -> Iterator[None]:
-        """The generators' part of :meth:`evaluation`."""
         if self.random is False:  # f draws nothing: the generators are none of our business
             yield
             return
@@ -706,6 +700,8 @@ def evaluate_f(evaluate: Callable[[tuple[Tensor, ...]], Any], leaves: tuple[Tens
     for through_vjp in (False, True):
         with contextlib.ExitStack() as stack:
             stack.enter_context(compiled_code_eager())  # NOTE [compiled code in f]
+            stack.enter_context(evaluating())  # NOTE [gradients outside the graph]: what f's
+            # own backwards accumulate is not refused
             stack.enter_context(_torch_compat.own_parametrization_cache())  # NOTE
             # [parametrization caches]
             for context in contexts:

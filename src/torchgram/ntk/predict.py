@@ -310,10 +310,10 @@ class GradientDescentMSE:
     # smallest eigenvalues are round-off there (a review: float32 NTKs of κ 2e7 came 2e-2 to 1.1
     # off the float64 answer this way, 4e-3 to 0.2 by Cholesky): pass float64 kernels then.
     # (The last Cholesky pivot of a rank-deficient kernel is no test: 3,000 times eps on one of
-    # twenty seeds.) A kernel with
-    # none is solved as before (Cholesky if it passed, else LU). A singular one that requires
-    # grad is refused (eigh's derivatives are not defined at a repeated zero eigenvalue); one
-    # under vmap is solved by LU, as before (its status cannot be read on the host there).
+    # twenty seeds.) A kernel with none is solved as before (Cholesky if it passed, else LU).
+    # A singular one that requires grad is refused (eigh's derivatives are not defined at a
+    # repeated zero eigenvalue); one under vmap is solved by LU, as before (its status cannot
+    # be read on the host there).
 
     def _factorized(self) -> _Solver:
         """The solves of the regularized kernel (NOTE [singular train kernels])."""
@@ -336,18 +336,15 @@ class GradientDescentMSE:
             if int(lu_info) == 0:
                 return _Solver(lambda b: torch.linalg.lu_solve(lu, lu_pivots, b), None)
         if kernel.requires_grad or torch._C._functorch.is_functorch_wrapped_tensor(kernel):
-            self._refuse_singular(f"a numerically singular kernel that requires grad "
-                                  f"({int((~kept).sum())} of its {rows} eigenvalues at most "
-                                  f"{_CUT} · eps times the largest: a kernel of rank below its "
-                                  "rows, e.g. more training outputs than parameters, or "
-                                  "conditioned beyond what its dtype resolves)")
+            fail(self.api, "a regularized train kernel that can be solved with (t=None)",
+                 f"a numerically singular kernel that requires grad ({int((~kept).sum())} of "
+                 f"its {rows} eigenvalues at most {_CUT} · eps times the largest: a kernel of "
+                 "rank below its rows, e.g. more training outputs than parameters, or "
+                 "conditioned beyond what its dtype resolves)",
+                 "Add a ridge: diag_reg > 0 (gradient_descent_mse) or ridge > 0 "
+                 "(kernel_regression), e.g. 1e-6 times the kernel's mean diagonal.")
         basis, inverse = evecs[:, kept], 1.0 / evals[kept]
         return _Solver(lambda b: basis @ (inverse[:, None] * (basis.T @ b)), basis)
-
-    def _refuse_singular(self, got: str) -> None:
-        fail(self.api, "a regularized train kernel that can be solved with (t=None)", got,
-             "Add a ridge: diag_reg > 0 (gradient_descent_mse) or ridge > 0 "
-             "(kernel_regression), e.g. 1e-6 times the kernel's mean diagonal.")
 
     # -- display ---------------------------------------------------------------------------
 
@@ -404,17 +401,16 @@ class GradientDescentMSE:
             g0 = _values(self.api, "fx_test_0", fx_test_0, dtype, device, test_shape)
         y2d = self.layout.flat(self.y)
         if t is None:
+            rhs = y2d if f0 is None else y2d - self.layout.flat(f0)
             solver = self.solver()  # NOTE [singular train kernels]: the range's projection
             if solver.range is None:
                 targets = self.y.clone()
             else:
-                moved = y2d if f0 is None else y2d - self.layout.flat(f0)
-                moved = solver.range @ (solver.range.T @ moved)
-                targets = self.layout.unflat(moved, self.row_shape)
+                targets = self.layout.unflat(solver.range @ (solver.range.T @ rhs),
+                                             self.row_shape)
                 targets = targets if f0 is None else f0 + targets
             if test is None:
                 return targets
-            rhs = y2d if f0 is None else y2d - self.layout.flat(f0)
             limit = g0 + self.layout.unflat(test[0] @ self.solve(rhs), test[1])
             return limit if f0 is None else (targets, limit)
         tau = _values(self.api, "t", t, dtype, device) * self.learning_rate
