@@ -16,8 +16,12 @@ walk: the ``params`` differentiated are those, or copies or views of them, which
 own parameters stand for in such a backward), or the eager API's leaf ``inputs``, carry a
 post-accumulate-grad hook that notes an accumulation made by the call's own thread outside an
 evaluation of ``f`` -- that is, inside torchgram's backward passes -- and the call then raises
-a torchgram error. The hooks are removed when the call ends; nothing else of the tensors is
-touched (what that backward added to ``.grad`` stays, as a plain backward would leave it).
+a torchgram error. The hooks are removed when the call ends. What such a backward added to
+``.grad`` is taken out again: torchgram's passes feed it their own cotangents (batched rows,
+probes), so it held no plain backward's gradient -- Reformer's were NaN, and the user's next
+``loss.backward()`` trained on them (session 63). A pre-hook on each watched leaf's
+``AccumulateGrad`` node (which runs before an accumulation, never for ``autograd.grad``) keeps
+``.grad`` as it was before the first such accumulation, and the refusal puts it back.
 
 Not counted: another thread's backward on the same model (a training thread beside a serving
 one: a first version compared ``.grad`` before and after the call, refused such calls and put
@@ -35,6 +39,7 @@ import contextlib
 import threading
 from collections.abc import Iterable, Iterator
 
+import torch
 from torch import Tensor
 
 from torchgram._core.checks import fail
@@ -72,19 +77,38 @@ def gradients_outside_the_graph_refused(api: str, tensors: Iterable[Tensor]) -> 
     """
     thread = threading.get_ident()
     written: dict[int, Tensor] = {}
+    before: dict[int, tuple[Tensor | None, Tensor | None]] = {}
+
+    def ours() -> bool:
+        return threading.get_ident() == thread and not getattr(_EVALUATING, "depth", 0)
+
+    def keep(tensor: Tensor) -> None:
+        if ours() and id(tensor) not in before:
+            grad = tensor.grad
+            before[id(tensor)] = (grad, None if grad is None else grad.detach().clone())
 
     def note(tensor: Tensor) -> None:
-        if threading.get_ident() == thread and not getattr(_EVALUATING, "depth", 0):
+        if ours():
             written[id(tensor)] = tensor
 
     watched = {id(tensor): tensor for tensor in tensors
                if tensor.is_leaf and tensor.requires_grad}
+    # The accumulator nodes are held while the call runs: a leaf keeps only a weak reference.
+    accumulators = [torch.autograd.graph.get_gradient_edge(tensor).node
+                    for tensor in watched.values()]
     handles = [tensor.register_post_accumulate_grad_hook(note) for tensor in watched.values()]
+    handles += [accumulator.register_prehook(lambda grads, tensor=tensor: keep(tensor))
+                for accumulator, tensor in zip(accumulators, watched.values(), strict=True)]
     try:
         yield
     finally:
         for handle in handles:
             handle.remove()
+        for key, tensor in written.items():
+            grad, value = before.get(key, (tensor.grad, None))
+            if grad is not None and value is not None:
+                grad.copy_(value)
+            tensor.grad = grad
     if written:
         shapes = ", ".join(str(tuple(tensor.shape)) for tensor in list(written.values())[:4])
         fail(api, "a backward whose derivatives all go through the autograd graph",
@@ -94,6 +118,6 @@ def gradients_outside_the_graph_refused(api: str, tensors: Iterable[Tensor]) -> 
              "torch.autograd.backward (transformers' Reformer reversible layers, reversible "
              "residual blocks) sends the derivatives of the parameters it closes over into "
              "their .grad, where no backend can see them: the Gramian would miss them (their "
-             ".grad keeps what was added, as after a plain backward). Pass those parameters "
+             ".grad is left as it was before the call). Pass those parameters "
              "to Function.apply as inputs and return their derivatives from its backward, or "
              "use a model without reversible layers.", NotImplementedError)
