@@ -13,15 +13,15 @@ writes, so its Jacobian is what they hold.
 
 So while a call runs, the parameters of the modules ``f`` reaches (NOTE [tensors hooks set]'s
 walk: the ``params`` differentiated are those, or copies or views of them, which the module's
-own parameters stand for in such a backward), or the eager API's leaf ``inputs``, carry a
-post-accumulate-grad hook that notes an accumulation made by the call's own thread outside an
-evaluation of ``f`` -- that is, inside torchgram's backward passes -- and the call then raises
-a torchgram error. The hooks are removed when the call ends. What such a backward added to
-``.grad`` is taken out again: torchgram's passes feed it their own cotangents (batched rows,
-probes), so it held no plain backward's gradient -- Reformer's were NaN, and the user's next
-``loss.backward()`` trained on them (session 63). A pre-hook on each watched leaf's
-``AccumulateGrad`` node (which runs before an accumulation, never for ``autograd.grad``) keeps
-``.grad`` as it was before the first such accumulation, and the refusal puts it back.
+own parameters stand for in such a backward), or the eager API's leaf ``inputs``, have a
+pre-hook on their ``AccumulateGrad`` node (it runs before an accumulation into ``.grad``, never
+for ``autograd.grad``; the nodes are held while the call runs, a leaf keeps only a weak
+reference) that notes an accumulation made by the call's own thread outside an evaluation of
+``f`` -- that is, inside torchgram's backward passes -- and the call then raises a torchgram
+error. The hooks are removed when the call ends, and each noted ``.grad`` is put back as it
+was before its first such accumulation: torchgram's passes fed that backward their own
+cotangents (batched rows, probes), not a plain backward's -- Reformer's ``.grad`` became NaN,
+and the user's next ``loss.backward()`` added to it (session 63; session 62 left them).
 
 Not counted: another thread's backward on the same model (a training thread beside a serving
 one: a first version compared ``.grad`` before and after the call, refused such calls and put
@@ -36,11 +36,13 @@ eager ``inputs`` that is a non-leaf copy of the parameters such a Function close
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Iterable, Iterator
 
 import torch
 from torch import Tensor
+from torch.autograd.graph import Node
 
 from torchgram._core.checks import fail
 
@@ -76,41 +78,34 @@ def gradients_outside_the_graph_refused(api: str, tensors: Iterable[Tensor]) -> 
         NotImplementedError: api: expected a backward whose derivatives all go through ...
     """
     thread = threading.get_ident()
-    written: dict[int, Tensor] = {}
-    before: dict[int, tuple[Tensor | None, Tensor | None]] = {}
+    written: dict[int, tuple[Tensor, Tensor | None, Tensor | None]] = {}
 
-    def ours() -> bool:
-        return threading.get_ident() == thread and not getattr(_EVALUATING, "depth", 0)
-
-    def keep(tensor: Tensor) -> None:
-        if ours() and id(tensor) not in before:
+    def keep(tensor: Tensor, grads: object) -> None:
+        """Before an accumulation: note it, and keep ``.grad`` as it was before the first."""
+        if (threading.get_ident() == thread and not getattr(_EVALUATING, "depth", 0)
+                and id(tensor) not in written):
             grad = tensor.grad
-            before[id(tensor)] = (grad, None if grad is None else grad.detach().clone())
+            written[id(tensor)] = (tensor, grad, None if grad is None else grad.detach().clone())
 
-    def note(tensor: Tensor) -> None:
-        if ours():
-            written[id(tensor)] = tensor
-
-    watched = {id(tensor): tensor for tensor in tensors
-               if tensor.is_leaf and tensor.requires_grad}
-    # The accumulator nodes are held while the call runs: a leaf keeps only a weak reference.
-    accumulators = [torch.autograd.graph.get_gradient_edge(tensor).node
-                    for tensor in watched.values()]
-    handles = [tensor.register_post_accumulate_grad_hook(note) for tensor in watched.values()]
-    handles += [accumulator.register_prehook(lambda grads, tensor=tensor: keep(tensor))
-                for accumulator, tensor in zip(accumulators, watched.values(), strict=True)]
+    watched = [tensor for tensor in {id(tensor): tensor for tensor in tensors}.values()
+               if tensor.is_leaf and tensor.requires_grad]
+    with torch.enable_grad():  # the leaves' AccumulateGrad nodes
+        accumulators: list[Node] = [
+            tensor.view_as(tensor).grad_fn.next_functions[0][0]  # type: ignore[union-attr,misc]
+            for tensor in watched]
+    handles = [accumulator.register_prehook(functools.partial(keep, tensor))
+               for accumulator, tensor in zip(accumulators, watched, strict=True)]
     try:
         yield
     finally:
         for handle in handles:
             handle.remove()
-        for key, tensor in written.items():
-            grad, value = before.get(key, (tensor.grad, None))
+        for tensor, grad, value in written.values():
             if grad is not None and value is not None:
                 grad.copy_(value)
             tensor.grad = grad
     if written:
-        shapes = ", ".join(str(tuple(tensor.shape)) for tensor in list(written.values())[:4])
+        shapes = ", ".join(str(tuple(tensor.shape)) for tensor, _, _ in list(written.values())[:4])
         fail(api, "a backward whose derivatives all go through the autograd graph",
              f"a backward that accumulated into the .grad of {len(written)} parameter(s) "
              f"itself (shapes {shapes}{', ...' if len(written) > 4 else ''})",
