@@ -79,6 +79,7 @@ def gradients_outside_the_graph_refused(api: str, tensors: Iterable[Tensor]) -> 
     """
     thread = threading.get_ident()
     written: dict[int, tuple[Tensor, Tensor | None, Tensor | None]] = {}
+    accumulators: list[Node] = []  # held while the call runs: a leaf keeps a weak reference
 
     def keep(tensor: Tensor, grads: object) -> None:
         """Before an accumulation: note it, and keep ``.grad`` as it was before the first."""
@@ -87,14 +88,18 @@ def gradients_outside_the_graph_refused(api: str, tensors: Iterable[Tensor]) -> 
             grad = tensor.grad
             written[id(tensor)] = (tensor, grad, None if grad is None else grad.detach().clone())
 
-    watched = [tensor for tensor in {id(tensor): tensor for tensor in tensors}.values()
-               if tensor.is_leaf and tensor.requires_grad]
-    with torch.enable_grad():  # the leaves' AccumulateGrad nodes
-        accumulators: list[Node] = [
-            tensor.view_as(tensor).grad_fn.next_functions[0][0]  # type: ignore[union-attr,misc]
-            for tensor in watched]
-    handles = [accumulator.register_prehook(functools.partial(keep, tensor))
-               for accumulator, tensor in zip(accumulators, watched, strict=True)]
+    handles = []
+    with torch.enable_grad():
+        for tensor in {id(tensor): tensor for tensor in tensors}.values():
+            if not (tensor.is_leaf and tensor.requires_grad):
+                continue
+            # Its AccumulateGrad node; none where no graph can be made here (inference mode,
+            # another thread's transformed tensor that functional_call set on a module).
+            view = tensor.view_as(tensor).grad_fn
+            accumulator = None if view is None else view.next_functions[0][0]
+            if accumulator is not None:
+                accumulators.append(accumulator)
+                handles.append(accumulator.register_prehook(functools.partial(keep, tensor)))
     try:
         yield
     finally:
