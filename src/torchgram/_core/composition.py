@@ -35,6 +35,15 @@ Inside ``vmap`` the per-sample check of ``batch_dim`` (NOTE [per-sample]) is dat
 and cannot run, so backends compute the rows of the whole batch there: the same matrix,
 checked or not.
 
+**Forward-mode dual tensors** (``torch.autograd.forward_ad.make_dual`` inside the caller's
+``dual_level()``): differentiated leaves carrying a tangent are refused
+(:func:`refuse_forward_mode_tangents`: every backend detaches or rebuilds them, and ``G``
+came back with no tangent at all); ``torch.func.jvp`` and ``jacfwd`` around the call, outside
+the block, give that derivative. An input carrying one (``Composition.forward_tangents``) is
+declined by ``structured`` (its tangent came out 0.42 off, 0.30 for ``aggregated_grad``'s
+update, a raw error without ``batch_dim``; session 63's hunt) and ``auto`` moves on; ``graph``
+and ``jacobian`` carry it, as they carry tensors ``f`` captures.
+
 Tensors ``f`` captures from its closure are not inspected in eager mode (they are, in
 effect, under ``torch.func`` transforms): to differentiate ``G`` eagerly with respect to
 them, pass them as arguments.
@@ -60,8 +69,10 @@ from typing import TYPE_CHECKING, Any
 import optree
 import torch
 from torch import Tensor
+from torch.autograd import forward_ad
 
 from torchgram._core import _torch_compat
+from torchgram._core.checks import fail
 from torchgram._core.errors import BackendCannotRun
 from torchgram._core.norms import DecomposedNorms
 from torchgram._core.threads import math_attention
@@ -82,6 +93,8 @@ class Composition:
             (``"grad"``, ``"jvp"``, ``"vmap"``); empty outside any.
         create_graph: Grad mode is on and a differentiated leaf or an input requires grad:
             ``G`` must carry the eager autograd graph.
+        forward_tangents: An input carries a ``torch.autograd.forward_ad`` tangent, which
+            ``G`` must carry: ``structured`` declines.
 
     Example:
         >>> Composition().differentiable
@@ -92,6 +105,7 @@ class Composition:
 
     transforms: tuple[str, ...] = ()
     create_graph: bool = False
+    forward_tangents: bool = False
 
     @property
     def differentiable(self) -> bool:
@@ -131,7 +145,47 @@ def detect_composition(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Comp
     leaves: list[Any] = optree.tree_leaves((args, dict(kwargs)))  # type: ignore[arg-type]
     create_graph = torch.is_grad_enabled() and any(
         isinstance(leaf, Tensor) and leaf.requires_grad for leaf in leaves)
-    return Composition(transforms, create_graph)
+    forward_tangents = _torch_compat.forward_ad_level_open() and any(
+        _has_forward_tangent(leaf) for leaf in leaves)
+    return Composition(transforms, create_graph, forward_tangents)
+
+
+def _has_forward_tangent(leaf: Any) -> bool:
+    return isinstance(leaf, Tensor) and forward_ad.unpack_dual(leaf).tangent is not None
+
+
+def refuse_forward_mode_tangents(api: str, differentiated: Any) -> None:
+    """Refuse differentiated leaves carrying a ``forward_ad`` tangent (NOTE [composition]).
+
+    Example:
+        >>> import torch
+        >>> import torch.autograd.forward_ad as fwAD
+        >>> with fwAD.dual_level():
+        ...     weight = fwAD.make_dual(torch.ones(2), torch.ones(2))
+        ...     refuse_forward_mode_tangents("api", {"weight": weight})
+        Traceback (most recent call last):
+        ...
+        NotImplementedError: api: expected differentiated tensors without forward-mode ...
+    """
+    if not _torch_compat.forward_ad_level_open():
+        return
+    for leaf in optree.tree_leaves(differentiated):
+        if _has_forward_tangent(leaf):
+            fail(api, "differentiated tensors without forward-mode tangents",
+                 f"a tensor of shape {tuple(leaf.shape)} made dual by "
+                 f"torch.autograd.forward_ad.make_dual (no backend carries its tangent into "
+                 f"G)", "Pass forward_ad.unpack_dual(t).primal, or take G's derivative with "
+                 "torch.func.jvp or jacfwd around the call, outside the dual_level() block.",
+                 NotImplementedError)
+
+
+def require_no_forward_tangents(problem: Problem, backend: str) -> None:
+    """Raise :class:`BackendCannotRun` for inputs carrying a ``forward_ad`` tangent."""
+    if problem.composition.forward_tangents:
+        raise BackendCannotRun(
+            problem.api, backend, "inputs without torch.autograd.forward_ad tangents (its "
+            "taps and contractions do not carry them)", "an input made dual by make_dual",
+            ("graph", "jacobian"), "Those carry the input's tangent into G.")
 
 
 def require_no_transforms(problem: Problem, backend: str) -> None:

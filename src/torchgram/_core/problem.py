@@ -54,6 +54,7 @@ from torchgram._core.composition import (
     Composition,
     detect_composition,
     differentiable_evaluation,
+    refuse_forward_mode_tangents,
 )
 from torchgram._core.errors import (
     CounterRead,
@@ -849,6 +850,7 @@ def build_problem(options: Options, f: Callable[..., Any], args: tuple[Any, ...]
     argnums = resolve_argnums(api, options.argnums, len(args))
     refuse_lazy_tensors(api, (args, kwargs))
     args, kwargs = without_inference_tensors((args, dict(kwargs)))
+    refuse_forward_mode_tangents(api, [args[i] for i in argnums])  # NOTE [composition]
     composition = detect_composition(args, kwargs)
     diff = select_diff_leaves(args, argnums, detach=not composition.differentiable)
     complex_leaves = [leaf for i in argnums for leaf in leaves_of(args[i])

@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from torchgram._core import _torch_compat
-from torchgram._core.composition import require_no_transforms
+from torchgram._core.composition import require_no_forward_tangents, require_no_transforms
 from torchgram._core.errors import (
     NotPerSample,
     OutputChanged,
@@ -87,6 +87,7 @@ def run_structured(problem: Problem, plan: StructuredPlan | None = None, *,
     ``force`` is passed to :func:`plan_problem` (tests use it to exercise every way).
     """
     require_no_transforms(problem, "structured")
+    require_no_forward_tangents(problem, "structured")
     if problem.differentiates is not None:  # NOTE [f that differentiates itself]
         if problem.probe_cached:  # a cached probe's word: f may have stopped since (a flag
             raise OutputChanged("f differentiated itself when probed: probe afresh")  # off)

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torchgram._core.composition import require_no_transforms
+from torchgram._core.composition import require_no_forward_tangents, require_no_transforms
 from torchgram._core.cross import (
     CrossProblem,
     CrossResult,
@@ -840,6 +840,9 @@ def _structured_cross(problem: CrossProblem) -> CrossResult:
                                                         rights=(problem.left,)))
         return CrossResult((mirror(swapped.blocks[0]),), swapped.report)
     require_no_transforms(problem.left, "structured")
+    for side in (problem.left, *problem.rights):
+        if side is not None:  # (None: the left side again)
+            require_no_forward_tangents(side, "structured")
     spec = problem.spec
     dtype = problem.left.compute_dtype
     left = compute_side(problem.left)

@@ -1,0 +1,93 @@
+"""Calls made with ``torch.autograd.forward_ad`` dual tensors (NOTE [composition]).
+
+Session 63's hunt: dual parameters gave ``G`` (and ``aggregated_grad``'s update) no tangent on
+every backend, and a dual input gave a tangent 0.42 off on ``structured`` and ``auto`` (an
+NTK's too), 0.30 for the update, or a raw error without ``batch_dim``, without a word.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.autograd.forward_ad as fwAD
+from torch import Tensor
+
+import torchgram as tg
+from reference import dense_gramian_fn
+from torchgram.backends.ntvp import _prepare_forward_ad
+
+_prepare_forward_ad()  # torch's first forward-mode product warns (NOTE [first forward-AD call])
+
+DOUBLE = torch.float64
+BACKENDS = ["auto", "structured", "graph", "jacobian", "ntvp"]
+CARRYING = ("graph", "jacobian")  # what carries an input's tangent (auto: by moving on)
+
+
+def _f(p: dict[str, Tensor], x: Tensor) -> Tensor:
+    return (torch.tanh(x @ p["first"].T + p["bias"]) @ p["second"].T).squeeze(-1)
+
+
+def _case() -> tuple[dict[str, Tensor], Tensor, Tensor]:
+    torch.manual_seed(0)
+    params = {"first": torch.randn(6, 3, dtype=DOUBLE), "bias": torch.randn(6, dtype=DOUBLE),
+              "second": torch.randn(1, 6, dtype=DOUBLE)}
+    return params, torch.randn(5, 3, dtype=DOUBLE), torch.randn(5, 3, dtype=DOUBLE)
+
+
+@pytest.mark.parametrize("batch_dim", [None, 0], ids=["dense", "batch_dim0"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_dual_input_gives_gs_tangent_or_a_refusal(backend: str,
+                                                    batch_dim: int | None) -> None:
+    params, x, tangent = _case()
+    wanted, wanted_tangent = torch.func.jvp(lambda x: dense_gramian_fn(_f)(params, x),
+                                            (x,), (tangent,))
+    with fwAD.dual_level():
+        call = tg.gramian(_f, backend=backend, batch_dim=batch_dim)
+        if backend not in (*CARRYING, "auto"):
+            with pytest.raises(tg.BackendCannotRun, match="graph|jacobian|outside"):
+                call(params, fwAD.make_dual(x, tangent))
+            return
+        gramian, gramian_tangent = fwAD.unpack_dual(call(params, fwAD.make_dual(x, tangent)))
+    torch.testing.assert_close(gramian, wanted, rtol=1e-10, atol=1e-12)
+    assert gramian_tangent is not None
+    torch.testing.assert_close(gramian_tangent, wanted_tangent, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", ["auto", "structured"])
+def test_a_dual_input_of_an_update_and_a_kernel(backend: str) -> None:
+    params, x, tangent = _case()
+    weights = torch.full((5,), 0.2, dtype=DOUBLE)
+
+    def update(x: Tensor) -> Tensor:
+        _, pullback = torch.func.vjp(lambda p: _f(p, x), params)
+        return torch.cat([g.reshape(-1) for g in pullback(weights)[0].values()])
+
+    _, wanted = torch.func.jvp(update, (x,), (tangent,))
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(x, tangent)
+        if backend == "structured":
+            with pytest.raises(tg.BackendCannotRun, match="forward_ad"):
+                tg.aggregated_grad(_f, tg.weighting.mean, batch_dim=0, backend=backend)(
+                    params, dual)
+            return
+        got, _ = tg.aggregated_grad(_f, tg.weighting.mean, batch_dim=0, backend=backend)(
+            params, dual)
+        got_tangent = torch.cat([fwAD.unpack_dual(g).tangent.reshape(-1)
+                                 for g in got.values()])
+        kernel = fwAD.unpack_dual(tg.ntk.empirical_ntk_fn(_f, trace_axes=())(dual, None,
+                                                                            params))
+    torch.testing.assert_close(got_tangent, wanted, rtol=1e-10, atol=1e-12)
+    _, kernel_tangent = torch.func.jvp(lambda x: dense_gramian_fn(_f)(params, x),
+                                       (x,), (tangent,))
+    torch.testing.assert_close(kernel.tangent, kernel_tangent, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dual_parameters_are_refused(backend: str) -> None:
+    params, x, _ = _case()
+    with fwAD.dual_level():
+        duals = {key: fwAD.make_dual(value, torch.ones_like(value))
+                 for key, value in params.items()}
+        with pytest.raises(NotImplementedError, match=r"^torchgram.gramian: expected "
+                           r"differentiated tensors without forward-mode tangents.*jvp"):
+            tg.gramian(_f, backend=backend, batch_dim=0)(duals, x)
