@@ -72,6 +72,7 @@ from torchgram._core.errors import (
     unseen_calls_refused,
 )
 from torchgram._core.hooked_modules import reached
+from torchgram._core.model_caches import refuse_updated_caches
 from torchgram._core.options import InDims, Options
 from torchgram._core.pytree import DiffLeaves, leaves_of, select_diff_leaves
 from torchgram._core.rng import RngState
@@ -849,6 +850,7 @@ def build_problem(options: Options, f: Callable[..., Any], args: tuple[Any, ...]
     api = options.api
     argnums = resolve_argnums(api, options.argnums, len(args))
     refuse_lazy_tensors(api, (args, kwargs))
+    refuse_updated_caches(api, args, kwargs)  # NOTE [model caches]
     args, kwargs = without_inference_tensors((args, dict(kwargs)))
     refuse_forward_mode_tangents(api, [args[i] for i in argnums])  # NOTE [composition]
     composition = detect_composition(args, kwargs)
