@@ -88,6 +88,26 @@ class DifferentiatedTwice(RuntimeError):  # noqa: N818
     """
 
 
+class ParameterConverted(RuntimeError):  # noqa: N818
+    """A tapped call met a parameter whose dtype ``f`` changed in place.
+
+    ``module.to(dtype)`` inside ``f`` (``transformers``' Switch router casts its classifier to
+    float32 in every forward) assigns ``param.data`` a converted copy; the structured backend's
+    taps hold the parameter's values in its old dtype (session 63's hunt: torch's raw "mat1
+    and mat2 must have the same dtype" from ``structured`` and ``auto``, on a bfloat16 or
+    float64 model). :func:`torch_refusals` and ``auto``'s planning turn it into
+    :class:`BackendCannotRun` naming the backends that follow the conversion.
+    """
+
+
+def parameter_converted_refused(api: str, error: ParameterConverted) -> BackendCannotRun:
+    """The structured backend's refusal of :class:`ParameterConverted`."""
+    return BackendCannotRun(
+        api, "structured", "f that leaves its parameters' dtypes as they are",
+        f"a parameter converted inside f ({error}: module.to(dtype) in a forward)",
+        ("graph", "jacobian"), "Those follow the conversion as a plain backward does.")
+
+
 class DifferentiatesItself(RuntimeError):  # noqa: N818
     """``f`` differentiated its own computation inside a tapped pass.
 
@@ -542,6 +562,8 @@ def torch_refusals(api: str, backend: str, parameters: Sequence[Tensor] = (),
     except RuntimeError as error:  # NotImplementedError included
         if isinstance(error, DifferentiatesItself):
             raise self_differentiation_refused(api, backend, error.how) from error
+        if isinstance(error, ParameterConverted):
+            raise parameter_converted_refused(api, error) from error
         if isinstance(error, DifferentiatedTwice):
             raise BackendCannotRun(
                 api, backend, "f that does not differentiate its own nn.LSTM / nn.GRU (the "

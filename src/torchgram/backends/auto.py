@@ -48,6 +48,8 @@ from torchgram._core.errors import (
     BackendCannotRun,
     DifferentiatesItself,
     NotPerSample,
+    ParameterConverted,
+    parameter_converted_refused,
     self_differentiation_refused,
     sparse_refusal,
     torch_refusals,
@@ -291,6 +293,8 @@ def auto_backend(problem: Problem) -> BackendResult:
                 if isinstance(error, DifferentiatesItself):  # one the probe did not see
                     raise self_differentiation_refused(problem.api, "structured",
                                                        error.how) from error
+                if isinstance(error, ParameterConverted):
+                    raise parameter_converted_refused(problem.api, error) from error
                 if not _torch_compat.is_sparse_gradient_error(error):
                     raise
                 raise sparse_refusal(problem.api, "structured", problem.diff.leaves) from error

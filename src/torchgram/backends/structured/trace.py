@@ -106,7 +106,7 @@ from torch.overrides import TorchFunctionMode
 from torchgram._core import _torch_compat
 from torchgram._core.census import GRADIENT_HOOKS, coupling_op
 from torchgram._core.composition import tapped_evaluation
-from torchgram._core.errors import DifferentiatesItself, ModifiedInPlace
+from torchgram._core.errors import DifferentiatesItself, ModifiedInPlace, ParameterConverted
 from torchgram._core.layouts import laid_out_like
 from torchgram._core.pytree import leaves_of
 from torchgram._core.rng import RngState
@@ -1145,6 +1145,9 @@ class TapMode(TorchFunctionMode):
         values = [operand.value for operand in match.operands]
         for i, ref, _ in chosen:
             plain = self._plain[ref.index]
+            if plain.dtype != match.operands[i].value.dtype:  # module.to(dtype) inside f
+                raise ParameterConverted(f"{match.rule}'s {plain.dtype} parameter is "
+                                         f"{match.operands[i].value.dtype} there")
             values[i] = plain.T if ref.transposed else (
                 plain if ref.view_shape is None else plain.reshape(ref.view_shape))
         y = match.compute(*values)
@@ -1249,6 +1252,9 @@ class TapMode(TorchFunctionMode):
         values = [operand.value for operand in match.operands]
         for i, ref, _ in chosen:
             plain = self._plain[ref.index]
+            if plain.dtype != match.operands[i].value.dtype:  # module.to(dtype) inside f
+                raise ParameterConverted(f"{match.rule}'s {plain.dtype} parameter is "
+                                         f"{match.operands[i].value.dtype} there")
             values[i] = plain.T if ref.transposed else plain
         if share is not None:
             if self.recording.taps[share].shape != shape:
