@@ -89,6 +89,31 @@ def test_the_public_calls_inside_a_compiled_function() -> None:
     torch.compiler.reset()
 
 
+@pytest.mark.parametrize("backend", ["auto", "structured", "graph", "jacobian", "ntvp"])
+def test_the_transforms_themselves_compiled(backend: str) -> None:
+    # Session 63's hunt: torch.compile(tg.gramian(f)) traced the probe cache (torch's raw
+    # "unhashable type: 'list'"), on every backend; tg.aggregated_grad's too.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).to(DOUBLE)
+    fn, params = tg.functionalize(model)
+    x = torch.randn(5, 3, dtype=DOUBLE)
+
+    def f(p: dict[str, Tensor], x: Tensor) -> Tensor:
+        return fn(p, x).squeeze(-1)
+
+    torch.compiler.reset()
+    gramian = torch.compile(tg.gramian(f, batch_dim=0, backend=backend), backend="eager")
+    torch.testing.assert_close(gramian(params, x), dense_gramian(f, (params, x)).gramian,
+                               rtol=1e-10, atol=1e-12)
+    aggregated = torch.compile(tg.aggregated_grad(f, tg.weighting.mean, backend=backend),
+                               backend="eager")
+    update, _ = aggregated(params, x)
+    wanted, _ = tg.aggregated_grad(f, tg.weighting.mean, backend=backend)(params, x)
+    for key in params:
+        torch.testing.assert_close(update[key], wanted[key], rtol=1e-10, atol=1e-12)
+    torch.compiler.reset()
+
+
 def test_a_compiled_backward_with_donated_buffers_is_a_clear_error() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))

@@ -6,9 +6,10 @@ options.Options` when they are built and call :func:`compute` when they are call
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import Tensor
@@ -131,8 +132,22 @@ T = TypeVar("T")
 
 
 def outside_compile(fn: Fn) -> Fn:
-    """``fn`` runs eagerly under ``torch.compile``, as a graph break (NOTE [torch.compile])."""
-    return torch.compiler.disable(fn)
+    """``fn`` runs eagerly under ``torch.compile``, as a graph break (NOTE [torch.compile]).
+
+    Disabled twice over: ``torch.compile`` of a disabled function compiles the function the
+    disabling wrapped (``torch.compile(tg.gramian(f))``: dynamo traced the probe cache, torch's
+    raw "unhashable type: 'list'"; session 63's hunt), so that function only calls the
+    disabled ``fn``, where dynamo breaks the graph. Called from compiled code, the outer
+    wrapper breaks it at once, before dynamo looks at the arguments (it read a non-leaf's
+    ``.grad`` there, a warning).
+    """
+    disabled = torch.compiler.disable(fn)
+
+    @functools.wraps(fn)
+    def eager_call(*args: Any, **kwargs: Any) -> Any:
+        return disabled(*args, **kwargs)
+
+    return cast(Fn, torch.compiler.disable(eager_call))
 
 
 def compute(options: Options, f: Callable[..., Any], args: tuple[Any, ...],
