@@ -150,3 +150,18 @@ def test_eager_outputs_computed_inside_are_refused_by_name() -> None:
         rows = F.cross_entropy(module(x), y, reduction="none")
     with pytest.raises(ValueError, match="inference_mode"):
         tg.autograd.gramian(rows, list(module.parameters()), batch_dim=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_parameters_that_require_grad_give_results_without_a_graph(backend: str) -> None:
+    # Session 63's hunt: G came back with a grad_fn there (the create-graph path, paid for),
+    # where the mode's own ops make tensors that do not require grad.
+    _, f, params, x, y = _setup()
+    leaves = {key: value.detach().requires_grad_() for key, value in params.items()}
+    wanted = dense_gramian(f, (params, x, y)).gramian
+    with torch.inference_mode():
+        gramian = tg.gramian(f, backend=backend, batch_dim=0)(leaves, x, y)
+        update, _ = tg.aggregated_grad(f, tg.weighting.mean, backend=backend)(leaves, x, y)
+    assert not gramian.requires_grad and gramian.grad_fn is None
+    assert not any(value.requires_grad for value in update.values())
+    torch.testing.assert_close(gramian, wanted, rtol=1e-10, atol=1e-12)

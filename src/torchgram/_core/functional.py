@@ -20,8 +20,10 @@ torch's raw "Inference tensors do not track version counter" on every backend ot
 its call under ``torch.inference_mode(False)`` (:func:`public_call`): a Gramian
 is computed wherever it is asked for, as ``torch.func`` transforms are; tensors the caller
 made inside the mode are cloned before use (``problem.without_inference_tensors``), the
-results are ordinary tensors, and eager outputs computed inside the mode do not require
-grad, which the eager APIs report as such.
+results are ordinary tensors that carry no graph (the call runs under ``no_grad``, as the
+mode's own ops would: with parameters that required grad, ``G`` came back with a
+``grad_fn``, paying for the create-graph path; session 63's hunt), and eager outputs computed
+inside the mode do not require grad, which the eager APIs report as such.
 """
 
 from __future__ import annotations
@@ -99,7 +101,7 @@ def public_call(fn: Fn) -> Fn:
         with outside_caller_context():
             if not torch.is_inference_mode_enabled():
                 return fn(*args, **kwargs)
-            with torch.inference_mode(False):
+            with torch.inference_mode(False), torch.no_grad():  # (as in the mode: no graph)
                 return fn(*args, **kwargs)
 
     return cast(Fn, outside)
