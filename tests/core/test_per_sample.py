@@ -196,3 +196,30 @@ def test_a_float32_model_with_float64_losses_keeps_the_per_sample_way() -> None:
     assert tg.check_independence(f, batch_dim=0)(params, x, y).independent
     wanted = dense_gramian(f, (params, x, y)).gramian
     torch.testing.assert_close(explanation.gramian, wanted, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("with_targets", [False, True], ids=["alone", "beside_targets"])
+def test_a_mapping_optree_keeps_whole_is_named(with_targets: bool) -> None:
+    # Session 63's hunt: a tokenizer's BatchEncoding (a UserDict) passed to f met "no batched
+    # input" or blamed closures; its tensors are not split. A shared one stays accepted.
+    from transformers import BatchEncoding
+
+    torch.manual_seed(0)
+    weight = torch.randn(7, 2, dtype=torch.float64)
+    batch = BatchEncoding({"features": torch.randn(4, 7, dtype=torch.float64)})
+    targets = torch.randn(4, 2, dtype=torch.float64)
+
+    def f(w: torch.Tensor, batch: Any, *rest: torch.Tensor) -> torch.Tensor:
+        out = torch.tanh(batch["features"] @ w)
+        return (out - rest[0]).pow(2).sum(1) if rest else out.sum(1)
+
+    args = (weight, batch, targets) if with_targets else (weight, batch)
+    with pytest.raises(ValueError, match=r"a BatchEncoding in argument 1 holding a tensor of "
+                       r"shape \(4, 7\).*dict\(batch\)"):
+        tg.gramian(f, batch_dim=0)(*args)
+    got = tg.gramian(f, batch_dim=0)(weight, dict(batch), *args[2:])
+    torch.testing.assert_close(got, dense_gramian(f, (weight, dict(batch), *args[2:])).gramian,
+                               rtol=1e-10, atol=1e-12)
+    shared = BatchEncoding({"scale": torch.ones(3, dtype=torch.float64)})  # not batch-sized
+    tg.gramian(lambda w, x, shared: torch.tanh(x @ w).sum(1) * shared["scale"][0],
+               batch_dim=0)(weight, torch.randn(4, 7, dtype=torch.float64), shared)

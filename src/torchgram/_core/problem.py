@@ -1245,10 +1245,14 @@ def make_batch_spec(api: str, args: tuple[Any, ...], argnums: tuple[int, ...], b
                   for name, value in kwargs.items()]
     positions: list[tuple[int | str, int]] = []
     dims, tensors = [], []
+    opaque: list[tuple[int | str, Any, Tensor, int]] = []  # in mappings optree keeps whole
     for where, value, dim in arguments:
         if dim is None:
             continue
         for j, leaf in enumerate(optree.tree_leaves(value)):
+            if isinstance(leaf, Mapping):  # a tokenizer's BatchEncoding: not a pytree
+                opaque.extend((where, leaf, item, dim) for item in leaf.values()
+                              if isinstance(item, Tensor) and -item.dim() <= dim < item.dim())
             if not isinstance(leaf, Tensor):
                 continue
             if leaf.dim() == 0 or not -leaf.dim() <= dim < leaf.dim():
@@ -1271,6 +1275,17 @@ def make_batch_spec(api: str, args: tuple[Any, ...], argnums: tuple[int, ...], b
             positions.append((where, j))
             dims.append(dim % leaf.dim())
             tensors.append(leaf)
+    batch_sizes = {tensor.shape[dim] for tensor, dim in zip(tensors, dims, strict=True)}
+    unsplit = next(((where, mapping, item) for where, mapping, item, dim in opaque
+                    if not tensors or item.shape[dim] in batch_sizes), None)
+    if unsplit is not None:
+        where, mapping, item = unsplit
+        name = f"argument {where}" if isinstance(where, int) else f"keyword {where!r}"
+        fail(api, "batched inputs in tensors, dicts, lists or tuples (the pytrees whose "
+             "tensors torchgram splits per sample)", f"a {type(mapping).__name__} in {name} "
+             f"holding a tensor of shape {tuple(item.shape)}: a mapping optree does not look "
+             f"into, whose tensors would not be split", "Pass a plain dict of it "
+             "(dict(batch)) instead.")
     if not tensors:
         fail(api, "at least one batched input tensor when batch_dim is given",
              f"in_dims={in_dims!r} selecting no tensor among the inputs",
