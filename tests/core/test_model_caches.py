@@ -95,3 +95,13 @@ def test_a_static_cache_is_refused_too() -> None:
     with pytest.raises(ValueError, match="a transformers StaticCache in argument 2"):
         tg.gramian(lambda p, ids, cache: _losses(fn, p, ids, cache), batch_dim=0)(
             params, ids, cache)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_captured_cache_that_f_updates_is_refused_after_the_call(backend: str) -> None:
+    fn, params, prefix, ids = _llama()
+    cache = _prefix_cache(fn, params, prefix)
+    with pytest.raises(ValueError, match=r"a transformers DynamicCache that f captured and "
+                       r"whose forward updated it.*copy.deepcopy"):
+        tg.gramian(lambda p, ids: _losses(fn, p, ids, cache), backend=backend,
+                   batch_dim=0)(params, ids)

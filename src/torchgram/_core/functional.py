@@ -81,15 +81,16 @@ def with_grad(fn: Callable[[], Result]) -> Result:
 def public_call(fn: Fn) -> Fn:
     """``fn`` as a public entry point: outside inference mode and the caller's function modes.
 
-    Under ``torch.inference_mode(False)`` when called inside the mode (NOTE [inference
-    mode]); without the caller's function modes, ``f``'s evaluations excepted (NOTE [the
+    Under ``torch.inference_mode(False)`` and ``no_grad`` when called inside the mode (NOTE
+    [inference mode]); without the caller's function modes, ``f``'s evaluations excepted (NOTE [the
     caller's function modes]).
 
     Example:
         >>> @public_call
-        ... def tracked():
+        ... def tracked():  # (under no_grad: a backend enables grad for its own passes)
         ...     x = torch.ones(2, requires_grad=True)
-        ...     return (x * x).grad_fn is not None
+        ...     with torch.enable_grad():
+        ...         return (x * x).grad_fn is not None
         >>> with torch.inference_mode():
         ...     tracked()
         True

@@ -43,6 +43,7 @@ from torchgram._core.generator_search import (
     may_hold,
     named_by_calls,
 )
+from torchgram._core.model_caches import cache_state, is_cache, refuse_changed_caches
 from torchgram._core.rng import global_generators
 from torchgram._core.side_gradients import gradients_outside_the_graph_refused
 
@@ -65,11 +66,13 @@ class Reached(NamedTuple):
             [tensors hooks set]).
         generators: The host generators ``f`` holds (NOTE [generators f holds]).
         modules: Every module reached (NOTE [gradients outside the graph]).
+        caches: The ``transformers`` caches reached (NOTE [model caches]).
     """
 
     hooked: list[tuple[dict[str, Any], dict[str, Any]]]
     generators: tuple[Any, ...]
     modules: tuple[nn.Module, ...]
+    caches: tuple[Any, ...] = ()
 
 
 def reached(api: str, f: Any, args: Sequence[Any] = ()) -> Reached:
@@ -93,6 +96,7 @@ def reached(api: str, f: Any, args: Sequence[Any] = ()) -> Reached:
     """
     modules: dict[int, nn.Module] = {}
     generators: dict[int, Any] = {}
+    caches: dict[int, Any] = {}
     classes: set[type] = set()
     held: list[Any] = []  # what modules and functions hold beyond parameters and submodules
     looked: dict[int, Any] = {}  # (the objects themselves: ids of freed ones are reused)
@@ -145,17 +149,22 @@ def reached(api: str, f: Any, args: Sequence[Any] = ()) -> Reached:
         if is_generator(obj) and obj not in global_ones:
             generators.setdefault(id(obj), obj)
 
+    def add_object(obj: Any) -> None:  # what the walks visit beyond tensors and modules
+        add_generator(obj)
+        if is_cache(obj):
+            caches.setdefault(id(obj), obj)
+
     global_ones = global_generators()
     # Modules sit near f (a closure cell, a global, self): a bounded walk, which a closure
     # over a dataset of records does not make slow (the full walk: 18 ms a call for 4000
     # records, session 60's review). Then what f's calls name, what the modules found hold and
     # their classes' code names (NOTE [generators f holds]), within a budget of their own.
     reach(f, args, lambda tensor: None, add, budget=_BUDGET, width=_WIDTH,
-          tensor_containers=False, on_object=add_generator, by_class=True)
+          tensor_containers=False, on_object=add_object, by_class=True)
     add_named(named_by_calls([f, *global_hook_functions()], seen=functions))
     if held:
         reach(None, held, lambda tensor: None, add, budget=_HELD_BUDGET, width=_WIDTH,
-              tensor_containers=False, on_object=add_generator, by_class=True)
+              tensor_containers=False, on_object=add_object, by_class=True)
     lazy = next((module for module in modules.values()
                  if isinstance(module, LazyModuleMixin) and module.has_uninitialized_params()),
                 None)
@@ -167,7 +176,7 @@ def reached(api: str, f: Any, args: Sequence[Any] = ()) -> Reached:
              "lazy layer that no forward calls stays uninitialised: call it once on its own, "
              "or remove it.")
     return Reached(hooked_snapshot(modules.values()), tuple(generators.values()),
-                   tuple(modules.values()))
+                   tuple(modules.values()), tuple(caches.values()))
 
 
 _HELD_BUDGET = 128
@@ -220,12 +229,14 @@ def hooked_attributes_put_back(api: str, f: Any,
     found = reached(api, f, args)
     parameters = (parameter for module in found.modules
                   for parameter in module._parameters.values() if parameter is not None)
+    caches = [cache_state(cache) for cache in found.caches]  # NOTE [model caches]
     try:
         with gradients_outside_the_graph_refused(api, parameters):
             yield found.generators
     finally:
         for attributes, before in found.hooked:
             put_back_tensors(attributes, before)
+    refuse_changed_caches(api, found.caches, caches)
 
 
 def puts_back_hooked_attributes(api: str, f: Any) -> Callable[[Fn], Fn]:

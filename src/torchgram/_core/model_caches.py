@@ -18,8 +18,11 @@ update, for the batch of the evaluation that comes first -- the probe's single s
 the next evaluation met torch's raw ``index_copy_`` error. The classes are recognised by name
 (a class named ``...Cache`` defined in a ``transformers`` module, anywhere in the object's
 class hierarchy), without importing ``transformers``. A cache ``f`` copies for itself
-(``copy.deepcopy(cache)`` inside ``f``) is each evaluation's own, and a cache ``f`` captures is
-not looked for: such an ``f`` is the caller's choice.
+(``copy.deepcopy(cache)`` inside ``f``) is each evaluation's own. A cache ``f`` captures (a
+closure, a global) cannot be refused beforehand -- ``f`` may copy it, as above -- so the walk
+that finds the modules ``f`` reaches (NOTE [tensors hooks set]) notes the caches it meets, and
+the call is refused after its work where one of them changed (:func:`cache_state`: its
+tensors rebound or written, its counters moved), the Gramian of several caches dropped.
 """
 
 from __future__ import annotations
@@ -27,8 +30,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from torch import Tensor
+
 from torchgram._core.checks import fail
-from torchgram._core.pytree import leaves_of
+from torchgram._core.pytree import PLAIN_VALUES, leaves_of
 
 
 def refuse_updated_caches(api: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
@@ -46,7 +51,7 @@ def refuse_updated_caches(api: str, args: tuple[Any, ...], kwargs: Mapping[str, 
     for where, value in named:
         for leaf in leaves_of(value):
             inner = list(leaf.values()) if isinstance(leaf, Mapping) else []
-            cache = next((item for item in (leaf, *inner) if _is_cache(item)), None)
+            cache = next((item for item in (leaf, *inner) if is_cache(item)), None)
             if cache is not None:
                 fail(api, "arguments that f's evaluations leave as they found them",
                      f"a transformers {type(cache).__name__} in {where}, which the model's "
@@ -58,7 +63,59 @@ def refuse_updated_caches(api: str, args: tuple[Any, ...], kwargs: Mapping[str, 
                      ValueError)
 
 
-def _is_cache(obj: Any) -> bool:
+def cache_state(cache: Any, depth: int = 5) -> list[Any]:
+    """What a change of ``cache`` changes: its tensors (identity, version) and plain values.
+
+    Read through ``__dict__``, lists, tuples and dicts, ``depth`` levels down, in a fixed order.
+
+    Example:
+        >>> import torch
+        >>> class Layer:
+        ...     def __init__(self):
+        ...         self.keys = torch.zeros(1, 2)
+        >>> layer = Layer()
+        >>> before = cache_state(layer)
+        >>> layer.keys = torch.cat([layer.keys, layer.keys])
+        >>> cache_state(layer) == before
+        False
+    """
+    state: list[Any] = []
+    level: list[Any] = [cache]
+    seen: set[int] = set()
+    for _ in range(depth + 1):
+        following: list[Any] = []
+        for obj in level:
+            if id(obj) in seen:
+                continue
+            seen.add(id(obj))
+            if isinstance(obj, Tensor):
+                state.append((id(obj), obj._version))
+            elif isinstance(obj, PLAIN_VALUES):
+                state.append(obj)
+            else:
+                items = (list(dict.values(obj)) if isinstance(obj, dict)
+                         else list(obj) if isinstance(obj, list | tuple)
+                         else list(getattr(obj, "__dict__", {}).values()))
+                state.append((id(obj), len(items)))
+                following.extend(items)
+        level = following
+    return state
+
+
+def refuse_changed_caches(api: str, caches: tuple[Any, ...], before: list[list[Any]]) -> None:
+    """After a call: refuse it where a cache ``f`` captured changed (NOTE [model caches])."""
+    for cache, state in zip(caches, before, strict=True):
+        if cache_state(cache) != state:
+            fail(api, "f that leaves the caches it holds as they are",
+                 f"a transformers {type(cache).__name__} that f captured and whose forward "
+                 f"updated it: torchgram evaluates f several times per call, the evaluations "
+                 f"saw different caches (the Gramian of no single call, dropped), and the "
+                 f"cache now holds their entries", "Copy it inside f "
+                 "(past_key_values=copy.deepcopy(cache)), or pass its tensors and build the "
+                 "cache inside f.", ValueError)
+
+
+def is_cache(obj: Any) -> bool:
     """Whether ``obj`` is a ``transformers`` cache."""
     return any(klass.__module__.startswith("transformers.") and klass.__name__.endswith("Cache")
                for klass in type(obj).__mro__)

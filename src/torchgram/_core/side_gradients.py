@@ -94,8 +94,12 @@ def gradients_outside_the_graph_refused(api: str, tensors: Iterable[Tensor]) -> 
             if not (tensor.is_leaf and tensor.requires_grad):
                 continue
             # Its AccumulateGrad node; none where no graph can be made here (inference mode,
-            # another thread's transformed tensor that functional_call set on a module).
-            view = tensor.view_as(tensor).grad_fn
+            # another thread's transformed tensor that functional_call set on a module) or
+            # the tensor has no views (a sparse parameter: not watched)
+            try:
+                view = tensor.view_as(tensor).grad_fn
+            except RuntimeError:
+                continue
             accumulator = None if view is None else view.next_functions[0][0]
             if accumulator is not None:
                 accumulators.append(accumulator)
