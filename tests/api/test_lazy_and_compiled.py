@@ -114,6 +114,28 @@ def test_the_transforms_themselves_compiled(backend: str) -> None:
     torch.compiler.reset()
 
 
+def test_the_transform_of_a_compiled_f_inside_compiled_code() -> None:
+    # Session 63's review: functools.wraps copied the compiled f's _torchdynamo_orig_callable
+    # onto the transform, and dynamo inlined f instead: the step returned f's output, not G.
+    torch.manual_seed(0)
+    w, x = torch.randn(3, 5, dtype=DOUBLE), torch.randn(4, 5, dtype=DOUBLE)
+
+    def f(w: Tensor, x: Tensor) -> Tensor:
+        return torch.tanh(x @ w.T).sum(-1)
+
+    torch.compiler.reset()
+    compiled_f = torch.compile(f, backend="eager")
+    wanted = dense_gramian(f, (w, x)).gramian
+    step = torch.compile(lambda w, x: tg.gramian(compiled_f)(w, x), backend="eager")
+    torch.testing.assert_close(step(w, x), wanted, rtol=1e-10, atol=1e-12)
+    transform = torch.compile(tg.gramian(compiled_f, batch_dim=0), backend="eager")
+    torch.testing.assert_close(transform(w, x), wanted, rtol=1e-10, atol=1e-12)
+    update, _ = torch.compile(lambda w, x: tg.aggregated_grad(compiled_f, tg.weighting.mean)(
+        w, x), backend="eager")(w, x)
+    assert update.shape == w.shape
+    torch.compiler.reset()
+
+
 def test_a_compiled_backward_with_donated_buffers_is_a_clear_error() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))

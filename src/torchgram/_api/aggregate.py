@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -14,6 +13,7 @@ from torchgram._api.pipeline import (
     compute_then,
     outside_compile,
     refused_derivatives,
+    wraps_user_function,
 )
 from torchgram._api.step_times import StepTimes, Stopwatch
 from torchgram._api.weights import call_weighting, check_weighting
@@ -107,7 +107,7 @@ def aggregated_grad(
     )
     check_weighting(_API, weighting)
 
-    @functools.wraps(f)
+    @wraps_user_function(f)
     @outside_compile
     @public_call  # NOTE [inference mode], NOTE [the caller's function modes]
     def aggregated_grad_of_f(*args: Any, **kwargs: Any) -> tuple[Any, Aggregation]:

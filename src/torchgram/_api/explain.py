@@ -10,7 +10,6 @@ NOTE [auto cost model]). Nothing is differentiated: ``f`` is traced once (one sa
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -234,9 +233,9 @@ def explain(
     )
     checks.check_bool(_API, "run", run)
 
-    from torchgram._api.pipeline import outside_compile
+    from torchgram._api.pipeline import outside_compile, wraps_user_function
 
-    @functools.wraps(f)
+    @wraps_user_function(f)
     @outside_compile
     @public_call  # NOTE [inference mode], NOTE [the caller's function modes]
     @puts_back_hooked_attributes(_API, f)  # NOTE [tensors hooks set]

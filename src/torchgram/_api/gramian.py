@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from torchgram._api.pipeline import compute, outside_compile
+from torchgram._api.pipeline import compute, outside_compile, wraps_user_function
 from torchgram._core.checks import function_name
 from torchgram._core.functional import public_call
 from torchgram._core.options import Options
@@ -110,7 +109,7 @@ def gramian(
         memory_budget=memory_budget, progress=progress,
     )
 
-    @functools.wraps(f)
+    @wraps_user_function(f)
     @outside_compile
     @public_call  # NOTE [inference mode], NOTE [the caller's function modes]
     def gramian_of_f(*args: Any, **kwargs: Any) -> Any:

@@ -10,7 +10,6 @@ interaction.
 
 from __future__ import annotations
 
-import functools
 import numbers
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ import optree
 import torch
 from torch import Tensor
 
+from torchgram._api.pipeline import wraps_user_function
 from torchgram._core.census import OpCensus
 from torchgram._core.checks import fail, function_name
 from torchgram._core.errors import OutputChanged, output_changes_refused
@@ -125,7 +125,7 @@ def check_independence(
              "Pass batch_dim=0 (or the dim of f's output that indexes the samples).", TypeError)
     chosen_samples = _checked_samples(samples)
 
-    @functools.wraps(f)
+    @wraps_user_function(f)
     @public_call  # NOTE [inference mode], NOTE [the caller's function modes]
     @puts_back_hooked_attributes(_API, f)  # NOTE [tensors hooks set]
     def check_f(*args: Any, **kwargs: Any) -> Independence:

@@ -150,6 +150,23 @@ def outside_compile(fn: Fn) -> Fn:
     return cast(Fn, torch.compiler.disable(eager_call))
 
 
+def wraps_user_function(f: Callable[..., Any]) -> Callable[[Fn], Fn]:
+    """``functools.wraps(f)``, without ``torch.compile``'s attributes of ``f``.
+
+    ``functools.wraps`` copies ``f.__dict__``: of a ``torch.compile``'d ``f``, its
+    ``_torchdynamo_orig_callable`` (the plain ``f``), which dynamo then inlined in place of the
+    transform -- ``torch.compile(lambda w, x: tg.gramian(fc)(w, x))`` returned ``f``'s output,
+    not ``G``, without a word (session 63's review).
+    """
+    def decorate(wrapper: Fn) -> Fn:
+        functools.update_wrapper(wrapper, f, updated=())
+        wrapper.__dict__.update({key: value for key, value in getattr(f, "__dict__", {}).items()
+                                 if not key.startswith("_torchdynamo")})
+        return wrapper
+
+    return decorate
+
+
 def compute(options: Options, f: Callable[..., Any], args: tuple[Any, ...],
             kwargs: Mapping[str, Any], *, want_pullback: bool = False) -> Computation:
     """Build the call's problem, run the backend, assemble its blocks; compute aux if needed."""

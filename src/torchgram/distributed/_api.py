@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
@@ -10,7 +9,7 @@ import optree
 import torch
 from torch import Tensor
 
-from torchgram._api.pipeline import Computation, compute, compute_then
+from torchgram._api.pipeline import Computation, compute, compute_then, wraps_user_function
 from torchgram._api.step_times import StepTimes, Stopwatch
 from torchgram._api.weights import call_weighting, check_weighting
 from torchgram._core import _torch_compat, checks
@@ -130,7 +129,7 @@ def gramian(
                         in_dims=in_dims, diagonal=diagonal, per_leaf=per_leaf,
                         memory_budget=memory_budget)
 
-    @functools.wraps(f)
+    @wraps_user_function(f)
     @public_call  # NOTE [inference mode], NOTE [the caller's function modes]
     @puts_back_hooked_attributes(options.api, f)  # NOTE [gradients outside the graph]
     def gramian_of_f(*args: Any, **kwargs: Any) -> Any:
@@ -294,7 +293,7 @@ def aggregated_grad(
                         memory_budget=memory_budget)
     check_weighting(_AGGREGATED, weighting)
 
-    @functools.wraps(f)
+    @wraps_user_function(f)
     @public_call  # NOTE [inference mode], NOTE [the caller's function modes]
     @puts_back_hooked_attributes(options.api, f)  # NOTE [gradients outside the graph]
     def aggregated_grad_of_f(*args: Any, **kwargs: Any) -> tuple[Any, Aggregation]:
@@ -509,7 +508,7 @@ def explain(
                         in_dims=in_dims, diagonal=diagonal, per_leaf=per_leaf,
                         memory_budget=memory_budget)
 
-    @functools.wraps(f)
+    @wraps_user_function(f)
     @public_call  # NOTE [inference mode], NOTE [the caller's function modes]
     @puts_back_hooked_attributes(options.api, f)  # NOTE [gradients outside the graph]
     def explain_f(*args: Any, **kwargs: Any) -> Exchange:
