@@ -78,7 +78,7 @@ def gradients_outside_the_graph_refused(api: str, tensors: Iterable[Tensor]) -> 
         NotImplementedError: api: expected a backward whose derivatives all go through ...
     """
     thread = threading.get_ident()
-    written: dict[int, tuple[Tensor, Tensor | None, Tensor | None]] = {}
+    written: dict[int, tuple[Tensor, Tensor | None, Tensor | None, int]] = {}
     accumulators: list[Node] = []  # held while the call runs: a leaf keeps a weak reference
 
     def keep(tensor: Tensor, grads: object) -> None:
@@ -86,7 +86,8 @@ def gradients_outside_the_graph_refused(api: str, tensors: Iterable[Tensor]) -> 
         if (threading.get_ident() == thread and not getattr(_EVALUATING, "depth", 0)
                 and id(tensor) not in written):
             grad = tensor.grad
-            written[id(tensor)] = (tensor, grad, None if grad is None else grad.detach().clone())
+            written[id(tensor)] = (tensor, grad, None if grad is None else grad.detach().clone(),
+                                   0 if grad is None else grad._version)
 
     handles = []
     with torch.enable_grad():
@@ -109,12 +110,16 @@ def gradients_outside_the_graph_refused(api: str, tensors: Iterable[Tensor]) -> 
     finally:
         for handle in handles:
             handle.remove()
-        for tensor, grad, value in written.values():
-            if grad is not None and value is not None:
-                grad.copy_(value)
+        for tensor, grad, value, version in written.values():
+            # the values, where the accumulation wrote into that .grad (not where it made a
+            # new one: a create_graph .grad keeps its graph), and without a graph of ours (a
+            # .grad that requires grad itself)
+            if grad is not None and value is not None and grad._version != version:
+                with torch.no_grad():
+                    grad.copy_(value)
             tensor.grad = grad
     if written:
-        shapes = ", ".join(str(tuple(tensor.shape)) for tensor, _, _ in list(written.values())[:4])
+        shapes = ", ".join(str(tuple(entry[0].shape)) for entry in list(written.values())[:4])
         fail(api, "a backward whose derivatives all go through the autograd graph",
              f"a backward that accumulated into the .grad of {len(written)} parameter(s) "
              f"itself (shapes {shapes}{', ...' if len(written) > 4 else ''})",
