@@ -189,3 +189,15 @@ def test_a_non_leaf_input_is_not_watched_and_warns_nothing() -> None:
         warnings.simplefilter("error")
         tg.autograd.gramian(losses, [scaled], batch_dim=0)
         tg.autograd.backward(losses, [scaled], tg.weighting.mean, batch_dim=0)
+
+
+def test_a_grad_that_requires_grad_is_put_back_with_the_refusal() -> None:
+    # Session 63's review: putting back its values met torch's raw "a leaf Variable that
+    # requires grad is being used in an in-place operation", and the refusal was lost.
+    model, x = _model()
+    for parameter in model.parameters():
+        parameter.grad = torch.zeros_like(parameter).requires_grad_()
+    before = _grads(model)
+    with pytest.raises(NotImplementedError, match=r"^torchgram.autograd.gramian: " + REFUSAL):
+        tg.autograd.gramian(model(x), list(model.parameters()), batch_dim=0)
+    _assert_grads_left_alone(model, before)
