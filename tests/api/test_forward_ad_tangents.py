@@ -91,3 +91,55 @@ def test_dual_parameters_are_refused(backend: str) -> None:
         with pytest.raises(NotImplementedError, match=r"^torchgram.gramian: expected "
                            r"differentiated tensors without forward-mode tangents.*jvp"):
             tg.gramian(_f, backend=backend, batch_dim=0)(duals, x)
+
+
+class _DualHolder(torch.nn.Module):
+    """A layer whose buffer ``shift`` may be made dual by the caller."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(3, 6, dtype=DOUBLE)
+        self.head = torch.nn.Linear(6, 1, dtype=DOUBLE)
+        self.register_buffer("shift", torch.zeros(6, dtype=DOUBLE))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.layer(x) + self.shift)).squeeze(-1)
+
+
+@pytest.mark.parametrize("held_by", ["closure", "buffer"])
+def test_dual_tensors_f_holds_give_gs_tangent_on_auto(held_by: str) -> None:
+    # Session 63's review: structured (and auto) gave tangents 0.40 (closure) and 0.68 (a
+    # module's buffer) off; now structured declines inside a dual level, auto moves on.
+    torch.manual_seed(0)
+    module = _DualHolder()
+    fn, params = tg.functionalize(module)
+    x, shift, tangent = (torch.randn(5, 3, dtype=DOUBLE), torch.randn(6, dtype=DOUBLE),
+                         torch.randn(6, dtype=DOUBLE))
+
+    def dense(shift: Tensor) -> Tensor:
+        return dense_gramian_fn(lambda p, x: torch.func.functional_call(
+            module, {**p, "shift": shift}, (x,)))(params, x)
+
+    wanted, wanted_tangent = torch.func.jvp(dense, (shift,), (tangent,))
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(shift, tangent)
+        if held_by == "closure":
+            call = tg.gramian(lambda p, x: torch.func.functional_call(
+                module, {**p, "shift": dual}, (x,)), batch_dim=0)
+        else:
+            module.shift = dual
+            call = tg.gramian(fn, batch_dim=0)
+        try:
+            gramian, gramian_tangent = fwAD.unpack_dual(call(params, x))
+        finally:
+            module.shift = shift
+    torch.testing.assert_close(gramian, wanted, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(gramian_tangent, wanted_tangent, rtol=1e-10, atol=1e-12)
+
+
+def test_the_distributed_api_refuses_a_dual_level() -> None:
+    params, x, tangent = _case()
+    with fwAD.dual_level(), pytest.raises(
+            NotImplementedError, match=r"^torchgram.distributed.gramian: expected a call "
+            r"outside torch.autograd.forward_ad.dual_level\(\)"):
+        tg.distributed.gramian(_f, batch_dim=0)(params, fwAD.make_dual(x, tangent))

@@ -545,6 +545,20 @@ def test_a_data_assignment_inside_f(backend: str, batch_dim: int | None,
         assert torch.equal(p, before[name]) and p.requires_grad
 
 
+def test_a_cast_to_another_dtype_in_explain_and_an_ntk() -> None:
+    """Session 63's review: ``tg.explain`` leaked the internal ``ParameterConverted``; the
+    NTK's auto refused instead of moving on."""
+    torch.manual_seed(0)
+    module = _RouterCastingItself(torch.float32)
+    fn, params = tg.functionalize(module)
+    x = torch.randn(5, 6, dtype=torch.float64)
+    assert tg.explain(fn, batch_dim=0)(params, x).backend == "graph"
+    kernel = tg.ntk.empirical_ntk_fn(lambda p, x: fn(p, x)[:, None], trace_axes=())(
+        x, None, params)
+    torch.testing.assert_close(kernel.reshape(5, 5), dense_gramian(fn, (params, x)).gramian,
+                               rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("batch_dim", [0, None], ids=["batch0", "nobatch"])
 @pytest.mark.parametrize("backend", ["auto", "structured", "graph"])
 def test_selective_checkpointing_inside_f(backend: str, batch_dim: int | None) -> None:

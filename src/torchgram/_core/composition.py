@@ -39,10 +39,14 @@ checked or not.
 ``dual_level()``): differentiated leaves carrying a tangent are refused
 (:func:`refuse_forward_mode_tangents`: every backend detaches or rebuilds them, and ``G``
 came back with no tangent at all); ``torch.func.jvp`` and ``jacfwd`` around the call, outside
-the block, give that derivative. An input carrying one (``Composition.forward_tangents``) is
-declined by ``structured`` (its tangent came out 0.42 off, 0.30 for ``aggregated_grad``'s
-update, a raw error without ``batch_dim``; session 63's hunt) and ``auto`` moves on; ``graph``
-and ``jacobian`` carry it, as they carry tensors ``f`` captures.
+the block, give that derivative. Where the probe's output carries a tangent (the level is
+global to the process: another thread's ``jvp`` opens one too, so the tangent decides, and
+calls inside a level probe apart), ``structured`` declines
+(:func:`require_no_forward_tangents`; its tangent came out 0.42 off for a dual input, 0.40 for
+a dual tensor ``f`` captured, 0.68 for a dual buffer, the update's 0.30, a raw error without
+``batch_dim``; session 63's hunt and review) and ``auto`` moves on; ``graph`` and
+``jacobian`` carry the tangents of inputs, captured tensors and buffers. The distributed API,
+whose ranks exchange detached pieces, refuses calls made there.
 
 Tensors ``f`` captures from its closure are not inspected in eager mode (they are, in
 effect, under ``torch.func`` transforms): to differentiate ``G`` eagerly with respect to
@@ -93,8 +97,6 @@ class Composition:
             (``"grad"``, ``"jvp"``, ``"vmap"``); empty outside any.
         create_graph: Grad mode is on and a differentiated leaf or an input requires grad:
             ``G`` must carry the eager autograd graph.
-        forward_tangents: An input carries a ``torch.autograd.forward_ad`` tangent, which
-            ``G`` must carry: ``structured`` declines.
 
     Example:
         >>> Composition().differentiable
@@ -105,7 +107,6 @@ class Composition:
 
     transforms: tuple[str, ...] = ()
     create_graph: bool = False
-    forward_tangents: bool = False
 
     @property
     def differentiable(self) -> bool:
@@ -145,9 +146,7 @@ def detect_composition(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Comp
     leaves: list[Any] = optree.tree_leaves((args, dict(kwargs)))  # type: ignore[arg-type]
     create_graph = torch.is_grad_enabled() and any(
         isinstance(leaf, Tensor) and leaf.requires_grad for leaf in leaves)
-    forward_tangents = _torch_compat.forward_ad_level_open() and any(
-        _has_forward_tangent(leaf) for leaf in leaves)
-    return Composition(transforms, create_graph, forward_tangents)
+    return Composition(transforms, create_graph)
 
 
 def _has_forward_tangent(leaf: Any) -> bool:
@@ -179,13 +178,28 @@ def refuse_forward_mode_tangents(api: str, differentiated: Any) -> None:
                  NotImplementedError)
 
 
+def carries_forward_tangents(out: Any) -> bool:
+    """Whether a tensor of ``out`` carries a ``forward_ad`` tangent (inside a dual level).
+
+    The level is global to the process (another thread's ``torch.func.jvp`` opens one too);
+    the tangent is the call's own.
+    """
+    return _torch_compat.forward_ad_level_open() and any(
+        _has_forward_tangent(leaf) for leaf in optree.tree_leaves(out))
+
+
 def require_no_forward_tangents(problem: Problem, backend: str) -> None:
-    """Raise :class:`BackendCannotRun` for inputs carrying a ``forward_ad`` tangent."""
-    if problem.composition.forward_tangents:
+    """Raise :class:`BackendCannotRun` where ``f``'s output carried a ``forward_ad`` tangent.
+
+    From a dual input, a tensor ``f`` captures or a buffer: the structured backend's taps and
+    contractions do not carry it (NOTE [composition]).
+    """
+    if problem.forward_tangents:
         raise BackendCannotRun(
-            problem.api, backend, "inputs without torch.autograd.forward_ad tangents (its "
-            "taps and contractions do not carry them)", "an input made dual by make_dual",
-            ("graph", "jacobian"), "Those carry the input's tangent into G.")
+            problem.api, backend, "f whose output carries no torch.autograd.forward_ad "
+            "tangent (its taps and contractions do not carry them)", "an output made dual "
+            "by an input, a tensor f holds or a buffer", ("graph", "jacobian"),
+            "Those carry the tangents into G.")
 
 
 def require_no_transforms(problem: Problem, backend: str) -> None:

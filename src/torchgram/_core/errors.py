@@ -96,7 +96,8 @@ class ParameterConverted(RuntimeError):  # noqa: N818
     taps hold the parameter's values in its old dtype (session 63's hunt: torch's raw "mat1
     and mat2 must have the same dtype" from ``structured`` and ``auto``, on a bfloat16 or
     float64 model). :func:`torch_refusals` and ``auto``'s planning turn it into
-    :class:`BackendCannotRun` naming the backends that follow the conversion.
+    :class:`BackendCannotRun` naming the graph walk, which follows the conversion (``jacobian``
+    follows it with ``batch_dim`` only: without, it refuses the ``.data`` assignment).
     """
 
 
@@ -105,7 +106,7 @@ def parameter_converted_refused(api: str, error: ParameterConverted) -> BackendC
     return BackendCannotRun(
         api, "structured", "f that leaves its parameters' dtypes as they are",
         f"a parameter converted inside f ({error}: module.to(dtype) in a forward)",
-        ("graph", "jacobian"), "Those follow the conversion as a plain backward does.")
+        ("graph",), "It follows the conversion as a plain backward does.")
 
 
 class DifferentiatesItself(RuntimeError):  # noqa: N818

@@ -52,6 +52,7 @@ from torchgram._core.census import (
 from torchgram._core.checks import check_not_meta, fail, message, resolve_argnums
 from torchgram._core.composition import (
     Composition,
+    carries_forward_tangents,
     detect_composition,
     differentiable_evaluation,
     refuse_forward_mode_tangents,
@@ -422,6 +423,7 @@ class Problem:
             [writes under a cached probe]).
         assigns_data: Whether ``f`` assigns a captured tensor's ``.data`` to itself
             (``Probe.assigns_data``, NOTE [data assigned to itself]).
+        forward_tangents: ``Probe.forward_tangents``: the structured backend declines.
         unseen_writes: The writes into captured tensors that evaluations refused (NOTE
             [writes its probe did not see]): :func:`forget_probe` then has the next probe
             evaluate the whole batch.
@@ -448,6 +450,7 @@ class Problem:
     writes: bool = True
     unseen_writes: list[str] = field(default_factory=list, compare=False, repr=False)
     assigns_data: bool = False
+    forward_tangents: bool = False
 
     # -- the options, for short ------------------------------------------------------------
 
@@ -789,6 +792,8 @@ class Probe:
             cached probe]).
         assigns_data: Whether ``f`` assigned a captured tensor's ``.data`` to itself
             (``module.to(dtype)`` in ``f``: NOTE [data assigned to itself]).
+        forward_tangents: Whether ``f``'s output carried a ``torch.autograd.forward_ad``
+            tangent (NOTE [composition]: a dual input, captured tensor or buffer).
     """
 
     spec: OutputSpec
@@ -800,6 +805,7 @@ class Probe:
     decomposed: tuple[str, ...] = ()
     writes: bool = True
     assigns_data: bool = False
+    forward_tangents: bool = False
 
 
 _PROBES = LruCache[Probe](maxsize=256)
@@ -907,7 +913,7 @@ def build_problem(options: Options, f: Callable[..., Any], args: tuple[Any, ...]
                    evaluation, probe.unbatched, composition, probe.mutates_leaves,
                    probe.sparse_embeddings, probe_cached, probe.differentiates,
                    unseen_ops, probe.decomposed, probe.writes,
-                   assigns_data=probe.assigns_data)
+                   assigns_data=probe.assigns_data, forward_tangents=probe.forward_tangents)
 
 
 def refuse_lazy_tensors(api: str, tree: Any) -> None:
@@ -955,7 +961,8 @@ def _probe_key(f: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str
     """
     return call_signature(f, args, kwargs, diff.positions, has_aux,
                           None if batch is None else (batch.batch_dim, batch.positions,
-                                                      batch.dims), composition.transforms)
+                                                      batch.dims),
+                          (composition.transforms, _torch_compat.forward_ad_level_open()))
 
 
 def forget_probe(problem: Problem) -> None:
@@ -1081,7 +1088,7 @@ def _evaluate_probe(api: str, f: Callable[..., Any], args: tuple[Any, ...],
         probe = Probe(spec, tuple(census.unbatched), mutated, census.sparse_embeddings,
                       census.differentiates, tuple(unseen[-1].ops) if look_unseen else None,
                       tuple(census.decomposed), writes.wrote or mutated,
-                      writes.assigned_data)
+                      writes.assigned_data, carries_forward_tangents(out))
         if not with_grad or census.differentiates is not None:  # the backend evaluates f
             return probe, None  # with ops differentiable at any order (Problem._evaluation)
         rows = concat_rows(optree.tree_leaves(out), probe.spec.dtype)

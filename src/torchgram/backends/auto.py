@@ -43,7 +43,7 @@ import torch
 
 from torchgram._core import _torch_compat
 from torchgram._core._torch_compat import old_style_functions
-from torchgram._core.composition import COMPOSING_BACKENDS
+from torchgram._core.composition import COMPOSING_BACKENDS, require_no_forward_tangents
 from torchgram._core.errors import (
     BackendCannotRun,
     DifferentiatesItself,
@@ -198,10 +198,18 @@ def plan_auto(problem: Problem) -> AutoPlan:
 
     Raises :class:`BackendCannotRun` (naming the backends that can) where the structured
     backend cannot trace ``f``: ``f`` differentiates itself (NOTE [f that differentiates
-    itself]), calls torchgram, or uses sparse tensors.
+    itself]), calls torchgram, or uses sparse tensors; its output carries forward-mode tangents.
     """
     if problem.differentiates is not None:
         raise self_differentiation_refused(problem.api, "structured", problem.differentiates)
+    require_no_forward_tangents(problem, "structured")  # NOTE [composition]
+    try:
+        return _plan_auto(problem)
+    except ParameterConverted as error:  # module.to(dtype) in a forward
+        raise parameter_converted_refused(problem.api, error) from error
+
+
+def _plan_auto(problem: Problem) -> AutoPlan:
     forward = None
     if problem.batch is None and cached_trace(problem) is None:
         with torch.enable_grad():  # the tapped forward the structured backend would run
@@ -293,8 +301,6 @@ def auto_backend(problem: Problem) -> BackendResult:
                 if isinstance(error, DifferentiatesItself):  # one the probe did not see
                     raise self_differentiation_refused(problem.api, "structured",
                                                        error.how) from error
-                if isinstance(error, ParameterConverted):
-                    raise parameter_converted_refused(problem.api, error) from error
                 if not _torch_compat.is_sparse_gradient_error(error):
                     raise
                 raise sparse_refusal(problem.api, "structured", problem.diff.leaves) from error

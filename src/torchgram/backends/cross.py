@@ -41,6 +41,7 @@ from torchgram._core.errors import (
     DifferentiatesItself,
     NotPerSample,
     OutputChanged,
+    ParameterConverted,
 )
 from torchgram._core.per_sample import batch_rows, check_samples, check_tiles
 from torchgram._core.problem import Problem, build_problem, replace_input_leaves, same_beyond
@@ -346,12 +347,16 @@ def _auto_order(problem: Problem) -> tuple[str, ...]:
 
     if problem.differentiates is not None:  # NOTE [f that differentiates itself]: no trace
         return SELF_DIFFERENTIATING
+    if problem.forward_tangents:  # NOTE [composition]: nor for forward-mode tangents
+        return SELF_DIFFERENTIATING
     try:
         try:
             plan = plan_problem(problem, dead_positions=False)  # NOTE [dead positions]
         except NotPerSample:  # f fails on a batch of one: planned on the whole batch's rows
             return plan_auto(problem).order
-    except DifferentiatesItself:  # only with a graph (a penalty f guards by grad mode)
+    except (DifferentiatesItself, ParameterConverted, BackendCannotRun):  # only with a graph
+        # (a penalty f guards by grad mode); a parameter f converts (module.to(dtype) in a
+        # forward); the whole batch's plan declined (the same, sparse tensors)
         return SELF_DIFFERENTIATING
     key = ("auto order", plan.sizes, problem.chunk_size, problem.memory_budget,
            problem.batch is None, tuple(leaf.numel() for leaf in problem.leaves))

@@ -161,7 +161,9 @@ def _gramian(options: Options, f: Callable[..., Any], args: tuple[Any, ...],
 
 
 def refuse_transforms(api: str) -> None:
-    """Refuse a call under ``torch.func`` transforms (before any collective, on every rank).
+    """Refuse a call under ``torch.func`` transforms or in a ``forward_ad`` dual level.
+
+    Before any collective, on every rank.
 
     The exchange is neither differentiable nor batchable: gradients through it would miss
     the blocks other ranks formed, so results carry no autograd graph (:func:`detached`).
@@ -173,6 +175,12 @@ def refuse_transforms(api: str) -> None:
                     "The exchange between ranks is not differentiable and cannot be "
                     "batched: call it outside grad / vmap / jvp (differentiate "
                     "torchgram.gramian within one process instead).", RuntimeError)
+    if _torch_compat.forward_ad_level_open():  # NOTE [composition]: G had no tangent
+        checks.fail(api, "a call outside torch.autograd.forward_ad.dual_level()", "a call "
+                    "inside one (the ranks exchange detached pieces, which carry no forward-"
+                    "mode tangent)", "Call it outside the block; for G's derivative, "
+                    "torch.func.jvp around torchgram.gramian on one process.",
+                    NotImplementedError)
 
 
 def detached(tree: Any) -> Any:
