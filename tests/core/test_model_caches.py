@@ -105,3 +105,17 @@ def test_a_captured_cache_that_f_updates_is_refused_after_the_call(backend: str)
                        r"whose forward updated it.*copy.deepcopy"):
         tg.gramian(lambda p, ids: _losses(fn, p, ids, cache), backend=backend,
                    batch_dim=0)(params, ids)
+
+
+def test_a_cache_held_by_an_argument_is_refused_before_any_work() -> None:
+    # Session 63's review: a cache inside a dataclass or a namespace was missed (0.42 off),
+    # later refused only after the call, the cache grown.
+    import types
+
+    fn, params, prefix, ids = _llama()
+    cache = _prefix_cache(fn, params, prefix)
+    held = types.SimpleNamespace(cache=cache)
+    with pytest.raises(ValueError, match=r"a transformers DynamicCache in argument 2"):
+        tg.gramian(lambda p, ids, held: _losses(fn, p, ids, held.cache), batch_dim=0)(
+            params, ids, held)
+    assert cache.get_seq_length() == 4

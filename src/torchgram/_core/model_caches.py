@@ -10,18 +10,18 @@ evaluation saw the entries the previous ones had appended: a Gramian of no singl
 and the caller's cache was left with several calls' entries and tensors carrying torchgram's
 graphs (session 63's hunt). Rebinding an attribute is no write the write guards (NOTE
 [captured writes]) can see, and the in-place states sat deeper than their walk. So a cache
-among the call's arguments -- a pytree leaf, or a value of a mapping leaf such as a model
-output -- is refused before any work. A ``StaticCache`` too: filled beforehand, its fixed
-tensors are written in place, where the write guards see each write (the hunt found it right on
-``auto``, ``structured`` and ``graph``), but an empty one makes its tensors at its first
-update, for the batch of the evaluation that comes first -- the probe's single sample -- and
-the next evaluation met torch's raw ``index_copy_`` error. The classes are recognised by name
-(a class named ``...Cache`` defined in a ``transformers`` module, anywhere in the object's
-class hierarchy), without importing ``transformers``. A cache ``f`` copies for itself
-(``copy.deepcopy(cache)`` inside ``f``) is each evaluation's own. A cache ``f`` captures (a
-closure, a global) cannot be refused beforehand -- ``f`` may copy it, as above -- so the walk
-that finds the modules ``f`` reaches (NOTE [tensors hooks set]) notes the caches it meets, and
-the call is refused after its work where one of them changed (:func:`cache_state`: its
+among the call's arguments -- a pytree leaf, or held by one (a model output, a dataclass, a
+namespace; three levels down) -- is refused before any work. A ``StaticCache`` too: filled
+beforehand, its fixed tensors are written in place, where the write guards see each write (the
+hunt found it right on ``auto``, ``structured`` and ``graph``), but an empty one makes its
+tensors at its first update, for the batch of the evaluation that comes first -- the probe's
+single sample -- and the next evaluation met torch's raw ``index_copy_`` error. The classes are
+recognised by name (a class named ``...Cache`` defined in a ``transformers`` module, anywhere
+in the object's class hierarchy), without importing ``transformers``. A cache ``f`` copies for
+itself (``copy.deepcopy(cache)`` inside ``f``) is each evaluation's own. A cache ``f`` captures
+(a closure, a global) cannot be refused beforehand -- ``f`` may copy it, as above -- so the
+walk that finds the modules ``f`` reaches (NOTE [tensors hooks set]) notes the caches it meets,
+and the call is refused after its work where one of them changed (:func:`cache_state`: its
 tensors rebound or written, its counters moved), the Gramian of several caches dropped.
 """
 
@@ -50,8 +50,7 @@ def refuse_updated_caches(api: str, args: tuple[Any, ...], kwargs: Mapping[str, 
     named += [(f"keyword {name!r}", value) for name, value in kwargs.items()]
     for where, value in named:
         for leaf in leaves_of(value):
-            inner = list(leaf.values()) if isinstance(leaf, Mapping) else []
-            cache = next((item for item in (leaf, *inner) if is_cache(item)), None)
+            cache = None if isinstance(leaf, (Tensor, *PLAIN_VALUES)) else _cache_within(leaf)
             if cache is not None:
                 fail(api, "arguments that f's evaluations leave as they found them",
                      f"a transformers {type(cache).__name__} in {where}, which the model's "
@@ -61,6 +60,27 @@ def refuse_updated_caches(api: str, args: tuple[Any, ...], kwargs: Mapping[str, 
                      "Copy it inside f (past_key_values=copy.deepcopy(cache), the cache "
                      "captured), or pass its tensors and build the cache inside f.",
                      ValueError)
+
+
+def _cache_within(obj: Any, depth: int = 3) -> Any:
+    """A cache that ``obj`` is or holds (a model output, a dataclass, a namespace), or ``None``.
+
+    Read through ``__dict__``, lists, tuples and dicts (mappings' values), ``depth`` levels down.
+    """
+    level, seen = [obj], set()
+    for _ in range(depth + 1):
+        following: list[Any] = []
+        for item in level:
+            if id(item) in seen or isinstance(item, (Tensor, *PLAIN_VALUES)):
+                continue
+            seen.add(id(item))
+            if is_cache(item):
+                return item
+            following.extend(list(item.values()) if isinstance(item, Mapping)
+                             else list(item) if isinstance(item, list | tuple)
+                             else list(getattr(item, "__dict__", {}).values()))
+        level = following
+    return None
 
 
 def cache_state(cache: Any, depth: int = 5) -> list[Any]:
