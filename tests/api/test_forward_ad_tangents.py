@@ -137,9 +137,35 @@ def test_dual_tensors_f_holds_give_gs_tangent_on_auto(held_by: str) -> None:
     torch.testing.assert_close(gramian_tangent, wanted_tangent, rtol=1e-10, atol=1e-12)
 
 
-def test_the_distributed_api_refuses_a_dual_level() -> None:
+def test_the_distributed_api_refuses_dual_arguments() -> None:
     params, x, tangent = _case()
     with fwAD.dual_level(), pytest.raises(
-            NotImplementedError, match=r"^torchgram.distributed.gramian: expected a call "
-            r"outside torch.autograd.forward_ad.dual_level\(\)"):
+            NotImplementedError, match=r"^torchgram.distributed.gramian: expected arguments "
+            r"without torch.autograd.forward_ad tangents"):
         tg.distributed.gramian(_f, batch_dim=0)(params, fwAD.make_dual(x, tangent))
+
+
+def test_a_tensor_f_captures_made_dual_after_a_plain_call_of_the_signature() -> None:
+    # The second review: the cached probe of the plain call said "no tangent", and auto and
+    # structured gave a tangent 1.02 off; an evaluation carrying one now probes afresh.
+    torch.manual_seed(0)
+    module = _DualHolder()
+    params = {key: value.detach() for key, value in module.named_parameters()}
+    x, shift, tangent = (torch.randn(5, 3, dtype=DOUBLE), torch.randn(6, dtype=DOUBLE),
+                         torch.randn(6, dtype=DOUBLE))
+    held = {"shift": shift}
+
+    def f(p: dict[str, Tensor], x: Tensor) -> Tensor:
+        return torch.func.functional_call(module, {**p, "shift": held["shift"]}, (x,))
+
+    def dense(shift: Tensor) -> Tensor:
+        return dense_gramian_fn(lambda p, x: torch.func.functional_call(
+            module, {**p, "shift": shift}, (x,)))(params, x)
+
+    _, wanted_tangent = torch.func.jvp(dense, (shift,), (tangent,))
+    call = tg.gramian(f, batch_dim=0)
+    with fwAD.dual_level():
+        call(params, x)  # plain: the signature's probe
+        held["shift"] = fwAD.make_dual(shift, tangent)
+        _, gramian_tangent = fwAD.unpack_dual(call(params, x))
+    torch.testing.assert_close(gramian_tangent, wanted_tangent, rtol=1e-10, atol=1e-12)

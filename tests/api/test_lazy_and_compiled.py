@@ -133,6 +133,9 @@ def test_the_transform_of_a_compiled_f_inside_compiled_code() -> None:
     update, _ = torch.compile(lambda w, x: tg.aggregated_grad(compiled_f, tg.weighting.mean)(
         w, x), backend="eager")(w, x)
     assert update.shape == w.shape
+    independence = torch.compile(tg.check_independence(compiled_f, batch_dim=0),
+                                 backend="eager")(w, x)
+    assert independence.independent
     torch.compiler.reset()
 
 

@@ -119,3 +119,16 @@ def test_a_cache_held_by_an_argument_is_refused_before_any_work() -> None:
         tg.gramian(lambda p, ids, held: _losses(fn, p, ids, held.cache), batch_dim=0)(
             params, ids, held)
     assert cache.get_seq_length() == 4
+
+
+def test_a_captured_cache_made_in_inference_mode_that_f_copies() -> None:
+    # The second review: reading the version of its inference tensors raised torch's raw
+    # "Inference tensors do not track version counter".
+    fn, params, prefix, ids = _llama()
+    with torch.inference_mode():
+        cache = fn(params, prefix, use_cache=True).past_key_values
+
+    def f(p: dict[str, Tensor], ids: Tensor) -> Tensor:
+        return _losses(fn, p, ids, copy.deepcopy(cache))
+
+    assert tg.gramian(f, batch_dim=0)(params, ids).shape == (3, 3)

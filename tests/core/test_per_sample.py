@@ -223,3 +223,15 @@ def test_a_mapping_optree_keeps_whole_is_named(with_targets: bool) -> None:
     shared = BatchEncoding({"scale": torch.ones(3, dtype=torch.float64)})  # not batch-sized
     tg.gramian(lambda w, x, shared: torch.tanh(x @ w).sum(1) * shared["scale"][0],
                batch_dim=0)(weight, torch.randn(4, 7, dtype=torch.float64), shared)
+    # the second review: a shared tensor of the batch's size in another mapping was refused
+    from collections import UserDict
+
+    weights = UserDict({"scale": torch.rand(4, dtype=torch.float64)})
+    x = torch.randn(4, 7, dtype=torch.float64)
+
+    def g(w: torch.Tensor, x: torch.Tensor, weights: Any) -> torch.Tensor:
+        return torch.tanh(x @ w).sum(1) * weights["scale"].sum()
+
+    torch.testing.assert_close(tg.gramian(g, batch_dim=0)(weight, x, weights),
+                               dense_gramian(g, (weight, x, weights)).gramian, rtol=1e-10,
+                               atol=1e-12)

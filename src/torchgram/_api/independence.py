@@ -19,7 +19,7 @@ import optree
 import torch
 from torch import Tensor
 
-from torchgram._api.pipeline import wraps_user_function
+from torchgram._api.pipeline import outside_compile, wraps_user_function
 from torchgram._core.census import OpCensus
 from torchgram._core.checks import fail, function_name
 from torchgram._core.errors import OutputChanged, output_changes_refused
@@ -126,6 +126,7 @@ def check_independence(
     chosen_samples = _checked_samples(samples)
 
     @wraps_user_function(f)
+    @outside_compile  # NOTE [torch.compile]: dynamo traced into the call (raw errors)
     @public_call  # NOTE [inference mode], NOTE [the caller's function modes]
     @puts_back_hooked_attributes(_API, f)  # NOTE [tensors hooks set]
     def check_f(*args: Any, **kwargs: Any) -> Independence:

@@ -150,6 +150,12 @@ def outside_compile(fn: Fn) -> Fn:
     return cast(Fn, torch.compiler.disable(eager_call))
 
 
+_COMPILED_ATTRIBUTES = frozenset({"__wrapped__", "get_compiler_config", "aot_compile"})
+"""What ``torch.compile`` sets on a compiled function besides ``_torchdynamo*`` (the second
+review: the transform's ``__wrapped__`` became the plain ``f``; ``get_compiler_config`` made
+compiling the transform of a compiled ``f`` raise "compile_wrapper already has" it)."""
+
+
 def wraps_user_function(f: Callable[..., Any]) -> Callable[[Fn], Fn]:
     """``functools.wraps(f)``, without ``torch.compile``'s attributes of ``f``.
 
@@ -161,7 +167,8 @@ def wraps_user_function(f: Callable[..., Any]) -> Callable[[Fn], Fn]:
     def decorate(wrapper: Fn) -> Fn:
         functools.update_wrapper(wrapper, f, updated=())
         wrapper.__dict__.update({key: value for key, value in getattr(f, "__dict__", {}).items()
-                                 if not key.startswith("_torchdynamo")})
+                                 if not (key.startswith(("_torchdynamo", "_is_torch_compile"))
+                                         or key in _COMPILED_ATTRIBUTES)})
         return wrapper
 
     return decorate

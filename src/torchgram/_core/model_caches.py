@@ -62,10 +62,12 @@ def refuse_updated_caches(api: str, args: tuple[Any, ...], kwargs: Mapping[str, 
                      ValueError)
 
 
-def _cache_within(obj: Any, depth: int = 3) -> Any:
+def _cache_within(obj: Any, depth: int = 3, width: int = 64, budget: int = 256) -> Any:
     """A cache that ``obj`` is or holds (a model output, a dataclass, a namespace), or ``None``.
 
-    Read through ``__dict__``, lists, tuples and dicts (mappings' values), ``depth`` levels down.
+    Read through ``__dict__``, lists, tuples and dicts (mappings' values), ``depth`` levels
+    down; a container of more than ``width`` items is not looked into, and at most ``budget``
+    objects are (an argument holding a dataset of records: 5 s a call unbounded, the review).
     """
     level, seen = [obj], set()
     for _ in range(depth + 1):
@@ -76,9 +78,12 @@ def _cache_within(obj: Any, depth: int = 3) -> Any:
             seen.add(id(item))
             if is_cache(item):
                 return item
-            following.extend(list(item.values()) if isinstance(item, Mapping)
-                             else list(item) if isinstance(item, list | tuple)
-                             else list(getattr(item, "__dict__", {}).values()))
+            if len(seen) >= budget:
+                return None
+            held = (item if isinstance(item, Mapping | list | tuple)
+                    else getattr(item, "__dict__", {}))
+            if len(held) <= width:  # (measured before anything is copied)
+                following.extend(held.values() if isinstance(held, Mapping) else held)
         level = following
     return None
 
@@ -108,8 +113,8 @@ def cache_state(cache: Any, depth: int = 5) -> list[Any]:
             if id(obj) in seen:
                 continue
             seen.add(id(obj))
-            if isinstance(obj, Tensor):
-                state.append((id(obj), obj._version))
+            if isinstance(obj, Tensor):  # (an inference tensor has no version counter)
+                state.append((id(obj), None if obj.is_inference() else obj._version))
             elif isinstance(obj, PLAIN_VALUES):
                 state.append(obj)
             else:

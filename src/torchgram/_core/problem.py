@@ -570,7 +570,11 @@ class Problem:
         except UnseenWrite as error:  # NOTE [writes its probe did not see]
             self.unseen_writes.append(error.write)
             raise
-        return split_aux(self.api, result, self.has_aux)
+        out, aux = split_aux(self.api, result, self.has_aux)
+        if self.probe_cached and not self.forward_tangents and carries_forward_tangents(out):
+            raise OutputChanged("a forward-mode tangent its cached probe did not see: probe "
+                                "afresh")  # NOTE [composition]: a tensor f captures made dual
+        return out, aux
 
     def _evaluation(self) -> contextlib.AbstractContextManager[Any]:
         """The context of every evaluation of ``f``.
@@ -1284,7 +1288,8 @@ def make_batch_spec(api: str, args: tuple[Any, ...], argnums: tuple[int, ...], b
             tensors.append(leaf)
     batch_sizes = {tensor.shape[dim] for tensor, dim in zip(tensors, dims, strict=True)}
     unsplit = next(((where, mapping, item) for where, mapping, item, dim in opaque
-                    if not tensors or item.shape[dim] in batch_sizes), None)
+                    if not tensors or (type(mapping).__name__ == "BatchEncoding"
+                                       and item.shape[dim] in batch_sizes)), None)
     if unsplit is not None:
         where, mapping, item = unsplit
         name = f"argument {where}" if isinstance(where, int) else f"keyword {where!r}"

@@ -13,6 +13,7 @@ from torchgram._api.pipeline import Computation, compute, compute_then, wraps_us
 from torchgram._api.step_times import StepTimes, Stopwatch
 from torchgram._api.weights import call_weighting, check_weighting
 from torchgram._core import _torch_compat, checks
+from torchgram._core.composition import carries_forward_tangents
 from torchgram._core.errors import output_changes_refused
 from torchgram._core.functional import public_call
 from torchgram._core.hooked_modules import puts_back_hooked_attributes
@@ -134,6 +135,7 @@ def gramian(
     @puts_back_hooked_attributes(options.api, f)  # NOTE [gradients outside the graph]
     def gramian_of_f(*args: Any, **kwargs: Any) -> Any:
         refuse_transforms(options.api)
+        refuse_dual_arguments(options.api, args, kwargs)
         value, aux, _ = _gramian(options, f, args, kwargs, group, cross_rank)
         return (detached(value), aux) if has_aux else detached(value)
 
@@ -161,9 +163,7 @@ def _gramian(options: Options, f: Callable[..., Any], args: tuple[Any, ...],
 
 
 def refuse_transforms(api: str) -> None:
-    """Refuse a call under ``torch.func`` transforms or in a ``forward_ad`` dual level.
-
-    Before any collective, on every rank.
+    """Refuse a call under ``torch.func`` transforms (before any collective, on every rank).
 
     The exchange is neither differentiable nor batchable: gradients through it would miss
     the blocks other ranks formed, so results carry no autograd graph (:func:`detached`).
@@ -175,11 +175,19 @@ def refuse_transforms(api: str) -> None:
                     "The exchange between ranks is not differentiable and cannot be "
                     "batched: call it outside grad / vmap / jvp (differentiate "
                     "torchgram.gramian within one process instead).", RuntimeError)
-    if _torch_compat.forward_ad_level_open():  # NOTE [composition]: G had no tangent
-        checks.fail(api, "a call outside torch.autograd.forward_ad.dual_level()", "a call "
-                    "inside one (the ranks exchange detached pieces, which carry no forward-"
-                    "mode tangent)", "Call it outside the block; for G's derivative, "
-                    "torch.func.jvp around torchgram.gramian on one process.",
+
+
+def refuse_dual_arguments(api: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Refuse arguments carrying ``forward_ad`` tangents (NOTE [composition]: ``G`` had none).
+
+    By the tangents, not by the dual level, which is global to the process (another thread's
+    ``jvp`` opens one: the second review).
+    """
+    if carries_forward_tangents((args, kwargs)):
+        checks.fail(api, "arguments without torch.autograd.forward_ad tangents", "a tensor "
+                    "made dual by make_dual (the ranks exchange detached pieces, which carry "
+                    "no forward-mode tangent)", "Pass forward_ad.unpack_dual(t).primal; for "
+                    "G's derivative, torch.func.jvp around torchgram.gramian on one process.",
                     NotImplementedError)
 
 
@@ -306,6 +314,7 @@ def aggregated_grad(
     @puts_back_hooked_attributes(options.api, f)  # NOTE [gradients outside the graph]
     def aggregated_grad_of_f(*args: Any, **kwargs: Any) -> tuple[Any, Aggregation]:
         refuse_transforms(options.api)
+        refuse_dual_arguments(options.api, args, kwargs)
         update, info = step(*args, **kwargs)
         return detached(update), info._replace(gramian=detached(info.gramian),
                                                weights=info.weights.detach())
@@ -521,6 +530,7 @@ def explain(
     @puts_back_hooked_attributes(options.api, f)  # NOTE [gradients outside the graph]
     def explain_f(*args: Any, **kwargs: Any) -> Exchange:
         refuse_transforms(options.api)
+        refuse_dual_arguments(options.api, args, kwargs)
         return _gramian(options, f, args, kwargs, group, "exact")[2]
 
     return explain_f
