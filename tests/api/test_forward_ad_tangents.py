@@ -7,9 +7,12 @@ NTK's too), 0.30 for the update, or a raw error without ``batch_dim``, without a
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
+import torch.distributed as dist
 from torch import Tensor
 
 import torchgram as tg
@@ -135,6 +138,39 @@ def test_dual_tensors_f_holds_give_gs_tangent_on_auto(held_by: str) -> None:
             module.shift = shift
     torch.testing.assert_close(gramian, wanted, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(gramian_tangent, wanted_tangent, rtol=1e-10, atol=1e-12)
+
+
+@pytest.fixture
+def world_of_one() -> Iterator[None]:
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.usefixtures("world_of_one")
+@pytest.mark.parametrize("cross_rank", ["exact", "local"])
+def test_the_distributed_api_refuses_a_tangent_f_holds(cross_rank: str) -> None:
+    # The third review: refusing dual arguments only, a dual tensor f captured lost its
+    # tangent without a word (a call in a dual level had been refused).
+    params, x, tangent = _case()
+    held = {"scale": torch.tensor(1.5, dtype=DOUBLE)}
+
+    def f(p: dict[str, Tensor], x: Tensor) -> Tensor:
+        return _f(p, x) * held["scale"]
+
+    with fwAD.dual_level():
+        held["scale"] = fwAD.make_dual(held["scale"], torch.tensor(1.0, dtype=DOUBLE))
+        with pytest.raises(NotImplementedError, match=r"^torchgram.distributed.gramian: "
+                           r"expected f whose output carries no torch.autograd.forward_ad"):
+            tg.distributed.gramian(f, batch_dim=0, cross_rank=cross_rank)(params, x)
+    plain = tg.distributed.gramian(_f, batch_dim=0, cross_rank=cross_rank)
+    with fwAD.dual_level():  # a level open without duals: answered
+        torch.testing.assert_close(plain(params, x), tg.gramian(_f, batch_dim=0)(params, x),
+                                   rtol=1e-10, atol=1e-12)
 
 
 def test_the_distributed_api_refuses_dual_arguments() -> None:

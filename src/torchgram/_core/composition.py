@@ -40,8 +40,9 @@ checked or not.
 (:func:`refuse_forward_mode_tangents`: every backend detaches or rebuilds them, and ``G``
 came back with no tangent at all); ``torch.func.jvp`` and ``jacfwd`` around the call, outside
 the block, give that derivative. Where the probe's output carries a tangent (the level is
-global to the process: another thread's ``jvp`` opens one too, so the tangent decides, and
-calls inside a level probe apart), ``structured`` declines
+global to the process: another thread's ``jvp`` opens one too, so the tangent decides; calls
+inside a level probe apart, a probe that saw a tangent is not cached, and an evaluation that
+meets a tangent its cached probe did not see probes afresh), ``structured`` declines
 (:func:`require_no_forward_tangents`; its tangent came out 0.42 off for a dual input, 0.40 for
 a dual tensor ``f`` captured, 0.68 for a dual buffer, the update's 0.30, a raw error without
 ``batch_dim``; session 63's hunt and review) and ``auto`` moves on; ``graph`` and

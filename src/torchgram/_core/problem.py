@@ -907,7 +907,14 @@ def build_problem(options: Options, f: Callable[..., Any], args: tuple[Any, ...]
                                    and not composition.differentiable,
                                    look_unseen=look_unseen,
                                    whole_batch=_WHOLE_BATCH.get(key) is not None)
-        _PROBES.put(key, probe)
+        if not probe.forward_tangents:  # NOTE [composition]: a tangent is each call's own
+            _PROBES.put(key, probe)  # (cached, it made structured decline later plain calls)
+    if probe.forward_tangents and api.startswith("torchgram.distributed."):
+        fail(api, "f whose output carries no torch.autograd.forward_ad tangent", "an output "
+             "made dual by a tensor f captures or a buffer (the ranks exchange detached "
+             "pieces, which carry no forward-mode tangent)", "Pass its primal "
+             "(forward_ad.unpack_dual(t).primal); for G's derivative, torch.func.jvp around "
+             "torchgram.gramian on one process.", NotImplementedError)  # NOTE [composition]
     unseen_ops = probe.unseen_ops if look_unseen and probe.unseen_ops else ()
     if unseen_ops and composition.differentiated_by_transforms:  # no backend can
         raise unseen_calls_refused(api, unseen_ops, composition.describe(), True)
@@ -950,6 +957,10 @@ def without_inference_tensors(tree: Any) -> Any:
         leaves = [leaf.clone() if isinstance(leaf, Tensor) and leaf.is_inference() else leaf
                   for leaf in leaves]
     return optree.tree_unflatten(spec, leaves)
+
+
+_BATCH_MAPPINGS = frozenset({"BatchEncoding", "BatchFeature"})
+"""``transformers``' mappings of a batch (a tokenizer's, a feature extractor's output)."""
 
 
 def _probe_key(f: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any],
@@ -1288,7 +1299,7 @@ def make_batch_spec(api: str, args: tuple[Any, ...], argnums: tuple[int, ...], b
             tensors.append(leaf)
     batch_sizes = {tensor.shape[dim] for tensor, dim in zip(tensors, dims, strict=True)}
     unsplit = next(((where, mapping, item) for where, mapping, item, dim in opaque
-                    if not tensors or (type(mapping).__name__ == "BatchEncoding"
+                    if not tensors or (type(mapping).__name__ in _BATCH_MAPPINGS
                                        and item.shape[dim] in batch_sizes)), None)
     if unsplit is not None:
         where, mapping, item = unsplit
