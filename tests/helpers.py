@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import pytest
 import torch
+import torch.distributed as dist
 
 from torchgram._core.options import Options
 from torchgram._core.problem import Problem, build_problem
@@ -42,3 +44,15 @@ def assert_batched_on_every_draw(f: Callable[..., Any], params: Any, inputs: lis
                         run=True)(params, inputs[-1])
     assert report.fallback == ()
     assert report.ran is not None and report.ran.way == "batched", report.ran.notes
+
+
+@pytest.fixture
+def world_of_one() -> Iterator[None]:
+    """A gloo process group of one rank in this process (the distributed API's calls)."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -7,15 +7,13 @@ NTK's too), 0.30 for the update, or a raw error without ``batch_dim``, without a
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
-import torch.distributed as dist
 from torch import Tensor
 
 import torchgram as tg
+from helpers import world_of_one  # noqa: F401 -- a fixture
 from reference import dense_gramian_fn
 from torchgram.backends.ntvp import _prepare_forward_ad
 
@@ -138,17 +136,6 @@ def test_dual_tensors_f_holds_give_gs_tangent_on_auto(held_by: str) -> None:
             module.shift = shift
     torch.testing.assert_close(gramian, wanted, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(gramian_tangent, wanted_tangent, rtol=1e-10, atol=1e-12)
-
-
-@pytest.fixture
-def world_of_one() -> Iterator[None]:
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.usefixtures("world_of_one")

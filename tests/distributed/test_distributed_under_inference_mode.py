@@ -6,28 +6,15 @@ zero there, without a word, after a first call outside the mode.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812 -- torch's own spelling
 from torch import nn
 
 import torchgram as tg
+from helpers import world_of_one  # noqa: F401 -- a fixture
 from reference import dense_gramian
 from torchgram._core.signature import clear_caches
-
-
-@pytest.fixture
-def world_of_one() -> Iterator[None]:
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.usefixtures("world_of_one")
