@@ -27,7 +27,7 @@ tensors rebound or written, its counters moved), the Gramian of several caches d
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from torch import Tensor
@@ -80,10 +80,9 @@ def _cache_within(obj: Any, depth: int = 3, width: int = 64, budget: int = 256) 
                 return item
             if len(seen) >= budget:
                 return None
-            held = (item if isinstance(item, Mapping | list | tuple)
-                    else getattr(item, "__dict__", {}))
+            held = _held(item)
             if len(held) <= width:  # (measured before anything is copied)
-                following.extend(held.values() if isinstance(held, Mapping) else held)
+                following.extend(held)
         level = following
     return None
 
@@ -91,7 +90,8 @@ def _cache_within(obj: Any, depth: int = 3, width: int = 64, budget: int = 256) 
 def cache_state(cache: Any, depth: int = 5) -> list[Any]:
     """What a change of ``cache`` changes: its tensors (identity, version) and plain values.
 
-    Read through ``__dict__``, lists, tuples and dicts, ``depth`` levels down, in a fixed order.
+    Read through ``__dict__``, lists, tuples and mappings, ``depth`` levels down, in a fixed
+    order.
 
     Example:
         >>> import torch
@@ -118,13 +118,20 @@ def cache_state(cache: Any, depth: int = 5) -> list[Any]:
             elif isinstance(obj, PLAIN_VALUES):
                 state.append(obj)
             else:
-                items = (list(dict.values(obj)) if isinstance(obj, dict)
-                         else list(obj) if isinstance(obj, list | tuple)
-                         else list(getattr(obj, "__dict__", {}).values()))
-                state.append((id(obj), len(items)))
-                following.extend(items)
+                held = _held(obj)
+                state.append((id(obj), len(held)))
+                following.extend(held)
         level = following
     return state
+
+
+def _held(obj: Any) -> Collection[Any]:
+    """What the walks read in ``obj``, as a view (nothing is copied).
+
+    A mapping's values, a list's or tuple's items, else the values of its ``__dict__``.
+    """
+    held = obj if isinstance(obj, Mapping | list | tuple) else getattr(obj, "__dict__", {})
+    return held.values() if isinstance(held, Mapping) else held
 
 
 def refuse_changed_caches(api: str, caches: tuple[Any, ...], before: list[list[Any]]) -> None:

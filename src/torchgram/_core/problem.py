@@ -1297,10 +1297,10 @@ def make_batch_spec(api: str, args: tuple[Any, ...], argnums: tuple[int, ...], b
             positions.append((where, j))
             dims.append(dim % leaf.dim())
             tensors.append(leaf)
-    batch_sizes = {tensor.shape[dim] for tensor, dim in zip(tensors, dims, strict=True)}
+    sizes = {tensor.shape[dim] for tensor, dim in zip(tensors, dims, strict=True)}
     unsplit = next(((where, mapping, item) for where, mapping, item, dim in opaque
                     if not tensors or (type(mapping).__name__ in _BATCH_MAPPINGS
-                                       and item.shape[dim] in batch_sizes)), None)
+                                       and item.shape[dim] in sizes)), None)
     if unsplit is not None:
         where, mapping, item = unsplit
         name = f"argument {where}" if isinstance(where, int) else f"keyword {where!r}"
@@ -1314,7 +1314,6 @@ def make_batch_spec(api: str, args: tuple[Any, ...], argnums: tuple[int, ...], b
              f"in_dims={in_dims!r} selecting no tensor among the inputs",
              "Pass the batch as a positional argument with in_dims pointing at its sample "
              "dimension, or drop batch_dim.")
-    sizes = {tensor.shape[dim] for tensor, dim in zip(tensors, dims, strict=True)}
     if len(sizes) != 1:
         described = ", ".join(
             f"{'arg' if isinstance(i, int) else 'keyword'} {i!r} leaf {j}: {tuple(t.shape)} "
