@@ -148,3 +148,29 @@ class WhereRelu(SavesInput):
     def backward(ctx: Any, grad: Tensor) -> Tensor:  # noqa: D102
         (x,) = ctx.saved_tensors
         return torch.where(x > 0, grad, 0.0)
+
+
+class SquareWithoutVmap(SavesInput):
+    """``x²`` with a jvp and no vmap rule: ``vmap`` over samples refuses it, ``grad`` and
+    ``jvp`` run it, and a trace cannot tell (NOTE [vmap failures remembered])."""
+
+    generate_vmap_rule = False
+
+    @staticmethod
+    def forward(x: Tensor) -> Tensor:  # noqa: D102
+        return x * x
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Tensor, ...], output: Tensor) -> None:  # noqa: D102
+        ctx.save_for_backward(inputs[0])
+        ctx.save_for_forward(inputs[0])
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:  # noqa: D102
+        (x,) = ctx.saved_tensors
+        return 2 * x * grad
+
+    @staticmethod
+    def jvp(ctx: Any, tangent: Tensor) -> Tensor:  # noqa: D102
+        (x,) = ctx.saved_tensors
+        return 2 * x * tangent

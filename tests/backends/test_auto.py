@@ -136,3 +136,23 @@ def test_auto_falls_back_when_its_choice_declares_it_cannot_run():
     torch.testing.assert_close(explanation.gramian, expected)
     with pytest.raises(NotImplementedError, match="backend='jacobian' or backend='graph'"):
         tg.gramian(f, backend="ntvp", memory_budget=budget)(*args)
+
+
+@pytest.mark.parametrize(("suite", "name"), [
+    ("transformers", "bert-mask-eager"), ("transformers", "gpt2-mask-sdpa"),
+    ("transformers", "llama-mask-eager"), ("transformers", "vit-eager"),
+    ("vision", "resnet-eval"), ("vision", "mobilenet"),
+])
+def test_small_real_models_with_per_sample_rows_go_to_structured(suite, name):
+    """The jacobian backend's per-sample ``vmap(jacrev)`` costs ~0.2 ms a torch call, and
+    ``transformers``' mask code makes it loop over the samples (NOTE [reads of the batch's
+    values]): at these small sizes it took 2-3 times (and with a mask 13-20 times) the
+    structured backend's time, where ``auto`` picked it before session 64."""
+    from models import transformers_models, vision
+    from models.case import build
+
+    builders = {"transformers": transformers_models.BUILDERS, "vision": vision.BUILDERS}[suite]
+    case = build(builders, name)
+    report = tg.explain(case.f, batch_dim=0, in_dims=case.in_dims)(*case.args,
+                                                                    **case.kw_inputs)
+    assert report.backend == "structured", report.estimates

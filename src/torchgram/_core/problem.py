@@ -980,14 +980,19 @@ def _probe_key(f: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str
                           (composition.transforms, _torch_compat.forward_ad_level_open()))
 
 
+def signature_key(problem: Problem) -> Hashable | None:
+    """The problem's call signature with the transforms around it (the probe cache's key)."""
+    return _probe_key(problem.f, problem.args, problem.kwargs, problem.diff, problem.has_aux,
+                      problem.batch, problem.composition)
+
+
 def forget_probe(problem: Problem) -> None:
     """Drop the cached probe of this call's signature (it was stale).
 
     Where the problem's evaluations met a write its probe did not see, the signature's next
     probe evaluates the whole batch (NOTE [writes its probe did not see]).
     """
-    key = _probe_key(problem.f, problem.args, problem.kwargs, problem.diff, problem.has_aux,
-                     problem.batch, problem.composition)
+    key = signature_key(problem)
     _PROBES.pop(key)
     if problem.unseen_writes and problem.batch is not None:
         _WHOLE_BATCH.put(key, True)

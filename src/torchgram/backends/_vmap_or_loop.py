@@ -9,35 +9,129 @@ batching rule. Then the whole computation is redone with plain loops (what
 raise too is the function's own, or a declared inability (``BackendCannotRun``), and
 reaches the caller as it is; so does :class:`NotPerSample` (NOTE [per-sample]), which the
 backend answers by working on the whole batch.
+
+# NOTE [vmap failures remembered]
+Whether ``vmap`` can batch ``f`` is a property of its code (``transformers``' mask code reads
+the mask's values: every BERT, GPT-2 or LLaMA), so a failure is remembered per backend, way
+(per sample or rows of the batch) and call signature: later calls loop at once instead of
+failing again first. ``auto`` chose the backend on an estimate that assumed ``vmap``; a
+backend it runs declines at the first failure (:class:`VmapFailed`, under
+:func:`vmap_failures_declined`) instead of looping, and ``auto`` ranks its candidates again
+with the loops' cost (NOTE [auto cost model]). Small ``transformers`` models (hidden size 8 to
+32) went to ``jacobian``, which then looped over the samples on every call: 90-130 times a
+backward, against 6-7 times with ``structured`` (and ``tg.ntk``: 145 ms against 9 ms).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import contextvars
+from collections.abc import Callable, Hashable, Iterator
+from typing import TypeVar
 
 from torchgram._core.errors import BackendCannotRun, NotPerSample, OutputChanged
-from torchgram._core.problem import Problem
+from torchgram._core.problem import Problem, signature_key
 from torchgram._core.result import BackendResult
+from torchgram._core.signature import LruCache
+
+Result = TypeVar("Result")
+
+_FAILED = LruCache[str](maxsize=128)
+"""``(backend, per_sample, call signature)`` -> why ``vmap`` failed there (NOTE [vmap
+failures remembered])."""
+
+_DECLINING: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "torchgram_vmap_failures_declined", default=False)
 
 
-def vmap_or_loop(run: Callable[[bool], BackendResult], *, loop: bool) -> BackendResult:
-    """``run(loop=False)``, or ``run(loop=True)`` when that fails (or when ``loop``)."""
+class VmapFailed(Exception):  # noqa: N818 -- a signal to auto, as OutputChanged
+    """A backend's ``vmap`` failed where ``auto`` runs it (NOTE [vmap failures remembered]).
+
+    Attributes:
+        backend: The backend.
+        reason: Why, in one line.
+    """
+
+    def __init__(self, backend: str, reason: str) -> None:
+        super().__init__(f"{backend}: vmap failed ({reason})")
+        self.backend = backend
+        self.reason = reason
+
+
+@contextlib.contextmanager
+def vmap_failures_declined() -> Iterator[None]:
+    """Inside: a backend whose ``vmap`` fails raises :class:`VmapFailed` instead of looping."""
+    token = _DECLINING.set(True)
+    try:
+        yield
+    finally:
+        _DECLINING.reset(token)
+
+
+def reranked(result: Result, failures: list[VmapFailed]) -> Result:
+    """``result`` (a backend's or a kernel's), its report noting the ``vmap`` failures."""
+    for failed in failures:
+        result.report.notes.append(  # type: ignore[attr-defined]
+            f"{failed.backend}: vmap failed ({failed.reason}); candidates ranked again with "
+            "its loops' cost")
+    return result
+
+
+def failure_key(problem: Problem, backend: str, per_sample: bool) -> Hashable | None:
+    """The key under which a failure of ``backend``'s ``vmap`` on ``problem`` is remembered."""
+    signature = signature_key(problem)
+    return None if signature is None else (backend, per_sample, signature)
+
+
+def known_failure(problem: Problem, backend: str) -> str | None:
+    """Why ``backend``'s ``vmap`` failed on ``problem``'s call signature before, if it did.
+
+    Either way (per sample, or rows of the batch, where the per-sample way does not hold).
+    """
+    signature = signature_key(problem)
+    if signature is None:
+        return None
+    return _FAILED.get((backend, True, signature)) or _FAILED.get((backend, False, signature))
+
+
+def vmap_or_loop(run: Callable[[bool], Result], *, loop: bool, backend: str = "",
+                 key: Hashable | None = None,
+                 note: Callable[[Result, str], None] | None = None) -> Result:
+    """``run(loop=False)``, or ``run(loop=True)`` when that fails (or when ``loop``).
+
+    ``key``: where the failure is remembered (NOTE [vmap failures remembered]): a known one
+    loops at once; ``note(result, text)`` adds a line to the result's report.
+    """
     if loop:
         return run(True)
+    known = _FAILED.get(key)
+    if known is not None:
+        result = run(True)
+        if note is not None:
+            note(result, f"vmap failed on this call signature before ({known}); loops")
+        return result
     try:
         return run(False)
     except (BackendCannotRun, OutputChanged, NotPerSample):
         raise
     except Exception as error:  # noqa: BLE001 -- any vmap failure: loop instead
-        result = run(True)
         text = str(error).strip()
-        first_line = text.splitlines()[0][:120] if text else ""
-        result.report.notes.append(f"vmap failed ({type(error).__name__}: {first_line}); "
-                                   "redone with loops")
+        reason = f"{type(error).__name__}: {text.splitlines()[0][:120] if text else ''}"
+        if _DECLINING.get() and key is not None:
+            _FAILED.put(key, reason)
+            raise VmapFailed(backend, reason) from error
+        result = run(True)
+        _FAILED.put(key, reason)  # the loops ran: the failure was vmap's
+        if note is not None:
+            note(result, f"vmap failed ({reason}); redone with loops")
         return result
 
 
-def per_sample_or_batch(problem: Problem,
+def _note(result: BackendResult, text: str) -> None:
+    result.report.notes.append(text)
+
+
+def per_sample_or_batch(problem: Problem, backend: str,
                         run: Callable[[bool, bool], BackendResult]) -> BackendResult:
     """``run(loop, per_sample)`` under :func:`vmap_or_loop`, per sample where it holds.
 
@@ -45,12 +139,17 @@ def per_sample_or_batch(problem: Problem,
     per-sample way does not hold (NOTE [per-sample]: the same matrix).
     """
     loop = problem.loops_only
+
+    def way(per_sample: bool) -> BackendResult:
+        return vmap_or_loop(lambda loop: run(loop, per_sample), loop=loop, backend=backend,
+                            key=failure_key(problem, backend, per_sample), note=_note)
+
     if problem.batch is None:
-        return vmap_or_loop(lambda loop: run(loop, False), loop=loop)
+        return way(False)
     try:
-        return vmap_or_loop(lambda loop: run(loop, True), loop=loop)
+        return way(True)
     except NotPerSample as why:
-        result = vmap_or_loop(lambda loop: run(loop, False), loop=loop)
+        result = way(False)
         result.report.notes.append(f"per-sample evaluation does not hold ({why.reason}): "
                                    "rows of the whole batch instead")
         return result

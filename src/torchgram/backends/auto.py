@@ -9,15 +9,23 @@ rows, ``D`` backward directions (``R`` rows per sample with ``batch_dim``, ``m``
 and ``P`` parameters::
 
     structured:  F·(1 + D) + Σ_l cost_l (+ 0.1·F with a vmap pass) + fixed costs
-    jacobian:    (F·(1 + 2·D) + 4·m·P + Gram) · blocks (+ 0.3·F per-sample) + fixed costs
-                 Gram = m²·P (m·P diagonal)
-    ntvp:        F·(1 + 2·D) + 2·F·m + fixed costs          (jacobian's path if diagonal)
+    jacobian:    (F·(1 + 2·D) + 4·m·P + Gram) · blocks (+ (0.3·F + c·calls) per-sample)
+                 + fixed costs,   Gram = m²·P (m·P diagonal)
+    ntvp:        F·(1 + 2·D) + 2·F·m (+ c·calls per-sample) + fixed costs
+                 (jacobian's path if diagonal)
 
 Where ``f`` calls what ``vmap`` cannot batch (fused RNN kernels, seen by the trace), every
 per-sample ``vmap`` pass over ``f`` loops over the samples instead: the jacobian and ntvp
 backends, and the structured one when a leaf needs the fallback, then add
 ``B · calls · 3 · LOOP_PER_CALL`` (``calls`` torch calls per evaluation of ``f``, each
-dispatched once per sample in the forward, the backward and the vjp set-up).
+dispatched once per sample in the forward, the backward and the vjp set-up). The trace sees
+what ``vmap`` cannot batch: fused RNN kernels, and reads of the batch's values into Python
+(NOTE [reads of the batch's values]: ``transformers``' mask code); a failure it did not see is
+remembered per call signature and counted the same way (NOTE [vmap failures remembered]).
+Per sample, each call of ``f`` also costs ``c = PER_SAMPLE_PER_CALL`` in the jacobian and
+ntvp backends, whose ``vmap`` over the samples dispatches it through two transforms (about
+0.2 ms a call on a CPU: small real models took 2-3 times the structured backend's time
+there, which ``auto`` picked for them before session 64).
 
 A structured backward only reaches the activations (``F``), the jacobian and ntvp ones also
 every weight gradient (``2F``); ``4·m·P`` is writing the per-row gradients, ``blocks`` the
@@ -26,8 +34,9 @@ passes). Memory: structured holds its materialized / fallback Jacobians and ghos
 jacobian ``m·P`` (or the budget), ntvp ``c·P`` for ``c`` rows per chunk. With a
 ``memory_budget`` a backend that cannot stay under it is only chosen if none can. The
 cheapest estimate wins. The fixed costs (Python and dispatch per call) are calibrated on a
-CPU so that tiny problems (small ``P·m``) go to ``jacobian``; ntvp wins where ``m·P`` does
-not fit the budget but a chunk of vjps does (huge ``P``, few rows).
+CPU so that tiny problems (small ``P·m``) go to ``jacobian`` when their rows are not per
+sample; ntvp wins where ``m·P`` does not fit the budget but a chunk of vjps does (huge ``P``,
+few rows).
 
 Inside ``torch.func`` transforms (NOTE [composition]) nothing is traced or estimated: the
 candidates are the backends that compose, ``jacobian`` then ``ntvp``. With eager inputs that
@@ -59,6 +68,12 @@ from torchgram._core.result import BackendResult
 from torchgram.backends._draws_under_transforms import REFUSING_BACKENDS
 from torchgram.backends._embedding import collected_conventions
 from torchgram.backends._registry import first_that_runs, get_backend, register
+from torchgram.backends._vmap_or_loop import (
+    VmapFailed,
+    known_failure,
+    reranked,
+    vmap_failures_declined,
+)
 from torchgram.backends.structured import StructuredPlan, plan_problem, run_structured
 from torchgram.backends.structured.cost import held_memory
 from torchgram.backends.structured.passes import Forward, cached_trace, dense_forward, keep_trace
@@ -76,6 +91,11 @@ JACOBIAN_FIXED = {"dense": 2e7, "per_sample": 3.5e7}
 """Fixed cost of a jacobian call (``vmap``/``jacrev`` set-up)."""
 NTVP_FIXED = 5e7
 """Fixed cost of an ntvp call (forward-mode set-up)."""
+PER_SAMPLE_PER_CALL = 2.5e6
+"""Cost of one torch call of ``f`` in the jacobian backend's per-sample ``vmap(jacrev)`` and
+ntvp's per-sample pushes: its forward and backward dispatched through two ``torch.func``
+transforms, about 0.15-0.27 ms a call measured on a CPU (ViT, ResNet-18, MobileNet, Swin and
+MLPs at small sizes, where the jacobian backend took 2-3 times the structured one's time)."""
 LOOP_PER_CALL = 1.5e5
 """Cost of one torch call of ``f`` evaluated for one sample in a loop (dispatch, autograd),
 in multiply-adds (about 10 µs on a CPU)."""
@@ -119,6 +139,13 @@ def estimate_backends(problem: Problem, plan: StructuredPlan) -> dict[str, Estim
     recording = plan.recording
     loop = (3 * samples * recording.calls * LOOP_PER_CALL
             if per_sample and recording.unbatchable else 0.0)
+    # NOTE [vmap failures remembered]: where a backend's vmap failed on this call signature,
+    # its per-sample passes loop over the samples, its rows of the batch over the rows
+    looped = 3 * samples * recording.calls * LOOP_PER_CALL if per_sample \
+        else m * recording.calls * LOOP_PER_CALL
+    loops = {name: looped if known_failure(problem, name) is not None else loop
+             for name in ("jacobian", "ntvp")}
+    transformed_calls = PER_SAMPLE_PER_CALL * recording.calls if per_sample else 0.0
     vmap_extra = (STRUCTURED_VMAP + VMAP_OVERHEAD["structured"] * forward + loop
                   if vmap else 0.0)
     structured_time = (forward * (1 + directions) + plan.contraction_cost + STRUCTURED_FIXED
@@ -134,7 +161,8 @@ def estimate_backends(problem: Problem, plan: StructuredPlan) -> dict[str, Estim
     if per_sample:
         one_pass += VMAP_OVERHEAD["jacobian"] * forward
     jacobian_time = (one_pass + gram) * blocks + \
-        JACOBIAN_FIXED["per_sample" if per_sample else "dense"] + loop * blocks
+        JACOBIAN_FIXED["per_sample" if per_sample else "dense"] + \
+        (loops["jacobian"] + transformed_calls) * blocks
     estimates["jacobian"] = Estimate("jacobian", jacobian_time,
                                      min(jacobian_memory, budget or jacobian_memory), True)
 
@@ -146,7 +174,8 @@ def estimate_backends(problem: Problem, plan: StructuredPlan) -> dict[str, Estim
             chunk = max(1, budget // max(1, numel * itemsize))
         chunk = min(chunk, m)
         ntvp_memory = float(chunk * numel * itemsize)
-        ntvp_time = forward * (1 + 2 * directions) + 2 * forward * m + NTVP_FIXED + loop
+        ntvp_time = forward * (1 + 2 * directions) + 2 * forward * m + NTVP_FIXED + \
+            loops["ntvp"] + transformed_calls
         ntvp = Estimate("ntvp", ntvp_time, ntvp_memory, budget is None or ntvp_memory <= budget)
     estimates["ntvp"] = Estimate("ntvp", ntvp.time, ntvp.memory, ntvp.fits)
     return estimates
@@ -232,6 +261,13 @@ def _plan_auto(problem: Problem) -> AutoPlan:
                 forward = _dense_forward(problem)
             structured = plan_problem(problem, forward.recording, dense=True)
     estimates = estimate_backends(problem, structured)
+    return AutoPlan(structured, estimates, _ordered(problem, structured, estimates, forward),
+                    forward)
+
+
+def _ordered(problem: Problem, structured: StructuredPlan, estimates: dict[str, Estimate],
+             forward: Forward | None) -> tuple[str, ...]:
+    """The candidates in the order ``auto`` tries them: cheapest first, refusing ones last."""
     order = (*ranked(estimates), LAST_RESORT)
     refusing: tuple[str, ...] = ()
     if problem.draw.random or structured.recording.draws:  # NOTE [draws under torch.func]
@@ -250,8 +286,7 @@ def _plan_auto(problem: Problem) -> AutoPlan:
     if recording.hooked_leaf is not None or (recording.hooked_tap is not None
                                              and not _streams(problem)):
         refusing = (*refusing, "structured")  # NOTE [hooks on taps]: it would refuse
-    order = (*(n for n in order if n not in refusing), *(n for n in order if n in refusing))
-    return AutoPlan(structured, estimates, order, forward)
+    return (*(n for n in order if n not in refusing), *(n for n in order if n in refusing))
 
 
 def _streams(problem: Problem) -> bool:
@@ -318,6 +353,28 @@ def _first_that_runs(problem: Problem, order: tuple[str, ...], plan: AutoPlan | 
         if name == "structured" and plan is not None:
             with torch_refusals(problem.api, name, problem.diff.leaves):  # NOTE [old-style ...]
                 return run_structured(problem, plan.structured, forward=plan.forward)
-        return get_backend(name)(problem)
+        if not declining:
+            return get_backend(name)(problem)
+        try:
+            with vmap_failures_declined():  # NOTE [vmap failures remembered]
+                return get_backend(name)(problem)
+        except VmapFailed as failed:  # (a backend may run another's passes: ntvp's diagonal)
+            raise VmapFailed(name, failed.reason) from failed
 
-    return first_that_runs(order, run, attempts)
+    attempts = [] if attempts is None else attempts
+    failures: list[VmapFailed] = []
+    declining = True
+    for _ in range(len(order)):  # each candidate's vmap fails once at most: it loops after
+        try:
+            return reranked(first_that_runs(order, run, attempts), failures)
+        except VmapFailed as failed:  # ranked again, the loops' cost known
+            failures.append(failed)
+            declined = {name for name, _ in attempts}
+            if plan is not None:
+                estimates = estimate_backends(problem, plan.structured)
+                order = _ordered(problem, plan.structured, estimates, plan.forward)
+            order = tuple(name for name in order if name not in declined)
+            if failed.backend not in order:
+                order = (*order, failed.backend)
+    declining = False
+    return reranked(first_that_runs(order, run, attempts), failures)

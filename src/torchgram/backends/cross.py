@@ -19,6 +19,7 @@ structured backend's way is NOTE [structured cross kernels]. Here:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import optree
@@ -59,6 +60,14 @@ from torchgram.backends._registry import (
     get_cross_backend,
     register_cross,
 )
+from torchgram.backends._vmap_or_loop import (
+    VmapFailed,
+    failure_key,
+    known_failure,
+    reranked,
+    vmap_failures_declined,
+    vmap_or_loop,
+)
 
 # -- jacobian ------------------------------------------------------------------------------
 
@@ -81,28 +90,27 @@ def _group_jacobian(problem: Problem, group: LeafGroup, report: RunReport,
     return sample_rows_view(writer.rows_block(), problem, "output")
 
 
-def _with_loops(problem: CrossProblem, run: object) -> CrossResult:
-    """``run(loop)`` vectorized, redone with loops if ``vmap`` fails (NOTE [vmap or loop])."""
-    assert callable(run)
+def _with_loops(problem: CrossProblem, backend: str,
+                run: Callable[[bool], CrossResult]) -> CrossResult:
+    """``run(loop)`` vectorized, redone with loops if ``vmap`` fails (NOTE [vmap or loop]).
+
+    The failure is remembered for the left side's call signature (NOTE [vmap failures
+    remembered]).
+    """
     loop = problem.left.loops_only or any(r is not None and r.loops_only for r in problem.rights)
-    if loop:
-        result: CrossResult = run(True)
-        return result
-    try:
-        result = run(False)
-    except (BackendCannotRun, OutputChanged, NotPerSample):
-        raise
-    except Exception as error:  # noqa: BLE001 -- any vmap failure: loop instead
-        result = run(True)
-        result.report.notes.append(f"vmap failed ({type(error).__name__}); redone with loops")
-    return result
+    key = failure_key(problem.left, backend, problem.left.batch is not None)
+    return vmap_or_loop(run, loop=loop, backend=backend, key=key, note=_note)
+
+
+def _note(result: CrossResult, text: str) -> None:
+    result.report.notes.append(text)
 
 
 @register_cross("jacobian")
 def jacobian_cross(problem: CrossProblem) -> CrossResult:
     """Kernel blocks from per-row Jacobian blocks of both sides (module docstring)."""
     refuse_data_assignments(problem.left, "jacobian")  # NOTE [data assigned to itself]
-    return _with_loops(problem, lambda loop: _jacobian_cross(problem, loop))
+    return _with_loops(problem, "jacobian", lambda loop: _jacobian_cross(problem, loop))
 
 
 def _jacobian_cross(problem: CrossProblem, loop: bool) -> CrossResult:
@@ -171,7 +179,7 @@ def ntvp_cross(problem: CrossProblem) -> CrossResult:
     # NOTE [gradient hooks inside f], NOTE [embedding conventions]
     with refusing_gradient_hooks(problem.left.api, "ntvp"), \
             checked_conventions(problem.left, "ntvp", write_out=True):
-        return _with_loops(problem, lambda loop: _ntvp_cross(problem, loop))
+        return _with_loops(problem, "ntvp", lambda loop: _ntvp_cross(problem, loop))
 
 
 def _ntvp_cross(problem: CrossProblem, loop: bool) -> CrossResult:
@@ -358,8 +366,10 @@ def _auto_order(problem: Problem) -> tuple[str, ...]:
         # (a penalty f guards by grad mode); a parameter f converts (module.to(dtype) in a
         # forward); the whole batch's plan declined (the same, sparse tensors)
         return SELF_DIFFERENTIATING
+    failed = tuple(known_failure(problem, name) is not None  # NOTE [vmap failures remembered]:
+                   for name in ("jacobian", "ntvp"))  # the loops' cost counted
     key = ("auto order", plan.sizes, problem.chunk_size, problem.memory_budget,
-           problem.batch is None, tuple(leaf.numel() for leaf in problem.leaves))
+           problem.batch is None, tuple(leaf.numel() for leaf in problem.leaves), failed)
     order = plan.recording.plans.get(key)
     if order is None:
         order = plan.recording.plans[key] = (*ranked(estimate_backends(problem, plan)),
@@ -380,13 +390,36 @@ def auto_cross(problem: CrossProblem) -> CrossResult:
 
     if problem.left.composition.transforms:
         return first_that_runs(COMPOSING_BACKENDS, run)
+
+    def declining(name: str) -> CrossResult:
+        try:
+            with vmap_failures_declined():  # NOTE [vmap failures remembered]
+                return run(name)
+        except VmapFailed as failed:
+            raise VmapFailed(name, failed.reason) from failed
+
     with collected_conventions():  # over the planning too (NOTE [embedding conventions])
-        order = _auto_order(problem.left)
-        # what the gradient-free probe could not see (a hook or a penalty f guards by grad
-        # mode) may decline every planned candidate: the others are tried before giving up
-        # (they declined before session 59, where tg.gramian's auto answered)
-        order = (*order, *(name for name in _EVERY_CROSS if name not in order))
-        return first_that_runs(order, run)
+        attempts: list[tuple[str, str]] = []
+        failures: list[VmapFailed] = []
+        for _ in range(len(_EVERY_CROSS)):  # each candidate's vmap fails once at most
+            try:
+                return reranked(first_that_runs(_cross_order(problem, attempts), declining,
+                                                attempts), failures)
+            except VmapFailed as failed:  # ranked again, the loops' cost known
+                failures.append(failed)
+        return reranked(first_that_runs(_cross_order(problem, attempts), run, attempts),
+                        failures)
+
+
+def _cross_order(problem: CrossProblem, attempts: list[tuple[str, str]]) -> tuple[str, ...]:
+    """``auto``'s candidates for a kernel, without those that declined already."""
+    order = _auto_order(problem.left)
+    # what the gradient-free probe could not see (a hook or a penalty f guards by grad
+    # mode) may decline every planned candidate: the others are tried before giving up
+    # (they declined before session 59, where tg.gramian's auto answered)
+    declined = {name for name, _ in attempts}
+    return tuple(name for name in (*order, *(name for name in _EVERY_CROSS if name not in order))
+                 if name not in declined)
 
 
 _EVERY_CROSS = ("jacobian", "graph", "ntvp", "structured")

@@ -44,7 +44,7 @@ def jacobian_backend(problem: Problem) -> BackendResult:
     """Compute the Gramian blocks of ``problem`` from explicit Jacobian blocks."""
     refuse_data_assignments(problem, "jacobian")  # NOTE [data assigned to itself]
     return per_sample_or_batch(
-        problem, lambda loop, per_sample: _run(problem, loop, per_sample=per_sample))
+        problem, "jacobian", lambda loop, per_sample: _run(problem, loop, per_sample=per_sample))
 
 
 def _run(problem: Problem, loop: bool, *, per_sample: bool) -> BackendResult:

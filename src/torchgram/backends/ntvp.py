@@ -84,7 +84,7 @@ def ntvp_backend(problem: Problem) -> BackendResult:
     with refusing_gradient_hooks(problem.api, "ntvp"), \
             checked_conventions(problem, "ntvp", write_out=True):
         return per_sample_or_batch(
-            problem, lambda loop, per_sample: _run(problem, loop, per_sample=per_sample))
+            problem, "ntvp", lambda loop, per_sample: _run(problem, loop, per_sample=per_sample))
 
 
 def _run(problem: Problem, loop: bool, *, per_sample: bool) -> BackendResult:

@@ -64,6 +64,7 @@ from torchgram.backends.structured.trace import (
     UseRecord,
     zero_tap,
 )
+from torchgram.backends.structured.value_reads import BatchFollowingTapMode
 
 GradChunk = tuple[int, int, list[Tensor | None], dict[int, Tensor]]
 T = TypeVar("T")
@@ -111,14 +112,18 @@ def trace(problem: Problem) -> Recording:
     with torch.enable_grad():
         carriers = tuple(leaf.detach().requires_grad_() for leaf in problem.leaves)
         batch = problem.batch
-        mode = TapMode(carriers, problem.leaves, taps="trace", probe=batch is not None)
         if batch is None:
+            mode = TapMode(carriers, problem.leaves, taps="trace")
             with mode:
                 rows = problem.rows(carriers)[0]
         else:
+            sample = batch.narrow(0, 1)
+            # NOTE [reads of the batch's values]: what vmap over the samples cannot batch
+            mode = BatchFollowingTapMode(carriers, problem.leaves, taps="trace", probe=True,
+                                         batched=sample)
             try:
                 with mode:
-                    rows = problem.sample_rows(carriers, batch.narrow(0, 1), check_draw=False)
+                    rows = problem.sample_rows(carriers, sample, check_draw=False)
                 mode.recording.draws = problem.draw.drew()
             except (BackendCannotRun, OutputChanged, NotPerSample):
                 raise
