@@ -156,3 +156,24 @@ def test_small_real_models_with_per_sample_rows_go_to_structured(suite, name):
     report = tg.explain(case.f, batch_dim=0, in_dims=case.in_dims)(*case.args,
                                                                     **case.kw_inputs)
     assert report.backend == "structured", report.estimates
+
+
+@pytest.mark.parametrize(("name", "learnt"), [
+    pytest.param("gemma", False, id="gemma-fallback-leaves"),
+    pytest.param("mixtral", False, id="mixtral-router"),
+    pytest.param("t5", True, id="t5-run-not-batched"),
+])
+def test_the_graph_walk_where_the_structured_pass_loops_over_the_samples(name, learnt):
+    """NOTE [the graph walk against loops]: where the structured pass goes per sample (a leaf
+    on the fallback, or a run that cannot be batched, which the first call finds: NOTE [runs
+    that cannot be batched]) and f reads the batch's values (a loop), the walk is 2.5-3.5
+    times faster (session 64)."""
+    from models import transformers_models
+    from models.case import build
+
+    case = build(transformers_models.BUILDERS, name)
+    options = {"batch_dim": 0, "in_dims": case.in_dims}
+    if learnt:
+        tg.gramian(case.f, **options)(*case.args, **case.kw_inputs)
+    report = tg.explain(case.f, run=True, **options)(*case.args, **case.kw_inputs)
+    assert report.backend == report.ran.backend == "graph", report.estimates

@@ -70,3 +70,25 @@ def test_auto_kernel_ranks_again_when_its_choice_fails_under_vmap():
     torch.testing.assert_close(kernel, expected)
     notes = [note for report in ntk_fn.last_run.reports for note in report.notes]
     assert any("candidates ranked again with its loops' cost" in note for note in notes), notes
+
+
+def test_the_structured_fallback_remembers_that_vmap_fails():
+    """A leaf no rule covers goes per sample under vmap; ``f`` reading the batch's values makes
+    that vmap fail, and the loop runs. Later calls loop at once (before session 64 each call
+    tried vmap first, and failed)."""
+    params, x = _args()
+    params["power"] = torch.rand(3, dtype=torch.float64) + 0.5
+    under_vmap = []
+
+    def f(p, x):
+        under_vmap.append(torch._C._functorch.is_batchedtensor(x))
+        if torch.isnan(x).any():
+            raise ValueError("NaN in the batch")
+        return torch.tanh((x.abs() + 1) ** p["power"] @ p["w"]).sum(-1)
+
+    report = tg.explain(f, backend="structured", batch_dim=0, run=True)(params, x)
+    assert report.fallback == ("power",) and any(under_vmap)
+    under_vmap.clear()
+    G = tg.gramian(f, backend="structured", batch_dim=0)(params, x)
+    assert not any(under_vmap)
+    torch.testing.assert_close(G, dense_gramian(f, (params, x)).gramian)

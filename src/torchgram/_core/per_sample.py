@@ -63,6 +63,7 @@ from torchgram._core.census import OpCensus, again_with_graph, may_need_a_graph
 from torchgram._core.errors import BackendCannotRun, NotPerSample, OutputChanged
 from torchgram._core.problem import Problem, replace_input_leaves
 from torchgram._core.pytree import detach_tree
+from torchgram._core.vmap_failures import failure_key, remember, remembered
 
 
 def tolerance(dtype: torch.dtype) -> float:
@@ -202,7 +203,9 @@ def check_derivatives(problem: Problem, *, eager: bool = False) -> None:
     if batch is None or batch.size < 2 or not problem.leaves:
         return
     index = problem.sample_major_index  # [B, K]: each sample's rows in the output order
-    if not problem.loops_only:
+    key = failure_key(problem, "the derivative check", True)  # NOTE [vmap failures remembered]
+    failure = None
+    if not problem.loops_only and remembered(key) is None:
         weights = positive_weights(tuple(index.shape), index.device, problem.output.dtype)
         try:
             compare_pullbacks(problem, _on_rows(index.numel(), index, weights),
@@ -211,10 +214,12 @@ def check_derivatives(problem: Problem, *, eager: bool = False) -> None:
             return
         except (NotPerSample, OutputChanged, BackendCannotRun):
             raise
-        except Exception:  # noqa: BLE001 -- NOTE [vmap or loop]: the groups need no vmap
-            pass
+        except Exception as error:  # noqa: BLE001 -- NOTE [vmap or loop]: the groups need no
+            failure = error  # vmap
     for group in separating_groups(batch.size):
         _compare_group(problem, index, list(group), [list(group)], eager)
+    if failure is not None:  # the groups ran: the failure was vmap's
+        remember(key, failure)
 
 
 def _samples_alone(problem: Problem, leaves: tuple[Tensor, ...]) -> Tensor:

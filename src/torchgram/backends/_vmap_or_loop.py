@@ -30,15 +30,11 @@ from collections.abc import Callable, Hashable, Iterator
 from typing import TypeVar
 
 from torchgram._core.errors import BackendCannotRun, NotPerSample, OutputChanged
-from torchgram._core.problem import Problem, signature_key
+from torchgram._core.problem import Problem
 from torchgram._core.result import BackendResult
-from torchgram._core.signature import LruCache
+from torchgram._core.vmap_failures import failure_key, reason_of, remember, remembered
 
 Result = TypeVar("Result")
-
-_FAILED = LruCache[str](maxsize=128)
-"""``(backend, per_sample, call signature)`` -> why ``vmap`` failed there (NOTE [vmap
-failures remembered])."""
 
 _DECLINING: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "torchgram_vmap_failures_declined", default=False)
@@ -77,23 +73,6 @@ def reranked(result: Result, failures: list[VmapFailed]) -> Result:
     return result
 
 
-def failure_key(problem: Problem, backend: str, per_sample: bool) -> Hashable | None:
-    """The key under which a failure of ``backend``'s ``vmap`` on ``problem`` is remembered."""
-    signature = signature_key(problem)
-    return None if signature is None else (backend, per_sample, signature)
-
-
-def known_failure(problem: Problem, backend: str) -> str | None:
-    """Why ``backend``'s ``vmap`` failed on ``problem``'s call signature before, if it did.
-
-    Either way (per sample, or rows of the batch, where the per-sample way does not hold).
-    """
-    signature = signature_key(problem)
-    if signature is None:
-        return None
-    return _FAILED.get((backend, True, signature)) or _FAILED.get((backend, False, signature))
-
-
 def vmap_or_loop(run: Callable[[bool], Result], *, loop: bool, backend: str = "",
                  key: Hashable | None = None,
                  note: Callable[[Result, str], None] | None = None) -> Result:
@@ -104,7 +83,7 @@ def vmap_or_loop(run: Callable[[bool], Result], *, loop: bool, backend: str = ""
     """
     if loop:
         return run(True)
-    known = _FAILED.get(key)
+    known = remembered(key)
     if known is not None:
         result = run(True)
         if note is not None:
@@ -115,13 +94,12 @@ def vmap_or_loop(run: Callable[[bool], Result], *, loop: bool, backend: str = ""
     except (BackendCannotRun, OutputChanged, NotPerSample):
         raise
     except Exception as error:  # noqa: BLE001 -- any vmap failure: loop instead
-        text = str(error).strip()
-        reason = f"{type(error).__name__}: {text.splitlines()[0][:120] if text else ''}"
+        reason = reason_of(error)
         if _DECLINING.get() and key is not None:
-            _FAILED.put(key, reason)
+            remember(key, error)
             raise VmapFailed(backend, reason) from error
         result = run(True)
-        _FAILED.put(key, reason)  # the loops ran: the failure was vmap's
+        remember(key, error)  # the loops ran: the failure was vmap's
         if note is not None:
             note(result, f"vmap failed ({reason}); redone with loops")
         return result

@@ -65,15 +65,11 @@ from torchgram._core.errors import (
 )
 from torchgram._core.problem import Problem
 from torchgram._core.result import BackendResult
+from torchgram._core.vmap_failures import known_failure
 from torchgram.backends._draws_under_transforms import REFUSING_BACKENDS
 from torchgram.backends._embedding import collected_conventions
 from torchgram.backends._registry import first_that_runs, get_backend, register
-from torchgram.backends._vmap_or_loop import (
-    VmapFailed,
-    known_failure,
-    reranked,
-    vmap_failures_declined,
-)
+from torchgram.backends._vmap_or_loop import VmapFailed, reranked, vmap_failures_declined
 from torchgram.backends.structured import StructuredPlan, plan_problem, run_structured
 from torchgram.backends.structured.cost import held_memory
 from torchgram.backends.structured.passes import Forward, cached_trace, dense_forward, keep_trace
@@ -96,6 +92,9 @@ PER_SAMPLE_PER_CALL = 2.5e6
 ntvp's per-sample pushes: its forward and backward dispatched through two ``torch.func``
 transforms, about 0.15-0.27 ms a call measured on a CPU (ViT, ResNet-18, MobileNet, Swin and
 MLPs at small sizes, where the jacobian backend took 2-3 times the structured one's time)."""
+GRAPH_OVER_STRUCTURED = 2.0
+"""The graph walk's time over the structured pass's without fallback (NOTE [the graph walk
+against loops])."""
 LOOP_PER_CALL = 1.5e5
 """Cost of one torch call of ``f`` evaluated for one sample in a loop (dispatch, autograd),
 in multiply-adds (about 10 µs on a CPU)."""
@@ -135,7 +134,8 @@ def estimate_backends(problem: Problem, plan: StructuredPlan) -> dict[str, Estim
     estimates = {}
 
     uses = sum(len(p.uses) for p in plan.leaves)
-    vmap = per_sample and any(p.way == "fallback" for p in plan.leaves)
+    vmap = per_sample and (plan.recording.not_batched  # NOTE [runs that cannot be batched]
+                           or any(p.way == "fallback" for p in plan.leaves))
     recording = plan.recording
     loop = (3 * samples * recording.calls * LOOP_PER_CALL
             if per_sample and recording.unbatchable else 0.0)
@@ -146,7 +146,8 @@ def estimate_backends(problem: Problem, plan: StructuredPlan) -> dict[str, Estim
     loops = {name: looped if known_failure(problem, name) is not None else loop
              for name in ("jacobian", "ntvp")}
     transformed_calls = PER_SAMPLE_PER_CALL * recording.calls if per_sample else 0.0
-    vmap_extra = (STRUCTURED_VMAP + VMAP_OVERHEAD["structured"] * forward + loop
+    structured_loop = looped if per_sample and known_failure(problem, "structured") else loop
+    vmap_extra = (STRUCTURED_VMAP + VMAP_OVERHEAD["structured"] * forward + structured_loop
                   if vmap else 0.0)
     structured_time = (forward * (1 + directions) + plan.contraction_cost + STRUCTURED_FIXED
                        + STRUCTURED_PER_USE * uses + vmap_extra)
@@ -178,7 +179,24 @@ def estimate_backends(problem: Problem, plan: StructuredPlan) -> dict[str, Estim
             loops["ntvp"] + transformed_calls
         ntvp = Estimate("ntvp", ntvp_time, ntvp_memory, budget is None or ntvp_memory <= budget)
     estimates["ntvp"] = Estimate("ntvp", ntvp.time, ntvp.memory, ntvp.fits)
+    if vmap and structured_loop and budget is None:  # NOTE [the graph walk against loops]
+        estimates[LAST_RESORT] = Estimate(
+            LAST_RESORT, GRAPH_OVER_STRUCTURED * (structured_time - vmap_extra),
+            structured_memory, True)
     return estimates
+
+
+# NOTE [the graph walk against loops]
+# The graph walk is not estimated: it is the last resort (LAST_RESORT). But where the
+# structured pass needs the per-sample fallback and that fallback loops over the samples
+# (``f`` reads the batch's values: every ``transformers`` model with a leaf no rule covers --
+# T5's relative attention bias, Mixtral's router, Gemma, Mamba, ConvBERT, Nyströmformer,
+# DeBERTa-v2, FNet), the walk, which runs one forward and no loop, took 1.5-3.5 times less
+# time than the structured pass (session 64: T5 30 ms against 85-107 ms, ConvBERT 17-18
+# against 51-53), and than jacobian and ntvp, which loop too. There it is estimated at
+# GRAPH_OVER_STRUCTURED times the structured pass without its fallback: the walk took
+# 1.3-2.2 times the structured pass on models without a fallback (BERT, GPT-2, ViT, Swin,
+# at small and medium sizes). Without a memory budget only (its memory is not modelled).
 
 
 def ranked(estimates: dict[str, Estimate]) -> tuple[str, ...]:
@@ -186,6 +204,11 @@ def ranked(estimates: dict[str, Estimate]) -> tuple[str, ...]:
     by_time = sorted(estimates.values(), key=lambda e: e.time)
     return tuple(e.backend for e in by_time if e.fits) + \
         tuple(e.backend for e in by_time if not e.fits)
+
+
+def with_last_resort(order: tuple[str, ...]) -> tuple[str, ...]:
+    """``order``, then :data:`LAST_RESORT` unless it is in it (it was estimated)."""
+    return order if LAST_RESORT in order else (*order, LAST_RESORT)
 
 
 def pick(estimates: dict[str, Estimate]) -> str:
@@ -268,7 +291,7 @@ def _plan_auto(problem: Problem) -> AutoPlan:
 def _ordered(problem: Problem, structured: StructuredPlan, estimates: dict[str, Estimate],
              forward: Forward | None) -> tuple[str, ...]:
     """The candidates in the order ``auto`` tries them: cheapest first, refusing ones last."""
-    order = (*ranked(estimates), LAST_RESORT)
+    order = with_last_resort(ranked(estimates))
     refusing: tuple[str, ...] = ()
     if problem.draw.random or structured.recording.draws:  # NOTE [draws under torch.func]
         refusing = REFUSING_BACKENDS

@@ -49,6 +49,7 @@ from torchgram._core.problem import Problem, build_problem, replace_input_leaves
 from torchgram._core.pytree import PLAIN_VALUES
 from torchgram._core.result import RunReport
 from torchgram._core.sink import assemble
+from torchgram._core.vmap_failures import failure_key, known_failure
 from torchgram.backends import jacobian as jacobian_module
 from torchgram.backends import ntvp as ntvp_module
 from torchgram.backends._draws_under_transforms import refuse_data_assignments
@@ -62,8 +63,6 @@ from torchgram.backends._registry import (
 )
 from torchgram.backends._vmap_or_loop import (
     VmapFailed,
-    failure_key,
-    known_failure,
     reranked,
     vmap_failures_declined,
     vmap_or_loop,
@@ -350,7 +349,7 @@ self blocks only), then the backends whose transforms may nest with ``f``'s own.
 
 def _auto_order(problem: Problem) -> tuple[str, ...]:
     """``plan_auto(problem).order``, kept with the structured plan it derives from."""
-    from torchgram.backends.auto import LAST_RESORT, estimate_backends, plan_auto, ranked
+    from torchgram.backends.auto import estimate_backends, plan_auto, ranked, with_last_resort
     from torchgram.backends.structured import plan_problem
 
     if problem.differentiates is not None:  # NOTE [f that differentiates itself]: no trace
@@ -367,13 +366,14 @@ def _auto_order(problem: Problem) -> tuple[str, ...]:
         # forward); the whole batch's plan declined (the same, sparse tensors)
         return SELF_DIFFERENTIATING
     failed = tuple(known_failure(problem, name) is not None  # NOTE [vmap failures remembered]:
-                   for name in ("jacobian", "ntvp"))  # the loops' cost counted
+                   for name in ("jacobian", "ntvp", "structured"))  # the loops' cost counted
     key = ("auto order", plan.sizes, problem.chunk_size, problem.memory_budget,
-           problem.batch is None, tuple(leaf.numel() for leaf in problem.leaves), failed)
+           problem.batch is None, tuple(leaf.numel() for leaf in problem.leaves), failed,
+           plan.recording.not_batched)
     order = plan.recording.plans.get(key)
     if order is None:
-        order = plan.recording.plans[key] = (*ranked(estimate_backends(problem, plan)),
-                                             LAST_RESORT)
+        order = plan.recording.plans[key] = with_last_resort(
+            ranked(estimate_backends(problem, plan)))
     assert isinstance(order, tuple)
     return order
 

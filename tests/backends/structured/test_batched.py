@@ -341,3 +341,24 @@ def test_the_same_node_kinds_wired_to_mix_samples_after_the_first_call(backend):
         x = torch.randn(6, 3, dtype=torch.float64)
         expected = dense_gramian(f, (params, x, mixed)).shaped()
         torch.testing.assert_close(gramian(params, x, mixed), expected, rtol=1e-10, atol=1e-12)
+
+
+def test_a_run_that_cannot_be_batched_is_not_tried_again():
+    """NOTE [runs that cannot be batched]: a shared output used by ``torch.where`` before it
+    meets the batch (T5's relative position bias) stops the batched run; later calls of the
+    trace go per sample at once (one evaluation of the whole batch fewer), and ``auto`` knows."""
+    params = _params()
+    ids = torch.randint(0, V, (B, T))
+    full_batch = []
+
+    def f(p, ids):
+        full_batch.append(ids.shape[0] == B)
+        bias = F.embedding(torch.arange(T), p["pos"])  # shared by the samples
+        bias = torch.where(bias > 0, bias, bias * 0.5)  # used before it meets the batch
+        return (F.embedding(ids, p["tok"]) + bias).tanh().sum((-1, -2))
+
+    _check(f, (params, ids))
+    full_batch.clear()
+    assert _way(f, (params, ids)) != "batched"
+    assert sum(full_batch) == 2, full_batch  # the batch's outputs and one check (3 before)
+    _check(f, (params, ids))

@@ -44,6 +44,7 @@ from torchgram._core.per_sample import (
     tolerance,
 )
 from torchgram._core.problem import Problem
+from torchgram._core.vmap_failures import failure_key, remember, remembered
 from torchgram.backends.structured.cost import Force
 from torchgram.backends.structured.passes import (
     Forward,
@@ -95,8 +96,9 @@ def _forward(problem: Problem, traced: Recording, *,
     if expected is None:  # the trace's plans cache holds it for the next calls
         expected = traced.plans[key] = restrict(traced, tapped)
     try:
-        if not fallback and traced.merged_order is not False:
+        if not fallback and traced.merged_order is not False and not traced.not_batched:
             forward = batched_forward(problem, expected)
+            traced.not_batched = forward is None  # NOTE [runs that cannot be batched]
             if forward is not None and _check_batched(problem, forward, traced):
                 return forward, traced
         return _one_sample_at_a_time(problem, expected, fallback), traced
@@ -106,6 +108,17 @@ def _forward(problem: Problem, traced: Recording, *,
             return _forward(problem, trace(problem), retrace=False)
         return _one_sample_at_a_time(problem, restrict(traced, []),
                                      list(range(len(problem.leaves)))), traced
+
+
+# NOTE [runs that cannot be batched]
+# Whether a trace's run can be batched is a property of f's code, like its trace: T5's
+# relative position bias, shared by the samples, meets the mask in `torch.where`,
+# Nyströmformer's in an in-place `add_`, where the tapping mode cannot follow it to the batch
+# (NOTE [shared taps]). The structured pass then runs one sample at a time (under vmap, or in
+# a loop where f reads the batch's values). Each call made the batched run first and gave up
+# (5 of T5's 96 ms); the trace now remembers it, and auto estimates such a trace's passes as
+# per-sample ones, which against loops makes it pick the graph walk (NOTE [the graph walk
+# against loops]: T5 30 ms against 85-107 ms, session 64).
 
 
 def _check_batched(problem: Problem, forward: Forward, traced: Recording) -> bool:
@@ -388,15 +401,16 @@ def _one_sample_at_a_time(problem: Problem, expected: Recording, fallback: list[
             raise
         raise NotPerSample(f"the per-sample check runs f under torch.func transforms, which "
                            f"refuse {refused.what}") from error
-    loop = problem.loops_only or expected.gradient_hooks
-    forward = None
+    key = failure_key(problem, "structured", True)  # NOTE [vmap failures remembered]
+    loop = problem.loops_only or expected.gradient_hooks or remembered(key) is not None
+    forward, failure = None, None
     if not loop:
         try:
             forward = per_sample_forward(problem, expected, fallback, loop=False)
         except (BackendCannotRun, OutputChanged, NotPerSample, TraceMismatch):
             raise
-        except Exception:  # noqa: BLE001 -- NOTE [vmap or loop]: loop instead
-            forward = None
+        except Exception as error:  # noqa: BLE001 -- NOTE [vmap or loop]: loop instead
+            forward, failure = None, error
     if forward is None:
         try:
             forward = per_sample_forward(problem, expected, fallback, loop=True)
@@ -405,6 +419,8 @@ def _one_sample_at_a_time(problem: Problem, expected: Recording, fallback: list[
             raise
         except Exception as error:  # the batch ran: f fails on a batch of one
             raise fails_alone(error) from error
+        if failure is not None:  # the loops ran: the failure was vmap's
+            remember(key, failure)
     rows = forward.detached_rows().reshape(forward.samples, -1)
     check_samples(problem, rows, torch.arange(forward.samples), batch_outputs)
     return forward

@@ -287,6 +287,11 @@ class Recording:
     autograd.Functions]); ``auto`` tries the backends that use transforms last."""
     plans: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
     """Plans made from this recording, by the backend (a cache)."""
+    not_batched: bool = field(default=False, compare=False, repr=False)
+    """Whether a batched run of this trace could not be made (a tapped output shared by the
+    samples that never meets the batch as the mode can follow, a tap without a sample dim):
+    its runs then go per sample at once, and ``auto`` counts that (NOTE [runs that cannot be
+    batched])."""
     merged_order: bool | None = field(default=None, compare=False, repr=False)
     """Whether the merged sample dims of a batched run of this trace hold each sample's
     entries together (``None``: not checked yet; NOTE [checking the batched pass])."""
