@@ -92,3 +92,23 @@ def test_the_structured_fallback_remembers_that_vmap_fails():
     G = tg.gramian(f, backend="structured", batch_dim=0)(params, x)
     assert not any(under_vmap)
     torch.testing.assert_close(G, dense_gramian(f, (params, x)).gramian)
+
+
+def test_a_torchgram_call_inside_f_loops_for_itself_under_auto():
+    """auto makes its candidates decline at a vmap failure; a torchgram call inside ``f`` (its
+    own per-sample norms) decides for itself: it loops, and ``f`` never sees the signal (the
+    first review of session 64: the inner call raised it into ``f``)."""
+    params, x = _args()
+    raised = []
+
+    def norms(p, x):
+        try:
+            return tg.gramian(_unbatchable_by_vmap, batch_dim=0, diagonal=True,
+                              backend="jacobian")(p, x)
+        except Exception as error:
+            raised.append(type(error).__name__)
+            raise
+
+    report = tg.explain(norms, batch_dim=0, run=True)(params, x)
+    assert "VmapFailed" not in raised
+    assert not any("fails on a batch of one" in note for note in report.ran.notes)

@@ -41,6 +41,7 @@ from torchgram._core.caller_context import (
     plain_caller_context,
     without_autocast,
 )
+from torchgram._core.vmap_declines import vmap_failures_declined, vmap_failures_declined_now
 
 Result = TypeVar("Result")
 Fn = TypeVar("Fn", bound=Callable[..., Any])
@@ -97,6 +98,9 @@ def public_call(fn: Fn) -> Fn:
     """
     @functools.wraps(fn)
     def outside(*args: Any, **kwargs: Any) -> Any:
+        if vmap_failures_declined_now():  # a call inside f that an auto run evaluates decides
+            with vmap_failures_declined(False):  # for itself (NOTE [vmap failures remembered])
+                return outside(*args, **kwargs)
         if plain_caller_context() and not torch.is_inference_mode_enabled():
             return fn(*args, **kwargs)  # the common case: nothing to lift (~0.2 µs)
         with outside_caller_context():

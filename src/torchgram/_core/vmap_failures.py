@@ -43,3 +43,4 @@ def reason_of(error: BaseException) -> str:
     """An error in one line (what a report says of a vmap failure)."""
     text = str(error).strip()
     return f"{type(error).__name__}: {text.splitlines()[0][:120] if text else ''}"
+

@@ -24,21 +24,16 @@ backward, against 6-7 times with ``structured`` (and ``tg.ntk``: 145 ms against 
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable
 from typing import TypeVar
 
 from torchgram._core.errors import BackendCannotRun, NotPerSample, OutputChanged
 from torchgram._core.problem import Problem
 from torchgram._core.result import BackendResult
+from torchgram._core.vmap_declines import vmap_failures_declined_now
 from torchgram._core.vmap_failures import failure_key, reason_of, remember, remembered
 
 Result = TypeVar("Result")
-
-_DECLINING: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "torchgram_vmap_failures_declined", default=False)
-
 
 class VmapFailed(Exception):  # noqa: N818 -- a signal to auto, as OutputChanged
     """A backend's ``vmap`` failed where ``auto`` runs it (NOTE [vmap failures remembered]).
@@ -52,16 +47,6 @@ class VmapFailed(Exception):  # noqa: N818 -- a signal to auto, as OutputChanged
         super().__init__(f"{backend}: vmap failed ({reason})")
         self.backend = backend
         self.reason = reason
-
-
-@contextlib.contextmanager
-def vmap_failures_declined() -> Iterator[None]:
-    """Inside: a backend whose ``vmap`` fails raises :class:`VmapFailed` instead of looping."""
-    token = _DECLINING.set(True)
-    try:
-        yield
-    finally:
-        _DECLINING.reset(token)
 
 
 def reranked(result: Result, failures: list[VmapFailed]) -> Result:
@@ -95,7 +80,7 @@ def vmap_or_loop(run: Callable[[bool], Result], *, loop: bool, backend: str = ""
         raise
     except Exception as error:  # noqa: BLE001 -- any vmap failure: loop instead
         reason = reason_of(error)
-        if _DECLINING.get() and key is not None:
+        if vmap_failures_declined_now() and key is not None:
             remember(key, error)
             raise VmapFailed(backend, reason) from error
         result = run(True)

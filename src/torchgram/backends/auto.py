@@ -65,11 +65,12 @@ from torchgram._core.errors import (
 )
 from torchgram._core.problem import Problem
 from torchgram._core.result import BackendResult
+from torchgram._core.vmap_declines import vmap_failures_declined
 from torchgram._core.vmap_failures import known_failure
 from torchgram.backends._draws_under_transforms import REFUSING_BACKENDS
 from torchgram.backends._embedding import collected_conventions
 from torchgram.backends._registry import first_that_runs, get_backend, register
-from torchgram.backends._vmap_or_loop import VmapFailed, reranked, vmap_failures_declined
+from torchgram.backends._vmap_or_loop import VmapFailed, reranked
 from torchgram.backends.structured import StructuredPlan, plan_problem, run_structured
 from torchgram.backends.structured.cost import held_memory
 from torchgram.backends.structured.passes import Forward, cached_trace, dense_forward, keep_trace
@@ -93,8 +94,8 @@ ntvp's per-sample pushes: its forward and backward dispatched through two ``torc
 transforms, about 0.15-0.27 ms a call measured on a CPU (ViT, ResNet-18, MobileNet, Swin and
 MLPs at small sizes, where the jacobian backend took 2-3 times the structured one's time)."""
 GRAPH_OVER_STRUCTURED = 2.0
-"""The graph walk's time over the structured pass's without fallback (NOTE [the graph walk
-against loops])."""
+"""The graph walk's time over the structured pass's without its per-sample part (NOTE [the
+graph walk against loops])."""
 LOOP_PER_CALL = 1.5e5
 """Cost of one torch call of ``f`` evaluated for one sample in a loop (dispatch, autograd),
 in multiply-adds (about 10 µs on a CPU)."""
@@ -148,7 +149,7 @@ def estimate_backends(problem: Problem, plan: StructuredPlan) -> dict[str, Estim
     transformed_calls = PER_SAMPLE_PER_CALL * recording.calls if per_sample else 0.0
     structured_loop = looped if per_sample and known_failure(problem, "structured") else loop
     vmap_extra = (STRUCTURED_VMAP + VMAP_OVERHEAD["structured"] * forward + structured_loop
-                  if vmap else 0.0)
+                  + transformed_calls if vmap else 0.0)
     structured_time = (forward * (1 + directions) + plan.contraction_cost + STRUCTURED_FIXED
                        + STRUCTURED_PER_USE * uses + vmap_extra)
     structured_memory = sum(p.memory if problem.want_pullback else held_memory(p, sizes)
@@ -179,7 +180,7 @@ def estimate_backends(problem: Problem, plan: StructuredPlan) -> dict[str, Estim
             loops["ntvp"] + transformed_calls
         ntvp = Estimate("ntvp", ntvp_time, ntvp_memory, budget is None or ntvp_memory <= budget)
     estimates["ntvp"] = Estimate("ntvp", ntvp.time, ntvp.memory, ntvp.fits)
-    if vmap and structured_loop and budget is None:  # NOTE [the graph walk against loops]
+    if vmap and budget is None:  # NOTE [the graph walk against loops]
         estimates[LAST_RESORT] = Estimate(
             LAST_RESORT, GRAPH_OVER_STRUCTURED * (structured_time - vmap_extra),
             structured_memory, True)
@@ -188,15 +189,17 @@ def estimate_backends(problem: Problem, plan: StructuredPlan) -> dict[str, Estim
 
 # NOTE [the graph walk against loops]
 # The graph walk is not estimated: it is the last resort (LAST_RESORT). But where the
-# structured pass needs the per-sample fallback and that fallback loops over the samples
-# (``f`` reads the batch's values: every ``transformers`` model with a leaf no rule covers --
-# T5's relative attention bias, Mixtral's router, Gemma, Mamba, ConvBERT, Nyströmformer,
-# DeBERTa-v2, FNet), the walk, which runs one forward and no loop, took 1.5-3.5 times less
-# time than the structured pass (session 64: T5 30 ms against 85-107 ms, ConvBERT 17-18
-# against 51-53), and than jacobian and ntvp, which loop too. There it is estimated at
-# GRAPH_OVER_STRUCTURED times the structured pass without its fallback: the walk took
-# 1.3-2.2 times the structured pass on models without a fallback (BERT, GPT-2, ViT, Swin,
-# at small and medium sizes). Without a memory budget only (its memory is not modelled).
+# structured pass goes per sample -- a leaf no rule covers (Mixtral's router, Gemma, Mamba,
+# ConvBERT, DeBERTa-v2, FNet, BEiT), or a run that cannot be batched (T5's relative position
+# bias meets the mask in `where`, Nyströmformer's in `add_`: NOTE [runs that cannot be
+# batched]) -- its per-sample pass dispatches every call of f through vmap
+# (PER_SAMPLE_PER_CALL), or loops over the samples where f reads the batch's values; the walk,
+# one forward and no per-sample pass, took 1.4-3.5 times less time there (session 64, the
+# tests/models zoo: T5 30 ms against 71-107 ms, ConvBERT 17-18 against 44-53, FNet 8-9
+# against 13-18). There it is estimated at GRAPH_OVER_STRUCTURED times the structured pass
+# without its per-sample part: the walk took 1.3-2.2 times the structured pass on models
+# without one (BERT, GPT-2, ViT, Swin, at small and medium sizes). Without a memory budget
+# only (its memory is not modelled).
 
 
 def ranked(estimates: dict[str, Estimate]) -> tuple[str, ...]:
@@ -330,7 +333,7 @@ def _dense_forward(problem: Problem) -> Forward:
 
 
 def choose_backend(problem: Problem) -> str:
-    """The backend ``auto`` tries first for ``problem``: ``structured``, ``jacobian`` or ``ntvp``.
+    """The backend ``auto`` tries first for ``problem`` (``structured``, ``jacobian``, ...).
 
     Example:
         >>> import torch

@@ -49,6 +49,7 @@ from torchgram._core.problem import Problem, build_problem, replace_input_leaves
 from torchgram._core.pytree import PLAIN_VALUES
 from torchgram._core.result import RunReport
 from torchgram._core.sink import assemble
+from torchgram._core.vmap_declines import vmap_failures_declined
 from torchgram._core.vmap_failures import failure_key, known_failure
 from torchgram.backends import jacobian as jacobian_module
 from torchgram.backends import ntvp as ntvp_module
@@ -61,12 +62,7 @@ from torchgram.backends._registry import (
     get_cross_backend,
     register_cross,
 )
-from torchgram.backends._vmap_or_loop import (
-    VmapFailed,
-    reranked,
-    vmap_failures_declined,
-    vmap_or_loop,
-)
+from torchgram.backends._vmap_or_loop import VmapFailed, reranked, vmap_or_loop
 
 # -- jacobian ------------------------------------------------------------------------------
 

@@ -25,6 +25,12 @@ def _linear(p, x):
     pytest.param(lambda p, x: x[x > 0].numel() < 0, id="boolean-index"),
     pytest.param(lambda p, x: x.nonzero().shape[0] < 0, id="nonzero"),
     pytest.param(lambda p, x: len(x.tolist()) < 0, id="tolist"),
+    pytest.param(lambda p, x: not torch.is_nonzero((x > 1e9).any()), id="is_nonzero"),
+    pytest.param(lambda p, x: torch.bincount((x > 0).long().flatten()).numel() < 0,
+                 id="bincount"),
+    pytest.param(lambda p, x: x.clone().__setitem__(x < -1e9, 0) is not None, id="mask-setitem"),
+    pytest.param(lambda p, x: x.flatten().repeat_interleave((x > 0).long().flatten()).numel()
+                 < 0, id="repeat_interleave-of-values"),
 ])
 def test_a_read_of_values_computed_from_the_batch_is_noted(read):
     def f(p, x):
@@ -41,6 +47,8 @@ def test_a_read_of_values_computed_from_the_batch_is_noted(read):
     pytest.param(lambda p, x, c: bool(p["w"].abs().max() > 1e9), id="a-parameter"),
     pytest.param(lambda p, x, c: c.item() > 1e9, id="a-constant"),
     pytest.param(lambda p, x, c: x.shape[0] > 1e9, id="a-shape"),
+    pytest.param(lambda p, x, c: x[:, p["w"][:, 0] > -1e9].numel() < 0,
+                 id="the-batch-indexed-by-a-mask-of-parameters"),  # (vmap batches it)
 ])
 def test_reads_of_parameters_constants_and_shapes_are_not(read):
     constant = torch.tensor(2.0)

@@ -37,11 +37,14 @@ from torchgram.backends.structured.trace import TapMode, describe
 _VALUE_READS = frozenset({
     Tensor.__bool__, Tensor.__int__, Tensor.__float__, Tensor.__index__, Tensor.__complex__,
     Tensor.item, Tensor.tolist, Tensor.numpy, Tensor.equal, torch.equal, Tensor.allclose,
-    torch.allclose, Tensor.nonzero, torch.nonzero, torch.argwhere, Tensor.argwhere,
-    Tensor.unique, torch.unique, Tensor.unique_consecutive, torch.unique_consecutive,
-    Tensor.masked_select, torch.masked_select,
+    torch.allclose, torch.is_nonzero, Tensor.nonzero, torch.nonzero, torch.argwhere,
+    Tensor.argwhere, Tensor.unique, torch.unique, Tensor.unique_consecutive,
+    torch.unique_consecutive, Tensor.bincount, torch.bincount,
 })
-"""Calls that read values into Python or make a shape from them (``vmap`` refuses them)."""
+"""Calls that read their tensors' values into Python or make a shape from them."""
+_INDEXING = frozenset({Tensor.__getitem__, Tensor.__setitem__})
+_MASKED = frozenset({Tensor.masked_select, torch.masked_select})
+_REPEATS = frozenset({Tensor.repeat_interleave, torch.repeat_interleave})
 
 
 def _tensors(tree: Any) -> list[Tensor]:
@@ -49,10 +52,23 @@ def _tensors(tree: Any) -> list[Tensor]:
             if isinstance(leaf, Tensor)]
 
 
-def _boolean_index(func: Any, args: tuple[Any, ...]) -> bool:
-    """Whether ``func`` indexes with a boolean mask (``x[mask]``: a shape from values)."""
-    return func is Tensor.__getitem__ and len(args) > 1 and any(
-        index.dtype == torch.bool and index.dim() > 0 for index in _tensors(args[1]))
+def _read(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Tensor]:
+    """The tensors whose values the call reads into Python or makes a shape from.
+
+    A boolean mask indexing (``x[mask]``, ``x[mask] = 0``), ``masked_select``'s mask,
+    ``repeat_interleave``'s tensor of repeats; every tensor of the calls of
+    :data:`_VALUE_READS`. ``vmap`` refuses them batched (a mask made of parameters is not).
+    """
+    if func in _VALUE_READS:
+        return _tensors((args, kwargs))
+    if func in _INDEXING:
+        return [index for index in _tensors(args[1:2])
+                if index.dtype == torch.bool and index.dim() > 0]
+    if func in _MASKED:
+        return _tensors((args[1:2], kwargs.get("mask")))
+    if func in _REPEATS:
+        return _tensors((args[1:2], kwargs.get("repeats")))
+    return []
 
 
 class BatchValues:
@@ -75,10 +91,10 @@ class BatchValues:
     def read(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Whether this call reads values of the batch into Python (or a shape from them)."""
         try:
-            reads = func in _VALUE_READS or _boolean_index(func, args)
+            read = _read(func, args, kwargs)
         except TypeError:  # unhashable func
             return False
-        return reads and self._touches(args, kwargs)
+        return any(id(t) in self._from_batch for t in read)
 
     def follow(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                result: Any) -> None:
