@@ -162,7 +162,7 @@ def test_small_real_models_with_per_sample_rows_go_to_structured(suite, name):
     pytest.param("gemma", False, id="gemma-fallback-leaves"),
     pytest.param("mixtral", False, id="mixtral-router"),
     pytest.param("t5", True, id="t5-run-not-batched"),
-    pytest.param("fnet", False, id="fnet-fallback-under-vmap"),
+    pytest.param("fnet", True, id="fnet-run-not-batched-under-vmap"),
 ])
 def test_the_graph_walk_where_the_structured_pass_loops_over_the_samples(name, learnt):
     """NOTE [the graph walk against loops]: where the structured pass goes per sample (a leaf
