@@ -269,6 +269,22 @@ def test_embedding_ways_times_every_way_and_reports_the_pick(tmp_path: Path) -> 
     assert "mean regret" in text
 
 
+def test_auto_choice_times_every_backend_and_names_what_auto_ran(tmp_path: Path) -> None:
+    """``auto_choice.py``: auto and every backend timed, their answers compared, auto's choice
+    named (never the timings)."""
+    from benchmarks import auto_choice
+
+    records = auto_choice.run(["--models", "lstm,t5", "--rounds", "1", "--threads", "1",
+                               "--out", str(tmp_path)])
+    assert [r["model"] for r in records] == ["lstm", "t5"]
+    for record in records:
+        assert record["auto_ran"] in auto_choice.BACKENDS
+        assert {"auto", "structured", "graph"} <= set(record["medians_s"])
+        assert max(record["agreement"].values()) < 1e-4  # float32 answers agree
+    text = (tmp_path / "auto_choice.md").read_text()
+    assert "| t5 |" in text and json.loads((tmp_path / "auto_choice.json").read_text())
+
+
 def test_weight_ways_times_both_ways_and_reports_the_pick(tmp_path: Path) -> None:
     """``weight_ways.py --quick``: both ways timed per point, the cost model's pick named."""
     from benchmarks import weight_ways
