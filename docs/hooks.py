@@ -40,6 +40,7 @@ REPOSITORY_FILES = (
     "benchmarks/results/distributed.md",
     "benchmarks/results/real_models.md",
     "benchmarks/results/scaling.md",
+    "benchmarks/results/auto_choice.md",
 )
 NOTES_PAGE = "design/notes.md"
 PACKAGE = Path("src") / "torchgram"

@@ -178,3 +178,26 @@ def test_the_graph_walk_where_the_structured_pass_loops_over_the_samples(name, l
         tg.gramian(case.f, **options)(*case.args, **case.kw_inputs)
     report = tg.explain(case.f, run=True, **options)(*case.args, **case.kw_inputs)
     assert report.backend == report.ran.backend == "graph", report.estimates
+
+
+def test_the_graph_walk_is_not_taken_where_its_rows_grow_with_the_batch():
+    """The walk carries all ``B`` rows through the batch's backward (its time grows as B²,
+    the structured pass's as B): with a leaf no rule covers at B = 128, the walk took 5-8
+    times the structured pass, which ``auto`` keeps (the second review of session 64)."""
+    torch.manual_seed(0)
+    width, depth = 64, 12
+    layers = nn.ModuleList([nn.Linear(width, width) for _ in range(depth)])
+    fn, params = tg.functionalize(nn.ModuleDict({"layers": layers, "head": nn.Linear(width, 10)}))
+    params = {**params, "power": torch.full((width,), 1.2)}
+
+    def f(p, x, y):
+        h = (x.abs() + 1) ** p["power"]  # no rule: a fallback leaf, per sample
+        for i in range(depth):
+            h = h + torch.tanh(F.linear(h, p[f"layers.{i}.weight"], p[f"layers.{i}.bias"]))
+        logits = F.linear(h, p["head.weight"], p["head.bias"])
+        return F.cross_entropy(logits, y, reduction="none")
+
+    x, y = torch.randn(128, width), torch.randint(0, 10, (128,))
+    report = tg.explain(f, batch_dim=0)(params, x, y)
+    assert report.fallback == ("power",)
+    assert report.backend == "structured", report.estimates

@@ -181,9 +181,9 @@ def estimate_backends(problem: Problem, plan: StructuredPlan) -> dict[str, Estim
         ntvp = Estimate("ntvp", ntvp_time, ntvp_memory, budget is None or ntvp_memory <= budget)
     estimates["ntvp"] = Estimate("ntvp", ntvp.time, ntvp.memory, ntvp.fits)
     if vmap and budget is None:  # NOTE [the graph walk against loops]
-        estimates[LAST_RESORT] = Estimate(
-            LAST_RESORT, GRAPH_OVER_STRUCTURED * (structured_time - vmap_extra),
-            structured_memory, True)
+        walk = max(GRAPH_OVER_STRUCTURED * (structured_time - vmap_extra),
+                   forward * (1 + m))  # every row through the batch's backward
+        estimates[LAST_RESORT] = Estimate(LAST_RESORT, walk, structured_memory, True)
     return estimates
 
 
@@ -198,8 +198,12 @@ def estimate_backends(problem: Problem, plan: StructuredPlan) -> dict[str, Estim
 # tests/models zoo: T5 30 ms against 71-107 ms, ConvBERT 17-18 against 44-53, FNet 8-9
 # against 13-18). There it is estimated at GRAPH_OVER_STRUCTURED times the structured pass
 # without its per-sample part: the walk took 1.3-2.2 times the structured pass on models
-# without one (BERT, GPT-2, ViT, Swin, at small and medium sizes). Without a memory budget
-# only (its memory is not modelled).
+# without one (BERT, GPT-2, ViT, Swin, at small and medium sizes) -- and at least F·(1 + m):
+# the walk carries every one of the m rows through the batch's backward, so its time grows
+# as B² where the structured pass's grows as B (the second review of session 64: with 2x
+# alone it took the walk for BERT, GPT-2, LLaMA at B = 32-64 with a leaf no rule covers,
+# 1.8-5.3 times slower than the structured pass, and for a deep MLP at B = 128, 5.4 times).
+# Without a memory budget only (its memory is not modelled).
 
 
 def ranked(estimates: dict[str, Estimate]) -> tuple[str, ...]:
