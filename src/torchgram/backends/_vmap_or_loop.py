@@ -35,6 +35,7 @@ from torchgram._core.vmap_failures import failure_key, reason_of, remember, reme
 
 Result = TypeVar("Result")
 
+
 class VmapFailed(Exception):  # noqa: N818 -- a signal to auto, as OutputChanged
     """A backend's ``vmap`` failed where ``auto`` runs it (NOTE [vmap failures remembered]).
 
