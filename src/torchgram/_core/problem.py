@@ -424,6 +424,8 @@ class Problem:
         assigns_data: Whether ``f`` assigns a captured tensor's ``.data`` to itself
             (``Probe.assigns_data``, NOTE [data assigned to itself]).
         forward_tangents: ``Probe.forward_tangents``: the structured backend declines.
+        signature: The call signature with the transforms around it, the probe cache's key
+            (what the caches of its traces and ``vmap`` failures are keyed by too).
         unseen_writes: The writes into captured tensors that evaluations refused (NOTE
             [writes its probe did not see]): :func:`forget_probe` then has the next probe
             evaluate the whole batch.
@@ -451,6 +453,7 @@ class Problem:
     unseen_writes: list[str] = field(default_factory=list, compare=False, repr=False)
     assigns_data: bool = False
     forward_tangents: bool = False
+    signature: Hashable | None = field(default=None, compare=False, repr=False)
 
     # -- the options, for short ------------------------------------------------------------
 
@@ -924,7 +927,8 @@ def build_problem(options: Options, f: Callable[..., Any], args: tuple[Any, ...]
                    evaluation, probe.unbatched, composition, probe.mutates_leaves,
                    probe.sparse_embeddings, probe_cached, probe.differentiates,
                    unseen_ops, probe.decomposed, probe.writes,
-                   assigns_data=probe.assigns_data, forward_tangents=probe.forward_tangents)
+                   assigns_data=probe.assigns_data, forward_tangents=probe.forward_tangents,
+                   signature=key)
 
 
 def refuse_lazy_tensors(api: str, tree: Any) -> None:
@@ -980,19 +984,13 @@ def _probe_key(f: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str
                           (composition.transforms, _torch_compat.forward_ad_level_open()))
 
 
-def signature_key(problem: Problem) -> Hashable | None:
-    """The problem's call signature with the transforms around it (the probe cache's key)."""
-    return _probe_key(problem.f, problem.args, problem.kwargs, problem.diff, problem.has_aux,
-                      problem.batch, problem.composition)
-
-
 def forget_probe(problem: Problem) -> None:
     """Drop the cached probe of this call's signature (it was stale).
 
     Where the problem's evaluations met a write its probe did not see, the signature's next
     probe evaluates the whole batch (NOTE [writes its probe did not see]).
     """
-    key = signature_key(problem)
+    key = problem.signature
     _PROBES.pop(key)
     if problem.unseen_writes and problem.batch is not None:
         _WHOLE_BATCH.put(key, True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
-from torchgram._core.problem import Problem, signature_key
+from torchgram._core.problem import Problem
 from torchgram._core.signature import LruCache
 
 _FAILED = LruCache[str](maxsize=128)
@@ -14,7 +14,7 @@ failures remembered])."""
 
 def failure_key(problem: Problem, backend: str, per_sample: bool) -> Hashable | None:
     """The key under which a failure of ``backend``'s ``vmap`` on ``problem`` is remembered."""
-    signature = signature_key(problem)
+    signature = problem.signature
     return None if signature is None else (backend, per_sample, signature)
 
 
@@ -23,7 +23,7 @@ def known_failure(problem: Problem, backend: str) -> str | None:
 
     Either way (per sample, or rows of the batch, where the per-sample way does not hold).
     """
-    signature = signature_key(problem)
+    signature = problem.signature
     if signature is None:
         return None
     return _FAILED.get((backend, True, signature)) or _FAILED.get((backend, False, signature))
