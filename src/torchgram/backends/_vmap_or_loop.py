@@ -25,15 +25,13 @@ backward, against 6-7 times with ``structured`` (and ``tg.ntk``: 145 ms against 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from typing import TypeVar
 
 from torchgram._core.errors import BackendCannotRun, NotPerSample, OutputChanged
 from torchgram._core.problem import Problem
 from torchgram._core.result import BackendResult
-from torchgram._core.vmap_declines import vmap_failures_declined_now
+from torchgram._core.vmap_declines import vmap_failures_declined, vmap_failures_declined_now
 from torchgram._core.vmap_failures import failure_key, reason_of, remember, remembered
-
-Result = TypeVar("Result")
+from torchgram.backends._registry import Result, first_that_runs
 
 
 class VmapFailed(Exception):  # noqa: N818 -- a signal to auto, as OutputChanged
@@ -50,30 +48,61 @@ class VmapFailed(Exception):  # noqa: N818 -- a signal to auto, as OutputChanged
         self.reason = reason
 
 
-def reranked(result: Result, failures: list[VmapFailed]) -> Result:
+def first_that_runs_ranked_again(order: Callable[[list[VmapFailed]], tuple[str, ...]],
+                                 run: Callable[[str], Result],
+                                 attempts: list[tuple[str, str]]) -> Result:
+    """``auto``'s candidates, each declining at a ``vmap`` failure, ranked again after one.
+
+    NOTE [vmap failures remembered]: ``first_that_runs`` over ``order(failures)`` (the
+    failures so far, whose loops' cost the ranking then knows), each candidate run under
+    :func:`vmap_failures_declined`; a candidate fails once at most (it loops after, its
+    failure remembered), and the last round declines nothing. The result's report notes the
+    failures.
+    """
+    failures: list[VmapFailed] = []
+
+    def declining(name: str) -> Result:
+        try:
+            with vmap_failures_declined():
+                return run(name)
+        except VmapFailed as failed:  # (a backend may run another's passes: ntvp's diagonal)
+            raise VmapFailed(name, failed.reason) from failed
+
+    for _ in range(_ROUNDS):
+        try:
+            return _noting(first_that_runs(order(failures), declining, attempts), failures)
+        except VmapFailed as failed:
+            failures.append(failed)
+    return _noting(first_that_runs(order(failures), run, attempts), failures)
+
+
+_ROUNDS = 4
+"""Rounds that may decline: more than the backends that can (jacobian, ntvp)."""
+
+
+def _noting(result: Result, failures: list[VmapFailed]) -> Result:
     """``result`` (a backend's or a kernel's), its report noting the ``vmap`` failures."""
     for failed in failures:
-        result.report.notes.append(  # type: ignore[attr-defined]
+        result.report.notes.append(
             f"{failed.backend}: vmap failed ({failed.reason}); candidates ranked again with "
             "its loops' cost")
     return result
 
 
 def vmap_or_loop(run: Callable[[bool], Result], *, loop: bool, backend: str = "",
-                 key: Hashable | None = None,
-                 note: Callable[[Result, str], None] | None = None) -> Result:
+                 key: Hashable | None = None) -> Result:
     """``run(loop=False)``, or ``run(loop=True)`` when that fails (or when ``loop``).
 
     ``key``: where the failure is remembered (NOTE [vmap failures remembered]): a known one
-    loops at once; ``note(result, text)`` adds a line to the result's report.
+    loops at once. The result's report says why it looped.
     """
     if loop:
         return run(True)
     known = remembered(key)
     if known is not None:
         result = run(True)
-        if note is not None:
-            note(result, f"vmap failed on this call signature before ({known}); loops")
+        result.report.notes.append(f"vmap failed on this call signature before ({known}); "
+                                   "loops")
         return result
     try:
         return run(False)
@@ -86,13 +115,8 @@ def vmap_or_loop(run: Callable[[bool], Result], *, loop: bool, backend: str = ""
             raise VmapFailed(backend, reason) from error
         result = run(True)
         remember(key, error)  # the loops ran: the failure was vmap's
-        if note is not None:
-            note(result, f"vmap failed ({reason}); redone with loops")
+        result.report.notes.append(f"vmap failed ({reason}); redone with loops")
         return result
-
-
-def _note(result: BackendResult, text: str) -> None:
-    result.report.notes.append(text)
 
 
 def per_sample_or_batch(problem: Problem, backend: str,
@@ -106,7 +130,7 @@ def per_sample_or_batch(problem: Problem, backend: str,
 
     def way(per_sample: bool) -> BackendResult:
         return vmap_or_loop(lambda loop: run(loop, per_sample), loop=loop, backend=backend,
-                            key=failure_key(problem, backend, per_sample), note=_note)
+                            key=failure_key(problem, backend, per_sample))
 
     if problem.batch is None:
         return way(False)

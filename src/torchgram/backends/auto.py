@@ -65,12 +65,11 @@ from torchgram._core.errors import (
 )
 from torchgram._core.problem import Problem
 from torchgram._core.result import BackendResult
-from torchgram._core.vmap_declines import vmap_failures_declined
 from torchgram._core.vmap_failures import known_failure
 from torchgram.backends._draws_under_transforms import REFUSING_BACKENDS
 from torchgram.backends._embedding import collected_conventions
-from torchgram.backends._registry import first_that_runs, get_backend, register
-from torchgram.backends._vmap_or_loop import VmapFailed, reranked
+from torchgram.backends._registry import get_backend, register
+from torchgram.backends._vmap_or_loop import VmapFailed, first_that_runs_ranked_again
 from torchgram.backends.structured import StructuredPlan, plan_problem, run_structured
 from torchgram.backends.structured.cost import held_memory
 from torchgram.backends.structured.passes import Forward, cached_trace, dense_forward, keep_trace
@@ -383,28 +382,17 @@ def _first_that_runs(problem: Problem, order: tuple[str, ...], plan: AutoPlan | 
         if name == "structured" and plan is not None:
             with torch_refusals(problem.api, name, problem.diff.leaves):  # NOTE [old-style ...]
                 return run_structured(problem, plan.structured, forward=plan.forward)
-        if not declining:
-            return get_backend(name)(problem)
-        try:
-            with vmap_failures_declined():  # NOTE [vmap failures remembered]
-                return get_backend(name)(problem)
-        except VmapFailed as failed:  # (a backend may run another's passes: ntvp's diagonal)
-            raise VmapFailed(name, failed.reason) from failed
+        return get_backend(name)(problem)
 
     attempts = [] if attempts is None else attempts
-    failures: list[VmapFailed] = []
-    declining = True
-    for _ in range(len(order)):  # each candidate's vmap fails once at most: it loops after
-        try:
-            return reranked(first_that_runs(order, run, attempts), failures)
-        except VmapFailed as failed:  # ranked again, the loops' cost known
-            failures.append(failed)
-            declined = {name for name, _ in attempts}
-            if plan is not None:
-                estimates = estimate_backends(problem, plan.structured)
-                order = _ordered(problem, plan.structured, estimates, plan.forward)
-            order = tuple(name for name in order if name not in declined)
-            if failed.backend not in order:
-                order = (*order, failed.backend)
-    declining = False
-    return reranked(first_that_runs(order, run, attempts), failures)
+
+    def ranked_again(failures: list[VmapFailed]) -> tuple[str, ...]:
+        if not failures or plan is None:
+            again = order
+        else:  # the failures' loops are in the estimates now
+            again = _ordered(problem, plan.structured,
+                             estimate_backends(problem, plan.structured), plan.forward)
+        declined = {name for name, _ in attempts}
+        return tuple(name for name in again if name not in declined)
+
+    return first_that_runs_ranked_again(ranked_again, run, attempts)

@@ -49,7 +49,6 @@ from torchgram._core.problem import Problem, build_problem, replace_input_leaves
 from torchgram._core.pytree import PLAIN_VALUES
 from torchgram._core.result import RunReport
 from torchgram._core.sink import assemble
-from torchgram._core.vmap_declines import vmap_failures_declined
 from torchgram._core.vmap_failures import failure_key, known_failure
 from torchgram.backends import jacobian as jacobian_module
 from torchgram.backends import ntvp as ntvp_module
@@ -62,7 +61,7 @@ from torchgram.backends._registry import (
     get_cross_backend,
     register_cross,
 )
-from torchgram.backends._vmap_or_loop import VmapFailed, reranked, vmap_or_loop
+from torchgram.backends._vmap_or_loop import first_that_runs_ranked_again, vmap_or_loop
 
 # -- jacobian ------------------------------------------------------------------------------
 
@@ -94,11 +93,7 @@ def _with_loops(problem: CrossProblem, backend: str,
     """
     loop = problem.left.loops_only or any(r is not None and r.loops_only for r in problem.rights)
     key = failure_key(problem.left, backend, problem.left.batch is not None)
-    return vmap_or_loop(run, loop=loop, backend=backend, key=key, note=_note)
-
-
-def _note(result: CrossResult, text: str) -> None:
-    result.report.notes.append(text)
+    return vmap_or_loop(run, loop=loop, backend=backend, key=key)
 
 
 @register_cross("jacobian")
@@ -387,24 +382,10 @@ def auto_cross(problem: CrossProblem) -> CrossResult:
     if problem.left.composition.transforms:
         return first_that_runs(COMPOSING_BACKENDS, run)
 
-    def declining(name: str) -> CrossResult:
-        try:
-            with vmap_failures_declined():  # NOTE [vmap failures remembered]
-                return run(name)
-        except VmapFailed as failed:
-            raise VmapFailed(name, failed.reason) from failed
-
     with collected_conventions():  # over the planning too (NOTE [embedding conventions])
         attempts: list[tuple[str, str]] = []
-        failures: list[VmapFailed] = []
-        for _ in range(len(_EVERY_CROSS)):  # each candidate's vmap fails once at most
-            try:
-                return reranked(first_that_runs(_cross_order(problem, attempts), declining,
-                                                attempts), failures)
-            except VmapFailed as failed:  # ranked again, the loops' cost known
-                failures.append(failed)
-        return reranked(first_that_runs(_cross_order(problem, attempts), run, attempts),
-                        failures)
+        return first_that_runs_ranked_again(lambda failures: _cross_order(problem, attempts),
+                                            run, attempts)
 
 
 def _cross_order(problem: CrossProblem, attempts: list[tuple[str, str]]) -> tuple[str, ...]:

@@ -17,7 +17,7 @@ Example:
     >>> x = torch.ones(3)
     >>> values = BatchValues([x])
     >>> y = x * 2
-    >>> values.follow(torch.mul, (x, 2), {}, y)
+    >>> values.follow((x, 2), {}, y)
     >>> values.read(torch.Tensor.__bool__, (y,), {}), values.read(torch.Tensor.__bool__,
     ...                                                           (torch.ones(1),), {})
     (True, False)
@@ -82,25 +82,22 @@ class BatchValues:
         self._from_batch: dict[int, Tensor] = {id(t): t for t in inputs}  # (kept alive: ids
         # stay theirs)
 
-    def __bool__(self) -> bool:
-        return bool(self._from_batch)
-
-    def _touches(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-        return any(id(t) in self._from_batch for t in _tensors((args, kwargs)))
+    def _holds(self, tensors: list[Tensor]) -> bool:
+        return any(id(t) in self._from_batch for t in tensors)
 
     def read(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Whether this call reads values of the batch into Python (or a shape from them)."""
         try:
-            read = _read(func, args, kwargs)
+            return self._holds(_read(func, args, kwargs))
         except TypeError:  # unhashable func
             return False
-        return any(id(t) in self._from_batch for t in read)
 
-    def follow(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
-               result: Any) -> None:
-        """Note ``result``'s tensors as the batch's where the call's arguments hold one."""
-        del func  # (every call propagates: a view, an in-place write, a new tensor)
-        if self._touches(args, kwargs):
+    def follow(self, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any) -> None:
+        """Note ``result``'s tensors as the batch's where the call's arguments hold one.
+
+        Whatever the call (a view, an in-place write, a new tensor).
+        """
+        if self._holds(_tensors((args, kwargs))):
             for tensor in _tensors(result):
                 self._from_batch[id(tensor)] = tensor
 
@@ -125,5 +122,5 @@ class BatchFollowingTapMode(TapMode):
             if read not in self.recording.unbatchable:
                 self.recording.unbatchable.append(read)
         result = super().__torch_function__(func, types, args, kwargs)
-        self._batch_values.follow(func, args, kwargs, result)
+        self._batch_values.follow(args, kwargs, result)
         return result
