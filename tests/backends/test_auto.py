@@ -201,3 +201,30 @@ def test_the_graph_walk_is_not_taken_where_its_rows_grow_with_the_batch():
     report = tg.explain(f, batch_dim=0)(params, x, y)
     assert report.fallback == ("power",)
     assert report.backend == "structured", report.estimates
+
+
+@pytest.mark.parametrize(("suite", "name"), [
+    ("transformers", "gpt2-checkpointing"), ("recurrent", "lstm-packed"),
+])
+def test_rows_of_the_batch_where_the_per_sample_way_meets_a_transform_refusal(suite, name):
+    """NOTE [refused per-sample passes]: the per-sample fallback runs under ``vmap``, which
+    refuses checkpoint regions and packed RNNs. ``auto`` planned that way and tried the graph
+    walk first (1.7-2.6 times slower here), and the structured pass found out by a failed
+    attempt; both now take the rows of the whole batch from the start, and agree with the
+    oracle."""
+    from models import recurrent, transformers_models
+    from models.case import build, oracle
+
+    builders = {"transformers": transformers_models.BUILDERS,
+                "recurrent": recurrent.BUILDERS}[suite]
+    case = build(builders, name)
+    options = {"batch_dim": 0, "in_dims": case.in_dims}
+    expected = oracle(builders, name)[0].gramian
+    for backend in ("auto", "structured"):
+        report = tg.explain(case.f, backend=backend, run=True, **options)(*case.args,
+                                                                          **case.kw_inputs)
+        assert report.backend == report.ran.backend == "structured", report.estimates
+        assert report.ran.way == "dense", report.ran
+        assert any("whose torch.func transforms refuse" in note for note in report.ran.notes)
+        G = tg.gramian(case.f, backend=backend, **options)(*case.args, **case.kw_inputs)
+        torch.testing.assert_close(G, expected, rtol=1e-10, atol=1e-12)

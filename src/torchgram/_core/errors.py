@@ -27,8 +27,9 @@ registered backend runs inside :func:`torch_refusals`, which turns that error in
 :class:`BackendCannotRun`, so ``auto`` goes on to a backend that can and an explicit choice
 names it. The trace lists what transforms would refuse (the old-style Functions in the graph
 of the rows, checkpoint regions: ``Recording.transform_refusals``), and ``auto`` then tries
-those backends last (and the structured backend too where it would take its per-sample
-``vmap`` way), so that ``explain`` predicts what runs.
+those backends last, and plans the structured pass on the rows of the whole batch where its
+per-sample ``vmap`` way would meet them (NOTE [refused per-sample passes]), so that
+``explain`` predicts what runs.
 ``torch.utils.checkpoint(..., use_reentrant=True)`` is an old-style Function too, and torch
 also refuses ``torch.autograd.grad`` through it, which every backend takes: that refusal
 becomes a torchgram ``ValueError`` naming the fix (``use_reentrant=False``).

@@ -73,6 +73,7 @@ from torchgram.backends._vmap_or_loop import VmapFailed, first_that_runs_ranked_
 from torchgram.backends.structured import StructuredPlan, plan_problem, run_structured
 from torchgram.backends.structured.cost import held_memory
 from torchgram.backends.structured.passes import Forward, cached_trace, dense_forward, keep_trace
+from torchgram.backends.structured.per_sample import refused_per_sample
 
 STRUCTURED_FIXED = 2.5e7
 """Fixed cost of a structured call (the tapping mode, planning), in multiply-adds."""
@@ -282,7 +283,8 @@ def _plan_auto(problem: Problem) -> AutoPlan:
             # tapped forward the structured backend then reuses
             recording = structured.recording
             dense = problem.batch is not None and (
-                bool(recording.coupling) or (recording.draws and bool(recording.unrecognised)))
+                bool(recording.coupling) or (recording.draws and bool(recording.unrecognised))
+                or refused_per_sample(recording) is not None)
         except NotPerSample:  # f fails on a batch of one: plan the whole batch's rows
             dense = True
         if dense:
@@ -302,13 +304,11 @@ def _ordered(problem: Problem, structured: StructuredPlan, estimates: dict[str, 
     if problem.draw.random or structured.recording.draws:  # NOTE [draws under torch.func]
         refusing = REFUSING_BACKENDS
     if structured.recording.transform_refusals:  # NOTE [old-style autograd.Functions]
-        vmaps = problem.batch is not None and forward is None and any(
-            leaf.way == "fallback" for leaf in structured.leaves)  # the per-sample vmap way
-        # the graph walk runs no hook and declines them (NOTE [module backward hooks]);
-        # structured then takes the rows of the whole batch, and goes first
+        # the graph walk runs no hook and declines them (NOTE [module backward hooks]); the
+        # structured pass takes the rows of the whole batch where its per-sample way would
+        # run f under the transforms (NOTE [refused per-sample passes])
         hooks = _torch_compat.MODULE_HOOKS in structured.recording.transform_refusals
-        refusing = (*REFUSING_BACKENDS, *(("structured",) if vmaps and not hooks else ()),
-                    *((LAST_RESORT,) if hooks else ()))
+        refusing = (*REFUSING_BACKENDS, *((LAST_RESORT,) if hooks else ()))
     if structured.recording.gradient_hooks:  # NOTE [gradient hooks inside f]
         refusing = (*refusing, "ntvp", LAST_RESORT)
     recording = structured.recording

@@ -68,7 +68,7 @@ from torchgram.backends.structured.passes import (
     rows_per_pass,
     run_with_fallbacks,
 )
-from torchgram.backends.structured.per_sample import per_sample_forward_checked
+from torchgram.backends.structured.per_sample import per_sample_forward_checked, refused_per_sample
 from torchgram.backends.structured.plan import StructuredPlan, plan_problem, run_uses
 from torchgram.backends.structured.stream import can_stream, streamed_backward
 
@@ -115,9 +115,11 @@ def _run_structured(problem: Problem, plan: StructuredPlan | None, forward: Forw
             # auto planned the rows of the whole batch: samples interact, or f fails alone
             result = _dense(problem, plan, forward, force)
             coupling = plan.recording.coupling
+            refused = refused_per_sample(plan.recording)  # NOTE [refused per-sample passes]
             why = (f"f calls {coupling[0]}: its samples interact" if coupling
                    else "f draws random numbers (dropout, ...) and a leaf needs the per-sample "
-                   "fallback" if problem.draw.random else "f fails on a batch of one")
+                   "fallback" if problem.draw.random else refused if refused is not None
+                   else "f fails on a batch of one")
             result.report.notes.append(f"per-sample passes do not hold ({why}): rows of the "
                                        "whole batch instead")
             return result
