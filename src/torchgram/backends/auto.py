@@ -275,29 +275,34 @@ def _plan_auto(problem: Problem) -> AutoPlan:
             forward = _dense_forward(problem)
         keep_trace(problem, forward.recording)
         structured = plan_problem(problem, forward.recording)
-    else:
-        try:
-            structured = plan_problem(problem)
-            # samples that interact, or a random f with a leaf that needs the per-sample
-            # fallback (NOTE [per-sample]): the rows of the whole batch, planned from the
-            # tapped forward the structured backend then reuses
-            recording = structured.recording
-            dense = problem.batch is not None and (
-                bool(recording.coupling) or (recording.draws and bool(recording.unrecognised))
-                or refused_per_sample(recording) is not None)
-        except NotPerSample:  # f fails on a batch of one: plan the whole batch's rows
-            dense = True
-        if dense:
-            with torch.enable_grad():
-                forward = _dense_forward(problem)
-            structured = plan_problem(problem, forward.recording, dense=True)
+    else:  # NOTE [dense rows planned once]: a signature found dense before stays so
+        kept = None if problem.batch is None else cached_trace(problem, dense=True)
+        if kept is None:
+            try:
+                structured = plan_problem(problem)
+                # samples that interact, or a random f with a leaf that needs the per-sample
+                # fallback (NOTE [per-sample]): the rows of the whole batch, planned from the
+                # tapped forward the structured backend then reuses
+                recording = structured.recording
+                dense = problem.batch is not None and (
+                    bool(recording.coupling)
+                    or (recording.draws and bool(recording.unrecognised))
+                    or refused_per_sample(recording) is not None)
+            except NotPerSample:  # f fails on a batch of one: plan the whole batch's rows
+                dense = True
+            if dense:
+                with torch.enable_grad():
+                    forward = _dense_forward(problem)
+                kept = forward.recording
+                keep_trace(problem, kept, dense=True)
+        if kept is not None:
+            structured = plan_problem(problem, kept, dense=True)
     estimates = estimate_backends(problem, structured)
-    return AutoPlan(structured, estimates, _ordered(problem, structured, estimates, forward),
-                    forward)
+    return AutoPlan(structured, estimates, _ordered(problem, structured, estimates), forward)
 
 
-def _ordered(problem: Problem, structured: StructuredPlan, estimates: dict[str, Estimate],
-             forward: Forward | None) -> tuple[str, ...]:
+def _ordered(problem: Problem, structured: StructuredPlan,
+             estimates: dict[str, Estimate]) -> tuple[str, ...]:
     """The candidates in the order ``auto`` tries them: cheapest first, refusing ones last."""
     order = with_last_resort(ranked(estimates))
     refusing: tuple[str, ...] = ()
@@ -316,6 +321,21 @@ def _ordered(problem: Problem, structured: StructuredPlan, estimates: dict[str, 
                                              and not _streams(problem)):
         refusing = (*refusing, "structured")  # NOTE [hooks on taps]: it would refuse
     return (*(n for n in order if n not in refusing), *(n for n in order if n in refusing))
+
+
+# NOTE [dense rows planned once]
+# Where the samples interact (batch norm in train mode), f fails on a batch of one (batch
+# norm in train mode again: its one-sample trace raised), f draws with a leaf on the
+# per-sample fallback, or the per-sample way would meet a transform refusal, the plan is
+# that of the rows of the whole batch, made from a tapped forward of the whole batch. That
+# forward ran on every call, with the one-sample trace before it where that failed, both
+# wasted when another backend came first: ResNet-18 in train mode (the tests/models zoo,
+# B = 3) took 8.8 ms under auto, which chose jacobian (6.2 ms alone; the structured pass 6.1),
+# session 65. The whole batch's recording is now kept per call signature, as the trace
+# without batch_dim is (keep_trace): later calls plan from it without evaluating f, and the
+# structured pass, if it comes first, runs its own forward (reused where this call made
+# one). Like every cached trace it may go stale (a module's training flag): the estimates
+# then mislead the choice, never the result (the structured pass plans from its own run).
 
 
 def _streams(problem: Problem) -> bool:
@@ -391,7 +411,7 @@ def _first_that_runs(problem: Problem, order: tuple[str, ...], plan: AutoPlan | 
             again = order
         else:  # the failures' loops are in the estimates now
             again = _ordered(problem, plan.structured,
-                             estimate_backends(problem, plan.structured), plan.forward)
+                             estimate_backends(problem, plan.structured))
         declined = {name for name, _ in attempts}
         return tuple(name for name in again if name not in declined)
 

@@ -111,8 +111,10 @@ def _run_structured(problem: Problem, plan: StructuredPlan | None, forward: Forw
     with torch.enable_grad():
         if problem.batch is None:
             return _dense(problem, plan, forward, force)
-        if plan is not None and plan.dense and forward is not None and force is None:
+        if plan is not None and plan.dense and force is None:
             # auto planned the rows of the whole batch: samples interact, or f fails alone
+            # (its tapped forward reused where the planning ran one: NOTE [dense rows
+            # planned once] in auto.py)
             result = _dense(problem, plan, forward, force)
             coupling = plan.recording.coupling
             refused = refused_per_sample(plan.recording)  # NOTE [refused per-sample passes]

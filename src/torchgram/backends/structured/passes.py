@@ -75,23 +75,28 @@ ForwardKind = Literal["batched", "vmap", "loop", "dense"]
 _TRACES = LruCache[Recording](maxsize=64)
 
 
-def _trace_key(problem: Problem) -> Hashable | None:
-    """The trace's cache key (NOTE [call signatures])."""
+def _trace_key(problem: Problem, *, dense: bool = False) -> Hashable | None:
+    """The trace's cache key (NOTE [call signatures]); ``dense``: the whole batch's."""
     batch = problem.batch
-    return call_signature(problem.f, problem.args, problem.kwargs, problem.diff.positions,
-                          problem.has_aux,
-                          None if batch is None else (batch.batch_dim, batch.positions,
-                                                      batch.dims))
+    key = call_signature(problem.f, problem.args, problem.kwargs, problem.diff.positions,
+                         problem.has_aux,
+                         None if batch is None else (batch.batch_dim, batch.positions,
+                                                     batch.dims))
+    return ("dense", key) if dense and key is not None and batch is not None else key
 
 
-def cached_trace(problem: Problem) -> Recording | None:
-    """The cached trace of this call's signature, if any."""
-    return _TRACES.get(_trace_key(problem))
+def cached_trace(problem: Problem, *, dense: bool = False) -> Recording | None:
+    """The cached trace of this call's signature, if any.
+
+    ``dense``: with ``batch_dim``, the recording of a tapped forward of the whole batch
+    (NOTE [dense rows planned once] in ``auto.py``), not the one-sample trace.
+    """
+    return _TRACES.get(_trace_key(problem, dense=dense))
 
 
-def keep_trace(problem: Problem, recording: Recording) -> None:
-    """Cache a recording made by a tapped run as this call's trace."""
-    _TRACES.put(_trace_key(problem), recording)
+def keep_trace(problem: Problem, recording: Recording, *, dense: bool = False) -> None:
+    """Cache a recording made by a tapped run as this call's trace (``dense``: see above)."""
+    _TRACES.put(_trace_key(problem, dense=dense), recording)
 
 
 def forget_trace(problem: Problem) -> None:
