@@ -103,6 +103,13 @@ class Worker:
         reply = json.loads(self._read())
         return reply["wall_s"], reply["cpu_s"]
 
+    def gemm(self, m: int, k: int, n: int) -> float:
+        """GMAC/s of a jitted float32 ``[m, k] × [k, n]`` product in the worker."""
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps({"gemm": [m, k, n]}) + "\n")
+        self.process.stdin.flush()
+        return float(json.loads(self._read())["gmacs"])
+
     def close(self) -> None:
         """Ask the worker to quit."""
         if self.process.poll() is None:
@@ -110,6 +117,26 @@ class Worker:
             self.process.stdin.write(json.dumps({"quit": True}) + "\n")
             self.process.stdin.flush()
             self.process.wait(timeout=60)
+
+
+GEMM = (5120, 512, 512)
+"""The matrix product timed on both sides: the MLP cross kernel's largest (its x2 side's
+backward, ``16 × 512`` rows times ``W₂``), the kind of product the MLP cases spend most of
+their time in."""
+
+
+def torch_gemm_gmacs(m: int, k: int, n: int, repeats: int = 5) -> float:
+    """Billions of multiply-adds per second of torch's float32 ``[m, k] × [k, n]`` product."""
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(m, k, generator=generator)
+    b = torch.randn(k, n, generator=generator)
+    a @ b
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - start)
+    return m * k * n / statistics.median(times) / 1e9
 
 
 def warm_up_torch(case: client.NTCase) -> None:
@@ -146,6 +173,7 @@ def run_case(case: client.NTCase, threads: int, repeats: int, max_seconds: float
         try:
             record["worker_start_s"] = worker.start_s
             record["versions"] = worker.report["versions"]
+            record["gemm_gmacs"] = {"torch": torch_gemm_gmacs(*GEMM), "jax": worker.gemm(*GEMM)}
             ntk_fn, params = torchgram_kernel_fn(case)
             warm_up_torch(case)
             start = time.perf_counter()
@@ -281,7 +309,21 @@ def markdown(records: list[dict[str, Any]], header: dict[str, Any]) -> str:
         "compile + run after a jitted forward and gradient; torchgram's first call of a new "
         "`ntk_fn` after a plain forward and backward and one batched backward (torch's first "
         "in a process imports sympy, ~3 s once). See `benchmarks/ntk.py`.",
+        *_gemm_line(records),
         "## Summary", summary_table(records), "## Every method", detail_table(records)])
+
+
+def _gemm_line(records: list[dict[str, Any]]) -> list[str]:
+    """The matrix-product speed of both sides, as measured with the first case."""
+    speeds = next((r["gemm_gmacs"] for r in records if "gemm_gmacs" in r), None)
+    if speeds is None:
+        return []
+    m, k, n = GEMM
+    return [f"Matrix-product speed on this machine (float32 `[{m}, {k}] × [{k}, {n}]`, the same "
+            f"threads, median of 5): torch {speeds['torch']:.0f}, jax "
+            f"{speeds['jax']:.0f} billion multiply-adds per second. The MLP cases spend "
+            "most of their time in such products (the CNN cases in convolutions), so their "
+            "ratios move with this one."]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,7 +12,9 @@ or, to take turns with torchgram call by call (``benchmarks/ntk.py``)::
 which builds, compiles and first-calls every implementation of the request's first kernel,
 writes the kernels and a report (``output``), prints one JSON line ``{"ready": report}``, then
 answers each JSON line ``{"run": IMPLEMENTATION}`` read from stdin with one timed warm call,
-``{"wall_s": ..., "cpu_s": ...}``, until ``{"quit": true}`` or end of input. Protocol lines
+``{"wall_s": ..., "cpu_s": ...}``, and each ``{"gemm": [M, K, N]}`` with the multiply-adds per
+second of a jitted float32 ``[M, K] × [K, N]`` product, ``{"gmacs": ...}`` (the machine's
+matrix-product speed as XLA sees it), until ``{"quit": true}`` or end of input. Protocol lines
 are the only output on stdout (everything else the libraries print goes to stderr).
 
 Request (JSON)::
@@ -170,6 +172,25 @@ def _error(exc: BaseException) -> str:
 def _cpu_seconds() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
+
+
+def gemm_gmacs(m: int, k: int, n: int, repeats: int = 5) -> float:
+    """Billions of multiply-adds per second of a jitted float32 ``[m, k] × [k, n]`` product."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    a = jnp.asarray(rng.standard_normal((m, k), dtype=np.float32))
+    b = jnp.asarray(rng.standard_normal((k, n), dtype=np.float32))
+    product = jax.jit(jnp.matmul)
+    product(a, b).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        product(a, b).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return m * k * n / statistics.median(times) / 1e9
 
 
 def build_kernels(f: Callable[[Any, Any], Any], params: Any, x1: Any, x2: Any | None,
@@ -336,6 +357,10 @@ def serve(request: dict[str, Any], protocol: Any) -> dict[str, Any]:
         message = json.loads(line)
         if message.get("quit"):
             break
+        if "gemm" in message:
+            protocol.write(json.dumps({"gmacs": gemm_gmacs(*message["gemm"])}) + "\n")
+            protocol.flush()
+            continue
         name = message["run"]
         cpu_start, start = _cpu_seconds(), time.perf_counter()
         fns[name](x1, x2, params).block_until_ready()
