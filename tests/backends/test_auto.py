@@ -234,15 +234,17 @@ def test_rows_of_the_whole_batch_are_planned_once():
     """NOTE [dense rows planned once]: where samples interact (batch norm in train mode) the
     plan is that of the whole batch's rows, from a tapped forward of the batch. It ran on every
     call, wasted when another backend came first (ResNet-18 in train mode: 8.8 ms under auto,
-    6.2 for the jacobian backend it chose); later calls now evaluate f as often as the backend
-    that runs does alone."""
+    6.2 for the jacobian backend it chose); later calls now evaluate f on the whole batch as
+    often as the backend that runs does alone, and the model switched to eval mode is planned
+    per sample again (the review of session 65: kept whole-batch rows made it 5-60x
+    slower)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3))
     fn, params = tg.functionalize(model.double().train())
     evaluations = []
 
     def f(p, x, y):
-        evaluations.append(1)
+        evaluations.append(x.shape[0])
         return F.cross_entropy(fn(p, x), y, reduction="none")
 
     args = (params, torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,)))
@@ -256,6 +258,11 @@ def test_rows_of_the_whole_batch_are_planned_once():
         evaluations.clear()
         G = gramian(*args)
         torch.testing.assert_close(G, expected, rtol=1e-10, atol=1e-12)
-        return len(evaluations)
+        return evaluations.count(len(args[2]))  # of the whole batch
 
     assert second_call("auto") == second_call(ran.backend), ran.backend
+    model.eval()
+    report = tg.explain(f, batch_dim=0, run=True)(*args)
+    assert (report.samples, report.rows_per_sample) == (len(args[2]), 1), report  # per sample
+    torch.testing.assert_close(report.gramian, dense_gramian(f, args).gramian, rtol=1e-10,
+                               atol=1e-12)
