@@ -406,3 +406,43 @@ def test_a_reentrant_checkpoint_of_the_data_is_refused_too(backend: str,
 
     with pytest.raises(ValueError, match="use_reentrant=False"):
         tg.gramian(f, backend=backend, batch_dim=batch_dim)(params, x)
+
+
+class _NormInCheckpoint(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.bn = torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6)
+        self.head = torch.nn.Linear(6, 3)
+
+    def region(self, x: Tensor) -> Tensor:
+        return torch.tanh(self.bn(self.a(x)))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.utils.checkpoint.checkpoint(self.region, x, use_reentrant=False))
+
+
+@pytest.mark.parametrize("backend", ["auto", "structured", "graph"])
+@pytest.mark.parametrize("batch_dim", [0, None], ids=["batch0", "dense"])
+def test_a_batch_norm_in_training_mode_inside_a_checkpoint_region(backend: str,
+                                                                  batch_dim: int | None) -> None:
+    """NOTE [recomputed checkpoints differ]: torchgram's evaluations leave the running
+    statistics alone, the backward's recomputation of the region does not, and torch raised
+    its raw ``CheckpointError`` (the review of session 65). A torchgram ``ValueError`` names
+    the eager way, which gives the oracle's matrix. (The recomputation that fails has updated
+    the module's running statistics by then: left, see FINDINGS, session 65.)"""
+    torch.manual_seed(0)
+    model = _NormInCheckpoint().double().train()
+    fn, params = tg.functionalize(model)
+
+    def f(p: dict[str, Tensor], x: Tensor, y: Tensor) -> Tensor:
+        return F.cross_entropy(fn(p, x), y, reduction="none")
+
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+    with pytest.raises(ValueError, match=r"^torchgram\.gramian: expected a torch\.utils\."
+                       r"checkpoint region .* tg\.autograd\.record\(\)"):
+        tg.gramian(f, backend=backend, batch_dim=batch_dim)(params, x, y)
+    expected = dense_gramian(f, (params, x, y)).gramian
+    with tg.autograd.record():
+        losses = F.cross_entropy(model(x), y, reduction="none")
+    G = tg.autograd.gramian(losses, list(model.parameters()), batch_dim=batch_dim)
+    torch.testing.assert_close(G, expected, rtol=1e-10, atol=1e-12)

@@ -41,6 +41,7 @@ import contextlib
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
+import torch.utils.checkpoint
 from torch import Tensor
 
 from torchgram._core import _torch_compat
@@ -586,6 +587,8 @@ def torch_refusals(api: str, backend: str, parameters: Sequence[Tensor] = (),
             raise in_place from error
         if _torch_compat.is_reentrant_grad_error(error):
             raise reentrant_checkpoint_refused(api) from error
+        if isinstance(error, torch.utils.checkpoint.CheckpointError):
+            raise recomputation_differs(api, error) from error
         if _torch_compat.is_sparse_gradient_error(error):
             raise sparse_refusal(api, backend, parameters, cross) from error
         if _torch_compat.is_hook_without_grad_error(error) and backend not in (
@@ -601,6 +604,34 @@ def torch_refusals(api: str, backend: str, parameters: Sequence[Tensor] = (),
                 "run", f"torch's error: {str(error).splitlines()[0][:120]}", ("graph",),
                 "") from error
         raise
+
+
+def recomputation_differs(api: str, error: RuntimeError) -> ValueError:
+    """A checkpoint region whose backward recomputation differs from torchgram's evaluation.
+
+    NOTE [recomputed checkpoints differ]: torchgram evaluates ``f`` with the normalisation
+    layers' running statistics left alone (NOTE [frozen running statistics]: batch norm in
+    training mode is called without its running buffers); a non-reentrant
+    ``torch.utils.checkpoint`` region is recomputed by the backward as written, outside those
+    evaluations, and a batch norm in training mode there saves other tensors than its first
+    run did: torch raised its raw ``CheckpointError`` from every backend that runs ``f`` plainly
+    (the review of session 65), the others refusing checkpoints under ``torch.func``. An eager
+    forward (``tg.autograd.record()``) keeps what the forward did.
+
+    Example:
+        >>> error = torch.utils.checkpoint.CheckpointError("torch.utils.checkpoint: differ")
+        >>> str(recomputation_differs("torchgram.gramian", error)).startswith(
+        ...     "torchgram.gramian: expected a torch.utils.checkpoint region")
+        True
+    """
+    first = str(error).strip().splitlines()[0][:120] if str(error).strip() else ""
+    return ValueError(message(
+        api, "a torch.utils.checkpoint region that its backward recomputes as torchgram "
+        "evaluated it", f"torch's CheckpointError ({first})", "A batch norm in training mode "
+        "inside the region is one cause: torchgram's evaluations of f leave the running "
+        "statistics alone, the backward's recomputation does not. Put the region's norm "
+        "layers in eval mode or outside the region, or run the forward eagerly inside "
+        "tg.autograd.record() and call tg.autograd.gramian on its outputs."))
 
 
 def sparse_refusal(api: str, backend: str, parameters: Sequence[Tensor] = (),
