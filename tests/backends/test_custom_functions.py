@@ -428,8 +428,8 @@ def test_a_batch_norm_in_training_mode_inside_a_checkpoint_region(backend: str,
     """NOTE [recomputed checkpoints differ]: torchgram's evaluations leave the running
     statistics alone, the backward's recomputation of the region does not, and torch raised
     its raw ``CheckpointError`` (the review of session 65). A torchgram ``ValueError`` names
-    the eager way, which gives the oracle's matrix. (The recomputation that fails has updated
-    the module's running statistics by then: left, see FINDINGS, session 65.)"""
+    the eager way, which gives the oracle's matrix; it is raised by the probe, before any
+    recomputation could move the module's running statistics."""
     torch.manual_seed(0)
     model = _NormInCheckpoint().double().train()
     fn, params = tg.functionalize(model)
@@ -438,9 +438,12 @@ def test_a_batch_norm_in_training_mode_inside_a_checkpoint_region(backend: str,
         return F.cross_entropy(fn(p, x), y, reduction="none")
 
     x, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
     with pytest.raises(ValueError, match=r"^torchgram\.gramian: expected a torch\.utils\."
                        r"checkpoint region .* tg\.autograd\.record\(\)"):
         tg.gramian(f, backend=backend, batch_dim=batch_dim)(params, x, y)
+    for name, buffer in model.named_buffers():  # refused before any recomputation
+        assert torch.equal(buffer, buffers[name]), name
     expected = dense_gramian(f, (params, x, y)).gramian
     with tg.autograd.record():
         losses = F.cross_entropy(model(x), y, reduction="none")

@@ -301,6 +301,14 @@ class CounterRead(RuntimeError):  # noqa: N818
     """
 
 
+class NormInCheckpoint(CounterRead):
+    """A training-mode norm call inside a ``torch.utils.checkpoint`` region of ``f``.
+
+    Raised by the evaluation that meets it (the probe: before any backward), turned into
+    :func:`recomputation_differs` (NOTE [recomputed checkpoints differ]).
+    """
+
+
 DRAWS_UNDER_TRANSFORMS_FIX = (
     "No backend can inside torch.func transforms (those that evaluate f plainly cannot run "
     "there): evaluate f without random ops (model.eval() for dropout), or compute G outside "
@@ -384,6 +392,8 @@ def counter_read_error(api: str, error: CounterRead) -> ValueError:
         >>> str(counter_read_error("torchgram.gramian", CounterRead("it is used in mul")))[:56]
         'torchgram.gramian: expected f that does not use, as a te'
     """
+    if isinstance(error, NormInCheckpoint):
+        return recomputation_differs(api, str(error))
     return ValueError(message(
         api, "f that does not use, as a tensor, a 0-dim integer tensor it increments in "
         "place, nor running statistics after a training-mode norm call (torchgram evaluates "
@@ -588,7 +598,8 @@ def torch_refusals(api: str, backend: str, parameters: Sequence[Tensor] = (),
         if _torch_compat.is_reentrant_grad_error(error):
             raise reentrant_checkpoint_refused(api) from error
         if isinstance(error, torch.utils.checkpoint.CheckpointError):
-            raise recomputation_differs(api, error) from error
+            first = str(error).strip().splitlines()[0][:120] if str(error).strip() else ""
+            raise recomputation_differs(api, f"torch's CheckpointError ({first})") from error
         if _torch_compat.is_sparse_gradient_error(error):
             raise sparse_refusal(api, backend, parameters, cross) from error
         if _torch_compat.is_hook_without_grad_error(error) and backend not in (
@@ -606,32 +617,33 @@ def torch_refusals(api: str, backend: str, parameters: Sequence[Tensor] = (),
         raise
 
 
-def recomputation_differs(api: str, error: RuntimeError) -> ValueError:
+def recomputation_differs(api: str, got: str) -> ValueError:
     """A checkpoint region whose backward recomputation differs from torchgram's evaluation.
 
     NOTE [recomputed checkpoints differ]: torchgram evaluates ``f`` with the normalisation
     layers' running statistics left alone (NOTE [frozen running statistics]: batch norm in
     training mode is called without its running buffers); a non-reentrant
     ``torch.utils.checkpoint`` region is recomputed by the backward as written, outside those
-    evaluations, and a batch norm in training mode there saves other tensors than its first
-    run did: torch raised its raw ``CheckpointError`` from every backend that runs ``f`` plainly
-    (the review of session 65), the others refusing checkpoints under ``torch.func``. An eager
-    forward (``tg.autograd.record()``) keeps what the forward did.
+    evaluations, where a batch norm in training mode saves other tensors than its first run
+    did and updates the module's running statistics. torch raised its raw ``CheckpointError``
+    from every backend that runs ``f`` plainly, after the recomputation had moved the
+    statistics (the review of session 65; the others refuse checkpoints under
+    ``torch.func``). :class:`FrozenRunningStats` now refuses such a norm call in the
+    evaluation that meets it (the probe, before any backward: nothing moves), and any other
+    ``CheckpointError`` of a backend gets this message too. An eager forward
+    (``tg.autograd.record()``) keeps what the forward did.
 
     Example:
-        >>> error = torch.utils.checkpoint.CheckpointError("torch.utils.checkpoint: differ")
-        >>> str(recomputation_differs("torchgram.gramian", error)).startswith(
-        ...     "torchgram.gramian: expected a torch.utils.checkpoint region")
-        True
+        >>> str(recomputation_differs("torchgram.gramian", "batch_norm in training mode"))[:62]
+        'torchgram.gramian: expected a torch.utils.checkpoint region th'
     """
-    first = str(error).strip().splitlines()[0][:120] if str(error).strip() else ""
     return ValueError(message(
         api, "a torch.utils.checkpoint region that its backward recomputes as torchgram "
-        "evaluated it", f"torch's CheckpointError ({first})", "A batch norm in training mode "
-        "inside the region is one cause: torchgram's evaluations of f leave the running "
-        "statistics alone, the backward's recomputation does not. Put the region's norm "
-        "layers in eval mode or outside the region, or run the forward eagerly inside "
-        "tg.autograd.record() and call tg.autograd.gramian on its outputs."))
+        "evaluated it", got, "A batch norm in training mode inside the region is one cause: "
+        "torchgram's evaluations of f leave the running statistics alone, the backward's "
+        "recomputation does not. Put the region's norm layers in eval mode or outside the "
+        "region, or run the forward eagerly inside tg.autograd.record() and call "
+        "tg.autograd.gramian on its outputs."))
 
 
 def sparse_refusal(api: str, backend: str, parameters: Sequence[Tensor] = (),

@@ -68,7 +68,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torchgram._core._torch_compat import innermost
 from torchgram._core.captured_writes import memory_of
 from torchgram._core.census import _argument
-from torchgram._core.errors import CounterRead, counter_read_error
+from torchgram._core.errors import CounterRead, NormInCheckpoint, counter_read_error
 
 # The running buffers' positions in each call, and the flag that says batch statistics
 # are used (training for batch norm, use_input_stats for instance norm).
@@ -203,6 +203,8 @@ class FrozenRunningStats(TorchFunctionMode):
         self._frozen: dict[int, tuple[str, Tensor]] = {}
         self._largest = 0  # bytes of the largest frozen storage
         self._made: set[int] = set()  # memory of the tensors f's factory calls made
+        # NOTE [recomputed checkpoints differ]: the saved-tensor hooks in force at the start
+        self._hooks_at_entry = torch._C._autograd._top_saved_tensors_default_hooks(False)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
@@ -221,6 +223,9 @@ class FrozenRunningStats(TorchFunctionMode):
             return counter
         rewritten = _without_running_stats(func, args, kwargs)
         if rewritten is not None:
+            if self._in_a_checkpoint_region():  # NOTE [recomputed checkpoints differ]
+                raise NormInCheckpoint(f"{getattr(func, '__name__', func)} in training mode "
+                                       "inside a torch.utils.checkpoint region")
             kept = {id(t) for t in _tensors_in(rewritten)}
             for stats in _tensors_in((args, kwargs)):
                 if stats.is_floating_point() and id(stats) not in kept:
@@ -233,6 +238,13 @@ class FrozenRunningStats(TorchFunctionMode):
             with torch._C.DisableTorchFunction():
                 self._made.add(memory_of(result))
         return result
+
+    def _in_a_checkpoint_region(self) -> bool:
+        """Whether a non-reentrant checkpoint region of ``f`` is being run (its hooks on top)."""
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        return (hooks is not None and hooks != self._hooks_at_entry
+                and getattr(hooks[0], "__module__", None) == "torch.utils.checkpoint"
+                and not _recomputing())
 
     def _made_by_f(self, counter: Tensor) -> bool:
         with torch._C.DisableTorchFunction():
