@@ -1314,6 +1314,29 @@ _CHECKPOINT_SAVED_HOOKS = (
 )
 
 
+def _pack_hook_name(pack: Any) -> str:
+    """A saved-tensor pack hook's module and qualified name (matched against the lists above)."""
+    return f"{getattr(pack, '__module__', None) or '?'}." \
+           f"{getattr(pack, '__qualname__', type(pack).__name__)}"
+
+
+def in_checkpoint_forward() -> bool:
+    """Whether the innermost saved-tensor hooks are a non-reentrant checkpoint's forward.
+
+    Not its recomputation in the backward (the second of :data:`_CHECKPOINT_SAVED_HOOKS`).
+
+    Example:
+        >>> import torch.utils.checkpoint
+        >>> torch.utils.checkpoint.checkpoint(lambda x: torch.tensor(in_checkpoint_forward()),
+        ...                                   torch.ones(1), use_reentrant=False).item()
+        True
+        >>> in_checkpoint_forward()
+        False
+    """
+    hooks = saved_tensor_hooks()
+    return hooks is not None and _pack_hook_name(hooks[0]).startswith(_CHECKPOINT_SAVED_HOOKS[0])
+
+
 def rewriting_saved_tensor_hooks() -> str | None:
     """The active saved-tensor pack hook's name, unless none or one of torch's that keep values.
 
@@ -1341,9 +1364,7 @@ def rewriting_saved_tensor_hooks() -> str | None:
             hooks = top(False)
             if hooks is None:
                 return None
-            pack = hooks[0]
-            name = f"{getattr(pack, '__module__', None) or '?'}." \
-                   f"{getattr(pack, '__qualname__', type(pack).__name__)}"
+            name = _pack_hook_name(hooks[0])
             if name.startswith(_VALUE_KEEPING_SAVED_HOOKS):
                 return None
             if not name.startswith(_CHECKPOINT_SAVED_HOOKS):

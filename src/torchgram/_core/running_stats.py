@@ -65,7 +65,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from torchgram._core._torch_compat import innermost
+from torchgram._core._torch_compat import in_checkpoint_forward, innermost, saved_tensor_hooks
 from torchgram._core.captured_writes import memory_of
 from torchgram._core.census import _argument
 from torchgram._core.errors import CounterRead, NormInCheckpoint, counter_read_error
@@ -204,7 +204,7 @@ class FrozenRunningStats(TorchFunctionMode):
         self._largest = 0  # bytes of the largest frozen storage
         self._made: set[int] = set()  # memory of the tensors f's factory calls made
         # NOTE [recomputed checkpoints differ]: the saved-tensor hooks in force at the start
-        self._hooks_at_entry = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        self._hooks_at_entry = saved_tensor_hooks()
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
@@ -241,10 +241,7 @@ class FrozenRunningStats(TorchFunctionMode):
 
     def _in_a_checkpoint_region(self) -> bool:
         """Whether a non-reentrant checkpoint region of ``f`` is being run (its hooks on top)."""
-        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        return (hooks is not None and hooks != self._hooks_at_entry
-                and getattr(hooks[0], "__module__", None) == "torch.utils.checkpoint"
-                and not _recomputing())
+        return saved_tensor_hooks() != self._hooks_at_entry and in_checkpoint_forward()
 
     def _made_by_f(self, counter: Tensor) -> bool:
         with torch._C.DisableTorchFunction():
