@@ -135,6 +135,8 @@ def test_the_functionalized_module_is_right_and_keeps_its_buffers(backend: str) 
 
 
 def test_an_input_changed_in_place_is_refused_and_kept() -> None:
+    """The error names the argument written into and the fix that works for an input (a
+    clone inside f), not tg.functionalize, which copies buffers only."""
     clear_caches()
     w = torch.randn(3, 4, dtype=DOUBLE)
     x = torch.randn(5, 4, dtype=DOUBLE)
@@ -144,9 +146,34 @@ def test_an_input_changed_in_place_is_refused_and_kept() -> None:
         x.clamp_(min=0.0)  # f's own input
         return torch.tanh(x @ w.T)
 
-    with pytest.raises(ValueError, match="f's own input"):
+    with pytest.raises(ValueError, match="clamp_ into f's argument 'x'.*x.clone()") as error:
         tg.gramian(f, batch_dim=0)(w, x)
+    assert "functionalize" not in str(error.value)
     assert torch.equal(x, before)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_input_in_a_container_or_a_keyword_is_named(backend: str) -> None:
+    clear_caches()
+    w = torch.randn(3, 4, dtype=DOUBLE)
+    x, mask = torch.randn(5, 4, dtype=DOUBLE), torch.rand(5, 4) > 0.5
+    before = x.clone()
+
+    def f(w: Tensor, batch: dict[str, Tensor], *, mask: Tensor) -> Tensor:
+        features = batch["features"]
+        features[mask] = 0.0  # the way SpecAugment-style masking writes
+        return torch.tanh(features @ w.T)
+
+    with pytest.raises(ValueError, match="__setitem__ into f's argument 'batch'"):
+        tg.gramian(f, backend=backend, batch_dim=0)(w, {"features": x}, mask=mask)
+    assert torch.equal(x, before)
+
+    def g(w: Tensor, x: Tensor, *, mask: Tensor) -> Tensor:
+        mask.logical_not_()
+        return torch.tanh(x @ w.T)
+
+    with pytest.raises(ValueError, match="logical_not_ into f's argument 'mask'"):
+        tg.gramian(g, backend=backend)(w, x, mask=mask)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

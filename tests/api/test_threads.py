@@ -186,6 +186,55 @@ def test_forward_ad_from_threads_under_vmap() -> None:
     assert len(errors) == 15 * THREADS and max(errors) < 1e-10
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_call_under_vmap_while_another_thread_is_in_forward_mode(backend: str) -> None:
+    """Thread A's ntvp pass waits inside its forward-mode level (process-wide) while thread B
+    calls ``vmap(tg.gramian)``: B must not take A's level for its caller's (it looked for
+    tangents on its batched tensors: torch's raw "Batching rule not implemented for
+    aten::_unpack_dual", a helper's hunt, session 66)."""
+    torch.manual_seed(0)
+    w, v = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    in_level, b_done = threading.Event(), threading.Event()
+
+    def f_a(w: Tensor, x: Tensor) -> Tensor:
+        if torch.autograd.forward_ad._current_level >= 0:  # inside ntvp's pass
+            in_level.set()
+            b_done.wait(timeout=0.5)  # B blocks on the level's lock until this returns
+        return torch.sin(x @ w).sum(-1)
+
+    def f_b(v: Tensor, x: Tensor) -> Tensor:
+        return torch.tanh(x @ v).sum(-1)
+
+    xa, xb = torch.randn(5, 4, dtype=torch.float64), torch.randn(2, 3, 4, dtype=torch.float64)
+    expected = torch.stack([dense_gramian(f_b, (v, x)).shaped() for x in xb])
+    outcome: dict[str, Any] = {}
+
+    def a() -> None:
+        outcome["a"] = tg.gramian(f_a, backend="ntvp", batch_dim=0)(w, xa)
+
+    def b() -> None:
+        assert in_level.wait(timeout=30.0)
+        try:
+            outcome["b"] = torch.func.vmap(
+                lambda x: tg.gramian(f_b, backend=backend)(v, x))(xb)
+        except Exception as error:  # noqa: BLE001 -- reported below
+            outcome["b"] = error
+        b_done.set()
+
+    workers = [threading.Thread(target=a), threading.Thread(target=b)]
+    for thread in workers:
+        thread.start()
+    for thread in workers:
+        thread.join()
+    if isinstance(outcome["b"], tg.BackendCannotRun):  # a backend that runs no transforms
+        assert backend in ("graph", "structured")
+    else:
+        assert isinstance(outcome["b"], Tensor), outcome["b"]
+        torch.testing.assert_close(outcome["b"], expected, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(outcome["a"], dense_gramian(f_a, (w, xa)).shaped(),
+                               rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("context", [threads.math_attention, differentiable_evaluation],
                          ids=["math_attention", "differentiable_evaluation"])
 def test_math_attention_restores_the_flags_whatever_the_interleaving(

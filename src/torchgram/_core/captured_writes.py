@@ -17,7 +17,10 @@ captured or received -- or into its memory through any alias: a view, ``.detach(
 through) -- raises :class:`CapturedWrite` before it happens, which the API turns into a
 ``ValueError`` naming the fix (``tg.functionalize``, whose calls work on copies of the
 module's buffers; for an embedding's ``max_norm`` on a table that is not differentiated, the
-table among the parameters, or renormalised once beforehand). An ``F.embedding`` or
+table among the parameters, or renormalised once beforehand; for a tensor among ``f``'s
+arguments -- Whisper's SpecAugment writes ``input_features[mask] = 0`` in training mode --
+the argument by name, and a clone inside ``f``, since ``tg.functionalize`` copies buffers
+only: :func:`argument_memory`). An ``F.embedding`` or
 ``F.embedding_bag`` with ``max_norm`` counts as a write into its table (the renormalisation
 runs inside it, where no torch-function mode sees it). What ``f`` captured is found before
 the evaluation (:func:`captured_memory`): the tensors of its arguments, and those its closure, bound
@@ -76,11 +79,12 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import inspect
 import itertools
 import threading
 import types
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -91,6 +95,7 @@ from torch.overrides import TorchFunctionMode
 
 from torchgram._core._torch_compat import innermost
 from torchgram._core.errors import CapturedWrite, UnseenWrite
+from torchgram._core.pytree import leaves_of
 
 _NOT_WRITES = frozenset({"requires_grad_", "share_memory_"})
 """Methods ending in ``_`` that change no entries (a flag, the memory's placement)."""
@@ -452,11 +457,12 @@ class _WriteGuard(TorchFunctionMode):
         target = _written(func, args, kwargs)
         if target is not None:
             self.wrote = True
-            if memory_of(target) in self._captured():
-                self._refuse(getattr(func, "__name__", "a write"))
+            memory = memory_of(target)
+            if memory in self._captured():
+                self._refuse(getattr(func, "__name__", "a write"), memory)
         return func(*args, **kwargs)
 
-    def _refuse(self, write: str) -> None:
+    def _refuse(self, write: str, memory: int) -> None:
         raise NotImplementedError
 
 
@@ -466,6 +472,8 @@ class CapturedWrites(_WriteGuard):
     Args:
         captured: :func:`captured_memory`'s addresses (their tensors alive for the whole
             evaluation, so no tensor made during it takes their memory).
+        arguments: :func:`argument_memory`'s names of those that are ``f``'s inputs, for
+            the error to name the argument written into.
 
     ``wrote`` (whether ``f`` wrote into any tensor) is ``Probe.writes``.
 
@@ -481,11 +489,53 @@ class CapturedWrites(_WriteGuard):
     """
 
     def __init__(self, captured: frozenset[int],
-                 on_generator: Callable[[torch.Generator], None] | None = None) -> None:
+                 on_generator: Callable[[torch.Generator], None] | None = None,
+                 arguments: Mapping[int, str] | None = None) -> None:
         super().__init__(lambda: captured, on_generator)
+        self._arguments = arguments or {}
 
-    def _refuse(self, write: str) -> None:
-        raise CapturedWrite(write)
+    def _refuse(self, write: str, memory: int) -> None:
+        raise CapturedWrite(write, self._arguments.get(memory))
+
+
+_SINGLE = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+           inspect.Parameter.KEYWORD_ONLY)
+"""Kinds of parameters that take one argument each (not ``*args``, ``**kwargs``)."""
+
+
+def argument_memory(f: Any, args: Sequence[Any], kwargs: Mapping[str, Any],
+                    skip: Iterable[Tensor] = ()) -> dict[int, str]:
+    """Where the memory of the tensors among ``f``'s arguments starts, each with its name.
+
+    A tensor anywhere in an argument (a pytree) is named by that argument: by its name in
+    ``f``'s signature where every argument binds to a named parameter, by its position (or
+    keyword) otherwise. ``skip``: tensors left
+    out (the differentiated parameters, whose copies ``f`` gets).
+
+    Example:
+        >>> import torch
+        >>> def f(params, x, *, mask=None): ...
+        >>> x, mask = torch.ones(2), torch.ones(2)
+        >>> names = argument_memory(f, ({"w": torch.ones(1)}, [x]), {"mask": mask})
+        >>> names[memory_of(x[1:])], names[memory_of(mask)]
+        ("f's argument 'x'", "f's argument 'mask'")
+    """
+    named = [(f"f's positional argument {i}", value) for i, value in enumerate(args)]
+    named.extend((f"f's argument {key!r}", value) for key, value in kwargs.items())
+    try:
+        signature = inspect.signature(f)
+        bound = signature.bind_partial(*args, **kwargs).arguments
+    except (TypeError, ValueError):  # no signature, or the arguments do not bind
+        bound = {}
+    if bound and all(signature.parameters[name].kind in _SINGLE for name in bound):
+        named = [(f"f's argument {name!r}", value) for name, value in bound.items()]
+    skipped = {memory_of(tensor) for tensor in skip} | {0}
+    found: dict[int, str] = {}
+    for name, value in named:
+        for leaf in leaves_of(value):
+            if isinstance(leaf, Tensor) and memory_of(leaf) not in skipped:
+                found.setdefault(memory_of(leaf), name)
+    return found
 
 
 def memory_of(tensor: Tensor) -> int:
@@ -527,7 +577,8 @@ class StaleWrites(_WriteGuard):
         super().__init__(captured, on_generator)
         self.written: str | None = None
 
-    def _refuse(self, write: str) -> None:
+    def _refuse(self, write: str, memory: int) -> None:
+        del memory
         self.written = write
         raise self._error()
 

@@ -80,7 +80,7 @@ from torchgram._core import _torch_compat
 from torchgram._core.checks import fail
 from torchgram._core.errors import BackendCannotRun
 from torchgram._core.norms import DecomposedNorms
-from torchgram._core.threads import math_attention
+from torchgram._core.threads import FORWARD_AD_LOCK, math_attention
 
 if TYPE_CHECKING:
     from torchgram._core.problem import Problem
@@ -154,6 +154,18 @@ def _has_forward_tangent(leaf: Any) -> bool:
     return isinstance(leaf, Tensor) and forward_ad.unpack_dual(leaf).tangent is not None
 
 
+def forward_ad_level_open() -> bool:
+    """:func:`_torch_compat.forward_ad_level_open`, read under :data:`FORWARD_AD_LOCK`.
+
+    The level is process-wide: another thread's ``ntvp`` pass holds the lock while its own
+    level is open (NOTE [threads]). Read unlocked, a call in this thread took that level for
+    one of its caller's and looked for tangents on its ``vmap``-batched tensors, where
+    ``unpack_dual`` has no batching rule (torch's raw error; a helper's hunt, session 66).
+    """
+    with FORWARD_AD_LOCK:
+        return _torch_compat.forward_ad_level_open()
+
+
 def refuse_forward_mode_tangents(api: str, differentiated: Any) -> None:
     """Refuse differentiated leaves carrying a ``forward_ad`` tangent (NOTE [composition]).
 
@@ -167,26 +179,29 @@ def refuse_forward_mode_tangents(api: str, differentiated: Any) -> None:
         ...
         NotImplementedError: api: expected differentiated tensors without forward-mode ...
     """
-    if not _torch_compat.forward_ad_level_open():
-        return
-    for leaf in optree.tree_leaves(differentiated):
-        if _has_forward_tangent(leaf):
-            fail(api, "differentiated tensors without forward-mode tangents",
-                 f"a tensor of shape {tuple(leaf.shape)} made dual by "
-                 f"torch.autograd.forward_ad.make_dual (no backend carries its tangent into "
-                 f"G)", "Pass forward_ad.unpack_dual(t).primal, or take G's derivative with "
-                 "torch.func.jvp or jacfwd around the call, outside the dual_level() block.",
-                 NotImplementedError)
+    with FORWARD_AD_LOCK:  # NOTE [threads]: the level must stay the caller's while read
+        if not _torch_compat.forward_ad_level_open():
+            return
+        dual = [leaf for leaf in optree.tree_leaves(differentiated)
+                if _has_forward_tangent(leaf)]
+    if dual:
+        fail(api, "differentiated tensors without forward-mode tangents",
+             f"a tensor of shape {tuple(dual[0].shape)} made dual by "
+             f"torch.autograd.forward_ad.make_dual (no backend carries its tangent into G)",
+             "Pass forward_ad.unpack_dual(t).primal, or take G's derivative with "
+             "torch.func.jvp or jacfwd around the call, outside the dual_level() block.",
+             NotImplementedError)
 
 
 def carries_forward_tangents(out: Any) -> bool:
     """Whether a tensor of ``out`` carries a ``forward_ad`` tangent (inside a dual level).
 
-    The level is global to the process (another thread's ``torch.func.jvp`` opens one too);
-    the tangent is the call's own.
+    The level is global to the process (another thread's ``ntvp`` pass opens one too: read
+    under :data:`FORWARD_AD_LOCK`); the tangent is the call's own.
     """
-    return _torch_compat.forward_ad_level_open() and any(
-        _has_forward_tangent(leaf) for leaf in optree.tree_leaves(out))
+    with FORWARD_AD_LOCK:  # NOTE [threads]: the level must stay the caller's while read
+        return _torch_compat.forward_ad_level_open() and any(
+            _has_forward_tangent(leaf) for leaf in optree.tree_leaves(out))
 
 
 def require_no_forward_tangents(problem: Problem, backend: str) -> None:

@@ -264,7 +264,13 @@ class CapturedWrite(RuntimeError):  # noqa: N818
 
     NOTE [captured writes] (``captured_writes.py``); the probe turns it into
     :func:`captured_write_refusal`, the ``ValueError`` every backend raises for such an ``f``.
+    ``str(error)`` is the write's name; ``into`` names the argument of ``f`` that holds the
+    tensor written into (``"f's argument 'x'"``), where it is one of ``f``'s inputs.
     """
+
+    def __init__(self, write: str, into: str | None = None) -> None:
+        super().__init__(write)
+        self.into = into
 
 
 class DerivativeFault(RuntimeError):  # noqa: N818 -- a refusal, raised for the API to convert
@@ -490,6 +496,10 @@ def captured_write_refusal(api: str, error: BaseException) -> ValueError | None:
     Example:
         >>> str(captured_write_refusal("torchgram.gramian", CapturedWrite("add_")))[:60]
         'torchgram.gramian: expected f that writes only into tensors '
+        >>> refusal = captured_write_refusal("torchgram.gramian",
+        ...                                  CapturedWrite("__setitem__", "f's argument 'x'"))
+        >>> "but got an in-place __setitem__ into f's argument 'x'" in str(refusal)
+        True
     """
     if not isinstance(error, CapturedWrite):
         return None
@@ -504,10 +514,17 @@ def captured_write_refusal(api: str, error: BaseException) -> ValueError | None:
             "and leaves yours as it is), or renormalise it once before the call (e.g. "
             "torch.embedding_renorm_(table, indices, max_norm, 2.0) under torch.no_grad()) "
             "and call the embedding without max_norm."))
+    expected = ("f that writes only into tensors it made (torchgram evaluates f several times "
+                "per call: each write into a tensor f captured or received would change yours "
+                "and make the next evaluation another function)")
+    if error.into is not None:  # one of f's inputs: tg.functionalize would not help
+        return ValueError(message(
+            api, expected, f"an in-place {error} into {error.into}, a tensor you pass to f",
+            "Clone it inside f before anything writes into it (x = x.clone(), or "
+            "model(x.clone()) where the model's forward writes into its input), or write "
+            "out of place (torch.where or masked_fill instead of x[mask] = 0)."))
     return ValueError(message(
-        api, "f that writes only into tensors it made (torchgram evaluates f several times "
-        "per call: each write into a tensor f captured or received would change yours and "
-        "make the next evaluation another function)",
+        api, expected,
         f"an in-place {error} into a tensor f did not make (a module buffer updated by its "
         "forward, such as a running average or a counter, when f calls "
         "torch.func.functional_call(model, ...); or f's own input)",

@@ -40,6 +40,7 @@ from torchgram._core.captured_writes import (
     CapturedWrites,
     RenormalisedOnce,
     StaleWrites,
+    argument_memory,
     captured_memory,
 )
 from torchgram._core.census import (
@@ -55,6 +56,7 @@ from torchgram._core.composition import (
     carries_forward_tangents,
     detect_composition,
     differentiable_evaluation,
+    forward_ad_level_open,
     refuse_forward_mode_tangents,
 )
 from torchgram._core.errors import (
@@ -981,7 +983,7 @@ def _probe_key(f: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str
     return call_signature(f, args, kwargs, diff.positions, has_aux,
                           None if batch is None else (batch.batch_dim, batch.positions,
                                                       batch.dims),
-                          (composition.transforms, _torch_compat.forward_ad_level_open()))
+                          (composition.transforms, forward_ad_level_open()))
 
 
 def forget_probe(problem: Problem) -> None:
@@ -1052,7 +1054,8 @@ def _evaluate_probe(api: str, f: Callable[..., Any], args: tuple[Any, ...],
     def evaluate(values: tuple[Tensor, ...]) -> Any:
         return f(*diff.rebuild_args(args, values), **kwargs)
 
-    writes = CapturedWrites(captured_memory(f, (args, dict(kwargs)), own=leaves), draw.adopt)
+    writes = CapturedWrites(captured_memory(f, (args, dict(kwargs)), own=leaves), draw.adopt,
+                            argument_memory(f, args, kwargs, skip=diff.leaves))
 
     def evaluate_probe() -> Any:  # the next evaluation starts from the call's state
         return evaluate_f(evaluate, leaves,

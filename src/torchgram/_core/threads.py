@@ -13,6 +13,9 @@ problem, plan and result torchgram builds. What is shared by the whole process, 
   access a forward AD level with an invalid index"). Every forward-mode pass of torchgram
   holds :data:`FORWARD_AD_LOCK`: concurrent ``ntvp`` calls are **serialised** in their
   forward-mode pushes (their vjps, Gram products and everything else run concurrently).
+  Every call reads whether a level is open (its caller's: a call inside ``dual_level()``)
+  under that lock too (``composition.forward_ad_level_open``): read unlocked, another
+  thread's ntvp level looked like the caller's (session 66: torch's raw error under ``vmap``).
   Forward-mode AD run by other code in another thread at the same time is not protected.
 * **the attention kernel switches** (``torch.nn.attention.sdpa_kernel``): process-wide
   flags, saved and restored by each context; interleaved in two threads they end in the
