@@ -49,10 +49,12 @@ def upgrad(
     way every answer is exact to float64 round-off: each projection ``v_i`` is certified by its
     relative KKT residual ``ρ ≤ 1e-13``, which bounds its error by ``ρ ‖σ_i‖₂ / reg_eps`` (NOTE
     [KKT certificate] in ``torchgram/weighting/_kkt.py``; NOTE [choosing the non-negative QP
-    solver] in ``_nonneg.py``). With a ridge far below the default on a singular Gramian
-    (``reg_eps ≤ 1e-10``, exactly opposite rows) the direct solver's face systems are nearly
-    singular and ``ρ`` reaches 1e-8 (session 58's hunt: the weights still within 5e-7 of the
-    40-digit answer, closer than torchjd's quadprog).
+    solver] in ``_nonneg.py``). With a ridge below the default on a nearly singular Gramian
+    the direct solver's face systems are ill-conditioned and ``ρ`` goes past 1e-13: up to
+    2.4e-13 for ``reg_eps`` from 1e-6 to 1e-9 on near-duplicate rows of opposite signs (m =
+    256; the weights within 1e-9 of torchjd's quadprog, session 66's hunt), and up to 1e-8 for
+    ``reg_eps ≤ 1e-10`` with exactly opposite rows (session 58's hunt: the weights still
+    within 5e-7 of the 40-digit answer, closer than torchjd's quadprog).
 
     Args:
         G: The Gramian ``J Jᵀ`` of shape ``[m, m]``, symmetric positive semi-definite.
