@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+import torchgram as tg
 from torchgram._core.signature import call_signature, identity
 
 
@@ -59,3 +60,22 @@ def test_a_rebuilt_closure_over_a_new_object_has_a_new_key() -> None:
     for _ in range(64):
         rows = _rows(_Model())
         assert call_signature(rows, (x,), {}) != first
+
+
+def test_functions_that_differ_in_their_defaults_have_other_keys() -> None:
+    """``[lambda p, x, g=g: g(p, x).sum(-1) for g in layers]``: one code object, no closure,
+    other defaults; before session 66 they shared a key and ``tg.explain`` reported the first
+    one's leaves for the others (a helper's hunt)."""
+    double = torch.float64
+    params = {"a": torch.randn(4, 4, dtype=double), "b": torch.randn(4, 4, dtype=double)}
+    x = torch.randn(3, 4, dtype=double)
+    layers = [lambda p, x: (x @ p["a"]).sin(), lambda p, x: (x @ p["b"]).cos()]
+    rows = [lambda p, x, g=g: g(p, x).sum(-1) for g in layers]
+    assert call_signature(rows[0], (params, x), {}) != call_signature(rows[1], (params, x), {})
+    keyword = [lambda p, x, *, g=g: g(p, x).sum(-1) for g in layers]
+    assert call_signature(keyword[0], (params, x), {}) != \
+        call_signature(keyword[1], (params, x), {})
+    for batch_dim in (None, 0):
+        for used, f in zip("ab", rows, strict=True):
+            leaves = tg.explain(f, batch_dim=batch_dim)(params, x).leaves
+            assert [leaf.name for leaf in leaves if leaf.way != "unused"] == [used]

@@ -95,23 +95,30 @@ def _forget_serial(key: int, ref: weakref.ref[Any]) -> None:
 
 
 def function_identity(f: Callable[..., Any]) -> tuple[Any, ...] | None:
-    """``f``'s code object, the identities of its bound instance and closure's contents.
+    """``f``'s code object, the identities of its bound instance, closure's contents, defaults.
 
-    Identities as :func:`identity` gives them (NOTE [identities]). ``None`` when ``f`` has no
-    code object to key on (e.g. a builtin): such calls are not cached.
+    Identities as :func:`identity` gives them (NOTE [identities]). The defaults count: the
+    lambdas of ``[lambda p, x, g=g: g(p, x).sum(-1) for g in layers]`` share their code and
+    differ only there (``tg.explain`` reported the first one's leaves for the others; a
+    helper's hunt, session 66). ``None`` when ``f`` has no code object to key on (e.g. a
+    builtin): such calls are not cached.
 
     Example:
         >>> function_identity(lambda x: x)[1:]
-        (0, ())
+        (0, (), ())
+        >>> make = [lambda x, k=k: x * k for k in (object(), object())]
+        >>> function_identity(make[0]) != function_identity(make[1])
+        True
         >>> function_identity(abs) is None
         True
     """
     code = getattr(f, "__code__", None)
     if code is not None:
-        return code, 0, _closure_identities(f)
+        return code, 0, _closure_identities(f), _default_identities(f)
     func = getattr(f, "__func__", None)
     if func is not None and getattr(func, "__code__", None) is not None:
-        return func.__code__, identity(getattr(f, "__self__", None)), _closure_identities(func)
+        return (func.__code__, identity(getattr(f, "__self__", None)), _closure_identities(func),
+                _default_identities(func))
     method = type(f).__call__ if callable(f) else None  # a callable object
     call = getattr(method, "__code__", None)
     return None if call is None else (call, identity(f), ())
@@ -125,6 +132,12 @@ def _closure_identities(func: Any) -> tuple[Any, ...]:
         except ValueError:  # an empty cell
             identities.append(0)
     return tuple(identities)
+
+
+def _default_identities(func: Any) -> tuple[Any, ...]:
+    positional = tuple(identity(value) for value in getattr(func, "__defaults__", None) or ())
+    keywords = getattr(func, "__kwdefaults__", None) or {}
+    return positional + tuple(sorted((name, identity(value)) for name, value in keywords.items()))
 
 
 def _describe(leaf: Any) -> Hashable:
