@@ -32,6 +32,21 @@ that the probe gives ``f`` are its own (an embedding's ``max_norm`` renormalises
 place: NOTE [probing]); batch norm's running statistics never reach the mode (NOTE [frozen
 running statistics] drops them first).
 
+NOTE [writes into the parameters]
+The probe evaluates ``f`` on copies of the differentiated parameters, and where ``f`` wrote
+into them every evaluation of the call works on one set of copies (``Probe.mutates_leaves``),
+so that the caller's tensors stay as they are. That is right for the one write it was made
+for, an embedding's ``max_norm``, which renormalises rows only where they need it (NOTE
+[renormalised once]): every evaluation sees the same values. Any other write made each
+evaluation see other values (``with torch.no_grad(): p["v"].add_(1.0)`` in ``f``: every
+evaluation after the first added one more) and ``auto``, ``structured``, ``jacobian`` and
+``ntvp`` gave matrices 0.05 to 8 off, relative, without a word (a helper's hunt, session
+66; a module's forward doing ``self.weight.mul_(1.1)`` through ``tg.functionalize`` alike).
+Such an ``f`` changes what it differentiates with every call: the probe now refuses a write
+into the differentiated parameters other than an embedding's renormalisation, with the
+``ValueError`` of the captured writes, naming the parameter's shape and the fixes (the
+update outside ``f``, or its value computed out of place inside ``f``).
+
 NOTE [writes under a cached probe]
 Later calls of a call signature reuse its probe (NOTE [call signatures]), and a probe may be
 another f's: a module-level function reads the model from a global that now names another
@@ -458,12 +473,17 @@ class _WriteGuard(TorchFunctionMode):
         if target is not None:
             self.wrote = True
             memory = memory_of(target)
-            if memory in self._captured():
+            if memory in self._captured() or self._refuses_own(func, memory):
                 self._refuse(getattr(func, "__name__", "a write"), memory)
         return func(*args, **kwargs)
 
     def _refuse(self, write: str, memory: int) -> None:
         raise NotImplementedError
+
+    def _refuses_own(self, func: Any, memory: int) -> bool:
+        """Whether a write into memory that is not captured is refused all the same."""
+        del func, memory
+        return False
 
 
 class CapturedWrites(_WriteGuard):
@@ -474,6 +494,9 @@ class CapturedWrites(_WriteGuard):
             evaluation, so no tensor made during it takes their memory).
         arguments: :func:`argument_memory`'s names of those that are ``f``'s inputs, for
             the error to name the argument written into.
+        parameters: The probe's copies of the differentiated parameters: a write into one is
+            refused too, unless it is an embedding's ``max_norm`` renormalisation (NOTE
+            [writes into the parameters]).
 
     ``wrote`` (whether ``f`` wrote into any tensor) is ``Probe.writes``.
 
@@ -490,12 +513,23 @@ class CapturedWrites(_WriteGuard):
 
     def __init__(self, captured: frozenset[int],
                  on_generator: Callable[[torch.Generator], None] | None = None,
-                 arguments: Mapping[int, str] | None = None) -> None:
+                 arguments: Mapping[int, str] | None = None,
+                 parameters: Sequence[Tensor] = ()) -> None:
         super().__init__(lambda: captured, on_generator)
         self._arguments = arguments or {}
+        self._parameters = {memory_of(tensor): tensor for tensor in parameters
+                            if memory_of(tensor) != 0}
 
     def _refuse(self, write: str, memory: int) -> None:
+        parameter = self._parameters.get(memory)
+        if parameter is not None:
+            raise CapturedWrite(write, f"a differentiated parameter of shape "
+                                f"{tuple(parameter.shape)}", parameter=True)
         raise CapturedWrite(write, self._arguments.get(memory))
+
+    def _refuses_own(self, func: Any, memory: int) -> bool:
+        """A write into a differentiated parameter, other than an embedding's renormalisation."""
+        return memory in self._parameters and func not in _RENORMING
 
 
 _SINGLE = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD,

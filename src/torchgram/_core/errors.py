@@ -264,13 +264,15 @@ class CapturedWrite(RuntimeError):  # noqa: N818
 
     NOTE [captured writes] (``captured_writes.py``); the probe turns it into
     :func:`captured_write_refusal`, the ``ValueError`` every backend raises for such an ``f``.
-    ``str(error)`` is the write's name; ``into`` names the argument of ``f`` that holds the
-    tensor written into (``"f's argument 'x'"``), where it is one of ``f``'s inputs.
+    ``str(error)`` is the write's name; ``into`` names the tensor written into where it is one
+    of ``f``'s inputs (``"f's argument 'x'"``) or a differentiated parameter.
     """
 
-    def __init__(self, write: str, into: str | None = None) -> None:
+    def __init__(self, write: str, into: str | None = None, *, parameter: bool = False) -> None:
         super().__init__(write)
         self.into = into
+        self.parameter = parameter
+        """Whether ``into`` is a differentiated parameter (NOTE [writes into the parameters])."""
 
 
 class DerivativeFault(RuntimeError):  # noqa: N818 -- a refusal, raised for the API to convert
@@ -517,6 +519,15 @@ def captured_write_refusal(api: str, error: BaseException) -> ValueError | None:
     expected = ("f that writes only into tensors it made (torchgram evaluates f several times "
                 "per call: each write into a tensor f captured or received would change yours "
                 "and make the next evaluation another function)")
+    if error.parameter:  # NOTE [writes into the parameters]
+        return ValueError(message(
+            api, "f that leaves the parameters it is differentiated with respect to as they "
+            "are (torchgram differentiates f at the values you pass and evaluates f several "
+            "times per call: a write into them would make each evaluation another function)",
+            f"an in-place {error} into {error.into}",
+            "Apply the update outside f, before the call (e.g. under torch.no_grad()), or "
+            "compute the changed value out of place inside f (v = v + 1 instead of "
+            "v.add_(1)): it is then part of what is differentiated."))
     if error.into is not None:  # one of f's inputs: tg.functionalize would not help
         return ValueError(message(
             api, expected, f"an in-place {error} into {error.into}, a tensor you pass to f",

@@ -1055,7 +1055,7 @@ def _evaluate_probe(api: str, f: Callable[..., Any], args: tuple[Any, ...],
         return f(*diff.rebuild_args(args, values), **kwargs)
 
     writes = CapturedWrites(captured_memory(f, (args, dict(kwargs)), own=leaves), draw.adopt,
-                            argument_memory(f, args, kwargs, skip=diff.leaves))
+                            argument_memory(f, args, kwargs, skip=diff.leaves), copies)
 
     def evaluate_probe() -> Any:  # the next evaluation starts from the call's state
         return evaluate_f(evaluate, leaves,
