@@ -197,6 +197,28 @@ def test_a_write_into_a_differentiated_parameter_is_refused(backend: str,
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_a_write_into_a_parameter_its_probe_did_not_see_is_refused(backend: str) -> None:
+    """The probe (one sample) does not write; the batch's evaluations do, into the caller's
+    own parameter: the write guard asked for its storage under the structured pass's tap
+    mode, which took that for an untraced use of the leaf and raised, and the guard read
+    "no storage" and let the writes through (the caller's v moved by 2; session 66)."""
+    clear_caches()
+    w, v = torch.randn(4, 3, dtype=DOUBLE), torch.randn(3, dtype=DOUBLE)
+    x = torch.randn(5, 4, dtype=DOUBLE)
+    params = {"w": w.clone(), "v": v.clone()}
+
+    def f(p: dict[str, Tensor], x: Tensor) -> Tensor:
+        if x.shape[0] > 1:
+            with torch.no_grad():
+                p["v"].add_(1.0)
+        return torch.tanh(x @ p["w"]) @ p["v"]
+
+    with pytest.raises(ValueError, match="add_ into a differentiated parameter"):
+        tg.gramian(f, backend=backend, batch_dim=0)(params, x)
+    assert torch.equal(params["v"], v) and torch.equal(params["w"], w)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_an_input_in_a_container_or_a_keyword_is_named(backend: str) -> None:
     clear_caches()
     w = torch.randn(3, 4, dtype=DOUBLE)

@@ -584,7 +584,12 @@ def memory_of(tensor: Tensor) -> int:
     if is_lazy(tensor):  # a lazy module's, before its first call
         return 0
     try:
-        return int(innermost(tensor).untyped_storage().data_ptr())
+        # Past every torch-function mode: a write guard asks while other modes are active,
+        # and the structured pass's tap mode took the storage lookup on a parameter for a
+        # use it had not traced and raised, which read as "no storage": the guard let
+        # writes into the caller's parameters through (session 66).
+        with torch._C.DisableTorchFunction():
+            return int(innermost(tensor).untyped_storage().data_ptr())
     except (RuntimeError, NotImplementedError):  # no storage (a sparse or nested tensor)
         return 0
 
