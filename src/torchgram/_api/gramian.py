@@ -48,7 +48,9 @@ def gramian(
             floating tensors (``(output, aux)`` with ``has_aux=True``).
         argnums: The positional argument(s) to differentiate (int or tuple, negative values
             allowed). Every floating tensor leaf of those arguments is a parameter; other
-            leaves (integer tensors, Python numbers, ...) are constants.
+            leaves (integer tensors, Python numbers, ...) are constants. An object optree
+            does not know that holds floating tensors (a dataclass not registered as a
+            pytree node, a ``SimpleNamespace``, a module) is refused with a ``TypeError``.
         has_aux: ``f`` returns ``(output, aux)``; the transform then returns ``(G, aux)``.
         backend: ``"auto"`` (default) or the name of a backend, see
             :func:`torchgram.backends.backend_names`.

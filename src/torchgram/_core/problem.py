@@ -77,7 +77,7 @@ from torchgram._core.errors import (
 from torchgram._core.hooked_modules import reached
 from torchgram._core.model_caches import refuse_updated_caches
 from torchgram._core.options import InDims, Options
-from torchgram._core.pytree import DiffLeaves, leaves_of, select_diff_leaves
+from torchgram._core.pytree import DiffLeaves, hidden_tensor, leaves_of, select_diff_leaves
 from torchgram._core.rng import RngState
 from torchgram._core.running_stats import FrozenRunningStats, counters_refused
 from torchgram._core.side_gradients import evaluating
@@ -878,6 +878,16 @@ def build_problem(options: Options, f: Callable[..., Any], args: tuple[Any, ...]
              f"({complex_leaves[0].dtype})",
              "Pass its real and imaginary parts as real parameters: torch.view_as_real(p), "
              "and torch.view_as_complex inside f.", TypeError)
+    for leaf in (leaf for leaves in diff.arg_leaves for leaf in leaves):
+        if (hidden := hidden_tensor(leaf)) is not None:  # NOTE [tensors inside opaque leaves]
+            fail(api, f"the differentiated argument(s) {argnums} as pytrees whose floating "
+                 "tensors are their leaves (dicts, lists, tuples, namedtuples, classes "
+                 "registered with optree)", f"a {type(leaf).__name__} holding a tensor of shape "
+                 f"{tuple(hidden.shape)}: optree sees it as one leaf, and its tensors would be "
+                 "constants", "Pass its tensors in a dict (e.g. vars(obj), "
+                 "dataclasses.asdict(obj), dict(module.named_parameters())), or register its "
+                 "class with optree.register_pytree_node; to keep them constant, pass the "
+                 "object as another argument, outside argnums.", TypeError)
     narrow = [leaf for leaf in diff.leaves if leaf.dtype.itemsize == 1]
     if narrow:  # float8: torch promotes it with no other dtype (raw errors on every backend)
         fail(api, f"floating-point leaves of 16 bits or more in the differentiated "
