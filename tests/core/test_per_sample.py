@@ -9,6 +9,7 @@ when ``f`` fails on a batch of one.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import optree
@@ -235,3 +236,23 @@ def test_a_mapping_optree_keeps_whole_is_named(with_targets: bool) -> None:
     torch.testing.assert_close(tg.gramian(g, batch_dim=0)(weight, x, weights),
                                dense_gramian(g, (weight, x, weights)).gramian, rtol=1e-10,
                                atol=1e-12)
+
+
+@dataclasses.dataclass
+class _Batch:  # not registered with optree: one leaf
+    features: torch.Tensor
+
+
+def test_an_object_optree_keeps_whole_is_named() -> None:
+    """A dataclass as the only batched input met "in_dims=0 selecting no tensor among the
+    inputs. Pass the batch as a positional argument", which it was (a helper's hunt, session
+    66); the error now says why its tensors are not split."""
+    weight = torch.randn(7, 2, dtype=torch.float64)
+    batch = _Batch(torch.randn(4, 7, dtype=torch.float64))
+
+    def f(w: torch.Tensor, batch: Any) -> torch.Tensor:
+        return torch.tanh(batch.features @ w).sum(1)
+
+    with pytest.raises(ValueError, match=r"a _Batch in argument 1 holding a tensor of shape "
+                       r"\(4, 7\): optree sees it as one leaf.*dataclasses.asdict"):
+        tg.gramian(f, batch_dim=0)(weight, batch)
