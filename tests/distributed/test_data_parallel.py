@@ -261,6 +261,22 @@ def _errors(rank: int) -> dict[str, tuple[str, str]]:
         lambda: tg.distributed.gramian(random_centred, batch_dim=0)(w, one_sample))
     out["random, one sample per rank"] = _error(
         lambda: tg.distributed.gramian(random_per_sample, batch_dim=0)(w, one_sample))
+    # NOTE [the same call on every rank]: raw IndexError / gloo's abort before session 66
+    out["diagonal on one rank"] = _error(lambda: tg.distributed.gramian(
+        case.f, batch_dim=0, diagonal=rank == 1)(case.params, *local))
+    out["per_leaf on one rank"] = _error(lambda: tg.distributed.gramian(
+        case.f, batch_dim=0, per_leaf=rank == 1)(case.params, *local))
+    out["another backend on one rank"] = _error(lambda: tg.distributed.gramian(
+        case.f, batch_dim=0, backend="jacobian" if rank else "auto")(case.params, *local))
+    for name, bad in (("inf", float("inf")), ("nan", float("nan"))):  # the same on every rank
+        broken = {k: v.clone() for k, v in case.params.items()}
+        next(iter(broken.values())).view(-1)[0] = bad
+        single = tg.gramian(case.f, batch_dim=0)(broken, *case.inputs)
+        mine = tg.distributed.gramian(case.f, batch_dim=0)(broken, *local)
+        out[f"{name} in a parameter"] = ("no error", "") if torch.equal(
+            mine.isnan(), single.isnan()) and torch.allclose(
+            mine.nan_to_num(), single.nan_to_num(), rtol=1e-10, atol=1e-12) else (
+            "mismatch", f"{mine} against {single}")
     out["then it still works"] = ("ok", digest(tg.distributed.gramian(case.f, batch_dim=0)(
         case.params, *local)))
     return out
@@ -390,6 +406,11 @@ def test_random_f_gives_each_rank_block_of_its_own_draw(
     ("no samples anywhere", "ValueError", "at least one rank with samples"),
     ("random, one sample per rank, coupled", "ValueError", "the samples interact"),
     ("random, one sample per rank", "no error", ""),
+    ("diagonal on one rank", "ValueError", "diagonal=True against False on rank 1"),
+    ("per_leaf on one rank", "ValueError", "per_leaf=True against False on rank 1"),
+    ("another backend on one rank", "ValueError", "backend='jacobian' against 'auto'"),
+    ("inf in a parameter", "no error", ""),
+    ("nan in a parameter", "no error", ""),
 ])
 def test_errors_are_raised_on_every_rank(results: list[dict[str, Any]], check: str, error: str,
                                          text: str) -> None:

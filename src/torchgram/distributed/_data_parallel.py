@@ -25,6 +25,7 @@ with the summaries.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -207,7 +208,7 @@ def _local_work(local: Local, options: Options, f: Callable[..., Any], args: tup
             with output_changes_refused(api, problem.draw.rewind):
                 payloads = pass_payloads(problem)
     except NotPerSample as why:
-        if not why.random:
+        if not why.random and not _nan_parameters(problem):
             _coupled(api, _named_coupling(f, args, kwargs) or why.reason)
         payloads = pass_payloads(problem, dense=True)
     if batch is not None and batch > 1 and problem.draw.random \
@@ -361,6 +362,17 @@ def _local_diagonal(local: Local, options: Options, f: Callable[..., Any],
                                 leaves=tuple(LeafSummary(zero=True) for _ in problem.leaves))
 
 
+def _nan_parameters(problem: Problem) -> bool:
+    """Whether a differentiated parameter holds NaN.
+
+    Every output is NaN then, so the comparison of samples run alone with the batch cannot
+    pass: such a rank takes its rows of the whole batch, and G holds NaN as the
+    single-process Gramian does (it read as "the samples interact" before; a helper's hunt,
+    session 66).
+    """
+    return any(bool(leaf.isnan().any()) for leaf in problem.diff.leaves)
+
+
 def _coupled(api: str, reason: str, error: BaseException | None = None) -> NoReturn:
     message = checks.message(
         api, "samples that do not interact: batch_dim promises it, and each rank sees its "
@@ -472,13 +484,15 @@ def run(options: Options, f: Callable[..., Any], args: tuple[Any, ...],
     summary = local.summary
     if options.diagonal and local.diagonal is not None:
         summary = dataclasses.replace(summary, leaves=())  # diagonals travel separately
-    gathered = group.all_gather_object((summary, local.diagonal, _fingerprint(local.diff)))
-    raise_any_error(options.api, [s.error for s, _, _ in gathered], group.rank, local.error)
-    check_same_parameters(options.api, [p for _, _, p in gathered])
-    summaries = [s for s, _, _ in gathered]
+    gathered = group.all_gather_object((summary, local.diagonal, _fingerprint(local.diff),
+                                        call_options(options)))
+    check_same_options(options.api, [o for _, _, _, o in gathered])
+    raise_any_error(options.api, [s.error for s, _, _, _ in gathered], group.rank, local.error)
+    check_same_parameters(options.api, [p for _, _, p, _ in gathered])
+    summaries = [s for s, _, _, _ in gathered]
     agreement = agree(options.api, summaries, force_jacobian=options.backend == "jacobian")
     if options.diagonal:
-        return _diagonal_result(options, local, agreement, [d for _, d, _ in gathered], group)
+        return _diagonal_result(options, local, agreement, [d for _, d, _, _ in gathered], group)
     return _exchange_and_reduce(options, local, agreement, summaries, group)
 
 
@@ -505,16 +519,55 @@ def _fingerprint(diff: DiffLeaves | None) -> tuple[tuple[tuple[int, ...], str, f
                  for leaf, total in zip(diff.leaves, sums, strict=True))
 
 
+def call_options(options: Options) -> tuple[Any, ...]:
+    """What every rank's call must agree on (NOTE [the same call on every rank])."""
+    return (options.argnums, options.has_aux, options.backend, options.batch_dim,
+            options.diagonal, options.per_leaf)
+
+
+_OPTION_NAMES = ("argnums", "has_aux", "backend", "batch_dim", "diagonal", "per_leaf")
+
+
+# NOTE [the same call on every rank]
+# The ranks of a data-parallel call exchange pieces whose shapes follow from the call's
+# options. Ranks passing other options (diagonal=True on one rank only, per_leaf, another
+# backend) met torch's raw IndexError in the agreement, or gloo's "Received data size doesn't
+# match expected size", which aborts every rank's process (a helper's hunt, session 66). The
+# options travel with the first exchange, and every rank raises the same error where they
+# differ, before any other piece is exchanged.
+
+
+def check_same_options(api: str, gathered: Sequence[tuple[Any, ...]]) -> None:
+    """Raise (on every rank) where ranks called with other options."""
+    for rank, values in enumerate(gathered[1:], start=1):
+        differing = [f"{name}={mine!r} against {first!r}" for name, mine, first
+                     in zip(_OPTION_NAMES, values, gathered[0], strict=True) if mine != first]
+        if differing:
+            checks.fail(api, "the same call on every rank of the group (the ranks exchange "
+                        "pieces whose shapes follow from its options)",
+                        f"{', '.join(differing)} on rank {rank} against rank 0",
+                        "Call it with the same options on every rank.")
+
+
+def _same_sum(a: float, b: float) -> bool:
+    """Two fingerprint sums agree: equal (inf included), both NaN, or within round-off."""
+    if a == b or (math.isnan(a) and math.isnan(b)):
+        return True
+    return abs(a - b) <= 1e-6 * max(abs(a), abs(b), 1e-30)
+
+
 def check_same_parameters(api: str, fingerprints: Sequence[tuple[Any, ...]]) -> None:
     """Raise (on every rank: each compares the same list) where ranks passed other parameters.
 
     NOTE [the same parameters on every rank]; ranks that passed none (``()``) are skipped.
+    Sums that are not finite compare by equality (a parameter holding ``inf`` or NaN on every
+    rank was refused as another parameter: a helper's hunt, session 66).
     """
     known = [(rank, print_) for rank, print_ in enumerate(fingerprints) if print_]
     for rank, print_ in known[1:]:
         first_rank, first = known[0]
         same = len(print_) == len(first) and all(
-            a[:2] == b[:2] and abs(a[2] - b[2]) <= 1e-6 * max(abs(a[2]), abs(b[2]), 1e-30)
+            a[:2] == b[:2] and _same_sum(a[2], b[2])
             for a, b in zip(print_, first, strict=True))
         if not same:
             checks.fail(api, "the same parameters on every rank of the group (each rank "
