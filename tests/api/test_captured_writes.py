@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 import torchgram as tg
@@ -216,6 +217,58 @@ def test_a_write_into_a_parameter_its_probe_did_not_see_is_refused(backend: str)
     with pytest.raises(ValueError, match="add_ into a differentiated parameter"):
         tg.gramian(f, backend=backend, batch_dim=0)(params, x)
     assert torch.equal(params["v"], v) and torch.equal(params["w"], w)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_write_its_probe_did_not_see_beside_an_embedding_renormalisation(backend: str) -> None:
+    """The review of session 66: a one-sample probe that saw only an embedding's max_norm
+    had every evaluation work on one set of copies, and a write into another parameter made
+    on the batch only went to the copies on every evaluation (structured 20.8, ntvp 31.6
+    off). The later evaluations' guards refuse it too; the whole batch's probe names it."""
+    clear_caches()
+    table, v = torch.randn(10, 4, dtype=DOUBLE), torch.randn(4, dtype=DOUBLE)
+    params = {"E": table.clone(), "v": v.clone()}
+    ids = torch.randint(0, 10, (5,))
+
+    def f(p: dict[str, Tensor], ids: Tensor) -> Tensor:
+        rows = F.embedding(ids, p["E"], max_norm=1.0)
+        if ids.shape[0] > 1:
+            with torch.no_grad():
+                p["v"].mul_(1.5)
+        return torch.tanh(rows) @ p["v"]
+
+    with pytest.raises(ValueError, match="mul_ into a differentiated parameter of shape"):
+        tg.gramian(f, backend=backend, batch_dim=0)(params, ids)
+    assert torch.equal(params["E"], table) and torch.equal(params["v"], v)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_torch_nn_init_writes_are_seen(backend: str) -> None:
+    """torch.nn.init's functions pass their tensor by keyword (tensor=...): the write guards
+    looked at the positional arguments only and let them through (the review of session 66:
+    a captured buffer moved from 1 to 3 on auto)."""
+    clear_caches()
+    w, buffer = torch.randn(4, 3, dtype=DOUBLE), torch.ones(3, dtype=DOUBLE)
+    x = torch.randn(5, 4, dtype=DOUBLE)
+
+    def into_parameter(p: dict[str, Tensor], x: Tensor) -> Tensor:
+        with torch.no_grad():
+            torch.nn.init.constant_(p["v"], 2.0)
+        return torch.tanh(x @ p["w"]) @ p["v"]
+
+    params = {"w": w.clone(), "v": buffer.clone()}
+    with pytest.raises(ValueError, match="constant_ into a differentiated parameter"):
+        tg.gramian(into_parameter, backend=backend, batch_dim=0)(params, x)
+    assert torch.equal(params["v"], buffer)
+
+    def into_buffer(w: Tensor, x: Tensor) -> Tensor:
+        with torch.no_grad():
+            torch.nn.init.constant_(buffer, float(buffer[0]) + 1.0)
+        return torch.tanh(x @ w) @ buffer
+
+    with pytest.raises(ValueError, match="writes only into tensors it made"):
+        tg.gramian(into_buffer, backend=backend, batch_dim=0)(w, x)
+    assert torch.equal(buffer, torch.ones(3, dtype=DOUBLE))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

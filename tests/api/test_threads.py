@@ -26,6 +26,7 @@ from torchgram._core import problem as problem_module
 from torchgram._core import threads
 from torchgram._core.composition import differentiable_evaluation
 from torchgram._core.rng import RngState
+from torchgram._core.signature import clear_caches
 
 BACKENDS = ["jacobian", "ntvp", "graph", "structured", "auto"]
 THREADS = 4
@@ -233,6 +234,38 @@ def test_a_call_under_vmap_while_another_thread_is_in_forward_mode(backend: str)
         torch.testing.assert_close(outcome["b"], expected, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(outcome["a"], dense_gramian(f_a, (w, xa)).shaped(),
                                rtol=1e-10, atol=1e-12)
+
+
+def test_nested_calls_in_two_threads_one_in_forward_mode_do_not_deadlock() -> None:
+    """The review of session 66: every call reading the forward-mode level under
+    FORWARD_AD_LOCK (waiting for it) deadlocked with an ntvp pass whose f makes a nested call
+    (4 of 4 runs of 150 calls): thread A's pass holds the forward-mode lock and its nested
+    call waits for the random state's lock, which thread B's first evaluation holds while its
+    own nested call waits for the forward-mode lock. The lock is tried now, not waited for."""
+    torch.manual_seed(0)
+    w, x = torch.randn(3, 2, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+
+    def f(w: Tensor, x: Tensor) -> Tensor:
+        inner = tg.gramian(lambda q, z: (z @ q).sum(-1), backend="jacobian")(
+            torch.ones(3, dtype=torch.float64), x.detach())
+        return torch.tanh(x @ w).sum(-1) * (1 + 0 * inner.sum())
+
+    expected = dense_gramian(f, (w, x)).shaped()
+    errors: list[float] = []
+
+    def worker(backend: str) -> None:
+        for _ in range(100):
+            clear_caches()  # as the review ran it: every call probes afresh
+            errors.append(float((tg.gramian(f, backend=backend)(w, x) - expected).abs().max()))
+
+    workers = [threading.Thread(target=worker, args=(backend,), daemon=True)
+               for backend in ("ntvp", "jacobian")]
+    for thread in workers:
+        thread.start()
+    for thread in workers:
+        thread.join(timeout=120.0)
+    assert not any(thread.is_alive() for thread in workers), "deadlocked"
+    assert len(errors) == 200 and max(errors) < 1e-10
 
 
 @pytest.mark.parametrize("context", [threads.math_attention, differentiable_evaluation],

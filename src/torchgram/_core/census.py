@@ -17,11 +17,12 @@ from __future__ import annotations
 import contextlib
 import sys
 import types
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from torchgram._core import _torch_compat
@@ -143,8 +144,9 @@ class ProbeCheck(StaleWrites):
     def __init__(self, unbatched: Collection[str], sparse_embeddings: bool,
                  differentiates: str | None = None, decomposed: Collection[str] = (),
                  captured: Callable[[], frozenset[int]] = frozenset,
-                 on_generator: Callable[[torch.Generator], None] | None = None) -> None:
-        super().__init__(captured, on_generator)
+                 on_generator: Callable[[torch.Generator], None] | None = None,
+                 parameters: Sequence[Tensor] = ()) -> None:
+        super().__init__(captured, on_generator, parameters)
         self._unbatched = unbatched
         self._sparse_embeddings = sparse_embeddings
         self._differentiates = differentiates

@@ -154,16 +154,33 @@ def _has_forward_tangent(leaf: Any) -> bool:
     return isinstance(leaf, Tensor) and forward_ad.unpack_dual(leaf).tangent is not None
 
 
-def forward_ad_level_open() -> bool:
-    """:func:`_torch_compat.forward_ad_level_open`, read under :data:`FORWARD_AD_LOCK`.
+@contextlib.contextmanager
+def _callers_level() -> Iterator[bool]:
+    """Whether the caller opened a forward-mode level, with that level kept open meanwhile.
 
-    The level is process-wide: another thread's ``ntvp`` pass holds the lock while its own
-    level is open (NOTE [threads]). Read unlocked, a call in this thread took that level for
-    one of its caller's and looked for tangents on its ``vmap``-batched tensors, where
-    ``unpack_dual`` has no batching rule (torch's raw error; a helper's hunt, session 66).
+    The level is process-wide: another thread's ``ntvp`` pass holds :data:`FORWARD_AD_LOCK`
+    while its own level is open (NOTE [threads]). Read without the lock, a call in this thread
+    took that level for one of its caller's and looked for tangents on its ``vmap``-batched
+    tensors, where ``unpack_dual`` has no batching rule (torch's raw error; a helper's hunt,
+    session 66). The lock is tried, not waited for: a call nested in ``f`` may hold the random
+    state's lock while the ntvp pass of another thread, whose ``f`` makes a nested call, waits
+    for it (the review: a deadlock in 4 of 4 runs). Held by another thread, the level open
+    now is that thread's pass's, not the caller's (reentrant: the ntvp pass's own thread
+    gets it).
     """
-    with FORWARD_AD_LOCK:
-        return _torch_compat.forward_ad_level_open()
+    if not FORWARD_AD_LOCK.acquire(blocking=False):
+        yield False
+        return
+    try:
+        yield _torch_compat.forward_ad_level_open()
+    finally:
+        FORWARD_AD_LOCK.release()
+
+
+def forward_ad_level_open() -> bool:
+    """Whether the caller opened a forward-mode level (see :func:`_callers_level`)."""
+    with _callers_level() as level_open:
+        return level_open
 
 
 def refuse_forward_mode_tangents(api: str, differentiated: Any) -> None:
@@ -179,8 +196,8 @@ def refuse_forward_mode_tangents(api: str, differentiated: Any) -> None:
         ...
         NotImplementedError: api: expected differentiated tensors without forward-mode ...
     """
-    with FORWARD_AD_LOCK:  # NOTE [threads]: the level must stay the caller's while read
-        if not _torch_compat.forward_ad_level_open():
+    with _callers_level() as level_open:  # NOTE [threads]: kept the caller's while read
+        if not level_open:
             return
         dual = [leaf for leaf in optree.tree_leaves(differentiated)
                 if _has_forward_tangent(leaf)]
@@ -199,8 +216,8 @@ def carries_forward_tangents(out: Any) -> bool:
     The level is global to the process (another thread's ``ntvp`` pass opens one too: read
     under :data:`FORWARD_AD_LOCK`); the tangent is the call's own.
     """
-    with FORWARD_AD_LOCK:  # NOTE [threads]: the level must stay the caller's while read
-        return _torch_compat.forward_ad_level_open() and any(
+    with _callers_level() as level_open:  # NOTE [threads]: kept the caller's while read
+        return level_open and any(
             _has_forward_tangent(leaf) for leaf in optree.tree_leaves(out))
 
 

@@ -527,7 +527,10 @@ def captured_write_refusal(api: str, error: BaseException) -> ValueError | None:
             f"an in-place {error} into {error.into}",
             "Apply the update outside f, before the call (e.g. under torch.no_grad()), or "
             "compute the changed value out of place inside f (v = v + 1 instead of "
-            "v.add_(1)): it is then part of what is differentiated."))
+            "v.add_(1)): it is then part of what is differentiated. For a buffer the module "
+            "updates itself (spectral_norm's vectors, running statistics) passed among the "
+            "differentiated tensors, keep it out of them: tg.functionalize(model) "
+            "differentiates the parameters only."))
     if error.into is not None:  # one of f's inputs: tg.functionalize would not help
         return ValueError(message(
             api, expected, f"an in-place {error} into {error.into}, a tensor you pass to f",

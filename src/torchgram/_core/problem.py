@@ -42,6 +42,7 @@ from torchgram._core.captured_writes import (
     StaleWrites,
     argument_memory,
     captured_memory,
+    hidden_tensor,
 )
 from torchgram._core.census import (
     DenseEmbeddingGradients,
@@ -77,7 +78,7 @@ from torchgram._core.errors import (
 from torchgram._core.hooked_modules import reached
 from torchgram._core.model_caches import refuse_updated_caches
 from torchgram._core.options import InDims, Options
-from torchgram._core.pytree import DiffLeaves, hidden_tensor, leaves_of, select_diff_leaves
+from torchgram._core.pytree import DiffLeaves, leaves_of, select_diff_leaves
 from torchgram._core.rng import RngState
 from torchgram._core.running_stats import FrozenRunningStats, counters_refused
 from torchgram._core.side_gradients import evaluating
@@ -566,7 +567,7 @@ class Problem:
                                     self._evaluation,  # NOTE [decomposed norms]
                                     DenseEmbeddingGradients if self.sparse_embeddings
                                     else contextlib.nullcontext,
-                                    self._probe_check,
+                                    lambda: self._probe_check(leaves),
                                     FrozenRunningStats,  # NOTE [frozen running statistics]
                                     # NOTE [prelu as where] and the others of watched_calls
                                     lambda: watched_calls_modes(self.decomposed),
@@ -608,7 +609,7 @@ class Problem:
             return lambda: captured
         return lambda: self._captured
 
-    def _probe_check(self) -> contextlib.AbstractContextManager[Any]:
+    def _probe_check(self, leaves: Sequence[Tensor]) -> contextlib.AbstractContextManager[Any]:
         """The checks that the probe still describes ``f``.
 
         After any probe, writes (NOTE [writes under a cached probe], NOTE [writes its probe
@@ -617,9 +618,9 @@ class Problem:
         ``f``'s own).
         """
         if not self.probe_cached or not torch.is_grad_enabled():
-            return StaleWrites(self._protected(), self.draw.adopt)
+            return StaleWrites(self._protected(), self.draw.adopt, leaves)
         return ProbeCheck(self.unbatched, self.sparse_embeddings, self.differentiates,
-                          self.decomposed, self._protected(), self.draw.adopt)
+                          self.decomposed, self._protected(), self.draw.adopt, leaves)
 
     def rows(self, leaves: tuple[Tensor, ...]) -> tuple[Tensor, Any]:
         """Evaluate ``f`` on the full inputs; return its output as an ``[m]`` vector and aux."""

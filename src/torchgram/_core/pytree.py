@@ -8,7 +8,7 @@ from `optree.tree_leaves` with those defaults.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,42 +100,6 @@ def select_diff_leaves(args: Sequence[Any], argnums: tuple[int, ...], *,
                 leaves.append(leaf.detach() if detach else leaf)
     return DiffLeaves(tuple(argnums), tuple(treespecs), tuple(arg_leaves), tuple(positions),
                       tuple(leaves))
-
-
-def hidden_tensor(leaf: Any) -> Tensor | None:
-    """A floating tensor that a non-tensor pytree leaf holds, or ``None``.
-
-    NOTE [tensors inside opaque leaves]: optree sees an object of a class it does not know (a
-    ``types.SimpleNamespace``, a dataclass not registered as a pytree node, a read-only
-    mapping, an ``nn.Module``) as one leaf, and a leaf that is not a tensor is a constant, so
-    the tensors it holds would be left out of ``J`` without a word (0.69 off on a helper's
-    case, session 66; ``torch.func.jacrev`` raises there). Looked for one level deep: the
-    object's attributes (``__dict__``, ``__slots__``), a mapping's values, a module's
-    parameters and buffers, each a tensor or a pytree of them.
-
-    Example:
-        >>> import types
-        >>> hidden_tensor(types.SimpleNamespace(scale=torch.ones(2), name="a")).shape
-        torch.Size([2])
-        >>> hidden_tensor(3) is None and hidden_tensor(types.SimpleNamespace(k=3)) is None
-        True
-    """
-    if isinstance(leaf, (Tensor, *PLAIN_VALUES, torch.dtype, torch.device, type)):
-        return None
-    if isinstance(leaf, torch.nn.Module):
-        held: list[Any] = [*leaf.parameters(), *leaf.buffers()]
-    elif isinstance(leaf, Mapping):
-        held = list(leaf.values())
-    else:
-        held = list(getattr(leaf, "__dict__", {}).values())
-        for slot in getattr(type(leaf), "__slots__", ()):
-            if isinstance(slot, str) and hasattr(leaf, slot):
-                held.append(getattr(leaf, slot))
-    for value in held:
-        for tensor in optree.tree_leaves(value):
-            if is_differentiable_leaf(tensor):
-                return tensor
-    return None
 
 
 def leaves_of(tree: Any) -> list[Any]:

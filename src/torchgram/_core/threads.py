@@ -14,8 +14,10 @@ problem, plan and result torchgram builds. What is shared by the whole process, 
   holds :data:`FORWARD_AD_LOCK`: concurrent ``ntvp`` calls are **serialised** in their
   forward-mode pushes (their vjps, Gram products and everything else run concurrently).
   Every call reads whether a level is open (its caller's: a call inside ``dual_level()``)
-  under that lock too (``composition.forward_ad_level_open``): read unlocked, another
-  thread's ntvp level looked like the caller's (session 66: torch's raw error under ``vmap``).
+  holding that lock too, tried rather than waited for (``composition._callers_level``: held by
+  another thread, the level is that thread's pass's): read unlocked, another thread's ntvp
+  level looked like the caller's (session 66: torch's raw error under ``vmap``); waited for, a
+  call nested in ``f`` holding :data:`RNG_LOCK` deadlocked with another thread's ntvp pass.
   Forward-mode AD run by other code in another thread at the same time is not protected.
 * **the attention kernel switches** (``torch.nn.attention.sdpa_kernel``): process-wide
   flags, saved and restored by each context; interleaved in two threads they end in the
