@@ -236,6 +236,42 @@ def test_a_call_under_vmap_while_another_thread_is_in_forward_mode(backend: str)
                                rtol=1e-10, atol=1e-12)
 
 
+def test_a_callers_dual_level_is_seen_while_other_threads_call() -> None:
+    """The second review of session 66: with the forward-mode lock *tried*, any other thread's
+    call holding it for an instant made the caller's own dual level look closed, and dual
+    parameters were accepted with their tangent dropped (329 of 3917 calls) where one thread
+    alone refuses them every time. The level is now the caller's unless another thread's
+    forward-mode pass is marked as running."""
+    torch.manual_seed(0)
+    params = {"w": torch.randn(3, 4, dtype=torch.float64)}
+    x = torch.randn(4, 3, dtype=torch.float64)
+    stop = threading.Event()
+
+    def other() -> None:
+        while not stop.is_set():
+            tg.gramian(lambda p, x: (x @ p["w"]).sin().sum(-1), backend="jacobian",
+                       batch_dim=0)(params, x)
+
+    thread = threading.Thread(target=other, daemon=True)
+    thread.start()
+    accepted = 0
+    try:
+        for _ in range(300):
+            with torch.autograd.forward_ad.dual_level():
+                dual = {"w": torch.autograd.forward_ad.make_dual(params["w"],
+                                                                 torch.ones_like(params["w"]))}
+                try:
+                    tg.gramian(lambda p, x: torch.tanh(x @ p["w"]).sum(-1), batch_dim=0)(
+                        dual, x)
+                    accepted += 1
+                except NotImplementedError:
+                    pass
+    finally:
+        stop.set()
+        thread.join(timeout=60.0)
+    assert accepted == 0, f"{accepted} of 300 calls dropped the tangent of their dual parameters"
+
+
 def test_nested_calls_in_two_threads_one_in_forward_mode_do_not_deadlock() -> None:
     """The review of session 66: every call reading the forward-mode level under
     FORWARD_AD_LOCK (waiting for it) deadlocked with an ntvp pass whose f makes a nested call

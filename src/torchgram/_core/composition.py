@@ -80,7 +80,7 @@ from torchgram._core import _torch_compat
 from torchgram._core.checks import fail
 from torchgram._core.errors import BackendCannotRun
 from torchgram._core.norms import DecomposedNorms
-from torchgram._core.threads import FORWARD_AD_LOCK, math_attention
+from torchgram._core.threads import level_of_another_thread, math_attention
 
 if TYPE_CHECKING:
     from torchgram._core.problem import Problem
@@ -156,25 +156,19 @@ def _has_forward_tangent(leaf: Any) -> bool:
 
 @contextlib.contextmanager
 def _callers_level() -> Iterator[bool]:
-    """Whether the caller opened a forward-mode level, with that level kept open meanwhile.
+    """Whether the caller opened a forward-mode level.
 
-    The level is process-wide: another thread's ``ntvp`` pass holds :data:`FORWARD_AD_LOCK`
-    while its own level is open (NOTE [threads]). Read without the lock, a call in this thread
-    took that level for one of its caller's and looked for tangents on its ``vmap``-batched
-    tensors, where ``unpack_dual`` has no batching rule (torch's raw error; a helper's hunt,
-    session 66). The lock is tried, not waited for: a call nested in ``f`` may hold the random
-    state's lock while the ntvp pass of another thread, whose ``f`` makes a nested call, waits
-    for it (the review: a deadlock in 4 of 4 runs). Held by another thread, the level open
-    now is that thread's pass's, not the caller's (reentrant: the ntvp pass's own thread
-    gets it).
+    The level is process-wide: another thread's ``ntvp`` pass opens one too (NOTE [threads]),
+    and marks its thread meanwhile (``threads.forward_mode_pass``). A level open while another
+    thread's pass is marked is that pass's; read as the caller's, a call in this thread looked
+    for tangents on its ``vmap``-batched tensors, where ``unpack_dual`` has no batching rule
+    (torch's raw error; a helper's hunt, session 66). The read takes no lock that is held
+    while ``f`` runs (waiting for the forward-mode pass's lock deadlocked nested calls, and
+    trying it made a caller's own level look closed whenever another thread's call held it:
+    the two reviews). A level the caller opened stays open while this thread reads it.
     """
-    if not FORWARD_AD_LOCK.acquire(blocking=False):
-        yield False
-        return
-    try:
-        yield _torch_compat.forward_ad_level_open()
-    finally:
-        FORWARD_AD_LOCK.release()
+    level_open, theirs = level_of_another_thread(_torch_compat.forward_ad_level_open)
+    yield level_open and not theirs
 
 
 def forward_ad_level_open() -> bool:

@@ -13,11 +13,14 @@ problem, plan and result torchgram builds. What is shared by the whole process, 
   access a forward AD level with an invalid index"). Every forward-mode pass of torchgram
   holds :data:`FORWARD_AD_LOCK`: concurrent ``ntvp`` calls are **serialised** in their
   forward-mode pushes (their vjps, Gram products and everything else run concurrently).
-  Every call reads whether a level is open (its caller's: a call inside ``dual_level()``)
-  holding that lock too, tried rather than waited for (``composition._callers_level``: held by
-  another thread, the level is that thread's pass's): read unlocked, another thread's ntvp
-  level looked like the caller's (session 66: torch's raw error under ``vmap``); waited for, a
-  call nested in ``f`` holding :data:`RNG_LOCK` deadlocked with another thread's ntvp pass.
+  Every call asks whether a level is open (its caller's: a call inside ``dual_level()``);
+  a pass marks its thread as the levels' owner (:func:`forward_mode_pass`), and a level open
+  while another thread's pass is marked is that pass's, not the caller's
+  (``composition._callers_level``). Read bare, another thread's ntvp level looked like the
+  caller's (session 66: torch's raw error under ``vmap``); read waiting for
+  :data:`FORWARD_AD_LOCK`, a call nested in ``f`` holding :data:`RNG_LOCK` deadlocked with
+  another thread's ntvp pass; read trying that lock, any other thread's call holding it for
+  an instant made a caller's own level look closed (dual tangents dropped: the second review).
   Forward-mode AD run by other code in another thread at the same time is not protected.
 * **the attention kernel switches** (``torch.nn.attention.sdpa_kernel``): process-wide
   flags, saved and restored by each context; interleaved in two threads they end in the
@@ -69,6 +72,42 @@ from torchgram._core import _torch_compat
 
 FORWARD_AD_LOCK = threading.RLock()
 """Held by every forward-mode AD pass of torchgram (reentrant: nested calls are fine)."""
+
+_LEVEL_LOCK = threading.Lock()
+"""Guards :data:`_level_owner` and its reading with the level; never held while ``f`` runs."""
+_level_owner: tuple[int, int] | None = None
+"""The thread whose forward-mode pass may have a level open, and its nesting depth."""
+
+
+@contextlib.contextmanager
+def forward_mode_pass() -> Iterator[None]:
+    """Around a forward-mode pass of torchgram (which opens the process-wide levels).
+
+    Marks this thread as their owner, for :func:`level_of_another_thread` (NOTE [threads]):
+    the mark is set before the pass opens a level and cleared after it closes the last.
+    """
+    global _level_owner
+    me = threading.get_ident()
+    with _LEVEL_LOCK:
+        depth = _level_owner[1] if _level_owner is not None and _level_owner[0] == me else 0
+        _level_owner = (me, depth + 1)
+    try:
+        yield
+    finally:
+        with _LEVEL_LOCK:
+            _level_owner = (me, depth) if depth else None
+
+
+def level_of_another_thread(read_level: Callable[[], bool]) -> tuple[bool, bool]:
+    """Whether a forward-mode level is open, and whether another thread's pass may own it.
+
+    ``read_level()`` and the owner are read together, so that no pass opens or closes a
+    level in between.
+    """
+    with _LEVEL_LOCK:
+        owner = _level_owner
+        level_open = read_level()
+    return level_open, owner is not None and owner[0] != threading.get_ident()
 
 RNG_LOCK = threading.RLock()
 """Held from restoring a call's random state to the end of an evaluation that may draw."""

@@ -49,7 +49,7 @@ from torchgram._core.per_sample import batch_rows, check_samples, fails_alone
 from torchgram._core.problem import Problem, TensorAux
 from torchgram._core.progress import Progress
 from torchgram._core.result import BackendResult, RunReport
-from torchgram._core.threads import FORWARD_AD_LOCK, math_attention
+from torchgram._core.threads import FORWARD_AD_LOCK, forward_mode_pass, math_attention
 from torchgram.backends._draws_under_transforms import refuse_data_assignments, refuse_draws
 from torchgram.backends._embedding import checked_conventions
 from torchgram.backends._forward_mode_faults import RefuseWrongTangents, WrongForwardDerivative
@@ -392,7 +392,8 @@ def _push_forward(problem: Problem, rows_fn: Callable[..., Tensor],
         return torch.func.jvp(rows_fn, primals, tangent)[1]
 
     def pushed() -> Tensor:
-        with FORWARD_AD_LOCK, _forward_mode(problem):  # forward AD is process-wide: NOTE [threads]
+        # forward AD is process-wide: NOTE [threads]
+        with FORWARD_AD_LOCK, forward_mode_pass(), _forward_mode(problem):
             if tangents[0].shape[0] == 1:
                 return push(*(t[0] for t in tangents)).unsqueeze(0)
             return torch.func.vmap(push)(*tangents)

@@ -485,7 +485,7 @@ def run(options: Options, f: Callable[..., Any], args: tuple[Any, ...],
     if options.diagonal and local.diagonal is not None:
         summary = dataclasses.replace(summary, leaves=())  # diagonals travel separately
     gathered = group.all_gather_object((summary, local.diagonal, _fingerprint(local.diff),
-                                        call_options(options)))
+                                        call_options(options, len(args))))
     check_same_options(options.api, [o for _, _, _, o in gathered])
     raise_any_error(options.api, [s.error for s, _, _, _ in gathered], group.rank, local.error)
     check_same_parameters(options.api, [p for _, _, p, _ in gathered])
@@ -519,13 +519,20 @@ def _fingerprint(diff: DiffLeaves | None) -> tuple[tuple[tuple[int, ...], str, f
                  for leaf, total in zip(diff.leaves, sums, strict=True))
 
 
-def call_options(options: Options) -> tuple[Any, ...]:
-    """What every rank's call must agree on (NOTE [the same call on every rank])."""
-    return (options.argnums, options.has_aux, options.backend, options.batch_dim,
+def call_options(options: Options, arguments: int) -> tuple[Any, ...]:
+    """What every rank's call must agree on (NOTE [the same call on every rank]).
+
+    As the call means them: ``argnums`` resolved against the ``arguments`` passed (``0``,
+    ``(0,)`` and ``-2`` of two are one call), and whether there is a ``batch_dim`` (its
+    negative and positive spellings name one dim of outputs whose shapes the agreement
+    compares anyway; a false refusal of ``0`` against ``-2``, the second review).
+    """
+    argnums = tuple(sorted(a % arguments for a in options.argnums)) if arguments else ()
+    return (argnums, options.has_aux, options.backend, options.batch_dim is not None,
             options.diagonal, options.per_leaf)
 
 
-_OPTION_NAMES = ("argnums", "has_aux", "backend", "batch_dim", "diagonal", "per_leaf")
+_OPTION_NAMES = ("argnums", "has_aux", "backend", "batch_dim given", "diagonal", "per_leaf")
 
 
 # NOTE [the same call on every rank]
