@@ -513,6 +513,20 @@ def test_tensors_inside_an_opaque_leaf_are_refused_not_dropped(api: str, holder:
                                                 (params["w"], x)).shaped())
 
 
+@pytest.mark.parametrize("backend", ["auto", "structured", "graph", "jacobian", "ntvp"])
+def test_batch_norm_running_statistics_among_the_differentiated_tensors(backend: str) -> None:
+    """An eval-mode batch norm through functional_call with its buffers in the differentiated
+    dict let torch's raw "not differentiable with respect to argument 'running_mean'" out of
+    every backend (the second review of session 66); a torchgram ValueError names the fix."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)).double().eval()
+    tensors = {name: t.detach().clone() for name, t in
+               (*model.named_parameters(), *model.named_buffers())}
+    x = torch.randn(3, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match="running statistics.*tg.functionalize"):
+        tg.gramian(lambda p, x: torch.func.functional_call(model, p, (x,)), backend=backend,
+                   batch_dim=0)(tensors, x)
+
+
 @pytest.mark.parametrize("batch_dim", [0, None], ids=["batch0", "nobatch"])
 def test_fs_own_error_comes_back_as_raised(batch_dim: int | None) -> None:
     """The gradient-free evaluations try again with a graph (NOTE [gradient hooks inside

@@ -626,6 +626,14 @@ def torch_refusals(api: str, backend: str, parameters: Sequence[Tensor] = (),
                 "torch.cdist: ((a[:, None] - b[None]) ** 2).sum(-1).sqrt()).")) from error
         if (in_place := in_place_refusal(api, error)) is not None:
             raise in_place from error
+        if not ours and "not differentiable with respect to argument 'running_" in str(error):
+            raise ValueError(message(  # torch's native_batch_norm has no derivative there
+                api, "differentiated tensors with respect to which torch can differentiate f",
+                "a batch norm's running statistics among them (torch's batch norm has no "
+                "derivative with respect to its running mean and variance)",
+                "Keep the buffers out of the differentiated argument: "
+                "fn, params = tg.functionalize(model) differentiates the parameters only, "
+                "or pass the buffers as another argument.")) from error
         if _torch_compat.is_reentrant_grad_error(error):
             raise reentrant_checkpoint_refused(api) from error
         if isinstance(error, torch.utils.checkpoint.CheckpointError):
