@@ -432,6 +432,16 @@ def test_a_model_output_object_gets_a_hint() -> None:
         tg.gramian(lambda p, x: ModelOutput(x @ p))(W, X)
 
 
+def _call_api(api: str, f: Any, params: Any, x: torch.Tensor) -> None:
+    """Call ``f``'s Gramian, a step or its NTK (per-sample rows, ``x`` batched on dim 0)."""
+    if api == "gramian":
+        tg.gramian(f, batch_dim=0)(params, x)
+    elif api == "aggregated_grad":
+        tg.aggregated_grad(f, tg.weighting.upgrad, batch_dim=0)(params, x)
+    else:
+        tg.ntk.empirical_ntk_fn(lambda p, x: f(p, x)[:, None])(x, None, params)
+
+
 @pytest.mark.parametrize("api", ["gramian", "aggregated_grad", "kernel"])
 def test_complex_parameters_are_refused_not_dropped(api: str) -> None:
     """A complex leaf beside real ones was silently left out of G (session 40: G was the
@@ -444,12 +454,7 @@ def test_complex_parameters_are_refused_not_dropped(api: str) -> None:
         return ((x.to(torch.complex128) @ p["w"].T).abs() + p["b"]).sum(1)
 
     with pytest.raises(TypeError, match="view_as_real"):
-        if api == "gramian":
-            tg.gramian(f, batch_dim=0)(params, x)
-        elif api == "aggregated_grad":
-            tg.aggregated_grad(f, tg.weighting.upgrad, batch_dim=0)(params, x)
-        else:
-            tg.ntk.empirical_ntk_fn(lambda p, x: f(p, x)[:, None])(x, None, params)
+        _call_api(api, f, params, x)
 
 
 class _Base:
@@ -498,12 +503,7 @@ def test_tensors_inside_an_opaque_leaf_are_refused_not_dropped(api: str, holder:
 
     with pytest.raises(TypeError, match=f"a {type(holders[holder]).__name__} holding a tensor "
                                         r"of shape \(3,( 1)?\).*register"):
-        if api == "gramian":
-            tg.gramian(f, batch_dim=0)(params, x)
-        elif api == "aggregated_grad":
-            tg.aggregated_grad(f, tg.weighting.upgrad, batch_dim=0)(params, x)
-        else:
-            tg.ntk.empirical_ntk_fn(lambda p, x: f(p, x)[:, None])(x, None, params)
+        _call_api(api, f, params, x)
     constants = {"w": params["w"], "step": 3, "name": "run", "kind": torch.float64,
                  "rule": lambda t: t * 2, "cyclic": types.SimpleNamespace(items=_cyclic()),
                  "ints": types.SimpleNamespace(
