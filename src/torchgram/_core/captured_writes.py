@@ -650,8 +650,8 @@ def argument_memory(f: Any, args: Sequence[Any], kwargs: Mapping[str, Any],
     found: dict[int, str] = {}
     for name, value in named:
         for leaf in leaves_of(value):
-            if isinstance(leaf, Tensor) and memory_of(leaf) not in skipped:
-                found.setdefault(memory_of(leaf), name)
+            if isinstance(leaf, Tensor) and (memory := memory_of(leaf)) not in skipped:
+                found.setdefault(memory, name)
     return found
 
 

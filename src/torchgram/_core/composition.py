@@ -154,8 +154,7 @@ def _has_forward_tangent(leaf: Any) -> bool:
     return isinstance(leaf, Tensor) and forward_ad.unpack_dual(leaf).tangent is not None
 
 
-@contextlib.contextmanager
-def _callers_level() -> Iterator[bool]:
+def forward_ad_level_open() -> bool:
     """Whether the caller opened a forward-mode level.
 
     The level is process-wide: another thread's ``ntvp`` pass opens one too (NOTE [threads]),
@@ -168,13 +167,7 @@ def _callers_level() -> Iterator[bool]:
     the two reviews). A level the caller opened stays open while this thread reads it.
     """
     level_open, theirs = level_of_another_thread(_torch_compat.forward_ad_level_open)
-    yield level_open and not theirs
-
-
-def forward_ad_level_open() -> bool:
-    """Whether the caller opened a forward-mode level (see :func:`_callers_level`)."""
-    with _callers_level() as level_open:
-        return level_open
+    return level_open and not theirs
 
 
 def refuse_forward_mode_tangents(api: str, differentiated: Any) -> None:
@@ -190,11 +183,9 @@ def refuse_forward_mode_tangents(api: str, differentiated: Any) -> None:
         ...
         NotImplementedError: api: expected differentiated tensors without forward-mode ...
     """
-    with _callers_level() as level_open:  # NOTE [threads]: kept the caller's while read
-        if not level_open:
-            return
-        dual = [leaf for leaf in optree.tree_leaves(differentiated)
-                if _has_forward_tangent(leaf)]
+    if not forward_ad_level_open():  # NOTE [threads]
+        return
+    dual = [leaf for leaf in optree.tree_leaves(differentiated) if _has_forward_tangent(leaf)]
     if dual:
         fail(api, "differentiated tensors without forward-mode tangents",
              f"a tensor of shape {tuple(dual[0].shape)} made dual by "
@@ -207,12 +198,11 @@ def refuse_forward_mode_tangents(api: str, differentiated: Any) -> None:
 def carries_forward_tangents(out: Any) -> bool:
     """Whether a tensor of ``out`` carries a ``forward_ad`` tangent (inside a dual level).
 
-    The level is global to the process (another thread's ``ntvp`` pass opens one too: read
-    under :data:`FORWARD_AD_LOCK`); the tangent is the call's own.
+    The level is global to the process (another thread's ``ntvp`` pass opens one too:
+    :func:`forward_ad_level_open`); the tangent is the call's own.
     """
-    with _callers_level() as level_open:  # NOTE [threads]: kept the caller's while read
-        return level_open and any(
-            _has_forward_tangent(leaf) for leaf in optree.tree_leaves(out))
+    return forward_ad_level_open() and any(
+        _has_forward_tangent(leaf) for leaf in optree.tree_leaves(out))
 
 
 def require_no_forward_tangents(problem: Problem, backend: str) -> None:

@@ -1285,7 +1285,7 @@ def make_batch_spec(api: str, args: tuple[Any, ...], argnums: tuple[int, ...], b
     positions: list[tuple[int | str, int]] = []
     dims, tensors = [], []
     opaque: list[tuple[int | str, Any, Tensor, int]] = []  # in mappings optree keeps whole
-    holders: list[tuple[int | str, Any, Tensor]] = []  # other objects holding tensors
+    others: list[tuple[int | str, Any]] = []  # other non-tensor leaves (objects, constants)
     for where, value, dim in arguments:
         if dim is None:
             continue
@@ -1293,9 +1293,9 @@ def make_batch_spec(api: str, args: tuple[Any, ...], argnums: tuple[int, ...], b
             if isinstance(leaf, Mapping):  # a tokenizer's BatchEncoding: not a pytree
                 opaque.extend((where, leaf, item, dim) for item in leaf.values()
                               if isinstance(item, Tensor) and -item.dim() <= dim < item.dim())
-            elif (held := hidden_tensor(leaf)) is not None:  # a dataclass optree keeps whole
-                holders.append((where, leaf, held))
             if not isinstance(leaf, Tensor):
+                if not isinstance(leaf, Mapping):  # looked into only where no tensor is batched
+                    others.append((where, leaf))
                 continue
             if leaf.dim() == 0 or not -leaf.dim() <= dim < leaf.dim():
                 name = f"argument {where}" if isinstance(where, int) else f"keyword {where!r}"
@@ -1329,11 +1329,13 @@ def make_batch_spec(api: str, args: tuple[Any, ...], argnums: tuple[int, ...], b
              f"holding a tensor of shape {tuple(item.shape)}: a mapping optree does not look "
              f"into, whose tensors would not be split", "Pass a plain dict of it "
              "(dict(batch)) instead.")
-    if not tensors and holders:  # NOTE [tensors inside opaque leaves]
-        where, holder, held = holders[0]
+    holder = next(((where, leaf, held) for where, leaf in others
+                   if (held := hidden_tensor(leaf)) is not None), None) if not tensors else None
+    if holder is not None:  # NOTE [tensors inside opaque leaves]: a dataclass optree keeps whole
+        where, leaf, held = holder
         name = f"argument {where}" if isinstance(where, int) else f"keyword {where!r}"
         fail(api, "batched inputs in tensors, dicts, lists or tuples (the pytrees whose "
-             "tensors torchgram splits per sample)", f"a {type(holder).__name__} in {name} "
+             "tensors torchgram splits per sample)", f"a {type(leaf).__name__} in {name} "
              f"holding a tensor of shape {tuple(held.shape)}: optree sees it as one leaf, "
              "whose tensors would not be split", "Pass its tensors in a dict (e.g. "
              "vars(obj), dataclasses.asdict(obj)), or register its class with "

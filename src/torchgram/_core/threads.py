@@ -16,7 +16,7 @@ problem, plan and result torchgram builds. What is shared by the whole process, 
   Every call asks whether a level is open (its caller's: a call inside ``dual_level()``);
   a pass marks its thread as the levels' owner (:func:`forward_mode_pass`), and a level open
   while another thread's pass is marked is that pass's, not the caller's
-  (``composition._callers_level``). Read bare, another thread's ntvp level looked like the
+  (``composition.forward_ad_level_open``). Read bare, another thread's ntvp level looked like the
   caller's (session 66: torch's raw error under ``vmap``); read waiting for
   :data:`FORWARD_AD_LOCK`, a call nested in ``f`` holding :data:`RNG_LOCK` deadlocked with
   another thread's ntvp pass; read trying that lock, any other thread's call holding it for

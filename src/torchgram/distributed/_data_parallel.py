@@ -486,13 +486,14 @@ def run(options: Options, f: Callable[..., Any], args: tuple[Any, ...],
         summary = dataclasses.replace(summary, leaves=())  # diagonals travel separately
     gathered = group.all_gather_object((summary, local.diagonal, _fingerprint(local.diff),
                                         call_options(options, len(args))))
-    check_same_options(options.api, [o for _, _, _, o in gathered])
-    raise_any_error(options.api, [s.error for s, _, _, _ in gathered], group.rank, local.error)
-    check_same_parameters(options.api, [p for _, _, p, _ in gathered])
-    summaries = [s for s, _, _, _ in gathered]
+    summaries, diagonals, fingerprints, calls = (list(part) for part in zip(*gathered,
+                                                                             strict=True))
+    check_same_options(options.api, calls)
+    raise_any_error(options.api, [s.error for s in summaries], group.rank, local.error)
+    check_same_parameters(options.api, fingerprints)
     agreement = agree(options.api, summaries, force_jacobian=options.backend == "jacobian")
     if options.diagonal:
-        return _diagonal_result(options, local, agreement, [d for _, d, _, _ in gathered], group)
+        return _diagonal_result(options, local, agreement, diagonals, group)
     return _exchange_and_reduce(options, local, agreement, summaries, group)
 
 
