@@ -235,8 +235,7 @@ class FrozenRunningStats(TorchFunctionMode):
             args, kwargs = rewritten
         result = func(*args, **kwargs)
         if _among(func, _FACTORIES) and isinstance(result, Tensor):
-            with torch._C.DisableTorchFunction():
-                self._made.add(memory_of(result))
+            self._made.add(memory_of(result))  # (memory_of reads past the other modes)
         return result
 
     def _in_a_checkpoint_region(self) -> bool:
@@ -244,8 +243,7 @@ class FrozenRunningStats(TorchFunctionMode):
         return saved_tensor_hooks() != self._hooks_at_entry and in_checkpoint_forward()
 
     def _made_by_f(self, counter: Tensor) -> bool:
-        with torch._C.DisableTorchFunction():
-            return memory_of(counter) in self._made
+        return memory_of(counter) in self._made
 
     def _freeze(self, tensor: Tensor, what: str) -> None:
         with torch._C.DisableTorchFunction():
