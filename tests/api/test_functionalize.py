@@ -179,6 +179,25 @@ def test_two_values_for_one_tied_parameter_are_an_error() -> None:
            torch.tensor([[1]]))
 
 
+@pytest.mark.parametrize("backend", ["auto", "structured", "graph", "jacobian", "ntvp"])
+def test_one_tensor_under_two_tied_names_through_functional_call_is_named(backend: str) -> None:
+    """``functional_call`` meets each leaf apart: torch's raw "multiple values for keys ...
+    Consider using tie_weights=False", whose fix unties the weights (session 67's hunt)."""
+    emb = nn.Embedding(5, 3)
+    head = nn.Linear(3, 5, bias=False)
+    head.weight = emb.weight
+    model = nn.Sequential(emb, head)
+    table = emb.weight.detach()
+    params = {"0.weight": table, "1.weight": table}
+
+    def losses(p: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(model, (p,), (tokens,)).sum((1, 2))
+
+    with pytest.raises(ValueError, match=r"the tied names \['0.weight', '1.weight'\] among "
+                                         r"them\. Keep one of the tied names"):
+        tg.gramian(losses, backend=backend, batch_dim=0)(params, torch.tensor([[1, 2], [3, 4]]))
+
+
 def test_an_error_in_the_forward_leaves_the_module_as_it_was() -> None:
     class Failing(nn.Module):
         def __init__(self) -> None:

@@ -174,9 +174,10 @@ def refuse_forward_mode_tangents(api: str, differentiated: Any) -> None:
     """Refuse differentiated leaves carrying a ``forward_ad`` tangent (NOTE [composition]).
 
     Example:
-        >>> import torch
+        >>> import torch, warnings
         >>> import torch.autograd.forward_ad as fwAD
-        >>> with fwAD.dual_level():
+        >>> with fwAD.dual_level(), warnings.catch_warnings():
+        ...     warnings.simplefilter("ignore", DeprecationWarning)  # torch's first make_dual
         ...     weight = fwAD.make_dual(torch.ones(2), torch.ones(2))
         ...     refuse_forward_mode_tangents("api", {"weight": weight})
         Traceback (most recent call last):

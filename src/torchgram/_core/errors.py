@@ -38,6 +38,7 @@ becomes a torchgram ``ValueError`` naming the fix (``use_reentrant=False``).
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -487,6 +488,41 @@ def in_place_refusal(api: str, error: BaseException) -> ValueError | None:
         api, "f that leaves the tensors its differentiated ops read as they were (torch's "
         "autograd refuses a backward through a saved tensor changed in place, on every "
         "backend)", in_place_what(error), IN_PLACE_FIX))
+
+
+_TIED_KEYS = re.compile(r"functional_call got multiple values for keys (\[.*?\]), which are tied")
+
+
+def tied_keys_refusal(api: str, error: BaseException) -> ValueError | None:
+    """The ``ValueError`` for ``functional_call`` refusing two values of tied names, or ``None``.
+
+    A dict holding one tensor under two names a module ties (``head.weight`` and
+    ``emb.weight``) reaches ``functional_call`` as two values: torchgram, like
+    ``torch.func.jacrev``, differentiates each leaf of the pytree apart. torch's raw
+    ``ValueError`` suggested ``tie_weights=False``, which unties them and changes the Gramian
+    (session 67's hunt).
+
+    Example:
+        >>> torch_error = ValueError("functional_call got multiple values for keys "
+        ...                          "['emb.weight', 'head.weight'], which are tied. ...")
+        >>> "['emb.weight', 'head.weight']" in str(tied_keys_refusal("torchgram.gramian",
+        ...                                                          torch_error))
+        True
+        >>> tied_keys_refusal("torchgram.gramian", ValueError("other")) is None
+        True
+    """
+    found = _TIED_KEYS.search(str(error)) if isinstance(error, ValueError) else None
+    if found is None:
+        return None
+    return ValueError(message(
+        api, "differentiated parameters that name each tensor a module ties once (each leaf "
+        "of the pytree is differentiated apart, so two names holding one tensor reach "
+        "torch.func.functional_call as two values)",
+        f"the tied names {found.group(1)} among them",
+        "Keep one of the tied names in the dict (functional_call gives the module's other "
+        "names the same tensor): dict(model.named_parameters()) does, and so does "
+        "fn, params = tg.functionalize(model). tie_weights=False would untie them, another "
+        "Gramian."))
 
 
 def captured_write_refusal(api: str, error: BaseException) -> ValueError | None:

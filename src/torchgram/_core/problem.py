@@ -43,6 +43,8 @@ from torchgram._core.captured_writes import (
     argument_memory,
     captured_memory,
     hidden_tensor,
+    memory_of,
+    parameter_changed_unseen,
 )
 from torchgram._core.census import (
     DenseEmbeddingGradients,
@@ -61,6 +63,7 @@ from torchgram._core.composition import (
     refuse_forward_mode_tangents,
 )
 from torchgram._core.errors import (
+    CapturedWrite,
     CounterRead,
     NotPerSample,
     OutputChanged,
@@ -73,6 +76,7 @@ from torchgram._core.errors import (
     forward_mode_refusal,
     in_place_refusal,
     reentrant_checkpoint_refused,
+    tied_keys_refusal,
     unseen_calls_refused,
 )
 from torchgram._core.hooked_modules import reached
@@ -1054,6 +1058,7 @@ def _evaluate_probe(api: str, f: Callable[..., Any], args: tuple[Any, ...],
                     look_unseen: bool = False) -> tuple[Probe, Evaluation | None]:
     copies = tuple(leaf.clone() for leaf in diff.leaves)  # f may write into its parameters
     versions = [_torch_compat.version(leaf) for leaf in copies]
+    memory = [memory_of(leaf) for leaf in copies]
     leaves = tuple(leaf.requires_grad_() for leaf in copies) if with_grad else copies
     census = OpCensus()
     unseen: list[UnseenCalls] = []  # one per evaluation attempt (NOTE [unseen calls])
@@ -1102,6 +1107,8 @@ def _evaluate_probe(api: str, f: Callable[..., Any], args: tuple[Any, ...],
                 raise refusal from error  # no backend can: f itself lacks forward mode
             if (in_place := in_place_refusal(api, error)) is not None:
                 raise in_place from error  # f's own backward met a tensor changed in place
+            if (tied := tied_keys_refusal(api, error)) is not None:
+                raise tied from error  # no backend can: each leaf is differentiated apart
             if (refusal := draws_refused_by_vmap(api, error)) is not None:
                 raise refusal from error  # no backend can: f draws under the user's vmap
             if batch is None or whole_batch:
@@ -1113,6 +1120,11 @@ def _evaluate_probe(api: str, f: Callable[..., Any], args: tuple[Any, ...],
             raise _FailsAlone from error
         if census.reentrant_checkpoint:  # NOTE [reentrant checkpoints seen]
             raise reentrant_checkpoint_refused(api)
+        changed = parameter_changed_unseen(leaves, diff.leaves, writes.renormalised, memory)
+        if changed is not None:  # NOTE [writes no mode sees]
+            raise captured_write_refusal(api, CapturedWrite(
+                "write no torch function sees (Tensor.set_, a numpy view, ...)",
+                f"a differentiated parameter of shape {tuple(changed.shape)}", parameter=True))
         out, aux = split_aux(api, result, has_aux)
         mutated = any(_torch_compat.version(leaf) != before
                       for leaf, before in zip(copies, versions, strict=True))
