@@ -1122,9 +1122,11 @@ def _evaluate_probe(api: str, f: Callable[..., Any], args: tuple[Any, ...],
             raise reentrant_checkpoint_refused(api)
         changed = parameter_changed_unseen(leaves, diff.leaves, writes.renormalised, memory)
         if changed is not None:  # NOTE [writes no mode sees]
-            raise captured_write_refusal(api, CapturedWrite(
+            unseen_write = captured_write_refusal(api, CapturedWrite(
                 "write no torch function sees (Tensor.set_, a numpy view, ...)",
                 f"a differentiated parameter of shape {tuple(changed.shape)}", parameter=True))
+            assert unseen_write is not None
+            raise unseen_write
         out, aux = split_aux(api, result, has_aux)
         mutated = any(_torch_compat.version(leaf) != before
                       for leaf, before in zip(copies, versions, strict=True))
