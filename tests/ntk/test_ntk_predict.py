@@ -228,3 +228,51 @@ def test_kernel_regression_under_vmap() -> None:
     looped = torch.stack([tg.ntk.kernel_regression(k, kt, y, ridge=0.1)
                           for k, kt in zip(kernels, k_test, strict=True)])
     torch.testing.assert_close(batched, looped)
+
+
+def _spd(rows: int) -> Tensor:
+    factor = torch.randn(rows, rows, dtype=torch.float64)
+    return factor @ factor.T + torch.eye(rows, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("t", [None, 1.0, torch.ones(3, dtype=torch.float64)],
+                         ids=["t=None", "t=1", "t=[3]"])
+def test_empty_test_sets_and_outputs_give_empty_predictions(t: Any) -> None:
+    """Session 67's hunt: torch's raw "cannot reshape tensor of 0 elements into shape [0, -1]"
+    for an empty test kernel or a zero-width output; an empty training set is refused."""
+    torch.manual_seed(0)
+    kernel, y = _spd(6), torch.randn(6, 2, dtype=torch.float64)
+    lead = () if not isinstance(t, Tensor) else (3,)
+    predict = tg.ntk.gradient_descent_mse(kernel, y)
+    test = predict(t=t, fx_train_0=None, fx_test_0=0.0,
+                   k_test_train=torch.zeros(0, 6, dtype=torch.float64))
+    assert isinstance(test, Tensor) and test.shape == (*lead, 0, 2)
+    train = tg.ntk.gradient_descent_mse(kernel, torch.zeros(6, 0, dtype=torch.float64))(t=t)
+    assert isinstance(train, Tensor) and train.shape == (*lead, 6, 0)
+    assert tg.ntk.kernel_regression(kernel, torch.zeros(0, 6, dtype=torch.float64), y).shape \
+        == (0, 2)
+    with pytest.raises(ValueError, match=r"expected at least one training point, but got "
+                                         r"y_train of shape \(0, 2\)"):
+        tg.ntk.gradient_descent_mse(torch.zeros(0, 0, dtype=torch.float64),
+                                    torch.zeros(0, 2, dtype=torch.float64))
+
+
+def test_kernel_regression_takes_the_traced_axes_and_names_its_own_arguments() -> None:
+    """Session 67's hunt: a bad ridge was told to pass ``diag_reg``, a kernel of other axes
+    ``trace_axes``, neither of them kernel_regression's; a kernel traced over a middle axis
+    could not be used at all."""
+    torch.manual_seed(0)
+    kernel, test_kernel = _spd(5)[:, :, None, None] * torch.eye(2, dtype=torch.float64), \
+        torch.randn(2, 5, 2, 2, dtype=torch.float64)
+    y = torch.randn(5, 3, 2, dtype=torch.float64)  # [N, T, K], the kernel traced over T
+    mean = tg.ntk.kernel_regression(kernel, test_kernel, y, ridge=0.1, trace_axes=(1,))
+    flow = tg.ntk.gradient_descent_mse(kernel, y, diag_reg=0.1, diag_reg_absolute_scale=True,
+                                       trace_axes=(1,))
+    torch.testing.assert_close(mean, flow(t=None, fx_train_0=None, fx_test_0=0.0,
+                                          k_test_train=test_kernel), rtol=1e-12, atol=1e-12)
+    assert mean.shape == (2, 3, 2)
+    with pytest.raises(ValueError, match=r"pass trace_axes= as the kernels were computed with"):
+        tg.ntk.kernel_regression(kernel, test_kernel, y, ridge=0.1)
+    for ridge in ["a", torch.tensor(0.1)]:
+        with pytest.raises(TypeError, match=r"kernel_regression: expected ridge to be a number"):
+            tg.ntk.kernel_regression(kernel, test_kernel, y, ridge=ridge)  # type: ignore[arg-type]

@@ -135,7 +135,8 @@ class _Solver(NamedTuple):
 class _Layout:
     """How ``y``'s axes map to a kernel's rows (the non-traced axes) and channels."""
 
-    def __init__(self, api: str, y_shape: Sequence[int], trace: tuple[int, ...]) -> None:
+    def __init__(self, api: str, y_shape: Sequence[int], trace: tuple[int, ...],
+                 axes_fix: str = "Pass the trace_axes the kernel was computed with") -> None:
         self.ndim = len(y_shape)
         self.trace = trace
         self.rows_axes = tuple(a for a in range(self.ndim) if a not in trace)
@@ -143,10 +144,13 @@ class _Layout:
         self.channel_shape = tuple(y_shape[a] for a in trace)
         self.channels = math.prod(self.channel_shape)
         self.api = api
+        self.axes_fix = axes_fix
+        """The fix a kernel of other axes is told (its API's argument naming them)."""
 
     def flat(self, y: Tensor) -> Tensor:
-        """``y [*shape]`` as ``[rows, channels]``."""
-        return y.permute(self.order).reshape(-1, self.channels)
+        """``y [*shape]`` as ``[rows, channels]`` (sizes spelled out: either may be 0)."""
+        rows = math.prod(y.shape[a] for a in self.rows_axes)
+        return y.permute(self.order).reshape(rows, self.channels)
 
     def unflat(self, flat: Tensor, row_shape: Sequence[int], lead: Sequence[int] = ()) -> Tensor:
         """``[*lead, rows, channels]`` back to ``[*lead, *shape]`` (``row_shape``: row axes)."""
@@ -166,19 +170,21 @@ class _Layout:
             fail(self.api, f"{name} with {expected} dimensions (pairs of y_train's "
                  f"{pairs} non-traced axes, trace_axes={self.trace})",
                  f"a kernel of shape {tuple(kernel.shape)}",
-                 "Pass the trace_axes the kernel was computed with: trace_axes=() for a "
-                 "full kernel [N1, N2, K, K], (-1,) for a traced one [N1, N2].")
+                 f"{self.axes_fix}: trace_axes=() for a full kernel [N1, N2, K, K], (-1,) "
+                 "for a traced one [N1, N2].")
         if tuple(kernel.shape[1::2]) != tuple(cols_shape) or (
                 rows_shape is not None and tuple(kernel.shape[0::2]) != tuple(rows_shape)):
             fail(self.api, f"{name} pairing y_train's non-traced axes "
                  f"{tuple(cols_shape)} (as its odd axes)",
                  f"a kernel of shape {tuple(kernel.shape)}",
                  "Use NT's layout: k_train_train = ntk_fn(x_train, None, params), "
-                 "k_test_train = ntk_fn(x_test, x_train, params).")
+                 "k_test_train = ntk_fn(x_test, x_train, params); and "
+                 f"{self.axes_fix[0].lower()}{self.axes_fix[1:]} (traced: "
+                 f"{self.trace}).")
         evens = tuple(range(0, kernel.dim(), 2))
         odds = tuple(range(1, kernel.dim(), 2))
-        rows = math.prod(kernel.shape[0::2])
-        return kernel.permute(evens + odds).reshape(rows, -1)
+        rows = math.prod(kernel.shape[0::2])  # (spelled out: either side may be empty)
+        return kernel.permute(evens + odds).reshape(rows, math.prod(kernel.shape[1::2]))
 
 
 def _detached(value: Tensor | float) -> Tensor | float:
@@ -197,7 +203,8 @@ class GradientDescentMSE:
 
     def __init__(self, k_train_train: Tensor, y_train: Tensor, learning_rate: float,
                  diag_reg: float, diag_reg_absolute_scale: bool, trace_axes: Any,
-                 api: str = _API) -> None:
+                 api: str = _API,
+                 axes_fix: str = "Pass the trace_axes the kernel was computed with") -> None:
         self.api = api
         self.k_train_train = _check_tensor(api, "k_train_train", k_train_train)
         y = _check_tensor(api, "y_train", y_train, k_train_train.device)
@@ -211,8 +218,12 @@ class GradientDescentMSE:
         self.learning_rate = float(learning_rate)
         self.diag_reg = float(diag_reg)
         self.diag_reg_absolute_scale = diag_reg_absolute_scale
-        self.layout = _Layout(api, y.shape, _as_axes(api, trace_axes, y.dim()))
+        self.layout = _Layout(api, y.shape, _as_axes(api, trace_axes, y.dim()), axes_fix)
         self.row_shape = tuple(y.shape[a] for a in self.layout.rows_axes)
+        if math.prod(self.row_shape) == 0:  # torch's raw reduction error at the first solve
+            fail(api, "at least one training point", f"y_train of shape {tuple(y.shape)} and "
+                 f"k_train_train of shape {tuple(k_train_train.shape)}", "Pass the training "
+                 "set's kernel and targets (test points alone have nothing to regress on).")
         dtype = k_train_train.dtype
         regularized = self._regularized()  # also checks the kernel's shape
         if not (_torch_compat.is_batched(regularized[0]) or regularized[0].is_meta) \
@@ -423,12 +434,12 @@ class GradientDescentMSE:
         fx_test: Tensor | None = None
         if f0 is not None:
             dfx = torch.einsum("ji,ti,ic->tjc", evecs, decay, coeff)
-            fx_train = f0 + self.layout.unflat(dfx, self.row_shape, (-1,))
+            fx_train = f0 + self.layout.unflat(dfx, self.row_shape, (tau.numel(),))
             fx_train = fx_train.reshape(*lead, *self.y.shape)
         if test is not None:
             dfx = torch.einsum("sj,ji,ti,ic->tsc", test[0], evecs, decay / evals.abs()[None, :],
                                coeff)
-            fx_test = g0 + self.layout.unflat(dfx, test[1], (-1,))
+            fx_test = g0 + self.layout.unflat(dfx, test[1], (tau.numel(),))
             fx_test = fx_test.reshape(*lead, *g0.shape)
         if fx_train is not None and fx_test is not None:
             return fx_train, fx_test
@@ -495,19 +506,24 @@ def gradient_descent_mse(k_train_train: Tensor, y_train: Tensor, learning_rate: 
 
 @public_math  # NOTE [autocast], NOTE [the caller's function modes]
 def kernel_regression(k_train_train: Tensor, k_test_train: Tensor, y_train: Tensor,
-                      ridge: float = 0.0) -> Tensor:
+                      ridge: float = 0.0, *,
+                      trace_axes: int | Sequence[int] | None = None) -> Tensor:
     """Kernel (ridge) regression: ``K_test,train (K_train,train + ridge · I)⁻¹ y_train``.
 
     The infinite-time test outputs of :func:`gradient_descent_mse` from zero initial
     outputs, with ``ridge`` in absolute units (NT's ``gp_inference`` mean). The kernels are
-    in neural-tangents' layout; whether they are traced (``[N, N]`` for ``y_train [N, K]``)
-    or full (``[N, N, K, K]``) is read from their number of dimensions.
+    in neural-tangents' layout; with ``trace_axes=None`` whether they are traced (``[N, N]``
+    for ``y_train [N, K]``) or full (``[N, N, K, K]``) is read from their number of
+    dimensions, the traced axes being ``y_train``'s last ones.
 
     Args:
         k_train_train: ``ntk_fn(x_train, None, params)``.
         k_test_train: ``ntk_fn(x_test, x_train, params)``.
         y_train: The targets, ``[N, ...]``.
         ridge: Added to the diagonal of ``k_train_train`` (absolute units).
+        trace_axes: The axes of ``y_train`` the kernels were traced over, as given to
+            :func:`~torchgram.ntk.empirical_ntk_fn` (e.g. ``(1,)`` for ``y_train [N, T, K]``
+            and a kernel ``[N, N, K, K]``); ``None``: read from the kernel, as above.
 
     Returns:
         The predictions on the test inputs, shaped like ``y_train`` with ``N_test`` samples.
@@ -528,16 +544,24 @@ def kernel_regression(k_train_train: Tensor, k_test_train: Tensor, y_train: Tens
     _check_tensor(api, "k_train_train", k_train_train)
     y = _check_tensor(api, "y_train", y_train, k_train_train.device)
     _check_tensor(api, "k_test_train", k_test_train, k_train_train.device)
-    pairs = k_train_train.dim() // 2
-    if k_train_train.dim() % 2 or not 1 <= pairs <= y.dim():
-        fail(api, f"k_train_train with an even number of dimensions, at most 2 × y_train's "
-             f"({y.dim()})", f"a kernel of shape {tuple(k_train_train.shape)}",
-             "Pass a kernel in neural-tangents' layout: [N, N] or [N, N, K, K].")
-    trace = tuple(range(pairs, y.dim()))
-    predict = GradientDescentMSE(k_train_train, y, 1.0, ridge, True, trace, api=api)
+    if isinstance(ridge, bool) or not isinstance(ridge, int | float):
+        fail(api, "ridge to be a number", repr(ridge), "Pass ridge=0.1, say (a float; "
+             "float(t) of a 0-dim tensor t).", TypeError)
+    if trace_axes is None:
+        pairs = k_train_train.dim() // 2
+        if k_train_train.dim() % 2 or not 1 <= pairs <= y.dim():
+            fail(api, f"k_train_train with an even number of dimensions, at most 2 × "
+                 f"y_train's ({y.dim()})", f"a kernel of shape {tuple(k_train_train.shape)}",
+                 "Pass a kernel in neural-tangents' layout: [N, N] or [N, N, K, K].")
+        trace_axes = tuple(range(pairs, y.dim()))
+    predict = GradientDescentMSE(k_train_train, y, 1.0, ridge, True, trace_axes, api=api,
+                                 axes_fix="Pass trace_axes= as the kernels were computed "
+                                 "with (None reads them as y_train's last axes)")
     test_rows = tuple(k_test_train.shape[0::2])
-    zeros = torch.zeros(*test_rows, *y.shape[pairs:], dtype=k_train_train.dtype,
-                        device=k_train_train.device)
+    test_shape = list(y.shape)
+    for axis, size in zip(predict.layout.rows_axes, test_rows, strict=False):
+        test_shape[axis] = size
+    zeros = torch.zeros(test_shape, dtype=k_train_train.dtype, device=k_train_train.device)
     result = predict(t=None, fx_train_0=None, fx_test_0=zeros, k_test_train=k_test_train)
     assert isinstance(result, Tensor)
     return result
