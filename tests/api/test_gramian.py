@@ -16,6 +16,7 @@ from torch import nn
 import torchgram as tg
 from reference import dense_gramian
 from torchgram._core import checks
+from torchgram._core.errors import RunningStatsDifferentiated
 from zoo import build
 
 API = re.escape("torchgram.gramian")
@@ -517,14 +518,17 @@ def test_tensors_inside_an_opaque_leaf_are_refused_not_dropped(api: str, holder:
 def test_batch_norm_running_statistics_among_the_differentiated_tensors(backend: str) -> None:
     """An eval-mode batch norm through functional_call with its buffers in the differentiated
     dict let torch's raw "not differentiable with respect to argument 'running_mean'" out of
-    every backend (the second review of session 66); a torchgram ValueError names the fix."""
+    every backend (the second review of session 66); a torchgram ValueError names the fix,
+    raised by the probe, before any Jacobian work (NOTE [running statistics
+    differentiated])."""
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)).double().eval()
     tensors = {name: t.detach().clone() for name, t in
                (*model.named_parameters(), *model.named_buffers())}
     x = torch.randn(3, 4, dtype=torch.float64)
-    with pytest.raises(ValueError, match="running statistics.*tg.functionalize"):
+    with pytest.raises(ValueError, match="running statistics.*tg.functionalize") as raised:
         tg.gramian(lambda p, x: torch.func.functional_call(model, p, (x,)), backend=backend,
                    batch_dim=0)(tensors, x)
+    assert isinstance(raised.value.__cause__, RunningStatsDifferentiated)
 
 
 @pytest.mark.parametrize("batch_dim", [0, None], ids=["batch0", "nobatch"])

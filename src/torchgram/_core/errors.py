@@ -493,6 +493,32 @@ def in_place_refusal(api: str, error: BaseException) -> ValueError | None:
 _TIED_KEYS = re.compile(r"functional_call got multiple values for keys (\[.*?\]), which are tied")
 
 
+class RunningStatsDifferentiated(RuntimeError):  # noqa: N818 -- a refusal for the API
+    """An eval-mode norm read running statistics among the differentiated tensors.
+
+    NOTE [running statistics differentiated] (``running_stats.py``); the probe turns it into
+    :func:`running_stats_refusal`.
+    """
+
+
+def running_stats_refusal(api: str) -> ValueError:
+    """The ``ValueError`` for a norm's running statistics among the differentiated tensors.
+
+    NOTE [running statistics differentiated].
+
+    Example:
+        >>> str(running_stats_refusal("torchgram.gramian"))[:50]
+        'torchgram.gramian: expected differentiated tensors'
+    """
+    return ValueError(message(  # torch's native_batch_norm has no derivative there
+        api, "differentiated tensors with respect to which torch can differentiate f",
+        "a batch norm's running statistics among them (torch's batch norm has no "
+        "derivative with respect to its running mean and variance)",
+        "Keep the buffers out of the differentiated argument: "
+        "fn, params = tg.functionalize(model) differentiates the parameters only, "
+        "or pass the buffers as another argument."))
+
+
 def tied_keys_refusal(api: str, error: BaseException) -> ValueError | None:
     """The ``ValueError`` for ``functional_call`` refusing two values of tied names, or ``None``.
 
@@ -663,13 +689,7 @@ def torch_refusals(api: str, backend: str, parameters: Sequence[Tensor] = (),
         if (in_place := in_place_refusal(api, error)) is not None:
             raise in_place from error
         if not ours and "not differentiable with respect to argument 'running_" in str(error):
-            raise ValueError(message(  # torch's native_batch_norm has no derivative there
-                api, "differentiated tensors with respect to which torch can differentiate f",
-                "a batch norm's running statistics among them (torch's batch norm has no "
-                "derivative with respect to its running mean and variance)",
-                "Keep the buffers out of the differentiated argument: "
-                "fn, params = tg.functionalize(model) differentiates the parameters only, "
-                "or pass the buffers as another argument.")) from error
+            raise running_stats_refusal(api) from error  # (the probe refuses them first)
         if _torch_compat.is_reentrant_grad_error(error):
             raise reentrant_checkpoint_refused(api) from error
         if isinstance(error, torch.utils.checkpoint.CheckpointError):

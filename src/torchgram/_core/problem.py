@@ -67,6 +67,7 @@ from torchgram._core.errors import (
     CounterRead,
     NotPerSample,
     OutputChanged,
+    RunningStatsDifferentiated,
     UnseenWrite,
     captured_write_refusal,
     counter_read_error,
@@ -76,6 +77,7 @@ from torchgram._core.errors import (
     forward_mode_refusal,
     in_place_refusal,
     reentrant_checkpoint_refused,
+    running_stats_refusal,
     tied_keys_refusal,
     unseen_calls_refused,
 )
@@ -1059,6 +1061,7 @@ def _evaluate_probe(api: str, f: Callable[..., Any], args: tuple[Any, ...],
     copies = tuple(leaf.clone() for leaf in diff.leaves)  # f may write into its parameters
     versions = [_torch_compat.version(leaf) for leaf in copies]
     memory = [memory_of(leaf) for leaf in copies]
+    parameter_memory = frozenset(memory)
     leaves = tuple(leaf.requires_grad_() for leaf in copies) if with_grad else copies
     census = OpCensus()
     unseen: list[UnseenCalls] = []  # one per evaluation attempt (NOTE [unseen calls])
@@ -1078,7 +1081,8 @@ def _evaluate_probe(api: str, f: Callable[..., Any], args: tuple[Any, ...],
                           lambda: draw.evaluation(full=with_grad, restore_after=True),
                           _probe_attention, lambda: census,
                           lambda: writes,  # NOTE [captured writes]
-                          FrozenRunningStats, look if look_unseen else contextlib.nullcontext)
+                          lambda: FrozenRunningStats(parameter_memory),  # NOTE [running
+                          look if look_unseen else contextlib.nullcontext)  # statistics ...]
 
     with torch.set_grad_enabled(with_grad):
         try:
@@ -1100,6 +1104,8 @@ def _evaluate_probe(api: str, f: Callable[..., Any], args: tuple[Any, ...],
                 result = again_with_graph(error, saw_graph_calls, with_graph)
         except CounterRead as error:
             raise counter_read_error(api, error) from error
+        except RunningStatsDifferentiated as error:  # NOTE [running statistics differentiated]
+            raise running_stats_refusal(api) from error
         except Exception as error:
             if (write_refused := captured_write_refusal(api, error)) is not None:
                 raise write_refused from error  # no backend can: each evaluation changes yours

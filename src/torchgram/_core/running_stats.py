@@ -68,7 +68,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torchgram._core._torch_compat import in_checkpoint_forward, innermost, saved_tensor_hooks
 from torchgram._core.captured_writes import memory_of
 from torchgram._core.census import _argument
-from torchgram._core.errors import CounterRead, NormInCheckpoint, counter_read_error
+from torchgram._core.errors import (
+    CounterRead,
+    NormInCheckpoint,
+    RunningStatsDifferentiated,
+    counter_read_error,
+)
 
 # The running buffers' positions in each call, and the flag that says batch statistics
 # are used (training for batch norm, use_input_stats for instance norm).
@@ -103,6 +108,32 @@ def _among(func: Any, functions: frozenset[Any] | dict[Any, Any]) -> bool:
         return func in functions
     except TypeError:  # an unhashable callable
         return False
+
+
+# NOTE [running statistics differentiated]
+# A batch norm in eval mode reads its running mean and variance, and torch's batch norm has no
+# derivative with respect to them: where they are among the differentiated tensors
+# (``functional_call(model, dict(model.state_dict()), ...)``), every backend met torch's raw
+# "native_batch_norm is not differentiable with respect to argument 'running_mean'" in its
+# backward (session 66's review), which errors.torch_refusals turned into a ValueError
+# after the work. The probe's FrozenRunningStats, given the probe's copies of the
+# parameters, refuses such a call before any Jacobian work (session 67). In training mode the
+# running statistics are not read (FrozenRunningStats drops them): their blocks are zero.
+
+
+def _refuse_differentiated_statistics(func: Any, args: tuple[Any, ...],
+                                      kwargs: dict[str, Any], parameters: frozenset[int]) -> None:
+    """Raise :class:`RunningStatsDifferentiated` for an eval-mode norm reading a parameter.
+
+    NOTE [running statistics differentiated].
+    """
+    (mean_at, mean_name), (var_at, var_name), (flag_at, flag_name, flag_default) = _NORMS[func]
+    if _argument(args, kwargs, flag_at, flag_name, flag_default):
+        return  # batch statistics: the running ones are not read
+    for at, name in ((mean_at, mean_name), (var_at, var_name)):
+        statistic = _argument(args, kwargs, at, name, None)
+        if isinstance(statistic, Tensor) and memory_of(statistic) in parameters:
+            raise RunningStatsDifferentiated(name)
 
 
 def _without_running_stats(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -195,8 +226,11 @@ class FrozenRunningStats(TorchFunctionMode):
         (0.0, 0)
     """
 
-    def __init__(self) -> None:
+    def __init__(self, parameter_memory: frozenset[int] = frozenset()) -> None:
         super().__init__()
+        # NOTE [running statistics differentiated]: the memory of the probe's copies of the
+        # parameters (memory_of)
+        self._parameter_memory = parameter_memory - {0}
         self._skipped: dict[int, tuple[Tensor, int]] = {}  # id -> (counter, increments)
         # memory -> (what it holds, for the message; the tensor, kept so that its memory is
         # not given to another while watched)
@@ -221,6 +255,8 @@ class FrozenRunningStats(TorchFunctionMode):
             self._skipped[id(counter)] = (counter, before + step)
             self._freeze(counter, "it increments a 0-dim integer tensor in place, then uses it in")
             return counter
+        if self._parameter_memory and _among(func, _NORMS):
+            _refuse_differentiated_statistics(func, args, kwargs, self._parameter_memory)
         rewritten = _without_running_stats(func, args, kwargs)
         if rewritten is not None:
             if self._in_a_checkpoint_region():  # NOTE [recomputed checkpoints differ]
