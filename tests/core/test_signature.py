@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import torchgram as tg
-from torchgram._core.signature import call_signature, identity
+from torchgram._core.signature import call_signature, function_identity, identity
 
 
 def _rows(f):
@@ -49,7 +49,23 @@ def test_a_new_object_never_takes_a_dead_ones_identity() -> None:
     reused = [obj for obj in later if id(obj) == dead_id]
     assert reused, "CPython reuses a freed object's id for the next one of its size"
     assert identity(reused[0]) != dead_identity
-    assert identity(3) == ("id", id(3))
+    held = [3]
+    assert identity(held) == ("id", id(held))  # mutable: by id
+
+
+def test_immutable_values_are_named_by_value() -> None:
+    """A sweep's ``lambda p, x, dims=(0, i): ...`` made a fresh tuple default per iteration,
+    which took a dead one's id: ``tg.explain`` reported another function's leaves (session
+    66's review). Immutable values are named by their value (NOTE [identities])."""
+    assert identity(3) == identity(3) == ("value", int, 3) != identity(3.0) != identity(True)
+    assert identity(0.0) != identity(-0.0) and identity(float("nan")) == identity(float("nan"))
+    assert identity((1, ("a", None))) == identity((1, ("a", None))) != identity((1, ("b", None)))
+    model = _Model()
+    assert identity((model, 2)) == identity((model, 2)) != identity((_Model(), 2))
+    keys = set()
+    for width in range(20):  # fresh tuples whose ids the collector reuses
+        keys.add(function_identity(lambda x, dims=(0, width): x.sum(dims)))
+    assert len(keys) == 20
 
 
 def test_a_rebuilt_closure_over_a_new_object_has_a_new_key() -> None:

@@ -48,18 +48,24 @@ Value = TypeVar("Value")
 # (max_norm) after one that does not had its table changed by every call, and a module writing
 # into its own buffer ran where a fresh probe refuses it (session 49; the key was the same in
 # 20 of 20 iterations). An object that takes a weak reference now gets a serial number the
-# first time a key names it, kept until it dies and never given again; the others (ints,
-# strings, tuples, lists, dicts) are named by their id as before.
+# first time a key names it, kept until it dies and never given again. Immutable values that
+# take none are named by their value: numbers, strings and bytes by type and value, tuples
+# by their items' identities (a sweep's ``lambda p, x, dims=(0, i): ...``
+# made a fresh tuple default per iteration, which took a dead one's id: ``tg.explain``
+# reported another function's leaves in 2 of 20 iterations, session 66's review; fixed in
+# session 67). The rest (lists, dicts, other objects without weak references) are named by
+# their id: mutable, their value is no key.
 
 _serials = itertools.count(1)
 _SERIALS: dict[int, tuple[weakref.ref[Any], int]] = {}
 _SERIALS_LOCK = threading.RLock()  # a collection inside may run a callback that takes it
 
 
-def identity(obj: Any) -> int | tuple[str, int]:
+def identity(obj: Any) -> Hashable:
     """``obj``'s identity in a key (NOTE [identities]): a serial number for its lifetime.
 
-    Objects that take no weak reference are named by ``("id", id(obj))``.
+    Immutable values that take no weak reference are named by their value (numbers,
+    strings, tuples of them), the other such objects (lists, dicts) by ``("id", id(obj))``.
 
     Example:
         >>> class Model:
@@ -68,8 +74,29 @@ def identity(obj: Any) -> int | tuple[str, int]:
         >>> identity(model) == identity(model) != identity(Model())
         True
         >>> identity(3)
+        ('value', <class 'int'>, 3)
+        >>> identity((1, "a")) == identity((1, "a")) != identity((1.0, "a"))
+        True
+        >>> identity([3])
         ('id', ...)
     """
+    return _identity(obj, _VALUE_DEPTH)
+
+
+_VALUE_DEPTH = 4
+"""How deep :func:`identity` names nested tuples by their items (deeper: by id)."""
+_VALUES = (bool, int, str, bytes, type(None), type(Ellipsis))
+_FLOATS = (float, complex)  # by repr: -0.0 is not 0.0, and NaN is itself
+
+
+def _identity(obj: Any, depth: int) -> Hashable:
+    kind = type(obj)  # exact types: a subclass may hold more than its value
+    if kind in _VALUES:
+        return ("value", kind, obj)
+    if kind in _FLOATS:
+        return ("value", kind, repr(obj))
+    if kind is tuple and depth > 0 and len(obj) <= 64:
+        return ("tuple", *(_identity(item, depth - 1) for item in obj))
     key = id(obj)
     with _SERIALS_LOCK:
         known = _SERIALS.get(key)
@@ -77,7 +104,7 @@ def identity(obj: Any) -> int | tuple[str, int]:
             return known[1]
         try:
             ref = weakref.ref(obj, functools.partial(_forget_serial, key))
-        except TypeError:  # ints, strings, tuples, lists, dicts
+        except TypeError:  # lists, dicts, deeper tuples, objects without weak references
             return ("id", key)
         serial = next(_serials)
         _SERIALS[key] = (ref, serial)
