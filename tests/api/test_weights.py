@@ -61,6 +61,28 @@ def test_what_is_no_weighting_is_refused_before_f_runs(wrong: str, api: str) -> 
     assert calls[0] == (1 if api == "autograd.backward" else 0)  # eager: the caller's forward
 
 
+BAD_WEIGHTS: dict[str, tuple[Callable[[Tensor], Tensor], type[Exception], str]] = {
+    "sparse": (lambda G: torch.ones(G.shape[0], dtype=G.dtype).to_sparse(), TypeError,
+               r"dense real tensor .* layout torch.sparse_coo\. Return real weights"),
+    "complex": (lambda G: torch.ones(G.shape[0], dtype=torch.complex128) * 1j, TypeError,
+                r"dense real tensor .* dtype torch.complex128"),
+    "other-device": (lambda G: torch.ones(G.shape[0], dtype=G.dtype, device="meta"),
+                     ValueError, r"on the Gramian's device \(cpu\), but got weights on meta"),
+}
+
+
+@pytest.mark.parametrize("api", list(_step_apis()))
+@pytest.mark.parametrize("weights", list(BAD_WEIGHTS))
+def test_weights_that_are_no_dense_real_tensor_on_the_gramians_device(weights: str,
+                                                                     api: str) -> None:
+    """Sparse or meta weights met torch's raw errors in ``Jᵀw``; complex ones lost their
+    imaginary part without a word (an all-zero update for ``1j``; session 67's hunt)."""
+    make, error, match = BAD_WEIGHTS[weights]
+    f, _ = _counted()
+    with pytest.raises(error, match=match):
+        _step_apis()[api](f, make)
+
+
 def test_torchjds_weightings_are_weightings() -> None:
     """``UPGradWeighting()`` maps the Gramian to weights: the same update as ``upgrad``."""
     f, _ = _counted()

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from torchgram._core import checks
@@ -69,4 +70,20 @@ def call_weighting(api: str, weighting: Callable[[Tensor], Tensor], matrix: Tens
         checks.fail(api, f"the weighting to return a tensor of shape ({num_rows},), one "
                     "weight per output entry", got,
                     "A weighting maps the [m, m] Gramian to [m] weights.", TypeError)
+    # a sparse, nested or meta tensor met torch's raw errors in Jᵀw, and complex weights lost
+    # their imaginary part without a word (session 67's hunt)
+    if weights.layout != torch.strided or weights.is_nested or weights.is_complex() \
+            or not (weights.is_floating_point() or weights.dtype in (torch.bool, *_INTEGERS)):
+        checks.fail(api, "the weighting to return a dense real tensor of weights",
+                    f"a tensor of dtype {weights.dtype} and layout {weights.layout}"
+                    + (" (nested)" if weights.is_nested else ""),
+                    "Return real weights as a dense tensor (e.g. w.to_dense(), w.real).",
+                    TypeError)
+    if weights.device != matrix.device:
+        checks.fail(api, f"the weighting to return its weights on the Gramian's device "
+                    f"({matrix.device})", f"weights on {weights.device}",
+                    "Return w.to(G.device) (e.g. upgrad(G.cpu()).to(G.device)).")
     return weights.to(matrix.dtype)
+
+
+_INTEGERS = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
