@@ -107,9 +107,12 @@ def _plain_vjp(problem: Problem, cotangent: Tensor) -> tuple[Tensor, ...]:
         rows = problem.rows(carriers)[0]
         if not rows.requires_grad:  # no row depends on a leaf
             return tuple(torch.zeros_like(leaf) for leaf in problem.leaves)
+        # weights that require grad (a learned weighting): Jᵀw keeps their derivative, as
+        # the kept pullbacks do (graph and ntvp dropped it, 0.78 off: session 67's hunt)
         return torch.autograd.grad(rows, carriers, cotangent, allow_unused=True,
                                    materialize_grads=True,
-                                   create_graph=problem.composition.create_graph)
+                                   create_graph=problem.composition.create_graph
+                                   or cotangent.requires_grad)
 
     return functional.with_grad(backward)  # NOTE [backward under no_grad]
 
