@@ -151,3 +151,26 @@ def test_the_update_keeps_the_derivative_of_learned_weights(backend: str) -> Non
     derivative, = torch.autograd.grad(flat_update(update) @ direction, alpha)
     expected = (dense.jacobian @ direction) * dense.gramian.diagonal()
     torch.testing.assert_close(derivative, expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", ["auto", "structured", "graph"])
+def test_a_weightings_draws_stay_drawn(backend: str) -> None:
+    """A random f and a weighting that draws (pcgrad without a generator): graph's ``Jᵀw``
+    evaluates f again, and its finish put the generator back before the weighting's draws;
+    the next step's dropout reused them (session 67's hunt)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.Tanh(), torch.nn.Dropout(0.5),
+                                torch.nn.Linear(16, 3)).double().train()
+    fn, params = tg.functionalize(model)
+    x, y = torch.randn(6, 5, dtype=torch.float64), torch.randint(0, 3, (6,))
+
+    def losses(p, x, y):
+        return torch.nn.functional.cross_entropy(fn(p, x), y, reduction="none")
+
+    torch.manual_seed(7)
+    losses(params, x, y)
+    tg.weighting.pcgrad(torch.eye(6, dtype=torch.float64) - 0.1)
+    expected = torch.get_rng_state()
+    torch.manual_seed(7)
+    tg.aggregated_grad(losses, tg.weighting.pcgrad, backend=backend)(params, x, y)
+    assert torch.equal(torch.get_rng_state(), expected)

@@ -68,9 +68,8 @@ class Computation:
         problem = self.problem
         rows = self.result.rows
         if rows is None:
-            with torch.no_grad():
+            with problem.draw.kept_across(), torch.no_grad():  # (after the call's finish)
                 rows = problem.rows(problem.leaves)[0]
-            problem.draw.finish()
         else:
             rows = to_output_order(problem, self.result.row_order, rows, diagonal=True)
         return problem.unflatten_rows(rows.detach())
@@ -82,7 +81,8 @@ class Computation:
         if kept is not None:
             return kept(to_backend_order(problem, self.result.row_order, weights))
         cotangent = weights.to(problem.output.dtype)
-        with torch_refusals(problem.api, self.result.report.backend):
+        with torch_refusals(problem.api, self.result.report.backend), \
+                problem.draw.kept_across():  # after the call's finish, and the weighting's draws
             if not problem.composition.transforms:  # NOTE [draws under torch.func], NOTE
                 grads = _plain_vjp(problem, cotangent)  # [old-style autograd.Functions]
             else:
@@ -90,7 +90,6 @@ class Computation:
                                            *problem.leaves)
                 grads = functional.with_grad(  # NOTE [backward under no_grad]
                     lambda: vjp_fn(cotangent))
-        problem.draw.finish()
         return tuple(grad.to(leaf.dtype) for grad, leaf in zip(grads, problem.leaves,
                                                                strict=True))
 

@@ -366,6 +366,29 @@ class Draw:
             self.start.restore()
             self._restore_explicit(end=False)
 
+    @contextlib.contextmanager
+    def kept_across(self) -> Iterator[None]:
+        """Evaluations of ``f`` inside leave the generators as they are at the start.
+
+        For an evaluation after the call's computation (``Jᵀw``, the output): the generators
+        then stand where the call leaves them plus what ran since, e.g. a weighting's draws
+        (``pcgrad`` without a generator), which the evaluation's :meth:`finish` undid on
+        ``graph`` (session 67's hunt: the next step's dropout reused them).
+        """
+        if self.random is False:
+            yield
+            return
+        with RNG_LOCK:
+            now = self.start.again()
+            explicit = [(generator, generator.get_state()) for _, generator in self._live()]
+        try:
+            yield
+        finally:
+            with RNG_LOCK:
+                now.restore()
+                for generator, state in explicit:
+                    generator.set_state(state)
+
     def finish(self) -> None:
         """Leave the generators where one plain call of ``f`` would."""
         if self.random is False:  # untouched by the call: other threads may have drawn since
