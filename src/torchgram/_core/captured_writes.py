@@ -557,6 +557,8 @@ class _WriteGuard(TorchFunctionMode):
             memory = memory_of(target)
             if assigns_data and memory in self._parameters() and _same_values(args[1], target):
                 pass  # a parameter converted (module.to(dtype) in f), its values kept
+            elif assigns_data and _unchanged(args[1], target):  # buffer.data = buffer.to(device)
+                self.assigned_data = self.assigned_data or memory in self._captured()
             elif memory in self._captured() or self._refuses_own(func, memory):
                 self._refuse(".data assignment" if assigns_data
                              else getattr(func, "__name__", "a write"), memory)
@@ -624,12 +626,26 @@ def parameter_changed_unseen(leaves: Sequence[Tensor], originals: Sequence[Tenso
     """
     exempt = set(renormalised)
     for leaf, original, where in zip(leaves, originals, memory, strict=True):
-        if where not in exempt and not _same_values(leaf, original):
+        if where in exempt or memory_of(leaf) in exempt:  # (a table converted, then renormalised)
+            continue
+        if not _same_values(leaf, original):
             return original
     return None
 
 
 _SAME_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _unchanged(value: Any, target: Tensor) -> bool:
+    """Whether ``target.data = value`` keeps ``target``'s values, dtype and device.
+
+    Such an assignment changes nothing (``self.pe.data = self.pe.data.to(x.device)`` on the
+    device it is on; ``x.data = x.data.contiguous()``): noted as NOTE [data assigned to
+    itself] notes ``t.data = t``, not refused (session 67's review: refused on every backend,
+    where auto and graph were right).
+    """
+    return isinstance(value, Tensor) and value.dtype == target.dtype \
+        and value.device == target.device and _same_values(value, target)
 
 
 def _same_values(tensor: Any, original: Tensor) -> bool:
