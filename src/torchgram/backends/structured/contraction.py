@@ -1018,6 +1018,78 @@ class Contraction:
                            self.max_pair_elements, self._cot_grams)
 
 
+# NOTE [centered positions]
+# The ghost form of a use over positions, ⟨J_b, J_c⟩ = Σ_{t,s} ⟨x_bt, x_cs⟩ ⟨g_bt, g_cs⟩, sums
+# products of the size of |x̄|² |g|² where J_b = Σ_t g_bt ⊗ x_bt may be far smaller: inputs
+# sharing a large common part x̄ (an offset, the residual stream's shared direction) met with
+# cotangents that cancel over the positions (softmax's keys, a norm over the positions, a
+# trained minimum). In float32 the block then carries round-off of eps (|x̄| / std x)², where
+# a plain backward's J carries eps |x̄| / std x: auto and structured gave per-sample squared
+# norms 8.8e-2 off (relative) where float32 jacrev is 2.2e-6 off, at inputs 10 + 0.01 noise
+# (session 67's hunt; full blocks 0.27 off at a mean of 1000 times the spread). Such a use is
+# contracted centered. With m, n the means over positions of x_b and g_b, d_t = x_bt - m,
+# e_t = g_bt - n, S = Σ_t x_bt and D = Σ_t e_t, the identity (no cancellation assumed)
+#     J_b = Σ_t (n + e_t) ⊗ x_bt = n ⊗ S + Σ_t e_t ⊗ (m + d_t) = Σ_t e_t ⊗ d_t + n ⊗ S + D ⊗ m
+# gives T + 2 positions (e_t with d_t, n with S, D with m) whose pairwise products stay of the
+# size of the result. Used where a factor's mean over the positions holds most of its squared
+# norm (above _COMMON_SHARE: 0.9, a mean above 3 spreads; float64, with 1e-16 to spare, from
+# 0.9999), at the cost of two positions and one read of the factors.
+
+
+def centered(factors: UseFactors, positions: int) -> tuple[UseFactors, int]:
+    """A use's factors over ``T + 2`` centered positions where the ghost form needs them.
+
+    NOTE [centered positions]; ``positions`` (per sample, times the groups) grows with them.
+    Factors of one position, shared by both sides, or an embedding's indices are kept.
+    """
+    first, second = factors.first, factors.second
+    if first is second or first.kind == "index" or second.kind == "index":
+        return factors, positions
+    cot, act = (first, second) if first.kind == "cot" else (second, first)
+    if cot.kind != "cot" or act.kind != "act":
+        return factors, positions
+    steps = cot.tensor.shape[2]
+    if steps < 2 or act.tensor.shape[1] != steps or act.tensor.requires_grad \
+            or cot.tensor.requires_grad:
+        return factors, positions
+    threshold = _COMMON_SHARE.get(torch.promote_types(act.tensor.dtype, cot.tensor.dtype), 0.9)
+    if max(_common_shares(((act.tensor, 1), (cot.tensor, 2)))) <= threshold:
+        return factors, positions
+    x_mean = act.tensor.mean(1, keepdim=True)
+    g_mean = cot.tensor.mean(2, keepdim=True)
+    x_dev = act.tensor - x_mean
+    g_dev = cot.tensor - g_mean
+    x_sum = act.tensor.sum(1, keepdim=True)
+    g_dev_sum = g_dev.sum(2, keepdim=True)
+    # J = Σ_t g_t ⊗ x_t = Σ_t e_t ⊗ d_t + n ⊗ S + D ⊗ m, with e = g - n, d = x - m, D = Σ_t e_t
+    act_centered = Factor(torch.cat([x_dev, x_sum, x_mean], dim=1), "act")
+    cot_centered = Factor(torch.cat([g_dev, g_mean, g_dev_sum], dim=2), "cot")
+    groups = cot.tensor.shape[3]
+    result = (UseFactors(cot_centered, act_centered) if first.kind == "cot"
+              else UseFactors(act_centered, cot_centered))
+    return result, positions + 2 * groups
+
+
+_COMMON_SHARE = {torch.float64: 0.9999}
+"""Above this share of a factor's squared norm in its mean over positions, a use is contracted
+centered (NOTE [centered positions]); other dtypes: 0.9."""
+
+
+def _common_shares(factors: Sequence[tuple[Tensor, int]]) -> list[float]:
+    """``T |mean_t f|² / Σ_t |f_t|²`` of each factor ``f`` over its positions' ``dim``.
+
+    The share of its squared norm in its mean (0 for a zero factor; NaN compares false), read
+    to the host at once.
+    """
+    with torch.no_grad():
+        shares = []
+        for tensor, dim in factors:
+            total = torch.linalg.vector_norm(tensor).square()  # (no temporary of its size)
+            common = torch.linalg.vector_norm(tensor.sum(dim)).square() / tensor.shape[dim]
+            shares.append(torch.where(total > 0, common / total, 0.0))
+        return [float(share) for share in torch.stack(shares).tolist()]
+
+
 def ghost_block(factors: Sequence[tuple[UseFactors, int]], rows: int, samples: int,
                 diagonal: bool, dtype: torch.dtype, max_pair_elements: int = DEFAULT_PAIR_ELEMENTS,
                 cache: dict[Any, Tensor] | None = None) -> Tensor | None:
@@ -1028,6 +1100,7 @@ def ghost_block(factors: Sequence[tuple[UseFactors, int]], rows: int, samples: i
     row-chunked so that one block stays under ``max_pair_elements``.
     """
     total: Tensor | None = None
+    factors = [centered(u, pos) for u, pos in factors]  # NOTE [centered positions]
     for i, (u, pos_u) in enumerate(factors):
         for j in range(i, len(factors)):
             v, pos_v = factors[j]
