@@ -53,7 +53,12 @@ from torchgram._core.problem import Problem
 from torchgram._core.result import RunReport
 from torchgram.backends._embedding import checked_conventions
 from torchgram.backends._registry import register_cross
-from torchgram.backends.structured.contraction import Factor, UseFactors, materialize_use
+from torchgram.backends.structured.contraction import (
+    Factor,
+    UseFactors,
+    centered,
+    materialize_use,
+)
 from torchgram.backends.structured.cost import LeafPlan
 from torchgram.backends.structured.passes import (
     Forward,
@@ -607,6 +612,8 @@ def ghost_pair(u: UseFactors, v: UseFactors, spec: PairSpec, shape1: Sequence[in
             return gram * (a_u @ a_v.T)[None, None, None, :, None, :]
         acts = (a_u * a_v).sum(-1)[:, None, None, None, None, None]  # [B]
         return gram * acts if mode == "diagonal" else (gram * acts).sum(0, keepdim=True)
+    act_u, cot_u = _split(centered(u, 0)[0])  # NOTE [centered positions]
+    act_v, cot_v = _split(centered(v, 0)[0])
     return _ghost_general(act_u, cot_u, act_v, cot_v, spec, shape1, shape2, dtype, max_elements)
 
 

@@ -505,8 +505,12 @@ def per_sample_forward(problem: Problem, traced: Recording,
             acts_per_sample.append(acts)
             taps_all.append(list[Tensor | GradientEdge](taps))
             carriers_all.append(carriers)
-        check_replay(traced, recordings[0], 1)
-        _check_no_unseen_uses(outputs[0], [base[i] for i in tapped])
+        # every sample's run, not only the first: a later sample routed through another
+        # weight (a mixture of experts' router) had its use counted under the first one's
+        # tap, 2.8e-2 off on transformers' Switch encoder (session 67's review)
+        for recording, rows in zip(recordings, outputs, strict=True):
+            check_replay(traced, recording, 1)
+            _check_no_unseen_uses(rows, [base[i] for i in tapped])
         acts = [torch.stack([acts_b[i] for acts_b in acts_per_sample])
                 for i in range(len(acts_per_sample[0]))]
         return Forward("loop", recordings[0], size, outputs[0].numel(), acts, outputs,
