@@ -157,3 +157,22 @@ def test_centered_positions_are_exact() -> None:
         got = flat_gramian(problem, run_structured(problem, force="ghost"))
         torch.testing.assert_close(got, exact.diagonal() if diagonal else exact, rtol=1e-10,
                                    atol=1e-12)
+
+
+def test_float16_ghost_forms_stay_finite() -> None:
+    """Session 67's review of NOTE [centered positions]: a float16 factor's norm overflowed,
+    its share read NaN and the use was centered, whose sums of the positions overflowed: inf
+    where the plain ghost form is 1e-4 off. float16 is never centered."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(256, 4096, generator=generator, dtype=torch.float64) / 64
+    x = torch.randn(2, 16, 4096, generator=generator, dtype=torch.float64)
+    g = 0.01 * torch.randn(16, 256, generator=generator, dtype=torch.float64)
+
+    def f(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return (torch.nn.functional.linear(x, p["W"]) * g.to(x.dtype)).sum((1, 2))
+
+    exact = dense_gramian(f, ({"W": weight}, x)).gramian
+    problem = make_problem(f, ({"W": weight.half()}, x.half()), batch_dim=0)
+    got = flat_gramian(problem, run_structured(problem, force="ghost")).double()
+    assert bool(got.isfinite().all())
+    assert (got - exact).abs().max() / exact.abs().max() < 1e-3

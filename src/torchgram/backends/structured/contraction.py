@@ -1028,12 +1028,15 @@ class Contraction:
 # norms 8.8e-2 off (relative) where float32 jacrev is 2.2e-6 off, at inputs 10 + 0.01 noise
 # (session 67's hunt; full blocks 0.27 off at a mean of 1000 times the spread). Such a use is
 # contracted centered. With m, n the means over positions of x_b and g_b, d_t = x_bt - m,
-# e_t = g_bt - n, S = Σ_t x_bt and D = Σ_t e_t, the identity (no cancellation assumed)
+# e_t = g_bt - n, S = Σ_t x_bt and D = Σ_t e_t, the identity
 #     J_b = Σ_t (n + e_t) ⊗ x_bt = n ⊗ S + Σ_t e_t ⊗ (m + d_t) = Σ_t e_t ⊗ d_t + n ⊗ S + D ⊗ m
-# gives T + 2 positions (e_t with d_t, n with S, D with m) whose pairwise products stay of the
-# size of the result. Used where a factor's mean over the positions holds most of its squared
-# norm (above _COMMON_SHARE: 0.9, a mean above 3 spreads; float64, with 1e-16 to spare, from
-# 0.9999), at the cost of two positions and one read of the factors.
+# gives T + 1 positions (e_t with d_t, n with S) whose pairwise products stay of the size of
+# the result. D is zero but for the round-off of the mean, and D ⊗ m of the size of the
+# round-off a plain backward's J carries (eps |m| |g|): left out, it would cost a position
+# (the review: (T + 2)² / T², 2-3× at T = 2 to 6). Used where a factor's mean over the
+# positions holds most of its squared norm (above _COMMON_SHARE: 0.9, a mean above 3 spreads;
+# float64, with 1e-16 to spare, from 0.9999), at the cost of a position and one read of the
+# factors; not in float16, whose sums of the positions overflow.
 
 
 def centered(factors: UseFactors, positions: int) -> tuple[UseFactors, int]:
@@ -1052,40 +1055,43 @@ def centered(factors: UseFactors, positions: int) -> tuple[UseFactors, int]:
     if steps < 2 or act.tensor.shape[1] != steps or act.tensor.requires_grad \
             or cot.tensor.requires_grad:
         return factors, positions
-    threshold = _COMMON_SHARE.get(torch.promote_types(act.tensor.dtype, cot.tensor.dtype), 0.9)
-    if max(_common_shares(((act.tensor, 1), (cot.tensor, 2)))) <= threshold:
+    dtype = torch.promote_types(act.tensor.dtype, cot.tensor.dtype)
+    threshold = _COMMON_SHARE.get(dtype, 0.9)
+    if dtype == torch.float16 or not any(
+            share > threshold for share in _common_shares(((act.tensor, 1), (cot.tensor, 2)))):
         return factors, positions
     x_mean = act.tensor.mean(1, keepdim=True)
     g_mean = cot.tensor.mean(2, keepdim=True)
-    x_dev = act.tensor - x_mean
-    g_dev = cot.tensor - g_mean
-    x_sum = act.tensor.sum(1, keepdim=True)
-    g_dev_sum = g_dev.sum(2, keepdim=True)
-    # J = Σ_t g_t ⊗ x_t = Σ_t e_t ⊗ d_t + n ⊗ S + D ⊗ m, with e = g - n, d = x - m, D = Σ_t e_t
-    act_centered = Factor(torch.cat([x_dev, x_sum, x_mean], dim=1), "act")
-    cot_centered = Factor(torch.cat([g_dev, g_mean, g_dev_sum], dim=2), "cot")
+    # J = Σ_t g_t ⊗ x_t = Σ_t e_t ⊗ d_t + n ⊗ S (+ D ⊗ m, D = Σ_t e_t: round-off of the mean)
+    act_centered = Factor(torch.cat([act.tensor - x_mean, act.tensor.sum(1, keepdim=True)],
+                                    dim=1), "act")
+    cot_centered = Factor(torch.cat([cot.tensor - g_mean, g_mean], dim=2), "cot")
     groups = cot.tensor.shape[3]
     result = (UseFactors(cot_centered, act_centered) if first.kind == "cot"
               else UseFactors(act_centered, cot_centered))
-    return result, positions + 2 * groups
+    return result, positions + groups
 
 
 _COMMON_SHARE = {torch.float64: 0.9999}
 """Above this share of a factor's squared norm in its mean over positions, a use is contracted
-centered (NOTE [centered positions]); other dtypes: 0.9."""
+centered (NOTE [centered positions]); other dtypes: 0.9 (float16 never: its sums of the
+positions overflow where the plain form is finite; session 67's review)."""
 
 
 def _common_shares(factors: Sequence[tuple[Tensor, int]]) -> list[float]:
     """``T |mean_t f|² / Σ_t |f_t|²`` of each factor ``f`` over its positions' ``dim``.
 
-    The share of its squared norm in its mean (0 for a zero factor; NaN compares false), read
-    to the host at once.
+    The share of its squared norm in its mean (0 for a zero factor; NaN where a norm is not
+    finite, which the caller's comparison reads as no share), in float32 at least (a float16
+    norm overflowed), read to the host at once.
     """
     with torch.no_grad():
         shares = []
         for tensor, dim in factors:
-            total = torch.linalg.vector_norm(tensor).square()  # (no temporary of its size)
-            common = torch.linalg.vector_norm(tensor.sum(dim)).square() / tensor.shape[dim]
+            wide = torch.promote_types(tensor.dtype, torch.float32)
+            total = torch.linalg.vector_norm(tensor, dtype=wide).square()  # (no copy)
+            common = torch.linalg.vector_norm(tensor.sum(dim, dtype=wide)).square() \
+                / tensor.shape[dim]
             shares.append(torch.where(total > 0, common / total, 0.0))
         return [float(share) for share in torch.stack(shares).tolist()]
 
