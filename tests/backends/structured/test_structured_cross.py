@@ -214,3 +214,35 @@ def test_a_cross_kernel_of_offset_inputs_keeps_float32_accuracy() -> None:
         x1.float(), x2.float(), {"W": weight.float()})
     error = (kernel.double().reshape(16, 12) - exact).abs().max() / exact.abs().max()
     assert error < 2e-4, error  # float32 jacrev: 5.8e-5
+
+
+def _branching(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """Each sample through ``b`` only where its first input is positive."""
+    rows = []
+    for sample in range(x.shape[0]):
+        h = torch.tanh(x[sample] @ p["a"].T)
+        if x[sample, 0] > 0:
+            h = torch.tanh(h @ p["b"].T)
+        rows.append(h.sum())
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("backend", ["structured", "auto"])
+def test_a_cross_kernel_whose_samples_take_other_paths(backend: str) -> None:
+    """A first input set whose later samples use a leaf its first sample skips (an early exit,
+    a route through other experts): the leaf's pieces came out zero, the kernel 1.0 off
+    (session 67's hunt). Such a side now takes the rows of the whole batch."""
+    torch.manual_seed(0)
+    params = {"a": torch.randn(3, 3, dtype=torch.float64),
+              "b": torch.randn(3, 3, dtype=torch.float64)}
+    x1 = torch.randn(3, 3, dtype=torch.float64)
+    x1[0, 0], x1[1:, 0] = -1.0, 1.0
+    x2 = torch.randn(2, 3, dtype=torch.float64)
+    x2[:, 0] = 1.0
+
+    def jacobian(x: torch.Tensor) -> torch.Tensor:
+        leaves = torch.func.jacrev(_branching)(params, x)
+        return torch.cat([leaves[k].reshape(x.shape[0], -1) for k in sorted(leaves)], 1)
+
+    kernel = tg.ntk.empirical_ntk_fn(_branching, trace_axes=(), backend=backend)(x1, x2, params)
+    torch.testing.assert_close(kernel, jacobian(x1) @ jacobian(x2).T, rtol=1e-10, atol=1e-12)

@@ -382,7 +382,16 @@ def _plan_side(problem: Problem, ways: dict[int, str] | None, *, whole_batch: bo
     if batched is not None:
         return forward, ways or cross_ways(plan), plan, derivative
     forward, plan = per_sample_forward_checked(problem, None, None)
+    if _LEFT_ITS_TRACE in str(plan.recording.unrecognised):
+        # a later sample left the trace (an early exit, a route through other weights): the
+        # kernel's per-sample pieces came out zero for the leaves it used (auto and structured
+        # 1.0 off; session 67's hunt), where the rows of the whole batch are exact
+        raise NotPerSample("its samples take other paths through f than the first one")
     return forward, ways or cross_ways(plan), plan, False
+
+
+_LEFT_ITS_TRACE = "(a run that left its trace)"
+"""What ``per_sample_forward_checked`` lists for every leaf when a sample's run diverged."""
 
 
 def compute_side(problem: Problem, ways: dict[int, str] | None = None, *,
