@@ -80,6 +80,7 @@ from torchgram.backends.structured.per_sample import (
     _check_batched,
     check_leaks,
     group_directions,
+    left_its_trace,
     per_sample_forward_checked,
 )
 from torchgram.backends.structured.plan import StructuredPlan, plan_problem, run_uses
@@ -382,16 +383,13 @@ def _plan_side(problem: Problem, ways: dict[int, str] | None, *, whole_batch: bo
     if batched is not None:
         return forward, ways or cross_ways(plan), plan, derivative
     forward, plan = per_sample_forward_checked(problem, None, None)
-    if _LEFT_ITS_TRACE in str(plan.recording.unrecognised):
+    if left_its_trace(plan.recording):
         # a later sample left the trace (an early exit, a route through other weights): the
         # kernel's per-sample pieces came out zero for the leaves it used (auto and structured
         # 1.0 off; session 67's hunt), where the rows of the whole batch are exact
         raise NotPerSample("its samples take other paths through f than the first one")
     return forward, ways or cross_ways(plan), plan, False
 
-
-_LEFT_ITS_TRACE = "(a run that left its trace)"
-"""What ``per_sample_forward_checked`` lists for every leaf when a sample's run diverged."""
 
 
 def compute_side(problem: Problem, ways: dict[int, str] | None = None, *,
@@ -621,8 +619,6 @@ def ghost_pair(u: UseFactors, v: UseFactors, spec: PairSpec, shape1: Sequence[in
             return gram * (a_u @ a_v.T)[None, None, None, :, None, :]
         acts = (a_u * a_v).sum(-1)[:, None, None, None, None, None]  # [B]
         return gram * acts if mode == "diagonal" else (gram * acts).sum(0, keepdim=True)
-    act_u, cot_u = _split(centered(u, 0)[0])  # NOTE [centered positions]
-    act_v, cot_v = _split(centered(v, 0)[0])
     return _ghost_general(act_u, cot_u, act_v, cot_v, spec, shape1, shape2, dtype, max_elements)
 
 
@@ -709,9 +705,11 @@ def contract(left: Side, right: Side | None, spec: PairSpec, dtype: torch.dtype,
         if way == "unused" or other.ways.get(leaf) == "unused":
             continue
         if leaf in left.factors and leaf in other.factors:
-            uses1, uses2 = left.factors[leaf], other.factors[leaf]
-            for i, (_, u) in enumerate(uses1):
-                for j, (_, v) in enumerate(uses2):
+            # NOTE [centered positions]: each use once (one-position uses are kept as they are)
+            uses1 = [centered(u, 0)[0] for _, u in left.factors[leaf]]
+            uses2 = uses1 if symmetric else [centered(v, 0)[0] for _, v in other.factors[leaf]]
+            for i, u in enumerate(uses1):
+                for j, v in enumerate(uses2):
                     if _one_position(u) and _one_position(v):
                         act_u, cot_u = _split(u)
                         act_v, cot_v = _split(v)

@@ -76,12 +76,21 @@ def per_sample_forward_checked(problem: Problem, plan: StructuredPlan | None,
     if forward.recording.coupling:
         raise NotPerSample(f"f calls {forward.recording.coupling[0]}: its samples interact")
     if len(forward.carrier_leaves) > len(traced.unrecognised):  # the run diverged
-        traced = Recording(unrecognised={i: ["(a run that left its trace)"]
+        traced = Recording(unrecognised={i: [_LEFT_ITS_TRACE]
                                          for i in range(len(problem.leaves))})
         plan = None
     if plan is None or force is not None:
         plan = plan_problem(problem, traced, force=force)
     return forward, plan
+
+
+_LEFT_ITS_TRACE = "(a run that left its trace)"
+"""What :func:`per_sample_forward_checked` lists for every leaf where a sample's run diverged."""
+
+
+def left_its_trace(recording: Recording) -> bool:
+    """Whether ``recording`` is the all-fallback one of a run that left its trace."""
+    return any(_LEFT_ITS_TRACE in notes for notes in recording.unrecognised.values())
 
 
 def refused_per_sample(recording: Recording) -> str | None:
